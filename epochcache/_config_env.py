@@ -1,0 +1,153 @@
+"""Helpers of :mod:`epochcache.config`: ``${VAR}`` interpolation, node detection from the
+environment, and turning pydantic's ValidationError into one readable paragraph."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from epochcache.errors import ConfigError
+from epochcache.remote import REDACTED, scrub
+
+_VAR = re.compile(r"\$\$\{|\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+_SECRET_VAR = re.compile(r"KEY|SECRET|TOKEN|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
+
+
+def pyarrow_available() -> bool:
+    """Whether Parquet manifests can be read."""
+    return importlib.util.find_spec("pyarrow") is not None
+
+
+def interpolate(
+    data: Any, environ: Mapping[str, str], origin: str
+) -> tuple[Any, set[str], set[str]]:
+    """Replace ``${VAR}``/``${VAR:-default}`` in every string of a parsed YAML tree.
+
+    Working on parsed values, not the raw text, means a variable's value can never inject YAML
+    structure. Returns the new tree, the dotted paths whose value came from a secret-named variable,
+    and those secret values.
+
+    Raises:
+        ConfigError: a variable is unset and has no default; the message names path and variable.
+    """
+    secret_paths: set[str] = set()
+    secrets: set[str] = set()
+
+    def visit(value: Any, path: str) -> Any:
+        if isinstance(value, Mapping):
+            return {k: visit(v, f"{path}.{k}" if path else str(k)) for k, v in value.items()}
+        if isinstance(value, list):
+            return [visit(v, f"{path}.{i}") for i, v in enumerate(value)]
+        if not isinstance(value, str) or "$" not in value:
+            return value
+
+        def substitute(match: re.Match[str]) -> str:
+            if match.group(0) == "$${":
+                return "${"
+            name, default = match.group(1), match.group(2)
+            if name in environ:
+                result = environ[name]
+            elif default is not None:
+                result = default
+            else:
+                raise ConfigError(
+                    f"{origin}: {path or '<top>'}: environment variable {name} is not set; set it, "
+                    f"or write ${{{name}:-default}} to give a default"
+                )
+            if _SECRET_VAR.search(name):
+                secret_paths.add(path)
+                if result:
+                    secrets.add(result)
+            return result
+
+        return _VAR.sub(substitute, value)
+
+    return visit(data, ""), secret_paths, secrets
+
+
+def resolve_node(
+    node_rank: int | None, num_nodes: int | None, environ: Mapping[str, str]
+) -> tuple[int, int]:
+    """``(node_rank, num_nodes)`` from the config, else the environment, else ``(0, 1)``."""
+
+    def read(*names: str) -> int | None:
+        for name in names:
+            raw = environ.get(name)
+            if raw not in (None, ""):
+                try:
+                    return int(raw)  # type: ignore[arg-type]
+                except ValueError:
+                    raise ConfigError(
+                        f"sampler: environment variable {name}={raw!r} is not an integer"
+                    ) from None
+        return None
+
+    rank = node_rank if node_rank is not None else read("EPOCHCACHE_NODE_RANK", "GROUP_RANK")
+    count = num_nodes if num_nodes is not None else read("EPOCHCACHE_NUM_NODES", "GROUP_WORLD_SIZE")
+    if count is None:
+        world, local = read("WORLD_SIZE"), read("LOCAL_WORLD_SIZE")
+        count = world // local if world and local else read("NNODES")
+    rank = 0 if rank is None else rank
+    count = 1 if count is None else count
+    if count < 1 or not 0 <= rank < count:
+        raise ConfigError(
+            f"sampler.node_rank/num_nodes: node_rank {rank} must be in [0, num_nodes={count}); "
+            "check sampler.node_rank, sampler.num_nodes or GROUP_RANK/GROUP_WORLD_SIZE"
+        )
+    return rank, count
+
+
+def _allowed_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str] | None:
+    """The field names of the model that holds ``loc[-1]``."""
+    current: Any = model
+    for part in loc[:-1]:
+        fields = getattr(current, "model_fields", None)
+        if fields is None or part not in fields:
+            return None
+        current = fields[part].annotation
+    fields = getattr(current, "model_fields", None)
+    return sorted(fields) if fields is not None else None
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def describe_errors(
+    exc: ValidationError,
+    origin: str,
+    hidden_paths: set[str],
+    secrets: set[str],
+    model: type[BaseModel],
+) -> str:
+    """One paragraph: every error as ``path: problem, got value (allowed)``; secrets masked."""
+    problems: list[str] = []
+    for error in exc.errors(include_url=False):
+        loc = tuple(error["loc"])
+        path = ".".join(str(part) for part in loc) or "<top>"
+        kind = error["type"]
+        message = str(error["msg"])
+        message = message.removeprefix("Value error, ").removeprefix("Assertion failed, ")
+        for prefix in ("size: ", "duration: ", "headroom: "):
+            message = message.removeprefix(prefix)
+        hidden = any(path == p or path.startswith(p + ".") for p in hidden_paths)
+        shown = REDACTED if hidden else _show(error.get("input"))
+        if kind == "extra_forbidden":
+            allowed = _allowed_keys(model, loc)
+            hint = f" (allowed: {', '.join(allowed)})" if allowed else ""
+            problems.append(f"{path}: unknown key{hint}")
+        elif kind == "missing":
+            problems.append(f"{path}: required but missing")
+        elif "got " in message or isinstance(error.get("input"), (dict, list)):
+            # our validators already name the value; a whole section is never echoed (secrets)
+            problems.append(f"{path}: {message}")
+        else:
+            problems.append(f"{path}: {message}, got {shown}")
+    count = len(problems)
+    head = f"{origin}: invalid config ({count} problem{'s' if count != 1 else ''}): "
+    return scrub(head + "; ".join(problems) + ".", secrets)

@@ -1,0 +1,362 @@
+"""The run configuration: one validated model for ``epochcache daemon`` and ``epochcache run``.
+
+A YAML file with five sections; only ``source.url``, ``cache.dir`` and ``cache.capacity`` are
+required::
+
+    source:  {url: "s3://bucket/train/", layout: files, pattern: "*.npy", storage_options: {}}
+    cache:   {dir: /nvme/epochcache, capacity: 200GiB}
+    sampler: {processes: 2, concurrency: 16, strategy: uniform, seed: 0}
+    loader:  {batch_size: 64, num_workers: 4, decode: auto, allow_pickle: false}
+    train:   {epochs: 10, min_samples: 1000, entrypoint: "epochcache.examples:train_epoch"}
+
+``${VAR}`` and ``${VAR:-default}`` in any string value are replaced from the environment before
+validation (``$${`` writes a literal ``${``), so secrets stay out of files. Values interpolated from a
+variable whose name contains KEY, SECRET, TOKEN, PASSWORD or CREDENTIAL, and every credential-like key
+of ``source.storage_options``, are masked as ``***`` in ``repr()``, :meth:`EpochcacheConfig.redacted`
+and error messages. ``model_dump()`` keeps the real values (samplers need them): never log it.
+
+Sizes accept ints or strings such as ``200GiB``/``64MB``; durations ints, floats or ``30s``/``5m``.
+Every error is a :class:`~epochcache.errors.ConfigError` whose message names the field path, the bad
+value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationError
+from pydantic import field_validator, model_validator
+
+from epochcache import _config_env as env
+from epochcache.errors import ConfigError
+from epochcache.remote import REDACTED, redact_options, scrub, secret_values
+from epochcache.units import parse_duration, parse_size
+
+logger = logging.getLogger(__name__)
+
+_ENTRYPOINT = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+def _size(value: Any) -> Any:
+    return value if value is None else parse_size(value, name="size")
+
+
+def _rate(value: Any) -> Any:
+    if isinstance(value, str) and value.strip().lower().endswith("/s"):
+        value = value.strip()[:-2]
+    return _size(value)
+
+
+def _duration(value: Any) -> Any:
+    return value if value is None else parse_duration(value, name="duration")
+
+
+def _headroom(value: Any) -> Any:
+    """A fraction of capacity (``0.1``, ``"10%"``) stays a float below 1; a size becomes int bytes."""
+    if isinstance(value, str) and value.strip().endswith("%"):
+        value = float(value.strip()[:-1]) / 100.0
+        if not 0 <= value < 1:
+            raise ValueError("a percentage of capacity must be between 0% and 100%")
+        return value
+    if isinstance(value, float) and 0 <= value < 1:
+        return value
+    if isinstance(value, int) and not isinstance(value, bool) and value == 0:
+        return 0.0
+    return parse_size(value, name="headroom")
+
+
+Size = Annotated[int, BeforeValidator(_size), Field(ge=0)]
+Duration = Annotated[float, BeforeValidator(_duration), Field(gt=0)]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+
+class SourceConfig(_Section):
+    """Where the dataset lives and how to read it (section ``source``)."""
+
+    url: str = Field(min_length=1, description="root URL of the dataset (any fsspec URL)")
+    layout: Literal["files", "tar"] = "files"
+    pattern: str | None = Field(None, description='glob under url; default "**" (files), "**/*.tar"')
+    shards: str | None = Field(None, description="tar shards as a brace pattern, e.g. x-{000..009}.tar")
+    manifest: str | None = Field(None, description="URL or path relative to url of a key manifest")
+    manifest_format: Literal["auto", "txt", "csv", "jsonl", "parquet"] = "auto"
+    storage_options: dict[str, Any] = Field(default_factory=dict)
+    timeout_s: Duration = 30.0
+    connect_timeout_s: Duration = 5.0
+    list_deadline_s: Duration = 6.0
+    retries: int = Field(5, ge=1, le=100)
+    checks: list[Literal["size", "checksum", "format"]] = Field(
+        default_factory=lambda: ["size", "checksum", "format"]
+    )
+    listing_ttl_s: Duration | None = None
+
+    _secret_values: set[str] = PrivateAttr(default_factory=set)
+
+    @property
+    def effective_pattern(self) -> str:
+        """The glob used for listing when no manifest or shard pattern is given."""
+        if self.pattern is not None:
+            return self.pattern
+        return "**/*.tar" if self.layout == "tar" else "**"
+
+    @model_validator(mode="after")
+    def _check_combination(self) -> SourceConfig:
+        if self.shards is not None and self.layout != "tar":
+            raise ValueError("shards is only used with layout: tar (remove it or set layout: tar)")
+        if self.manifest is not None:
+            fmt = self.manifest_format
+            if fmt == "auto":
+                from epochcache.sources.manifest import detect_format
+
+                fmt = detect_format(self.manifest)  # type: ignore[assignment]
+            if fmt == "parquet" and not env.pyarrow_available():
+                raise ValueError(
+                    "a Parquet manifest needs pyarrow (pip install pyarrow); or use .csv/.jsonl/.txt"
+                )
+        return self
+
+    def redacted_options(self) -> dict[str, Any]:
+        """``storage_options`` with credentials masked."""
+        options = redact_options(self.storage_options)
+        return _scrub_tree(options, self._secret_values)  # type: ignore[no-any-return]
+
+    def __repr_args__(self) -> Iterator[tuple[str | None, Any]]:
+        # pydantic's __repr__, __str__ and __rich_repr__ all go through here.
+        for name, value in super().__repr_args__():
+            if name == "storage_options":
+                value = self.redacted_options()
+            yield name, _scrub_tree(value, self._secret_values)
+
+
+class CacheConfig(_Section):
+    """The local cache (section ``cache``)."""
+
+    dir: Path
+    capacity: Annotated[int, BeforeValidator(_size), Field(gt=0)]
+    headroom: Annotated[float | int, BeforeValidator(_headroom)] = 0.1
+    compression: Literal["zstd", "none"] = "zstd"
+    level: int = Field(3, ge=-7, le=22)
+
+    @property
+    def capacity_bytes(self) -> int:
+        """Capacity in bytes."""
+        return self.capacity
+
+    @property
+    def headroom_bytes(self) -> int:
+        """Headroom in bytes: a fraction of capacity, or the size given."""
+        if isinstance(self.headroom, float):
+            return int(self.capacity * self.headroom)
+        return int(self.headroom)
+
+
+class SamplerConfig(_Section):
+    """The background samplers (section ``sampler``).
+
+    ``timeout_s`` and ``max_retries`` default to ``source.timeout_s`` and ``source.retries``.
+    ``node_rank``/``num_nodes`` default to the torchrun environment, read by :meth:`node`.
+    """
+
+    processes: int = Field(2, ge=1, le=256)
+    concurrency: int = Field(16, ge=1, le=1024)
+    strategy: Literal["uniform", "weighted"] = "uniform"
+    seed: int = Field(0, ge=0)
+    node_rank: int | None = Field(None, ge=0)
+    num_nodes: int | None = Field(None, ge=1)
+    batch_size: int = Field(64, ge=1, description="samples per cache commit")
+    bandwidth_limit: Annotated[int, BeforeValidator(_rate), Field(gt=0)] | None = None
+    max_retries: int | None = Field(None, ge=1, le=100)
+    timeout_s: Duration | None = None
+    check: bool = True
+
+    @model_validator(mode="after")
+    def _check_node(self) -> SamplerConfig:
+        if self.node_rank is not None and self.num_nodes is not None:
+            if self.node_rank >= self.num_nodes:
+                raise ValueError(
+                    f"node_rank {self.node_rank} must be below num_nodes {self.num_nodes}"
+                )
+        return self
+
+    def node(self, environ: Mapping[str, str] | None = None) -> tuple[int, int]:
+        """``(node_rank, num_nodes)``: the configured values, else torchrun's environment, else (0, 1).
+
+        Read at call time from ``EPOCHCACHE_NODE_RANK``/``EPOCHCACHE_NUM_NODES``, then ``GROUP_RANK``
+        and ``GROUP_WORLD_SIZE`` (or ``WORLD_SIZE // LOCAL_WORLD_SIZE``, or ``NNODES``).
+
+        Raises:
+            ConfigError: the environment gives an invalid pair.
+        """
+        return env.resolve_node(self.node_rank, self.num_nodes, os.environ if environ is None else environ)
+
+
+class LoaderConfig(_Section):
+    """The per-epoch DataLoader (section ``loader``)."""
+
+    batch_size: int = Field(64, ge=1)
+    num_workers: int = Field(2, ge=0)
+    decode: str = "auto"
+    allow_pickle: bool = False
+    pin_memory: bool = False
+    prefetch_factor: int | None = Field(2, ge=1)
+    persistent_workers: bool = False
+    stall_s: Duration = 300.0
+    timeout: Annotated[float, BeforeValidator(_duration), Field(ge=0)] = 0.0
+
+
+class TrainConfig(_Section):
+    """A YAML-configured training run (section ``train``); ``options`` go to the entrypoint."""
+
+    epochs: int = Field(10, ge=1)
+    min_samples: int = Field(1000, ge=0)
+    samples_per_epoch: int | None = Field(None, ge=1)
+    entrypoint: str = "epochcache.examples:train_epoch"
+    run_dir: Path = Path("runs/default")
+    seed: int = Field(0, ge=0)
+    options: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("entrypoint")
+    @classmethod
+    def _check_entrypoint(cls, value: str) -> str:
+        if not _ENTRYPOINT.match(value):
+            raise ValueError(
+                f"expected 'package.module:function' (e.g. epochcache.examples:train_epoch), got {value!r}"
+            )
+        return value
+
+
+class EpochcacheConfig(_Section):
+    """The whole configuration; see the module docstring."""
+
+    source: SourceConfig
+    cache: CacheConfig
+    sampler: SamplerConfig = Field(default_factory=SamplerConfig)
+    loader: LoaderConfig = Field(default_factory=LoaderConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+
+    _secret_paths: set[str] = PrivateAttr(default_factory=set)
+    _secret_values: set[str] = PrivateAttr(default_factory=set)
+    _origin: str = PrivateAttr(default="<dict>")
+
+    @model_validator(mode="after")
+    def _fill_sampler_defaults(self) -> EpochcacheConfig:
+        if self.sampler.timeout_s is None:
+            self.sampler.timeout_s = self.source.timeout_s
+        if self.sampler.max_retries is None:
+            self.sampler.max_retries = self.source.retries
+        return self
+
+    @property
+    def origin(self) -> str:
+        """The file the config was read from (``<dict>`` when built from a mapping)."""
+        return self._origin
+
+    def redacted(self) -> dict[str, Any]:
+        """The resolved config as plain data, with every secret replaced by ``***``."""
+        data = self.model_dump(mode="json")
+        data["source"]["storage_options"] = redact_options(data["source"]["storage_options"])
+        for path in self._secret_paths:
+            _set_path(data, path.split("."), REDACTED)
+        return _scrub_tree(data, self._secret_values)  # type: ignore[no-any-return]
+
+    def redacted_yaml(self) -> str:
+        """:meth:`redacted` as YAML (what ``epochcache config`` prints and runs save)."""
+        return yaml.safe_dump(self.redacted(), sort_keys=False)
+
+    def __repr_args__(self) -> Iterator[tuple[str | None, Any]]:
+        yield from self.redacted().items()
+
+
+Config = EpochcacheConfig
+
+
+def _set_path(data: Any, parts: list[str], value: Any) -> None:
+    for part in parts[:-1]:
+        if isinstance(data, dict) and part in data:
+            data = data[part]
+        elif isinstance(data, list) and part.isdigit() and int(part) < len(data):
+            data = data[int(part)]
+        else:
+            return
+    last = parts[-1]
+    if isinstance(data, dict) and last in data:
+        data[last] = value
+    elif isinstance(data, list) and last.isdigit() and int(last) < len(data):
+        data[int(last)] = value
+
+
+def _scrub_tree(value: Any, secrets: set[str]) -> Any:
+    if not secrets:
+        return value
+    if isinstance(value, str):
+        return scrub(value, secrets)
+    if isinstance(value, dict):
+        return {k: _scrub_tree(v, secrets) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_scrub_tree(v, secrets) for v in value)
+    return value
+
+
+def parse_config(
+    data: Any, *, origin: str = "<dict>", environ: Mapping[str, str] | None = None
+) -> EpochcacheConfig:
+    """Validate already-parsed YAML (a mapping), interpolating ``${VAR}`` from ``environ``.
+
+    Raises:
+        ConfigError: one paragraph naming every bad field path, its value and what is allowed.
+    """
+    if not isinstance(data, Mapping):
+        raise ConfigError(
+            f"{origin}: the config must be a mapping with sections source, cache, sampler, loader, "
+            f"train; got {type(data).__name__}"
+        )
+    environ = os.environ if environ is None else environ
+    resolved, secret_paths, secrets = env.interpolate(data, environ, origin)
+    secrets |= secret_values(_get(resolved, ("source", "storage_options")))
+    try:
+        config = EpochcacheConfig.model_validate(resolved)
+    except ValidationError as exc:
+        hidden = {p for p in secret_paths} | {"source.storage_options"}
+        raise ConfigError(env.describe_errors(exc, origin, hidden, secrets, EpochcacheConfig)) from None
+    config._secret_paths = secret_paths
+    config._secret_values = secrets
+    config._origin = origin
+    config.source._secret_values = secrets
+    return config
+
+
+def load_config(path: str | os.PathLike[str], *, environ: Mapping[str, str] | None = None) -> EpochcacheConfig:
+    """Read, interpolate and validate a YAML config file.
+
+    Raises:
+        ConfigError: the file is missing, not YAML, or a field is invalid (the message names it).
+    """
+    origin = os.fspath(path)
+    try:
+        text = Path(origin).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{origin}: cannot read the config ({exc.strerror or exc})") from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"{origin}: not valid YAML{where}: {problem}") from None
+    return parse_config(data, origin=origin, environ=environ)
+
+
+def _get(data: Any, parts: tuple[str, ...]) -> Any:
+    for part in parts:
+        if not isinstance(data, Mapping):
+            return None
+        data = data.get(part)
+    return data
