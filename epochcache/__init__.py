@@ -1,0 +1,74 @@
+"""epochcache: a growing local sample cache for remote training datasets, for PyTorch.
+
+Importing the package does not import torch; ``Cache.dataset`` and ``Cache.epochs`` do.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .cache import Cache, PutResult
+from .errors import (
+    CacheCorrupted,
+    CacheError,
+    CacheFull,
+    ConfigError,
+    CorruptSample,
+    DaemonAlreadyRunning,
+    DecodeError,
+    EpochcacheError,
+    PermanentRemoteError,
+    PickleNotAllowed,
+    RemoteTimeout,
+    SampleTooLarge,
+    SnapshotClosed,
+    SourceError,
+    SourceUnavailable,
+)
+from .snapshot import Snapshot
+
+__version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from .config import Config
+
+
+def load_config(path: str) -> Config:
+    """Read and validate a YAML run config (see ``epochcache.config``)."""
+    from .config import load_config as _load
+
+    return _load(path)
+
+
+def __getattr__(name: str) -> Any:
+    # EpochDataset imports torch: load it only when asked for.
+    if name == "EpochDataset":
+        from .dataset import EpochDataset
+
+        return EpochDataset
+    raise AttributeError(f"module 'epochcache' has no attribute {name!r}")
+
+
+__all__ = [
+    "Cache",
+    "CacheCorrupted",
+    "CacheError",
+    "CacheFull",
+    "ConfigError",
+    "CorruptSample",
+    "DaemonAlreadyRunning",
+    "DecodeError",
+    "EpochDataset",
+    "EpochcacheError",
+    "PermanentRemoteError",
+    "PickleNotAllowed",
+    "PutResult",
+    "RemoteTimeout",
+    "SampleTooLarge",
+    "Snapshot",
+    "SnapshotClosed",
+    "SourceError",
+    "SourceUnavailable",
+    "__version__",
+    "load_config",
+]

@@ -1,0 +1,622 @@
+"""The Cache facade: a byte-bounded LMDB sample store that evicts its oldest samples.
+
+Writers (the sampler processes) call :meth:`Cache.put_many`; trainers take a
+:meth:`Cache.snapshot` per epoch (or use :meth:`Cache.dataset` / :meth:`Cache.epochs`), which
+protects that epoch's samples from eviction until it is released. The parts live in their own
+modules: record framing in ``codec``, LMDB handles in ``store``, counters, leases, eviction and
+snapshots each in theirs. This module wires them together and owns the capacity policy.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import lmdb
+import numpy as np
+
+from . import codec
+from .counters import Counters
+from .errors import CacheError, CacheFull, SampleTooLarge
+from .eviction import Eviction, evict_oldest
+from .leases import DEFAULT_LEASE_TIMEOUT_S, Lease, delete_lease, read_leases, reclaim_dead, write_lease
+from .schema import (
+    C_EFFECTIVE_CAPACITY,
+    C_FORMAT,
+    DB_HISTORY,
+    DB_KEYS,
+    DB_LEASES,
+    DB_META,
+    DB_QUARANTINE,
+    DB_SAMPLES,
+    DB_STATE,
+    FORMAT_VERSION,
+    HISTORY_MAX_ROWS,
+    QUARANTINE_MAX_ROWS,
+    pack_u64,
+    seq_key,
+    unpack_u64,
+)
+from .snapshot import Snapshot, select_snapshot
+from .store import Store, map_bound
+from .units import format_size, parse_size
+
+if TYPE_CHECKING:
+    from .dataset import EpochDataset
+
+log = logging.getLogger(__name__)
+
+Value = bytes | Mapping[str, bytes]
+
+_M_CAPACITY = b"capacity"
+_M_HEADROOM = b"headroom"
+#: Keep this fraction of the disk's free space unused when sizing the cache to the disk.
+_DISK_RESERVE = 0.05
+
+
+@dataclass
+class PutResult:
+    """What :meth:`Cache.put_many` committed."""
+
+    inserted: int = 0
+    skipped: int = 0
+    seqs: list[int] = field(default_factory=list)
+    evicted: int = 0
+
+
+def _parse_headroom(headroom: float | int | str, capacity: int) -> int:
+    if isinstance(headroom, float) and 0 <= headroom < 1:
+        return int(capacity * headroom)
+    return parse_size(headroom, name="headroom")
+
+
+class Cache:
+    """A local sample cache bounded by ``capacity`` bytes, evicting oldest samples first.
+
+    Opening is cheap and safe in any process: the LMDB environment opens lazily again after
+    ``fork()``, so a Cache created in the parent can be used in DataLoader workers.
+
+    Args:
+        path: the cache directory (created private to the user).
+        capacity: stored bytes to keep, e.g. ``"200GiB"`` or ``10**9``. Required when creating
+            a cache; when opening an existing one, None keeps its stored capacity.
+        headroom: extra bytes writers may use while leases pin the oldest samples: a fraction
+            of capacity (default 0.1) or a size. At capacity + headroom writers wait.
+        compression: ``"zstd"`` or ``"none"``; incompressible samples are stored raw anyway.
+        level: the zstd level.
+        sync: fsync each commit (survives power loss as well as process crashes).
+        readonly: open for reading only (status, verify).
+        max_map_size: cap on the LMDB map (defaults to a bound derived from capacity).
+        lease_timeout_s: a lease holder on another host is presumed dead after this long
+            without a heartbeat.
+
+    Raises:
+        CacheError: the directory holds no cache and no capacity was given, or it cannot be
+            opened.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        capacity: int | str | None = None,
+        *,
+        headroom: float | int | str = 0.1,
+        compression: str = "zstd",
+        level: int = 3,
+        sync: bool = True,
+        readonly: bool = False,
+        max_map_size: int | str | None = None,
+        lease_timeout_s: float = DEFAULT_LEASE_TIMEOUT_S,
+    ) -> None:
+        if compression not in ("zstd", "none"):
+            raise ValueError(f"compression: expected 'zstd' or 'none', got {compression!r}")
+        self.path = os.path.realpath(os.fspath(path))
+        self.compress = compression == "zstd"
+        self.level = level
+        self.lease_timeout_s = lease_timeout_s
+        self._full_logged = 0.0
+        self._lock = threading.Lock()
+        cap = None if capacity is None else parse_size(capacity, name="capacity")
+        if cap is not None and cap <= 0:
+            raise ValueError(f"capacity: must be positive, got {capacity!r}")
+        stored_cap, stored_head = self._peek_capacity()
+        if cap is None and stored_cap is None:
+            if readonly or not os.path.exists(os.path.join(self.path, "data.mdb")):
+                raise CacheError(
+                    f"{self.path}: no cache here; create one with Cache(path, capacity='...')"
+                )
+        self.capacity_bytes = cap if cap is not None else int(stored_cap or 0)
+        if cap is not None or stored_head is None:
+            self.headroom_bytes = _parse_headroom(headroom, self.capacity_bytes)
+        else:
+            self.headroom_bytes = stored_head
+        limit = self.capacity_bytes + self.headroom_bytes
+        max_map = parse_size(max_map_size, name="max_map_size") if max_map_size else None
+        bound = max_map if max_map is not None else map_bound(limit)
+        self._store = Store(
+            self.path,
+            map_size=min(bound, map_bound(limit)),
+            max_map_size=bound,
+            readonly=readonly,
+            sync=sync,
+        )
+        self.dbs = self._store.dbs
+        self._disk_limit: int | None = None
+        if not readonly:
+            if (stored_cap, stored_head) != (self.capacity_bytes, self.headroom_bytes):
+                self._store.write(self._init_meta)
+            self._fit_to_disk()
+
+    # -- set-up -----------------------------------------------------------------------------
+
+    def _peek_capacity(self) -> tuple[int | None, int | None]:
+        if not os.path.exists(os.path.join(self.path, "data.mdb")):
+            return None, None
+        store = Store(self.path, readonly=True)
+        try:
+            with store.read() as txn:
+                meta = store.dbs[DB_META]
+                cap, head = txn.get(_M_CAPACITY, db=meta), txn.get(_M_HEADROOM, db=meta)
+                return (
+                    None if cap is None else unpack_u64(cap),
+                    None if head is None else unpack_u64(head),
+                )
+        finally:
+            store.close()
+
+    def _init_meta(self, txn: lmdb.Transaction) -> None:
+        meta = self.dbs[DB_META]
+        version = txn.get(C_FORMAT, db=meta)
+        if version is not None and unpack_u64(version) != FORMAT_VERSION:
+            raise CacheError(
+                f"{self.path}: cache format {unpack_u64(version)} is not supported by this "
+                f"version (format {FORMAT_VERSION}); use a new cache directory"
+            )
+        txn.put(C_FORMAT, pack_u64(FORMAT_VERSION), db=meta)
+        txn.put(_M_CAPACITY, pack_u64(self.capacity_bytes), db=meta)
+        txn.put(_M_HEADROOM, pack_u64(self.headroom_bytes), db=meta)
+
+    def _fit_to_disk(self) -> None:
+        """Lower the effective capacity when the disk cannot hold capacity + headroom."""
+        usage = shutil.disk_usage(self.path)
+        room = int((usage.free + self._store.file_bytes()) * (1 - _DISK_RESERVE))
+        need = self.capacity_bytes + self.headroom_bytes
+        if need > room:
+            fit = int(room * self.capacity_bytes / need)
+            log.warning(
+                "%s: capacity %s + headroom %s does not fit the %s free on this disk; "
+                "using an effective capacity of %s (free space or lower cache.capacity)",
+                self.path,
+                format_size(self.capacity_bytes),
+                format_size(self.headroom_bytes),
+                format_size(usage.free),
+                format_size(fit),
+            )
+            self._disk_limit = fit
+
+    # -- capacity ---------------------------------------------------------------------------
+
+    @property
+    def effective_capacity(self) -> int:
+        """Capacity in force: the configured one, lowered after a full disk."""
+        limits = [self.capacity_bytes]
+        if self._disk_limit is not None:
+            limits.append(self._disk_limit)
+        with self._store.read() as txn:
+            lowered = txn.get(C_EFFECTIVE_CAPACITY, db=self.dbs[DB_META])
+            if lowered is not None and unpack_u64(lowered) > 0:
+                limits.append(unpack_u64(lowered))
+        return min(limits)
+
+    def _lower_capacity(self, exc: Exception, incoming: int) -> None:
+        with self._store.read() as txn:
+            stored = Counters.load(txn, self.dbs[DB_META]).bytes
+        new_limit = max(0, min(self.effective_capacity, stored) - max(incoming, stored // 10))
+        log.warning(
+            "%s: the disk or LMDB map is full (%s) with %s stored; lowering the effective "
+            "capacity to %s. Free disk space, or lower cache.capacity, then restart.",
+            self.path,
+            type(exc).__name__,
+            format_size(stored),
+            format_size(new_limit),
+        )
+        self._disk_limit = new_limit
+        try:
+            self._store.write(
+                lambda txn: txn.put(C_EFFECTIVE_CAPACITY, pack_u64(new_limit), db=self.dbs[DB_META])
+            )
+        except (lmdb.MapFullError, lmdb.DiskError):
+            pass  # kept in memory for this process; the next full write lowers it again
+
+    def reset_effective_capacity(self) -> None:
+        """Forget a capacity lowered after a full disk (after space was freed)."""
+        self._disk_limit = None
+        self._store.write(lambda txn: txn.delete(C_EFFECTIVE_CAPACITY, db=self.dbs[DB_META]))
+        self._fit_to_disk()
+
+    # -- writing ----------------------------------------------------------------------------
+
+    def encode(self, key: str, value: Value) -> bytes:
+        """Frame one sample as a record (done by samplers before they take the write lock)."""
+        return codec.encode_record(key, value, level=self.level, compress=self.compress)
+
+    def put(self, key: str, value: Value, **kwargs: Any) -> PutResult:
+        return self.put_many([(key, value)], **kwargs)
+
+    def put_many(
+        self,
+        items: Iterable[tuple[str, Value]],
+        *,
+        encoded: bool = False,
+        wait: bool = True,
+        timeout_s: float | None = None,
+        stop: threading.Event | None = None,
+    ) -> PutResult:
+        """Store samples in one transaction; samples whose key is already cached are skipped.
+
+        Eviction makes room, oldest first. When leases pin too much to stay within capacity +
+        headroom, the call waits (back-pressure) until space returns, ``timeout_s`` passes or
+        ``stop`` is set; with ``wait=False`` it raises :class:`CacheFull` at once. Either all of
+        the batch is committed or none of it.
+
+        Args:
+            items: ``(source key, value)`` pairs; a value is ``bytes`` or a dict of fields.
+            encoded: the values are records already made by :meth:`encode`.
+
+        Raises:
+            CacheFull: no room and ``wait`` is False, the timeout passed, or ``stop`` was set.
+            SampleTooLarge: the batch could never fit the capacity.
+        """
+        batch: dict[bytes, bytes] = {}
+        for key, value in items:
+            record = value if encoded else self.encode(key, value)
+            batch.setdefault(key.encode("utf-8"), record)  # type: ignore[arg-type]
+        if not batch:
+            return PutResult()
+        incoming = sum(len(r) for r in batch.values())
+        if incoming > self.capacity_bytes:
+            raise SampleTooLarge(
+                f"{self.path}: a batch of {format_size(incoming)} cannot fit a cache of "
+                f"{format_size(self.capacity_bytes)}; raise cache.capacity or commit smaller batches"
+            )
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        delay, attempts_full = 0.02, 0
+        while True:
+            limit = self.effective_capacity
+            try:
+                result, blocked = self._store.write(lambda txn: self._put_txn(txn, batch, limit))
+            except (lmdb.MapFullError, lmdb.DiskError) as exc:
+                attempts_full += 1
+                if attempts_full > 8:
+                    raise CacheError(
+                        f"{self.path}: disk full even after lowering the capacity; free disk space"
+                    ) from exc
+                self._lower_capacity(exc, incoming)
+                continue
+            if blocked is None:
+                return result
+            if not wait or (stop is not None and stop.is_set()):
+                raise CacheFull(self._full_message(blocked))
+            if deadline is not None and time.monotonic() >= deadline:
+                raise CacheFull(self._full_message(blocked))
+            self._log_waiting(blocked)
+            if stop is not None:
+                stop.wait(delay)
+            else:
+                time.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+    def _put_txn(
+        self, txn: lmdb.Transaction, batch: dict[bytes, bytes], limit: int
+    ) -> tuple[PutResult, Lease | None]:
+        meta, keys_db = self.dbs[DB_META], self.dbs[DB_KEYS]
+        counters = Counters.load(txn, meta)
+        fresh = [(k, r) for k, r in batch.items() if txn.get(k, db=keys_db) is None]
+        result = PutResult(skipped=len(batch) - len(fresh))
+        incoming = sum(len(r) for _, r in fresh)
+        if counters.bytes + incoming > limit:
+            leases = read_leases(txn, self.dbs[DB_LEASES])
+            evicted = evict_oldest(txn, self.dbs, counters, max(0, limit - incoming), leases)
+            if counters.bytes + incoming > limit + self.headroom_bytes and self._reclaim(txn):
+                leases = read_leases(txn, self.dbs[DB_LEASES])
+                more = evict_oldest(txn, self.dbs, counters, max(0, limit - incoming), leases)
+                evicted = Eviction(evicted.count + more.count, evicted.bytes + more.bytes, more.blocked_by)
+            result.evicted = evicted.count
+            if counters.bytes + incoming > limit + self.headroom_bytes:
+                counters.save(txn, meta)  # keep the evictions that were made
+                blocker = evicted.blocked_by or Lease.new(0, 0, 0, label="(none: disk limit)")
+                return result, blocker
+        first = counters.next_seq
+        result.seqs = list(range(first, first + len(fresh)))
+        cursor = txn.cursor(db=self.dbs[DB_SAMPLES])
+        # Sequence keys are big-endian and increasing, so append=True is valid (the fast path).
+        cursor.putmulti([(seq_key(s), r) for s, (_, r) in zip(result.seqs, fresh)], append=True)
+        for seq, (key, _) in zip(result.seqs, fresh):
+            txn.put(key, seq_key(seq), db=keys_db)
+        counters.next_seq += len(fresh)
+        counters.samples += len(fresh)
+        counters.inserted += len(fresh)
+        counters.bytes += incoming
+        counters.save(txn, meta)
+        result.inserted = len(fresh)
+        return result, None
+
+    def _reclaim(self, txn: lmdb.Transaction) -> list[Lease]:
+        dead = reclaim_dead(txn, self.dbs[DB_LEASES], self.lease_timeout_s)
+        for lease in dead:
+            log.info(
+                "%s: reclaimed lease %s of dead process %d on %s (%d samples)",
+                self.path, lease.lease_id[:8], lease.pid, lease.host, lease.count,
+            )
+        return dead
+
+    def _full_message(self, blocker: Lease) -> str:
+        return (
+            f"{self.path}: cache is at capacity + headroom and the oldest samples are held by "
+            f"lease {blocker.lease_id[:8]} ({blocker.label or 'snapshot'}) of pid {blocker.pid} "
+            f"on {blocker.host}; writers wait until it is released"
+        )
+
+    def _log_waiting(self, blocker: Lease) -> None:
+        now = time.monotonic()
+        if now - self._full_logged > 60:
+            self._full_logged = now
+            log.info("%s", self._full_message(blocker))
+
+    def evict(self, limit_bytes: int | None = None) -> Eviction:
+        """Evict oldest unleased samples until at most ``limit_bytes`` (default capacity) remain."""
+        limit = self.effective_capacity if limit_bytes is None else limit_bytes
+
+        def run(txn: lmdb.Transaction) -> Eviction:
+            counters = Counters.load(txn, self.dbs[DB_META])
+            result = evict_oldest(txn, self.dbs, counters, limit, read_leases(txn, self.dbs[DB_LEASES]))
+            counters.save(txn, self.dbs[DB_META])
+            return result
+
+        return self._store.write(run)
+
+    # -- reading ----------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        with self._store.read() as txn:
+            return Counters.load(txn, self.dbs[DB_META]).samples
+
+    def __contains__(self, key: object) -> bool:
+        if not isinstance(key, str):
+            return False
+        with self._store.read() as txn:
+            return txn.get(key.encode("utf-8"), db=self.dbs[DB_KEYS]) is not None
+
+    def get(self, seq: int) -> bytes | dict[str, bytes]:
+        """The raw value of sample ``seq`` (bytes, or a dict of fields for tar samples).
+
+        Raises:
+            KeyError: the sample is not in the cache (evicted, or never written).
+        """
+        with self._store.read() as txn:
+            record = txn.get(seq_key(int(seq)), db=self.dbs[DB_SAMPLES])
+            if record is None:
+                raise KeyError(f"sample {seq} is not in the cache at {self.path}")
+            return codec.decode_payload(record)
+
+    def get_many(self, seqs: Sequence[int] | np.ndarray) -> list[bytes | dict[str, bytes]]:
+        """Values of several samples, read in one transaction."""
+        out: list[bytes | dict[str, bytes]] = []
+        samples_db = self.dbs[DB_SAMPLES]
+        with self._store.read() as txn:
+            for seq in seqs:
+                record = txn.get(seq_key(int(seq)), db=samples_db)
+                if record is None:
+                    raise KeyError(f"sample {seq} is not in the cache at {self.path}")
+                out.append(codec.decode_payload(record))
+        return out
+
+    def get_records(self, seqs: Sequence[int] | np.ndarray) -> list[bytes]:
+        """Stored records (header, key, payload) as bytes, for readers that decode themselves."""
+        samples_db = self.dbs[DB_SAMPLES]
+        with self._store.read() as txn:
+            out = []
+            for seq in seqs:
+                record = txn.get(seq_key(int(seq)), db=samples_db)
+                if record is None:
+                    raise KeyError(f"sample {seq} is not in the cache at {self.path}")
+                out.append(bytes(record))
+            return out
+
+    def info(self, seq: int) -> codec.RecordInfo:
+        """Metadata of sample ``seq``: source key, sizes, codec, checksum, time added."""
+        with self._store.read() as txn:
+            record = txn.get(seq_key(int(seq)), db=self.dbs[DB_SAMPLES])
+            if record is None:
+                raise KeyError(f"sample {seq} is not in the cache at {self.path}")
+            return codec.read_info(record)
+
+    def seq_of(self, key: str) -> int | None:
+        """The sequence number under which source ``key`` is cached, or None."""
+        with self._store.read() as txn:
+            raw = txn.get(key.encode("utf-8"), db=self.dbs[DB_KEYS])
+            return None if raw is None else unpack_u64(raw)
+
+    def counters(self) -> Counters:
+        with self._store.read() as txn:
+            return Counters.load(txn, self.dbs[DB_META])
+
+    # -- snapshots and leases ---------------------------------------------------------------
+
+    def snapshot(self, epoch: int | None = None, label: str = "") -> Snapshot:
+        """Freeze the newest samples that fit the capacity, under a lease.
+
+        The snapshot's samples stay readable, unchanged, until it is released, however much
+        is written meanwhile (invariant 1).
+        """
+        limit = self.effective_capacity
+
+        def run(txn: lmdb.Transaction) -> tuple[np.ndarray, str]:
+            self._reclaim(txn)
+            counters = Counters.load(txn, self.dbs[DB_META])
+            seqs = select_snapshot(txn, self.dbs[DB_SAMPLES], counters, limit)
+            lo = int(seqs[0]) if len(seqs) else counters.next_seq
+            hi = int(seqs[-1]) + 1 if len(seqs) else counters.next_seq
+            name = label or (f"epoch {epoch}" if epoch is not None else "snapshot")
+            lease = Lease.new(lo, hi, len(seqs), label=name)
+            write_lease(txn, self.dbs[DB_LEASES], lease)
+            return seqs, lease.lease_id
+
+        seqs, lease_id = self._store.write(run)
+        return Snapshot(self, seqs, lease_id, epoch)
+
+    def leases(self) -> list[Lease]:
+        with self._store.read() as txn:
+            return read_leases(txn, self.dbs[DB_LEASES])
+
+    def release_lease(self, lease_id: str) -> bool:
+        return self._store.write(lambda txn: delete_lease(txn, self.dbs[DB_LEASES], lease_id))
+
+    def heartbeat_lease(self, lease_id: str) -> None:
+        def run(txn: lmdb.Transaction) -> None:
+            raw = txn.get(lease_id.encode(), db=self.dbs[DB_LEASES])
+            if raw is not None:
+                lease = Lease.from_bytes(raw)
+                lease.heartbeat_ns = time.time_ns()
+                write_lease(txn, self.dbs[DB_LEASES], lease)
+
+        self._store.write(run)
+
+    def reclaim_leases(self) -> list[Lease]:
+        """Delete leases whose holder died, then evict what they pinned beyond capacity."""
+        dead = self._store.write(self._reclaim)
+        if dead:
+            self.evict()
+        return dead
+
+    # -- quarantine, daemon state, history ---------------------------------------------------
+
+    def quarantine(self, key: str, reason: str, **extra: Any) -> None:
+        """Count a rejected remote object and remember why (the newest rows are kept)."""
+        row = json.dumps({"key": key, "reason": reason, "time": time.time(), **extra}).encode()
+
+        def run(txn: lmdb.Transaction) -> None:
+            counters = Counters.load(txn, self.dbs[DB_META])
+            counters.quarantined += 1
+            counters.save(txn, self.dbs[DB_META])
+            _append_bounded(txn, self.dbs[DB_QUARANTINE], row, QUARANTINE_MAX_ROWS)
+
+        self._store.write(run)
+
+    def quarantined(self, limit: int = 100) -> list[dict[str, Any]]:
+        return self._tail(DB_QUARANTINE, limit)
+
+    def put_state(self, name: str, doc: Mapping[str, Any]) -> None:
+        """Store a small JSON document (daemon heartbeat, sampler position) under ``name``."""
+        raw = json.dumps(doc, separators=(",", ":")).encode()
+        self._store.write(lambda txn: txn.put(name.encode(), raw, db=self.dbs[DB_STATE]))
+
+    def get_state(self, name: str) -> dict[str, Any] | None:
+        with self._store.read() as txn:
+            raw = txn.get(name.encode(), db=self.dbs[DB_STATE])
+            return None if raw is None else dict(json.loads(bytes(raw)))
+
+    def states(self, prefix: str = "") -> dict[str, dict[str, Any]]:
+        out: dict[str, dict[str, Any]] = {}
+        with self._store.read() as txn:
+            cursor = txn.cursor(db=self.dbs[DB_STATE])
+            if cursor.set_range(prefix.encode()):
+                for key, value in cursor:
+                    name = bytes(key).decode()
+                    if not name.startswith(prefix):
+                        break
+                    out[name] = json.loads(bytes(value))
+        return out
+
+    def delete_state(self, name: str) -> None:
+        self._store.write(lambda txn: txn.delete(name.encode(), db=self.dbs[DB_STATE]))
+
+    def append_history(self, row: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Append a stats row (counters + ``row``) to the bounded history used by plots."""
+        doc: dict[str, Any] = {"time": time.time(), **self.counters().as_dict(), **(row or {})}
+        doc["capacity"] = self.effective_capacity
+        raw = json.dumps(doc, separators=(",", ":")).encode()
+        self._store.write(lambda txn: _append_bounded(txn, self.dbs[DB_HISTORY], raw, HISTORY_MAX_ROWS))
+        return doc
+
+    def history(self, limit: int | None = None) -> list[dict[str, Any]]:
+        return self._tail(DB_HISTORY, limit)
+
+    def _tail(self, db_name: bytes, limit: int | None) -> list[dict[str, Any]]:
+        rows: list[dict[str, Any]] = []
+        with self._store.read() as txn:
+            cursor = txn.cursor(db=self.dbs[db_name])
+            if not cursor.last():
+                return rows
+            for _key, value in cursor.iterprev():
+                rows.append(json.loads(bytes(value)))
+                if limit is not None and len(rows) >= limit:
+                    break
+        rows.reverse()
+        return rows
+
+    # -- reporting and lifecycle ------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """Counters, capacity, leases and daemon health, as a JSON-able dict."""
+        from .status import collect_stats
+
+        return collect_stats(self)
+
+    def dataset(self, epoch: int = 0, **kwargs: Any) -> EpochDataset:
+        """A map-style Dataset over a fresh snapshot (see :class:`epochcache.EpochDataset`)."""
+        from .dataset import EpochDataset  # torch stays out of sampler processes
+
+        return EpochDataset.from_cache(self, epoch=epoch, **kwargs)
+
+    def epochs(self, num_epochs: int, **kwargs: Any) -> Any:
+        """Yield ``(epoch, loader)``; see :func:`epochcache.loader.epochs`."""
+        from .loader import epochs
+
+        return epochs(self, num_epochs, **kwargs)
+
+    @property
+    def store(self) -> Store:
+        return self._store
+
+    def file_bytes(self) -> int:
+        return self._store.file_bytes()
+
+    def close(self) -> None:
+        self._store.close()
+
+    def __enter__(self) -> Cache:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Cache({self.path!r}, capacity={format_size(self.capacity_bytes)!r})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Pickle as a path: the receiving process opens its own environment.
+        return {"path": self.path, "compression": "zstd" if self.compress else "none", "level": self.level}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["path"], compression=state["compression"], level=state["level"])  # type: ignore[misc]
+
+
+def _append_bounded(txn: lmdb.Transaction, db: lmdb._Database, value: bytes, max_rows: int) -> None:
+    key = pack_u64(time.time_ns())
+    cursor = txn.cursor(db=db)
+    if cursor.last() and bytes(cursor.key()) >= key:
+        key = pack_u64(unpack_u64(bytes(cursor.key())) + 1)  # keep keys increasing
+    txn.put(key, value, db=db, append=True)
+    excess = txn.stat(db)["entries"] - max_rows
+    if excess > 0 and cursor.first():
+        for _ in range(excess):
+            if not cursor.delete():
+                break

@@ -1,0 +1,98 @@
+"""Exceptions raised by epochcache.
+
+Every error subclasses :class:`EpochcacheError` and, where one fits, the matching builtin, so
+callers can catch either::
+
+    EpochcacheError
+    ├─ ConfigError(EpochcacheError, ValueError)       field path + reason; CLI exit 2
+    ├─ SourceError                                    always carries the URL
+    │  ├─ SourceUnavailable                           unreachable endpoint, missing bucket, empty prefix
+    │  ├─ RemoteTimeout(SourceError, TimeoutError)    a remote call exceeded its timeout
+    │  ├─ PermanentRemoteError                        403/404: retrying will not help
+    │  └─ CorruptSample                               key; quarantined by the sampler
+    ├─ CacheError
+    │  ├─ CacheCorrupted                              a record or counter failed its check
+    │  ├─ CacheFull                                   back-pressure: wait, the cache is at capacity + headroom
+    │  ├─ SampleTooLarge(CacheError, ValueError)      one sample can never fit the capacity
+    │  ├─ DaemonAlreadyRunning                        a second daemon on the same cache
+    │  └─ SnapshotClosed(CacheError, RuntimeError)    lifecycle misuse
+    └─ DecodeError(EpochcacheError, ValueError)       key + codec
+       └─ PickleNotAllowed                            how to opt in
+"""
+
+from __future__ import annotations
+
+
+class EpochcacheError(Exception):
+    """Base class of every error epochcache raises."""
+
+
+class ConfigError(EpochcacheError, ValueError):
+    """A configuration value is invalid; the message names the field path."""
+
+
+class SourceError(EpochcacheError):
+    """A remote source failed. ``url`` names the source or object."""
+
+    def __init__(self, message: str, url: str = "") -> None:
+        super().__init__(message)
+        self.url = url
+
+
+class SourceUnavailable(SourceError):
+    """The remote cannot be reached, does not exist, or holds no matching keys."""
+
+
+class RemoteTimeout(SourceError, TimeoutError):
+    """A remote call did not finish within its timeout."""
+
+
+class PermanentRemoteError(SourceError):
+    """A remote error that retrying will not fix (access denied, not found)."""
+
+
+class CorruptSample(SourceError):
+    """A remote object failed a content check; it is quarantined, never cached."""
+
+    def __init__(self, message: str, url: str = "", key: str = "") -> None:
+        super().__init__(message, url)
+        self.key = key
+
+
+class CacheError(EpochcacheError):
+    """The local cache cannot do what was asked."""
+
+
+class CacheCorrupted(CacheError):
+    """A stored record or counter failed its consistency check."""
+
+
+class CacheFull(CacheError):
+    """The cache is at capacity plus headroom and nothing can be evicted yet.
+
+    Writers should wait and retry: space returns when a lease is released.
+    """
+
+
+class SampleTooLarge(CacheError, ValueError):
+    """A single sample (or batch) is larger than the cache could ever hold."""
+
+
+class DaemonAlreadyRunning(CacheError):
+    """Another live daemon already fills this cache."""
+
+
+class SnapshotClosed(CacheError, RuntimeError):
+    """A snapshot or dataset was used after its lease was released."""
+
+
+class DecodeError(EpochcacheError, ValueError):
+    """A cached sample could not be decoded; the message names its key and codec."""
+
+    def __init__(self, message: str, key: str = "") -> None:
+        super().__init__(message)
+        self.key = key
+
+
+class PickleNotAllowed(DecodeError):
+    """A sample would need pickle to decode and the config did not opt in."""

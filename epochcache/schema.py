@@ -1,0 +1,84 @@
+"""The on-disk layout of a cache: LMDB sub-databases, key encodings and the record header.
+
+Every sample is one record in ``samples`` keyed by its insertion sequence number, big-endian so
+that LMDB's byte order is insertion order: the oldest sample is the cursor's first key, and
+batch writes can use ``putmulti(append=True)``.
+
+Record layout (little-endian header, then the source key, then the payload)::
+
+    u8  format version        u8  codec (Codec)      u16 flags (RecordFlags)
+    u32 crc32 of the payload  u64 raw (uncompressed) size
+    u64 time added, ns        u16 length of the source key
+    source key (utf-8)        payload (stored bytes)
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+
+FORMAT_VERSION = 1
+
+#: Sub-database names. ``meta`` holds counters and settings, ``keys`` maps a source key to its
+#: sequence number, ``leases`` the live snapshot leases, ``state`` JSON documents written by the
+#: daemon (heartbeat, sampler positions), ``history`` time-keyed stats rows, ``quarantine`` the
+#: most recent rejected remote objects.
+DB_SAMPLES = b"samples"
+DB_KEYS = b"keys"
+DB_META = b"meta"
+DB_LEASES = b"leases"
+DB_STATE = b"state"
+DB_HISTORY = b"history"
+DB_QUARANTINE = b"quarantine"
+ALL_DBS = (DB_SAMPLES, DB_KEYS, DB_META, DB_LEASES, DB_STATE, DB_HISTORY, DB_QUARANTINE)
+
+#: Counters kept in ``meta``; each changes in the same transaction as the data it counts.
+C_SAMPLES = b"samples"
+C_BYTES = b"bytes"
+C_NEXT_SEQ = b"next_seq"
+C_EVICTED = b"evicted"
+C_EVICTED_BYTES = b"evicted_bytes"
+C_INSERTED = b"inserted"
+C_QUARANTINED = b"quarantined"
+C_FORMAT = b"format_version"
+C_EFFECTIVE_CAPACITY = b"effective_capacity"
+COUNTERS = (C_SAMPLES, C_BYTES, C_NEXT_SEQ, C_EVICTED, C_EVICTED_BYTES, C_INSERTED, C_QUARANTINED)
+
+HISTORY_MAX_ROWS = 20_000
+QUARANTINE_MAX_ROWS = 10_000
+
+_SEQ = struct.Struct(">Q")
+_U64 = struct.Struct(">Q")
+HEADER = struct.Struct("<BBHIQQH")
+
+
+class Codec(enum.IntEnum):
+    """How a record's payload is stored."""
+
+    RAW = 0
+    ZSTD = 1
+
+
+class RecordFlags(enum.IntFlag):
+    """Per-record flags."""
+
+    NONE = 0
+    #: The raw payload is a field container (a tar sample: ``{"jpg": ..., "cls": ...}``).
+    FIELDS = 1
+
+
+def seq_key(seq: int) -> bytes:
+    """Encode a sequence number as an LMDB key (big-endian, so byte order is age order)."""
+    return _SEQ.pack(seq)
+
+
+def seq_of(key: bytes) -> int:
+    return int(_SEQ.unpack(key)[0])
+
+
+def pack_u64(value: int) -> bytes:
+    return _U64.pack(value)
+
+
+def unpack_u64(raw: bytes | memoryview | None, default: int = 0) -> int:
+    return default if raw is None else int(_U64.unpack(raw)[0])
