@@ -118,6 +118,13 @@ def open_fs(
         config_kwargs.setdefault("read_timeout", timeout_s)
         config_kwargs.setdefault("retries", {"max_attempts": 1, "mode": "standard"})
         options["config_kwargs"] = config_kwargs
+    elif protocol in ("http", "https") and "client_kwargs" not in options:
+        # aiohttp's default total timeout is five minutes; bound every request by ours.
+        import aiohttp
+
+        options["client_kwargs"] = {
+            "timeout": aiohttp.ClientTimeout(total=timeout_s, sock_connect=connect_timeout_s)
+        }
     try:
         fs, path = fsspec.core.url_to_fs(url, **options)
     except (ImportError, ValueError) as exc:
@@ -129,6 +136,20 @@ def open_fs(
     if hasattr(fs, "retries"):
         fs.retries = 1  # s3fs retries 5 times with its own sleeps unless told otherwise
     return fs, path
+
+
+def call(
+    fs: fsspec.AbstractFileSystem, method: str, *args: Any, timeout_s: float, **kwargs: Any
+) -> Any:
+    """Call ``fs.<method>(*args, **kwargs)`` bounded by ``timeout_s`` where the filesystem allows.
+
+    Async filesystems run the coroutine ``_<method>`` on their loop with a hard timeout (it is
+    cancelled when it expires; ``FSTimeoutError`` translates to RemoteTimeout). Synchronous ones
+    (local, memory) are called directly: they rely on the OS for timeouts.
+    """
+    if isinstance(fs, AsyncFileSystem) and not fs.asynchronous and hasattr(fs, "_" + method):
+        return sync(fs.loop, getattr(fs, "_" + method), *args, timeout=timeout_s, **kwargs)
+    return getattr(fs, method)(*args, **kwargs)
 
 
 def join_url(root: str, relative: str) -> str:

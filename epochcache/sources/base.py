@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Union
 
 from epochcache.errors import SourceError, SourceUnavailable
-from epochcache.remote import open_fs, redact_options, retry
+from epochcache.remote import call, open_fs, redact_options, retry
 
 if TYPE_CHECKING:
     from epochcache.config import SourceConfig
@@ -122,7 +122,7 @@ class Source(abc.ABC):
         cfg = self.config
 
         def find() -> dict[str, Any]:
-            found: dict[str, Any] = self.fs.find(self.root, detail=True)
+            found: dict[str, Any] = call(self.fs, "find", self.root, detail=True, timeout_s=cfg.timeout_s)
             return found
 
         try:
@@ -170,7 +170,12 @@ class Source(abc.ABC):
         else:
             fs, path, url = self.fs, self.object_path(manifest), self.object_url(manifest)
         refs = read_manifest(
-            fs, path, url=url, fmt=self.config.manifest_format, deadline_s=self.config.list_deadline_s
+            fs,
+            path,
+            url=url,
+            fmt=self.config.manifest_format,
+            deadline_s=self.config.list_deadline_s,
+            timeout_s=self.config.timeout_s,
         )
         refs.sort(key=lambda r: r.key)
         return refs

@@ -27,7 +27,7 @@ from typing import Any
 import fsspec
 
 from epochcache.errors import SourceError, SourceUnavailable
-from epochcache.remote import retry
+from epochcache.remote import call, retry
 from epochcache.sources.base import SampleRef
 
 logger = logging.getLogger(__name__)
@@ -111,6 +111,7 @@ def read_manifest(
     url: str,
     fmt: str = "auto",
     deadline_s: float = 10.0,
+    timeout_s: float = 30.0,
 ) -> list[SampleRef]:
     """Read a manifest into refs (in file order).
 
@@ -119,7 +120,12 @@ def read_manifest(
     """
     fmt = detect_format(path) if fmt == "auto" else fmt
     try:
-        data: bytes = retry(lambda: fs.cat_file(path), url=url, attempts=2, deadline_s=deadline_s)
+        data: bytes = retry(
+            lambda: call(fs, "cat_file", path, timeout_s=timeout_s),
+            url=url,
+            attempts=2,
+            deadline_s=deadline_s,
+        )
     except SourceError as exc:
         raise SourceUnavailable(
             f"{url}: cannot read the manifest ({exc}); check source.manifest", url

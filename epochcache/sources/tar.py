@@ -19,7 +19,7 @@ import tarfile
 from collections.abc import Iterator, Sequence
 
 from epochcache.errors import CorruptSample, SourceError, SourceUnavailable
-from epochcache.remote import fetch_many, retry
+from epochcache.remote import call, fetch_many, retry
 from epochcache.sources.base import FetchResult, SampleRef, Source
 from epochcache.sources.check import check_checksum, check_format, check_size
 from epochcache.sources.manifest import expand_braces
@@ -147,8 +147,12 @@ class TarSource(Source):
         first = self.object_path(keys[0])
         try:
             # Brace patterns are for buckets too big to list: probe one shard, cheaply, to fail fast.
-            retry(lambda: self.fs.info(first), url=self.object_url(keys[0]), attempts=2,
-                  deadline_s=cfg.list_deadline_s)
+            retry(
+                lambda: call(self.fs, "info", first, timeout_s=cfg.timeout_s),
+                url=self.object_url(keys[0]),
+                attempts=2,
+                deadline_s=cfg.list_deadline_s,
+            )
         except SourceError as exc:
             raise SourceUnavailable(
                 f"{self.url}: the first shard of {cfg.shards!r} is not readable ({exc}); check "

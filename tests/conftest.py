@@ -1,0 +1,110 @@
+"""Shared fixtures: a clean environment for every test, and a real S3 endpoint (moto's server).
+
+Importing this module has no side effects: the moto server starts the first time a test asks for
+``s3``, on 127.0.0.1 and a free port, and stops at the end of the session.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+_LEAKY_ENV_PREFIXES = ("AWS_", "EPOCHCACHE_")
+_LEAKY_ENV_NAMES = ("GROUP_RANK", "GROUP_WORLD_SIZE", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NNODES")
+
+
+@pytest.fixture(autouse=True)
+def clean_environ(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Drop credentials and node variables leaking from the machine: tests must not depend on them
+    (and must never reach a real account)."""
+    for name in list(os.environ):
+        if name.startswith(_LEAKY_ENV_PREFIXES) or name in _LEAKY_ENV_NAMES:
+            monkeypatch.delenv(name, raising=False)
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now (bind to port 0 and let the OS pick)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@pytest.fixture
+def unreachable_endpoint() -> str:
+    """An http endpoint on 127.0.0.1 where nothing listens (connections are refused at once)."""
+    return f"http://127.0.0.1:{free_port()}"
+
+
+@pytest.fixture
+def s3_options_for() -> Callable[[str], dict[str, Any]]:
+    """``s3_options_for(endpoint)``: storage_options with fake credentials for an endpoint."""
+    return s3_options
+
+
+@pytest.fixture(scope="session")
+def moto_endpoint() -> Iterator[str]:
+    """``http://127.0.0.1:<port>`` of a moto S3 server running for the whole session."""
+    from moto.server import ThreadedMotoServer
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.stop()
+
+
+@dataclass
+class S3Env:
+    """A fresh bucket on the moto server and the options to reach it."""
+
+    endpoint_url: str
+    bucket: str
+    storage_options: dict[str, Any] = field(default_factory=dict)
+
+    def url(self, prefix: str = "") -> str:
+        """``s3://<bucket>/<prefix>``."""
+        return f"s3://{self.bucket}/{prefix}".rstrip("/")
+
+
+def _reset_moto(endpoint: str) -> None:
+    request = urllib.request.Request(f"{endpoint}/moto-api/reset", method="POST")
+    with urllib.request.urlopen(request, timeout=10) as response:
+        response.read()
+
+
+def s3_options(endpoint: str) -> dict[str, Any]:
+    """storage_options for s3fs against the moto server (fake credentials)."""
+    return {
+        "key": "testing-key-id",
+        "secret": "testing-secret-value",
+        "endpoint_url": endpoint,
+        "client_kwargs": {"region_name": "us-west-2"},
+    }
+
+
+@pytest.fixture
+def s3(moto_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[S3Env]:
+    """A clean moto server (reset per test) with one empty bucket, ``test-bucket``."""
+    import s3fs
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing-key-id")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing-secret-value")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-west-2")
+    _reset_moto(moto_endpoint)
+    s3fs.S3FileSystem.clear_instance_cache()
+    options = s3_options(moto_endpoint)
+    fs = s3fs.S3FileSystem(**options)
+    fs.mkdir("test-bucket")
+    try:
+        yield S3Env(moto_endpoint, "test-bucket", options)
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()

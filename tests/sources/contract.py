@@ -1,0 +1,223 @@
+"""Contract tests every source backend passes (mixed into per-backend classes, as fsspec does).
+
+A backend class provides a ``backend`` fixture returning a :class:`Backend`: a root URL with its
+storage options and a way to write objects under it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import tarfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from epochcache.config import SourceConfig
+from epochcache.demo import write_demo_data
+from epochcache.errors import CorruptSample, PermanentRemoteError, SourceUnavailable
+from epochcache.sources import list_keys_cached, open_source, source_fingerprint
+
+
+@dataclass
+class Backend:
+    """Where a contract test writes its objects."""
+
+    root: str
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    put: Callable[[str, bytes], None] = lambda key, data: None
+
+    def url(self, sub: str = "") -> str:
+        return f"{self.root.rstrip('/')}/{sub}".rstrip("/") if sub else self.root
+
+    def source(self, sub: str = "", **fields: Any) -> SourceConfig:
+        return SourceConfig(url=self.url(sub), storage_options=self.storage_options, **fields)
+
+
+def npy_bytes(value: float = 1.0, shape: tuple[int, ...] = (4, 4)) -> bytes:
+    buffer = io.BytesIO()
+    np.save(buffer, np.full(shape, value, dtype=np.float32))
+    return buffer.getvalue()
+
+
+def tar_bytes(members: list[tuple[str, bytes]]) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as archive:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            archive.addfile(info, io.BytesIO(data))
+    return buffer.getvalue()
+
+
+class SourceContract:
+    """Behaviour shared by file://, memory:// and s3:// sources."""
+
+    def test_files_listing_with_pattern(self, backend: Backend) -> None:
+        write_demo_data(backend.url("d"), 12, "files", backend.storage_options)
+        source = open_source(backend.source("d", pattern="*.npy"))
+        refs = source.list_keys()
+        assert [r.key for r in refs] == [f"sample-{i:06d}.npy" for i in range(12)]
+        assert all(r.size == 1152 for r in refs)
+
+    def test_glob_levels(self, backend: Backend) -> None:
+        for key in ("a.npy", "x/b.npy", "x/y/c.npy", "x/notes.txt"):
+            backend.put(f"g/{key}", npy_bytes())
+        keys = lambda pattern: [r.key for r in open_source(backend.source("g", pattern=pattern)).list_keys()]  # noqa: E731
+        assert keys("*.npy") == ["a.npy"]
+        assert keys("**/*.npy") == ["a.npy", "x/b.npy", "x/y/c.npy"]
+        assert keys("x/*") == ["x/b.npy", "x/notes.txt"]
+        assert keys("**") == ["a.npy", "x/b.npy", "x/notes.txt", "x/y/c.npy"]
+
+    def test_fetch_files_returns_bytes_in_order(self, backend: Backend) -> None:
+        write_demo_data(backend.url("d"), 20, "files", backend.storage_options)
+        source = open_source(backend.source("d", pattern="*.npy"), concurrency=4)
+        refs = source.list_keys()
+        results = source.fetch_many(refs)
+        assert [r.key for r, _ in results] == [r.key for r in refs]
+        arrays = [np.load(io.BytesIO(p)) for _, p in results if isinstance(p, bytes)]
+        assert len(arrays) == 20 and arrays[0].shape == (16, 16) and arrays[0].dtype == np.float32
+
+    def test_missing_object_is_permanent_error_with_key(self, backend: Backend) -> None:
+        write_demo_data(backend.url("d"), 3, "files", backend.storage_options)
+        source = open_source(backend.source("d"))
+        from epochcache.sources import SampleRef
+
+        [(ref, result)] = source.fetch_many([SampleRef("nope.npy")])
+        assert isinstance(result, PermanentRemoteError)
+        assert "nope.npy" in str(result) and "nope.npy" in result.url
+
+    def test_tar_groups_members_into_samples(self, backend: Backend) -> None:
+        write_demo_data(backend.url("d"), 25, "tar", backend.storage_options, samples_per_shard=10)
+        source = open_source(backend.source("d", layout="tar"))
+        shards = source.list_keys()
+        assert [s.key for s in shards] == ["shard-000000.tar", "shard-000001.tar", "shard-000002.tar"]
+        results = source.fetch_many(shards)
+        assert len(results) == 25
+        ref, fields = results[11]
+        assert ref.key == "shard-000001.tar/000011" and ref.shard == "shard-000001.tar"
+        assert ref.members == ("000011.npy", "000011.cls")
+        assert isinstance(fields, dict) and set(fields) == {"npy", "cls"}
+        assert fields["cls"] == b"3"  # class = index % 4
+        assert len({r.key for r, _ in results}) == 25
+
+    def test_tar_shards_brace_pattern(self, backend: Backend) -> None:
+        write_demo_data(backend.url("d"), 30, "tar", backend.storage_options, samples_per_shard=10)
+        source = open_source(backend.source("d", layout="tar", shards="shard-{000000..000002}.tar"))
+        assert len(source.list_keys()) == 3
+        missing = open_source(backend.source("d", layout="tar", shards="other-{00..02}.tar"))
+        with pytest.raises(SourceUnavailable, match="other-"):
+            missing.list_keys()
+
+    @pytest.mark.parametrize("name", ["manifest.csv", "manifest.jsonl", "keys.txt"])
+    def test_manifest_formats(self, backend: Backend, name: str) -> None:
+        write_demo_data(backend.url("d"), 8, "files", backend.storage_options)
+        if name == "keys.txt":
+            backend.put("d/keys.txt", b"# keys\n" + b"".join(f"sample-{i:06d}.npy\n".encode() for i in range(8)))
+        refs = open_source(backend.source("d", manifest=name)).list_keys()
+        assert [r.key for r in refs] == [f"sample-{i:06d}.npy" for i in range(8)]
+        if name != "keys.txt":
+            assert all(r.size == 1152 and r.checksum and len(r.checksum) == 64 for r in refs)
+
+    def test_manifest_weights_and_subset_columns(self, backend: Backend) -> None:
+        backend.put("m/a.bin", b"a")
+        backend.put("m/manifest.csv", b"key,weight\na.bin,2.5\nb.bin,0\n")
+        refs = open_source(backend.source("m", manifest="manifest.csv")).list_keys()
+        assert [(r.key, r.weight, r.size) for r in refs] == [("a.bin", 2.5, None), ("b.bin", 0.0, None)]
+        backend.put("m/bad.csv", b"name,size\na,1\n")
+        with pytest.raises(SourceUnavailable, match="key"):
+            open_source(backend.source("m", manifest="bad.csv")).list_keys()
+
+    def test_checksum_and_size_mismatch_are_corrupt(self, backend: Backend) -> None:
+        good, bad = npy_bytes(1.0), npy_bytes(2.0)
+        backend.put("c/good.npy", good)
+        backend.put("c/bad.npy", bad)
+        backend.put("c/short.npy", good)
+        manifest = (
+            f'{{"key":"good.npy","checksum":"sha256:{hashlib.sha256(good).hexdigest()}"}}\n'
+            f'{{"key":"bad.npy","checksum":"{hashlib.sha256(good).hexdigest()}"}}\n'
+            f'{{"key":"short.npy","size":{len(good) + 1}}}\n'
+        )
+        backend.put("c/manifest.jsonl", manifest.encode())
+        source = open_source(backend.source("c", manifest="manifest.jsonl"))
+        results = {r.key: p for r, p in source.fetch_many(source.list_keys())}
+        assert isinstance(results["good.npy"], bytes)
+        assert isinstance(results["bad.npy"], CorruptSample) and results["bad.npy"].key == "bad.npy"
+        assert "sha256 mismatch" in str(results["bad.npy"])
+        assert isinstance(results["short.npy"], CorruptSample) and "size" in str(results["short.npy"])
+
+    def test_truncated_objects_fail_format_checks(self, backend: Backend) -> None:
+        import gzip
+
+        backend.put("f/ok.npy", npy_bytes())
+        backend.put("f/cut.npy", npy_bytes()[:-7])
+        backend.put("f/cut.json.gz", gzip.compress(b'{"a": 1}' * 50)[:-9])
+        backend.put("f/bad.json", b'{"a": ')
+        source = open_source(backend.source("f"))
+        results = {r.key: p for r, p in source.fetch_many(source.list_keys())}
+        assert isinstance(results["ok.npy"], bytes)
+        for key in ("cut.npy", "cut.json.gz", "bad.json"):
+            assert isinstance(results[key], CorruptSample), key
+            assert results[key].key == key
+        unchecked = open_source(backend.source("f", checks=[]))
+        assert all(isinstance(p, bytes) for _, p in unchecked.fetch_many(unchecked.list_keys()))
+
+    def test_corrupt_tar_member_is_quarantined_not_fatal(self, backend: Backend) -> None:
+        members = []
+        for i in range(4):
+            members += [(f"{i:03d}.npy", npy_bytes(i)), (f"{i:03d}.cls", str(i).encode())]
+        members[2] = ("001.npy", npy_bytes(1)[:-5])  # a bad member inside a well-formed tar
+        backend.put("t/a.tar", tar_bytes(members))
+        whole = tar_bytes([(f"{i:03d}.npy", npy_bytes(i)) for i in range(6)])
+        backend.put("t/b.tar", whole[: 512 * 7 + 100])  # truncated shard, mid-member
+        source = open_source(backend.source("t", layout="tar"))
+        results = source.fetch_many(source.list_keys())
+        outcome = {r.key: type(p).__name__ for r, p in results}
+        assert outcome["a.tar/000"] == "dict" and outcome["a.tar/002"] == "dict"
+        assert outcome["a.tar/001"] == "CorruptSample"
+        good_b = [k for k, v in outcome.items() if k.startswith("b.tar/") and v == "dict"]
+        bad_b = [k for k, v in outcome.items() if k.startswith("b.tar") and v == "CorruptSample"]
+        assert good_b and len(bad_b) == 1
+        corrupt = dict((r.key, p) for r, p in results)[bad_b[0]]
+        assert isinstance(corrupt, CorruptSample) and corrupt.key == bad_b[0]
+
+    def test_empty_prefix_fails_fast_with_url_and_pattern(self, backend: Backend) -> None:
+        backend.put("e/other.txt", b"x")
+        start = time.monotonic()
+        with pytest.raises(SourceUnavailable) as info:
+            open_source(backend.source("e", pattern="*.npy")).list_keys()
+        assert time.monotonic() - start < 5
+        assert backend.url("e") in str(info.value) and "*.npy" in str(info.value)
+        assert "source.pattern" in str(info.value)
+
+    def test_missing_root_fails_fast(self, backend: Backend) -> None:
+        start = time.monotonic()
+        with pytest.raises(SourceUnavailable) as info:
+            open_source(backend.source("does-not-exist")).list_keys()
+        assert time.monotonic() - start < 5
+        assert "does-not-exist" in str(info.value)
+
+    def test_listing_cache_round_trip(self, backend: Backend, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        write_demo_data(backend.url("d"), 5, "files", backend.storage_options)
+        source = open_source(backend.source("d", pattern="*.npy"))
+        first = list_keys_cached(source, tmp_path)
+        saved = list((tmp_path / "listings").iterdir())
+        assert [p.name for p in saved] == [f"{source_fingerprint(source.config)}.jsonl.gz"]
+        secret_free = saved[0].read_bytes()
+        for value in _secret_strings(backend.storage_options):
+            assert value.encode() not in secret_free
+
+        def fail() -> None:
+            raise AssertionError("re-listed although a listing was saved")
+
+        monkeypatch.setattr(source, "list_keys", fail)
+        assert list_keys_cached(source, tmp_path) == first
+
+
+def _secret_strings(options: dict[str, Any]) -> list[str]:
+    return [v for k, v in options.items() if k in ("key", "secret") and isinstance(v, str)]

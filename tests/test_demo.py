@@ -1,0 +1,102 @@
+"""The demo-data writer: both layouts, manifests that verify, learnable classes, any fsspec URL."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import hashlib
+import io
+import json
+import tarfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pytest
+
+from epochcache.config import SourceConfig
+from epochcache.demo import add_demo_data_parser, make_samples, write_demo_data
+from epochcache.sources import open_source
+
+if TYPE_CHECKING:
+    from .conftest import S3Env
+
+
+def test_both_layouts_on_local_disk(tmp_path: Path) -> None:
+    summary = write_demo_data(f"file://{tmp_path}", samples=25, layout="both", samples_per_shard=10)
+    assert summary["samples"] == 25
+    files, tar = summary["layouts"]["files"], summary["layouts"]["tar"]
+    assert files["keys"] == 25 and files["objects"] == 27 and tar["keys"] == 3
+    assert sorted(p.name for p in (tmp_path / "tar").iterdir()) == [
+        "manifest.csv", "manifest.jsonl", "shard-000000.tar", "shard-000001.tar", "shard-000002.tar"]
+    with tarfile.open(tmp_path / "tar" / "shard-000001.tar") as archive:
+        assert archive.getnames()[:4] == ["000010.npy", "000010.cls", "000011.npy", "000011.cls"]
+    rows = list(csv.DictReader((tmp_path / "files" / "manifest.csv").open()))
+    assert [r["key"] for r in rows][:2] == ["sample-000000.npy", "sample-000001.npy"]
+    data = (tmp_path / "files" / "sample-000003.npy").read_bytes()
+    assert rows[3] == {"key": "sample-000003.npy", "size": str(len(data)),
+                       "checksum": hashlib.sha256(data).hexdigest(), "label": "3"}
+    lines = [json.loads(x) for x in (tmp_path / "tar" / "manifest.jsonl").read_text().splitlines()]
+    assert [x["key"] for x in lines] == ["shard-000000.tar", "shard-000001.tar", "shard-000002.tar"]
+
+
+def test_manifest_checksums_verify_through_a_source(tmp_path: Path) -> None:
+    write_demo_data(f"file://{tmp_path}", samples=12, layout="tar", samples_per_shard=5)
+    source = open_source(SourceConfig(url=f"file://{tmp_path}", layout="tar", manifest="manifest.csv"))
+    results = source.fetch_many(source.list_keys())
+    assert len(results) == 12 and all(isinstance(p, dict) for _, p in results)
+
+
+def test_classes_are_learnable_and_deterministic() -> None:
+    payloads, labels = make_samples(400, num_classes=4, seed=3)
+    arrays = np.stack([np.load(io.BytesIO(p)) for p in payloads])
+    assert arrays.dtype == np.float32 and arrays.shape == (400, 16, 16)
+    assert labels[:5] == [0, 1, 2, 3, 0]
+    means = np.stack([arrays[np.array(labels) == c].mean(0) for c in range(4)])
+    # nearest class mean classifies far better than chance (0.25)
+    distances = ((arrays[:, None] - means[None]) ** 2).sum(axis=(2, 3))
+    assert (distances.argmin(1) == np.array(labels)).mean() > 0.9
+    again, _ = make_samples(400, num_classes=4, seed=3)
+    assert again == payloads
+
+
+def test_sample_bytes_sets_object_size() -> None:
+    payloads, _ = make_samples(2, sample_bytes=16 * 1024)
+    assert len(payloads[0]) == 16 * 1024
+    with pytest.raises(ValueError, match="sample_bytes"):
+        make_samples(1, sample_bytes=10)
+
+
+def test_memory_url_files_only() -> None:
+    import fsspec
+
+    summary = write_demo_data("memory://demo-test-files", samples=3, layout="files")
+    fs = fsspec.filesystem("memory")
+    try:
+        assert fs.cat_file("/demo-test-files/sample-000002.npy")[:6] == b"\x93NUMPY"
+        assert summary["layouts"]["files"]["url"] == "memory://demo-test-files"
+    finally:
+        fs.rm("/demo-test-files", recursive=True)
+
+
+def test_s3_both_layouts(s3: S3Env) -> None:
+    write_demo_data(s3.url("demo"), samples=30, layout="both", storage_options=s3.storage_options)
+    files = open_source(SourceConfig(url=s3.url("demo/files"), pattern="*.npy", storage_options=s3.storage_options))
+    assert len(files.list_keys()) == 30
+    tar = open_source(SourceConfig(url=s3.url("demo/tar"), layout="tar", storage_options=s3.storage_options))
+    assert sum(1 for _ in tar.fetch_many(tar.list_keys())) == 30
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="samples"):
+        write_demo_data("memory://x", samples=0)
+    with pytest.raises(ValueError, match="layout"):
+        write_demo_data("memory://x", samples=1, layout="zip")  # type: ignore[arg-type]
+
+
+def test_cli_parser_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser()
+    add_demo_data_parser(parser.add_subparsers())
+    args = parser.parse_args(["demo-data", f"file://{tmp_path}", "--samples", "4", "--layout", "files"])
+    assert args.func(args) == 0
+    assert "files: 4 keys" in capsys.readouterr().out

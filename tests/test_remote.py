@@ -1,0 +1,231 @@
+"""Remote access: error translation, retry with backoff against real flaky servers, timeouts."""
+
+from __future__ import annotations
+
+import http.server
+import random
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from epochcache.errors import PermanentRemoteError, RemoteTimeout, SourceUnavailable
+from epochcache.remote import (
+    BandwidthLimiter,
+    call,
+    fetch_many,
+    open_fs,
+    redact_options,
+    retry,
+    translate_error,
+    translate_errors,
+)
+
+if TYPE_CHECKING:
+    from .conftest import S3Env
+
+
+class FlakyHandler(http.server.BaseHTTPRequestHandler):
+    """``/flaky-N/x`` fails with 503 N times, ``/slow`` sleeps 3 s, ``/missing`` 404, ``/forbidden`` 403."""
+
+    hits: Counter[str] = Counter()
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        self.hits[self.path] += 1
+        count = self.hits[self.path]
+        if self.path.startswith("/flaky-"):
+            failures = int(self.path.split("-")[1].split("/")[0])
+            status = 503 if count <= failures else 200
+        elif self.path == "/slow":
+            time.sleep(3)
+            status = 200
+        else:
+            status = {"/missing": 404, "/forbidden": 403}.get(self.path, 200)
+        body = b"payload:" + self.path.encode() if status == 200 else b"nope"
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        try:
+            self.wfile.write(body)
+        except BrokenPipeError:
+            pass  # the client gave up on /slow after its timeout: expected
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+class _Server(http.server.ThreadingHTTPServer):
+    request_queue_size = 128  # the default listen backlog of 5 drops concurrent connects
+    daemon_threads = True
+
+
+@pytest.fixture
+def http_server() -> Iterator[str]:
+    FlakyHandler.hits = Counter()
+    server = _Server(("127.0.0.1", 0), FlakyHandler)  # port 0: the OS picks a free port
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_retry_recovers_from_transient_http_errors(http_server: str) -> None:
+    url = f"{http_server}/flaky-2/a"
+    fs, _ = open_fs(url, timeout_s=5)
+    data = retry(lambda: call(fs, "cat_file", url, timeout_s=5), url=url, attempts=5, base_s=0.01)
+    assert data == b"payload:/flaky-2/a"
+    assert FlakyHandler.hits["/flaky-2/a"] == 3
+
+
+def test_retry_gives_up_after_attempts_with_url(http_server: str) -> None:
+    url = f"{http_server}/flaky-99/b"
+    fs, _ = open_fs(url, timeout_s=5)
+    with pytest.raises(SourceUnavailable) as info:
+        retry(lambda: call(fs, "cat_file", url, timeout_s=5), url=url, attempts=3, base_s=0.01)
+    assert url in str(info.value) and info.value.url == url
+    assert FlakyHandler.hits["/flaky-99/b"] == 3
+
+
+@pytest.mark.parametrize("path", ["/missing", "/forbidden"])
+def test_permanent_errors_are_not_retried(http_server: str, path: str) -> None:
+    url = f"{http_server}{path}"
+    fs, _ = open_fs(url, timeout_s=5)
+    with pytest.raises(PermanentRemoteError, match=path):
+        retry(lambda: call(fs, "cat_file", url, timeout_s=5), url=url, attempts=5, base_s=0.01)
+    assert FlakyHandler.hits[path] == 1
+
+
+def test_timeout_raises_remote_timeout_with_url(http_server: str) -> None:
+    url = f"{http_server}/slow"
+    fs, _ = open_fs(url, timeout_s=5)
+    start = time.monotonic()
+    with pytest.raises(RemoteTimeout) as info, translate_errors(url):
+        call(fs, "cat_file", url, timeout_s=0.5)
+    assert time.monotonic() - start < 2.5
+    assert url in str(info.value) and isinstance(info.value, TimeoutError)
+
+
+def test_fetch_many_returns_per_object_results(http_server: str) -> None:
+    fs, _ = open_fs(http_server, timeout_s=5)
+    urls = [f"{http_server}/ok/{i}" for i in range(20)] + [f"{http_server}/missing", f"{http_server}/slow"]
+    start = time.monotonic()
+    results = fetch_many(fs, urls, concurrency=8, timeout_s=0.7)
+    assert time.monotonic() - start < 2.5
+    assert [p for p, _ in results] == urls
+    assert [v for _, v in results[:20]] == [f"payload:/ok/{i}".encode() for i in range(20)]
+    assert isinstance(results[20][1], PermanentRemoteError)
+    assert isinstance(results[21][1], RemoteTimeout) and "/slow" in str(results[21][1])
+
+
+def test_fetch_many_thread_path_for_sync_filesystems(tmp_path: Any) -> None:
+    (tmp_path / "a").write_bytes(b"A")
+    fs, root = open_fs(f"file://{tmp_path}")
+    results = fetch_many(fs, [f"{root}/a", f"{root}/b"], concurrency=2, timeout_s=5)
+    assert results[0][1] == b"A" and isinstance(results[1][1], PermanentRemoteError)
+
+
+def _start_moto(port: int) -> Any:
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    return server
+
+
+def _stop_moto(server: Any) -> None:
+    server.stop()
+    server._server.server_close()  # stop() leaves the socket listening; free the port for a restart
+
+
+def test_s3_outage_then_recovery_is_retried(s3: S3Env, unreachable_endpoint: str,
+                                            s3_options_for: Any) -> None:
+    import s3fs
+
+    s3fs.S3FileSystem(**s3.storage_options).pipe_file(f"{s3.bucket}/obj", b"data")
+    port = int(unreachable_endpoint.rsplit(":", 1)[1])
+    server = _start_moto(port)  # a second endpoint on moto's shared in-process state
+    try:
+        fs, _ = open_fs("s3://", s3_options_for(unreachable_endpoint), timeout_s=5, connect_timeout_s=1)
+        url = f"s3://{s3.bucket}/obj"
+        assert call(fs, "cat_file", f"{s3.bucket}/obj", timeout_s=5) == b"data"
+        _stop_moto(server)
+        with pytest.raises(SourceUnavailable, match=url), translate_errors(url):
+            call(fs, "cat_file", f"{s3.bucket}/obj", timeout_s=5)
+        restarter = threading.Timer(0.8, lambda: globals().__setitem__("_restarted", _start_moto(port)))
+        restarter.start()
+        start = time.monotonic()
+        data = retry(lambda: call(fs, "cat_file", f"{s3.bucket}/obj", timeout_s=5), url=url,
+                     attempts=20, base_s=0.1, max_s=0.4, deadline_s=15)
+        assert data == b"data" and time.monotonic() - start >= 0.5
+        restarter.join()
+        server = globals().pop("_restarted")
+    finally:
+        _stop_moto(server)
+        s3fs.S3FileSystem.clear_instance_cache()
+
+
+def test_backoff_has_full_jitter_and_respects_deadline() -> None:
+    delays: list[float] = []
+
+    def fail() -> None:
+        raise ConnectionRefusedError("refused")
+
+    with pytest.raises(SourceUnavailable):
+        retry(fail, url="x://y", attempts=6, base_s=0.1, max_s=0.5, sleep=delays.append, rng=random.Random(1))
+    assert len(delays) == 5
+    assert all(0 <= d <= min(0.5, 0.1 * 2**i) for i, d in enumerate(delays))
+    calls = 0
+
+    def slow_fail() -> None:
+        nonlocal calls
+        calls += 1
+        time.sleep(0.05)
+        raise TimeoutError()
+
+    start = time.monotonic()
+    with pytest.raises(RemoteTimeout):
+        retry(slow_fail, url="x://y", attempts=1000, base_s=0.01, max_s=0.02, deadline_s=0.3)
+    assert time.monotonic() - start < 0.6 and calls < 20
+
+
+def test_translate_error_classes() -> None:
+    from botocore.exceptions import EndpointConnectionError, ReadTimeoutError
+
+    assert isinstance(translate_error(FileNotFoundError("k"), "u"), PermanentRemoteError)
+    assert isinstance(translate_error(PermissionError("k"), "u"), PermanentRemoteError)
+    assert isinstance(translate_error(TimeoutError(), "u"), RemoteTimeout)
+    assert isinstance(translate_error(ConnectionResetError(), "u"), SourceUnavailable)
+    assert isinstance(translate_error(EndpointConnectionError(endpoint_url="http://h"), "u"), SourceUnavailable)
+    assert isinstance(translate_error(ReadTimeoutError(endpoint_url="http://h"), "u"), RemoteTimeout)
+    error = translate_error(OSError("boom"), "s3://b/k")
+    assert error.url == "s3://b/k" and "s3://b/k" in str(error)
+    with pytest.raises(ValueError):  # not a remote library error: untouched
+        with translate_errors("u"):
+            raise ValueError("mine")
+
+
+def test_redact_options_masks_nested_credentials() -> None:
+    options = {"key": "AKIA", "secret": "s3cr3t", "token": "t", "endpoint_url": "http://e",
+               "client_kwargs": {"region_name": "r", "aws_session_token": "tok"}, "anon": False}
+    assert redact_options(options) == {"key": "***", "secret": "***", "token": "***", "endpoint_url": "http://e",
+                                       "client_kwargs": {"region_name": "r", "aws_session_token": "***"},
+                                       "anon": False}
+    assert options["secret"] == "s3cr3t"  # a copy
+
+
+def test_bandwidth_limiter_keeps_the_average_rate() -> None:
+    limiter = BandwidthLimiter(100_000, burst_s=0.1)
+    start = time.monotonic()
+    threads = [threading.Thread(target=limiter.consume, args=(10_000,)) for _ in range(5)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    # 50 kB at 100 kB/s with a 10 kB burst: about 0.4 s, whether callers are serial or concurrent
+    assert 0.35 < time.monotonic() - start < 0.8
+    with pytest.raises(ValueError, match="bandwidth"):
+        BandwidthLimiter(0)
