@@ -30,7 +30,7 @@ from .snapshot import Snapshot
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from .config import Config
+    from .config import EpochcacheConfig as Config
 
 
 def load_config(path: str) -> Config:

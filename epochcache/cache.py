@@ -42,6 +42,7 @@ from .schema import (
     QUARANTINE_MAX_ROWS,
     pack_u64,
     seq_key,
+    seq_keys,
     unpack_u64,
 )
 from .snapshot import Snapshot, select_snapshot
@@ -259,12 +260,13 @@ class Cache:
         timeout_s: float | None = None,
         stop: threading.Event | None = None,
     ) -> PutResult:
-        """Store samples in one transaction; samples whose key is already cached are skipped.
+        """Store samples; samples whose key is already cached are skipped.
 
         Eviction makes room, oldest first. When leases pin too much to stay within capacity +
         headroom, the call waits (back-pressure) until space returns, ``timeout_s`` passes or
-        ``stop`` is set; with ``wait=False`` it raises :class:`CacheFull` at once. Either all of
-        the batch is committed or none of it.
+        ``stop`` is set; with ``wait=False`` it raises :class:`CacheFull` at once. Samples are
+        committed in order, as many per transaction as fit; when the call returns, every
+        sample is committed. A :class:`CacheFull` carries ``.result``, what was committed.
 
         Args:
             items: ``(source key, value)`` pairs; a value is ``bytes`` or a dict of fields.
@@ -272,55 +274,66 @@ class Cache:
 
         Raises:
             CacheFull: no room and ``wait`` is False, the timeout passed, or ``stop`` was set.
-            SampleTooLarge: the batch could never fit the capacity.
+            SampleTooLarge: a sample could never fit the capacity.
         """
         batch: dict[bytes, bytes] = {}
         for key, value in items:
             record = value if encoded else self.encode(key, value)
+            if len(record) > self.capacity_bytes:
+                raise SampleTooLarge(
+                    f"{self.path}: sample {key!r} is {format_size(len(record))}, larger than the "
+                    f"cache capacity {format_size(self.capacity_bytes)}; raise cache.capacity"
+                )
             batch.setdefault(key.encode("utf-8"), record)  # type: ignore[arg-type]
-        if not batch:
-            return PutResult()
-        incoming = sum(len(r) for r in batch.values())
-        if incoming > self.capacity_bytes:
-            raise SampleTooLarge(
-                f"{self.path}: a batch of {format_size(incoming)} cannot fit a cache of "
-                f"{format_size(self.capacity_bytes)}; raise cache.capacity or commit smaller batches"
-            )
+        pending = list(batch.items())
+        total = PutResult()
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         delay, attempts_full = 0.02, 0
-        while True:
+        while pending:
             limit = self.effective_capacity
             try:
-                result, blocked = self._store.write(lambda txn: self._put_txn(txn, batch, limit))
+                result, pending, blocked = self._store.write(
+                    lambda txn: self._put_txn(txn, pending, limit)
+                )
             except (lmdb.MapFullError, lmdb.DiskError) as exc:
                 attempts_full += 1
                 if attempts_full > 8:
                     raise CacheError(
                         f"{self.path}: disk full even after lowering the capacity; free disk space"
                     ) from exc
-                self._lower_capacity(exc, incoming)
+                self._lower_capacity(exc, sum(len(r) for _, r in pending))
                 continue
-            if blocked is None:
-                return result
-            if not wait or (stop is not None and stop.is_set()):
-                raise CacheFull(self._full_message(blocked))
-            if deadline is not None and time.monotonic() >= deadline:
-                raise CacheFull(self._full_message(blocked))
+            total.inserted += result.inserted
+            total.skipped += result.skipped
+            total.evicted += result.evicted
+            total.seqs.extend(result.seqs)
+            if blocked is None or not pending:
+                continue
+            if result.inserted:
+                delay = 0.02  # progress: space is coming back
+            expired = deadline is not None and time.monotonic() >= deadline
+            if not wait or expired or (stop is not None and stop.is_set()):
+                error = CacheFull(self._full_message(blocked))
+                error.result = total
+                raise error
             self._log_waiting(blocked)
             if stop is not None:
                 stop.wait(delay)
             else:
                 time.sleep(delay)
             delay = min(delay * 2, 1.0)
+        return total
 
     def _put_txn(
-        self, txn: lmdb.Transaction, batch: dict[bytes, bytes], limit: int
-    ) -> tuple[PutResult, Lease | None]:
+        self, txn: lmdb.Transaction, pending: list[tuple[bytes, bytes]], limit: int
+    ) -> tuple[PutResult, list[tuple[bytes, bytes]], Lease | None]:
+        """Commit the longest prefix of ``pending`` that fits; return the rest and the blocker."""
         meta, keys_db = self.dbs[DB_META], self.dbs[DB_KEYS]
         counters = Counters.load(txn, meta)
-        fresh = [(k, r) for k, r in batch.items() if txn.get(k, db=keys_db) is None]
-        result = PutResult(skipped=len(batch) - len(fresh))
+        fresh = [(k, r) for k, r in pending if txn.get(k, db=keys_db) is None]
+        result = PutResult(skipped=len(pending) - len(fresh))
         incoming = sum(len(r) for _, r in fresh)
+        blocker: Lease | None = None
         if counters.bytes + incoming > limit:
             leases = read_leases(txn, self.dbs[DB_LEASES])
             evicted = evict_oldest(txn, self.dbs, counters, max(0, limit - incoming), leases)
@@ -329,24 +342,36 @@ class Cache:
                 more = evict_oldest(txn, self.dbs, counters, max(0, limit - incoming), leases)
                 evicted = Eviction(evicted.count + more.count, evicted.bytes + more.bytes, more.blocked_by)
             result.evicted = evicted.count
-            if counters.bytes + incoming > limit + self.headroom_bytes:
-                counters.save(txn, meta)  # keep the evictions that were made
+            room = limit + self.headroom_bytes - counters.bytes
+            if incoming > room:
                 blocker = evicted.blocked_by or Lease.new(0, 0, 0, label="(none: disk limit)")
-                return result, blocker
+                fits, used = 0, 0
+                for _, record in fresh:
+                    if used + len(record) > room:
+                        break
+                    used += len(record)
+                    fits += 1
+                fresh, rest = fresh[:fits], fresh[fits:]
+                incoming = used
+            else:
+                rest = []
+        else:
+            rest = []
         first = counters.next_seq
         result.seqs = list(range(first, first + len(fresh)))
-        cursor = txn.cursor(db=self.dbs[DB_SAMPLES])
-        # Sequence keys are big-endian and increasing, so append=True is valid (the fast path).
-        cursor.putmulti([(seq_key(s), r) for s, (_, r) in zip(result.seqs, fresh)], append=True)
-        for seq, (key, _) in zip(result.seqs, fresh):
-            txn.put(key, seq_key(seq), db=keys_db)
+        if fresh:
+            cursor = txn.cursor(db=self.dbs[DB_SAMPLES])
+            # Sequence keys are big-endian and increasing, so append=True is valid (fast path).
+            cursor.putmulti([(seq_key(s), r) for s, (_, r) in zip(result.seqs, fresh)], append=True)
+            for seq, (key, _) in zip(result.seqs, fresh):
+                txn.put(key, seq_key(seq), db=keys_db)
         counters.next_seq += len(fresh)
         counters.samples += len(fresh)
         counters.inserted += len(fresh)
         counters.bytes += incoming
         counters.save(txn, meta)
         result.inserted = len(fresh)
-        return result, None
+        return result, rest, blocker
 
     def _reclaim(self, txn: lmdb.Transaction) -> list[Lease]:
         dead = reclaim_dead(txn, self.dbs[DB_LEASES], self.lease_timeout_s)
@@ -400,23 +425,23 @@ class Cache:
         Raises:
             KeyError: the sample is not in the cache (evicted, or never written).
         """
-        with self._store.read() as txn:
-            record = txn.get(seq_key(int(seq)), db=self.dbs[DB_SAMPLES])
-            if record is None:
-                raise KeyError(f"sample {seq} is not in the cache at {self.path}")
-            return codec.decode_payload(record)
+        return self.get_many([seq])[0]
 
     def get_many(self, seqs: Sequence[int] | np.ndarray) -> list[bytes | dict[str, bytes]]:
-        """Values of several samples, read in one transaction."""
-        out: list[bytes | dict[str, bytes]] = []
-        samples_db = self.dbs[DB_SAMPLES]
-        with self._store.read() as txn:
-            for seq in seqs:
-                record = txn.get(seq_key(int(seq)), db=samples_db)
-                if record is None:
-                    raise KeyError(f"sample {seq} is not in the cache at {self.path}")
-                out.append(codec.decode_payload(record))
-        return out
+        """Values of several samples, read in one transaction (the batched read path).
+
+        Raises:
+            KeyError: a sample is not in the cache (evicted, or never written).
+        """
+        keys = seq_keys(seqs)
+        values = self._store.read_many(self.dbs[DB_SAMPLES], keys, codec.decode_payload)
+        if None in values:
+            missing = [int(s) for s, v in zip(seqs, values) if v is None]
+            raise KeyError(
+                f"samples {missing[:10]} are not in the cache at {self.path} (evicted: was their "
+                "snapshot released?)"
+            )
+        return values  # type: ignore[return-value]
 
     def get_records(self, seqs: Sequence[int] | np.ndarray) -> list[bytes]:
         """Stored records (header, key, payload) as bytes, for readers that decode themselves."""

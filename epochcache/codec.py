@@ -29,13 +29,19 @@ _FIELD_COUNT = struct.Struct("<I")
 _FIELD_ENTRY = struct.Struct("<HQ")
 
 _local = threading.local()
+_unpack_header = HEADER.unpack_from
+_pack_header = HEADER.pack
+_HEADER_SIZE = HEADER.size
+_RAW, _ZSTD, _FIELDS = int(Codec.RAW), int(Codec.ZSTD), int(RecordFlags.FIELDS)
 
 
 def _compressor(level: int) -> zstandard.ZstdCompressor:
-    cache: dict[int, zstandard.ZstdCompressor] = _local.__dict__.setdefault("compressors", {})
-    if level not in cache:
+    try:
+        return _local.compressors[level]  # type: ignore[no-any-return]
+    except (AttributeError, KeyError):
+        cache = _local.__dict__.setdefault("compressors", {})
         cache[level] = zstandard.ZstdCompressor(level=level, write_checksum=False)
-    return cache[level]
+        return cache[level]  # type: ignore[no-any-return]
 
 
 def _decompressor() -> zstandard.ZstdDecompressor:
@@ -83,14 +89,18 @@ def encode_record(
     key: str, value: bytes | Mapping[str, bytes], *, level: int = 3, compress: bool = True
 ) -> bytes:
     """Frame one sample as a record: header, source key, payload (zstd or raw)."""
-    flags = RecordFlags.NONE
-    if isinstance(value, Mapping):
+    # Plain ints and a bytes check first: ABC isinstance checks and enum arithmetic cost
+    # microseconds, as much as compressing a small sample.
+    flags = 0
+    if type(value) is bytes:
+        raw = value
+    elif isinstance(value, Mapping):
         raw = pack_fields(value)
-        flags |= RecordFlags.FIELDS
+        flags = _FIELDS
     else:
-        raw = bytes(value) if not isinstance(value, bytes) else value
-    codec, payload = Codec.RAW, raw
-    if compress and len(raw) >= 64:
+        raw = bytes(value)
+    codec, payload = _RAW, raw
+    if compress and len(raw) >= 128:
         cctx = _compressor(level)
         # Trial-compress a prefix first: incompressible data is common and a full pass over
         # it would cost the sampler most of its CPU for nothing.
@@ -101,11 +111,11 @@ def encode_record(
         if worth_trying:
             packed = cctx.compress(raw)
             if len(packed) <= len(raw) * (1 - MIN_SAVING):
-                codec, payload = Codec.ZSTD, packed
+                codec, payload = _ZSTD, packed
     key_bytes = key.encode("utf-8")
     if len(key_bytes) > 0xFFFF:
         raise ValueError(f"sample key is longer than 65535 bytes: {key[:80]!r}...")
-    header = HEADER.pack(
+    header = _pack_header(
         FORMAT_VERSION,
         codec,
         flags,
@@ -151,16 +161,16 @@ def decode_payload(record: bytes | memoryview) -> bytes | dict[str, bytes]:
     """Return a record's raw payload: ``bytes``, or a dict of fields for tar samples.
 
     This is the read hot path: one header unpack, then one copy (raw) or one decompression.
+    Plain ints, not the enums: an IntFlag ``&`` costs more than copying a 1 KiB sample.
     """
-    _version, codec, flags, _crc, raw_size, _ns, key_len = HEADER.unpack_from(record, 0)
-    body = memoryview(record)[HEADER.size + key_len :]
-    if codec == Codec.RAW:
-        raw = bytes(body)
-    elif codec == Codec.ZSTD:
-        raw = _decompressor().decompress(body, max_output_size=raw_size)
+    _version, codec, flags, _crc, raw_size, _ns, key_len = _unpack_header(record)
+    if codec == _RAW:
+        raw = bytes(record[_HEADER_SIZE + key_len :])
+    elif codec == _ZSTD:
+        raw = _decompressor().decompress(record[_HEADER_SIZE + key_len :], max_output_size=raw_size)
     else:
         raise CacheCorrupted(f"record has unknown codec {codec}")
-    if flags & RecordFlags.FIELDS:
+    if flags & _FIELDS:
         return unpack_fields(raw)
     return raw
 

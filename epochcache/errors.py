@@ -70,8 +70,11 @@ class CacheCorrupted(CacheError):
 class CacheFull(CacheError):
     """The cache is at capacity plus headroom and nothing can be evicted yet.
 
-    Writers should wait and retry: space returns when a lease is released.
+    Writers should wait and retry: space returns when a lease is released. ``result`` holds
+    what the interrupted ``put_many`` did commit.
     """
+
+    result: object = None
 
 
 class SampleTooLarge(CacheError, ValueError):

@@ -347,18 +347,21 @@ def _fetch_threads(
     fs: fsspec.AbstractFileSystem, paths: Sequence[str], concurrency: int, timeout_s: float
 ) -> list[bytes | BaseException]:
     results: list[bytes | BaseException] = []
-    pool = ThreadPoolExecutor(max_workers=max(1, min(concurrency, len(paths))))
+    workers = max(1, min(concurrency, len(paths)))
+    pool = ThreadPoolExecutor(max_workers=workers)
     try:
         futures = [pool.submit(fs.cat_file, p) for p in paths]
-        deadline = time.monotonic() + timeout_s
+        # A thread cannot be interrupted, so bound the whole call: every wave of `workers` objects
+        # gets timeout_s. An object still running at the deadline is reported as timed out.
+        waves = -(-len(paths) // workers)
+        deadline = time.monotonic() + timeout_s * waves
         for future in futures:
             try:
                 results.append(bytes(future.result(max(0.0, deadline - time.monotonic()))))
             except BaseException as exc:  # noqa: BLE001 - returned per object, translated by caller
                 results.append(exc)
-            deadline = max(deadline, time.monotonic() + timeout_s / 10)
     finally:
-        # A hung thread cannot be killed; do not wait for it (its result is already a timeout).
+        # Do not wait for a hung thread: its result is already reported as a timeout.
         pool.shutdown(wait=False, cancel_futures=True)
     return results
 

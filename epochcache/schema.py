@@ -72,6 +72,17 @@ def seq_key(seq: int) -> bytes:
     return _SEQ.pack(seq)
 
 
+def seq_keys(seqs: object) -> list[bytes]:
+    """Encode many sequence numbers at once (vectorised: the batched read path calls this)."""
+    import numpy as np
+
+    if not isinstance(seqs, np.ndarray):
+        pack = _SEQ.pack
+        return [pack(seq) for seq in seqs]  # type: ignore[attr-defined]
+    packed = seqs.astype(">u8", copy=False).tobytes()
+    return [packed[i : i + 8] for i in range(0, len(packed), 8)]
+
+
 def seq_of(key: bytes) -> int:
     return int(_SEQ.unpack(key)[0])
 

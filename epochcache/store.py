@@ -222,6 +222,26 @@ class Store:
         finally:
             txn.abort()
 
+    def read_many(
+        self, db: lmdb._Database, keys: list[bytes], fn: Callable[[memoryview], T]
+    ) -> list[T | None]:
+        """``fn(value)`` for each key (None where missing), in one read transaction.
+
+        The hot read path, so no context manager around it. ``fn`` must copy what it keeps:
+        the buffers point into the map and are valid only inside the transaction.
+        """
+        env = self.env
+        try:
+            txn = env.begin(buffers=True)
+        except lmdb.MapResizedError:
+            env.set_mapsize(0)
+            txn = env.begin(buffers=True)
+        try:
+            get = txn.get
+            return [None if (value := get(key, db=db)) is None else fn(value) for key in keys]
+        finally:
+            txn.abort()
+
     def write(self, fn: Callable[[lmdb.Transaction], T]) -> T:
         """Run ``fn`` in one write transaction and commit it; grow the map when it is full.
 

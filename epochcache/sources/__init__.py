@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from epochcache.sources.base import FetchResult, Payload, SampleRef, Source
@@ -16,7 +17,7 @@ from epochcache.sources.listing import load_listing, save_listing, source_finger
 from epochcache.sources.tar import TarSource
 
 if TYPE_CHECKING:
-    from epochcache.config import SourceConfig
+    from epochcache.config import EpochcacheConfig, SourceConfig
 
 __all__ = [
     "FetchResult",
@@ -27,6 +28,7 @@ __all__ = [
     "TarSource",
     "list_keys_cached",
     "load_listing",
+    "open_configured_source",
     "open_source",
     "save_listing",
     "source_fingerprint",
@@ -35,19 +37,40 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-def open_source(config: SourceConfig, *, concurrency: int = 16) -> Source:
+def open_source(
+    config: SourceConfig,
+    *,
+    concurrency: int = 16,
+    checks: Sequence[str] | None = None,
+    bandwidth_limit: float | None = None,
+) -> Source:
     """The :class:`Source` for ``config.layout`` (nothing is listed or fetched yet).
 
     Args:
         config: the ``source`` section of a validated config.
         concurrency: requests in flight per ``fetch_many`` call (``sampler.concurrency``).
+        checks: content checks; defaults to ``config.checks``, ``()`` disables them.
+        bandwidth_limit: average bytes/s for this process's reads (None: unlimited).
 
     Raises:
         SourceUnavailable: the URL's protocol cannot be opened.
     """
-    if config.layout == "tar":
-        return TarSource(config, concurrency=concurrency)
-    return FilesSource(config, concurrency=concurrency)
+    kind = TarSource if config.layout == "tar" else FilesSource
+    return kind(config, concurrency=concurrency, checks=checks, bandwidth_limit=bandwidth_limit)
+
+
+def open_configured_source(config: EpochcacheConfig) -> Source:
+    """The source of a whole config, as one sampler process should open it: ``sampler.concurrency``,
+    checks off when ``sampler.check`` is false, and ``sampler.bandwidth_limit`` split evenly among
+    ``sampler.processes``."""
+    sampler = config.sampler
+    limit = sampler.bandwidth_limit / sampler.processes if sampler.bandwidth_limit else None
+    return open_source(
+        config.source,
+        concurrency=sampler.concurrency,
+        checks=None if sampler.check else (),
+        bandwidth_limit=limit,
+    )
 
 
 def list_keys_cached(

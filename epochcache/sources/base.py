@@ -19,12 +19,21 @@ from __future__ import annotations
 
 import abc
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Union
 
 from epochcache.errors import SourceError, SourceUnavailable
-from epochcache.remote import call, open_fs, redact_options, retry
+from epochcache.remote import (
+    TRANSIENT_ERRORS,
+    BandwidthLimiter,
+    backoff_delays,
+    call,
+    open_fs,
+    redact_options,
+    retry,
+)
 
 if TYPE_CHECKING:
     from epochcache.config import SourceConfig
@@ -72,15 +81,29 @@ class Source(abc.ABC):
     Args:
         config: the validated ``source`` section of the config.
         concurrency: requests in flight in one :meth:`fetch_many` call.
+        checks: content checks to run (``size``, ``checksum``, ``format``); defaults to
+            ``config.checks``; ``()`` turns them off.
+        bandwidth_limit: bytes per second this source may read on average (this process only).
     """
 
     layout: Literal["files", "tar"]
     #: what one listed ref stands for: a single sample or a shard of samples
     unit: Literal["sample", "shard"]
 
-    def __init__(self, config: SourceConfig, *, concurrency: int = 16) -> None:
+    def __init__(
+        self,
+        config: SourceConfig,
+        *,
+        concurrency: int = 16,
+        checks: Sequence[str] | None = None,
+        bandwidth_limit: float | None = None,
+    ) -> None:
+        if concurrency < 1:
+            raise ValueError(f"concurrency: must be at least 1, got {concurrency}")
         self.config = config
         self.concurrency = concurrency
+        self.checks = frozenset(config.checks if checks is None else checks)
+        self.limiter = BandwidthLimiter(bandwidth_limit) if bandwidth_limit else None
         self.url = config.url
         self.fs, self.root = open_fs(
             config.url,
@@ -100,9 +123,61 @@ class Source(abc.ABC):
                 raised within a few seconds, the message names the URL and the pattern.
         """
 
+    # -- fetching --------------------------------------------------------------------------------
+
     @abc.abstractmethod
+    def fetch_grouped(self, refs: Sequence[SampleRef]) -> list[list[FetchResult]]:
+        """Like :meth:`fetch_many`, but one list of results per input ref (a shard gives many)."""
+
     def fetch_many(self, refs: Sequence[SampleRef]) -> list[FetchResult]:
-        """Fetch and check ``refs`` concurrently; one result per sample, errors returned not raised."""
+        """Fetch and check ``refs`` concurrently; one result per sample, errors returned, not raised.
+
+        A failed fetch gives ``(ref, error)`` for the listed ref itself; a content check failure
+        gives ``(sample ref, CorruptSample)``. Results follow the order of ``refs``.
+        """
+        return [result for group in self.fetch_grouped(refs) for result in group]
+
+    def fetch_with_retries(
+        self,
+        refs: Sequence[SampleRef],
+        *,
+        attempts: int | None = None,
+        deadline_s: float | None = None,
+        base_s: float = 0.2,
+        max_s: float = 10.0,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> list[FetchResult]:
+        """:meth:`fetch_many`, re-fetching refs that failed transiently (``SourceUnavailable``,
+        ``RemoteTimeout``) with exponential backoff and full jitter, until ``attempts``
+        (default ``config.retries``) or ``deadline_s`` run out. Permanent and corrupt results are
+        final at once. Whatever still fails is returned as its last error.
+        """
+        attempts = self.config.retries if attempts is None else attempts
+        start = time.monotonic()
+        groups: list[list[FetchResult]] = [[] for _ in refs]
+        pending = list(range(len(refs)))
+        delays = backoff_delays(attempts, base_s=base_s, max_s=max_s)
+        while pending:
+            fetched = self.fetch_grouped([refs[i] for i in pending])
+            retry_next: list[int] = []
+            for index, group in zip(pending, fetched):
+                groups[index] = group
+                if len(group) == 1 and group[0][0] is refs[index] and isinstance(group[0][1], TRANSIENT_ERRORS):
+                    retry_next.append(index)
+            pending = retry_next
+            if not pending:
+                break
+            delay = next(delays, None)
+            elapsed = time.monotonic() - start
+            if delay is None or (deadline_s is not None and elapsed + delay >= deadline_s):
+                break
+            logger.info("%s: %d transient failures; retrying in %.2fs", self.url, len(pending), delay)
+            sleep(delay)
+        return [result for group in groups for result in group]
+
+    def _throttle(self, num_bytes: int) -> None:
+        if self.limiter is not None and num_bytes:
+            self.limiter.consume(num_bytes)
 
     # -- helpers shared by the layouts -----------------------------------------------------------
 

@@ -28,7 +28,7 @@ class FilesSource(Source):
             return self._read_manifest()
         return self._list_files(self.config.effective_pattern)
 
-    def fetch_many(self, refs: Sequence[SampleRef]) -> list[FetchResult]:
+    def fetch_grouped(self, refs: Sequence[SampleRef]) -> list[list[FetchResult]]:
         paths = [self.object_path(ref.key) for ref in refs]
         urls = {path: self.object_url(ref.key) for path, ref in zip(paths, refs)}
         fetched = fetch_many(
@@ -38,25 +38,20 @@ class FilesSource(Source):
             timeout_s=self.config.timeout_s,
             url_of=urls.__getitem__,
         )
-        results: list[FetchResult] = []
-        for ref, (_, value) in zip(refs, fetched):
+        self._throttle(sum(len(v) for _, v in fetched if isinstance(v, bytes)))
+        groups: list[list[FetchResult]] = []
+        for ref, (path, value) in zip(refs, fetched):
+            url = urls[path]
             if isinstance(value, BaseException):
-                if not isinstance(value, SourceError):  # fetch_many translates; keep the contract
-                    value = SourceError(f"{self.object_url(ref.key)}: {value}", self.object_url(ref.key))
-                results.append((ref, value))
+                error = value if isinstance(value, SourceError) else SourceError(f"{url}: {value}", url)
+                groups.append([(ref, error)])
                 continue
             try:
-                check_object(
-                    ref.key,
-                    value,
-                    size=ref.size,
-                    checksum=ref.checksum,
-                    checks=self.config.checks,
-                    url=self.object_url(ref.key),
-                )
+                check_object(ref.key, value, size=ref.size, checksum=ref.checksum,
+                             checks=self.checks, url=url)
             except CorruptSample as exc:
-                logger.warning("%s: corrupt: %s", self.object_url(ref.key), exc)
-                results.append((ref, exc))
+                logger.warning("%s: corrupt: %s", url, exc)
+                groups.append([(ref, exc)])
                 continue
-            results.append((ref, value))
-        return results
+            groups.append([(ref, value)])
+        return groups

@@ -161,37 +161,41 @@ class TarSource(Source):
             ) from exc
         return [SampleRef(key) for key in keys]
 
-    def fetch_many(self, refs: Sequence[SampleRef]) -> list[FetchResult]:
-        """Read each shard once and return every sample in it (results grouped by shard)."""
+    def fetch_grouped(self, refs: Sequence[SampleRef]) -> list[list[FetchResult]]:
+        """Read each shard once; one group per shard holding every sample in it.
+
+        Shards are read whole: ``source.timeout_s`` bounds one shard's download, and a call holds
+        up to ``len(refs)`` shards in memory, so pass few shard refs per call.
+        """
         paths = [self.object_path(ref.key) for ref in refs]
         urls = {path: self.object_url(ref.key) for path, ref in zip(paths, refs)}
         fetched = fetch_many(
             self.fs, paths, concurrency=self.concurrency, timeout_s=self.config.timeout_s,
             url_of=urls.__getitem__,
         )
-        checks = set(self.config.checks)
-        results: list[FetchResult] = []
+        self._throttle(sum(len(v) for _, v in fetched if isinstance(v, bytes)))
+        groups: list[list[FetchResult]] = []
         for ref, (path, value) in zip(refs, fetched):
             url = urls[path]
-            if isinstance(value, SourceError):
-                results.append((ref, value))
-                continue
             if isinstance(value, BaseException):
-                results.append((ref, SourceError(f"{url}: {value}", url)))
+                error = value if isinstance(value, SourceError) else SourceError(f"{url}: {value}", url)
+                groups.append([(ref, error)])
                 continue
             try:
-                if "size" in checks:
+                if "size" in self.checks:
                     check_size(ref.key, value, ref.size, url)
-                if "checksum" in checks:
+                if "checksum" in self.checks:
                     check_checksum(ref.key, value, ref.checksum, url)
             except CorruptSample as exc:
                 logger.warning("%s: corrupt shard: %s", url, exc)
-                results.append((ref, exc))
+                groups.append([(ref, exc)])
                 continue
+            group: list[FetchResult] = []
             for sample_ref, payload in iter_shard(
-                ref.key, value, check_formats="format" in checks, url=url
+                ref.key, value, check_formats="format" in self.checks, url=url
             ):
                 if isinstance(payload, CorruptSample):
                     logger.warning("%s: corrupt sample: %s", url, payload)
-                results.append((sample_ref, payload))
-        return results
+                group.append((sample_ref, payload))
+            groups.append(group)
+        return groups

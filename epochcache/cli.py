@@ -1,0 +1,159 @@
+"""The ``epochcache`` command: one entry point, a subcommand per job.
+
+Exit status: 0 success, 1 a failure at run time, 2 bad usage, bad config, or a source that is
+unreachable at start (nothing was started). argparse already exits 2 on bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .errors import CacheError, ConfigError, EpochcacheError, SourceUnavailable
+
+log = logging.getLogger("epochcache")
+
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+
+#: Subcommand modules register themselves here: name -> (module, function adding the parser).
+_EXTENSIONS: list[tuple[str, str]] = [
+    ("epochcache.demo", "add_demo_data_parser"),
+    ("epochcache.daemon", "add_daemon_parser"),
+    ("epochcache.run", "add_run_parser"),
+    ("epochcache.run", "add_config_parser"),
+    ("epochcache.plot", "add_plot_parser"),
+]
+
+
+def _open_cache_readonly(path: str) -> Any:
+    from .cache import Cache
+
+    if not os.path.isdir(path):
+        raise CacheError(f"{path}: no such directory (is this the cache.dir of your config?)")
+    return Cache(path, readonly=True)
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.live import Live
+
+    from .status import collect_stats, render
+
+    cache = _open_cache_readonly(args.cache_dir)
+    try:
+        if args.json:
+            print(json.dumps(collect_stats(cache), indent=2, sort_keys=True))
+            return EXIT_OK
+        console = Console()
+        if not args.watch:
+            console.print(render(collect_stats(cache)))
+            return EXIT_OK
+        with Live(render(collect_stats(cache)), console=console, refresh_per_second=2) as live:
+            try:
+                while True:
+                    time.sleep(args.interval)
+                    live.update(render(collect_stats(cache)))
+            except KeyboardInterrupt:
+                return EXIT_OK
+    finally:
+        cache.close()
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from .verify import verify_cache
+
+    if not os.path.isdir(args.cache_dir):
+        raise CacheError(f"{args.cache_dir}: no such directory")
+    report = verify_cache(args.cache_dir, repair=args.repair)
+    if args.json:
+        print(json.dumps(report.as_dict(), indent=2))
+    else:
+        print(f"{report.path}: checked {report.checked:,} samples ({report.checked_bytes:,} bytes)")
+        for item in report.corrupt[:50]:
+            print(f"  corrupt sample {item['seq']}: {item['error']}")
+        for name, (stored, actual) in report.counter_mismatches.items():
+            print(f"  counter {name}: stored {stored}, records say {actual}")
+        for problem in report.index_problems[:50]:
+            print(f"  index: {problem}")
+        if report.repaired:
+            print(f"  repaired: removed {report.repaired} corrupt samples")
+        print("clean" if report.ok else "PROBLEMS FOUND" + ("" if args.repair else " (run with --repair to fix)"))
+    return EXIT_OK if report.ok or report.repaired else EXIT_FAILURE
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="epochcache",
+        description="A growing local sample cache for remote training datasets.",
+    )
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    status = sub.add_parser("status", help="fill, rates, evictions, quarantine, leases, daemon health")
+    status.add_argument("cache_dir")
+    status.add_argument("--json", action="store_true", help="print one JSON object")
+    status.add_argument("--watch", action="store_true", help="refresh until Ctrl-C")
+    status.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
+    status.set_defaults(func=_cmd_status)
+
+    verify = sub.add_parser("verify", help="check every stored sample and the counters")
+    verify.add_argument("cache_dir")
+    verify.add_argument("--repair", action="store_true", help="remove corrupt samples, rebuild counters")
+    verify.add_argument("--json", action="store_true")
+    verify.set_defaults(func=_cmd_verify)
+
+    import importlib
+
+    for module_name, function in _EXTENSIONS:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name != module_name:
+                raise
+            continue
+        add: Callable[[Any], Any] | None = getattr(module, function, None)
+        if add is not None:
+            add(sub)
+    return parser
+
+
+def _setup_logging(verbose: int) -> None:
+    from rich.logging import RichHandler
+
+    level = logging.WARNING if verbose <= 0 else logging.INFO if verbose == 1 else logging.DEBUG
+    level = min(level, logging.INFO)
+    logging.basicConfig(
+        level=level,
+        format="%(message)s",
+        datefmt="[%X]",
+        handlers=[RichHandler(show_path=False, rich_tracebacks=False, console=None)],
+    )
+    if verbose < 2:
+        for noisy in ("botocore", "aiobotocore", "s3fs", "fsspec", "urllib3", "asyncio"):
+            logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _setup_logging(args.verbose)
+    try:
+        return int(args.func(args))
+    except (ConfigError, SourceUnavailable) as exc:
+        print(f"epochcache {args.command}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except EpochcacheError as exc:
+        print(f"epochcache {args.command}: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
