@@ -30,8 +30,16 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationError
-from pydantic import field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from epochcache import _config_env as env
 from epochcache.errors import ConfigError
@@ -84,8 +92,12 @@ class SourceConfig(_Section):
 
     url: str = Field(min_length=1, description="root URL of the dataset (any fsspec URL)")
     layout: Literal["files", "tar"] = "files"
-    pattern: str | None = Field(None, description='glob under url; default "**" (files), "**/*.tar"')
-    shards: str | None = Field(None, description="tar shards as a brace pattern, e.g. x-{000..009}.tar")
+    pattern: str | None = Field(
+        None, description='glob under url; default "**" (files), "**/*.tar"'
+    )
+    shards: str | None = Field(
+        None, description="tar shards as a brace pattern, e.g. x-{000..009}.tar"
+    )
     manifest: str | None = Field(None, description="URL or path relative to url of a key manifest")
     manifest_format: Literal["auto", "txt", "csv", "jsonl", "parquet"] = "auto"
     storage_options: dict[str, Any] = Field(default_factory=dict)
@@ -179,11 +191,9 @@ class SamplerConfig(_Section):
 
     @model_validator(mode="after")
     def _check_node(self) -> SamplerConfig:
-        if self.node_rank is not None and self.num_nodes is not None:
-            if self.node_rank >= self.num_nodes:
-                raise ValueError(
-                    f"node_rank {self.node_rank} must be below num_nodes {self.num_nodes}"
-                )
+        rank, count = self.node_rank, self.num_nodes
+        if rank is not None and count is not None and rank >= count:
+            raise ValueError(f"node_rank {rank} must be below num_nodes {count}")
         return self
 
     def node(self, environ: Mapping[str, str] | None = None) -> tuple[int, int]:
@@ -195,7 +205,9 @@ class SamplerConfig(_Section):
         Raises:
             ConfigError: the environment gives an invalid pair.
         """
-        return env.resolve_node(self.node_rank, self.num_nodes, os.environ if environ is None else environ)
+        return env.resolve_node(
+            self.node_rank, self.num_nodes, os.environ if environ is None else environ
+        )
 
 
 class LoaderConfig(_Section):
@@ -325,7 +337,9 @@ def parse_config(
         config = EpochcacheConfig.model_validate(resolved)
     except ValidationError as exc:
         hidden = {p for p in secret_paths} | {"source.storage_options"}
-        raise ConfigError(env.describe_errors(exc, origin, hidden, secrets, EpochcacheConfig)) from None
+        raise ConfigError(
+            env.describe_errors(exc, origin, hidden, secrets, EpochcacheConfig)
+        ) from None
     config._secret_paths = secret_paths
     config._secret_values = secrets
     config._origin = origin
@@ -333,7 +347,9 @@ def parse_config(
     return config
 
 
-def load_config(path: str | os.PathLike[str], *, environ: Mapping[str, str] | None = None) -> EpochcacheConfig:
+def load_config(
+    path: str | os.PathLike[str], *, environ: Mapping[str, str] | None = None
+) -> EpochcacheConfig:
     """Read, interpolate and validate a YAML config file.
 
     Raises:

@@ -121,9 +121,16 @@ def write_demo_data(
         raise ValueError(f"layout: expected files, tar or both, got {layout!r}")
     if samples_per_shard < 1 or num_classes < 1:
         raise ValueError("samples_per_shard and num_classes: must be at least 1")
-    payloads, labels = make_samples(samples, num_classes=num_classes, sample_bytes=sample_bytes, seed=seed)
+    payloads, labels = make_samples(
+        samples, num_classes=num_classes, sample_bytes=sample_bytes, seed=seed
+    )
     fs, root = open_fs(url, storage_options)
-    summary: dict[str, Any] = {"url": url, "samples": samples, "num_classes": num_classes, "layouts": {}}
+    summary: dict[str, Any] = {
+        "url": url,
+        "samples": samples,
+        "num_classes": num_classes,
+        "layouts": {},
+    }
     layouts = ["files", "tar"] if layout == "both" else [layout]
     for name in layouts:
         sub_url = join_url(url, name) if layout == "both" else url
@@ -134,8 +141,14 @@ def write_demo_data(
             for index, (payload, label) in enumerate(zip(payloads, labels)):
                 key = f"sample-{index:06d}.npy"
                 objects[key] = payload
-                rows.append({"key": key, "size": len(payload),
-                             "checksum": hashlib.sha256(payload).hexdigest(), "label": label})
+                rows.append(
+                    {
+                        "key": key,
+                        "size": len(payload),
+                        "checksum": hashlib.sha256(payload).hexdigest(),
+                        "label": label,
+                    }
+                )
         else:
             for shard, start in enumerate(range(0, samples, samples_per_shard)):
                 stop = min(samples, start + samples_per_shard)
@@ -143,7 +156,9 @@ def write_demo_data(
                 data = _tar_shard(items)
                 key = f"shard-{shard:06d}.tar"
                 objects[key] = data
-                rows.append({"key": key, "size": len(data), "checksum": hashlib.sha256(data).hexdigest()})
+                rows.append(
+                    {"key": key, "size": len(data), "checksum": hashlib.sha256(data).hexdigest()}
+                )
         objects.update(_manifests(rows))
         _write_objects(fs, sub_root, sub_url, objects)
         summary["layouts"][name] = {
@@ -175,9 +190,13 @@ def add_demo_data_parser(subparsers: Any) -> argparse.ArgumentParser:
         "demo-data", help="write a small synthetic dataset to any fsspec URL"
     )
     parser.add_argument("url", help="destination, e.g. file:///tmp/demo or s3://bucket/demo")
-    parser.add_argument("--samples", type=int, default=1000, help="number of samples (default 1000)")
+    parser.add_argument(
+        "--samples", type=int, default=1000, help="number of samples (default 1000)"
+    )
     parser.add_argument("--layout", choices=["files", "tar", "both"], default="both")
-    parser.add_argument("--sample-bytes", type=int, default=None, help="approximate bytes per sample")
+    parser.add_argument(
+        "--sample-bytes", type=int, default=None, help="approximate bytes per sample"
+    )
     parser.add_argument("--samples-per-shard", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
     parser.set_defaults(func=_run_demo_data)
@@ -186,9 +205,15 @@ def add_demo_data_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def _run_demo_data(args: argparse.Namespace) -> int:
     summary = write_demo_data(
-        args.url, args.samples, args.layout, sample_bytes=args.sample_bytes,
-        samples_per_shard=args.samples_per_shard, seed=args.seed,
+        args.url,
+        args.samples,
+        args.layout,
+        sample_bytes=args.sample_bytes,
+        samples_per_shard=args.samples_per_shard,
+        seed=args.seed,
     )
     for name, info in summary["layouts"].items():
-        print(f"{name}: {info['keys']} keys, {info['objects']} objects, {info['bytes']} bytes at {info['url']}")
+        print(
+            f"{name}: {info['keys']} keys, {info['objects']} objects, {info['bytes']} bytes at {info['url']}"
+        )
     return 0

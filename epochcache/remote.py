@@ -179,7 +179,12 @@ def _is_timeout(exc: BaseException) -> bool:
     if isinstance(exc, (TimeoutError, asyncio.TimeoutError, FutureTimeout)):
         return True
     name = type(exc).__name__
-    return name in {"ReadTimeoutError", "ConnectTimeoutError", "ServerTimeoutError", "FSTimeoutError"}
+    return name in {
+        "ReadTimeoutError",
+        "ConnectTimeoutError",
+        "ServerTimeoutError",
+        "FSTimeoutError",
+    }
 
 
 def translate_error(exc: BaseException, url: str) -> SourceError:
@@ -191,7 +196,9 @@ def translate_error(exc: BaseException, url: str) -> SourceError:
         return exc
     detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
     if _is_timeout(exc):
-        return RemoteTimeout(f"{url}: timed out ({detail}); check the endpoint or raise timeout_s", url)
+        return RemoteTimeout(
+            f"{url}: timed out ({detail}); check the endpoint or raise timeout_s", url
+        )
     status = _http_status(exc)
     if isinstance(exc, FileNotFoundError) or status == 404:
         return PermanentRemoteError(f"{url}: not found ({detail})", url)
@@ -330,7 +337,7 @@ def _fetch_async(
         async with semaphore:
             try:
                 return bytes(await asyncio.wait_for(fs._cat_file(path), timeout_s))
-            except Exception as exc:  # returned, not raised: translated per object by the caller
+            except Exception as exc:  # noqa: BLE001 - returned per object, translated by the caller
                 return exc
 
     async def gather() -> list[bytes | BaseException]:

@@ -50,7 +50,9 @@ class Position:
         try:
             pass_index, offset = int(data["pass_index"]), int(data["offset"])
         except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"sampler position: expected pass_index and offset, got {data!r}") from exc
+            raise ValueError(
+                f"sampler position: expected pass_index and offset, got {data!r}"
+            ) from exc
         if pass_index < 0 or offset < 0:
             raise ValueError(f"sampler position: must not be negative, got {data!r}")
         return cls(pass_index, offset)
@@ -134,7 +136,9 @@ class KeyOrder:
 
     def _node_probabilities(self, weights: Sequence[float] | np.ndarray | None) -> np.ndarray:
         if weights is None:
-            raise ValueError("weights: the weighted strategy needs one weight per key (a manifest column)")
+            raise ValueError(
+                "weights: the weighted strategy needs one weight per key (a manifest column)"
+            )
         w = np.asarray(weights, dtype=np.float64)
         if w.shape != (self.num_keys,):
             raise ValueError(f"weights: expected {self.num_keys} values, got shape {w.shape}")

@@ -36,8 +36,11 @@ def _free_port() -> int:
 def _start_moto() -> tuple[subprocess.Popen[bytes], str]:
     port = _free_port()
     exe = shutil.which("moto_server", path=os.path.dirname(sys.executable)) or "moto_server"
-    proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [exe, "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     endpoint = f"http://127.0.0.1:{port}"
     for _ in range(100):
         try:
@@ -63,46 +66,63 @@ def main() -> None:
 
     proc, endpoint = _start_moto()
     try:
-        options: dict[str, Any] = {"key": "k", "secret": "s", "endpoint_url": endpoint,
-                                   "client_kwargs": {"region_name": "us-west-2"}}
+        options: dict[str, Any] = {
+            "key": "k",
+            "secret": "s",
+            "endpoint_url": endpoint,
+            "client_kwargs": {"region_name": "us-west-2"},
+        }
         fs, _ = open_fs("s3://bench", options)
         fs.mkdir("bench")
         results = []
-        for label, size, count in (("16KiB", 16 * 1024, args.small), ("1MiB", 1024 * 1024, args.large)):
+        for label, size, count in (
+            ("16KiB", 16 * 1024, args.small),
+            ("1MiB", 1024 * 1024, args.large),
+        ):
             payload = os.urandom(size)
             paths = [f"bench/{label}/obj-{i:06d}" for i in range(count)]
             for start in range(0, count, 256):
                 fs.pipe({p: payload for p in paths[start : start + 256]})
             c = args.concurrency
 
-            def cat_batch() -> None:
+            def cat_batch(paths: list[str] = paths, c: int = c) -> None:
                 out = fs.cat(paths, batch_size=c, on_error="return")
                 assert all(isinstance(v, bytes) for v in out.values())
 
-            def threads() -> None:
+            def threads(paths: list[str] = paths, c: int = c, size: int = size) -> None:
                 with ThreadPoolExecutor(c) as pool:
                     out = list(pool.map(fs.cat_file, paths))
                 assert all(len(v) == size for v in out)
 
-            def ours() -> None:
+            def ours(paths: list[str] = paths, c: int = c) -> None:
                 out = fetch_many(fs, paths, concurrency=c, timeout_s=60)
                 assert all(isinstance(v, bytes) for _, v in out)
 
             for name, fn in (("cat-batch", cat_batch), ("threads", threads), ("fetch_many", ours)):
                 fn()  # warm connections
-                times = []
+                times, cpu = [], []
                 for _ in range(args.repeat):
-                    t0 = time.perf_counter()
+                    t0, c0 = time.perf_counter(), time.process_time()
                     fn()
                     times.append(time.perf_counter() - t0)
+                    cpu.append(time.process_time() - c0)
                 best = min(times)
-                row = {"size": label, "method": name, "objects": count, "concurrency": c,
-                       "objects_per_s": round(count / best, 1),
-                       "MB_per_s": round(count * size / best / 1e6, 1),
-                       "seconds": [round(t, 3) for t in times]}
+                row = {
+                    "size": label,
+                    "method": name,
+                    "objects": count,
+                    "concurrency": c,
+                    "objects_per_s": round(count / best, 1),
+                    "MB_per_s": round(count * size / best / 1e6, 1),
+                    "client_cpu_ms_per_object": round(min(cpu) / count * 1000, 3),
+                    "seconds": [round(t, 3) for t in times],
+                }
                 results.append(row)
-                print(f"{label:6} {name:11} {row['objects_per_s']:9.1f} obj/s {row['MB_per_s']:8.1f} MB/s",
-                      flush=True)
+                print(
+                    f"{label:6} {name:11} {row['objects_per_s']:9.1f} obj/s {row['MB_per_s']:8.1f} MB/s"
+                    f" {row['client_cpu_ms_per_object']:7.3f} client CPU ms/object",
+                    flush=True,
+                )
         s3fs.S3FileSystem.clear_instance_cache()
         print(json.dumps(results))
     finally:

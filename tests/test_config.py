@@ -11,7 +11,10 @@ import pytest
 from epochcache.config import EpochcacheConfig, load_config, parse_config
 from epochcache.errors import ConfigError
 
-MINIMAL = {"source": {"url": "s3://bucket/train/"}, "cache": {"dir": "/tmp/cache", "capacity": "200GiB"}}
+MINIMAL = {
+    "source": {"url": "s3://bucket/train/"},
+    "cache": {"dir": "/tmp/cache", "capacity": "200GiB"},
+}
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -21,10 +24,15 @@ def write(tmp_path: Path, text: str) -> Path:
 
 
 def test_minimal_config_gets_defaults(tmp_path: Path) -> None:
-    config = load_config(write(tmp_path, """
+    config = load_config(
+        write(
+            tmp_path,
+            """
         source: {url: "s3://bucket/train/"}
         cache: {dir: /tmp/cache, capacity: 200GiB}
-    """))
+    """,
+        )
+    )
     assert isinstance(config, EpochcacheConfig)
     assert config.cache.capacity == 200 * 2**30
     assert config.cache.headroom_bytes == int(200 * 2**30 * 0.1)
@@ -37,28 +45,43 @@ def test_minimal_config_gets_defaults(tmp_path: Path) -> None:
 
 
 def test_sizes_durations_and_headroom_forms() -> None:
-    config = parse_config({
-        "source": {"url": "memory://x", "timeout_s": "2m", "layout": "tar"},
-        "cache": {"dir": "c", "capacity": 10_000, "headroom": "500"},
-        "sampler": {"bandwidth_limit": "100MB/s"},
-    })
+    config = parse_config(
+        {
+            "source": {"url": "memory://x", "timeout_s": "2m", "layout": "tar"},
+            "cache": {"dir": "c", "capacity": 10_000, "headroom": "500"},
+            "sampler": {"bandwidth_limit": "100MB/s"},
+        }
+    )
     assert config.source.timeout_s == 120.0 and config.source.effective_pattern == "**/*.tar"
     assert config.cache.headroom_bytes == 500
     assert config.sampler.bandwidth_limit == 100_000_000
-    assert parse_config({**MINIMAL, "cache": {"dir": "c", "capacity": "1GB", "headroom": "5%"}}).cache.headroom_bytes == 50_000_000
+    assert (
+        parse_config(
+            {**MINIMAL, "cache": {"dir": "c", "capacity": "1GB", "headroom": "5%"}}
+        ).cache.headroom_bytes
+        == 50_000_000
+    )
 
 
 @pytest.mark.parametrize(
     ("data", "path", "fragment"),
     [
-        ({**MINIMAL, "cache": {"dir": "c", "capacity": "1GB", "colour": "red"}}, "cache.colour", "unknown key"),
+        (
+            {**MINIMAL, "cache": {"dir": "c", "capacity": "1GB", "colour": "red"}},
+            "cache.colour",
+            "unknown key",
+        ),
         ({**MINIMAL, "sampler": {"processes": "many"}}, "sampler.processes", "'many'"),
         ({**MINIMAL, "cache": {"dir": "c", "capacity": "-5GiB"}}, "cache.capacity", "-5GiB"),
         ({**MINIMAL, "cache": {"dir": "c", "capacity": -5}}, "cache.capacity", "negative"),
         ({**MINIMAL, "cache": {"dir": "c", "capacity": "12 parsecs"}}, "cache.capacity", "unit"),
         ({**MINIMAL, "cache": {"dir": "c"}}, "cache.capacity", "missing"),
         ({**MINIMAL, "source": {"url": "x", "layout": "zip"}}, "source.layout", "'files' or 'tar'"),
-        ({**MINIMAL, "train": {"entrypoint": "nocolon"}}, "train.entrypoint", "package.module:function"),
+        (
+            {**MINIMAL, "train": {"entrypoint": "nocolon"}},
+            "train.entrypoint",
+            "package.module:function",
+        ),
         ({**MINIMAL, "sampler": {"node_rank": 2, "num_nodes": 2}}, "sampler", "node_rank 2"),
         ({**MINIMAL, "bogus": {}}, "bogus", "allowed: cache, loader, sampler, source, train"),
     ],
@@ -87,23 +110,31 @@ def test_yaml_and_file_problems(tmp_path: Path) -> None:
 
 
 def test_env_interpolation_with_defaults_and_escape(tmp_path: Path) -> None:
-    path = write(tmp_path, """
+    path = write(
+        tmp_path,
+        """
         source: {url: "s3://${BUCKET}/train", pattern: "$${literal}"}
         cache: {dir: "${CACHE_DIR:-/tmp/default}", capacity: "${CAPACITY}"}
         sampler: {processes: "${PROCS}"}
-    """)
+    """,
+    )
     config = load_config(path, environ={"BUCKET": "b1", "CAPACITY": "2GiB", "PROCS": "3"})
     assert config.source.url == "s3://b1/train" and config.source.pattern == "${literal}"
     assert str(config.cache.dir) == "/tmp/default"
     assert config.cache.capacity == 2 * 2**30 and config.sampler.processes == 3
 
 
-def test_missing_env_var_names_field_and_variable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_missing_env_var_names_field_and_variable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.delenv("EPOCHCACHE_TEST_UNSET", raising=False)
-    path = write(tmp_path, """
+    path = write(
+        tmp_path,
+        """
         source: {url: "s3://b/", storage_options: {secret: "${EPOCHCACHE_TEST_UNSET}"}}
         cache: {dir: c, capacity: 1GB}
-    """)
+    """,
+    )
     with pytest.raises(ConfigError) as info:
         load_config(path)
     assert "source.storage_options.secret" in str(info.value)
@@ -111,7 +142,9 @@ def test_missing_env_var_names_field_and_variable(tmp_path: Path, monkeypatch: p
 
 
 def test_env_read_at_call_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    path = write(tmp_path, 'source: {url: "${EPOCHCACHE_TEST_URL}"}\ncache: {dir: c, capacity: 1GB}\n')
+    path = write(
+        tmp_path, 'source: {url: "${EPOCHCACHE_TEST_URL}"}\ncache: {dir: c, capacity: 1GB}\n'
+    )
     monkeypatch.setenv("EPOCHCACHE_TEST_URL", "memory://one")
     assert load_config(path).source.url == "memory://one"
     monkeypatch.setenv("EPOCHCACHE_TEST_URL", "memory://two")
@@ -123,7 +156,9 @@ TOKEN = "tok-4f1e2d3c"
 
 
 def secret_config(tmp_path: Path) -> EpochcacheConfig:
-    path = write(tmp_path, """
+    path = write(
+        tmp_path,
+        """
         source:
           url: "s3://bucket/train/"
           storage_options:
@@ -133,17 +168,29 @@ def secret_config(tmp_path: Path) -> EpochcacheConfig:
             client_kwargs: {region_name: us-west-2, aws_session_token: "${SESSION_TOKEN}"}
         cache: {dir: /tmp/c, capacity: 1GB}
         train: {options: {api: "${API_TOKEN}", lr: 0.1}}
-    """)
-    return load_config(path, environ={"MY_AWS_SECRET": SECRET, "SESSION_TOKEN": TOKEN, "API_TOKEN": "api-123456"})
+    """,
+    )
+    return load_config(
+        path, environ={"MY_AWS_SECRET": SECRET, "SESSION_TOKEN": TOKEN, "API_TOKEN": "api-123456"}
+    )
 
 
-def test_secrets_never_in_repr_str_or_redacted_dump(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_secrets_never_in_repr_str_or_redacted_dump(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     config = secret_config(tmp_path)
     assert config.source.storage_options["secret"] == SECRET  # the real value reaches fsspec
     caplog.set_level(logging.DEBUG)
     logging.getLogger("test").info("config %s / %r / %s", config, config, config.source)
-    texts = [repr(config), str(config), repr(config.source), str(config.source),
-             config.redacted_yaml(), str(config.redacted()), caplog.text]
+    texts = [
+        repr(config),
+        str(config),
+        repr(config.source),
+        str(config.source),
+        config.redacted_yaml(),
+        str(config.redacted()),
+        caplog.text,
+    ]
     for text in texts:
         for secret in (SECRET, TOKEN, "AKIAPLAINTEXTKEY", "api-123456"):
             assert secret not in text
@@ -155,10 +202,13 @@ def test_secrets_never_in_repr_str_or_redacted_dump(tmp_path: Path, caplog: pyte
 
 
 def test_secret_values_masked_in_validation_errors(tmp_path: Path) -> None:
-    path = write(tmp_path, """
+    path = write(
+        tmp_path,
+        """
         source: {url: "s3://b/", storage_options: {secret: "${MY_SECRET}"}, timeout_s: "${MY_TOKEN}"}
         cache: {dir: c, capacity: 1GB}
-    """)
+    """,
+    )
     with pytest.raises(ConfigError) as info:
         load_config(path, environ={"MY_SECRET": SECRET, "MY_TOKEN": "not-a-duration-secret"})
     message = str(info.value)
@@ -170,7 +220,10 @@ def test_node_from_torchrun_environment() -> None:
     config = parse_config(MINIMAL)
     assert config.sampler.node({}) == (0, 1)
     assert config.sampler.node({"GROUP_RANK": "1", "GROUP_WORLD_SIZE": "3"}) == (1, 3)
-    assert config.sampler.node({"GROUP_RANK": "1", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}) == (1, 2)
+    assert config.sampler.node({"GROUP_RANK": "1", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}) == (
+        1,
+        2,
+    )
     with pytest.raises(ConfigError, match="node_rank"):
         config.sampler.node({"GROUP_RANK": "2", "GROUP_WORLD_SIZE": "2"})
     explicit = parse_config({**MINIMAL, "sampler": {"node_rank": 0, "num_nodes": 4}})

@@ -28,21 +28,32 @@ def test_both_layouts_on_local_disk(tmp_path: Path) -> None:
     files, tar = summary["layouts"]["files"], summary["layouts"]["tar"]
     assert files["keys"] == 25 and files["objects"] == 27 and tar["keys"] == 3
     assert sorted(p.name for p in (tmp_path / "tar").iterdir()) == [
-        "manifest.csv", "manifest.jsonl", "shard-000000.tar", "shard-000001.tar", "shard-000002.tar"]
+        "manifest.csv",
+        "manifest.jsonl",
+        "shard-000000.tar",
+        "shard-000001.tar",
+        "shard-000002.tar",
+    ]
     with tarfile.open(tmp_path / "tar" / "shard-000001.tar") as archive:
         assert archive.getnames()[:4] == ["000010.npy", "000010.cls", "000011.npy", "000011.cls"]
     rows = list(csv.DictReader((tmp_path / "files" / "manifest.csv").open()))
     assert [r["key"] for r in rows][:2] == ["sample-000000.npy", "sample-000001.npy"]
     data = (tmp_path / "files" / "sample-000003.npy").read_bytes()
-    assert rows[3] == {"key": "sample-000003.npy", "size": str(len(data)),
-                       "checksum": hashlib.sha256(data).hexdigest(), "label": "3"}
+    assert rows[3] == {
+        "key": "sample-000003.npy",
+        "size": str(len(data)),
+        "checksum": hashlib.sha256(data).hexdigest(),
+        "label": "3",
+    }
     lines = [json.loads(x) for x in (tmp_path / "tar" / "manifest.jsonl").read_text().splitlines()]
     assert [x["key"] for x in lines] == ["shard-000000.tar", "shard-000001.tar", "shard-000002.tar"]
 
 
 def test_manifest_checksums_verify_through_a_source(tmp_path: Path) -> None:
     write_demo_data(f"file://{tmp_path}", samples=12, layout="tar", samples_per_shard=5)
-    source = open_source(SourceConfig(url=f"file://{tmp_path}", layout="tar", manifest="manifest.csv"))
+    source = open_source(
+        SourceConfig(url=f"file://{tmp_path}", layout="tar", manifest="manifest.csv")
+    )
     results = source.fetch_many(source.list_keys())
     assert len(results) == 12 and all(isinstance(p, dict) for _, p in results)
 
@@ -81,9 +92,13 @@ def test_memory_url_files_only() -> None:
 
 def test_s3_both_layouts(s3: S3Env) -> None:
     write_demo_data(s3.url("demo"), samples=30, layout="both", storage_options=s3.storage_options)
-    files = open_source(SourceConfig(url=s3.url("demo/files"), pattern="*.npy", storage_options=s3.storage_options))
+    files = open_source(
+        SourceConfig(url=s3.url("demo/files"), pattern="*.npy", storage_options=s3.storage_options)
+    )
     assert len(files.list_keys()) == 30
-    tar = open_source(SourceConfig(url=s3.url("demo/tar"), layout="tar", storage_options=s3.storage_options))
+    tar = open_source(
+        SourceConfig(url=s3.url("demo/tar"), layout="tar", storage_options=s3.storage_options)
+    )
     assert sum(1 for _ in tar.fetch_many(tar.list_keys())) == 30
 
 
@@ -97,6 +112,8 @@ def test_bad_arguments() -> None:
 def test_cli_parser_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     parser = argparse.ArgumentParser()
     add_demo_data_parser(parser.add_subparsers())
-    args = parser.parse_args(["demo-data", f"file://{tmp_path}", "--samples", "4", "--layout", "files"])
+    args = parser.parse_args(
+        ["demo-data", f"file://{tmp_path}", "--samples", "4", "--layout", "files"]
+    )
     assert args.func(args) == 0
     assert "files: 4 keys" in capsys.readouterr().out

@@ -8,7 +8,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import pytest
 
@@ -31,9 +31,9 @@ if TYPE_CHECKING:
 class FlakyHandler(http.server.BaseHTTPRequestHandler):
     """``/flaky-N/x`` fails with 503 N times, ``/slow`` sleeps 3 s, ``/missing`` 404, ``/forbidden`` 403."""
 
-    hits: Counter[str] = Counter()
+    hits: ClassVar[Counter[str]] = Counter()
 
-    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+    def do_GET(self) -> None:
         self.hits[self.path] += 1
         count = self.hits[self.path]
         if self.path.startswith("/flaky-"):
@@ -111,7 +111,10 @@ def test_timeout_raises_remote_timeout_with_url(http_server: str) -> None:
 
 def test_fetch_many_returns_per_object_results(http_server: str) -> None:
     fs, _ = open_fs(http_server, timeout_s=5)
-    urls = [f"{http_server}/ok/{i}" for i in range(20)] + [f"{http_server}/missing", f"{http_server}/slow"]
+    urls = [f"{http_server}/ok/{i}" for i in range(20)] + [
+        f"{http_server}/missing",
+        f"{http_server}/slow",
+    ]
     start = time.monotonic()
     results = fetch_many(fs, urls, concurrency=8, timeout_s=0.7)
     assert time.monotonic() - start < 2.5
@@ -141,25 +144,36 @@ def _stop_moto(server: Any) -> None:
     server._server.server_close()  # stop() leaves the socket listening; free the port for a restart
 
 
-def test_s3_outage_then_recovery_is_retried(s3: S3Env, unreachable_endpoint: str,
-                                            s3_options_for: Any) -> None:
+def test_s3_outage_then_recovery_is_retried(
+    s3: S3Env, unreachable_endpoint: str, s3_options_for: Any
+) -> None:
     import s3fs
 
     s3fs.S3FileSystem(**s3.storage_options).pipe_file(f"{s3.bucket}/obj", b"data")
     port = int(unreachable_endpoint.rsplit(":", 1)[1])
     server = _start_moto(port)  # a second endpoint on moto's shared in-process state
     try:
-        fs, _ = open_fs("s3://", s3_options_for(unreachable_endpoint), timeout_s=5, connect_timeout_s=1)
+        fs, _ = open_fs(
+            "s3://", s3_options_for(unreachable_endpoint), timeout_s=5, connect_timeout_s=1
+        )
         url = f"s3://{s3.bucket}/obj"
         assert call(fs, "cat_file", f"{s3.bucket}/obj", timeout_s=5) == b"data"
         _stop_moto(server)
         with pytest.raises(SourceUnavailable, match=url), translate_errors(url):
             call(fs, "cat_file", f"{s3.bucket}/obj", timeout_s=5)
-        restarter = threading.Timer(0.8, lambda: globals().__setitem__("_restarted", _start_moto(port)))
+        restarter = threading.Timer(
+            0.8, lambda: globals().__setitem__("_restarted", _start_moto(port))
+        )
         restarter.start()
         start = time.monotonic()
-        data = retry(lambda: call(fs, "cat_file", f"{s3.bucket}/obj", timeout_s=5), url=url,
-                     attempts=20, base_s=0.1, max_s=0.4, deadline_s=15)
+        data = retry(
+            lambda: call(fs, "cat_file", f"{s3.bucket}/obj", timeout_s=5),
+            url=url,
+            attempts=20,
+            base_s=0.1,
+            max_s=0.4,
+            deadline_s=15,
+        )
         assert data == b"data" and time.monotonic() - start >= 0.5
         restarter.join()
         server = globals().pop("_restarted")
@@ -175,7 +189,15 @@ def test_backoff_has_full_jitter_and_respects_deadline() -> None:
         raise ConnectionRefusedError("refused")
 
     with pytest.raises(SourceUnavailable):
-        retry(fail, url="x://y", attempts=6, base_s=0.1, max_s=0.5, sleep=delays.append, rng=random.Random(1))
+        retry(
+            fail,
+            url="x://y",
+            attempts=6,
+            base_s=0.1,
+            max_s=0.5,
+            sleep=delays.append,
+            rng=random.Random(1),
+        )
     assert len(delays) == 5
     assert all(0 <= d <= min(0.5, 0.1 * 2**i) for i, d in enumerate(delays))
     calls = 0
@@ -199,21 +221,35 @@ def test_translate_error_classes() -> None:
     assert isinstance(translate_error(PermissionError("k"), "u"), PermanentRemoteError)
     assert isinstance(translate_error(TimeoutError(), "u"), RemoteTimeout)
     assert isinstance(translate_error(ConnectionResetError(), "u"), SourceUnavailable)
-    assert isinstance(translate_error(EndpointConnectionError(endpoint_url="http://h"), "u"), SourceUnavailable)
-    assert isinstance(translate_error(ReadTimeoutError(endpoint_url="http://h"), "u"), RemoteTimeout)
+    assert isinstance(
+        translate_error(EndpointConnectionError(endpoint_url="http://h"), "u"), SourceUnavailable
+    )
+    assert isinstance(
+        translate_error(ReadTimeoutError(endpoint_url="http://h"), "u"), RemoteTimeout
+    )
     error = translate_error(OSError("boom"), "s3://b/k")
     assert error.url == "s3://b/k" and "s3://b/k" in str(error)
-    with pytest.raises(ValueError):  # not a remote library error: untouched
-        with translate_errors("u"):
-            raise ValueError("mine")
+    with pytest.raises(ValueError), translate_errors("u"):  # not a remote library error: untouched
+        raise ValueError("mine")
 
 
 def test_redact_options_masks_nested_credentials() -> None:
-    options = {"key": "AKIA", "secret": "s3cr3t", "token": "t", "endpoint_url": "http://e",
-               "client_kwargs": {"region_name": "r", "aws_session_token": "tok"}, "anon": False}
-    assert redact_options(options) == {"key": "***", "secret": "***", "token": "***", "endpoint_url": "http://e",
-                                       "client_kwargs": {"region_name": "r", "aws_session_token": "***"},
-                                       "anon": False}
+    options = {
+        "key": "AKIA",
+        "secret": "s3cr3t",
+        "token": "t",
+        "endpoint_url": "http://e",
+        "client_kwargs": {"region_name": "r", "aws_session_token": "tok"},
+        "anon": False,
+    }
+    assert redact_options(options) == {
+        "key": "***",
+        "secret": "***",
+        "token": "***",
+        "endpoint_url": "http://e",
+        "client_kwargs": {"region_name": "r", "aws_session_token": "***"},
+        "anon": False,
+    }
     assert options["secret"] == "s3cr3t"  # a copy
 
 
@@ -229,3 +265,36 @@ def test_bandwidth_limiter_keeps_the_average_rate() -> None:
     assert 0.35 < time.monotonic() - start < 0.8
     with pytest.raises(ValueError, match="bandwidth"):
         BandwidthLimiter(0)
+
+
+def test_source_fetch_with_retries_refetches_only_transient_failures(http_server: str) -> None:
+    from epochcache.config import SourceConfig
+    from epochcache.sources import SampleRef, open_source
+
+    source = open_source(SourceConfig(url=http_server, checks=[]), concurrency=4)
+    refs = [SampleRef("flaky-2/a"), SampleRef("missing"), SampleRef("ok/1"), SampleRef("flaky-9/b")]
+    results = source.fetch_with_retries(refs, attempts=4, base_s=0.01, max_s=0.02)
+    outcome = {r.key: v for r, v in results}
+    assert outcome["flaky-2/a"] == b"payload:/flaky-2/a" and outcome["ok/1"] == b"payload:/ok/1"
+    assert isinstance(outcome["missing"], PermanentRemoteError)
+    assert isinstance(outcome["flaky-9/b"], SourceUnavailable) and "flaky-9/b" in str(
+        outcome["flaky-9/b"]
+    )
+    assert FlakyHandler.hits["/flaky-2/a"] == 3 and FlakyHandler.hits["/missing"] == 1
+    assert FlakyHandler.hits["/ok/1"] == 1 and FlakyHandler.hits["/flaky-9/b"] == 4
+
+
+def test_configured_source_wires_sampler_settings(tmp_path: Any) -> None:
+    from epochcache.config import parse_config
+    from epochcache.sources import open_configured_source
+
+    config = parse_config(
+        {
+            "source": {"url": f"file://{tmp_path}", "checks": ["size"]},
+            "cache": {"dir": str(tmp_path / "c"), "capacity": "1GB"},
+            "sampler": {"concurrency": 3, "check": False, "bandwidth_limit": "4MB", "processes": 2},
+        }
+    )
+    source = open_configured_source(config)
+    assert source.concurrency == 3 and source.checks == frozenset()
+    assert source.limiter is not None and source.limiter.bytes_per_s == 2_000_000

@@ -45,13 +45,17 @@ def test_node_partitions_disjoint_and_covering(num_keys: int, num_nodes: int, se
 def test_nodes_stay_in_their_partition_across_passes() -> None:
     orders = [KeyOrder(101, seed=3, node_rank=r, num_nodes=3) for r in range(3)]
     seen = [set(o.take(len(o.node_keys) * 3).tolist()) for o in orders]
-    assert seen[0].isdisjoint(seen[1]) and seen[1].isdisjoint(seen[2]) and seen[0].isdisjoint(seen[2])
+    assert (
+        seen[0].isdisjoint(seen[1]) and seen[1].isdisjoint(seen[2]) and seen[0].isdisjoint(seen[2])
+    )
     assert set().union(*seen) == set(range(101))
 
 
 @settings(max_examples=40, deadline=None)
 @given(num_keys=st.integers(4, 200), processes=st.integers(1, 4), batch=st.integers(1, 17))
-def test_processes_fetch_disjoint_keys_and_cover_the_pass(num_keys: int, processes: int, batch: int) -> None:
+def test_processes_fetch_disjoint_keys_and_cover_the_pass(
+    num_keys: int, processes: int, batch: int
+) -> None:
     taken: list[list[int]] = []
     for p in range(processes):
         order = KeyOrder(num_keys, seed=1, process_index=p, num_processes=processes)
@@ -66,12 +70,23 @@ def test_processes_fetch_disjoint_keys_and_cover_the_pass(num_keys: int, process
 
 
 @settings(max_examples=60, deadline=None)
-@given(num_keys=st.integers(1, 200), first=st.integers(0, 500), rest=st.integers(0, 500),
-       strategy=st.sampled_from(["uniform", "weighted"]))
-def test_position_save_restore_continues_exactly(num_keys: int, first: int, rest: int, strategy: str) -> None:
+@given(
+    num_keys=st.integers(1, 200),
+    first=st.integers(0, 500),
+    rest=st.integers(0, 500),
+    strategy=st.sampled_from(["uniform", "weighted"]),
+)
+def test_position_save_restore_continues_exactly(
+    num_keys: int, first: int, rest: int, strategy: str
+) -> None:
     weights = np.linspace(0.0, 1.0, num_keys) + 0.1 if strategy == "weighted" else None
-    kwargs = dict(seed=5, strategy=strategy, weights=weights, process_index=1 if num_keys > 1 else 0,
-                  num_processes=2 if num_keys > 1 else 1)
+    kwargs = {
+        "seed": 5,
+        "strategy": strategy,
+        "weights": weights,
+        "process_index": 1 if num_keys > 1 else 0,
+        "num_processes": 2 if num_keys > 1 else 1,
+    }
     uninterrupted = KeyOrder(num_keys, **kwargs)  # type: ignore[arg-type]
     expected = uninterrupted.take(first + rest)
     before = KeyOrder(num_keys, **kwargs)  # type: ignore[arg-type]

@@ -22,7 +22,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Union
+from typing import TYPE_CHECKING, Any, Literal
 
 from epochcache.errors import SourceError, SourceUnavailable
 from epochcache.remote import (
@@ -40,8 +40,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-Payload = Union[bytes, dict[str, bytes]]
-FetchResult = tuple["SampleRef", Union[Payload, SourceError]]
+#: what a fetch returns for one sample: whole-object bytes, or tar fields by extension
+Payload = bytes | dict[str, bytes]
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +73,10 @@ class SampleRef:
         """Inverse of :meth:`to_row`."""
         key, size, weight, checksum = (list(row) + [None, None, None])[:4]
         return cls(str(key), size, weight, checksum)
+
+
+#: one fetched sample: its ref and its payload, or the error that replaced it
+FetchResult = tuple[SampleRef, Payload | SourceError]
 
 
 class Source(abc.ABC):
@@ -162,7 +166,11 @@ class Source(abc.ABC):
             retry_next: list[int] = []
             for index, group in zip(pending, fetched):
                 groups[index] = group
-                if len(group) == 1 and group[0][0] is refs[index] and isinstance(group[0][1], TRANSIENT_ERRORS):
+                if (
+                    len(group) == 1
+                    and group[0][0] is refs[index]
+                    and isinstance(group[0][1], TRANSIENT_ERRORS)
+                ):
                     retry_next.append(index)
             pending = retry_next
             if not pending:
@@ -171,7 +179,9 @@ class Source(abc.ABC):
             elapsed = time.monotonic() - start
             if delay is None or (deadline_s is not None and elapsed + delay >= deadline_s):
                 break
-            logger.info("%s: %d transient failures; retrying in %.2fs", self.url, len(pending), delay)
+            logger.info(
+                "%s: %d transient failures; retrying in %.2fs", self.url, len(pending), delay
+            )
             sleep(delay)
         return [result for group in groups for result in group]
 
@@ -197,12 +207,16 @@ class Source(abc.ABC):
         cfg = self.config
 
         def find() -> dict[str, Any]:
-            found: dict[str, Any] = call(self.fs, "find", self.root, detail=True, timeout_s=cfg.timeout_s)
+            found: dict[str, Any] = call(
+                self.fs, "find", self.root, detail=True, timeout_s=cfg.timeout_s
+            )
             return found
 
         try:
             # Listing at start must fail fast (invariant 5): two attempts within a short deadline.
-            infos = retry(find, url=self.url, attempts=2, deadline_s=cfg.list_deadline_s, base_s=0.2)
+            infos = retry(
+                find, url=self.url, attempts=2, deadline_s=cfg.list_deadline_s, base_s=0.2
+            )
         except SourceError as exc:
             raise SourceUnavailable(
                 f"{self.url}: cannot list objects matching {pattern!r} ({exc}); check source.url, "

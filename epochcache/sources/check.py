@@ -85,9 +85,9 @@ def _check_npy(data: bytes) -> None:
     buffer = io.BytesIO(data)
     version = np.lib.format.read_magic(buffer)
     if version == (1, 0):
-        shape, fortran, dtype = np.lib.format.read_array_header_1_0(buffer)
+        shape, _fortran, dtype = np.lib.format.read_array_header_1_0(buffer)
     else:
-        shape, fortran, dtype = np.lib.format.read_array_header_2_0(buffer)
+        shape, _fortran, dtype = np.lib.format.read_array_header_2_0(buffer)
     if dtype.hasobject:
         return  # pickled payload: its length cannot be told from the header
     expected = buffer.tell() + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
@@ -145,7 +145,9 @@ def check_format(key: str, name: str, data: bytes, url: str = "") -> None:
     try:
         check(data)
     except Exception as exc:  # any parse failure of untrusted bytes means corrupt, never a crash
-        raise CorruptSample(f"{key}: not a valid .{ext} ({type(exc).__name__}: {exc})", url, key) from exc
+        raise CorruptSample(
+            f"{key}: not a valid .{ext} ({type(exc).__name__}: {exc})", url, key
+        ) from exc
 
 
 def check_object(

@@ -43,12 +43,20 @@ class FilesSource(Source):
         for ref, (path, value) in zip(refs, fetched):
             url = urls[path]
             if isinstance(value, BaseException):
-                error = value if isinstance(value, SourceError) else SourceError(f"{url}: {value}", url)
+                error = (
+                    value if isinstance(value, SourceError) else SourceError(f"{url}: {value}", url)
+                )
                 groups.append([(ref, error)])
                 continue
             try:
-                check_object(ref.key, value, size=ref.size, checksum=ref.checksum,
-                             checks=self.checks, url=url)
+                check_object(
+                    ref.key,
+                    value,
+                    size=ref.size,
+                    checksum=ref.checksum,
+                    checks=self.checks,
+                    url=url,
+                )
             except CorruptSample as exc:
                 logger.warning("%s: corrupt: %s", url, exc)
                 groups.append([(ref, exc)])

@@ -61,11 +61,18 @@ def save_listing(
     """Write ``refs`` atomically; return the file written."""
     path = listing_path(cache_dir, fingerprint)
     path.parent.mkdir(parents=True, exist_ok=True)
-    header = {"version": LISTING_VERSION, "fingerprint": fingerprint, "count": len(refs),
-              "created": time.time()}
+    header = {
+        "version": LISTING_VERSION,
+        "fingerprint": fingerprint,
+        "count": len(refs),
+        "created": time.time(),
+    }
     fd, tmp = tempfile.mkstemp(prefix=".listing-", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=5) as out:
+        with (
+            os.fdopen(fd, "wb") as raw,
+            gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=5) as out,
+        ):
             out.write(json.dumps(header).encode() + b"\n")
             for ref in refs:
                 out.write(json.dumps(ref.to_row(), separators=(",", ":")).encode() + b"\n")
@@ -99,7 +106,8 @@ def load_listing(
         logger.warning("%s: unreadable listing (%s); re-listing", path, exc)
         return None
     if len(refs) != header.get("count"):
-        logger.warning("%s: listing holds %d of %s refs; re-listing", path, len(refs), header.get("count"))
+        logger.warning(
+            "%s: listing holds %d of %s refs; re-listing", path, len(refs), header.get("count")
+        )
         return None
     return refs
-

@@ -97,8 +97,14 @@ def glob_to_regex(pattern: str) -> re.Pattern[str]:
 def detect_format(path: str) -> str:
     """The manifest format told by the file name: txt, csv, jsonl or parquet."""
     name = path.lower().removesuffix(".gz")
-    for ext, fmt in ((".csv", "csv"), (".jsonl", "jsonl"), (".ndjson", "jsonl"),
-                     (".json", "jsonl"), (".parquet", "parquet"), (".txt", "txt")):
+    for ext, fmt in (
+        (".csv", "csv"),
+        (".jsonl", "jsonl"),
+        (".ndjson", "jsonl"),
+        (".json", "jsonl"),
+        (".parquet", "parquet"),
+        (".txt", "txt"),
+    ):
         if name.endswith(ext):
             return fmt
     return "txt"
@@ -190,7 +196,9 @@ def _parse_csv(text: str, url: str) -> Iterator[SampleRef]:
             url,
         )
     for number, row in enumerate(reader, start=2):
-        clean = {(k or "").strip(): (v.strip() if isinstance(v, str) else v) for k, v in row.items()}
+        clean = {
+            (k or "").strip(): (v.strip() if isinstance(v, str) else v) for k, v in row.items()
+        }
         yield _make_ref(clean, url, f"line {number}")
 
 

@@ -38,9 +38,9 @@ def split_member(name: str) -> tuple[str, str] | None:
     return prefix, field.lower()
 
 
-def iter_shard(shard_key: str, data: bytes, *, check_formats: bool = True, url: str = "") -> Iterator[
-    tuple[SampleRef, dict[str, bytes] | CorruptSample]
-]:
+def iter_shard(
+    shard_key: str, data: bytes, *, check_formats: bool = True, url: str = ""
+) -> Iterator[tuple[SampleRef, dict[str, bytes] | CorruptSample]]:
     """Yield ``(ref, fields or CorruptSample)`` for every sample of an in-memory tar shard."""
     current: str | None = None
     fields: dict[str, bytes] = {}
@@ -62,10 +62,12 @@ def iter_shard(shard_key: str, data: bytes, *, check_formats: bool = True, url: 
         return ref, dict(fields)
 
     try:
-        archive = tarfile.open(fileobj=io.BytesIO(data), mode="r:")
+        # Not a `with`: the generator yields between open and close; `finally` below closes it.
+        archive = tarfile.open(fileobj=io.BytesIO(data), mode="r:")  # noqa: SIM115
     except (tarfile.TarError, EOFError, OSError) as exc:
-        yield SampleRef(shard_key, shard=shard_key), CorruptSample(
-            f"{shard_key}: not a readable tar shard ({exc})", url, shard_key
+        yield (
+            SampleRef(shard_key, shard=shard_key),
+            CorruptSample(f"{shard_key}: not a readable tar shard ({exc})", url, shard_key),
         )
         return
     try:
@@ -96,13 +98,16 @@ def iter_shard(shard_key: str, data: bytes, *, check_formats: bool = True, url: 
     except (tarfile.TarError, EOFError, OSError) as exc:
         # The header stream is broken: the sample in progress cannot be trusted, and nothing
         # after it can be found. Earlier samples were yielded and stay valid.
-        reason = f"shard is truncated or damaged after {count} samples ({type(exc).__name__}: {exc})"
+        reason = (
+            f"shard is truncated or damaged after {count} samples ({type(exc).__name__}: {exc})"
+        )
         if current is not None:
             error = error or reason
             yield finish()
         else:
-            yield SampleRef(shard_key, shard=shard_key), CorruptSample(
-                f"{shard_key}: {reason}", url, shard_key
+            yield (
+                SampleRef(shard_key, shard=shard_key),
+                CorruptSample(f"{shard_key}: {reason}", url, shard_key),
             )
         return
     finally:
@@ -116,8 +121,9 @@ def iter_shard(shard_key: str, data: bytes, *, check_formats: bool = True, url: 
             f"byte {archive.offset} of {len(data)})"
         )
         if current is None:
-            yield SampleRef(shard_key, shard=shard_key), CorruptSample(
-                f"{shard_key}: {reason}", url, shard_key
+            yield (
+                SampleRef(shard_key, shard=shard_key),
+                CorruptSample(f"{shard_key}: {reason}", url, shard_key),
             )
             return
         error = error or reason
@@ -170,7 +176,10 @@ class TarSource(Source):
         paths = [self.object_path(ref.key) for ref in refs]
         urls = {path: self.object_url(ref.key) for path, ref in zip(paths, refs)}
         fetched = fetch_many(
-            self.fs, paths, concurrency=self.concurrency, timeout_s=self.config.timeout_s,
+            self.fs,
+            paths,
+            concurrency=self.concurrency,
+            timeout_s=self.config.timeout_s,
             url_of=urls.__getitem__,
         )
         self._throttle(sum(len(v) for _, v in fetched if isinstance(v, bytes)))
@@ -178,7 +187,9 @@ class TarSource(Source):
         for ref, (path, value) in zip(refs, fetched):
             url = urls[path]
             if isinstance(value, BaseException):
-                error = value if isinstance(value, SourceError) else SourceError(f"{url}: {value}", url)
+                error = (
+                    value if isinstance(value, SourceError) else SourceError(f"{url}: {value}", url)
+                )
                 groups.append([(ref, error)])
                 continue
             try:

@@ -68,7 +68,9 @@ class SourceContract:
     def test_glob_levels(self, backend: Backend) -> None:
         for key in ("a.npy", "x/b.npy", "x/y/c.npy", "x/notes.txt"):
             backend.put(f"g/{key}", npy_bytes())
-        keys = lambda pattern: [r.key for r in open_source(backend.source("g", pattern=pattern)).list_keys()]  # noqa: E731
+        keys = lambda pattern: [
+            r.key for r in open_source(backend.source("g", pattern=pattern)).list_keys()
+        ]
         assert keys("*.npy") == ["a.npy"]
         assert keys("**/*.npy") == ["a.npy", "x/b.npy", "x/y/c.npy"]
         assert keys("x/*") == ["x/b.npy", "x/notes.txt"]
@@ -88,7 +90,7 @@ class SourceContract:
         source = open_source(backend.source("d"))
         from epochcache.sources import SampleRef
 
-        [(ref, result)] = source.fetch_many([SampleRef("nope.npy")])
+        [(_ref, result)] = source.fetch_many([SampleRef("nope.npy")])
         assert isinstance(result, PermanentRemoteError)
         assert "nope.npy" in str(result) and "nope.npy" in result.url
 
@@ -96,7 +98,11 @@ class SourceContract:
         write_demo_data(backend.url("d"), 25, "tar", backend.storage_options, samples_per_shard=10)
         source = open_source(backend.source("d", layout="tar"))
         shards = source.list_keys()
-        assert [s.key for s in shards] == ["shard-000000.tar", "shard-000001.tar", "shard-000002.tar"]
+        assert [s.key for s in shards] == [
+            "shard-000000.tar",
+            "shard-000001.tar",
+            "shard-000002.tar",
+        ]
         results = source.fetch_many(shards)
         assert len(results) == 25
         ref, fields = results[11]
@@ -118,7 +124,10 @@ class SourceContract:
     def test_manifest_formats(self, backend: Backend, name: str) -> None:
         write_demo_data(backend.url("d"), 8, "files", backend.storage_options)
         if name == "keys.txt":
-            backend.put("d/keys.txt", b"# keys\n" + b"".join(f"sample-{i:06d}.npy\n".encode() for i in range(8)))
+            backend.put(
+                "d/keys.txt",
+                b"# keys\n" + b"".join(f"sample-{i:06d}.npy\n".encode() for i in range(8)),
+            )
         refs = open_source(backend.source("d", manifest=name)).list_keys()
         assert [r.key for r in refs] == [f"sample-{i:06d}.npy" for i in range(8)]
         if name != "keys.txt":
@@ -128,7 +137,10 @@ class SourceContract:
         backend.put("m/a.bin", b"a")
         backend.put("m/manifest.csv", b"key,weight\na.bin,2.5\nb.bin,0\n")
         refs = open_source(backend.source("m", manifest="manifest.csv")).list_keys()
-        assert [(r.key, r.weight, r.size) for r in refs] == [("a.bin", 2.5, None), ("b.bin", 0.0, None)]
+        assert [(r.key, r.weight, r.size) for r in refs] == [
+            ("a.bin", 2.5, None),
+            ("b.bin", 0.0, None),
+        ]
         backend.put("m/bad.csv", b"name,size\na,1\n")
         with pytest.raises(SourceUnavailable, match="key"):
             open_source(backend.source("m", manifest="bad.csv")).list_keys()
@@ -149,7 +161,9 @@ class SourceContract:
         assert isinstance(results["good.npy"], bytes)
         assert isinstance(results["bad.npy"], CorruptSample) and results["bad.npy"].key == "bad.npy"
         assert "sha256 mismatch" in str(results["bad.npy"])
-        assert isinstance(results["short.npy"], CorruptSample) and "size" in str(results["short.npy"])
+        assert isinstance(results["short.npy"], CorruptSample) and "size" in str(
+            results["short.npy"]
+        )
 
     def test_truncated_objects_fail_format_checks(self, backend: Backend) -> None:
         import gzip
@@ -183,7 +197,7 @@ class SourceContract:
         good_b = [k for k, v in outcome.items() if k.startswith("b.tar/") and v == "dict"]
         bad_b = [k for k, v in outcome.items() if k.startswith("b.tar") and v == "CorruptSample"]
         assert good_b and len(bad_b) == 1
-        corrupt = dict((r.key, p) for r, p in results)[bad_b[0]]
+        corrupt = {r.key: p for r, p in results}[bad_b[0]]
         assert isinstance(corrupt, CorruptSample) and corrupt.key == bad_b[0]
 
     def test_empty_prefix_fails_fast_with_url_and_pattern(self, backend: Backend) -> None:
@@ -202,7 +216,9 @@ class SourceContract:
         assert time.monotonic() - start < 5
         assert "does-not-exist" in str(info.value)
 
-    def test_listing_cache_round_trip(self, backend: Backend, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def test_listing_cache_round_trip(
+        self, backend: Backend, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
         write_demo_data(backend.url("d"), 5, "files", backend.storage_options)
         source = open_source(backend.source("d", pattern="*.npy"))
         first = list_keys_cached(source, tmp_path)
