@@ -1,0 +1,1 @@
+"""Helpers shared by the tests: cache inspection, helper processes, synthetic data."""

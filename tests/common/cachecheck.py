@@ -1,0 +1,154 @@
+"""Inspect a cache from the outside: recount counters from the records, check every record.
+
+These checks deliberately re-derive everything from the raw LMDB records (``samples`` and
+``keys`` sub-databases) instead of trusting the cache's own bookkeeping, so a test fails when
+the counters drift, a record is torn, the key index lies, or the present samples stop being
+one contiguous run of sequence numbers (what oldest-first eviction guarantees).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+from epochcache import Cache
+from epochcache.codec import check_record, decode_payload, pack_fields
+from epochcache.counters import Counters
+from epochcache.errors import CacheCorrupted
+from epochcache.leases import read_leases
+from epochcache.schema import DB_KEYS, DB_LEASES, DB_META, DB_SAMPLES, seq_of, unpack_u64
+
+
+def content_for(key: str, size: int | None = None, *, compressible: bool | None = None) -> bytes:
+    """Deterministic sample bytes derived from ``key`` (so any process can recompute them).
+
+    Without ``size`` the size is drawn from the key (1-8 KiB). Without ``compressible`` half
+    of the keys give compressible text and half incompressible noise.
+    """
+    seed = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big")
+    rng = random.Random(seed)
+    if size is None:
+        size = rng.randint(1024, 8192)
+    if compressible is None:
+        compressible = bool(seed & 1)
+    if compressible:
+        line = f"{key} says hello {seed % 97}\n".encode()
+        return (line * (size // len(line) + 1))[:size]
+    return rng.randbytes(size)
+
+
+def digest(value: bytes | dict[str, bytes]) -> str:
+    """A stable content hash of a sample value (bytes or a dict of fields)."""
+    if isinstance(value, dict):
+        value = pack_fields(dict(sorted(value.items())))
+    return hashlib.sha256(value).hexdigest()
+
+
+@dataclass
+class CacheState:
+    """What a full scan found. ``problems`` is empty when the cache is consistent."""
+
+    seqs: list[int] = field(default_factory=list)
+    keys: list[str] = field(default_factory=list)
+    sizes: list[int] = field(default_factory=list)
+    bytes: int = 0
+    counters: Counters = field(default_factory=Counters)
+    leases: list[Any] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def key_to_seq(self) -> dict[str, int]:
+        return dict(zip(self.keys, self.seqs))
+
+    @property
+    def first_seq(self) -> int | None:
+        return self.seqs[0] if self.seqs else None
+
+
+def scan(cache: Cache) -> CacheState:
+    """Read every record in one read transaction and cross-check counters and the key index."""
+    state = CacheState()
+    store, dbs = cache.store, cache.dbs
+    with store.read() as txn:
+        state.counters = Counters.load(txn, dbs[DB_META])
+        state.leases = read_leases(txn, dbs[DB_LEASES])
+        for raw_key, record in txn.cursor(db=dbs[DB_SAMPLES]):
+            seq = seq_of(bytes(raw_key))
+            try:
+                info = check_record(record)
+                decode_payload(record)
+            except (CacheCorrupted, ValueError) as exc:
+                state.problems.append(f"sample {seq}: {exc}")
+                continue
+            state.seqs.append(seq)
+            state.keys.append(info.key)
+            state.sizes.append(len(record))
+            state.bytes += len(record)
+            indexed = txn.get(info.key.encode("utf-8"), db=dbs[DB_KEYS])
+            if indexed is None:
+                state.problems.append(f"sample {seq} ({info.key!r}) missing from the key index")
+            elif unpack_u64(indexed) != seq:
+                state.problems.append(
+                    f"key index maps {info.key!r} to {unpack_u64(indexed)}, record is at {seq}"
+                )
+        index_entries = txn.stat(dbs[DB_KEYS])["entries"]
+    n = len(state.seqs)
+    c = state.counters
+    if index_entries != n:
+        state.problems.append(f"key index has {index_entries} entries for {n} samples")
+    if c.samples != n:
+        state.problems.append(f"counter samples={c.samples}, recount {n}")
+    if c.bytes != state.bytes:
+        state.problems.append(f"counter bytes={c.bytes}, recount {state.bytes}")
+    if c.inserted - c.evicted != c.samples:
+        state.problems.append(f"inserted {c.inserted} - evicted {c.evicted} != samples {c.samples}")
+    if c.next_seq != c.inserted:
+        state.problems.append(f"next_seq {c.next_seq} != inserted {c.inserted}")
+    if n:
+        # Oldest-first eviction: the present samples are exactly [evicted, next_seq).
+        if state.seqs != list(range(state.seqs[0], state.seqs[0] + n)):
+            state.problems.append(f"present samples are not contiguous: {_ranges(state.seqs)}")
+        if state.seqs[0] != c.evicted:
+            state.problems.append(f"oldest present seq {state.seqs[0]} != evicted count {c.evicted}")
+        if state.seqs[-1] + 1 != c.next_seq:
+            state.problems.append(f"newest seq {state.seqs[-1]} but next_seq {c.next_seq}")
+    for lease in state.leases:
+        if lease.lo > lease.hi:
+            state.problems.append(f"lease {lease.lease_id} has lo {lease.lo} > hi {lease.hi}")
+    return state
+
+
+def _ranges(seqs: list[int]) -> str:
+    out, start = [], seqs[0]
+    for a, b in zip(seqs, seqs[1:] + [None]):  # type: ignore[operator]
+        if b != a + 1:
+            out.append(f"{start}-{a}")
+            start = b
+    return ",".join(out[:20])
+
+
+def assert_consistent(cache: Cache) -> CacheState:
+    """:func:`scan` and fail the test on any problem."""
+    state = scan(cache)
+    assert not state.problems, "cache inconsistent:\n  " + "\n  ".join(state.problems)
+    return state
+
+
+def full_check(path: str) -> CacheState:
+    """Open the cache at ``path`` as a fresh process would, scan it, and run ``verify_cache``
+    when the package has it."""
+    cache = Cache(path)
+    try:
+        state = assert_consistent(cache)
+    finally:
+        cache.close()
+    try:
+        from epochcache.verify import verify_cache
+    except ImportError:  # pragma: no cover - verify not written yet
+        return state
+    report = verify_cache(path)
+    assert report.ok, f"verify_cache({path!r}) is not clean: {report}"
+    assert report.checked == len(state.seqs)
+    return state

@@ -1,0 +1,128 @@
+"""Helper processes for fault tests: run a small Python script, wait for its marker, kill -9.
+
+Synchronisation is by lines the child prints on stdout (``READY``, ``SNAP ...``), read with a
+timeout, never by sleeping. The child's stderr goes to a file that is shown when it fails.
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class Proc:
+    """A running helper script. Use :meth:`wait_line` for markers and :meth:`kill9` to crash it."""
+
+    def __init__(self, popen: subprocess.Popen[bytes], stderr_path: Path, name: str) -> None:
+        self.popen = popen
+        self.stderr_path = stderr_path
+        self.name = name
+        self.lines: list[str] = []
+        self._buf = b""
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def stderr(self) -> str:
+        try:
+            return self.stderr_path.read_text(errors="replace")[-4000:]
+        except OSError:
+            return ""
+
+    def _fail(self, why: str) -> None:
+        raise AssertionError(f"helper {self.name} (pid {self.pid}): {why}\n--- stderr ---\n{self.stderr()}")
+
+    def wait_line(self, prefix: str, timeout_s: float = 30.0) -> str:
+        """Return the first (unread) stdout line starting with ``prefix``."""
+        assert self.popen.stdout is not None
+        deadline = time.monotonic() + timeout_s
+        fd = self.popen.stdout.fileno()
+        with selectors.DefaultSelector() as sel:
+            sel.register(fd, selectors.EVENT_READ)
+            while True:
+                while b"\n" in self._buf:
+                    raw, self._buf = self._buf.split(b"\n", 1)
+                    line = raw.decode(errors="replace")
+                    self.lines.append(line)
+                    if line.startswith(prefix):
+                        return line
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self._fail(f"no line starting with {prefix!r} within {timeout_s}s; got {self.lines[-5:]}")
+                if sel.select(timeout=min(left, 1.0)):
+                    chunk = os.read(fd, 65536)
+                    if not chunk:
+                        self.popen.wait()
+                        self._fail(
+                            f"exited ({self.popen.returncode}) before printing {prefix!r}; "
+                            f"got {self.lines[-5:]}"
+                        )
+                    self._buf += chunk
+
+    def send(self, line: str) -> None:
+        assert self.popen.stdin is not None
+        self.popen.stdin.write(line.encode() + b"\n")
+        self.popen.stdin.flush()
+
+    def kill9(self) -> int:
+        """SIGKILL the process and reap it; return its exit status."""
+        if self.popen.poll() is None:
+            os.kill(self.popen.pid, signal.SIGKILL)
+        return self.popen.wait(timeout=30)
+
+    def wait(self, timeout_s: float = 60.0) -> int:
+        try:
+            code = self.popen.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill9()
+            self._fail(f"did not exit within {timeout_s}s")
+        return code
+
+    def wait_ok(self, timeout_s: float = 60.0) -> None:
+        code = self.wait(timeout_s)
+        if code != 0:
+            self._fail(f"exited with status {code}; stdout tail {self.lines[-5:]}")
+
+    def close(self) -> None:
+        self.kill9()
+        for stream in (self.popen.stdout, self.popen.stdin):
+            if stream is not None:
+                stream.close()
+
+
+def spawn_script(
+    workdir: Path, name: str, code: str, *args: str, env: dict[str, str] | None = None
+) -> Proc:
+    """Write ``code`` to ``workdir/name.py`` and run it with this interpreter.
+
+    The script gets ``sys.argv[1:] == args``; ``tests/`` is on its ``sys.path`` so it can
+    import ``common``. stdout is a pipe (markers), stdin a pipe (commands), stderr a file.
+    """
+    script = workdir / f"{name}.py"
+    script.write_text(textwrap.dedent(code))
+    stderr_path = workdir / f"{name}.stderr"
+    child_env = dict(os.environ)
+    child_env["PYTHONPATH"] = os.pathsep.join(
+        [str(REPO / "tests"), str(REPO), child_env.get("PYTHONPATH", "")]
+    ).rstrip(os.pathsep)
+    child_env["PYTHONUNBUFFERED"] = "1"
+    child_env.update(env or {})
+    with open(stderr_path, "wb") as err:
+        popen = subprocess.Popen(
+            [sys.executable, str(script), *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            env=child_env,
+            cwd=workdir,
+        )
+    return Proc(popen, stderr_path, name)
