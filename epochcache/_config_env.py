@@ -79,7 +79,7 @@ def resolve_node(
             raw = environ.get(name)
             if raw not in (None, ""):
                 try:
-                    return int(raw)  # type: ignore[arg-type]
+                    return int(raw)
                 except ValueError:
                     raise ConfigError(
                         f"sampler: environment variable {name}={raw!r} is not an integer"

@@ -79,6 +79,8 @@ def _headroom(value: Any) -> Any:
     return parse_size(value, name="headroom")
 
 
+Check = Literal["size", "checksum", "format"]
+_ALL_CHECKS: tuple[Check, ...] = ("size", "checksum", "format")
 Size = Annotated[int, BeforeValidator(_size), Field(ge=0)]
 Duration = Annotated[float, BeforeValidator(_duration), Field(gt=0)]
 
@@ -93,21 +95,21 @@ class SourceConfig(_Section):
     url: str = Field(min_length=1, description="root URL of the dataset (any fsspec URL)")
     layout: Literal["files", "tar"] = "files"
     pattern: str | None = Field(
-        None, description='glob under url; default "**" (files), "**/*.tar"'
+        default=None, description='glob under url; default "**" (files), "**/*.tar"'
     )
     shards: str | None = Field(
-        None, description="tar shards as a brace pattern, e.g. x-{000..009}.tar"
+        default=None, description="tar shards as a brace pattern, e.g. x-{000..009}.tar"
     )
-    manifest: str | None = Field(None, description="URL or path relative to url of a key manifest")
+    manifest: str | None = Field(
+        default=None, description="URL or path relative to url of a key manifest"
+    )
     manifest_format: Literal["auto", "txt", "csv", "jsonl", "parquet"] = "auto"
     storage_options: dict[str, Any] = Field(default_factory=dict)
     timeout_s: Duration = 30.0
     connect_timeout_s: Duration = 5.0
     list_deadline_s: Duration = 6.0
-    retries: int = Field(5, ge=1, le=100)
-    checks: list[Literal["size", "checksum", "format"]] = Field(
-        default_factory=lambda: ["size", "checksum", "format"]
-    )
+    retries: int = Field(default=5, ge=1, le=100)
+    checks: list[Check] = Field(default_factory=lambda: list(_ALL_CHECKS))
     listing_ttl_s: Duration | None = None
 
     _secret_values: set[str] = PrivateAttr(default_factory=set)
@@ -155,7 +157,7 @@ class CacheConfig(_Section):
     capacity: Annotated[int, BeforeValidator(_size), Field(gt=0)]
     headroom: Annotated[float | int, BeforeValidator(_headroom)] = 0.1
     compression: Literal["zstd", "none"] = "zstd"
-    level: int = Field(3, ge=-7, le=22)
+    level: int = Field(default=3, ge=-7, le=22)
 
     @property
     def capacity_bytes(self) -> int:
@@ -177,15 +179,15 @@ class SamplerConfig(_Section):
     ``node_rank``/``num_nodes`` default to the torchrun environment, read by :meth:`node`.
     """
 
-    processes: int = Field(2, ge=1, le=256)
-    concurrency: int = Field(16, ge=1, le=1024)
+    processes: int = Field(default=2, ge=1, le=256)
+    concurrency: int = Field(default=16, ge=1, le=1024)
     strategy: Literal["uniform", "weighted"] = "uniform"
-    seed: int = Field(0, ge=0)
-    node_rank: int | None = Field(None, ge=0)
-    num_nodes: int | None = Field(None, ge=1)
-    batch_size: int = Field(64, ge=1, description="samples per cache commit")
+    seed: int = Field(default=0, ge=0)
+    node_rank: int | None = Field(default=None, ge=0)
+    num_nodes: int | None = Field(default=None, ge=1)
+    batch_size: int = Field(default=64, ge=1, description="samples per cache commit")
     bandwidth_limit: Annotated[int, BeforeValidator(_rate), Field(gt=0)] | None = None
-    max_retries: int | None = Field(None, ge=1, le=100)
+    max_retries: int | None = Field(default=None, ge=1, le=100)
     timeout_s: Duration | None = None
     check: bool = True
 
@@ -213,12 +215,12 @@ class SamplerConfig(_Section):
 class LoaderConfig(_Section):
     """The per-epoch DataLoader (section ``loader``)."""
 
-    batch_size: int = Field(64, ge=1)
-    num_workers: int = Field(2, ge=0)
+    batch_size: int = Field(default=64, ge=1)
+    num_workers: int = Field(default=2, ge=0)
     decode: str = "auto"
     allow_pickle: bool = False
     pin_memory: bool = False
-    prefetch_factor: int | None = Field(2, ge=1)
+    prefetch_factor: int | None = Field(default=2, ge=1)
     persistent_workers: bool = False
     stall_s: Duration = 300.0
     timeout: Annotated[float, BeforeValidator(_duration), Field(ge=0)] = 0.0
@@ -227,12 +229,12 @@ class LoaderConfig(_Section):
 class TrainConfig(_Section):
     """A YAML-configured training run (section ``train``); ``options`` go to the entrypoint."""
 
-    epochs: int = Field(10, ge=1)
-    min_samples: int = Field(1000, ge=0)
-    samples_per_epoch: int | None = Field(None, ge=1)
+    epochs: int = Field(default=10, ge=1)
+    min_samples: int = Field(default=1000, ge=0)
+    samples_per_epoch: int | None = Field(default=None, ge=1)
     entrypoint: str = "epochcache.examples:train_epoch"
     run_dir: Path = Path("runs/default")
-    seed: int = Field(0, ge=0)
+    seed: int = Field(default=0, ge=0)
     options: dict[str, Any] = Field(default_factory=dict)
 
     @field_validator("entrypoint")
@@ -250,9 +252,9 @@ class EpochcacheConfig(_Section):
 
     source: SourceConfig
     cache: CacheConfig
-    sampler: SamplerConfig = Field(default_factory=SamplerConfig)
-    loader: LoaderConfig = Field(default_factory=LoaderConfig)
-    train: TrainConfig = Field(default_factory=TrainConfig)
+    sampler: SamplerConfig = Field(default_factory=lambda: SamplerConfig())
+    loader: LoaderConfig = Field(default_factory=lambda: LoaderConfig())
+    train: TrainConfig = Field(default_factory=lambda: TrainConfig())
 
     _secret_paths: set[str] = PrivateAttr(default_factory=set)
     _secret_values: set[str] = PrivateAttr(default_factory=set)
@@ -281,7 +283,8 @@ class EpochcacheConfig(_Section):
 
     def redacted_yaml(self) -> str:
         """:meth:`redacted` as YAML (what ``epochcache config`` prints and runs save)."""
-        return yaml.safe_dump(self.redacted(), sort_keys=False)
+        text: str = yaml.safe_dump(self.redacted(), sort_keys=False)
+        return text
 
     def __repr_args__(self) -> Iterator[tuple[str | None, Any]]:
         yield from self.redacted().items()

@@ -148,7 +148,8 @@ class KeyOrder:
         total = node_w.sum()
         if total <= 0:
             raise ValueError(f"weights: every key of node {self.node_rank} has weight 0")
-        return node_w / total
+        probabilities: np.ndarray = node_w / total
+        return probabilities
 
     # ---------------------------------------------------------------------------------- orders
 

@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -98,29 +99,37 @@ def main() -> None:
                 out = fetch_many(fs, paths, concurrency=c, timeout_s=60)
                 assert all(isinstance(v, bytes) for _, v in out)
 
-            for name, fn in (("cat-batch", cat_batch), ("threads", threads), ("fetch_many", ours)):
+            methods = [("cat-batch", cat_batch), ("threads", threads), ("fetch_many", ours)]
+            for _, fn in methods:
                 fn()  # warm connections
-                times, cpu = [], []
-                for _ in range(args.repeat):
+            times: dict[str, list[float]] = {name: [] for name, _ in methods}
+            cpu: dict[str, list[float]] = {name: [] for name, _ in methods}
+            for r in range(args.repeat):
+                # Interleave and rotate the methods so that drift in the server's speed (moto is
+                # the bottleneck on two cores) does not favour whichever ran first.
+                for name, fn in methods[r % 3 :] + methods[: r % 3]:
                     t0, c0 = time.perf_counter(), time.process_time()
                     fn()
-                    times.append(time.perf_counter() - t0)
-                    cpu.append(time.process_time() - c0)
-                best = min(times)
+                    times[name].append(time.perf_counter() - t0)
+                    cpu[name].append(time.process_time() - c0)
+            for name, _ in methods:
+                median = statistics.median(times[name])
                 row = {
                     "size": label,
                     "method": name,
                     "objects": count,
                     "concurrency": c,
-                    "objects_per_s": round(count / best, 1),
-                    "MB_per_s": round(count * size / best / 1e6, 1),
-                    "client_cpu_ms_per_object": round(min(cpu) / count * 1000, 3),
-                    "seconds": [round(t, 3) for t in times],
+                    "objects_per_s": round(count / median, 1),
+                    "MB_per_s": round(count * size / median / 1e6, 1),
+                    "client_cpu_ms_per_object": round(
+                        statistics.median(cpu[name]) / count * 1e3, 3
+                    ),
+                    "seconds": [round(t, 3) for t in times[name]],
                 }
                 results.append(row)
                 print(
                     f"{label:6} {name:11} {row['objects_per_s']:9.1f} obj/s {row['MB_per_s']:8.1f} MB/s"
-                    f" {row['client_cpu_ms_per_object']:7.3f} client CPU ms/object",
+                    f" {row['client_cpu_ms_per_object']:7.3f} client CPU ms/object (median)",
                     flush=True,
                 )
         s3fs.S3FileSystem.clear_instance_cache()
