@@ -419,6 +419,13 @@ class Cache:
         with self._store.read() as txn:
             return txn.get(key.encode("utf-8"), db=self.dbs[DB_KEYS]) is not None
 
+    def has_key_prefix(self, prefix: str) -> bool:
+        """Whether any cached source key starts with ``prefix`` (a tar shard's samples)."""
+        raw = prefix.encode("utf-8")
+        with self._store.read() as txn:
+            cursor = txn.cursor(db=self.dbs[DB_KEYS])
+            return bool(cursor.set_range(raw)) and bytes(cursor.key()).startswith(raw)
+
     def get(self, seq: int) -> bytes | dict[str, bytes]:
         """The raw value of sample ``seq`` (bytes, or a dict of fields for tar samples).
 

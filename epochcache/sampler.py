@@ -1,0 +1,228 @@
+"""One sampler process: choose keys, fetch them concurrently, validate, compress, commit.
+
+A sampler runs until its stop event is set (or its daemon disappears). Fetching and committing
+overlap: the next batch is fetched while a committer thread writes the previous one, so the
+cache's write lock and fsync never leave the network idle. Its position in the key order is
+saved in the cache after each commit, so a restarted sampler goes on where it stopped instead
+of fetching the same first samples again. Per-sample faults never stop it: corrupt objects are
+quarantined, failed fetches counted and logged with their key, and retried on a later pass.
+
+This module must not import torch: sampler processes stay small.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .cache import Cache
+from .errors import CacheFull, CorruptSample, PermanentRemoteError, SourceError
+from .sampling import KeyOrder
+from .sources import SampleRef, Source, list_keys_cached, open_configured_source
+
+log = logging.getLogger(__name__)
+
+#: Seconds between sampler health documents when nothing is committed (stalled remote).
+HEALTH_INTERVAL_S = 2.0
+#: Pause after a whole pass found every sample already cached (the dataset fits the cache).
+IDLE_WAIT_S = 1.0
+
+
+def _is_cached(cache: Cache, source: Source, ref: SampleRef) -> bool:
+    if source.unit == "sample":
+        return ref.key in cache
+    return cache.has_key_prefix(ref.key.rstrip("/") + "/")
+
+
+@dataclass
+class SamplerHealth:
+    """What a sampler reports in the cache's ``state`` (``sampler/<index>``)."""
+
+    index: int
+    pid: int = field(default_factory=os.getpid)
+    fetched: int = 0
+    fetched_bytes: int = 0
+    committed: int = 0
+    skipped: int = 0
+    errors: int = 0
+    quarantined: int = 0
+    last_error: str = ""
+    waiting_for_space: bool = False
+    position: dict[str, int] = field(default_factory=dict)
+    started: float = field(default_factory=time.time)
+    heartbeat: float = field(default_factory=time.time)
+
+
+class StopFlag:
+    """A stop signal shared with sampler processes, polled rather than waited on.
+
+    ``multiprocessing.Event`` is not used on purpose: its ``set()`` blocks forever when a
+    process died (kill -9) while waiting on it, which would hang the daemon's shutdown.
+    """
+
+    POLL_S = 0.05
+
+    def __init__(self, ctx: Any) -> None:
+        self._value = ctx.RawValue("b", 0)
+
+    def set(self) -> None:
+        self._value.value = 1
+
+    def is_set(self) -> bool:
+        return bool(self._value.value)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.is_set():
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return False
+            time.sleep(self.POLL_S if left is None else min(self.POLL_S, left))
+        return True
+
+
+def state_name(index: int) -> str:
+    return f"sampler/{index}"
+
+
+class _Committer(threading.Thread):
+    """Writes fetched batches to the cache in order, one batch behind the fetcher."""
+
+    def __init__(self, cache: Cache, health: SamplerHealth, order: KeyOrder, stop: Any) -> None:
+        super().__init__(name="epochcache-committer", daemon=True)
+        self.cache, self.health, self.order, self.stop_event = cache, health, order, stop
+        self.batches: queue.Queue[tuple[list[tuple[str, bytes]], dict[str, int]] | None] = queue.Queue(maxsize=1)
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            while (item := self.batches.get()) is not None:
+                records, position = item
+                self._commit(records)
+                self.health.position = position
+                self.health.heartbeat = time.time()
+                self.cache.put_state(state_name(self.health.index), asdict(self.health))
+        except BaseException as exc:  # surfaced by the fetch loop
+            self.error = exc
+
+    def _commit(self, records: list[tuple[str, bytes]]) -> None:
+        while records:
+            try:
+                result = self.cache.put_many(records, encoded=True, stop=self.stop_event, timeout_s=HEALTH_INTERVAL_S)
+                self.health.committed += result.inserted
+                self.health.skipped += result.skipped
+                self.health.waiting_for_space = False
+                return
+            except CacheFull as full:
+                # Whatever part was committed is skipped as a duplicate on the next attempt.
+                if full.result is not None:
+                    self.health.committed += full.result.inserted  # type: ignore[attr-defined]
+                self.health.waiting_for_space = True
+                self.health.heartbeat = time.time()
+                self.cache.put_state(state_name(self.health.index), asdict(self.health))
+                if self.stop_event.is_set():
+                    log.info("sampler %d: stopping with %d samples not committed", self.health.index, len(records))
+                    return
+
+
+def _encode_results(
+    cache: Cache, source: Source, results: list[tuple[SampleRef, Any]], health: SamplerHealth
+) -> list[tuple[str, bytes]]:
+    records: list[tuple[str, bytes]] = []
+    for ref, payload in results:
+        if isinstance(payload, CorruptSample):
+            health.quarantined += 1
+            log.warning("quarantined %s: %s", source.object_url(ref.key), payload)
+            cache.quarantine(ref.key, str(payload), url=source.object_url(ref.key))
+        elif isinstance(payload, BaseException):
+            health.errors += 1
+            health.last_error = f"{ref.key}: {payload}"[:300]
+            level = logging.WARNING if isinstance(payload, PermanentRemoteError) else logging.INFO
+            log.log(level, "fetch failed for %s (retried next pass): %s", ref.key, payload)
+        else:
+            health.fetched += 1
+            size = len(payload) if isinstance(payload, bytes) else sum(len(v) for v in payload.values())
+            health.fetched_bytes += size
+            records.append((ref.key, cache.encode(ref.key, payload)))
+    return records
+
+
+def run_sampler(config_data: dict[str, Any], index: int, stop: Any, parent_pid: int | None = None) -> None:
+    """Entry point of a sampler process (started with ``spawn`` by the daemon).
+
+    Args:
+        config_data: the validated config, as ``EpochcacheConfig.model_dump()``.
+        index: this sampler's index among ``sampler.processes``.
+        stop: a multiprocessing Event; set it to stop after the batch in flight is committed.
+        parent_pid: the daemon; if it disappears, the sampler stops too (no orphans).
+    """
+    from .config import EpochcacheConfig
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the daemon, which stops us in order
+    # SIGTERM to the whole process group (systemd, timeout): stop after the batch in flight.
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    config = EpochcacheConfig.model_validate(config_data)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s sampler {index}: %(message)s")
+    cache = Cache(config.cache.dir)
+    source = open_configured_source(config)
+    refs = list_keys_cached(source, config.cache.dir)
+    node_rank, num_nodes = config.sampler.node()
+    weights = [r.weight if r.weight is not None else 1.0 for r in refs] if config.sampler.strategy == "weighted" else None
+    saved = cache.get_state(state_name(index)) or {}
+    order = KeyOrder(
+        len(refs),
+        seed=config.sampler.seed,
+        node_rank=node_rank,
+        num_nodes=num_nodes,
+        strategy=config.sampler.strategy,
+        weights=weights,
+        process_index=index,
+        num_processes=config.sampler.processes,
+        position=saved.get("position") or None,
+    )
+    health = SamplerHealth(index=index)
+    for name in ("fetched", "fetched_bytes", "committed", "skipped", "errors", "quarantined"):
+        setattr(health, name, int(saved.get(name, 0)))
+    committer = _Committer(cache, health, order, stop)
+    committer.start()
+    per_batch = config.sampler.batch_size if source.unit == "sample" else max(1, min(4, config.sampler.concurrency))
+    log.info("%d %ss, starting at %s", len(refs), source.unit, order.position)
+    idle_batches = 0
+    try:
+        while not stop.is_set():
+            if parent_pid is not None and os.getppid() != parent_pid:
+                log.warning("daemon %d is gone; stopping", parent_pid)
+                break
+            if committer.error is not None:
+                raise committer.error
+            picked = [refs[int(i)] for i in order.take(per_batch)]
+            # Already cached (the whole dataset may fit): do not fetch it again.
+            unique = {ref.key: ref for ref in picked}  # a small dataset can wrap within one batch
+            picked = [ref for ref in unique.values() if not _is_cached(cache, source, ref)]
+            if not picked:
+                idle_batches += 1
+                if idle_batches * per_batch >= order.pass_length:
+                    stop.wait(IDLE_WAIT_S)  # a full pass found everything cached
+                    idle_batches = 0
+                continue
+            idle_batches = 0
+            results = source.fetch_with_retries(picked, deadline_s=config.source.timeout_s * 4)
+            records = _encode_results(cache, source, results, health)
+            committer.batches.put((records, order.state()))
+    except SourceError as exc:
+        health.last_error = str(exc)[:300]
+        raise
+    finally:
+        committer.batches.put(None)
+        committer.join()
+        health.heartbeat = time.time()
+        cache.put_state(state_name(index), asdict(health))
+        cache.close()
+        if committer.error is not None:
+            raise committer.error
