@@ -1,0 +1,384 @@
+"""EpochDataset: a map-style torch Dataset over one epoch's snapshot of the cache.
+
+The read path is built for batches. :meth:`SampleReader.read_batch` reads a whole batch in one
+LMDB read transaction and, when the samples are fixed-shape ``.npy`` arrays stored raw, copies
+each one straight from the memory map into one preallocated batch tensor: one ``memcpy`` per
+sample, no per-sample tensor, no ``default_collate`` stacking. In a DataLoader worker that
+tensor is allocated in shared memory, so handing it to the trainer costs no further copy.
+
+Invariant 7: the dataset's index is the snapshot's ``uint64`` array (8 bytes per sample, no
+Python object per sample), so forked workers do not copy it page by page through refcounts. The
+dataset pickles as the cache path, its options and that array -- never an LMDB handle; each
+process opens the environment lazily on first read.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import lmdb
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from .collate import alloc_batch, collate_samples
+from .decode import DecodeFn, decode_sample, make_decoder, npy_view, parse_npy_header
+from .errors import DecodeError, PickleNotAllowed, SnapshotClosed
+from .schema import DB_SAMPLES, HEADER, Codec, RecordFlags, seq_keys
+from .schema import seq_key as _pack_seq
+from .stall import watching
+
+if TYPE_CHECKING:
+    from .cache import Cache
+    from .snapshot import Snapshot
+
+log = logging.getLogger(__name__)
+
+_H = HEADER.size
+_unpack = HEADER.unpack_from
+_RAW, _FIELDS = int(Codec.RAW), int(RecordFlags.FIELDS)
+_NPY_MAGIC = b"\x93NUMPY"
+ON_ERROR = ("raise", "skip")
+
+
+class _Fallback(Exception):
+    """The batch is not uniform raw .npy arrays: take the general path."""
+
+
+class SampleReader:
+    """Reads and decodes samples by sequence number; the part of a dataset workers need.
+
+    Args:
+        path: the cache directory.
+        decode: ``"auto"``, ``"raw"`` or ``fn(key, value)``.
+        transform: applied to each decoded sample.
+        allow_pickle: let ``decode="auto"`` unpickle ``.pkl`` samples (runs code: trust the data).
+        on_error: ``"raise"`` a :class:`DecodeError` naming the key, or ``"skip"`` the sample
+            (logged with its key and counted in :attr:`skipped`, per process).
+        stall_s: report a batch slower than this (see :mod:`epochcache.stall`); None disables.
+        stall_file: where stall reports go (default stderr).
+    """
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        decode: str | DecodeFn | None = "auto",
+        transform: Callable[[Any], Any] | None = None,
+        allow_pickle: bool = False,
+        on_error: str = "raise",
+        stall_s: float | None = None,
+        stall_file: str | None = None,
+    ) -> None:
+        if on_error not in ON_ERROR:
+            raise ValueError(f"on_error: expected 'raise' or 'skip', got {on_error!r}")
+        if transform is not None and not callable(transform):
+            raise TypeError(f"transform: expected a callable, got {transform!r}")
+        self.path = path
+        self.decode = decode
+        self.decoder = make_decoder(decode, allow_pickle)
+        self.transform = transform
+        self.allow_pickle = allow_pickle
+        self.on_error = on_error
+        self.stall_s = stall_s
+        self.stall_file = stall_file
+        self.skipped = 0
+        self._fast = decode == "auto" and transform is None
+        self._cache: Cache | None = None
+        self._pid = -1
+        self._env_db: tuple[Any, Any, int] = (None, None, -1)
+        # (data offset, header bytes, dtype, count, shape, payload size) of the last raw .npy
+        # sample read: the next sample with the same header bytes needs no parsing.
+        self._last_npy: tuple[int, bytes, np.dtype[Any], int, tuple[int, ...], int] | None = None
+
+    # -- process-local state ----------------------------------------------------------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_cache"], state["_pid"], state["skipped"] = None, -1, 0
+        state["_env_db"] = (None, None, -1)
+        return state
+
+    def bind(self, cache: Cache) -> None:
+        """Use an already open Cache in this process (avoids opening a second handle)."""
+        self._cache, self._pid = cache, os.getpid()
+
+    @property
+    def cache(self) -> Cache:
+        if self._cache is None or self._pid != os.getpid():
+            from .cache import Cache
+
+            self._cache, self._pid = Cache(self.path), os.getpid()
+        return self._cache
+
+    # -- reading ----------------------------------------------------------------------------
+
+    def _missing(self, seq: int) -> KeyError:
+        return KeyError(f"sample {seq} is not in the cache at {self.path} (evicted: was the "
+                        "epoch's snapshot released before reading it?)")
+
+    def _skip(self, exc: DecodeError) -> None:
+        if self.on_error == "raise" or isinstance(exc, PickleNotAllowed):
+            raise exc
+        self.skipped += 1
+        log.warning("skipping sample %r (%s); %d skipped in this process", exc.key, exc,
+                    self.skipped)
+
+    def _decode_record(self, record: memoryview) -> tuple[str, Any]:
+        _v, codec, flags, _crc, raw_size, _ns, key_len = _unpack(record)
+        key = str(record[_H : _H + key_len], "utf-8")
+        try:
+            if codec == _RAW and not flags & _FIELDS:
+                value: Any = record[_H + key_len :]  # decoders copy out of the map
+            else:
+                from .codec import decode_payload
+
+                value = decode_payload(record)
+        except Exception as exc:  # zstd or field-container damage: name the key
+            raise DecodeError(f"sample {key!r}: stored record is damaged: {exc} (run "
+                              "`epochcache verify`)", key=key) from exc
+        return key, decode_sample(self.decoder, key, value)
+
+    def read_samples(self, seqs: Sequence[int] | np.ndarray) -> list[Any]:
+        """Decoded (and transformed) samples; skipped ones are left out under on_error='skip'."""
+        keys = seq_keys(np.asarray(seqs, dtype=np.uint64))
+        out: list[Any] = []
+        store, db = self.cache.store, self.cache.dbs[DB_SAMPLES]
+        with watching(self.stall_s, f"batch of {len(keys)} samples", self.stall_file) as act:
+            with store.read() as txn:
+                get = txn.get
+                for lmdb_key in keys:
+                    record = get(lmdb_key, db=db)
+                    if record is None:
+                        raise self._missing(int.from_bytes(lmdb_key, "big"))
+                    if act is not None:
+                        act.key = str(record[_H : _H + _unpack(record)[6]], "utf-8")
+                    try:
+                        _key, sample = self._decode_record(record)
+                    except DecodeError as exc:
+                        self._skip(exc)
+                        continue
+                    out.append(sample)
+            if self.transform is not None:
+                out = [self.transform(sample) for sample in out]
+        return out
+
+    def _handles(self) -> tuple[lmdb.Environment, Any]:
+        cache = self.cache
+        self._env_db = (cache.store.env, cache.dbs[DB_SAMPLES], os.getpid())
+        return self._env_db[0], self._env_db[1]
+
+    def read(self, seq: int) -> Any:
+        """One sample (None when it was skipped under on_error='skip').
+
+        The per-sample hot path (``dataset[i]``): one short read transaction, and a raw
+        ``.npy`` sample whose header matches the previous one is copied once, straight out of
+        the map, with no parsing.
+        """
+        if self.stall_s is not None or self.transform is not None or not self._fast:
+            samples = self.read_samples([seq])
+            return samples[0] if samples else None
+        env, db, pid = self._env_db
+        if pid != os.getpid():
+            env, db = self._handles()
+        try:
+            txn = env.begin(buffers=True)
+        except lmdb.MapResizedError:
+            env.set_mapsize(0)  # another process grew the map
+            txn = env.begin(buffers=True)
+        try:
+            record = txn.get(_pack_seq(seq), db=db)
+            if record is None:
+                raise self._missing(seq)
+            _v, codec, flags, _crc, _raw, _ns, key_len = _unpack(record)
+            start = _H + key_len
+            if codec == _RAW and not flags & _FIELDS and record[start : start + 6] == _NPY_MAGIC:
+                last = self._last_npy
+                if (last is not None and len(record) - start == last[5]
+                        and record[start : start + last[0]] == last[1]):
+                    return np.frombuffer(record, last[2], last[3], start + last[0]).reshape(
+                        last[4]).copy()  # own the memory: the map's buffer dies with the txn
+                try:
+                    header = parse_npy_header(record[start:])
+                    if not header.dtype.hasobject and not header.fortran:
+                        self._last_npy = (header.offset, bytes(record[start : start + header.offset]),
+                                          header.dtype, header.count, header.shape,
+                                          header.offset + header.nbytes)
+                    return npy_view(record[start:], header).copy()
+                except ValueError:
+                    pass  # the general path below names the key
+            try:
+                return self._decode_record(record)[1]
+            except DecodeError as exc:
+                self._skip(exc)
+                return None
+        finally:
+            txn.abort()
+
+    def read_batch(self, seqs: Sequence[int] | np.ndarray) -> Any:
+        """One collated batch: a tensor ``(B, ...)`` for fixed-shape arrays, else collated fields."""
+        if self._fast:
+            try:
+                return self._read_npy_batch(np.asarray(seqs, dtype=np.uint64))
+            except _Fallback:
+                pass
+        return collate_samples(self.read_samples(seqs))
+
+    def _read_npy_batch(self, seqs: np.ndarray) -> torch.Tensor:
+        """Copy raw fixed-shape ``.npy`` payloads straight from the map into one batch tensor.
+
+        Raises:
+            _Fallback: a sample is compressed, has fields, is not ``.npy``, or differs in shape.
+        """
+        keys = seq_keys(seqs)
+        store, db = self.cache.store, self.cache.dbs[DB_SAMPLES]
+        batch: torch.Tensor | None = None
+        out = memoryview(b"")
+        header_bytes = b""
+        offset = nbytes = 0
+        with watching(self.stall_s, f"batch of {len(keys)} samples", self.stall_file) as act:
+            with store.read() as txn:
+                get = txn.get
+                for i, lmdb_key in enumerate(keys):
+                    record = get(lmdb_key, db=db)
+                    if record is None:
+                        raise self._missing(int.from_bytes(lmdb_key, "big"))
+                    _v, codec, flags, _crc, _raw, _ns, key_len = _unpack(record)
+                    start = _H + key_len
+                    key = str(record[_H:start], "utf-8")
+                    if act is not None:
+                        act.key = key
+                    if codec != _RAW or flags & _FIELDS or key[-4:].lower() != ".npy":
+                        raise _Fallback
+                    if batch is None:
+                        try:
+                            header = parse_npy_header(record[start:])
+                        except ValueError:
+                            raise _Fallback from None  # the general path names the key
+                        if header.dtype.hasobject or header.fortran:
+                            raise _Fallback
+                        offset, nbytes = header.offset, header.nbytes
+                        header_bytes = bytes(record[start : start + offset])
+                        batch = alloc_batch((len(keys), *header.shape), header.dtype)
+                        out = memoryview(batch.numpy()).cast("B")
+                    # Same header bytes => same dtype, shape and data offset: no parsing.
+                    if (len(record) - start != offset + nbytes
+                            or record[start : start + offset] != header_bytes):
+                        raise _Fallback
+                    out[i * nbytes : (i + 1) * nbytes] = record[start + offset :]
+        if batch is None:
+            return torch.empty(0)
+        return batch
+
+
+class EpochDataset(Dataset[Any]):
+    """Map-style Dataset over one epoch's snapshot: ``ds[i]`` is the i-th snapshot sample.
+
+    Made by :meth:`Cache.dataset` (see :meth:`from_cache`). Use it as a context manager, or call
+    :meth:`close`, to release the snapshot's lease. Only the process that took the snapshot
+    holds the lease; copies pickled into DataLoader workers read under it.
+
+    Args:
+        reader: reads and decodes samples.
+        seqs: the snapshot's sequence numbers.
+        epoch: the epoch number (for messages).
+        snapshot: the lease-holding snapshot, released by :meth:`close`.
+    """
+
+    def __init__(self, reader: SampleReader, seqs: np.ndarray, epoch: int | None = None,
+                 snapshot: Snapshot | None = None) -> None:
+        self.reader = reader
+        self.seqs = np.ascontiguousarray(seqs, dtype=np.uint64)
+        self.epoch = epoch
+        self._snapshot = snapshot
+
+    @classmethod
+    def from_cache(
+        cls,
+        cache: Cache,
+        epoch: int = 0,
+        *,
+        decode: str | DecodeFn | None = "auto",
+        transform: Callable[[Any], Any] | None = None,
+        allow_pickle: bool = False,
+        on_error: str = "raise",
+        stall_s: float | None = None,
+        stall_file: str | None = None,
+        snapshot: Snapshot | None = None,
+    ) -> EpochDataset:
+        """Take a snapshot of ``cache`` under a lease (or adopt ``snapshot``) and wrap it.
+
+        Raises:
+            ValueError: an invalid option (the message names it).
+        """
+        reader = SampleReader(cache.path, decode=decode, transform=transform,
+                              allow_pickle=allow_pickle, on_error=on_error, stall_s=stall_s,
+                              stall_file=stall_file)
+        reader.bind(cache)
+        snap = snapshot if snapshot is not None else cache.snapshot(epoch=epoch)
+        return cls(reader, snap.seqs, epoch, snap)
+
+    def __len__(self) -> int:
+        return int(self.seqs.shape[0])
+
+    def _check(self) -> None:
+        if self._snapshot is not None and self._snapshot.released:
+            raise SnapshotClosed(f"dataset of epoch {self.epoch} was closed (its lease released); "
+                                 "make a new one with cache.dataset(epoch)")
+
+    def _seqs_at(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
+        idx = np.asarray(indices, dtype=np.int64)
+        if idx.size and (idx.min() < -len(self) or idx.max() >= len(self)):
+            raise IndexError(f"indices out of range for a dataset of {len(self)} samples")
+        return self.seqs[idx]
+
+    def __getitem__(self, index: int) -> Any:
+        """The decoded sample (None if it was skipped under ``on_error='skip'``)."""
+        snapshot = self._snapshot
+        if snapshot is not None and snapshot.released:
+            self._check()
+        return self.reader.read(self.seqs.item(index))  # numpy raises IndexError when out of range
+
+    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
+        """Many samples in one read transaction (DataLoader's batched fetch)."""
+        self._check()
+        return self.reader.read_samples(self._seqs_at(indices))
+
+    def get_batch(self, indices: Sequence[int] | np.ndarray) -> Any:
+        """A collated batch, decoded straight into one tensor when samples are fixed-shape."""
+        self._check()
+        return self.reader.read_batch(self._seqs_at(indices))
+
+    def key(self, index: int) -> str:
+        """The source key of sample ``index``."""
+        return self.reader.cache.info(int(self.seqs[index])).key
+
+    @property
+    def skipped(self) -> int:
+        return self.reader.skipped
+
+    @property
+    def snapshot(self) -> Snapshot | None:
+        return self._snapshot
+
+    def close(self) -> None:
+        """Release the snapshot's lease (in the process that took it). Idempotent."""
+        if self._snapshot is not None:
+            self._snapshot.release()
+
+    def __enter__(self) -> EpochDataset:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The lease stays with the process that took it; copies only read.
+        return {"reader": self.reader, "seqs": self.seqs, "epoch": self.epoch, "_snapshot": None}
+
+    def __repr__(self) -> str:
+        return (f"EpochDataset(epoch={self.epoch}, samples={len(self)}, cache={self.reader.path!r},"
+                f" decode={self.reader.decode!r})")

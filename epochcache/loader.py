@@ -1,0 +1,504 @@
+"""epochs(): a DataLoader per epoch over a fresh snapshot, the next one prepared in the background.
+
+While epoch k runs, two background threads prepare epoch k+1:
+
+* the *builder* makes the DataLoader and calls ``iter()`` on it, which starts its workers (the
+  expensive part: ~1 s per worker with ``spawn``) and primes their prefetch queue; the batch
+  sampler blocks in that priming until the plan exists;
+* the *planner* waits until epoch k is nearly over (a lead time estimated from the batch rate
+  and from how long the last plan took), then takes the snapshot, so epoch k+1 trains on what
+  the cache gained during epoch k, shuffles it and agrees the batch count across ranks.
+
+So the boundary between epochs costs about one batch gap: the new workers are already up and
+their first batches already read. A failure on either thread is re-raised in the training loop
+``from`` the original exception.
+
+The loader reads whole batches: its sampler yields arrays of sequence numbers and the dataset
+returns finished batches (see :meth:`SampleReader.read_batch`), so no per-sample work happens in
+``collate``. Without a transform the default is ``num_workers=0``: reading 64 KiB from LMDB's
+shared pages in the training process beats shipping batches from workers through shared memory.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import functools
+import logging
+import math
+import os
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from .dataset import EpochDataset, SampleReader
+from .distributed import NodeSync, World, detect_world, dist_initialized, split_for_rank
+from .errors import EpochcacheError
+from .progress import wait_for_samples
+from .stall import get_watchdog
+
+if TYPE_CHECKING:
+    from .cache import Cache
+    from .decode import DecodeFn
+
+log = logging.getLogger(__name__)
+
+#: DataLoader arguments epochs() sets itself (the sampler is its own; shuffling is per epoch).
+_RESERVED = ("dataset", "sampler", "batch_sampler", "shuffle", "generator")
+
+
+class PrepareFailed(EpochcacheError, RuntimeError):
+    """Preparing an epoch (snapshot, DataLoader, workers) failed in the background."""
+
+
+class _Cancelled(Exception):
+    pass
+
+
+def epoch_order(seqs: np.ndarray, epoch: int, seed: int = 0, shuffle: bool = True,
+                samples_per_epoch: int | None = None) -> np.ndarray:
+    """The epoch's sample order: a seeded permutation of ``seqs`` (same inputs, same order).
+
+    With ``samples_per_epoch`` larger than the snapshot, whole permutations are concatenated
+    (resampling), so each sample appears at most once more than any other.
+    """
+    n = int(seqs.shape[0])
+    want = n if samples_per_epoch is None else samples_per_epoch
+    if n == 0 or want == 0:
+        return np.empty(0, dtype=np.uint64)
+    rng = np.random.Generator(np.random.PCG64([seed, epoch]))
+    parts = []
+    for _ in range(math.ceil(want / n)):
+        parts.append(rng.permutation(n) if shuffle else np.arange(n))
+    index = parts[0] if len(parts) == 1 else np.concatenate(parts)
+    return seqs[index[:want]]
+
+
+class _Plan:
+    """One epoch on this rank: its dataset (holding the lease on the leader) and batch order."""
+
+    def __init__(self, epoch: int, dataset: EpochDataset, order: np.ndarray, batch_size: int,
+                 n_batches: int, seconds: float) -> None:
+        self.epoch, self.dataset, self.order = epoch, dataset, order
+        self.batch_size, self.n_batches, self.seconds = batch_size, n_batches, seconds
+
+    def batch(self, i: int) -> np.ndarray:
+        return self.order[i * self.batch_size : (i + 1) * self.batch_size]
+
+
+class _PlanSampler(Sampler[np.ndarray]):
+    """Yields the current plan's batches of sequence numbers; waits for the plan first."""
+
+    def __init__(self) -> None:
+        self.plan: cf.Future[_Plan] | None = None
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        if self.plan is None:
+            raise RuntimeError("epochcache: loader used before its epoch was planned")
+        plan = self.plan.result()  # raises the planner's error in the builder thread
+        for i in range(plan.n_batches):
+            yield plan.batch(i)
+
+    def __len__(self) -> int:
+        return self.plan.result().n_batches if self.plan is not None else 0
+
+
+class _SeqBatches(Dataset[Any]):
+    """The DataLoader's dataset: indexed by a batch of sequence numbers, returns the batch."""
+
+    def __init__(self, reader: SampleReader, collated: bool) -> None:
+        self.reader, self.collated = reader, collated
+
+    def __getitem__(self, seqs: np.ndarray) -> Any:
+        if self.collated:
+            return self.reader.read_batch(seqs)
+        return self.reader.read_samples(seqs)
+
+
+def _identity(batch: Any) -> Any:
+    return batch
+
+
+def _seed_worker(user_init: Callable[[int], None] | None, worker_id: int) -> None:
+    # torch seeds each worker from the loader's generator; numpy and random follow it, so a
+    # transform's randomness is reproducible from epochs(seed=...).
+    seed = torch.initial_seed() % 2**32
+    np.random.seed(seed)
+    random.seed(seed)
+    if user_init is not None:
+        user_init(worker_id)
+
+
+class EpochLoader:
+    """What epochs() yields per epoch: iterate it once for the epoch's batches.
+
+    Attributes:
+        epoch: the epoch number.
+        dataset: the epoch's :class:`EpochDataset` (its snapshot, on this node's leader).
+        loader: the underlying DataLoader.
+    """
+
+    def __init__(self, epoch: int, plan: _Plan, loader: DataLoader[Any], iterator: Any,
+                 on_near_end: Callable[[], None], on_started: Callable[[], None], lead_s: float,
+                 depth: int, stall: Any) -> None:
+        self.epoch, self.dataset, self.loader = epoch, plan.dataset, loader
+        self._plan, self._iterator = plan, iterator
+        self._on_near_end, self._lead_s, self._depth = on_near_end, lead_s, depth
+        self._on_started: Callable[[], None] | None = on_started
+        self._stall = stall
+        self._used = False
+        self.batch_times: list[float] = []
+
+    def __len__(self) -> int:
+        return self._plan.n_batches
+
+    @property
+    def seqs(self) -> np.ndarray:
+        """This rank's sample order for the epoch (sequence numbers)."""
+        return self._plan.order[: self._plan.n_batches * self._plan.batch_size]
+
+    def _maybe_trigger(self, done: int, gap_s: float) -> None:
+        remaining = self._plan.n_batches - done
+        if remaining <= self._depth + 2 or (gap_s > 0 and remaining * gap_s <= self._lead_s):
+            self._on_near_end()
+
+    def __iter__(self) -> Iterator[Any]:
+        if self._used:
+            raise RuntimeError(f"the loader of epoch {self.epoch} was already iterated; "
+                               "epochs() yields a fresh one per epoch")
+        self._used = True
+        it, n = self._iterator, self._plan.n_batches
+        gap, last = 0.0, time.monotonic()
+        self._maybe_trigger(0, 0.0)
+        for i in range(n):
+            if self._stall is not None:
+                with self._stall.watch(f"epoch {self.epoch} batch {i} (waiting for workers)"):
+                    batch = next(it)
+            else:
+                batch = next(it)
+            now = time.monotonic()
+            self.batch_times.append(now)
+            # An EMA of the gap between batches: the planner's lead time in batches.
+            gap = now - last if i == 0 else 0.8 * gap + 0.2 * (now - last)
+            last = now
+            if i == 2:
+                self._start_next()
+            self._maybe_trigger(i + 1, gap)
+            yield batch
+        self.finish()
+
+    def _start_next(self) -> None:
+        hook, self._on_started = self._on_started, None
+        if hook is not None:
+            hook()
+
+    def finish(self) -> None:
+        """The epoch is over (or abandoned): make sure the next one is being prepared."""
+        self._start_next()
+        self._on_near_end()
+
+
+class _Pending:
+    """Epoch k+1 in preparation: the planner's and the builder's futures."""
+
+    def __init__(self, epoch: int) -> None:
+        self.epoch = epoch
+        self.trigger = threading.Event()
+        self.plan: cf.Future[_Plan] = cf.Future()
+        self.loader: DataLoader[Any] | None = None
+        self.iterator: cf.Future[Any] = cf.Future()
+
+
+def _run_into(future: cf.Future[Any], fn: Callable[[], Any]) -> None:
+    try:
+        future.set_result(fn())
+    except BaseException as exc:  # surfaced to the consumer through the future
+        future.set_exception(exc)
+
+
+class _Epochs:
+    """The state behind one epochs() call (see :func:`epochs` for the arguments)."""
+
+    def __init__(self, cache: Cache, *, batch_size: int, num_workers: int, seed: int,
+                 shuffle: bool, drop_last: bool, samples_per_epoch: int | None,
+                 persistent: bool, reader: SampleReader, collate_fn: Callable[[Any], Any] | None,
+                 worker_init_fn: Callable[[int], None] | None, stall_s: float | None,
+                 stall_file: str | None, loader_kwargs: dict[str, Any]) -> None:
+        self.cache, self.batch_size, self.num_workers = cache, batch_size, num_workers
+        self.seed, self.shuffle, self.drop_last = seed, shuffle, drop_last
+        self.samples_per_epoch, self.persistent, self.reader = samples_per_epoch, persistent, reader
+        self.collate_fn, self.worker_init_fn = collate_fn, worker_init_fn
+        self.stall_s, self.stall_file, self.loader_kwargs = stall_s, stall_file, loader_kwargs
+        self.world: World = detect_world()
+        self.sync = NodeSync(self.world) if dist_initialized() and self.world.distributed else None
+        self.slots: list[tuple[DataLoader[Any], _PlanSampler]] = []
+        self.prepared = 0
+        self.last_plan_s = 0.05
+        self.abort = threading.Event()
+        self.next: _Pending | None = None
+        self.want_next = False
+        self.threads: list[threading.Thread] = []
+
+    # -- background work --------------------------------------------------------------------
+
+    def _make_loader(self, epoch: int) -> tuple[DataLoader[Any], _PlanSampler]:
+        slot = self.prepared % 2
+        self.prepared += 1
+        if self.persistent and slot < len(self.slots):
+            return self.slots[slot]  # alternate two loaders: one finishes while one prefetches
+        sampler = _PlanSampler()
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        kwargs = dict(self.loader_kwargs)
+        if self.num_workers > 0:
+            kwargs["worker_init_fn"] = functools.partial(_seed_worker, self.worker_init_fn)
+            kwargs["persistent_workers"] = self.persistent
+        loader = DataLoader(
+            _SeqBatches(self.reader, collated=self.collate_fn is None),
+            batch_size=None, sampler=sampler, num_workers=self.num_workers,
+            collate_fn=self.collate_fn or _identity, generator=generator, **kwargs,
+        )
+        if self.persistent:
+            self.slots.append((loader, sampler))
+        return loader, sampler
+
+    def _plan(self, pending: _Pending) -> _Plan:
+        while not pending.trigger.wait(0.5):
+            if self.abort.is_set():
+                raise _Cancelled
+        if self.abort.is_set():
+            raise _Cancelled
+        started = time.monotonic()
+        epoch, snapshot = pending.epoch, None
+
+        def take() -> np.ndarray:
+            nonlocal snapshot
+            snapshot = self.cache.snapshot(epoch=epoch, label=f"epochs() epoch {epoch}")
+            return snapshot.seqs
+
+        seqs = self.sync.share_seqs(take if self.world.local_rank == 0 else None) \
+            if self.sync is not None else take()
+        dataset = EpochDataset(self.reader, seqs, epoch, snapshot)
+        try:
+            order = epoch_order(seqs, epoch, self.seed, self.shuffle, self.samples_per_epoch)
+            order = split_for_rank(order, self.world)
+            full, rest = divmod(len(order), self.batch_size)
+            n_batches = full + (1 if rest and not self.drop_last else 0)
+            if self.sync is not None:
+                n_batches = self.sync.agree_batches(n_batches)
+            if n_batches == 0:
+                log.warning("epoch %d has no batches: the snapshot holds %d samples (batch_size "
+                            "%d); is the cache empty?", epoch, len(seqs), self.batch_size)
+        except BaseException:
+            dataset.close()
+            raise
+        seconds = time.monotonic() - started
+        self.last_plan_s = seconds
+        return _Plan(epoch, dataset, order, self.batch_size, n_batches, seconds)
+
+    def prepare(self, epoch: int) -> _Pending:
+        pending = _Pending(epoch)
+
+        def build() -> Any:
+            loader, sampler = self._make_loader(epoch)
+            sampler.plan = pending.plan
+            pending.loader = loader
+            return iter(loader)  # starts the workers; their priming waits for the plan
+
+        self._start(f"plan-{epoch}", pending.plan, functools.partial(self._plan, pending))
+        self._start(f"build-{epoch}", pending.iterator, build)
+        return pending
+
+    def _start(self, name: str, future: cf.Future[Any], fn: Callable[[], Any]) -> None:
+        thread = threading.Thread(target=_run_into, args=(future, fn), daemon=True,
+                                  name=f"epochcache-{name}")
+        thread.start()
+        self.threads = [t for t in self.threads if t.is_alive()] + [thread]
+
+    def release_later(self, dataset: EpochDataset) -> None:
+        """Release an epoch's lease off the training thread (a write transaction + fsync)."""
+        future: cf.Future[Any] = cf.Future()
+        self._start(f"release-{dataset.epoch}", future, dataset.close)
+
+    def cancel(self, pending: _Pending) -> None:
+        """Stop preparing ``pending`` and release what it took."""
+        self.abort.set()
+        pending.trigger.set()
+        try:
+            pending.plan.result(timeout=60).dataset.close()
+        except BaseException:  # cancelled or failed: nothing was taken, or it is released
+            pass
+        try:
+            pending.iterator.result(timeout=60)
+        except BaseException:
+            pass
+
+    # -- the generator ----------------------------------------------------------------------
+
+    def _request_next(self) -> None:
+        self.want_next = True
+        if self.next is not None:
+            self.next.trigger.set()
+
+    def run(self, start: int, num_epochs: int) -> Iterator[tuple[int, EpochLoader]]:
+        dog = get_watchdog(self.stall_s, self.stall_file) if self.num_workers > 0 else None
+        depth = self.num_workers * int(self.loader_kwargs.get("prefetch_factor") or 2)
+        end = start + num_epochs
+        self.next = self.prepare(start) if num_epochs > 0 else None
+        previous: EpochDataset | None = None
+        try:
+            for epoch in range(start, end):
+                current, self.next, self.want_next = self.next, None, False
+                if current is None:
+                    raise RuntimeError("epochcache: internal error, epoch not prepared")
+                current.trigger.set()
+                try:
+                    plan = current.plan.result()
+                    iterator = current.iterator.result()
+                except BaseException as exc:
+                    self.cancel(current)
+                    raise PrepareFailed(f"epoch {epoch}: preparing its snapshot and DataLoader "
+                                        f"failed: {type(exc).__name__}: {exc}") from exc
+
+                def started(epoch: int = epoch, done: EpochDataset | None = previous) -> None:
+                    # Deferred until this epoch's first batches are out: starting threads and
+                    # building a DataLoader holds the GIL, which would show at the boundary.
+                    if done is not None:
+                        self.release_later(done)
+                    if epoch + 1 < end:
+                        self.next = self.prepare(epoch + 1)
+                        if self.want_next:
+                            self.next.trigger.set()
+
+                previous = None
+                loader = EpochLoader(epoch, plan, current.loader, iterator,  # type: ignore[arg-type]
+                                     self._request_next, started, max(0.3, 3 * self.last_plan_s),
+                                     depth, dog)
+                try:
+                    yield epoch, loader
+                finally:
+                    loader.finish()
+                    if not self.persistent and hasattr(iterator, "_shutdown_workers"):
+                        iterator._shutdown_workers()
+                    if self.sync is not None:
+                        self.sync.epoch_end()
+                    previous = plan.dataset
+        finally:
+            if previous is not None:
+                previous.close()
+            if self.next is not None:
+                self.cancel(self.next)
+            for loader_, _sampler in self.slots:
+                it = getattr(loader_, "_iterator", None)
+                if it is not None and hasattr(it, "_shutdown_workers"):
+                    it._shutdown_workers()
+            for thread in self.threads:
+                if thread.name.startswith("epochcache-release"):
+                    thread.join(timeout=60)  # leases are released before epochs() returns
+            if self.sync is not None:
+                self.sync.close()
+
+
+def epochs(
+    cache: Cache,
+    num_epochs: int,
+    samples_per_epoch: int | None = None,
+    min_samples: int = 1,
+    seed: int = 0,
+    stall_s: float | None = 300.0,
+    *,
+    batch_size: int = 64,
+    num_workers: int | None = None,
+    shuffle: bool = True,
+    drop_last: bool = False,
+    decode: str | DecodeFn | None = "auto",
+    transform: Callable[[Any], Any] | None = None,
+    allow_pickle: bool = False,
+    on_error: str = "raise",
+    collate_fn: Callable[[Any], Any] | None = None,
+    persistent_workers: bool | None = None,
+    worker_init_fn: Callable[[int], None] | None = None,
+    start_epoch: int = 0,
+    wait_timeout_s: float | None = None,
+    stall_file: str | None = None,
+    **dataloader_kwargs: Any,
+) -> Iterator[tuple[int, EpochLoader]]:
+    """Yield ``(epoch, loader)`` for ``num_epochs`` epochs, each over a fresh snapshot.
+
+    Each epoch's batches come from a snapshot taken near the end of the previous epoch; the
+    next loader and its workers are prepared in the background. Every sample of the snapshot
+    is delivered once per epoch (per node under DDP, split across its ranks), unless
+    ``samples_per_epoch`` fixes the count (resampling when the cache is still small).
+
+    Args:
+        cache: the cache to train from.
+        num_epochs: how many epochs to yield.
+        samples_per_epoch: samples per epoch per node; None means the whole snapshot.
+        min_samples: wait (with a progress bar) until the cache holds this many samples.
+        seed: seeds the per-epoch shuffle and the workers (same seed and snapshot, same order).
+        stall_s: report batches slower than this with stacks and the sample key; None disables.
+        batch_size: samples per batch.
+        num_workers: DataLoader workers. Defaults to 0 without a transform (reading in the
+            training process is fastest) and to ``os.cpu_count()`` with one.
+        transform: applied to each decoded sample (in the workers).
+        collate_fn: replaces the built-in batch assembly; it receives a list of samples.
+        persistent_workers: keep workers across epochs (two loaders alternate, so the next
+            epoch's workers prefetch while this one finishes). Defaults to True with workers.
+        start_epoch: the first epoch's number (for resuming).
+        wait_timeout_s: give up waiting for ``min_samples`` after this long.
+        stall_file: where stall reports go (default stderr).
+        **dataloader_kwargs: passed to DataLoader (``pin_memory``, ``prefetch_factor``,
+            ``timeout``, ``multiprocessing_context``, ...).
+
+    Raises:
+        ValueError: an invalid argument (named in the message).
+        TimeoutError: ``min_samples`` were not cached within ``wait_timeout_s``.
+        PrepareFailed: the background preparation failed (``__cause__`` is the error).
+    """
+    if not isinstance(num_epochs, int) or num_epochs < 0:
+        raise ValueError(f"num_epochs: expected an int >= 0, got {num_epochs!r}")
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size: expected an int >= 1, got {batch_size!r}")
+    if samples_per_epoch is not None and (not isinstance(samples_per_epoch, int)
+                                          or samples_per_epoch < 1):
+        raise ValueError(f"samples_per_epoch: expected None or an int >= 1, "
+                         f"got {samples_per_epoch!r}")
+    if not isinstance(min_samples, int) or min_samples < 0:
+        raise ValueError(f"min_samples: expected an int >= 0, got {min_samples!r}")
+    bad = [name for name in _RESERVED if name in dataloader_kwargs]
+    if bad:
+        raise ValueError(f"epochs() sets {', '.join(bad)} itself; use shuffle=/seed= of "
+                         "epochs() instead")
+    if num_workers is None:
+        num_workers = 0 if transform is None else (os.cpu_count() or 1)
+    if not isinstance(num_workers, int) or num_workers < 0:
+        raise ValueError(f"num_workers: expected an int >= 0, got {num_workers!r}")
+    persistent = num_workers > 0 if persistent_workers is None else bool(persistent_workers)
+    persistent = persistent and num_workers > 0
+    if num_workers == 0:
+        dataloader_kwargs.pop("prefetch_factor", None)
+    elif dataloader_kwargs.get("multiprocessing_context") is None:
+        # LMDB is fork-hostile and this py-lmdb refuses to reopen an environment inherited
+        # through fork() (see tests/test_fork.py), so workers start from a forkserver unless
+        # the caller asks otherwise. Transforms must then be picklable (no lambdas).
+        dataloader_kwargs["multiprocessing_context"] = "forkserver"
+    reader = SampleReader(cache.path, decode=decode, transform=transform,
+                          allow_pickle=allow_pickle, on_error=on_error, stall_s=stall_s,
+                          stall_file=stall_file)
+    reader.bind(cache)
+    state = _Epochs(cache, batch_size=batch_size, num_workers=num_workers, seed=seed,
+                    shuffle=shuffle, drop_last=drop_last, samples_per_epoch=samples_per_epoch,
+                    persistent=persistent, reader=reader, collate_fn=collate_fn,
+                    worker_init_fn=worker_init_fn, stall_s=stall_s, stall_file=stall_file,
+                    loader_kwargs=dataloader_kwargs)
+    return _generate(state, cache, min_samples, wait_timeout_s, start_epoch, num_epochs)
+
+
+def _generate(state: _Epochs, cache: Cache, min_samples: int, wait_timeout_s: float | None,
+              start: int, num_epochs: int) -> Iterator[tuple[int, EpochLoader]]:
+    wait_for_samples(cache, min_samples, wait_timeout_s)
+    yield from state.run(start, num_epochs)
