@@ -25,11 +25,12 @@ def sample_array(index: int, floats: int = 64) -> np.ndarray:
     return array
 
 
-def fill(path: str, start: int, count: int, capacity: str = "64MiB", floats: int = 64) -> list[int]:
+def fill(path: str, start: int, count: int, capacity: str = "64MiB", floats: int = 64,
+         headroom: float = 0.1) -> list[int]:
     """Insert ``count`` numbered .npy samples; returns their sequence numbers."""
     from epochcache import Cache
 
-    cache = Cache(path, capacity, sync=False)
+    cache = Cache(path, capacity, sync=False, headroom=headroom)
     items = [(f"s/{i:07d}.npy", npy_bytes(sample_array(i, floats))) for i in range(start, start + count)]
     return cache.put_many(items).seqs
 

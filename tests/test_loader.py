@@ -1,0 +1,143 @@
+"""epochs(): exact-once epochs over growing snapshots, background preparation, seeding, options."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from common.writer import Writer, fill
+from epochcache import Cache
+from epochcache.loader import PrepareFailed, epoch_order
+
+
+def _ids(batch: torch.Tensor) -> list[int]:
+    return [int(v) for v in batch[:, 0]]
+
+
+def test_three_epochs_with_workers_while_a_writer_inserts_and_evicts(tmp_path: Path) -> None:
+    path = str(tmp_path / "c")
+    # ~330 B records; 400 KiB capacity keeps ~1100 samples, so the writer forces eviction.
+    fill(path, 0, 1000, capacity="400KiB", headroom=0.5)
+    cache = Cache(path, sync=False)
+    delivered: list[list[int]] = []
+    snapshots: list[np.ndarray] = []
+    with Writer(path, start=1000, per_batch=20, pause_s=0.01):
+        for epoch, loader in cache.epochs(3, batch_size=50, num_workers=2,
+                                          multiprocessing_context="spawn"):
+            ids = []
+            for batch in loader:
+                ids.extend(_ids(batch))
+                time.sleep(0.02)  # a training step: the writer gets to run
+            delivered.append(ids)
+            seqs = loader.dataset.seqs.copy()
+            snapshots.append(seqs)
+            assert len(loader) == -(-len(loader.dataset) // 50), epoch
+            # Still under the epoch's lease: the snapshot's own keys are what was delivered.
+            keys = {int(cache.info(int(s)).key[2:9]) for s in seqs[:: max(1, len(seqs) // 25)]}
+            assert keys <= set(ids)
+    assert cache.counters().evicted > 0
+    for ids, seqs in zip(delivered, snapshots):
+        # Exactly once: the sample ids delivered are the snapshot's, without repeats.
+        assert len(ids) == len(set(ids)) == len(seqs)
+    # Each epoch sees samples added during the previous one.
+    assert max(delivered[1]) > max(delivered[0]) and max(delivered[2]) > max(delivered[1])
+    assert cache.leases() == []
+
+
+def test_same_seed_same_order_and_epochs_differ(tmp_path: Path) -> None:
+    fill(str(tmp_path / "c"), 0, 200)
+    cache = Cache(tmp_path / "c", sync=False)
+
+    def run(seed: int) -> list[list[int]]:
+        return [[i for b in loader for i in _ids(b)] for _e, loader in
+                cache.epochs(2, batch_size=16, seed=seed)]
+
+    first, again, other = run(1), run(1), run(2)
+    assert first == again and first != other and first[0] != first[1]
+    assert sorted(first[0]) == list(range(200))
+    seqs = np.arange(10, dtype=np.uint64)
+    np.testing.assert_array_equal(epoch_order(seqs, 3, seed=5), epoch_order(seqs, 3, seed=5))
+
+
+def test_samples_per_epoch_resamples_a_small_cache(tmp_path: Path) -> None:
+    fill(str(tmp_path / "c"), 0, 30)
+    cache = Cache(tmp_path / "c", sync=False)
+    for _epoch, loader in cache.epochs(2, samples_per_epoch=100, batch_size=25):
+        ids = [i for b in loader for i in _ids(b)]
+        assert len(ids) == 100 and len(loader) == 4
+        counts = np.bincount(ids, minlength=30)
+        assert counts.min() >= 3 and counts.max() <= 4  # whole permutations, not iid draws
+
+
+def test_user_collate_and_transform_with_workers(tmp_path: Path) -> None:
+    fill(str(tmp_path / "c"), 0, 64)
+    cache = Cache(tmp_path / "c", sync=False)
+    for _epoch, loader in cache.epochs(1, batch_size=8, transform=_double, num_workers=2,
+                                       collate_fn=_count_collate, drop_last=True, timeout=60,
+                                       pin_memory=False, prefetch_factor=2):
+        assert [b for b in loader] == [8] * 8
+
+
+def _double(x: np.ndarray) -> np.ndarray:
+    return x * 2
+
+
+def _count_collate(samples: list[np.ndarray]) -> int:
+    return len(samples)
+
+
+def test_background_failure_is_reraised_from_its_cause(tmp_path: Path) -> None:
+    fill(str(tmp_path / "c"), 0, 20)
+    cache = Cache(tmp_path / "c", sync=False)
+    original = cache.snapshot
+
+    calls = []
+
+    def failing_snapshot(*args: object, **kwargs: object) -> object:
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError("disk on fire")
+        return original(*args, **kwargs)  # type: ignore[arg-type]
+
+    cache.snapshot = failing_snapshot  # type: ignore[method-assign]
+    with pytest.raises(PrepareFailed, match="epoch 1") as info:
+        for _epoch, loader in cache.epochs(3, batch_size=5):
+            list(loader)
+    assert isinstance(info.value.__cause__, OSError)
+    assert cache.leases() == []
+
+
+def test_waits_for_min_samples_then_times_out_clearly(tmp_path: Path) -> None:
+    fill(str(tmp_path / "c"), 0, 5)
+    cache = Cache(tmp_path / "c", sync=False)
+    with pytest.raises(TimeoutError, match="min_samples=50"):
+        next(iter(cache.epochs(1, min_samples=50, wait_timeout_s=0.3)))
+    with Writer(str(tmp_path / "c"), start=5, per_batch=10, pause_s=0.01):
+        for _epoch, loader in cache.epochs(1, min_samples=50, wait_timeout_s=60):
+            assert len(loader.dataset) >= 50
+
+
+def test_invalid_arguments_are_named(tmp_path: Path) -> None:
+    fill(str(tmp_path / "c"), 0, 5)
+    cache = Cache(tmp_path / "c", sync=False)
+    with pytest.raises(ValueError, match="batch_size"):
+        cache.epochs(1, batch_size=0)
+    with pytest.raises(ValueError, match="shuffle"):
+        cache.epochs(1, sampler=None)
+    with pytest.raises(ValueError, match="samples_per_epoch"):
+        cache.epochs(1, samples_per_epoch=0)
+
+
+def test_breaking_out_releases_every_lease(tmp_path: Path) -> None:
+    fill(str(tmp_path / "c"), 0, 100)
+    cache = Cache(tmp_path / "c", sync=False)
+    gen = cache.epochs(5, batch_size=10)
+    for _epoch, loader in gen:
+        next(iter(loader))
+        break
+    gen.close()  # type: ignore[attr-defined]
+    assert cache.leases() == []
