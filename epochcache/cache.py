@@ -321,7 +321,7 @@ class Cache:
                 stop.wait(delay)
             else:
                 time.sleep(delay)
-            delay = min(delay * 2, 1.0)
+            delay = min(delay * 2, 0.25)  # a released lease should unblock writers promptly
         return total
 
     def _put_txn(
@@ -369,7 +369,8 @@ class Cache:
         counters.samples += len(fresh)
         counters.inserted += len(fresh)
         counters.bytes += incoming
-        counters.save(txn, meta)
+        if fresh or result.evicted:
+            counters.save(txn, meta)  # an unchanged transaction commits without an fsync
         result.inserted = len(fresh)
         return result, rest, blocker
 

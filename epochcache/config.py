@@ -111,6 +111,10 @@ class SourceConfig(_Section):
     retries: int = Field(default=5, ge=1, le=100)
     checks: list[Check] = Field(default_factory=lambda: list(_ALL_CHECKS))
     listing_ttl_s: Duration | None = None
+    demo_samples: int | None = Field(
+        default=None, ge=1,
+        description="write a synthetic demo dataset of this many samples at url when none is there",
+    )
 
     _secret_values: set[str] = PrivateAttr(default_factory=set)
 

@@ -1,0 +1,325 @@
+"""``epochcache run CONFIG [--resume]``: a YAML-configured training run.
+
+The run validates the whole config and reaches the source before anything starts (bad config or
+unreachable source: exit 2), writes the demo dataset on first use when ``source.demo_samples`` is
+set, starts the sampler daemon in this process (or attaches to one already filling the cache),
+waits for ``train.min_samples``, then calls the trainer named by ``train.entrypoint`` once per
+epoch through :meth:`Cache.epochs`. After each epoch it logs loss, samples, cache fill,
+evictions and the data-wait fraction, appends them to ``metrics.jsonl`` and checkpoints to the
+run directory; ``--resume`` continues at the next epoch. Ctrl-C stops cleanly: the lease is
+released, the daemon stopped if the run started it, the last checkpoint kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from .cache import Cache
+from .config import EpochcacheConfig, load_config
+from .daemon import Daemon, DaemonLock
+from .errors import ConfigError
+from .units import format_size
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT = "checkpoint.pt"
+METRICS = "metrics.jsonl"
+TrainFn = Callable[["RunContext", int, Any], Mapping[str, Any]]
+
+
+class RunContext:
+    """What a trainer gets besides the loader: options, seed, and checkpointed state.
+
+    Attributes:
+        config: the validated config.
+        options: ``train.options`` from the config.
+        state: a dict the trainer may keep objects in across epochs.
+        run_dir: where checkpoints, metrics and plots go.
+    """
+
+    def __init__(self, config: EpochcacheConfig, checkpoint: Mapping[str, Any] | None) -> None:
+        self.config = config
+        self.options: dict[str, Any] = dict(config.train.options)
+        self.seed = config.train.seed
+        self.run_dir = Path(config.train.run_dir)
+        self.state: dict[str, Any] = {}
+        self._saved: Mapping[str, Any] = (checkpoint or {}).get("state", {})
+
+    def restore(self, name: str, obj: Any) -> Any:
+        """Register ``obj`` (with ``state_dict``) for checkpoints; load it when resuming."""
+        if name in self._saved:
+            obj.load_state_dict(self._saved[name])
+        self.state[name] = obj
+        return obj
+
+    def save_checkpoint(self, epoch: int, metrics: Mapping[str, Any]) -> Path:
+        import torch
+
+        payload = {
+            "epoch": epoch,
+            "metrics": dict(metrics),
+            "state": {name: obj.state_dict() for name, obj in self.state.items() if hasattr(obj, "state_dict")},
+        }
+        path = self.run_dir / CHECKPOINT
+        tmp = path.with_suffix(".tmp")
+        torch.save(payload, tmp)
+        os.replace(tmp, path)  # a crash mid-save leaves the previous checkpoint whole
+        return path
+
+
+class _TimedLoader:
+    """Wraps a loader to measure how long the training loop waits for each batch."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+        self.wait_s = 0.0
+        self.batches = 0
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[Any]:
+        iterator = iter(self.loader)
+        while True:
+            start = time.perf_counter()
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                self.wait_s += time.perf_counter() - start
+                return
+            self.wait_s += time.perf_counter() - start
+            self.batches += 1
+            yield batch
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.loader, name)
+
+
+def resolve_entrypoint(spec: str) -> TrainFn:
+    """Import ``package.module:function``; raise ConfigError naming ``train.entrypoint``."""
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"train.entrypoint: cannot import {module_name!r} ({exc}); check the module path") from exc
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ConfigError(f"train.entrypoint: {module_name!r} has no function {attr!r}")
+    return fn  # type: ignore[no-any-return]
+
+
+def ensure_demo_data(config: EpochcacheConfig) -> None:
+    """Write the demo dataset at ``source.url`` when ``demo_samples`` is set and nothing is there."""
+    samples = config.source.demo_samples
+    if samples is None:
+        return
+    from .demo import write_demo_data
+    from .remote import open_fs
+
+    fs, root = open_fs(config.source.url, config.source.storage_options)
+    if fs.exists(root) and fs.ls(root):
+        return
+    log.info("writing the demo dataset (%d samples) to %s", samples, config.source.url)
+    layout = "tar" if config.source.layout == "tar" else "files"
+    write_demo_data(config.source.url, samples, layout, config.source.storage_options)  # type: ignore[arg-type]
+
+
+def _loader_kwargs(config: EpochcacheConfig) -> dict[str, Any]:
+    loader = config.loader
+    kwargs: dict[str, Any] = {
+        "batch_size": loader.batch_size,
+        "num_workers": loader.num_workers,
+        "decode": loader.decode,
+        "allow_pickle": loader.allow_pickle,
+        "pin_memory": loader.pin_memory,
+        "stall_s": loader.stall_s,
+        "timeout": loader.timeout,
+        "seed": config.train.seed,
+        "min_samples": config.train.min_samples,
+        "samples_per_epoch": config.train.samples_per_epoch,
+    }
+    if loader.num_workers > 0:
+        kwargs["persistent_workers"] = loader.persistent_workers or None
+        if loader.prefetch_factor is not None:
+            kwargs["prefetch_factor"] = loader.prefetch_factor
+    return kwargs
+
+
+def load_checkpoint(run_dir: Path) -> dict[str, Any] | None:
+    path = run_dir / CHECKPOINT
+    if not path.exists():
+        return None
+    import torch
+
+    return dict(torch.load(path, weights_only=True))
+
+
+class Run:
+    """One training run: daemon (started or attached), epochs, metrics, checkpoints, plots."""
+
+    def __init__(self, config: EpochcacheConfig, *, resume: bool = False) -> None:
+        self.config = config
+        self.resume = resume
+        self.run_dir = Path(config.train.run_dir)
+        self.train_fn = resolve_entrypoint(config.train.entrypoint)
+        self.daemon: Daemon | None = None
+        self._daemon_thread: threading.Thread | None = None
+        self.metrics: list[dict[str, Any]] = []
+
+    def start_daemon(self) -> None:
+        """Start the samplers unless a daemon already fills this cache (then attach to it)."""
+        cache_dir = str(self.config.cache.dir)
+        if DaemonLock.is_held(cache_dir):
+            log.info("attaching to the daemon already filling %s", cache_dir)
+            return
+        daemon = Daemon(self.config)
+        daemon.prepare()  # lists the source: raises SourceUnavailable before anything starts
+        self.daemon = daemon
+        self._daemon_thread = threading.Thread(target=daemon.run, name="epochcache-daemon", daemon=True)
+        self._daemon_thread.start()
+
+    def stop_daemon(self) -> None:
+        if self.daemon is not None and self._daemon_thread is not None:
+            self.daemon.stop()
+            self._daemon_thread.join()
+            self.daemon = None
+
+    def train(self) -> int:
+        checkpoint = load_checkpoint(self.run_dir) if self.resume else None
+        start = 0 if checkpoint is None else int(checkpoint["epoch"]) + 1
+        total = self.config.train.epochs
+        if self.resume:
+            self.metrics = _read_metrics(self.run_dir / METRICS, before=start)
+            if checkpoint is None:
+                log.warning("--resume: no checkpoint in %s; starting at epoch 0", self.run_dir)
+        if start >= total:
+            log.info("all %d epochs are done (checkpoint of epoch %d)", total, start - 1)
+            return 0
+        context = RunContext(self.config, checkpoint)
+        cfg = self.config.cache
+        cache = Cache(cfg.dir, capacity=cfg.capacity_bytes, headroom=cfg.headroom_bytes)
+        epochs = cache.epochs(total - start, start_epoch=start, **_loader_kwargs(self.config))
+        try:
+            for epoch, loader in epochs:
+                self._run_epoch(cache, context, epoch, loader)
+        finally:
+            close = getattr(epochs, "close", None)
+            if close is not None:
+                close()  # releases the leases of the current and the prepared epoch
+            cache.close()
+        return 0
+
+    def _run_epoch(self, cache: Cache, context: RunContext, epoch: int, loader: Any) -> None:
+        before = cache.counters()
+        timed = _TimedLoader(loader)
+        started = time.perf_counter()
+        result = dict(self.train_fn(context, epoch, timed) or {})
+        elapsed = time.perf_counter() - started
+        after = cache.counters()
+        row = {
+            "epoch": epoch,
+            **result,
+            "snapshot_samples": len(getattr(loader, "seqs", ())),
+            "batches": timed.batches,
+            "epoch_s": round(elapsed, 3),
+            "data_wait_fraction": round(timed.wait_s / elapsed, 4) if elapsed > 0 else 0.0,
+            "cache_samples": after.samples,
+            "cache_bytes": after.bytes,
+            "evicted": after.evicted - before.evicted,
+            "time": time.time(),
+        }
+        self.metrics.append(row)
+        cache.append_history({"epoch": epoch})
+        with open(self.run_dir / METRICS, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        context.save_checkpoint(epoch, row)
+        loss = row.get("loss")
+        log.info(
+            "epoch %d: loss %s, %d samples in %d batches, %.1fs, data wait %.1f%%, cache %s (%d samples), evicted %d",
+            epoch, f"{loss:.4f}" if isinstance(loss, float) else loss, row.get("samples", row["snapshot_samples"]),
+            timed.batches, elapsed, 100 * row["data_wait_fraction"], format_size(after.bytes), after.samples,
+            row["evicted"],
+        )
+
+    def write_plots(self) -> Path | None:
+        try:
+            from .plot import plot_run
+        except ImportError:  # matplotlib is an extra
+            log.info("matplotlib is not installed: no plot (pip install 'epochcache[plot]')")
+            return None
+        cache = Cache(self.config.cache.dir, readonly=True)
+        try:
+            history = cache.history()
+        finally:
+            cache.close()
+        out = self.run_dir / "run.png"
+        plot_run(self.metrics, history, out, title=f"epochcache run: {self.run_dir}")
+        return out
+
+
+def _read_metrics(path: Path, before: int) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    kept = [row for row in rows if row.get("epoch", 0) < before]
+    path.write_text("".join(json.dumps(row) + "\n" for row in kept))  # drop epochs redone after a crash
+    return kept
+
+
+def run_training(config: EpochcacheConfig, *, resume: bool = False) -> int:
+    """Run the whole job of ``epochcache run``; returns the exit status."""
+    run = Run(config, resume=resume)
+    ensure_demo_data(config)
+    run.run_dir.mkdir(parents=True, exist_ok=True)
+    (run.run_dir / "config.yaml").write_text(config.redacted_yaml())
+    run.start_daemon()
+    try:
+        status = run.train()
+    except KeyboardInterrupt:
+        log.warning("interrupted: stopping (the last checkpoint is kept; continue with --resume)")
+        status = 130
+    finally:
+        run.stop_daemon()
+    plot = run.write_plots()
+    if plot is not None:
+        log.info("wrote %s", plot)
+    return status
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    config = load_config(args.config)
+    if args.epochs is not None:
+        config.train.epochs = args.epochs
+    return run_training(config, resume=args.resume)
+
+
+def _cmd_config(args: argparse.Namespace) -> int:
+    print(load_config(args.config).redacted_yaml(), end="")
+    return 0
+
+
+def add_run_parser(subparsers: Any) -> argparse.ArgumentParser:
+    parser: argparse.ArgumentParser = subparsers.add_parser("run", help="a YAML-configured training run")
+    parser.add_argument("config", help="YAML config (see configs/demo.yaml)")
+    parser.add_argument("--resume", action="store_true", help="continue from the run's last checkpoint")
+    parser.add_argument("--epochs", type=int, default=None, help="override train.epochs")
+    parser.set_defaults(func=_cmd_run)
+    return parser
+
+
+def add_config_parser(subparsers: Any) -> argparse.ArgumentParser:
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "config", help="print the resolved config, secrets redacted"
+    )
+    parser.add_argument("config")
+    parser.set_defaults(func=_cmd_config)
+    return parser
