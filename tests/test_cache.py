@@ -215,7 +215,8 @@ def test_leased_samples_are_never_evicted_and_only_older_ones_are(make_cache: Ma
 
     def batch(count: int, size: int = 2000) -> list[tuple[str, bytes]]:
         nonlocal n
-        out = [(f"s{i}", content_for(f"s{i}", size, compressible=False)) for i in range(n, n + count)]
+        keys = [f"s{i}" for i in range(n, n + count)]
+        out = [(key, content_for(key, size, compressible=False)) for key in keys]
         n += count
         return out
 
@@ -235,7 +236,8 @@ def test_leased_samples_are_never_evicted_and_only_older_ones_are(make_cache: Ma
     state = assert_consistent(cache)
     assert state.bytes <= limit
     assert set(leased) <= set(state.seqs)
-    assert state.first_seq == leased[0]  # nothing older than the lease was left, nothing leased gone
+    # Nothing older than the lease was left, nothing leased is gone.
+    assert state.first_seq == leased[0]
     assert {s: digest(v) for s, v in zip(leased, cache.get_many(leased))} == expected
 
     # A snapshot taken now leaves out the oldest samples beyond capacity (headroom-only ones).
@@ -336,7 +338,8 @@ def test_cache_full_result_reports_a_partial_commit(make_cache: MakeCache) -> No
     committed = [key for key, _ in batch[: result.inserted]]  # type: ignore[attr-defined]
     state = assert_consistent(cache)
     assert all(key in cache for key in committed)
-    assert not any(key in cache for key, _ in batch[result.inserted :])  # type: ignore[attr-defined]
+    rest = batch[result.inserted :]  # type: ignore[attr-defined]
+    assert not any(key in cache for key, _ in rest)
     assert state.bytes <= 40_000
     snap.release()
 
@@ -368,7 +371,8 @@ def test_wait_true_blocks_until_the_lease_is_released(
     thread = threading.Thread(target=releaser)
     thread.start()
     try:
-        result = cache.put_many([("late", content_for("late", 2000, compressible=False))], wait=True, timeout_s=30)
+        late = content_for("late", 2000, compressible=False)
+        result = cache.put_many([("late", late)], wait=True, timeout_s=30)
         returned_at = time.monotonic()
     finally:
         thread.join(30)

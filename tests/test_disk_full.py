@@ -30,7 +30,9 @@ def _full_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [
         r.getMessage()
         for r in caplog.records
-        if r.levelno == logging.WARNING and "full" in r.getMessage() and r.name.startswith("epochcache")
+        if r.levelno == logging.WARNING
+        and "full" in r.getMessage()
+        and r.name.startswith("epochcache")
     ]
 
 
@@ -52,7 +54,8 @@ def test_small_map_lowers_capacity_warns_and_keeps_writing(
             state = assert_consistent(cache)
             assert state.bytes <= cache.effective_capacity + cache.headroom_bytes
         warnings = _full_warnings(caplog)
-        assert warnings and "MapFullError" in warnings[0] and "lowering the effective capacity" in warnings[0]
+        assert warnings and "MapFullError" in warnings[0]
+        assert "lowering the effective capacity" in warnings[0]
         lowered = cache.effective_capacity
         assert 0.3 * 1024**2 < lowered < 1024**2
         assert state.counters.evicted > 0

@@ -46,7 +46,8 @@ def _child(cache: Cache, seqs: list[int], index: int, queue: Any) -> None:
         digests = [digest(v) for v in values]
         written = None
         if index == 0:  # one child also writes
-            written = cache.put_many([(f"child{i}", content_for(f"child{i}")) for i in range(10)]).seqs
+            items = [(f"child{i}", content_for(f"child{i}")) for i in range(10)]
+            written = cache.put_many(items).seqs
         with cache.snapshot() as snap:
             snap_len = len(snap)
         queue.put((index, os.getpid(), digests, written, snap_len, None))
@@ -61,7 +62,9 @@ def test_multiprocessing_fork_children_read_and_write(used_cache: tuple[Cache, l
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
     parts = [seqs[i::3] for i in range(3)]
-    procs = [ctx.Process(target=_child, args=(cache, part, i, queue)) for i, part in enumerate(parts)]
+    procs = [
+        ctx.Process(target=_child, args=(cache, part, i, queue)) for i, part in enumerate(parts)
+    ]
     results = {}
     try:
         for proc in procs:

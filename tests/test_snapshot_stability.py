@@ -105,7 +105,9 @@ print("RESULT", json.dumps(report), flush=True)
 """
 
 
-def test_reader_process_sees_its_snapshots_unchanged_while_writer_inserts_5x(tmp_path: Path) -> None:
+def test_reader_process_sees_its_snapshots_unchanged_while_writer_inserts_5x(
+    tmp_path: Path,
+) -> None:
     path = str(tmp_path / "cache")
     Cache(path, CAPACITY, headroom=0.25, sync=False).close()
     stop = tmp_path / "writer-done"

@@ -112,7 +112,7 @@ def scan(cache: Cache) -> CacheState:
         if state.seqs != list(range(state.seqs[0], state.seqs[0] + n)):
             state.problems.append(f"present samples are not contiguous: {_ranges(state.seqs)}")
         if state.seqs[0] != c.evicted:
-            state.problems.append(f"oldest present seq {state.seqs[0]} != evicted count {c.evicted}")
+            state.problems.append(f"oldest present seq {state.seqs[0]} != evicted {c.evicted}")
         if state.seqs[-1] + 1 != c.next_seq:
             state.problems.append(f"newest seq {state.seqs[-1]} but next_seq {c.next_seq}")
     for lease in state.leases:

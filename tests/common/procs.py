@@ -39,7 +39,9 @@ class Proc:
             return ""
 
     def _fail(self, why: str) -> None:
-        raise AssertionError(f"helper {self.name} (pid {self.pid}): {why}\n--- stderr ---\n{self.stderr()}")
+        raise AssertionError(
+            f"helper {self.name} (pid {self.pid}): {why}\n--- stderr ---\n{self.stderr()}"
+        )
 
     def wait_line(self, prefix: str, timeout_s: float = 30.0) -> str:
         """Return the first (unread) stdout line starting with ``prefix``."""
@@ -57,7 +59,10 @@ class Proc:
                         return line
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    self._fail(f"no line starting with {prefix!r} within {timeout_s}s; got {self.lines[-5:]}")
+                    self._fail(
+                        f"no line starting with {prefix!r} within {timeout_s}s; "
+                        f"got {self.lines[-5:]}"
+                    )
                 if sel.select(timeout=min(left, 1.0)):
                     chunk = os.read(fd, 65536)
                     if not chunk:
