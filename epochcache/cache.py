@@ -129,10 +129,12 @@ class Cache:
             raise ValueError(f"capacity: must be positive, got {capacity!r}")
         stored_cap, stored_head = self._peek_capacity()
         if cap is None and stored_cap is None:
-            if readonly or not os.path.exists(os.path.join(self.path, "data.mdb")):
-                raise CacheError(
-                    f"{self.path}: no cache here; create one with Cache(path, capacity='...')"
-                )
+            exists = os.path.exists(os.path.join(self.path, "data.mdb"))
+            raise CacheError(
+                f"{self.path}: "
+                + ("the cache has no stored capacity (its creation was interrupted?)" if exists else "no cache here")
+                + "; open it with Cache(path, capacity='...')"
+            )
         self.capacity_bytes = cap if cap is not None else int(stored_cap or 0)
         if cap is not None or stored_head is None:
             self.headroom_bytes = _parse_headroom(headroom, self.capacity_bytes)
@@ -148,12 +150,17 @@ class Cache:
             readonly=readonly,
             sync=sync,
         )
-        self.dbs = self._store.dbs
         self._disk_limit: int | None = None
         if not readonly:
             if (stored_cap, stored_head) != (self.capacity_bytes, self.headroom_bytes):
                 self._store.write(self._init_meta)
             self._fit_to_disk()
+
+    @property
+    def dbs(self) -> dict[bytes, lmdb._Database]:
+        """The sub-database handles of this process's environment (reopened after fork)."""
+        self._store.env  # noqa: B018 - reopens the environment in a forked child
+        return self._store.dbs
 
     # -- set-up -----------------------------------------------------------------------------
 
@@ -215,6 +222,12 @@ class Cache:
             if lowered is not None and unpack_u64(lowered) > 0:
                 limits.append(unpack_u64(lowered))
         return min(limits)
+
+    def _headroom_for(self, limit: int) -> int:
+        """Headroom scaled down with the capacity when the disk forced a lower one."""
+        if limit >= self.capacity_bytes or self.capacity_bytes == 0:
+            return self.headroom_bytes
+        return int(self.headroom_bytes * limit / self.capacity_bytes)
 
     def _lower_capacity(self, exc: Exception, incoming: int) -> None:
         with self._store.read() as txn:
@@ -295,14 +308,24 @@ class Cache:
                 result, pending, blocked = self._store.write(
                     lambda txn: self._put_txn(txn, pending, limit)
                 )
-            except (lmdb.MapFullError, lmdb.DiskError) as exc:
+            except lmdb.Error as exc:
+                if not _is_disk_full(exc):
+                    raise
                 attempts_full += 1
-                if attempts_full > 8:
+                if attempts_full > 16:
                     raise CacheError(
                         f"{self.path}: disk full even after lowering the capacity; free disk space"
                     ) from exc
-                self._lower_capacity(exc, sum(len(r) for _, r in pending))
-                continue
+                incoming = sum(len(r) for _, r in pending)
+                # LMDB reuses freed pages only after the freeing transaction commits, so evict
+                # in a transaction of its own before trying the insert again.
+                freed = self._evict_quietly(limit - incoming)
+                if freed.count:
+                    continue
+                if freed.blocked_by is None:
+                    self._lower_capacity(exc, incoming)
+                    continue
+                result, blocked = PutResult(), freed.blocked_by  # a lease pins it: wait
             total.inserted += result.inserted
             total.skipped += result.skipped
             total.evicted += result.evicted
@@ -324,6 +347,14 @@ class Cache:
             delay = min(delay * 2, 0.25)  # a released lease should unblock writers promptly
         return total
 
+    def _evict_quietly(self, limit: int) -> Eviction:
+        try:
+            return self.evict(max(0, limit))
+        except lmdb.Error as exc:
+            if not _is_disk_full(exc):
+                raise
+            return Eviction()
+
     def _put_txn(
         self, txn: lmdb.Transaction, pending: list[tuple[bytes, bytes]], limit: int
     ) -> tuple[PutResult, list[tuple[bytes, bytes]], Lease | None]:
@@ -337,12 +368,13 @@ class Cache:
         if counters.bytes + incoming > limit:
             leases = read_leases(txn, self.dbs[DB_LEASES])
             evicted = evict_oldest(txn, self.dbs, counters, max(0, limit - incoming), leases)
-            if counters.bytes + incoming > limit + self.headroom_bytes and self._reclaim(txn):
+            headroom = self._headroom_for(limit)
+            if counters.bytes + incoming > limit + headroom and self._reclaim(txn):
                 leases = read_leases(txn, self.dbs[DB_LEASES])
                 more = evict_oldest(txn, self.dbs, counters, max(0, limit - incoming), leases)
                 evicted = Eviction(evicted.count + more.count, evicted.bytes + more.bytes, more.blocked_by)
             result.evicted = evicted.count
-            room = limit + self.headroom_bytes - counters.bytes
+            room = limit + headroom - counters.bytes
             if incoming > room:
                 blocker = evicted.blocked_by or Lease.new(0, 0, 0, label="(none: disk limit)")
                 fits, used = 0, 0
@@ -640,6 +672,14 @@ class Cache:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["path"], compression=state["compression"], level=state["level"])  # type: ignore[misc]
+
+
+def _is_disk_full(exc: lmdb.Error) -> bool:
+    """MapFullError, ENOSPC, or the EIO LMDB reports for a short write on a full disk."""
+    if isinstance(exc, (lmdb.MapFullError, lmdb.DiskError)):
+        return True
+    text = str(exc)
+    return "Input/output error" in text or "No space left" in text
 
 
 def _append_bounded(txn: lmdb.Transaction, db: lmdb._Database, value: bytes, max_rows: int) -> None:

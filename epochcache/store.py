@@ -38,14 +38,20 @@ MAX_READERS = 1024
 _lock = threading.Lock()
 _envs: dict[str, tuple[lmdb.Environment, dict[bytes, lmdb._Database], int]] = {}
 _refcounts: dict[str, int] = {}
-# Environments inherited through fork(): kept alive and never closed, because closing one in
-# the child would act on the parent's lock table and file descriptors.
+# Inherited environments that could not be closed in a forked child: kept, never used.
 _inherited: list[object] = []
 
 
 def _after_fork_in_child() -> None:
     global _lock
-    _inherited.append(list(_envs.values()))
+    # py-lmdb refuses to open files it already has open in this process, so the inherited
+    # environments are closed here. That is safe in the child: LMDB's fcntl locks are not
+    # inherited by fork(), and closing clears only reader slots marked with the child's pid.
+    for env, _dbs, _pid in _envs.values():
+        try:
+            env.close()
+        except lmdb.Error:
+            _inherited.append(env)
     _envs.clear()
     _refcounts.clear()
     _lock = threading.Lock()

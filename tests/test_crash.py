@@ -120,11 +120,6 @@ def test_cache_killed_during_creation_reopens_cleanly(tmp_path: Path) -> None:
         assert_consistent(cache)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Cache(path) on an environment without stored capacity opens with capacity 0 "
-    "(cache.py Cache.__init__: `int(stored_cap or 0)`) instead of saying there is no cache",
-)
 def test_half_created_cache_is_not_opened_with_capacity_zero(tmp_path: Path) -> None:
     path = str(tmp_path / "cache")
     Store(path).close()  # killed before the capacity was written

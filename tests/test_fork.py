@@ -19,15 +19,7 @@ from epochcache import Cache
 
 N = 120
 
-_FORK_BUG = pytest.mark.xfail(
-    strict=True,
-    reason="two bugs: (1) py-lmdb 3.0 refuses to open an environment's files twice in one "
-    "process and the forked child still holds the inherited Environment (store.py "
-    "_after_fork_in_child keeps it open), so _open_env fails with 'already open in this "
-    "process'; (2) cache.py Cache.__init__ copies `self.dbs = self._store.dbs` once, so after "
-    "the child reopens, reads use the parent's handles ('Database handle belongs to another "
-    "environment')",
-)
+
 
 
 @pytest.fixture
@@ -55,7 +47,6 @@ def _child(cache: Cache, seqs: list[int], index: int, queue: Any) -> None:
         queue.put((index, os.getpid(), None, None, None, repr(exc)))
 
 
-@_FORK_BUG
 def test_multiprocessing_fork_children_read_and_write(used_cache: tuple[Cache, list[int]]) -> None:
     cache, seqs = used_cache
     snap = cache.snapshot(epoch=1)
@@ -116,7 +107,6 @@ class _CacheDataset:
         return seq, digest(self.cache.get(seq)), os.getpid()
 
 
-@_FORK_BUG
 def test_torch_dataloader_workers_read_through_the_parents_cache(
     used_cache: tuple[Cache, list[int]],
 ) -> None:
