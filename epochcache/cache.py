@@ -9,7 +9,6 @@ snapshots each in theirs. This module wires them together and owns the capacity 
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -26,20 +25,16 @@ from . import codec
 from .counters import Counters
 from .errors import CacheError, CacheFull, SampleTooLarge
 from .eviction import Eviction, evict_oldest
+from .journal import JournalMixin
 from .leases import DEFAULT_LEASE_TIMEOUT_S, Lease, delete_lease, read_leases, reclaim_dead, write_lease
 from .schema import (
     C_EFFECTIVE_CAPACITY,
     C_FORMAT,
-    DB_HISTORY,
     DB_KEYS,
     DB_LEASES,
     DB_META,
-    DB_QUARANTINE,
     DB_SAMPLES,
-    DB_STATE,
     FORMAT_VERSION,
-    HISTORY_MAX_ROWS,
-    QUARANTINE_MAX_ROWS,
     pack_u64,
     seq_key,
     seq_keys,
@@ -78,7 +73,7 @@ def _parse_headroom(headroom: float | int | str, capacity: int) -> int:
     return parse_size(headroom, name="headroom")
 
 
-class Cache:
+class Cache(JournalMixin):
     """A local sample cache bounded by ``capacity`` bytes, evicting oldest samples first.
 
     Opening is cheap and safe in any process: the LMDB environment opens lazily again after
@@ -561,72 +556,6 @@ class Cache:
             self.evict()
         return dead
 
-    # -- quarantine, daemon state, history ---------------------------------------------------
-
-    def quarantine(self, key: str, reason: str, **extra: Any) -> None:
-        """Count a rejected remote object and remember why (the newest rows are kept)."""
-        row = json.dumps({"key": key, "reason": reason, "time": time.time(), **extra}).encode()
-
-        def run(txn: lmdb.Transaction) -> None:
-            counters = Counters.load(txn, self.dbs[DB_META])
-            counters.quarantined += 1
-            counters.save(txn, self.dbs[DB_META])
-            _append_bounded(txn, self.dbs[DB_QUARANTINE], row, QUARANTINE_MAX_ROWS)
-
-        self._store.write(run)
-
-    def quarantined(self, limit: int = 100) -> list[dict[str, Any]]:
-        return self._tail(DB_QUARANTINE, limit)
-
-    def put_state(self, name: str, doc: Mapping[str, Any]) -> None:
-        """Store a small JSON document (daemon heartbeat, sampler position) under ``name``."""
-        raw = json.dumps(doc, separators=(",", ":")).encode()
-        self._store.write(lambda txn: txn.put(name.encode(), raw, db=self.dbs[DB_STATE]))
-
-    def get_state(self, name: str) -> dict[str, Any] | None:
-        with self._store.read() as txn:
-            raw = txn.get(name.encode(), db=self.dbs[DB_STATE])
-            return None if raw is None else dict(json.loads(bytes(raw)))
-
-    def states(self, prefix: str = "") -> dict[str, dict[str, Any]]:
-        out: dict[str, dict[str, Any]] = {}
-        with self._store.read() as txn:
-            cursor = txn.cursor(db=self.dbs[DB_STATE])
-            if cursor.set_range(prefix.encode()):
-                for key, value in cursor:
-                    name = bytes(key).decode()
-                    if not name.startswith(prefix):
-                        break
-                    out[name] = json.loads(bytes(value))
-        return out
-
-    def delete_state(self, name: str) -> None:
-        self._store.write(lambda txn: txn.delete(name.encode(), db=self.dbs[DB_STATE]))
-
-    def append_history(self, row: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        """Append a stats row (counters + ``row``) to the bounded history used by plots."""
-        doc: dict[str, Any] = {"time": time.time(), **self.counters().as_dict(), **(row or {})}
-        doc["capacity"] = self.effective_capacity
-        raw = json.dumps(doc, separators=(",", ":")).encode()
-        self._store.write(lambda txn: _append_bounded(txn, self.dbs[DB_HISTORY], raw, HISTORY_MAX_ROWS))
-        return doc
-
-    def history(self, limit: int | None = None) -> list[dict[str, Any]]:
-        return self._tail(DB_HISTORY, limit)
-
-    def _tail(self, db_name: bytes, limit: int | None) -> list[dict[str, Any]]:
-        rows: list[dict[str, Any]] = []
-        with self._store.read() as txn:
-            cursor = txn.cursor(db=self.dbs[db_name])
-            if not cursor.last():
-                return rows
-            for _key, value in cursor.iterprev():
-                rows.append(json.loads(bytes(value)))
-                if limit is not None and len(rows) >= limit:
-                    break
-        rows.reverse()
-        return rows
-
     # -- reporting and lifecycle ------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
@@ -680,16 +609,3 @@ def _is_disk_full(exc: lmdb.Error) -> bool:
         return True
     text = str(exc)
     return "Input/output error" in text or "No space left" in text
-
-
-def _append_bounded(txn: lmdb.Transaction, db: lmdb._Database, value: bytes, max_rows: int) -> None:
-    key = pack_u64(time.time_ns())
-    cursor = txn.cursor(db=db)
-    if cursor.last() and bytes(cursor.key()) >= key:
-        key = pack_u64(unpack_u64(bytes(cursor.key())) + 1)  # keep keys increasing
-    txn.put(key, value, db=db, append=True)
-    excess = txn.stat(db)["entries"] - max_rows
-    if excess > 0 and cursor.first():
-        for _ in range(excess):
-            if not cursor.delete():
-                break

@@ -123,11 +123,14 @@ def ensure_demo_data(config: EpochcacheConfig) -> None:
     if samples is None:
         return
     from .demo import write_demo_data
-    from .remote import open_fs
+    from .remote import open_fs, translate_errors
 
-    fs, root = open_fs(config.source.url, config.source.storage_options)
-    if fs.exists(root) and fs.ls(root):
-        return
+    url = config.source.url
+    with translate_errors(url):  # an unreachable remote is SourceUnavailable (exit 2), not a traceback
+        fs, root = open_fs(url, config.source.storage_options, timeout_s=config.source.timeout_s,
+                           connect_timeout_s=config.source.connect_timeout_s)
+        if fs.exists(root) and fs.ls(root):
+            return
     log.info("writing the demo dataset (%d samples) to %s", samples, config.source.url)
     layout = "tar" if config.source.layout == "tar" else "files"
     write_demo_data(config.source.url, samples, layout, config.source.storage_options)  # type: ignore[arg-type]
@@ -279,10 +282,11 @@ def run_training(config: EpochcacheConfig, *, resume: bool = False) -> int:
     """Run the whole job of ``epochcache run``; returns the exit status."""
     run = Run(config, resume=resume)
     ensure_demo_data(config)
-    run.run_dir.mkdir(parents=True, exist_ok=True)
-    (run.run_dir / "config.yaml").write_text(config.redacted_yaml())
+    # Lists the source first: an unreachable one exits 2 before the run directory is written.
     run.start_daemon()
     try:
+        run.run_dir.mkdir(parents=True, exist_ok=True)
+        (run.run_dir / "config.yaml").write_text(config.redacted_yaml())
         status = run.train()
     except KeyboardInterrupt:
         log.warning("interrupted: stopping (the last checkpoint is kept; continue with --resume)")

@@ -19,7 +19,7 @@ import numpy as np
 
 from .counters import Counters
 from .errors import SnapshotClosed
-from .schema import DB_SAMPLES, seq_of
+from .schema import seq_of
 
 if TYPE_CHECKING:
     from .cache import Cache

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-import epochcache.cache as cache_module
+import epochcache.journal as cache_module
 from common.cachecheck import assert_consistent, content_for, digest
 from epochcache import Cache, CacheError, CacheFull, SampleTooLarge
 from epochcache.codec import pack_fields
