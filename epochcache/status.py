@@ -33,8 +33,8 @@ def daemon_health(doc: dict[str, Any] | None, now: float | None = None) -> dict[
 
 def ingest_rate(history: list[dict[str, Any]], window_s: float = 60.0) -> dict[str, float]:
     """Samples/s and bytes/s inserted over the last ``window_s`` of history rows."""
-    if len(history) < 2:
-        return {"samples_per_s": 0.0, "bytes_per_s": 0.0}
+    if len(history) < 2 or time.time() - history[-1]["time"] > 2 * window_s:
+        return {"samples_per_s": 0.0, "bytes_per_s": 0.0}  # no recent rows: nothing is ingesting
     last = history[-1]
     first = next((row for row in history if last["time"] - row["time"] <= window_s), history[-2])
     if first is last:
