@@ -118,6 +118,10 @@ def open_fs(
         config_kwargs.setdefault("read_timeout", timeout_s)
         config_kwargs.setdefault("retries", {"max_attempts": 1, "mode": "standard"})
         options["config_kwargs"] = config_kwargs
+        # s3fs >= 2024 sends a HEAD before every whole-object GET when max_concurrency > 1 (to
+        # split big objects into ranged reads): two round trips per sample. Samples are small
+        # and many; fetch_many already runs `concurrency` objects at once.
+        options.setdefault("max_concurrency", 1)
     elif protocol in ("http", "https") and "client_kwargs" not in options:
         # aiohttp's default total timeout is five minutes; bound every request by ours.
         import aiohttp

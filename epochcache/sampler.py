@@ -97,14 +97,31 @@ class _Committer(threading.Thread):
     def __init__(self, cache: Cache, health: SamplerHealth, order: KeyOrder, stop: Any) -> None:
         super().__init__(name="epochcache-committer", daemon=True)
         self.cache, self.health, self.order, self.stop_event = cache, health, order, stop
-        self.batches: queue.Queue[tuple[list[tuple[str, bytes]], dict[str, int]] | None] = queue.Queue(maxsize=1)
+        self.batches: queue.Queue[tuple[list[tuple[str, bytes]], dict[str, int], list[str]] | None] = (
+            queue.Queue(maxsize=1)
+        )
         self.error: BaseException | None = None
+        # Keys fetched but not committed yet: not cached, yet they must not be fetched again
+        # (a small pass wraps around while its last batches are still queued here).
+        self.in_flight: set[str] = set()
+        self._lock = threading.Lock()
+
+    def submit(self, records: list[tuple[str, bytes]], position: dict[str, int], keys: list[str]) -> None:
+        with self._lock:
+            self.in_flight.update(keys)
+        self.batches.put((records, position, keys))
+
+    def is_in_flight(self, key: str) -> bool:
+        with self._lock:
+            return key in self.in_flight
 
     def run(self) -> None:
         try:
             while (item := self.batches.get()) is not None:
-                records, position = item
+                records, position, keys = item
                 self._commit(records)
+                with self._lock:
+                    self.in_flight.difference_update(keys)
                 self.health.position = position
                 self.health.heartbeat = time.time()
                 self.cache.put_state(state_name(self.health.index), asdict(self.health))
@@ -193,7 +210,10 @@ def run_sampler(config_data: dict[str, Any], index: int, stop: Any, parent_pid: 
     committer.start()
     per_batch = config.sampler.batch_size if source.unit == "sample" else max(1, min(4, config.sampler.concurrency))
     log.info("%d %ss, starting at %s", len(refs), source.unit, order.position)
-    idle_batches = 0
+    # Keys quarantined by this process: corrupt objects are not fetched (and counted) again
+    # every pass; a restarted daemon tries them once more.
+    quarantined: set[str] = set()
+    fruitless = 0  # offsets taken since the last batch that brought anything new
     try:
         while not stop.is_set():
             if parent_pid is not None and os.getppid() != parent_pid:
@@ -201,20 +221,29 @@ def run_sampler(config_data: dict[str, Any], index: int, stop: Any, parent_pid: 
                 break
             if committer.error is not None:
                 raise committer.error
+            if fruitless >= order.pass_length:
+                # A whole pass brought nothing new (everything cached, corrupt or failing):
+                # wait instead of spinning on the cache and the remote.
+                stop.wait(IDLE_WAIT_S)
+                fruitless = 0
             picked = [refs[int(i)] for i in order.take(per_batch)]
+            fruitless += per_batch
             # Already cached (the whole dataset may fit): do not fetch it again.
             unique = {ref.key: ref for ref in picked}  # a small dataset can wrap within one batch
-            picked = [ref for ref in unique.values() if not _is_cached(cache, source, ref)]
+            picked = [
+                ref for ref in unique.values()
+                if ref.key not in quarantined
+                and not committer.is_in_flight(ref.key)
+                and not _is_cached(cache, source, ref)
+            ]
             if not picked:
-                idle_batches += 1
-                if idle_batches * per_batch >= order.pass_length:
-                    stop.wait(IDLE_WAIT_S)  # a full pass found everything cached
-                    idle_batches = 0
                 continue
-            idle_batches = 0
             results = source.fetch_with_retries(picked, deadline_s=config.source.timeout_s * 4)
+            quarantined.update(ref.key for ref, payload in results if isinstance(payload, CorruptSample))
             records = _encode_results(cache, source, results, health)
-            committer.batches.put((records, order.state()))
+            if records:
+                fruitless = 0
+            committer.submit(records, order.state(), [ref.key for ref in picked])
     except SourceError as exc:
         health.last_error = str(exc)[:300]
         raise

@@ -11,7 +11,10 @@ listing of millions of keys costs a few bytes per key:
    share before any key repeats. With ``strategy="weighted"`` a pass is instead ``len(node keys)``
    draws with replacement, probability proportional to the weights (zero weight: never drawn).
 3. **Process split.** Sampler process ``p`` of ``P`` takes offsets ``p, p + P, ...`` of each pass,
-   so processes fetch disjoint keys without talking to each other.
+   so processes fetch disjoint keys without talking to each other. With ``uniform`` the keys at a
+   process's offsets are the same in every pass (those of pass 0, reshuffled): processes run at
+   different speeds, and a process already in pass k+1 must not take a key that another process
+   has yet to fetch in pass k (it would be fetched twice).
 4. **Position.** ``(pass_index, offset)`` is the next offset this process will take; it is a small
    JSON-able dict, saved in the cache and restored after a restart so the daemon continues its
    permutation instead of refetching the first keys.
@@ -68,6 +71,12 @@ def node_partition(num_keys: int, seed: int, node_rank: int, num_nodes: int) -> 
     rng = np.random.default_rng([_NODE_TAG, seed])
     order = rng.permutation(num_keys).astype(dtype, copy=False)
     return order[node_rank::num_nodes].copy()
+
+
+def node_partition_pass0(node_keys: np.ndarray, seed: int, node_rank: int) -> np.ndarray:
+    """The fetch order of pass 0 (uniform strategy): the one that fixes each process's share."""
+    rng = np.random.default_rng([_PASS_TAG, seed, 0, node_rank])
+    return node_keys[rng.permutation(len(node_keys))]
 
 
 class KeyOrder:
@@ -165,6 +174,15 @@ class KeyOrder:
         rng = np.random.default_rng([_PASS_TAG, self.seed, pass_index, self.node_rank])
         if self._probabilities is None:
             order = self.node_keys[rng.permutation(len(self.node_keys))]
+            if pass_index > 0 and self.num_processes > 1:
+                # Each process keeps the keys it had in pass 0 (in a fresh order every pass).
+                # Were the split redrawn per pass, a process entering pass k+1 while another is
+                # still in pass k would fetch keys the other has not reached yet: both fetch them.
+                first = node_partition_pass0(self.node_keys, self.seed, self.node_rank)
+                step = self.num_processes
+                for p in range(step):
+                    share = first[p::step]
+                    order[p::step] = share[rng.permutation(len(share))]
         else:
             picks = rng.choice(len(self.node_keys), size=len(self.node_keys), p=self._probabilities)
             order = self.node_keys[picks]

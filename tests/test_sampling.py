@@ -125,3 +125,17 @@ def test_index_is_compact() -> None:
     order = KeyOrder(1_000_000, seed=1, num_nodes=2)
     assert order.node_keys.dtype == np.int32
     assert order.pass_order(0).nbytes <= 4 * 500_000
+
+
+@pytest.mark.parametrize("processes", [2, 3])
+def test_a_process_ahead_by_a_pass_never_takes_another_process_keys(processes: int) -> None:
+    """Processes run at different speeds: one in pass 1 while another is still in pass 0 must not
+    take keys the other has yet to fetch (the daemon fetched them twice)."""
+    orders = [KeyOrder(101, seed=2, process_index=p, num_processes=processes) for p in range(processes)]
+    shares = [set(o.pass_order(0)[p::processes].tolist()) for p, o in enumerate(orders)]
+    for p, order in enumerate(orders):
+        for pass_index in (1, 2, 7):
+            this_pass = order.pass_order(pass_index)
+            assert set(this_pass[p::processes].tolist()) == shares[p]
+            assert sorted(this_pass.tolist()) == list(range(101))
+    assert not np.array_equal(orders[0].pass_order(1), orders[0].pass_order(2))
