@@ -378,6 +378,10 @@ class _Epochs:
                 loader = EpochLoader(epoch, plan, current.loader, iterator,  # type: ignore[arg-type]
                                      self._request_next, started, max(0.3, 3 * self.last_plan_s),
                                      depth, dog)
+                if epoch == start and self.persistent:
+                    # The second loader's workers start now, alongside the first's, so even a
+                    # first epoch shorter than a worker start-up ends without a wait.
+                    loader._start_next()
                 try:
                     yield epoch, loader
                 finally:

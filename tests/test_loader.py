@@ -21,7 +21,7 @@ def _ids(batch: torch.Tensor) -> list[int]:
 def test_three_epochs_with_workers_while_a_writer_inserts_and_evicts(tmp_path: Path) -> None:
     path = str(tmp_path / "c")
     # ~330 B records; 400 KiB capacity keeps ~1100 samples, so the writer forces eviction.
-    fill(path, 0, 1000, capacity="400KiB", headroom=0.5)
+    fill(path, 0, 1000, capacity="400KiB", headroom=0.9)
     cache = Cache(path, sync=False)
     delivered: list[list[int]] = []
     snapshots: list[np.ndarray] = []
@@ -31,7 +31,7 @@ def test_three_epochs_with_workers_while_a_writer_inserts_and_evicts(tmp_path: P
             ids = []
             for batch in loader:
                 ids.extend(_ids(batch))
-                time.sleep(0.02)  # a training step: the writer gets to run
+                time.sleep(0.06)  # a training step: the writer gets to run
             delivered.append(ids)
             seqs = loader.dataset.seqs.copy()
             snapshots.append(seqs)

@@ -1,0 +1,286 @@
+#!/usr/bin/env python
+"""Loader benchmarks for issue 4, side by side in one run; prints a table and writes JSON.
+
+64 KiB random float32 samples (incompressible, stored raw), warm page cache:
+  - epochs() default loader vs one-file-per-sample and plain-LMDB Datasets (in process and
+    num_workers=2);
+  - num_workers=2 with a CPU-heavy transform vs the same DataLoader over a no-I/O dataset;
+  - dataset[i] vs raw LMDB get+copy;
+  - epoch boundary gap / median batch gap, per worker start method;
+  - worker RSS growth over 10 epochs; snapshot time with 1M tiny cached samples.
+
+Usage: .venv/bin/python scripts/bench_loader.py [--samples 3000] [--json bench_loader.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from typing import Any
+
+import lmdb
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from epochcache import Cache  # noqa: E402
+from epochcache.schema import seq_key  # noqa: E402
+
+FLOATS = 16384  # 64 KiB of float32
+BATCH = 64
+
+
+def npy(array: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, array)
+    return buf.getvalue()
+
+
+def heavy(x: Any) -> torch.Tensor:
+    """A CPU-heavy transform (~0.5 ms per sample), the same for every contender."""
+    t = torch.as_tensor(x).reshape(128, 128).nan_to_num(0.0).clamp(-1, 1)
+    for _ in range(6):
+        t = torch.tanh(t @ t.T * 0.01)
+    return t.reshape(-1)
+
+
+def _fast_npy(data: Any) -> np.ndarray:
+    # Peers get a fast decoder too (no np.load parsing): the data starts after the header.
+    return np.frombuffer(data, np.float32, count=FLOATS, offset=len(data) - FLOATS * 4).copy()
+
+
+class FileDataset(Dataset[Any]):
+    def __init__(self, paths: list[str]) -> None:
+        self.paths = paths
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, i: int) -> Any:
+        with open(self.paths[i], "rb") as f:
+            return _fast_npy(f.read())
+
+
+class LmdbDataset(Dataset[Any]):
+    def __init__(self, path: str, n: int) -> None:
+        self.path, self.n, self.env = path, n, None
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> Any:
+        if self.env is None:
+            self.env = lmdb.open(self.path, readonly=True, lock=False, readahead=False)
+        with self.env.begin(buffers=True) as txn:
+            return _fast_npy(txn.get(b"%08d" % i))
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"path": self.path, "n": self.n, "env": None}
+
+
+class NoIODataset(Dataset[Any]):
+    def __init__(self, n: int, transform: Any) -> None:
+        self.n, self.transform = n, transform
+        self.x = np.random.default_rng(0).standard_normal(FLOATS).astype(np.float32)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> Any:
+        return self.transform(self.x) if self.transform else self.x.copy()
+
+
+def rate(loader: Any, passes: int = 2) -> float:
+    """Samples/s over ``passes`` full passes after a warm-up pass."""
+    for _ in loader:
+        pass
+    n, t0 = 0, time.perf_counter()
+    for _ in range(passes):
+        for batch in loader:
+            n += len(batch)
+    return n / (time.perf_counter() - t0)
+
+
+def ours_rate(cache: Cache, epochs: int = 3, **kw: Any) -> float:
+    n, t0 = 0, None
+    for epoch, loader in cache.epochs(epochs + 1, batch_size=BATCH, **kw):
+        for batch in loader:
+            if epoch == 0:
+                continue  # warm-up epoch (workers start, pages cached)
+            if t0 is None:
+                t0 = time.perf_counter()
+            n += len(batch)
+    return n / (time.perf_counter() - (t0 or 0.0))
+
+
+def boundary(cache: Cache, epochs: int, samples: int, **kw: Any) -> dict[str, float]:
+    stamps: list[list[float]] = []
+    for _epoch, loader in cache.epochs(epochs, batch_size=BATCH, samples_per_epoch=samples, **kw):
+        times = []
+        for _batch in loader:
+            times.append(time.perf_counter())
+        stamps.append(times)
+    gaps = np.concatenate([np.diff(t) for t in stamps])
+    bounds = [stamps[k + 1][0] - stamps[k][-1] for k in range(len(stamps) - 1)]
+    median = float(np.median(gaps))
+    return {"median_gap_ms": median * 1e3, "boundary_ms": [b * 1e3 for b in bounds],
+            "worst_ratio": max(bounds) / median,
+            "worst_ratio_after_first": max(bounds[1:] or bounds) / median}
+
+
+def rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
+def rss_growth(cache: Cache) -> float:
+    per_epoch = []
+    for _epoch, loader in cache.epochs(10, batch_size=BATCH, num_workers=2, transform=_ident):
+        for _batch in loader:
+            pass
+        it = getattr(loader.loader, "_iterator", None)
+        per_epoch.append({w.pid: rss_kib(w.pid) for w in getattr(it, "_workers", [])})
+    growth = [per_epoch[late][pid] / kib - 1 for early, late in ((1, 9), (2, 8))
+              for pid, kib in per_epoch[early].items() if pid in per_epoch[late]]
+    return max(growth) * 100
+
+
+def _ident(x: Any) -> Any:
+    return x
+
+
+def snapshot_1m(root: str, n: int) -> float:
+    cache = Cache(os.path.join(root, "tiny"), "1GiB", compression="none", sync=False)
+    for start in range(0, n, 100_000):
+        cache.put_many([(f"t{i}", b"x" * 16) for i in range(start, min(n, start + 100_000))])
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        snap = cache.snapshot(epoch=0)
+        best = min(best, time.perf_counter() - t0)
+        if len(snap) != n:
+            raise RuntimeError(f"snapshot holds {len(snap)} samples, expected {n}")
+        snap.release()
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--samples", type=int, default=3000)
+    parser.add_argument("--tiny", type=int, default=1_000_000)
+    parser.add_argument("--json", default="bench_loader.json")
+    args = parser.parse_args()
+    root = tempfile.mkdtemp(prefix="bench-loader-")
+    r: dict[str, Any] = {"samples": args.samples, "sample_bytes": FLOATS * 4, "batch": BATCH,
+                         "cpus": os.cpu_count()}
+    try:
+        rng = np.random.default_rng(0)
+        blobs = [npy(rng.integers(0, 2**32, FLOATS, dtype=np.uint32).view(np.float32))
+                 for _ in range(args.samples)]
+        cache = Cache(os.path.join(root, "cache"), "2GiB", sync=False)
+        cache.put_many([(f"train/{i:07d}.npy", b) for i, b in enumerate(blobs)])
+        files = []
+        os.makedirs(os.path.join(root, "files"))
+        for i, b in enumerate(blobs):
+            files.append(os.path.join(root, "files", f"{i:07d}.npy"))
+            with open(files[-1], "wb") as f:
+                f.write(b)
+        env = lmdb.open(os.path.join(root, "plain"), map_size=2 << 30)
+        with env.begin(write=True) as txn:
+            for i, b in enumerate(blobs):
+                txn.put(b"%08d" % i, b)
+        env.close()
+        del blobs
+        n = args.samples
+        print("throughput ...", flush=True)
+        r["ours_default"] = ours_rate(cache)
+        r["files_inproc"] = rate(DataLoader(FileDataset(files), BATCH, shuffle=True))
+        r["files_w2"] = rate(DataLoader(FileDataset(files), BATCH, shuffle=True, num_workers=2,
+                                        persistent_workers=True))
+        plain = os.path.join(root, "plain")
+        r["lmdb_inproc"] = rate(DataLoader(LmdbDataset(plain, n), BATCH, shuffle=True))
+        r["lmdb_w2"] = rate(DataLoader(LmdbDataset(plain, n), BATCH, shuffle=True, num_workers=2,
+                                       persistent_workers=True))
+        best_peer = max(r["files_inproc"], r["files_w2"], r["lmdb_inproc"], r["lmdb_w2"])
+        r["ours_vs_best_peer"] = r["ours_default"] / best_peer
+        print("heavy transform ...", flush=True)
+        r["heavy_ours_w2"] = ours_rate(cache, epochs=1, num_workers=2, transform=heavy,
+                                       samples_per_epoch=1500)
+        r["heavy_noio_w2"] = rate(DataLoader(NoIODataset(1500, heavy), BATCH, num_workers=2,
+                                             persistent_workers=True,
+                                             multiprocessing_context="forkserver"), passes=1)
+        r["heavy_ratio"] = r["heavy_ours_w2"] / r["heavy_noio_w2"]
+        print("dataset[i] ...", flush=True)
+        order = np.random.default_rng(1).permutation(n)
+        with cache.dataset() as ds:
+            ds[0]
+            t0 = time.perf_counter()
+            for i in order:
+                ds[int(i)]
+            r["getitem"] = n / (time.perf_counter() - t0)
+            keys = [seq_key(int(ds.seqs[i])) for i in order]
+        store_env, db = cache.store.env, cache.dbs[b"samples"]
+        t0 = time.perf_counter()
+        with store_env.begin(buffers=True) as txn:
+            for k in keys:
+                np.frombuffer(txn.get(k, db=db), dtype=np.uint8).copy()
+        r["raw_get_copy"] = n / (time.perf_counter() - t0)
+        r["getitem_vs_raw"] = r["getitem"] / r["raw_get_copy"]
+        print("epoch boundaries ...", flush=True)
+        r["boundary_inproc"] = boundary(cache, 5, n)
+        for method in ("fork", "forkserver", "spawn"):
+            try:
+                r[f"boundary_{method}"] = boundary(cache, 5, 12_000, num_workers=2,
+                                                   multiprocessing_context=method)
+            except Exception as exc:  # report, keep measuring the rest
+                r[f"boundary_{method}"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+        print("worker RSS ...", flush=True)
+        r["worker_rss_growth_pct"] = rss_growth(cache)
+        print("snapshot of 1M ...", flush=True)
+        r["snapshot_1m_s"] = snapshot_1m(root, args.tiny)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    with open(args.json, "w") as f:
+        json.dump(r, f, indent=2)
+    report(r)
+
+
+def report(r: dict[str, Any]) -> None:
+    rows = [
+        ("epochs() default (in process)", f"{r['ours_default']:,.0f}/s",
+         f"{r['ours_vs_best_peer']:.2f}x best peer (target >= 2)"),
+        ("files, in process / 2 workers", f"{r['files_inproc']:,.0f} / {r['files_w2']:,.0f}/s", ""),
+        ("plain LMDB, in process / 2 workers", f"{r['lmdb_inproc']:,.0f} / {r['lmdb_w2']:,.0f}/s", ""),
+        ("heavy transform, ours / no-I/O (2 workers)",
+         f"{r['heavy_ours_w2']:,.0f} / {r['heavy_noio_w2']:,.0f}/s",
+         f"{r['heavy_ratio']:.2f} (target >= 0.9)"),
+        ("dataset[i] / raw get+copy", f"{r['getitem']:,.0f} / {r['raw_get_copy']:,.0f}/s",
+         f"{r['getitem_vs_raw']:.2f} (target >= 0.7)"),
+    ]
+    for name in ("inproc", "fork", "forkserver", "spawn"):
+        b = r[f"boundary_{name}"]
+        if "error" in b:
+            rows.append((f"epoch boundary, {name}", "failed", b["error"][:60]))
+        else:
+            rows.append((f"epoch boundary, {name}", f"median gap {b['median_gap_ms']:.2f} ms",
+                         f"worst {b['worst_ratio']:.2f}x, after 1st {b['worst_ratio_after_first']:.2f}x"
+                         " (target <= 1.5)"))
+    rows.append(("worker RSS growth, 10 epochs", f"{r['worker_rss_growth_pct']:.2f}%", "target < 5%"))
+    rows.append(("snapshot of 1M samples", f"{r['snapshot_1m_s'] * 1e3:.1f} ms", "target < 1 s"))
+    width = max(len(a) for a, _, _ in rows)
+    for a, b, c in rows:
+        print(f"{a:<{width}}  {b:<28} {c}")
+
+
+if __name__ == "__main__":
+    main()
