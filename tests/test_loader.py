@@ -20,8 +20,9 @@ def _ids(batch: torch.Tensor) -> list[int]:
 
 def test_three_epochs_with_workers_while_a_writer_inserts_and_evicts(tmp_path: Path) -> None:
     path = str(tmp_path / "c")
-    # ~330 B records; 400 KiB capacity keeps ~1100 samples, so the writer forces eviction.
-    fill(path, 0, 1000, capacity="400KiB", headroom=0.9)
+    # ~380 B records: 400 KiB keeps ~1075 samples, so the writer forces eviction; the large
+    # headroom keeps it from waiting (back-pressure) on the two leases of epochs k and k+1.
+    fill(path, 0, 1000, capacity="400KiB", headroom="16MiB")
     cache = Cache(path, sync=False)
     delivered: list[list[int]] = []
     snapshots: list[np.ndarray] = []

@@ -26,7 +26,7 @@ def sample_array(index: int, floats: int = 64) -> np.ndarray:
 
 
 def fill(path: str, start: int, count: int, capacity: str = "64MiB", floats: int = 64,
-         headroom: float = 0.1) -> list[int]:
+         headroom: float | str = 0.1) -> list[int]:
     """Insert ``count`` numbered .npy samples; returns their sequence numbers."""
     from epochcache import Cache
 
