@@ -23,39 +23,68 @@ from matplotlib.axes import Axes  # noqa: E402
 _GIB = 1024**3
 
 
-def _rates(history: Sequence[dict[str, Any]], t0: float) -> tuple[list[float], list[float], list[float]]:
+def _time_unit(history: Sequence[dict[str, Any]]) -> tuple[float, str]:
+    """Seconds for short runs (a demo lasts seconds), minutes or hours for long ones."""
+    span = history[-1]["time"] - history[0]["time"] if history else 0.0
+    if span < 180:
+        return 1.0, "seconds"
+    return (60.0, "minutes") if span < 3 * 3600 else (3600.0, "hours")
+
+
+def _rates(
+    history: Sequence[dict[str, Any]], t0: float, unit_s: float
+) -> tuple[list[float], list[float], list[float]]:
     times, ingest, evictions = [], [], []
     for prev, row in zip(history, history[1:]):
         dt = row["time"] - prev["time"]
         if dt <= 0:
             continue
-        times.append((row["time"] - t0) / 60)
+        times.append((row["time"] - t0) / unit_s)
         ingest.append((row["inserted"] - prev["inserted"]) / dt)
         evictions.append((row["evicted"] - prev["evicted"]) / dt)
     return times, ingest, evictions
 
 
-def _fill_axes(ax_fill: Axes, ax_rate: Axes, history: Sequence[dict[str, Any]]) -> None:
+def _fill_axes(
+    ax_fill: Axes,
+    ax_rate: Axes,
+    history: Sequence[dict[str, Any]],
+    epoch_ends: Sequence[tuple[int, float]] = (),
+) -> None:
     if not history:
-        ax_fill.text(0.5, 0.5, "no stats history yet (the daemon appends it)", ha="center", va="center",
-                     transform=ax_fill.transAxes)
+        for ax in (ax_fill, ax_rate):
+            ax.text(0.5, 0.5, "no stats history yet (the daemon appends it)", ha="center",
+                    va="center", transform=ax.transAxes)
         return
     t0 = history[0]["time"]
-    minutes = [(row["time"] - t0) / 60 for row in history]
-    scale, unit = (_GIB, "GiB") if max(row["capacity"] for row in history) >= _GIB else (1024**2, "MiB")
-    ax_fill.plot(minutes, [row["bytes"] / scale for row in history], ".-", label="stored")
-    ax_fill.plot(minutes, [row["capacity"] / scale for row in history], "--", label="capacity")
-    ax_fill.set_ylabel(f"cache size ({unit})")
-    ax_fill.set_xlabel("time (minutes)")
-    ax_fill.set_title("cache fill")
-    ax_fill.legend(loc="lower right")
-    times, ingest, evictions = _rates(history, t0)
-    ax_rate.plot(times, ingest, ".-", label="ingest")
-    ax_rate.plot(times, evictions, ".-", label="evictions")
+    unit_s, unit = _time_unit(history)
+    times = [(row["time"] - t0) / unit_s for row in history]
+    scale, size_unit = (_GIB, "GiB") if max(row["capacity"] for row in history) >= _GIB else (1024**2, "MiB")
+    ax_fill.plot(times, [row["bytes"] / scale for row in history], ".-", label="stored bytes")
+    ax_fill.plot(times, [row["capacity"] / scale for row in history], "--", color="tab:red",
+                 label="capacity")
+    ax_fill.set_ylim(bottom=0)
+    ax_fill.set_ylabel(f"cache size ({size_unit})")
+    ax_fill.set_xlabel(f"time ({unit})")
+    ax_fill.set_title("cache fill vs capacity")
+    ax_rate.set_xlabel(f"time ({unit})")
     ax_rate.set_ylabel("samples / s")
-    ax_rate.set_xlabel("time (minutes)")
     ax_rate.set_title("ingest and eviction rate")
-    ax_rate.legend(loc="upper right")
+    rate_times, ingest, evictions = _rates(history, t0, unit_s)
+    ax_rate.plot(rate_times, ingest, ".-", label="ingested")
+    ax_rate.plot(rate_times, evictions, ".-", label="evicted")
+    ax_rate.set_ylim(bottom=0)
+    for ax in (ax_fill, ax_rate):
+        for index, (epoch, end) in enumerate(epoch_ends):
+            ax.axvline((end - t0) / unit_s, color="grey", lw=0.8, ls=":",
+                       label="end of an epoch" if index == 0 else None)
+            ax.annotate(str(epoch), ((end - t0) / unit_s, 1.0), xycoords=("data", "axes fraction"),
+                        ha="center", va="bottom", fontsize=7, color="grey")
+        ax.legend(loc="best", fontsize=8)
+    ax_rate.set_xlim(ax_fill.get_xlim())  # one time axis for both panels
+    if not rate_times:
+        ax_rate.text(0.5, 0.5, "one stats row: no rate yet", ha="center", va="center",
+                     transform=ax_rate.transAxes)
 
 
 def plot_cache(history: Sequence[dict[str, Any]], out: str | os.PathLike[str], title: str = "") -> None:
@@ -78,18 +107,34 @@ def plot_run(
     fig, axes = plt.subplots(2, 2, figsize=(11, 7.5), constrained_layout=True)
     epochs = [row["epoch"] for row in metrics]
     ax = axes[0][0]
-    ax.plot(epochs, [row.get("loss", float("nan")) for row in metrics], "o-")
+    ax.plot(epochs, [row.get("loss", float("nan")) for row in metrics], "o-", label="mean loss")
+    if any("accuracy" in row for row in metrics):
+        acc = ax.twinx()
+        acc.plot(epochs, [row.get("accuracy", float("nan")) for row in metrics], "s--",
+                 color="tab:green", label="accuracy")
+        acc.set_ylabel("accuracy")
+        acc.set_ylim(0, 1.05)
+        lines = ax.get_lines() + acc.get_lines()
+        ax.legend(lines, [line.get_label() for line in lines], loc="center right", fontsize=8)
+    else:
+        ax.legend(loc="upper right", fontsize=8)
+    ax.set_ylim(bottom=0)
     ax.set_xlabel("epoch")
     ax.set_ylabel("loss")
-    ax.set_title("training loss")
+    ax.set_title("training loss per epoch")
     ax = axes[0][1]
-    ax.bar(epochs, [100 * row.get("data_wait_fraction", 0.0) for row in metrics])
+    ax.bar(epochs, [100 * row.get("data_wait_fraction", 0.0) for row in metrics], label="data wait")
+    ax.set_ylim(0, 100)
     ax.set_xlabel("epoch")
     ax.set_ylabel("data wait (% of epoch time)")
-    ax.set_title("time the loop waited on data")
+    ax.set_title("time the training loop waited on data")
     for axis in (axes[0][0], axes[0][1]):
         axis.set_xticks(epochs)
-    _fill_axes(axes[1][0], axes[1][1], history)
+    if not metrics:
+        axes[0][0].text(0.5, 0.5, "no finished epoch", ha="center", va="center",
+                        transform=axes[0][0].transAxes)
+    ends = [(int(row["epoch"]), float(row["time"])) for row in metrics if "time" in row]
+    _fill_axes(axes[1][0], axes[1][1], history, ends)
     if title:
         fig.suptitle(title)
     fig.savefig(out, dpi=110)
