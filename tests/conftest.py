@@ -118,3 +118,21 @@ def s3(moto_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[S3Env]:
         yield S3Env(moto_endpoint, "test-bucket", options)
     finally:
         s3fs.S3FileSystem.clear_instance_cache()
+
+
+@pytest.fixture
+def start_daemon(tmp_path: Any) -> Iterator[Callable[..., Any]]:
+    """``start_daemon(config, name=..., args=...)``: run ``epochcache daemon CONFIG`` as a process
+    (see ``common.daemonproc.DaemonProc``); it and everything in its session is killed at teardown."""
+    from common.daemonproc import DaemonProc
+
+    started: list[DaemonProc] = []
+
+    def start(config: Any, name: str = "daemon", args: tuple[str, ...] = ()) -> DaemonProc:
+        proc = DaemonProc(tmp_path, config, name=f"{name}{len(started)}", args=args)
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        proc.close()

@@ -12,24 +12,23 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from epochcache import Cache
-from epochcache.demo import write_demo_data
 from epochcache.sampling import KeyOrder
 
 from common.cachecheck import full_check, scan
 from common.daemonproc import (
-    DaemonProc,
+    SAMPLE_BYTES,
     cache_len,
     daemon_state,
     pid_running,
     read_cache,
     sampler_states,
+    upload,
     wait_cached,
     wait_for,
     wait_running,
@@ -38,36 +37,6 @@ from common.daemonproc import (
 from conftest import S3Env
 
 pytestmark = pytest.mark.timeout(120)
-
-SAMPLE_BYTES = 4096
-
-
-def upload(s3: S3Env, prefix: str, samples: int, layout: str, **kwargs: Any) -> list[str]:
-    """Write the demo dataset to ``s3://<bucket>/<prefix>``; return every remote sample key."""
-    write_demo_data(
-        s3.url(prefix), samples, layout, storage_options=s3.storage_options,  # type: ignore[arg-type]
-        sample_bytes=SAMPLE_BYTES, **kwargs,
-    )
-    if layout == "files":
-        return [f"sample-{i:06d}.npy" for i in range(samples)]
-    per_shard = kwargs.get("samples_per_shard", 100)
-    return [f"shard-{i // per_shard:06d}.tar/{i:06d}" for i in range(samples)]
-
-
-@pytest.fixture
-def start_daemon(tmp_path: Path) -> Iterator[Any]:
-    """``start_daemon(config, name=...)``: a DaemonProc killed (with its session) at teardown."""
-    started: list[DaemonProc] = []
-
-    def start(config: Path, name: str = "daemon", args: tuple[str, ...] = ()) -> DaemonProc:
-        proc = DaemonProc(tmp_path, config, name=f"{name}{len(started)}", args=args)
-        started.append(proc)
-        return proc
-
-    yield start
-    for proc in started:
-        proc.close()
-
 
 def stats(cache_dir: Path) -> dict[str, Any]:
     result = read_cache(cache_dir, lambda c: c.stats())
@@ -80,7 +49,7 @@ def test_fills_from_s3_and_fetches_each_sample_once(
     s3: S3Env, tmp_path: Path, start_daemon: Any, layout: str
 ) -> None:
     n = 300
-    keys = upload(s3, "ds", n, layout, samples_per_shard=50)
+    keys = upload(s3.url, s3.storage_options, "ds", n, layout, samples_per_shard=50)
     cache_dir = tmp_path / "cache"
     config = write_config(
         tmp_path / "cfg.yaml", url=s3.url("ds"), layout=layout, cache_dir=cache_dir,
@@ -113,7 +82,7 @@ def test_at_capacity_turns_over_oldest_first_within_headroom(
     s3: S3Env, tmp_path: Path, start_daemon: Any
 ) -> None:
     n = 400
-    upload(s3, "ds", n, "files")
+    upload(s3.url, s3.storage_options, "ds", n, "files")
     cache_dir = tmp_path / "cache"
     capacity = 80 * (SAMPLE_BYTES + 200)  # about 80 samples: the dataset is 5x the cache
     config = write_config(
@@ -180,7 +149,7 @@ def _expected_keys(keys: list[str], processes: int, positions: dict[int, tuple[i
 
 def test_restarted_daemon_continues_its_permutation(s3: S3Env, tmp_path: Path, start_daemon: Any) -> None:
     n = 600
-    keys = upload(s3, "ds", n, "files")
+    keys = upload(s3.url, s3.storage_options, "ds", n, "files")
     cache_dir = tmp_path / "cache"
     capacity = 60 * (SAMPLE_BYTES + 200)  # the first samples are evicted before the restart
     config = write_config(
@@ -223,7 +192,7 @@ def test_restarted_daemon_continues_its_permutation(s3: S3Env, tmp_path: Path, s
 
 
 def test_second_daemon_on_the_same_cache_refuses(s3: S3Env, tmp_path: Path, start_daemon: Any) -> None:
-    upload(s3, "ds", 200, "files")
+    upload(s3.url, s3.storage_options, "ds", 200, "files")
     cache_dir = tmp_path / "cache"
     config = write_config(
         tmp_path / "cfg.yaml", url=s3.url("ds"), cache_dir=cache_dir, storage_options=s3.storage_options,
@@ -248,7 +217,7 @@ def test_sigterm_stops_gracefully_and_commits_the_batch_in_flight(
     import signal
 
     n = 400
-    upload(s3, "ds", n, "files")
+    upload(s3.url, s3.storage_options, "ds", n, "files")
     cache_dir = tmp_path / "cache"
     config = write_config(
         tmp_path / "cfg.yaml", url=s3.url("ds"), cache_dir=cache_dir, storage_options=s3.storage_options,
@@ -275,7 +244,7 @@ def test_sigterm_stops_gracefully_and_commits_the_batch_in_flight(
 def test_credentials_never_leave_storage_options(s3: S3Env, tmp_path: Path, start_daemon: Any) -> None:
     key_id, secret = "AKIDLEAKCANARY7Q3Z", "sEcReT-LeakCanary-9f8e7d6c5b4a"
     options = {**s3.storage_options, "key": key_id, "secret": secret}
-    upload(s3, "ds", 200, "files")
+    upload(s3.url, s3.storage_options, "ds", 200, "files")
     # A corrupt object and a missing one: quarantine rows and error messages carry URLs.
     import s3fs
 

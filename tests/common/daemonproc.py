@@ -24,6 +24,26 @@ from epochcache.errors import CacheError
 
 REPO = Path(__file__).resolve().parents[2]
 T = TypeVar("T")
+#: demo samples are float32 ``.npy`` noise of about this size: incompressible, so stored bytes
+#: track remote bytes and capacities can be given in samples
+SAMPLE_BYTES = 4096
+
+
+def upload(
+    url_of: Callable[[str], str], storage_options: dict[str, Any], prefix: str, samples: int, layout: str,
+    **kwargs: Any,
+) -> list[str]:
+    """Write the demo dataset under ``url_of(prefix)``; return every remote sample key."""
+    from epochcache.demo import write_demo_data
+
+    write_demo_data(
+        url_of(prefix), samples, layout, storage_options=storage_options,  # type: ignore[arg-type]
+        sample_bytes=SAMPLE_BYTES, **kwargs,
+    )
+    if layout == "files":
+        return [f"sample-{i:06d}.npy" for i in range(samples)]
+    per_shard = kwargs.get("samples_per_shard", 100)
+    return [f"shard-{i // per_shard:06d}.tar/{i:06d}" for i in range(samples)]
 
 
 def write_config(
