@@ -485,11 +485,6 @@ def epochs(
     persistent = persistent and num_workers > 0
     if num_workers == 0:
         dataloader_kwargs.pop("prefetch_factor", None)
-    elif dataloader_kwargs.get("multiprocessing_context") is None:
-        # LMDB is fork-hostile and this py-lmdb refuses to reopen an environment inherited
-        # through fork() (see tests/test_fork.py), so workers start from a forkserver unless
-        # the caller asks otherwise. Transforms must then be picklable (no lambdas).
-        dataloader_kwargs["multiprocessing_context"] = "forkserver"
     reader = SampleReader(cache.path, decode=decode, transform=transform,
                           allow_pickle=allow_pickle, on_error=on_error, stall_s=stall_s,
                           stall_file=stall_file)
