@@ -159,17 +159,17 @@ class Store:
         except lmdb.Error as exc:
             raise CacheError(f"{self.path}: cannot open the cache: {exc}") from exc
         dbs: dict[bytes, lmdb._Database] = {}
-        if lmdb_readonly:
-            with env.begin() as txn:
-                for name in ALL_DBS:
-                    try:
-                        dbs[name] = env.open_db(name, txn=txn, create=False)
-                    except lmdb.NotFoundError as exc:
-                        raise CacheError(f"{self.path}: not an epochcache cache ({exc})") from exc
-        else:
-            with env.begin(write=True) as txn:
-                for name in ALL_DBS:
-                    dbs[name] = env.open_db(name, txn=txn, create=True)
+        for _attempt in range(5):
+            try:
+                with env.begin(write=not lmdb_readonly) as txn:
+                    for name in ALL_DBS:
+                        dbs[name] = env.open_db(name, txn=txn, create=not lmdb_readonly)
+                break
+            except lmdb.MapResizedError:
+                env.set_mapsize(0)  # a writer grew the map while we opened: adopt its size
+            except lmdb.NotFoundError as exc:
+                env.close()
+                raise CacheError(f"{self.path}: not an epochcache cache ({exc})") from exc
         return env, dbs, pid
 
     @property

@@ -261,12 +261,6 @@ def test_bad_source_fails_fast_with_the_url_and_starts_nothing(
     assert sampler_states(cache_dir) == {}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="store.py bug: Store._open_env begins its first (write) transaction without handling "
-    "MapResizedError, so a reader (status, a trainer, a poller) opening a cache while a sampler's "
-    "commit grows the data past the reader's map fails",
-)
 def test_reader_opening_while_a_sampler_grows_the_map(tmp_path: Path) -> None:
     import threading
 
