@@ -128,6 +128,18 @@ _lock = threading.Lock()
 _watchdogs: dict[tuple[int, float, str | None], Watchdog] = {}
 
 
+def _after_fork_in_child() -> None:
+    # A fork from a background thread (epochs() builds DataLoaders there) may catch another
+    # thread holding the lock; the child would then block on it forever.
+    global _lock
+    _lock = threading.Lock()
+    _watchdogs.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def get_watchdog(stall_s: float | None, stall_file: str | None = None) -> Watchdog | None:
     """This process's watchdog for these settings (None when ``stall_s`` is None).
 
