@@ -68,7 +68,12 @@ class PutResult:
 
 
 def _parse_headroom(headroom: float | int | str, capacity: int) -> int:
-    if isinstance(headroom, float) and 0 <= headroom < 1:
+    """A float is a fraction of capacity (0.1, 1.0 = 100%); "10%" too; ints and "2GiB" are sizes."""
+    if isinstance(headroom, str) and headroom.strip().endswith("%"):
+        headroom = float(headroom.strip()[:-1]) / 100
+    if isinstance(headroom, float):
+        if not 0 <= headroom <= 10:
+            raise ValueError(f"headroom: a fraction of capacity must be in [0, 10], got {headroom!r}")
         return int(capacity * headroom)
     return parse_size(headroom, name="headroom")
 

@@ -66,13 +66,15 @@ def _duration(value: Any) -> Any:
 
 
 def _headroom(value: Any) -> Any:
-    """A fraction of capacity (``0.1``, ``"10%"``) stays a float below 1; a size becomes int bytes."""
+    """A fraction of capacity (``0.1``, ``1.0``, ``"10%"``) stays a float; a size becomes int bytes."""
     if isinstance(value, str) and value.strip().endswith("%"):
         value = float(value.strip()[:-1]) / 100.0
-        if not 0 <= value < 1:
-            raise ValueError("a percentage of capacity must be between 0% and 100%")
+        if not 0 <= value <= 10:
+            raise ValueError("a percentage of capacity must be between 0% and 1000%")
         return value
-    if isinstance(value, float) and 0 <= value < 1:
+    if isinstance(value, float):
+        if not 0 <= value <= 10:
+            raise ValueError("a fraction of capacity must be between 0.0 and 10.0 (or give a size such as 2GiB)")
         return value
     if isinstance(value, int) and not isinstance(value, bool) and value == 0:
         return 0.0
