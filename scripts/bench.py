@@ -7,7 +7,12 @@ Sections:
   cache    read path (Cache.get_many / Cache.get) vs raw lmdb get+copy vs one file per sample,
            for 1 KiB, 64 KiB and 1 MiB samples; put_many vs raw lmdb putmulti (same sync);
            on-disk size of a cache filled to capacity (and turned over), as a ratio to capacity.
-Other sections (ingest, loader) are added by the modules they measure.
+  loader   scripts/bench_loader.py: cache.epochs() vs file-per-sample and plain-LMDB Datasets,
+           heavy transform vs a no-I/O DataLoader, dataset[i] vs raw get, epoch boundary with
+           fork and spawn, worker RSS over 10 epochs, snapshot of 1M samples.
+  ingest   scripts/bench_ingest.py: the daemon's fill rate vs a bare concurrent s3fs fetch of
+           the same objects from the same moto S3 server, 16 KiB and 1 MiB objects.
+Each section prints its own table; all results go into one JSON file.
 """
 
 from __future__ import annotations
@@ -225,8 +230,33 @@ def print_cache(result: dict[str, Any]) -> None:
         )
 
 
+def _script_section(script: str, args: list[str], quick_args: list[str], json_flag: str) -> Callable[[bool], dict[str, Any]]:
+    """Run another benchmark script (its own table goes to stdout) and collect its JSON."""
+
+    def run(quick: bool) -> dict[str, Any]:
+        import subprocess
+
+        out = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
+        here = os.path.dirname(os.path.abspath(__file__))
+        command = [sys.executable, os.path.join(here, script), *(quick_args if quick else args), json_flag, out]
+        print(f"\n## {script}", flush=True)
+        subprocess.run(command, check=True)
+        with open(out) as f:
+            result: dict[str, Any] = json.load(f)
+        os.unlink(out)
+        return result
+
+    return run
+
+
+def _printed(_: dict[str, Any]) -> None:
+    """The script printed its own table."""
+
+
 SECTIONS: dict[str, tuple[Callable[[bool], dict[str, Any]], Callable[[dict[str, Any]], None]]] = {
     "cache": (section_cache, print_cache),
+    "loader": (_script_section("bench_loader.py", [], ["--samples", "1500", "--tiny", "200000"], "--json"), _printed),
+    "ingest": (_script_section("bench_ingest.py", [], ["--small", "500", "--large", "60", "--repeat", "1"], "--out"), _printed),
 }
 
 
