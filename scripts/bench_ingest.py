@@ -150,8 +150,8 @@ def daemon_fill(
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--small", type=int, default=2000, help="number of 16 KiB objects")
-    parser.add_argument("--large", type=int, default=200, help="number of 1 MiB objects")
+    parser.add_argument("--small", type=int, default=1000, help="number of 16 KiB objects")
+    parser.add_argument("--large", type=int, default=300, help="number of 1 MiB objects")
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--processes", type=int, default=2, help="daemon sampler processes")
     parser.add_argument("--batch-size", type=int, default=64, help="daemon samples per commit")
