@@ -485,6 +485,13 @@ def epochs(
     persistent = persistent and num_workers > 0
     if num_workers == 0:
         dataloader_kwargs.pop("prefetch_factor", None)
+    elif dataloader_kwargs.get("multiprocessing_context") is None:
+        # Loaders are built by a background thread while others run (the next epoch's
+        # preparation, the stall watchdog, an in-process daemon): fork() there can hand
+        # workers locks held by other threads, and `epochcache run` hung that way. Workers
+        # start from a forkserver unless the caller asks otherwise; transforms and
+        # collate_fn must then be picklable (no lambdas).
+        dataloader_kwargs["multiprocessing_context"] = "forkserver"
     reader = SampleReader(cache.path, decode=decode, transform=transform,
                           allow_pickle=allow_pickle, on_error=on_error, stall_s=stall_s,
                           stall_file=stall_file)

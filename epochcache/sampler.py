@@ -174,6 +174,22 @@ def _encode_results(
     return records
 
 
+#: Aim for commits of about this many bytes: 64 samples of 1 MiB would hold the pipeline for a
+#: 64 MiB round (fetch, then commit) where 8 MiB rounds keep fetching and committing overlapped.
+BATCH_BYTES = 8 * 1024 * 1024
+
+
+def _samples_per_batch(configured: int, refs: list[SampleRef], unit: str, concurrency: int) -> int:
+    """Samples per fetch/commit round: ``sampler.batch_size``, fewer for large objects."""
+    if unit != "sample":
+        return max(1, min(4, concurrency))  # whole shards
+    sizes = [ref.size for ref in refs[:1000] if ref.size]
+    if not sizes:
+        return configured
+    mean = sum(sizes) / len(sizes)
+    return max(1, min(configured, int(BATCH_BYTES // max(1.0, mean))))
+
+
 def run_sampler(config_data: dict[str, Any], index: int, stop: Any, parent_pid: int | None = None) -> None:
     """Entry point of a sampler process (started with ``spawn`` by the daemon).
 
@@ -212,7 +228,7 @@ def run_sampler(config_data: dict[str, Any], index: int, stop: Any, parent_pid: 
         setattr(health, name, int(saved.get(name, 0)))
     committer = _Committer(cache, health, order, stop)
     committer.start()
-    per_batch = config.sampler.batch_size if source.unit == "sample" else max(1, min(4, config.sampler.concurrency))
+    per_batch = _samples_per_batch(config.sampler.batch_size, refs, source.unit, config.sampler.concurrency)
     # FETCH_DEPTH batches are fetched at once, each with its share of `concurrency`: while one
     # drains its slowest requests, the other keeps the link busy (one batch at a time left the
     # link idle at every batch boundary: 0.6x a bare fetch, 0.9x+ with two).

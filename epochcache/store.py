@@ -38,22 +38,22 @@ MAX_READERS = 1024
 _lock = threading.Lock()
 _envs: dict[str, tuple[lmdb.Environment, dict[bytes, lmdb._Database], int]] = {}
 _refcounts: dict[str, int] = {}
-# Inherited environments that could not be closed in a forked child: kept, never used.
-_inherited: list[object] = []
 
 
 def _after_fork_in_child() -> None:
     global _lock
-    # py-lmdb refuses to open files it already has open in this process, so the inherited
-    # environments are closed here. That is safe in the child: LMDB's fcntl locks are not
-    # inherited by fork(), and closing clears only reader slots marked with the child's pid.
-    for env, _dbs, _pid in _envs.values():
-        try:
-            env.close()
-        except lmdb.Error:
-            _inherited.append(env)
-    _envs.clear()
+    # The child adopts the environments it inherited instead of closing and reopening them:
+    # py-lmdb refuses to open the same files twice in one process, and closing them in the
+    # child would abort the inherited copies of the parent's read transactions, clearing the
+    # parent's reader slots in the shared lock table (its snapshots would no longer be
+    # protected from page reuse). The child's readers are registered under the parent's pid,
+    # which only delays the cleanup of a slot the child leaks by dying mid-read.
+    pid = os.getpid()
+    for path, (env, dbs, _old_pid) in list(_envs.items()):
+        _envs[path] = (env, dbs, pid)
     _refcounts.clear()
+    for path in _envs:
+        _refcounts[path] = 1 << 30  # never closed in the child
     _lock = threading.Lock()
 
 

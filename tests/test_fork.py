@@ -163,3 +163,28 @@ def test_spawned_children_get_the_cache_by_pickling(used_cache: tuple[Cache, lis
     assert cache.get(N + 9) == content_for("child9")
     assert cache.leases() == []
     assert_consistent(cache)
+
+
+def test_forked_child_keeps_the_parents_reader_slots(tmp_path: Path) -> None:
+    """A child that uses (then drops) the inherited cache must not clear the parent's reader
+    slots: a read transaction open in the parent at fork time stays registered, so its pages
+    stay protected from reuse by writers."""
+    cache = Cache(tmp_path / "cache", "4MiB")
+    cache.put("a", b"x" * 1000)
+    env = cache.store.env
+    held = env.begin()
+    try:
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
+            ok = cache.get(cache.seq_of("a")) == b"x" * 1000
+            cache.put("b", b"y" * 1000)
+            cache.close()
+            os._exit(0 if ok else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        active = [line.split() for line in env.readers().splitlines()[1:]]
+        assert any(row[0] == str(os.getpid()) and row[-1] != "-" for row in active), env.readers()
+        assert cache.get(cache.seq_of("b")) == b"y" * 1000
+    finally:
+        held.abort()
+        cache.close()

@@ -454,12 +454,7 @@ def wait_for_file(path: Path, proc: subprocess.Popen[str], timeout_s: float) -> 
         time.sleep(0.05)
 
 
-_WORKERS_HANG = pytest.mark.xfail(
-    strict=True,
-    reason="loader bug since 619fed0: DataLoader workers are forked (no longer forkserver) from the "
-    "multi-threaded run process (daemon thread, epochs() preparation thread, stall watchdog); epoch 0 "
-    "then waits forever for its first batches (STALL ... waiting for workers)",
-)
+
 
 
 @pytest.mark.parametrize(
@@ -467,7 +462,7 @@ _WORKERS_HANG = pytest.mark.xfail(
     [
         ("process", 0),
         ("group", 0),
-        pytest.param("group", 2, marks=[pytest.mark.slow, _WORKERS_HANG]),
+        ("group", 2),  # DataLoader workers (forkserver) must not be orphaned either
     ],
 )
 def test_ctrl_c_mid_epoch_stops_cleanly(tmp_path: Path, target: str, workers: int) -> None:
