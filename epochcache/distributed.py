@@ -155,3 +155,35 @@ class NodeSync:
                 torch.distributed.destroy_process_group(group)
             except (RuntimeError, ValueError):
                 log.debug("could not destroy a NodeSync group", exc_info=True)
+
+
+def init_run_distributed(world: World) -> bool:
+    """Join the torchrun job of ``epochcache run`` (gloo on CPU, nccl with CUDA).
+
+    Returns whether this call created the process group (and so should destroy it).
+    """
+    if not world.distributed or dist_initialized():
+        return False
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    torch.distributed.init_process_group(backend=backend)
+    log.info("joined the torchrun job: rank %d of %d (node %d, local rank %d), backend %s",
+             world.rank, world.world_size, world.node_rank, world.local_rank, backend)
+    return True
+
+
+def barrier() -> None:
+    if dist_initialized():
+        torch.distributed.barrier()
+
+
+def mean_across_ranks(metrics: dict[str, Any]) -> dict[str, Any]:
+    """Average numeric metrics over all ranks (every rank calls this with the same keys)."""
+    if not dist_initialized():
+        return metrics
+    names = sorted(k for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool))
+    if not names:
+        return metrics
+    values = torch.tensor([float(metrics[k]) for k in names], dtype=torch.float64)
+    torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.SUM)
+    values /= torch.distributed.get_world_size()
+    return {**metrics, **{k: float(v) for k, v in zip(names, values.tolist())}}

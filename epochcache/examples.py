@@ -53,7 +53,10 @@ def train_epoch(run: RunContext, epoch: int, loader: Any) -> dict[str, float]:
                 nn.Linear(int(options["hidden"]), int(options["num_classes"])),
             ))
             optimizer = run.restore("optimizer", torch.optim.SGD(model.parameters(), lr=float(options["lr"])))
-        logits = model(inputs)
+        if "ddp" not in run.state and torch.distributed.is_available() and torch.distributed.is_initialized():
+            # Gradients are averaged across ranks; the bare model is what gets checkpointed.
+            run.state["ddp"] = nn.parallel.DistributedDataParallel(model)
+        logits = run.state.get("ddp", model)(inputs)
         loss = nn.functional.cross_entropy(logits, labels)
         optimizer.zero_grad()
         loss.backward()

@@ -53,12 +53,14 @@ class RunContext:
         self.run_dir = Path(config.train.run_dir)
         self.state: dict[str, Any] = {}
         self._saved: Mapping[str, Any] = (checkpoint or {}).get("state", {})
+        self._checkpointed: set[str] = set()
 
     def restore(self, name: str, obj: Any) -> Any:
         """Register ``obj`` (with ``state_dict``) for checkpoints; load it when resuming."""
         if name in self._saved:
             obj.load_state_dict(self._saved[name])
         self.state[name] = obj
+        self._checkpointed.add(name)
         return obj
 
     def save_checkpoint(self, epoch: int, metrics: Mapping[str, Any]) -> Path:
@@ -67,7 +69,7 @@ class RunContext:
         payload = {
             "epoch": epoch,
             "metrics": dict(metrics),
-            "state": {name: obj.state_dict() for name, obj in self.state.items() if hasattr(obj, "state_dict")},
+            "state": {name: self.state[name].state_dict() for name in sorted(self._checkpointed)},
         }
         path = self.run_dir / CHECKPOINT
         tmp = path.with_suffix(".tmp")
@@ -169,9 +171,10 @@ def load_checkpoint(run_dir: Path) -> dict[str, Any] | None:
 class Run:
     """One training run: daemon (started or attached), epochs, metrics, checkpoints, plots."""
 
-    def __init__(self, config: EpochcacheConfig, *, resume: bool = False) -> None:
+    def __init__(self, config: EpochcacheConfig, *, resume: bool = False, is_main: bool = True) -> None:
         self.config = config
         self.resume = resume
+        self.is_main = is_main  # global rank 0: the one that writes the run directory
         self.run_dir = Path(config.train.run_dir)
         self.train_fn = resolve_entrypoint(config.train.entrypoint)
         self.daemon: Daemon | None = None
@@ -201,7 +204,7 @@ class Run:
         start = 0 if checkpoint is None else int(checkpoint["epoch"]) + 1
         total = self.config.train.epochs
         if self.resume:
-            self.metrics = _read_metrics(self.run_dir / METRICS, before=start)
+            self.metrics = _read_metrics(self.run_dir / METRICS, before=start, rewrite=self.is_main)
             if checkpoint is None:
                 log.warning("--resume: no checkpoint in %s; starting at epoch 0", self.run_dir)
         if start >= total:
@@ -225,7 +228,9 @@ class Run:
         before = cache.counters()
         timed = _TimedLoader(loader)
         started = time.perf_counter()
-        result = dict(self.train_fn(context, epoch, timed) or {})
+        from .distributed import mean_across_ranks
+
+        result = mean_across_ranks(dict(self.train_fn(context, epoch, timed) or {}))
         elapsed = time.perf_counter() - started
         after = cache.counters()
         row = {
@@ -241,6 +246,8 @@ class Run:
             "time": time.time(),
         }
         self.metrics.append(row)
+        if not self.is_main:
+            return
         cache.append_history({"epoch": epoch})
         with open(self.run_dir / METRICS, "a") as f:
             f.write(json.dumps(row) + "\n")
@@ -269,31 +276,50 @@ class Run:
         return out
 
 
-def _read_metrics(path: Path, before: int) -> list[dict[str, Any]]:
+def _read_metrics(path: Path, before: int, rewrite: bool = True) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     kept = [row for row in rows if row.get("epoch", 0) < before]
-    path.write_text("".join(json.dumps(row) + "\n" for row in kept))  # drop epochs redone after a crash
+    if rewrite:
+        path.write_text("".join(json.dumps(row) + "\n" for row in kept))  # drop epochs redone after a crash
     return kept
 
 
 def run_training(config: EpochcacheConfig, *, resume: bool = False) -> int:
-    """Run the whole job of ``epochcache run``; returns the exit status."""
-    run = Run(config, resume=resume)
-    ensure_demo_data(config)
-    # Lists the source first: an unreachable one exits 2 before the run directory is written.
-    run.start_daemon()
+    """Run the whole job of ``epochcache run``; returns the exit status.
+
+    Under torchrun, the process group is joined first; global rank 0 writes the demo data and
+    the run directory (config, metrics, checkpoints, plots), local rank 0 of each node runs the
+    node's daemon, and the other ranks of a node share its cache through ``cache.epochs()``.
+    """
+    from .distributed import barrier, detect_world, init_run_distributed
+
+    world = detect_world()
+    run = Run(config, resume=resume, is_main=world.rank == 0)
+    created_group = False
     try:
-        run.run_dir.mkdir(parents=True, exist_ok=True)
-        (run.run_dir / "config.yaml").write_text(config.redacted_yaml())
+        if world.rank == 0:
+            ensure_demo_data(config)
+        if world.local_rank == 0:
+            # Lists the source first: an unreachable one exits 2 before the run dir is written.
+            run.start_daemon()
+        created_group = init_run_distributed(world)
+        barrier()  # the demo data and the node's daemon exist before any rank trains
+        if run.is_main:
+            run.run_dir.mkdir(parents=True, exist_ok=True)
+            (run.run_dir / "config.yaml").write_text(config.redacted_yaml())
         status = run.train()
     except KeyboardInterrupt:
         log.warning("interrupted: stopping (the last checkpoint is kept; continue with --resume)")
         status = 130
     finally:
         run.stop_daemon()
-    plot = run.write_plots()
+        if created_group:
+            import torch.distributed
+
+            torch.distributed.destroy_process_group()
+    plot = run.write_plots() if run.is_main else None
     if plot is not None:
         log.info("wrote %s", plot)
     return status
