@@ -40,7 +40,16 @@ def wait_for_samples(cache: Cache, min_samples: int, timeout_s: float | None = N
                     f"{timeout_s:g} s; start `epochcache daemon` or lower train.min_samples"
                 )
             time.sleep(poll_s)
-            count = cache.counters().samples
+            counters = cache.counters()
+            count = counters.samples
+            if count < min_samples and counters.evicted > 0 and counters.bytes >= 0.9 * cache.effective_capacity:
+                # Eviction has started: the cache is as full as its capacity lets it get, and
+                # waiting longer would wait forever.
+                raise ValueError(
+                    f"{cache.path}: min_samples={min_samples} cannot be reached: the cache holds "
+                    f"{count} samples at its capacity and has started evicting; lower "
+                    "train.min_samples or raise cache.capacity"
+                )
             progress.update(task, completed=min(count, min_samples))
             if time.monotonic() - last_log > 10:
                 last_log = time.monotonic()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -145,3 +146,29 @@ def test_breaking_out_releases_every_lease(tmp_path: Path) -> None:
         break
     gen.close()  # type: ignore[attr-defined]
     assert cache.leases() == []
+
+
+def test_min_samples_beyond_capacity_fails_instead_of_waiting_forever(tmp_path: Path) -> None:
+    """A cache that starts evicting before min_samples are cached can never reach them."""
+    import threading
+
+    from epochcache.progress import wait_for_samples
+
+    cache = Cache(tmp_path / "small", capacity="64KiB", headroom=0.0)
+    stop = threading.Event()
+
+    def writer() -> None:
+        i = 0
+        while not stop.is_set():
+            cache.put(f"w{i}", os.urandom(4096))
+            i += 1
+
+    thread = threading.Thread(target=writer, daemon=True)
+    thread.start()
+    try:
+        with pytest.raises(ValueError, match="min_samples=1000 cannot be reached"):
+            wait_for_samples(cache, 1000, timeout_s=30, poll_s=0.05)
+    finally:
+        stop.set()
+        thread.join()
+        cache.close()
