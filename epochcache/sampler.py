@@ -32,6 +32,8 @@ log = logging.getLogger(__name__)
 
 #: Seconds between sampler health documents when nothing is committed (stalled remote).
 HEALTH_INTERVAL_S = 2.0
+#: Seconds between health/position writes while commits flow.
+STATE_INTERVAL_S = 0.5
 #: Pause after a whole pass found every sample already cached (the dataset fits the cache).
 IDLE_WAIT_S = 1.0
 #: Batches fetched at the same time (``sampler.concurrency`` is split among them).
@@ -127,8 +129,13 @@ class _Committer(threading.Thread):
                 with self._lock:
                     self.in_flight.difference_update(keys)
                 self.health.position = position
-                self.health.heartbeat = time.time()
-                self.cache.put_state(state_name(self.health.index), asdict(self.health))
+                now = time.time()
+                # At most one health/position write per STATE_INTERVAL_S: each is a commit with
+                # an fsync of its own. A position that lags is harmless: on restart, keys already
+                # cached are skipped before fetching.
+                if now - self.health.heartbeat >= STATE_INTERVAL_S:
+                    self.health.heartbeat = now
+                    self.cache.put_state(state_name(self.health.index), asdict(self.health))
         except BaseException as exc:  # surfaced by the fetch loop
             self.error = exc
 
