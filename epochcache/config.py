@@ -164,6 +164,10 @@ class CacheConfig(_Section):
     headroom: Annotated[float | int, BeforeValidator(_headroom)] = 0.1
     compression: Literal["zstd", "none"] = "zstd"
     level: int = Field(default=3, ge=-7, le=22)
+    sync: bool = Field(
+        default=True,
+        description="fsync every commit: survives power loss; false keeps kill -9 safety only",
+    )
 
     @property
     def capacity_bytes(self) -> int:

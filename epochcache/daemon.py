@@ -121,7 +121,7 @@ class Daemon:
         cfg = self.config.cache
         self.cache = Cache(
             cfg.dir, capacity=cfg.capacity_bytes, headroom=cfg.headroom_bytes,
-            compression=cfg.compression, level=cfg.level,
+            compression=cfg.compression, level=cfg.level, sync=cfg.sync,
         )
         self._lock.acquire()
         try:

@@ -213,7 +213,11 @@ def run_sampler(config_data: dict[str, Any], index: int, stop: Any, parent_pid: 
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     config = EpochcacheConfig.model_validate(config_data)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s sampler {index}: %(message)s")
-    cache = Cache(config.cache.dir)
+    # sync: false skips the fsync per commit. A killed process still loses nothing committed
+    # (the data is in the page cache); only a power loss or kernel crash can cost recent
+    # commits, or the cache (rebuild it from the remote). It is what large samples need to
+    # ingest at link speed on a busy node (docs/benchmarks.md).
+    cache = Cache(config.cache.dir, sync=config.cache.sync)
     source = open_configured_source(config)
     refs = list_keys_cached(source, config.cache.dir)
     node_rank, num_nodes = config.sampler.node()

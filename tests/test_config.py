@@ -246,3 +246,12 @@ def test_config_pickles_for_spawned_samplers(tmp_path: Path) -> None:
     clone = pickle.loads(pickle.dumps(config))
     assert clone.source.storage_options["secret"] == SECRET
     assert SECRET not in repr(clone)
+
+
+def test_cache_sync_defaults_on_and_is_validated(tmp_path: Path) -> None:
+    base = {"source": {"url": "memory://x"}, "cache": {"dir": str(tmp_path / "c"), "capacity": "1MiB"}}
+    assert parse_config(base).cache.sync is True
+    off = parse_config({**base, "cache": {**base["cache"], "sync": False}})
+    assert off.cache.sync is False
+    with pytest.raises(ConfigError, match="cache.sync"):
+        parse_config({**base, "cache": {**base["cache"], "sync": "sometimes"}})
