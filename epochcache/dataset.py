@@ -248,11 +248,10 @@ class SampleReader:
                         raise self._missing(int.from_bytes(lmdb_key, "big"))
                     _v, codec, flags, _crc, _raw, _ns, key_len = _unpack(record)
                     start = _H + key_len
+                    key = str(record[_H:start], "utf-8")
                     if act is not None:
-                        act.key = str(record[_H:start], "utf-8")
-                    # Plain bytes for the per-sample checks: decoding the key to str and
-                    # comparing memoryviews cost as much as a third of the copy itself.
-                    if codec != _RAW or flags & _FIELDS or bytes(record[start - 4 : start]).lower() != b".npy":
+                        act.key = key
+                    if codec != _RAW or flags & _FIELDS or key[-4:].lower() != ".npy":
                         raise _Fallback
                     if batch is None:
                         try:
@@ -267,7 +266,7 @@ class SampleReader:
                         out = memoryview(batch.numpy()).cast("B")
                     # Same header bytes => same dtype, shape and data offset: no parsing.
                     if (len(record) - start != offset + nbytes
-                            or bytes(record[start : start + offset]) != header_bytes):
+                            or record[start : start + offset] != header_bytes):
                         raise _Fallback
                     out[i * nbytes : (i + 1) * nbytes] = record[start + offset :]
         if batch is None:
