@@ -107,7 +107,7 @@ def daemon_fill(
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     log = open(workdir / f"daemon-{size}.log", "wb")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(
-        (os.environ["EC_PROFILE"].split() if os.environ.get("EC_PROFILE") else []) + [sys.executable, "-m", "epochcache", "daemon", str(config_path)],
+        [sys.executable, "-m", "epochcache", "daemon", str(config_path)],
         stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
     )
     try:
