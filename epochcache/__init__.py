@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .cache import Cache, PutResult
+from .cache import Cache
+from .writer import PutResult
 from .errors import (
     CacheCorrupted,
     CacheError,
