@@ -23,6 +23,18 @@ from .schema import (
 )
 
 
+#: Field name -> key in ``meta``.
+_KEYS = {
+    "samples": C_SAMPLES,
+    "bytes": C_BYTES,
+    "next_seq": C_NEXT_SEQ,
+    "evicted": C_EVICTED,
+    "evicted_bytes": C_EVICTED_BYTES,
+    "inserted": C_INSERTED,
+    "quarantined": C_QUARANTINED,
+}
+
+
 @dataclass
 class Counters:
     """A transaction's working copy of the counters; :meth:`save` writes back what changed."""
@@ -37,28 +49,11 @@ class Counters:
 
     @classmethod
     def load(cls, txn: lmdb.Transaction, db: lmdb._Database) -> Counters:
-        return cls(
-            samples=unpack_u64(txn.get(C_SAMPLES, db=db)),
-            bytes=unpack_u64(txn.get(C_BYTES, db=db)),
-            next_seq=unpack_u64(txn.get(C_NEXT_SEQ, db=db)),
-            evicted=unpack_u64(txn.get(C_EVICTED, db=db)),
-            evicted_bytes=unpack_u64(txn.get(C_EVICTED_BYTES, db=db)),
-            inserted=unpack_u64(txn.get(C_INSERTED, db=db)),
-            quarantined=unpack_u64(txn.get(C_QUARANTINED, db=db)),
-        )
+        return cls(**{name: unpack_u64(txn.get(key, db=db)) for name, key in _KEYS.items()})
 
     def save(self, txn: lmdb.Transaction, db: lmdb._Database) -> None:
-        names = {
-            "samples": C_SAMPLES,
-            "bytes": C_BYTES,
-            "next_seq": C_NEXT_SEQ,
-            "evicted": C_EVICTED,
-            "evicted_bytes": C_EVICTED_BYTES,
-            "inserted": C_INSERTED,
-            "quarantined": C_QUARANTINED,
-        }
-        for field in fields(self):
-            txn.put(names[field.name], pack_u64(getattr(self, field.name)), db=db)
+        for name, key in _KEYS.items():
+            txn.put(key, pack_u64(getattr(self, name)), db=db)
 
     def as_dict(self) -> dict[str, int]:
         return {field.name: getattr(self, field.name) for field in fields(self)}

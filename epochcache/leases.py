@@ -23,8 +23,8 @@ import lmdb
 DEFAULT_LEASE_TIMEOUT_S = 600.0
 
 
-def process_start_ticks(pid: int) -> int | None:
-    """The start time of ``pid`` in clock ticks since boot (Linux), or None if unknown."""
+def process_stat(pid: int) -> tuple[str, int | None] | None:
+    """``(state, start time in clock ticks since boot)`` of ``pid`` from /proc, or None."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
@@ -32,10 +32,19 @@ def process_start_ticks(pid: int) -> int | None:
         return None
     # The command name (field 2) may contain spaces and parentheses: split after the last ')'.
     fields = stat[stat.rfind(b")") + 2 :].split()
-    try:
-        return int(fields[19])
-    except (IndexError, ValueError):
+    if not fields:
         return None
+    try:
+        ticks: int | None = int(fields[19])
+    except (IndexError, ValueError):
+        ticks = None
+    return fields[0].decode("ascii", errors="replace"), ticks
+
+
+def process_start_ticks(pid: int) -> int | None:
+    """The start time of ``pid`` in clock ticks since boot (Linux), or None if unknown."""
+    stat = process_stat(pid)
+    return None if stat is None else stat[1]
 
 
 def pid_alive(pid: int, start_ticks: int | None = None) -> bool:
@@ -49,23 +58,12 @@ def pid_alive(pid: int, start_ticks: int | None = None) -> bool:
     except PermissionError:
         pass  # exists, owned by another user
     if start_ticks is not None:
-        current = process_start_ticks(pid)
-        if current is not None and current != start_ticks:
-            return False
-        state = _process_state(pid)
-        if state == "Z":  # a zombie holds nothing
-            return False
+        stat = process_stat(pid)
+        if stat is not None:
+            state, ticks = stat
+            if (ticks is not None and ticks != start_ticks) or state == "Z":
+                return False  # a recycled pid, or a zombie: neither holds anything
     return True
-
-
-def _process_state(pid: int) -> str | None:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    rest = stat[stat.rfind(b")") + 2 :]
-    return rest[:1].decode("ascii", errors="replace") or None
 
 
 @dataclass

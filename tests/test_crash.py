@@ -22,6 +22,7 @@ import pytest
 from common.cachecheck import assert_consistent, content_for, full_check
 from common.procs import Proc, spawn_script
 from epochcache import Cache, CacheError, CacheFull
+from epochcache.leases import process_stat
 from epochcache.store import Store
 
 WRITER = """
@@ -232,9 +233,5 @@ def test_live_lease_on_a_recycled_pid_is_not_confused(tmp_path: Path) -> None:
 
 
 def _proc_state(pid: int) -> str | None:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    return stat[stat.rfind(b")") + 2 :][:1].decode()
+    stat = process_stat(pid)
+    return None if stat is None else stat[0]
