@@ -25,8 +25,9 @@ import torch
 from torch.utils.data import Dataset
 
 from .collate import alloc_batch, collate_samples
-from .decode import DecodeFn, decode_sample, make_decoder, npy_view, parse_npy_header
+from .decode import DecodeFn, decode_sample, make_decoder
 from .errors import DecodeError, PickleNotAllowed, SnapshotClosed
+from .rawnpy import NpyTemplate, fields_of
 from .schema import DB_SAMPLES, HEADER, Codec, RecordFlags, seq_keys
 from .schema import seq_key as _pack_seq
 from .stall import watching
@@ -40,7 +41,6 @@ log = logging.getLogger(__name__)
 _H = HEADER.size
 _unpack = HEADER.unpack_from
 _RAW, _FIELDS = int(Codec.RAW), int(RecordFlags.FIELDS)
-_NPY_MAGIC = b"\x93NUMPY"
 ON_ERROR = ("raise", "skip")
 
 
@@ -90,9 +90,10 @@ class SampleReader:
         self._cache: Cache | None = None
         self._pid = -1
         self._env_db: tuple[Any, Any, int] = (None, None, -1)
-        # (data offset, header bytes, dtype, count, shape, payload size) of the last raw .npy
-        # sample read: the next sample with the same header bytes needs no parsing.
-        self._last_npy: tuple[int, bytes, np.dtype[Any], int, tuple[int, ...], int] | None = None
+        # Templates of raw .npy samples seen (one per key length, dtype and shape), and the
+        # last one used: later samples that match one need no parsing.
+        self._templates: dict[tuple[int, int, int], NpyTemplate] = {}
+        self._template: NpyTemplate | None = None
 
     # -- process-local state ----------------------------------------------------------------
 
@@ -100,6 +101,7 @@ class SampleReader:
         state = self.__dict__.copy()
         state["_cache"], state["_pid"], state["skipped"] = None, -1, 0
         state["_env_db"] = (None, None, -1)
+        state["_templates"], state["_template"] = {}, None
         return state
 
     def bind(self, cache: Cache) -> None:
@@ -175,8 +177,8 @@ class SampleReader:
         """One sample (None when it was skipped under on_error='skip').
 
         The per-sample hot path (``dataset[i]``): one short read transaction, and a raw
-        ``.npy`` sample whose header matches the previous one is copied once, straight out of
-        the map, with no parsing.
+        ``.npy`` sample that matches the previous one's template is copied once, straight out
+        of the map, with no parsing.
         """
         if self.stall_s is not None or self.transform is not None or not self._fast:
             samples = self.read_samples([seq])
@@ -193,30 +195,32 @@ class SampleReader:
             record = txn.get(_pack_seq(seq), db=db)
             if record is None:
                 raise self._missing(seq)
-            _v, codec, flags, _crc, _raw, _ns, key_len = _unpack(record)
-            start = _H + key_len
-            if codec == _RAW and not flags & _FIELDS and record[start : start + 6] == _NPY_MAGIC:
-                last = self._last_npy
-                if (last is not None and len(record) - start == last[5]
-                        and record[start : start + last[0]] == last[1]):
-                    return np.frombuffer(record, last[2], last[3], start + last[0]).reshape(
-                        last[4]).copy()  # own the memory: the map's buffer dies with the txn
-                try:
-                    header = parse_npy_header(record[start:])
-                    if not header.dtype.hasobject and not header.fortran:
-                        self._last_npy = (header.offset, bytes(record[start : start + header.offset]),
-                                          header.dtype, header.count, header.shape,
-                                          header.offset + header.nbytes)
-                    return npy_view(record[start:], header).copy()
-                except ValueError:
-                    pass  # the general path below names the key
-            try:
-                return self._decode_record(record)[1]
-            except DecodeError as exc:
-                self._skip(exc)
-                return None
+            template = self._template
+            if template is None or not template.matches(record):
+                template = self._template_of(record)
+                if template is None:
+                    try:
+                        return self._decode_record(record)[1]
+                    except DecodeError as exc:
+                        self._skip(exc)
+                        return None
+            return template.array(record)
         finally:
             txn.abort()
+
+    def _template_of(self, record: memoryview) -> NpyTemplate | None:
+        """The template ``record`` matches (made on first sight), or None if it is not raw .npy."""
+        if len(record) >= _H:
+            template = self._templates.get(fields_of(record))
+            if template is not None and template.matches(record):
+                self._template = template
+                return template
+        template = NpyTemplate.of(record)
+        if template is not None:
+            if len(self._templates) >= 64:  # odd data must not grow it without bound
+                self._templates.clear()
+            self._templates[template.head] = self._template = template
+        return template
 
     def read_batch(self, seqs: Sequence[int] | np.ndarray) -> Any:
         """One collated batch: a tensor ``(B, ...)`` for fixed-shape arrays, else collated fields."""
@@ -228,49 +232,51 @@ class SampleReader:
         return collate_samples(self.read_samples(seqs))
 
     def _read_npy_batch(self, seqs: np.ndarray) -> torch.Tensor:
-        """Copy raw fixed-shape ``.npy`` payloads straight from the map into one batch tensor.
+        """Copy raw fixed-shape ``.npy`` arrays straight from the map into one batch tensor.
 
         Raises:
-            _Fallback: a sample is compressed, has fields, is not ``.npy``, or differs in shape.
+            _Fallback: a sample is not a raw ``.npy`` array matching the first one's template.
         """
         keys = seq_keys(seqs)
+        if not keys:
+            return torch.empty(0)
         store, db = self.cache.store, self.cache.dbs[DB_SAMPLES]
-        batch: torch.Tensor | None = None
-        out = memoryview(b"")
-        header_bytes = b""
-        offset = nbytes = 0
         with watching(self.stall_s, f"batch of {len(keys)} samples", self.stall_file) as act:
             with store.read() as txn:
                 get = txn.get
-                for i, lmdb_key in enumerate(keys):
+                first = get(keys[0], db=db)
+                if first is None:
+                    raise self._missing(int(seqs[0]))
+                template = self._template
+                if template is None or not template.matches(first):
+                    template = self._template_of(first)
+                    if template is None:
+                        raise _Fallback
+                batch = alloc_batch((len(keys), *template.shape), template.dtype)
+                out = memoryview(batch.numpy()).cast("B")
+                size, head, lo, hi = template.size, template.head, template.lo, template.hi
+                prefix, nbytes, fields = template.prefix, template.nbytes, fields_of
+                key_end = lo + 4
+                pos = 0
+                # One get, three comparisons and one memcpy per sample: this loop is the
+                # loader's throughput (see scripts/bench_loader.py).
+                for lmdb_key in keys:
                     record = get(lmdb_key, db=db)
                     if record is None:
                         raise self._missing(int.from_bytes(lmdb_key, "big"))
-                    _v, codec, flags, _crc, _raw, _ns, key_len = _unpack(record)
-                    start = _H + key_len
-                    key = str(record[_H:start], "utf-8")
-                    if act is not None:
-                        act.key = key
-                    if codec != _RAW or flags & _FIELDS or key[-4:].lower() != ".npy":
-                        raise _Fallback
-                    if batch is None:
-                        try:
-                            header = parse_npy_header(record[start:])
-                        except ValueError:
-                            raise _Fallback from None  # the general path names the key
-                        if header.dtype.hasobject or header.fortran:
+                    if (len(record) == size and fields(record) == head
+                            and bytes(record[lo:hi]) == prefix):
+                        if act is not None:
+                            act.key = str(record[_H:key_end], "utf-8")
+                        out[pos : pos + nbytes] = record[hi:]
+                    else:  # e.g. another key length: same array layout, another template
+                        other = self._template_of(record)
+                        if other is None or not template.same_array(other):
                             raise _Fallback
-                        offset, nbytes = header.offset, header.nbytes
-                        header_bytes = bytes(record[start : start + offset])
-                        batch = alloc_batch((len(keys), *header.shape), header.dtype)
-                        out = memoryview(batch.numpy()).cast("B")
-                    # Same header bytes => same dtype, shape and data offset: no parsing.
-                    if (len(record) - start != offset + nbytes
-                            or record[start : start + offset] != header_bytes):
-                        raise _Fallback
-                    out[i * nbytes : (i + 1) * nbytes] = record[start + offset :]
-        if batch is None:
-            return torch.empty(0)
+                        if act is not None:
+                            act.key = str(record[_H : other.lo + 4], "utf-8")
+                        out[pos : pos + nbytes] = record[other.hi :]
+                    pos += nbytes
         return batch
 
 

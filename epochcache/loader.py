@@ -24,7 +24,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import functools
 import logging
-import math
 import os
 import random
 import threading
@@ -34,10 +33,19 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader
 
 from .dataset import EpochDataset, SampleReader
 from .distributed import NodeSync, World, detect_world, dist_initialized, split_for_rank
+from .epoch_loader import EpochLoader
+from .epoch_plan import (
+    EpochPlan,
+    PlanSampler,
+    SeqBatches,
+    epoch_order,
+    identity,
+    in_process_batches,
+)
 from .errors import EpochcacheError
 from .progress import wait_for_samples
 from .stall import get_watchdog
@@ -60,70 +68,6 @@ class _Cancelled(Exception):
     pass
 
 
-def epoch_order(seqs: np.ndarray, epoch: int, seed: int = 0, shuffle: bool = True,
-                samples_per_epoch: int | None = None) -> np.ndarray:
-    """The epoch's sample order: a seeded permutation of ``seqs`` (same inputs, same order).
-
-    With ``samples_per_epoch`` larger than the snapshot, whole permutations are concatenated
-    (resampling), so each sample appears at most once more than any other.
-    """
-    n = int(seqs.shape[0])
-    want = n if samples_per_epoch is None else samples_per_epoch
-    if n == 0 or want == 0:
-        return np.empty(0, dtype=np.uint64)
-    rng = np.random.Generator(np.random.PCG64([seed, epoch]))
-    parts = []
-    for _ in range(math.ceil(want / n)):
-        parts.append(rng.permutation(n) if shuffle else np.arange(n))
-    index = parts[0] if len(parts) == 1 else np.concatenate(parts)
-    return seqs[index[:want]]
-
-
-class _Plan:
-    """One epoch on this rank: its dataset (holding the lease on the leader) and batch order."""
-
-    def __init__(self, epoch: int, dataset: EpochDataset, order: np.ndarray, batch_size: int,
-                 n_batches: int, seconds: float) -> None:
-        self.epoch, self.dataset, self.order = epoch, dataset, order
-        self.batch_size, self.n_batches, self.seconds = batch_size, n_batches, seconds
-
-    def batch(self, i: int) -> np.ndarray:
-        return self.order[i * self.batch_size : (i + 1) * self.batch_size]
-
-
-class _PlanSampler(Sampler[np.ndarray]):
-    """Yields the current plan's batches of sequence numbers; waits for the plan first."""
-
-    def __init__(self) -> None:
-        self.plan: cf.Future[_Plan] | None = None
-
-    def __iter__(self) -> Iterator[np.ndarray]:
-        if self.plan is None:
-            raise RuntimeError("epochcache: loader used before its epoch was planned")
-        plan = self.plan.result()  # raises the planner's error in the builder thread
-        for i in range(plan.n_batches):
-            yield plan.batch(i)
-
-    def __len__(self) -> int:
-        return self.plan.result().n_batches if self.plan is not None else 0
-
-
-class _SeqBatches(Dataset[Any]):
-    """The DataLoader's dataset: indexed by a batch of sequence numbers, returns the batch."""
-
-    def __init__(self, reader: SampleReader, collated: bool) -> None:
-        self.reader, self.collated = reader, collated
-
-    def __getitem__(self, seqs: np.ndarray) -> Any:
-        if self.collated:
-            return self.reader.read_batch(seqs)
-        return self.reader.read_samples(seqs)
-
-
-def _identity(batch: Any) -> Any:
-    return batch
-
-
 def _seed_worker(user_init: Callable[[int], None] | None, worker_id: int) -> None:
     # torch seeds each worker from the loader's generator; numpy and random follow it, so a
     # transform's randomness is reproducible from epochs(seed=...).
@@ -134,82 +78,13 @@ def _seed_worker(user_init: Callable[[int], None] | None, worker_id: int) -> Non
         user_init(worker_id)
 
 
-class EpochLoader:
-    """What epochs() yields per epoch: iterate it once for the epoch's batches.
-
-    Attributes:
-        epoch: the epoch number.
-        dataset: the epoch's :class:`EpochDataset` (its snapshot, on this node's leader).
-        loader: the underlying DataLoader.
-    """
-
-    def __init__(self, epoch: int, plan: _Plan, loader: DataLoader[Any], iterator: Any,
-                 on_near_end: Callable[[], None], on_started: Callable[[], None], lead_s: float,
-                 depth: int, stall: Any) -> None:
-        self.epoch, self.dataset, self.loader = epoch, plan.dataset, loader
-        self._plan, self._iterator = plan, iterator
-        self._on_near_end, self._lead_s, self._depth = on_near_end, lead_s, depth
-        self._on_started: Callable[[], None] | None = on_started
-        self._stall = stall
-        self._used = False
-        self.batch_times: list[float] = []
-
-    def __len__(self) -> int:
-        return self._plan.n_batches
-
-    @property
-    def seqs(self) -> np.ndarray:
-        """This rank's sample order for the epoch (sequence numbers)."""
-        return self._plan.order[: self._plan.n_batches * self._plan.batch_size]
-
-    def _maybe_trigger(self, done: int, gap_s: float) -> None:
-        remaining = self._plan.n_batches - done
-        if remaining <= self._depth + 2 or (gap_s > 0 and remaining * gap_s <= self._lead_s):
-            self._on_near_end()
-
-    def __iter__(self) -> Iterator[Any]:
-        if self._used:
-            raise RuntimeError(f"the loader of epoch {self.epoch} was already iterated; "
-                               "epochs() yields a fresh one per epoch")
-        self._used = True
-        it, n = self._iterator, self._plan.n_batches
-        gap, last = 0.0, time.monotonic()
-        self._maybe_trigger(0, 0.0)
-        for i in range(n):
-            if self._stall is not None:
-                with self._stall.watch(f"epoch {self.epoch} batch {i} (waiting for workers)"):
-                    batch = next(it)
-            else:
-                batch = next(it)
-            now = time.monotonic()
-            self.batch_times.append(now)
-            # An EMA of the gap between batches: the planner's lead time in batches.
-            gap = now - last if i == 0 else 0.8 * gap + 0.2 * (now - last)
-            last = now
-            if i == 2:
-                self._start_next()
-            self._maybe_trigger(i + 1, gap)
-            yield batch
-        self.finish()
-
-    def _start_next(self) -> None:
-        hook, self._on_started = self._on_started, None
-        if hook is not None:
-            hook()
-
-    def finish(self) -> None:
-        """The epoch is over (or abandoned): make sure the next one is being prepared."""
-        self._start_next()
-        self._on_near_end()
-
-
 class _Pending:
     """Epoch k+1 in preparation: the planner's and the builder's futures."""
 
     def __init__(self, epoch: int) -> None:
         self.epoch = epoch
         self.trigger = threading.Event()
-        self.plan: cf.Future[_Plan] = cf.Future()
+        self.plan: cf.Future[EpochPlan] = cf.Future()
         self.loader: DataLoader[Any] | None = None
         self.iterator: cf.Future[Any] = cf.Future()
 
@@ -236,7 +111,7 @@ class _Epochs:
         self.stall_s, self.stall_file, self.loader_kwargs = stall_s, stall_file, loader_kwargs
         self.world: World = detect_world()
         self.sync = NodeSync(self.world) if dist_initialized() and self.world.distributed else None
-        self.slots: list[tuple[DataLoader[Any], _PlanSampler]] = []
+        self.slots: list[tuple[DataLoader[Any], PlanSampler]] = []
         self.prepared = 0
         self.last_plan_s = 0.05
         self.abort = threading.Event()
@@ -246,27 +121,27 @@ class _Epochs:
 
     # -- background work --------------------------------------------------------------------
 
-    def _make_loader(self, epoch: int) -> tuple[DataLoader[Any], _PlanSampler]:
+    def _make_loader(self, epoch: int) -> tuple[DataLoader[Any], PlanSampler]:
         slot = self.prepared % 2
         self.prepared += 1
         if self.persistent and slot < len(self.slots):
             return self.slots[slot]  # alternate two loaders: one finishes while one prefetches
-        sampler = _PlanSampler()
+        sampler = PlanSampler()
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         kwargs = dict(self.loader_kwargs)
         if self.num_workers > 0:
             kwargs["worker_init_fn"] = functools.partial(_seed_worker, self.worker_init_fn)
             kwargs["persistent_workers"] = self.persistent
         loader = DataLoader(
-            _SeqBatches(self.reader, collated=self.collate_fn is None),
+            SeqBatches(self.reader, collated=self.collate_fn is None),
             batch_size=None, sampler=sampler, num_workers=self.num_workers,
-            collate_fn=self.collate_fn or _identity, generator=generator, **kwargs,
+            collate_fn=self.collate_fn or identity, generator=generator, **kwargs,
         )
         if self.persistent:
             self.slots.append((loader, sampler))
         return loader, sampler
 
-    def _plan(self, pending: _Pending) -> _Plan:
+    def _plan(self, pending: _Pending) -> EpochPlan:
         while not pending.trigger.wait(0.5):
             if self.abort.is_set():
                 raise _Cancelled
@@ -298,7 +173,7 @@ class _Epochs:
             raise
         seconds = time.monotonic() - started
         self.last_plan_s = seconds
-        return _Plan(epoch, dataset, order, self.batch_size, n_batches, seconds)
+        return EpochPlan(epoch, dataset, order, self.batch_size, n_batches, seconds)
 
     def prepare(self, epoch: int) -> _Pending:
         pending = _Pending(epoch)
@@ -307,6 +182,8 @@ class _Epochs:
             loader, sampler = self._make_loader(epoch)
             sampler.plan = pending.plan
             pending.loader = loader
+            if self.num_workers == 0:
+                return in_process_batches(loader, sampler)
             return iter(loader)  # starts the workers; their priming waits for the plan
 
         self._start(f"plan-{epoch}", pending.plan, functools.partial(self._plan, pending))
