@@ -87,6 +87,7 @@ class SampleReader:
         self.stall_file = stall_file
         self.skipped = 0
         self._fast = decode == "auto" and transform is None
+        self._fast_one = self._fast and stall_s is None  # dataset[i] without a watchdog
         self._cache: Cache | None = None
         self._pid = -1
         self._env_db: tuple[Any, Any, int] = (None, None, -1)
@@ -180,7 +181,7 @@ class SampleReader:
         ``.npy`` sample that matches the previous one's template is copied once, straight out
         of the map, with no parsing.
         """
-        if self.stall_s is not None or self.transform is not None or not self._fast:
+        if not self._fast_one:
             samples = self.read_samples([seq])
             return samples[0] if samples else None
         env, db, pid = self._env_db
@@ -196,15 +197,18 @@ class SampleReader:
             if record is None:
                 raise self._missing(seq)
             template = self._template
-            if template is None or not template.matches(record):
-                template = self._template_of(record)
-                if template is None:
-                    try:
-                        return self._decode_record(record)[1]
-                    except DecodeError as exc:
-                        self._skip(exc)
-                        return None
-            return template.array(record)
+            if template is not None:
+                array = template.array_if_matches(record)
+                if array is not None:
+                    return array
+            template = self._template_of(record)
+            if template is not None:
+                return template.array(record)
+            try:
+                return self._decode_record(record)[1]
+            except DecodeError as exc:
+                self._skip(exc)
+                return None
         finally:
             txn.abort()
 

@@ -34,7 +34,8 @@ class NpyTemplate:
     ``bytes(r[lo:hi]) == prefix``; its array data is then ``r[hi:]``, ``nbytes`` long.
     """
 
-    __slots__ = ("size", "head", "lo", "hi", "prefix", "dtype", "count", "shape", "nbytes")
+    __slots__ = ("size", "head", "lo", "hi", "prefix", "dtype", "count", "shape", "nbytes",
+                 "flat")
 
     def __init__(self, record: memoryview, key_len: int, header_len: int, dtype: np.dtype[Any],
                  count: int, shape: tuple[int, ...], nbytes: int) -> None:
@@ -44,6 +45,7 @@ class NpyTemplate:
         self.head = _FIELDS.unpack_from(record)
         self.prefix = bytes(record[self.lo : self.hi])
         self.dtype, self.count, self.shape, self.nbytes = dtype, count, shape, nbytes
+        self.flat = shape == (count,)
 
     @classmethod
     def of(cls, record: memoryview) -> NpyTemplate | None:
@@ -76,7 +78,17 @@ class NpyTemplate:
 
     def array(self, record: memoryview) -> np.ndarray:
         """A copy of a matching record's array (it must outlive the read transaction)."""
-        return np.frombuffer(record, self.dtype, self.count, self.hi).reshape(self.shape).copy()
+        # Slicing the view first is cheaper than frombuffer's count/offset arguments.
+        flat = np.frombuffer(record[self.hi :], self.dtype)
+        return flat.copy() if self.flat else flat.reshape(self.shape).copy()
+
+    def array_if_matches(self, record: memoryview) -> np.ndarray | None:
+        """:meth:`array` if ``record`` matches, else None: the per-sample hot path in one call."""
+        if (len(record) != self.size or _FIELDS.unpack_from(record) != self.head
+                or bytes(record[self.lo : self.hi]) != self.prefix):
+            return None
+        flat = np.frombuffer(record[self.hi :], self.dtype)
+        return flat.copy() if self.flat else flat.reshape(self.shape).copy()
 
 
 fields_of = _FIELDS.unpack_from
