@@ -3,7 +3,8 @@
 The read path is built for batches. :meth:`SampleReader.read_batch` reads a whole batch in one
 LMDB read transaction and, when the samples are fixed-shape ``.npy`` arrays stored raw, copies
 each one straight from the memory map into one preallocated batch tensor: one ``memcpy`` per
-sample, no per-sample tensor, no ``default_collate`` stacking. In a DataLoader worker that
+sample, no per-sample tensor, no ``default_collate`` stacking, no header parsing (records are
+recognised by a template, see :mod:`epochcache.rawnpy`). In a DataLoader worker that
 tensor is allocated in shared memory, so handing it to the trainer costs no further copy.
 
 Invariant 7: the dataset's index is the snapshot's ``uint64`` array (8 bytes per sample, no
