@@ -213,6 +213,14 @@ class SampleReader:
         finally:
             txn.abort()
 
+    def key_of(self, lmdb_key: bytes) -> str:
+        """The source key of the sample stored under ``lmdb_key`` (for stall reports)."""
+        with self.cache.store.read() as txn:
+            record = txn.get(lmdb_key, db=self.cache.dbs[DB_SAMPLES])
+            if record is None:
+                return f"(sample {int.from_bytes(lmdb_key, 'big')}: no longer cached)"
+            return str(record[_H : _H + _unpack(record)[6]], "utf-8")
+
     def _template_of(self, record: memoryview) -> NpyTemplate | None:
         """The template ``record`` matches (made on first sight), or None if it is not raw .npy."""
         if len(record) >= _H:
@@ -261,25 +269,24 @@ class SampleReader:
                 out = memoryview(batch.numpy()).cast("B")
                 size, head, lo, hi = template.size, template.head, template.lo, template.hi
                 prefix, nbytes, fields = template.prefix, template.nbytes, fields_of
-                key_end = lo + 4
+                if act is not None:
+                    act.resolve = self.key_of  # names act.key only if a stall is reported
                 pos = 0
                 # One get, three comparisons and one memcpy per sample: this loop is the
                 # loader's throughput (see scripts/bench_loader.py).
                 for lmdb_key in keys:
+                    if act is not None:
+                        act.key = lmdb_key
                     record = get(lmdb_key, db=db)
                     if record is None:
                         raise self._missing(int.from_bytes(lmdb_key, "big"))
                     if (len(record) == size and fields(record) == head
                             and bytes(record[lo:hi]) == prefix):
-                        if act is not None:
-                            act.key = str(record[_H:key_end], "utf-8")
                         out[pos : pos + nbytes] = record[hi:]
                     else:  # e.g. another key length: same array layout, another template
                         other = self._template_of(record)
                         if other is None or not template.same_array(other):
                             raise _Fallback
-                        if act is not None:
-                            act.key = str(record[_H : other.lo + 4], "utf-8")
                         out[pos : pos + nbytes] = record[other.hi :]
                     pos += nbytes
         return batch

@@ -21,22 +21,53 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Iterator
-from typing import IO
+from collections.abc import Callable, Iterator
+from typing import IO, Any
 
 log = logging.getLogger(__name__)
 
 
-class Activity:
-    """One watched batch: when it started, what it is, and the sample key it is on."""
+#: How long a report waits for a lazily named key (see :attr:`Activity.resolve`).
+RESOLVE_TIMEOUT_S = 2.0
 
-    __slots__ = ("label", "started", "key", "reported")
+
+class Activity:
+    """One watched batch: when it started, what it is, and the sample key it is on.
+
+    ``key`` is the sample key, or, when ``resolve`` is set, a cheaper token that
+    ``resolve(token)`` turns into the key only if a report needs it: the fast read path stores
+    the record's 8-byte LMDB key instead of decoding the source key of every sample.
+    """
+
+    __slots__ = ("label", "started", "key", "resolve", "reported")
 
     def __init__(self, label: str) -> None:
         self.label = label
         self.started = time.monotonic()
-        self.key: str | None = None
+        self.key: object = None
+        self.resolve: Callable[[Any], str] | None = None
         self.reported = False
+
+    def describe_key(self) -> str:
+        """The key for a report; a lazy one is resolved on a helper thread, with a time limit
+        (the reader may be stuck on the very page that holds it)."""
+        key, resolve = self.key, self.resolve
+        if key is None:
+            return "(none yet)"
+        if resolve is None:
+            return repr(key)
+        found: list[str] = []
+
+        def run() -> None:
+            try:
+                found.append(repr(resolve(key)))
+            except Exception as exc:  # the report must still go out
+                found.append(f"(token {key!r}: {type(exc).__name__}: {exc})")
+
+        helper = threading.Thread(target=run, name="epochcache-stall-key", daemon=True)
+        helper.start()
+        helper.join(RESOLVE_TIMEOUT_S)
+        return found[0] if found else f"(token {key!r}: reading its key timed out)"
 
 
 def _process_name() -> str:
@@ -97,7 +128,7 @@ class Watchdog:
                 if not activity.reported and now - activity.started > self.stall_s:
                     activity.reported = True
                     self.reports += 1
-                    key = "(none yet)" if activity.key is None else repr(activity.key)
+                    key = activity.describe_key()
                     self._emit(
                         f"epochcache: STALL in {_process_name()}: {activity.label} has taken "
                         f"{now - activity.started:.1f} s (stall_s={self.stall_s:g}); it is on "

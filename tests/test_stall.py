@@ -6,6 +6,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
+import torch
 
 from common.writer import fill
 from epochcache import Cache
@@ -41,3 +43,42 @@ def test_slow_sample_in_process(tmp_path: Path) -> None:
     text = report.read_text()
     assert "STALL in training process" in text and "s/0000007.npy" in text
     assert "_slow_on_seven" in text
+
+
+def test_slow_read_on_the_raw_npy_fast_path_names_the_key(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    # The fast path stores only the record's LMDB key per sample; the report resolves it.
+    # Raw 4 KiB arrays take that path; the stall is injected into its per-record check (the
+    # one Python call in the loop) for sample 7, standing in for a page fault on a stuck disk.
+    import epochcache.dataset as dataset_mod
+    from epochcache.schema import HEADER
+
+    fill(str(tmp_path / "c"), 0, 16, floats=1024)
+    cache = Cache(tmp_path / "c", sync=False)
+    report = tmp_path / "stall.log"
+    real = dataset_mod.fields_of
+
+    def slow_fields(record: memoryview) -> tuple[int, ...]:
+        head = real(record)
+        if bytes(record[HEADER.size : HEADER.size + head[2]]).endswith(b"0000007.npy"):
+            time.sleep(1.5)
+        return head
+
+    monkeypatch.setattr(dataset_mod, "fields_of", slow_fields)
+    for _epoch, loader in cache.epochs(1, batch_size=4, stall_s=0.4, stall_file=str(report),
+                                       shuffle=False):
+        batches = list(loader)
+        assert len(batches) == 4 and isinstance(batches[0], torch.Tensor)  # the fast path
+    text = report.read_text()
+    assert "STALL in training process" in text and "'s/0000007.npy'" in text
+    assert "slow_fields" in text and "_read_npy_batch" in text  # the stack shows where
+
+
+def test_a_key_that_cannot_be_resolved_still_gets_a_report() -> None:
+    from epochcache.stall import Activity
+
+    activity = Activity("batch")
+    activity.key, activity.resolve = b"\x00" * 8, lambda token: 1 / 0  # type: ignore[assignment]
+    assert "ZeroDivisionError" in activity.describe_key()
+    activity.resolve = lambda token: "a/b.npy"
+    assert activity.describe_key() == "'a/b.npy'"
