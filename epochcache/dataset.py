@@ -32,6 +32,7 @@ from .rawnpy import NpyTemplate, fields_of
 from .schema import DB_SAMPLES, HEADER, Codec, RecordFlags, seq_keys
 from .schema import seq_key as _pack_seq
 from .stall import watching
+from .store import PROCESS
 
 if TYPE_CHECKING:
     from .cache import Cache
@@ -91,7 +92,7 @@ class SampleReader:
         self._fast_one = self._fast and stall_s is None  # dataset[i] without a watchdog
         self._cache: Cache | None = None
         self._pid = -1
-        self._env_db: tuple[Any, Any, int] = (None, None, -1)
+        self._env_db: tuple[Any, Any, object] = (None, None, None)
         # Templates of raw .npy samples seen (one per key length, dtype and shape), and the
         # last one used: later samples that match one need no parsing.
         self._templates: dict[tuple[int, int, int], NpyTemplate] = {}
@@ -102,7 +103,7 @@ class SampleReader:
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_cache"], state["_pid"], state["skipped"] = None, -1, 0
-        state["_env_db"] = (None, None, -1)
+        state["_env_db"] = (None, None, None)
         state["_templates"], state["_template"] = {}, None
         return state
 
@@ -172,7 +173,7 @@ class SampleReader:
 
     def _handles(self) -> tuple[lmdb.Environment, Any]:
         cache = self.cache
-        self._env_db = (cache.store.env, cache.dbs[DB_SAMPLES], os.getpid())
+        self._env_db = (cache.store.env, cache.dbs[DB_SAMPLES], PROCESS[0])
         return self._env_db[0], self._env_db[1]
 
     def read(self, seq: int) -> Any:
@@ -185,8 +186,8 @@ class SampleReader:
         if not self._fast_one:
             samples = self.read_samples([seq])
             return samples[0] if samples else None
-        env, db, pid = self._env_db
-        if pid != os.getpid():
+        env, db, opened_by = self._env_db
+        if opened_by is not PROCESS[0]:
             env, db = self._handles()
         try:
             txn = env.begin(buffers=True)

@@ -40,8 +40,14 @@ _envs: dict[str, tuple[lmdb.Environment, dict[bytes, lmdb._Database], int]] = {}
 _refcounts: dict[str, int] = {}
 
 
+#: ``PROCESS[0]`` is a new object in every forked child: a cheaper "is this still the process
+#: that opened it?" test than ``os.getpid()`` (a system call) for per-sample paths.
+PROCESS: list[object] = [object()]
+
+
 def _after_fork_in_child() -> None:
     global _lock
+    PROCESS[0] = object()
     # The child adopts the environments it inherited instead of closing and reopening them:
     # py-lmdb refuses to open the same files twice in one process, and closing them in the
     # child would abort the inherited copies of the parent's read transactions, clearing the

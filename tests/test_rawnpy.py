@@ -132,3 +132,23 @@ def test_template_rejects_what_it_cannot_copy() -> None:
     assert NpyTemplate.of(record("a/1.npy", good[:-4])) is None  # truncated data
     assert NpyTemplate.of(record("a/1.npy", b"\x93NUMPY garbage")) is None
     assert NpyTemplate.of(memoryview(struct.pack("<B", 1))) is None
+
+
+def _read_in_child(ds: object, indices: list[int], out: object) -> None:
+    out.put([ds[i].tobytes() for i in indices])  # type: ignore[attr-defined, index]
+
+
+def test_dataset_items_after_fork_use_the_childs_handles(cache: Cache) -> None:
+    import multiprocessing as mp
+
+    with cache.dataset() as ds:
+        indices = list(range(0, 40, 3))
+        before = [ds[i].tobytes() for i in indices]  # the parent's handles are now cached
+        ctx = mp.get_context("fork")
+        queue = ctx.Queue()
+        child = ctx.Process(target=_read_in_child, args=(ds, indices, queue))
+        child.start()
+        got = queue.get(timeout=60)
+        child.join(60)
+        assert child.exitcode == 0 and got == before
+        assert [ds[i].tobytes() for i in indices] == before  # the parent reads on
