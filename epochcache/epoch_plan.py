@@ -15,7 +15,6 @@ from typing import Any
 
 import numpy as np
 from torch.utils.data import DataLoader, Dataset, Sampler
-from torch.utils.data._utils.pin_memory import pin_memory
 
 from .dataset import EpochDataset, SampleReader
 
@@ -85,15 +84,14 @@ def identity(batch: Any) -> Any:
 
 
 def in_process_batches(loader: DataLoader[Any], sampler: PlanSampler) -> Iterator[Any]:
-    """What iterating ``loader`` yields when it has no workers, without DataLoader's per-batch
-    bookkeeping (a profiler ``record_function`` per batch: ~7% of a batch of 64 KiB samples).
+    """What iterating ``loader`` yields when it has no workers and pins nothing, without
+    DataLoader's per-batch bookkeeping (a profiler ``record_function`` per batch: ~7% of the
+    time of a batch of 64 KiB samples read in process).
 
-    Same fetch, collate and pinning as ``_SingleProcessDataLoaderIter``.
+    Same fetch and collate as ``_SingleProcessDataLoaderIter``; callers use the DataLoader's
+    own iterator when it pins memory.
     """
     fetch: Callable[[np.ndarray], Any] = loader.dataset.__getitem__
     collate = loader.collate_fn
-    pin = loader.pin_memory
-    device = loader.pin_memory_device or None
     for seqs in sampler:
-        batch = collate(fetch(seqs))
-        yield pin_memory(batch, device) if pin else batch
+        yield collate(fetch(seqs))

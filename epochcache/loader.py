@@ -214,7 +214,7 @@ class _Epochs:
             loader, sampler = self._make_loader(epoch)
             sampler.plan = pending.plan
             pending.loader = loader
-            if self.num_workers == 0:
+            if self.num_workers == 0 and not loader.pin_memory:
                 return in_process_batches(loader, sampler)
             return iter(loader)  # starts the workers; their priming waits for the plan
 

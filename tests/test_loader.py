@@ -87,6 +87,23 @@ def test_user_collate_and_transform_with_workers(tmp_path: Path, context: str) -
         assert [b for b in loader] == [8] * 8
 
 
+_NO_ACCELERATOR = pytest.mark.filterwarnings("ignore:'pin_memory' argument is set as true")
+
+
+@pytest.mark.parametrize("pin_memory", [False, pytest.param(True, marks=_NO_ACCELERATOR)])
+def test_in_process_epochs_deliver_every_sample_with_or_without_pinning(tmp_path: Path,
+                                                                     pin_memory: bool) -> None:
+    # In process, batches come from epochcache's own loop unless pinning is asked for, which
+    # goes through DataLoader's iterator (on a machine without an accelerator it pins nothing).
+    fill(str(tmp_path / "c"), 0, 70, floats=1024)  # raw 4 KiB arrays: the fast path
+    cache = Cache(tmp_path / "c", sync=False)
+    for _epoch, loader in cache.epochs(2, batch_size=16, pin_memory=pin_memory,
+                                       collate_fn=None):
+        batches = list(loader)
+        assert [len(b) for b in batches] == [16, 16, 16, 16, 6]
+        assert sorted(i for b in batches for i in _ids(b)) == list(range(70))
+
+
 def _double(x: np.ndarray) -> np.ndarray:
     return np.concatenate([x, x])  # no float arithmetic: the random bits include NaNs
 
