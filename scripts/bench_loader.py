@@ -39,7 +39,7 @@ from epochcache.schema import seq_key  # noqa: E402
 FLOATS = 16384  # 64 KiB of float32
 BATCH = 64
 ROUNDS = 5
-HEAVY = 1500  # samples per heavy-transform run
+HEAVY = 3000  # samples per heavy-transform run (~1 s: shorter runs were too noisy)
 
 
 def npy(array: np.ndarray) -> bytes:
