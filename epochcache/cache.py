@@ -293,7 +293,7 @@ class Cache(WriterMixin, JournalMixin):
         with self._store.read() as txn:
             out = []
             for seq in seqs:
-                record = txn.get(seq_key(int(seq)), db=samples_db)
+                record = txn.get(seq_key(int(seq)), None, samples_db)
                 if record is None:
                     raise KeyError(f"sample {seq} is not in the cache at {self.path}")
                 out.append(bytes(record))

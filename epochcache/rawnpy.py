@@ -31,11 +31,12 @@ class NpyTemplate:
     """What every raw ``.npy`` record of one array shape and key length has in common.
 
     A record ``r`` matches when ``len(r) == size``, ``fields(r) == head`` and
-    ``bytes(r[lo:hi]) == prefix``; its array data is then ``r[hi:]``, ``nbytes`` long.
+    ``bytes(r[lo:hi]) == prefix`` (both tested by ``check(r) == expect``); its array data is
+    then ``r[hi:]``, ``nbytes`` long.
     """
 
     __slots__ = ("size", "head", "lo", "hi", "prefix", "dtype", "count", "shape", "nbytes",
-                 "flat")
+                 "flat", "check", "expect")
 
     def __init__(self, record: memoryview, key_len: int, header_len: int, dtype: np.dtype[Any],
                  count: int, shape: tuple[int, ...], nbytes: int) -> None:
@@ -46,6 +47,10 @@ class NpyTemplate:
         self.prefix = bytes(record[self.lo : self.hi])
         self.dtype, self.count, self.shape, self.nbytes = dtype, count, shape, nbytes
         self.flat = shape == (count,)
+        # ``check(r) == expect`` tests the header fields and the prefix in one C call.
+        self.check = struct.Struct(
+            f"{_FIELDS.format}{self.lo - HEADER.size}x{self.hi - self.lo}s").unpack_from
+        self.expect = (*self.head, self.prefix)
 
     @classmethod
     def of(cls, record: memoryview) -> NpyTemplate | None:
@@ -69,8 +74,7 @@ class NpyTemplate:
                    header.nbytes)
 
     def matches(self, record: memoryview) -> bool:
-        return (len(record) == self.size and _FIELDS.unpack_from(record) == self.head
-                and bytes(record[self.lo : self.hi]) == self.prefix)
+        return len(record) == self.size and self.check(record) == self.expect
 
     def same_array(self, other: NpyTemplate) -> bool:
         """Whether records of ``other`` hold arrays of the same dtype and shape."""
@@ -84,8 +88,7 @@ class NpyTemplate:
 
     def array_if_matches(self, record: memoryview) -> np.ndarray | None:
         """:meth:`array` if ``record`` matches, else None: the per-sample hot path in one call."""
-        if (len(record) != self.size or _FIELDS.unpack_from(record) != self.head
-                or bytes(record[self.lo : self.hi]) != self.prefix):
+        if len(record) != self.size or self.check(record) != self.expect:
             return None
         flat = np.frombuffer(record[self.hi :], self.dtype)
         return flat.copy() if self.flat else flat.reshape(self.shape).copy()

@@ -250,7 +250,7 @@ class Store:
             txn = env.begin(buffers=True)
         try:
             get = txn.get
-            return [None if (value := get(key, db=db)) is None else fn(value) for key in keys]
+            return [None if (value := get(key, None, db)) is None else fn(value) for key in keys]
         finally:
             txn.abort()
 

@@ -49,29 +49,37 @@ def test_slow_read_on_the_raw_npy_fast_path_names_the_key(tmp_path: Path,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     # The fast path stores only the record's LMDB key per sample; the report resolves it.
     # Raw 4 KiB arrays take that path; the stall is injected into its per-record check (the
-    # one Python call in the loop) for sample 7, standing in for a page fault on a stuck disk.
-    import epochcache.dataset as dataset_mod
+    # one call in the loop besides LMDB's get) for sample 7, standing in for a page fault on a
+    # stuck disk.
+    from epochcache.rawnpy import NpyTemplate
     from epochcache.schema import HEADER
 
     fill(str(tmp_path / "c"), 0, 16, floats=1024)
     cache = Cache(tmp_path / "c", sync=False)
     report = tmp_path / "stall.log"
-    real = dataset_mod.fields_of
+    real_of = NpyTemplate.of
 
-    def slow_fields(record: memoryview) -> tuple[int, ...]:
-        head = real(record)
-        if bytes(record[HEADER.size : HEADER.size + head[2]]).endswith(b"0000007.npy"):
-            time.sleep(1.5)
-        return head
+    def slow_template(record: memoryview) -> NpyTemplate | None:
+        template = real_of(record)
+        if template is not None:
+            real_check, key_end = template.check, template.lo + 4
 
-    monkeypatch.setattr(dataset_mod, "fields_of", slow_fields)
+            def slow_check(record: memoryview) -> tuple[object, ...]:
+                if bytes(record[HEADER.size : key_end]).endswith(b"0000007.npy"):
+                    time.sleep(1.5)
+                return real_check(record)
+
+            template.check = slow_check
+        return template
+
+    monkeypatch.setattr(NpyTemplate, "of", staticmethod(slow_template))
     for _epoch, loader in cache.epochs(1, batch_size=4, stall_s=0.4, stall_file=str(report),
                                        shuffle=False):
         batches = list(loader)
         assert len(batches) == 4 and isinstance(batches[0], torch.Tensor)  # the fast path
     text = report.read_text()
     assert "STALL in training process" in text and "'s/0000007.npy'" in text
-    assert "slow_fields" in text and "_read_npy_batch" in text  # the stack shows where
+    assert "slow_check" in text and "_read_npy_batch" in text  # the stack shows where
 
 
 def test_a_key_that_cannot_be_resolved_still_gets_a_report() -> None:
