@@ -139,7 +139,7 @@ def bare_copy_rate(cache: Cache, seqs: np.ndarray) -> float:
             with env.begin(buffers=True) as txn:
                 pos = 0
                 for k in keys[start : start + BATCH]:
-                    record = txn.get(k, db=db)
+                    record = txn.get(k, None, db)
                     out[pos : pos + nbytes] = record[len(record) - nbytes :]
                     pos += nbytes
     return len(keys) / (time.perf_counter() - t0)

@@ -19,7 +19,9 @@ def _ids(batch: torch.Tensor) -> list[int]:
     return [int(v) for v in batch[:, 0]]
 
 
-def test_three_epochs_with_workers_while_a_writer_inserts_and_evicts(tmp_path: Path) -> None:
+@pytest.mark.parametrize("workers", [2, 0])  # 0: planned inline, in the training thread
+def test_three_epochs_with_workers_while_a_writer_inserts_and_evicts(tmp_path: Path,
+                                                                     workers: int) -> None:
     path = str(tmp_path / "c")
     # ~380 B records: 400 KiB keeps ~1075 samples, so the writer forces eviction; the large
     # headroom keeps it from waiting (back-pressure) on the two leases of epochs k and k+1.
@@ -28,8 +30,8 @@ def test_three_epochs_with_workers_while_a_writer_inserts_and_evicts(tmp_path: P
     delivered: list[list[int]] = []
     snapshots: list[np.ndarray] = []
     with Writer(path, start=1000, per_batch=20, pause_s=0.01):
-        for epoch, loader in cache.epochs(3, batch_size=50, num_workers=2,
-                                          multiprocessing_context="spawn"):
+        context = {"multiprocessing_context": "spawn"} if workers else {}
+        for epoch, loader in cache.epochs(3, batch_size=50, num_workers=workers, **context):
             ids = []
             for batch in loader:
                 ids.extend(_ids(batch))
