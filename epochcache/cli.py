@@ -124,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _setup_logging(verbose: int) -> None:
+    from rich.console import Console
     from rich.logging import RichHandler
 
     level = logging.WARNING if verbose <= 0 else logging.INFO if verbose == 1 else logging.DEBUG
@@ -132,7 +133,9 @@ def _setup_logging(verbose: int) -> None:
         level=level,
         format="%(message)s",
         datefmt="[%X]",
-        handlers=[RichHandler(show_path=False, rich_tracebacks=False, console=None)],
+        # stderr: stdout carries what commands print (`status --json` pipes into jq).
+        handlers=[RichHandler(show_path=False, rich_tracebacks=False,
+                              console=Console(stderr=True))],
     )
     if verbose < 2:
         for noisy in ("botocore", "aiobotocore", "s3fs", "fsspec", "urllib3", "asyncio"):

@@ -32,7 +32,7 @@ from .rawnpy import NpyTemplate, fields_of
 from .schema import DB_SAMPLES, HEADER, Codec, RecordFlags, seq_keys
 from .schema import seq_key as _pack_seq
 from .stall import watching
-from .store import PROCESS
+from .store import PROCESS, begin_read
 
 if TYPE_CHECKING:
     from .cache import Cache
@@ -189,20 +189,14 @@ class SampleReader:
         env, db, opened_by = self._env_db
         if opened_by is not PROCESS[0]:
             env, db = self._handles()
-        try:
-            txn = env.begin(buffers=True)
-        except lmdb.MapResizedError:
-            env.set_mapsize(0)  # another process grew the map
-            txn = env.begin(buffers=True)
+        txn = begin_read(env)
         try:
             record = txn.get(_pack_seq(seq), None, db)
             if record is None:
                 raise self._missing(seq)
             template = self._template
-            if template is not None:
-                array = template.array_if_matches(record)
-                if array is not None:
-                    return array
+            if template is not None and template.matches(record):
+                return template.array(record)
             template = self._template_of(record)
             if template is not None:
                 return template.array(record)

@@ -1,9 +1,5 @@
-"""Where this process sits in a torchrun job, and the collectives that keep ranks in step.
-
-A node is identified the way torchrun does it -- ``GROUP_RANK``, ``LOCAL_RANK``,
-``LOCAL_WORLD_SIZE``, ``RANK``, ``WORLD_SIZE`` -- never by hostname, so two simulated nodes on
-one machine behave like two real ones. The variables are read when :func:`detect_world` is
-called, never at import.
+"""The collectives that keep the ranks of a torchrun job in step (where a process sits in
+the job is :mod:`epochcache.world`, which needs no torch).
 
 Invariant 8 (DDP never deadlocks on unequal data): ranks sharing a node's cache train on one
 snapshot per epoch, taken by local rank 0 (which holds its lease) and broadcast to the node's
@@ -19,65 +15,18 @@ epoch-end barrier on the training thread.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
+from .world import World, detect_world, dist_initialized
+
+__all__ = ["NodeSync", "World", "barrier", "detect_world", "dist_initialized",
+           "init_run_distributed", "mean_across_ranks", "split_for_rank"]
+
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class World:
-    """This process's place: global rank, node, and rank within the node."""
-
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-    local_world_size: int = 1
-    node_rank: int = 0
-
-    @property
-    def distributed(self) -> bool:
-        return self.world_size > 1
-
-
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"environment variable {name}={raw!r} is not an integer "
-                         "(set by torchrun; unset it or fix it)") from None
-
-
-def dist_initialized() -> bool:
-    return bool(torch.distributed.is_available() and torch.distributed.is_initialized())
-
-
-def detect_world() -> World:
-    """Read the torchrun variables now; with torch.distributed initialised its rank wins.
-
-    Raises:
-        ValueError: a variable is not an integer, or they contradict each other.
-    """
-    rank, world_size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
-    if dist_initialized():
-        rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)
-    local_rank = _env_int("LOCAL_RANK", rank % max(local_world_size, 1))
-    node_rank = _env_int("GROUP_RANK", rank // max(local_world_size, 1))
-    if not 0 <= local_rank < local_world_size or not 0 <= rank < world_size:
-        raise ValueError(
-            f"inconsistent torchrun environment: RANK={rank} WORLD_SIZE={world_size} "
-            f"LOCAL_RANK={local_rank} LOCAL_WORLD_SIZE={local_world_size}"
-        )
-    return World(rank, world_size, local_rank, local_world_size, node_rank)
 
 
 def split_for_rank(order: np.ndarray, world: World) -> np.ndarray:
@@ -149,12 +98,22 @@ class NodeSync:
         torch.distributed.barrier(group=self.main_group)
 
     def close(self) -> None:
-        for group in {id(g): g for g in (self.prep_group, self.main_group, self.node_group)
-                      if g is not None}.values():
+        """Destroy the groups and drop them, here on the calling (training) thread.
+
+        A ProcessGroup's last reference must not go away on a background thread at
+        interpreter exit: its destructor releases and retakes the GIL, and a daemon thread that
+        retakes the GIL during finalization is ended mid-destructor (std::terminate: "terminate
+        called without an active exception", a rank aborted).
+        """
+        groups = {id(g): g for g in (self.prep_group, self.main_group, self.node_group)
+                  if g is not None}
+        self.prep_group = self.main_group = self.node_group = None
+        for group in groups.values():
             try:
                 torch.distributed.destroy_process_group(group)
             except (RuntimeError, ValueError):
                 log.debug("could not destroy a NodeSync group", exc_info=True)
+        groups.clear()
 
 
 def init_run_distributed(world: World) -> bool:

@@ -124,8 +124,14 @@ class _Lane:
         return future
 
     def _run(self) -> None:
-        while (task := self._tasks.get()) is not None:
+        while True:
+            task = self._tasks.get()
+            if task is None:
+                return
             _run_into(*task)
+            # Hold nothing while idle: a task's references (the epochs() state, its process
+            # groups) must be dropped by the thread that owns them, not by this one at exit.
+            del task
 
     def close(self, timeout: float | None = None) -> None:
         """Stop after the tasks already given; wait up to ``timeout`` for them."""
@@ -337,9 +343,10 @@ class _Epochs:
                 it = getattr(loader_, "_iterator", None)
                 if it is not None and hasattr(it, "_shutdown_workers"):
                     it._shutdown_workers()
-            for name, lane in self.lanes.items():
-                # Leases are released before epochs() returns; the others have nothing left.
-                lane.close(timeout=60 if name == "release" else 0)
+            for lane in self.lanes.values():
+                # Leases are released before epochs() returns, and no lane outlives this
+                # generator holding references to its state (see _Lane._run).
+                lane.close(timeout=60)
             if self.sync is not None:
                 self.sync.close()
 

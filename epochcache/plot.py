@@ -9,16 +9,32 @@ fraction per epoch.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
+import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import matplotlib
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
 
-matplotlib.use("Agg")  # headless: no display on training nodes
+INSTALL_HINT = "pip install 'epochcache[plot]'"
 
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.axes import Axes  # noqa: E402
+
+def available() -> bool:
+    """Whether matplotlib (an extra) is installed."""
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def _pyplot() -> Any:
+    """matplotlib.pyplot, headless. Imported on first plot, not with this module: every CLI
+    command registers ``plot``, and pyplot costs ~0.3 s to import."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # headless: no display on training nodes
+    import matplotlib.pyplot as plt
+
+    return plt
 
 _GIB = 1024**3
 
@@ -89,6 +105,7 @@ def _fill_axes(
 
 def plot_cache(history: Sequence[dict[str, Any]], out: str | os.PathLike[str], title: str = "") -> None:
     """Cache fill against capacity, and ingest/eviction rates, over time."""
+    plt = _pyplot()
     fig, (ax_fill, ax_rate) = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
     _fill_axes(ax_fill, ax_rate, history)
     if title:
@@ -104,6 +121,7 @@ def plot_run(
     title: str = "",
 ) -> None:
     """A run's four panels: loss, data-wait fraction per epoch, cache fill, rates."""
+    plt = _pyplot()
     fig, axes = plt.subplots(2, 2, figsize=(11, 7.5), constrained_layout=True)
     epochs = [row["epoch"] for row in metrics]
     ax = axes[0][0]
@@ -145,6 +163,9 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     from .cache import Cache
     from .errors import CacheError
 
+    if not available():
+        print(f"epochcache plot: needs matplotlib ({INSTALL_HINT})", file=sys.stderr)
+        return 2
     if not os.path.isdir(args.cache_dir):
         raise CacheError(f"{args.cache_dir}: no such directory")
     cache = Cache(args.cache_dir, readonly=True)

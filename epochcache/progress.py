@@ -26,10 +26,12 @@ def wait_for_samples(cache: Cache, min_samples: int, timeout_s: float | None = N
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     log.info("%s: waiting until %d samples are cached (%d now); is the daemon running?",
              cache.path, min_samples, count)
+    from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
     progress = Progress("waiting for samples", BarColumn(), MofNCompleteColumn(),
-                        TimeElapsedColumn(), transient=True, disable=not sys.stderr.isatty())
+                        TimeElapsedColumn(), transient=True, console=Console(stderr=True),
+                        disable=not sys.stderr.isatty())
     last_log = time.monotonic()
     with progress:
         task = progress.add_task("fill", total=min_samples, completed=count)

@@ -30,13 +30,13 @@ _SUFFIX = b".npy"
 class NpyTemplate:
     """What every raw ``.npy`` record of one array shape and key length has in common.
 
-    A record ``r`` matches when ``len(r) == size``, ``fields(r) == head`` and
-    ``bytes(r[lo:hi]) == prefix`` (both tested by ``check(r) == expect``); its array data is
-    then ``r[hi:]``, ``nbytes`` long.
+    A record ``r`` matches when ``len(r) == size`` and ``check(r) == expect``: one C call
+    compares its header fields (``head``) and the bytes from the key's suffix to the end of the
+    ``.npy`` header (``r[lo:hi]``). Its array data is then ``r[hi:]``, ``nbytes`` long.
     """
 
-    __slots__ = ("size", "head", "lo", "hi", "prefix", "dtype", "count", "shape", "nbytes",
-                 "flat", "check", "expect")
+    __slots__ = ("size", "head", "lo", "hi", "dtype", "shape", "nbytes", "flat", "check",
+                 "expect")
 
     def __init__(self, record: memoryview, key_len: int, header_len: int, dtype: np.dtype[Any],
                  count: int, shape: tuple[int, ...], nbytes: int) -> None:
@@ -44,13 +44,11 @@ class NpyTemplate:
         self.hi = HEADER.size + key_len + header_len
         self.size = self.hi + nbytes
         self.head = _FIELDS.unpack_from(record)
-        self.prefix = bytes(record[self.lo : self.hi])
-        self.dtype, self.count, self.shape, self.nbytes = dtype, count, shape, nbytes
+        self.dtype, self.shape, self.nbytes = dtype, shape, nbytes
         self.flat = shape == (count,)
-        # ``check(r) == expect`` tests the header fields and the prefix in one C call.
         self.check = struct.Struct(
             f"{_FIELDS.format}{self.lo - HEADER.size}x{self.hi - self.lo}s").unpack_from
-        self.expect = (*self.head, self.prefix)
+        self.expect = (*self.head, bytes(record[self.lo : self.hi]))
 
     @classmethod
     def of(cls, record: memoryview) -> NpyTemplate | None:
@@ -83,13 +81,6 @@ class NpyTemplate:
     def array(self, record: memoryview) -> np.ndarray:
         """A copy of a matching record's array (it must outlive the read transaction)."""
         # Slicing the view first is cheaper than frombuffer's count/offset arguments.
-        flat = np.frombuffer(record[self.hi :], self.dtype)
-        return flat.copy() if self.flat else flat.reshape(self.shape).copy()
-
-    def array_if_matches(self, record: memoryview) -> np.ndarray | None:
-        """:meth:`array` if ``record`` matches, else None: the per-sample hot path in one call."""
-        if len(record) != self.size or self.check(record) != self.expect:
-            return None
         flat = np.frombuffer(record[self.hi :], self.dtype)
         return flat.copy() if self.flat else flat.reshape(self.shape).copy()
 

@@ -261,10 +261,10 @@ class Run:
         )
 
     def write_plots(self) -> Path | None:
-        try:
-            from .plot import plot_run
-        except ImportError:  # matplotlib is an extra
-            log.info("matplotlib is not installed: no plot (pip install 'epochcache[plot]')")
+        from .plot import INSTALL_HINT, available, plot_run
+
+        if not available():  # matplotlib is an extra
+            log.info("matplotlib is not installed: no plot (%s)", INSTALL_HINT)
             return None
         cache = Cache(self.config.cache.dir, readonly=True)
         try:
@@ -293,7 +293,7 @@ def run_training(config: EpochcacheConfig, *, resume: bool = False) -> int:
     the run directory (config, metrics, checkpoints, plots), local rank 0 of each node runs the
     node's daemon, and the other ranks of a node share its cache through ``cache.epochs()``.
     """
-    from .distributed import barrier, detect_world, init_run_distributed
+    from .world import detect_world
 
     world = detect_world()
     run = Run(config, resume=resume, is_main=world.rank == 0)
@@ -304,6 +304,8 @@ def run_training(config: EpochcacheConfig, *, resume: bool = False) -> int:
         if world.local_rank == 0:
             # Lists the source first: an unreachable one exits 2 before the run dir is written.
             run.start_daemon()
+        from .distributed import barrier, init_run_distributed  # torch: after the checks
+
         created_group = init_run_distributed(world)
         barrier()  # the demo data and the node's daemon exist before any rank trains
         if run.is_main:

@@ -67,6 +67,18 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+def begin_read(env: lmdb.Environment) -> lmdb.Transaction:
+    """A read transaction (buffers into the map); survives another process growing the map.
+
+    The caller aborts it. Hot paths call this directly instead of :meth:`Store.read`.
+    """
+    try:
+        return env.begin(buffers=True)
+    except lmdb.MapResizedError:
+        env.set_mapsize(0)  # adopt the size another process set
+        return env.begin(buffers=True)
+
+
 def map_bound(limit_bytes: int) -> int:
     """The largest LMDB map (and so the largest data file) for a cache of ``limit_bytes``."""
     return max(MIN_MAP_SIZE, int(limit_bytes * (1 + MAP_SLACK)) + MIN_MAP_SIZE)
@@ -223,12 +235,7 @@ class Store:
     @contextlib.contextmanager
     def read(self) -> Iterator[lmdb.Transaction]:
         """A short read transaction; survives another process growing the map."""
-        env = self.env
-        try:
-            txn = env.begin(buffers=True)
-        except lmdb.MapResizedError:
-            env.set_mapsize(0)  # adopt the size another process set
-            txn = env.begin(buffers=True)
+        txn = begin_read(self.env)
         try:
             yield txn
         finally:
@@ -242,12 +249,7 @@ class Store:
         The hot read path, so no context manager around it. ``fn`` must copy what it keeps:
         the buffers point into the map and are valid only inside the transaction.
         """
-        env = self.env
-        try:
-            txn = env.begin(buffers=True)
-        except lmdb.MapResizedError:
-            env.set_mapsize(0)
-            txn = env.begin(buffers=True)
+        txn = begin_read(self.env)
         try:
             get = txn.get
             return [None if (value := get(key, None, db)) is None else fn(value) for key in keys]

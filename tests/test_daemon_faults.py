@@ -38,10 +38,9 @@ from common.daemonproc import SAMPLE_BYTES, upload
 pytestmark = pytest.mark.timeout(120)
 
 
-def test_sigkill_of_one_sampler_restarts_it_and_loses_nothing(
-    s3: S3Env, tmp_path: Path, start_daemon: Any
-) -> None:
-    n = 400
+def _throttled_daemon(s3: S3Env, tmp_path: Path, start_daemon: Any,
+                      n: int) -> tuple[list[str], Path, Path, Any, dict[str, Any]]:
+    """A daemon filling from ``n`` uploaded files, slowed down so that a test can act mid-way."""
     keys = upload(s3.url, s3.storage_options, "ds", n, "files")
     cache_dir = tmp_path / "cache"
     config = write_config(
@@ -49,7 +48,14 @@ def test_sigkill_of_one_sampler_restarts_it_and_loses_nothing(
         sampler={"bandwidth_limit": 600_000},
     )
     daemon = start_daemon(config)
-    state = wait_running(daemon, cache_dir)
+    return keys, cache_dir, config, daemon, wait_running(daemon, cache_dir)
+
+
+def test_sigkill_of_one_sampler_restarts_it_and_loses_nothing(
+    s3: S3Env, tmp_path: Path, start_daemon: Any
+) -> None:
+    n = 400
+    keys, cache_dir, _config, daemon, state = _throttled_daemon(s3, tmp_path, start_daemon, n)
     victim = state["samplers"]["0"]["pid"]
     other = state["samplers"]["1"]["pid"]
     wait_cached(daemon, cache_dir, 60)
@@ -74,14 +80,7 @@ def test_sigkill_of_the_daemon_leaves_no_orphans_and_a_clean_cache(
     s3: S3Env, tmp_path: Path, start_daemon: Any
 ) -> None:
     n = 400
-    keys = upload(s3.url, s3.storage_options, "ds", n, "files")
-    cache_dir = tmp_path / "cache"
-    config = write_config(
-        tmp_path / "cfg.yaml", url=s3.url("ds"), cache_dir=cache_dir, storage_options=s3.storage_options,
-        sampler={"bandwidth_limit": 600_000},
-    )
-    daemon = start_daemon(config)
-    state = wait_running(daemon, cache_dir)
+    keys, cache_dir, config, daemon, state = _throttled_daemon(s3, tmp_path, start_daemon, n)
     samplers = [s["pid"] for s in state["samplers"].values()]
     wait_cached(daemon, cache_dir, 60)
     assert len(daemon.session_pids()) >= 3  # daemon + 2 samplers (+ multiprocessing's tracker)

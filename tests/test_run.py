@@ -360,7 +360,7 @@ def test_resume_continues_at_the_next_epoch(tmp_path: Path) -> None:
     rows = read_metrics(run_dir)
     assert [row["epoch"] for row in rows] == [0, 1, 2], rows
     assert rows[:2] == before  # the earlier epochs are kept, not redone
-    logs = second.stdout + second.stderr  # rich logs to stdout
+    logs = second.stdout + second.stderr  # rich logs go to stderr
     assert "epoch 2:" in logs and "epoch 0:" not in logs and "epoch 1:" not in logs, second
     assert load_checkpoint(run_dir / "checkpoint.pt")["epoch"] == 2
     # the model was restored: epoch 2 starts where epoch 1 ended, far below a fresh model's loss
@@ -639,3 +639,18 @@ def test_config_command_on_the_demo_config() -> None:
     shown = yaml.safe_load(result.stdout)
     assert shown["cache"]["capacity"] == 8 * 1024**2
     assert shown["train"]["entrypoint"] == "epochcache.examples:train_epoch"
+
+
+def test_cli_starts_without_importing_torch_or_pyplot(tmp_path: Path) -> None:
+    # Every command builds the whole parser; `status` and a failing `run` must stay quick.
+    code = (
+        "import sys\n"
+        "from epochcache.cli import build_parser, main\n"
+        "build_parser()\n"
+        f"assert main(['status', {str(tmp_path / 'none')!r}]) != 0\n"
+        "heavy = [m for m in ('torch', 'matplotlib.pyplot') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
