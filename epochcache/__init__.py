@@ -8,7 +8,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .cache import Cache
-from .writer import PutResult
 from .errors import (
     CacheCorrupted,
     CacheError,
@@ -26,7 +25,7 @@ from .errors import (
     SourceError,
     SourceUnavailable,
 )
-from .snapshot import Snapshot
+from .store import PutResult, Snapshot
 
 __version__ = "0.1.0"
 
@@ -44,7 +43,7 @@ def load_config(path: str) -> Config:
 def __getattr__(name: str) -> Any:
     # EpochDataset imports torch: load it only when asked for.
     if name == "EpochDataset":
-        from .dataset import EpochDataset
+        from .data.dataset import EpochDataset
 
         return EpochDataset
     raise AttributeError(f"module 'epochcache' has no attribute {name!r}")

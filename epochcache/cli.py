@@ -21,10 +21,9 @@ log = logging.getLogger("epochcache")
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
-#: Subcommand modules register themselves here: name -> (module, function adding the parser).
+#: Subcommand modules register themselves here: (module, function adding the parser).
 _EXTENSIONS: list[tuple[str, str]] = [
     ("epochcache.demo", "add_demo_data_parser"),
-    ("epochcache.daemon", "add_daemon_parser"),
     ("epochcache.run", "add_run_parser"),
     ("epochcache.run", "add_config_parser"),
     ("epochcache.plot", "add_plot_parser"),
@@ -32,18 +31,18 @@ _EXTENSIONS: list[tuple[str, str]] = [
 
 
 def _open_cache_readonly(path: str) -> Any:
-    from .cache import Cache
+    from .store import SampleStore
 
     if not os.path.isdir(path):
         raise CacheError(f"{path}: no such directory (is this the cache.dir of your config?)")
-    return Cache(path, readonly=True)
+    return SampleStore(path, readonly=True)
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.live import Live
 
-    from .status import collect_stats, render
+    from .store.status import collect_stats, render
 
     cache = _open_cache_readonly(args.cache_dir)
     try:
@@ -65,8 +64,15 @@ def _cmd_status(args: argparse.Namespace) -> int:
         cache.close()
 
 
+def _cmd_daemon(args: argparse.Namespace) -> int:
+    from .config import load_config
+    from .ingest.daemon import run_daemon
+
+    return run_daemon(load_config(args.config))
+
+
 def _cmd_verify(args: argparse.Namespace) -> int:
-    from .verify import verify_cache
+    from .store.verify import verify_cache
 
     if not os.path.isdir(args.cache_dir):
         raise CacheError(f"{args.cache_dir}: no such directory")
@@ -102,6 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
     status.set_defaults(func=_cmd_status)
 
+    daemon = sub.add_parser(
+        "daemon", help="run the sampler processes that fill the cache, until SIGTERM/SIGINT"
+    )
+    daemon.add_argument("config", help="YAML config with source, cache and sampler sections")
+    daemon.set_defaults(func=_cmd_daemon)
+
     verify = sub.add_parser("verify", help="check every stored sample and the counters")
     verify.add_argument("cache_dir")
     verify.add_argument("--repair", action="store_true", help="remove corrupt samples, rebuild counters")
@@ -111,15 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     import importlib
 
     for module_name, function in _EXTENSIONS:
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if exc.name != module_name:
-                raise
-            continue
-        add: Callable[[Any], Any] | None = getattr(module, function, None)
-        if add is not None:
-            add(sub)
+        add: Callable[[Any], Any] = getattr(importlib.import_module(module_name), function)
+        add(sub)
     return parser
 
 

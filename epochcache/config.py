@@ -41,12 +41,12 @@ from pydantic import (
     model_validator,
 )
 
-from epochcache import _config_env as env
-from epochcache.errors import ConfigError
-from epochcache.remote import REDACTED, redact_options, scrub, secret_values
-from epochcache.units import parse_duration, parse_size
+from . import _config_env as env
+from .errors import ConfigError
+from .redact import REDACTED, redact_options, scrub, secret_values
+from .units import headroom_bytes, parse_duration, parse_headroom, parse_size
 
-logger = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 _ENTRYPOINT = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
@@ -66,19 +66,10 @@ def _duration(value: Any) -> Any:
 
 
 def _headroom(value: Any) -> Any:
-    """A fraction of capacity (``0.1``, ``1.0``, ``"10%"``) stays a float; a size becomes int bytes."""
-    if isinstance(value, str) and value.strip().endswith("%"):
-        value = float(value.strip()[:-1]) / 100.0
-        if not 0 <= value <= 10:
-            raise ValueError("a percentage of capacity must be between 0% and 1000%")
-        return value
-    if isinstance(value, float):
-        if not 0 <= value <= 10:
-            raise ValueError("a fraction of capacity must be between 0.0 and 10.0 (or give a size such as 2GiB)")
-        return value
+    """A fraction of capacity (``0.1``, ``"10%"``) stays a float; a size becomes int bytes."""
     if isinstance(value, int) and not isinstance(value, bool) and value == 0:
         return 0.0
-    return parse_size(value, name="headroom")
+    return parse_headroom(value)
 
 
 Check = Literal["size", "checksum", "format"]
@@ -133,11 +124,9 @@ class SourceConfig(_Section):
             raise ValueError("shards is only used with layout: tar (remove it or set layout: tar)")
         if self.manifest is not None:
             fmt = self.manifest_format
-            if fmt == "auto":
-                from epochcache.sources.manifest import detect_format
-
-                fmt = detect_format(self.manifest)  # type: ignore[assignment]
-            if fmt == "parquet" and not env.pyarrow_available():
+            name = self.manifest.lower().removesuffix(".gz")
+            parquet = fmt == "parquet" or (fmt == "auto" and name.endswith(".parquet"))
+            if parquet and not env.pyarrow_available():
                 raise ValueError(
                     "a Parquet manifest needs pyarrow (pip install pyarrow); or use .csv/.jsonl/.txt"
                 )
@@ -177,15 +166,13 @@ class CacheConfig(_Section):
     @property
     def headroom_bytes(self) -> int:
         """Headroom in bytes: a fraction of capacity, or the size given."""
-        if isinstance(self.headroom, float):
-            return int(self.capacity * self.headroom)
-        return int(self.headroom)
+        return headroom_bytes(self.headroom, self.capacity)
 
 
 class SamplerConfig(_Section):
     """The background samplers (section ``sampler``).
 
-    ``timeout_s`` and ``max_retries`` default to ``source.timeout_s`` and ``source.retries``.
+    Timeouts and retries of remote calls are ``source.timeout_s`` and ``source.retries``.
     ``node_rank``/``num_nodes`` default to the torchrun environment, read by :meth:`node`.
     """
 
@@ -197,8 +184,6 @@ class SamplerConfig(_Section):
     num_nodes: int | None = Field(default=None, ge=1)
     batch_size: int = Field(default=64, ge=1, description="samples per cache commit")
     bandwidth_limit: Annotated[int, BeforeValidator(_rate), Field(gt=0)] | None = None
-    max_retries: int | None = Field(default=None, ge=1, le=100)
-    timeout_s: Duration | None = None
     check: bool = True
 
     @model_validator(mode="after")
@@ -269,14 +254,6 @@ class EpochcacheConfig(_Section):
     _secret_paths: set[str] = PrivateAttr(default_factory=set)
     _secret_values: set[str] = PrivateAttr(default_factory=set)
     _origin: str = PrivateAttr(default="<dict>")
-
-    @model_validator(mode="after")
-    def _fill_sampler_defaults(self) -> EpochcacheConfig:
-        if self.sampler.timeout_s is None:
-            self.sampler.timeout_s = self.source.timeout_s
-        if self.sampler.max_retries is None:
-            self.sampler.max_retries = self.source.retries
-        return self
 
     @property
     def origin(self) -> str:

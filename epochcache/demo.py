@@ -28,9 +28,9 @@ from typing import Any, Literal
 
 import numpy as np
 
-from epochcache.remote import join_url, open_fs, translate_errors
+from .ingest.remote import join_url, open_fs, translate_errors
 
-logger = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 _WRITE_BATCH = 256  # objects per fs.pipe call: concurrent on async filesystems, bounded memory
 
@@ -72,6 +72,33 @@ def _tar_shard(items: list[tuple[str, bytes, int]]) -> bytes:
                 info.size, info.mode, info.mtime = len(data), 0o644, 0
                 archive.addfile(info, io.BytesIO(data))
     return buffer.getvalue()
+
+
+def _files_objects(payloads: list[bytes], labels: list[int]
+                   ) -> tuple[dict[str, bytes], list[dict[str, Any]]]:
+    """One ``.npy`` object per sample, and its manifest rows (key, size, checksum, label)."""
+    objects: dict[str, bytes] = {}
+    rows: list[dict[str, Any]] = []
+    for index, (payload, label) in enumerate(zip(payloads, labels)):
+        key = f"sample-{index:06d}.npy"
+        objects[key] = payload
+        rows.append({"key": key, "size": len(payload),
+                     "checksum": hashlib.sha256(payload).hexdigest(), "label": label})
+    return objects, rows
+
+
+def _tar_objects(payloads: list[bytes], labels: list[int], samples_per_shard: int
+                 ) -> tuple[dict[str, bytes], list[dict[str, Any]]]:
+    """WebDataset shards of ``samples_per_shard`` samples, and their manifest rows."""
+    objects: dict[str, bytes] = {}
+    rows: list[dict[str, Any]] = []
+    for shard, start in enumerate(range(0, len(payloads), samples_per_shard)):
+        stop = min(len(payloads), start + samples_per_shard)
+        data = _tar_shard([(f"{i:06d}", payloads[i], labels[i]) for i in range(start, stop)])
+        key = f"shard-{shard:06d}.tar"
+        objects[key] = data
+        rows.append({"key": key, "size": len(data), "checksum": hashlib.sha256(data).hexdigest()})
+    return objects, rows
 
 
 def _manifests(rows: list[dict[str, Any]]) -> dict[str, bytes]:
@@ -135,30 +162,10 @@ def write_demo_data(
     for name in layouts:
         sub_url = join_url(url, name) if layout == "both" else url
         sub_root = join_url(root, name) if layout == "both" else root
-        objects: dict[str, bytes] = {}
-        rows: list[dict[str, Any]] = []
         if name == "files":
-            for index, (payload, label) in enumerate(zip(payloads, labels)):
-                key = f"sample-{index:06d}.npy"
-                objects[key] = payload
-                rows.append(
-                    {
-                        "key": key,
-                        "size": len(payload),
-                        "checksum": hashlib.sha256(payload).hexdigest(),
-                        "label": label,
-                    }
-                )
+            objects, rows = _files_objects(payloads, labels)
         else:
-            for shard, start in enumerate(range(0, samples, samples_per_shard)):
-                stop = min(samples, start + samples_per_shard)
-                items = [(f"{i:06d}", payloads[i], labels[i]) for i in range(start, stop)]
-                data = _tar_shard(items)
-                key = f"shard-{shard:06d}.tar"
-                objects[key] = data
-                rows.append(
-                    {"key": key, "size": len(data), "checksum": hashlib.sha256(data).hexdigest()}
-                )
+            objects, rows = _tar_objects(payloads, labels, samples_per_shard)
         objects.update(_manifests(rows))
         _write_objects(fs, sub_root, sub_url, objects)
         summary["layouts"][name] = {
@@ -167,7 +174,7 @@ def write_demo_data(
             "bytes": sum(len(v) for v in objects.values()),
             "keys": len(rows),
         }
-        logger.info("demo data: wrote %d %s objects to %s", len(objects), name, sub_url)
+        log.info("demo data: wrote %d %s objects to %s", len(objects), name, sub_url)
     return summary
 
 

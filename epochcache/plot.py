@@ -160,7 +160,7 @@ def plot_run(
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
-    from .cache import Cache
+    from .store import SampleStore
     from .errors import CacheError
 
     if not available():
@@ -168,7 +168,7 @@ def _cmd_plot(args: argparse.Namespace) -> int:
         return 2
     if not os.path.isdir(args.cache_dir):
         raise CacheError(f"{args.cache_dir}: no such directory")
-    cache = Cache(args.cache_dir, readonly=True)
+    cache = SampleStore(args.cache_dir, readonly=True)
     try:
         history = cache.history()
     finally:

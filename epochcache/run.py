@@ -25,7 +25,7 @@ from typing import Any
 
 from .cache import Cache
 from .config import EpochcacheConfig, load_config
-from .daemon import Daemon, DaemonLock
+from .ingest.daemon import Daemon, DaemonLock
 from .errors import ConfigError
 from .units import format_size
 
@@ -125,7 +125,7 @@ def ensure_demo_data(config: EpochcacheConfig) -> None:
     if samples is None:
         return
     from .demo import write_demo_data
-    from .remote import open_fs, translate_errors
+    from .ingest.remote import open_fs, translate_errors
 
     url = config.source.url
     with translate_errors(url):  # an unreachable remote is SourceUnavailable (exit 2), not a traceback
@@ -228,7 +228,7 @@ class Run:
         before = cache.counters()
         timed = _TimedLoader(loader)
         started = time.perf_counter()
-        from .distributed import mean_across_ranks
+        from .data.distributed import mean_across_ranks
 
         result = mean_across_ranks(dict(self.train_fn(context, epoch, timed) or {}))
         elapsed = time.perf_counter() - started
@@ -293,7 +293,7 @@ def run_training(config: EpochcacheConfig, *, resume: bool = False) -> int:
     the run directory (config, metrics, checkpoints, plots), local rank 0 of each node runs the
     node's daemon, and the other ranks of a node share its cache through ``cache.epochs()``.
     """
-    from .world import detect_world
+    from .data.world import detect_world
 
     world = detect_world()
     run = Run(config, resume=resume, is_main=world.rank == 0)
@@ -304,7 +304,7 @@ def run_training(config: EpochcacheConfig, *, resume: bool = False) -> int:
         if world.local_rank == 0:
             # Lists the source first: an unreachable one exits 2 before the run dir is written.
             run.start_daemon()
-        from .distributed import barrier, init_run_distributed  # torch: after the checks
+        from .data.distributed import barrier, init_run_distributed  # torch: after the checks
 
         created_group = init_run_distributed(world)
         barrier()  # the demo data and the node's daemon exist before any rank trains

@@ -72,6 +72,31 @@ def parse_duration(value: int | float | str, *, name: str = "duration") -> float
     return number * _DURATION_UNITS[unit]
 
 
+def parse_headroom(value: float | int | str, *, name: str = "headroom") -> float | int:
+    """A fraction of capacity (``0.1``, ``"10%"``) as a float, or a size (``"2GiB"``, ``500``) as
+    int bytes: :func:`headroom_bytes` turns either into bytes for a given capacity.
+
+    Raises:
+        ValueError: a fraction outside [0, 10] or not a size; the message names ``name``.
+    """
+    if isinstance(value, str) and value.strip().endswith("%"):
+        try:
+            value = float(value.strip()[:-1]) / 100
+        except ValueError:
+            raise ValueError(f"{name}: cannot read {value!r} as a percentage") from None
+    if isinstance(value, float):
+        if not 0 <= value <= 10:
+            raise ValueError(f"{name}: a fraction of capacity must be between 0.0 and 10.0 "
+                             f"(0%-1000%), or give a size such as 2GiB; got {value!r}")
+        return value
+    return parse_size(value, name=name)
+
+
+def headroom_bytes(headroom: float | int, capacity_bytes: int) -> int:
+    """Bytes of a headroom from :func:`parse_headroom`: a fraction of the capacity, or a size."""
+    return int(capacity_bytes * headroom) if isinstance(headroom, float) else int(headroom)
+
+
 def format_size(num_bytes: float) -> str:
     """Render bytes with a binary unit, e.g. ``1.5 GiB``."""
     value = float(num_bytes)

@@ -34,7 +34,7 @@ import lmdb
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from epochcache import Cache  # noqa: E402
-from epochcache.schema import seq_key  # noqa: E402
+from epochcache.store.schema import seq_key  # noqa: E402
 
 BATCH = 64
 

@@ -131,7 +131,7 @@ def daemon_fill(
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
         with Cache(cache_dir, readonly=True) as cache:
-            healths = cache.states("sampler/")
+            healths = cache.tables.states("sampler/")
             stored = cache.counters().bytes
         started = min(h["started"] for h in healths.values())
         fetched = sum(h["fetched"] for h in healths.values())

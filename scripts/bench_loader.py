@@ -34,7 +34,7 @@ from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from epochcache import Cache  # noqa: E402
-from epochcache.schema import seq_key  # noqa: E402
+from epochcache.store.schema import seq_key  # noqa: E402
 
 FLOATS = 16384  # 64 KiB of float32
 BATCH = 64

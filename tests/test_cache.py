@@ -19,11 +19,11 @@ from typing import Any
 
 import pytest
 
-import epochcache.journal as cache_module
+import epochcache.store.tables as cache_module
 from common.cachecheck import assert_consistent, content_for, digest
 from epochcache import Cache, CacheError, CacheFull, SampleTooLarge
-from epochcache.codec import pack_fields
-from epochcache.schema import HEADER, Codec, RecordFlags
+from epochcache.store.codec import pack_fields
+from epochcache.store.schema import HEADER, Codec, RecordFlags
 
 MakeCache = Callable[..., Cache]
 
@@ -463,7 +463,7 @@ def test_history_and_quarantine_keep_only_the_newest_rows(
     cache = make_cache(50_000)
     for i in range(80):
         cache.append_history({"step": i})
-        cache.quarantine(f"bad/{i}.pkl", "truncated gzip", size=i)
+        cache.tables.quarantine(f"bad/{i}.pkl", "truncated gzip", size=i)
     history = cache.history()
     assert [row["step"] for row in history] == list(range(55, 80))
     assert all({"time", "samples", "bytes", "capacity"} <= set(row) for row in history)
@@ -489,16 +489,16 @@ def test_history_rows_written_in_the_same_nanosecond_are_all_kept(
 def test_state_documents_are_one_row_per_name(make_cache: MakeCache) -> None:
     cache = make_cache(50_000)
     for i in range(200):
-        cache.put_state(f"sampler/{i % 3}", {"position": i})
-    cache.put_state("daemon", {"pid": 1})
-    assert cache.states("sampler/") == {
+        cache.tables.put_state(f"sampler/{i % 3}", {"position": i})
+    cache.tables.put_state("daemon", {"pid": 1})
+    assert cache.tables.states("sampler/") == {
         "sampler/0": {"position": 198},
         "sampler/1": {"position": 199},
         "sampler/2": {"position": 197},
     }
-    assert cache.get_state("daemon") == {"pid": 1}
-    cache.delete_state("daemon")
-    assert cache.get_state("daemon") is None
+    assert cache.tables.get_state("daemon") == {"pid": 1}
+    cache.tables.delete_state("daemon")
+    assert cache.tables.get_state("daemon") is None
     with cache.store.read() as txn:
         assert txn.stat(cache.dbs[b"state"])["entries"] == 3
 

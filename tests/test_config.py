@@ -38,7 +38,7 @@ def test_minimal_config_gets_defaults(tmp_path: Path) -> None:
     assert config.cache.headroom_bytes == int(200 * 2**30 * 0.1)
     assert config.source.layout == "files" and config.source.effective_pattern == "**"
     assert config.sampler.processes == 2 and config.sampler.concurrency == 16
-    assert config.sampler.timeout_s == config.source.timeout_s == 30.0
+    assert config.source.timeout_s == 30.0 and config.source.retries == 5
     assert config.loader.batch_size == 64 and config.loader.allow_pickle is False
     assert config.train.entrypoint == "epochcache.examples:train_epoch"
     assert config.origin.endswith("config.yaml")
@@ -72,6 +72,10 @@ def test_sizes_durations_and_headroom_forms() -> None:
             "unknown key",
         ),
         ({**MINIMAL, "sampler": {"processes": "many"}}, "sampler.processes", "'many'"),
+        # Keys nothing read were removed, not accepted and ignored (source.timeout_s/retries
+        # are the remote settings).
+        ({**MINIMAL, "sampler": {"timeout_s": 5}}, "sampler.timeout_s", "unknown key"),
+        ({**MINIMAL, "sampler": {"max_retries": 3}}, "sampler.max_retries", "unknown key"),
         ({**MINIMAL, "cache": {"dir": "c", "capacity": "-5GiB"}}, "cache.capacity", "-5GiB"),
         ({**MINIMAL, "cache": {"dir": "c", "capacity": -5}}, "cache.capacity", "negative"),
         ({**MINIMAL, "cache": {"dir": "c", "capacity": "12 parsecs"}}, "cache.capacity", "unit"),

@@ -22,8 +22,8 @@ import pytest
 from common.cachecheck import assert_consistent, content_for, full_check
 from common.procs import Proc, spawn_script
 from epochcache import Cache, CacheError, CacheFull
-from epochcache.leases import process_stat
-from epochcache.store import Store
+from epochcache.store.leases import process_stat
+from epochcache.store.env import Store
 
 WRITER = """
 import os, sys
@@ -216,8 +216,8 @@ def test_live_lease_on_a_recycled_pid_is_not_confused(tmp_path: Path) -> None:
         _fill(cache, "old", 40_000)
         snap = cache.snapshot()
         # Rewrite the lease as if our pid had been recycled: same pid, another start time.
-        from epochcache.leases import read_leases, write_lease
-        from epochcache.schema import DB_LEASES
+        from epochcache.store.leases import read_leases, write_lease
+        from epochcache.store.schema import DB_LEASES
 
         def age(txn):  # type: ignore[no-untyped-def]
             [lease] = read_leases(txn, cache.dbs[DB_LEASES])

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from epochcache import Cache
-from epochcache.sampling import KeyOrder
+from epochcache.ingest.keyorder import KeyOrder
 
 from common.cachecheck import full_check, scan
 from common.daemonproc import (

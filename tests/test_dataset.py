@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader
 
 from common.writer import fill, sample_array
 from epochcache import Cache, SnapshotClosed
-from epochcache.dataset import EpochDataset
+from epochcache.data.dataset import EpochDataset
 
 
 @pytest.fixture

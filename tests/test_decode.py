@@ -14,7 +14,7 @@ import torch
 
 from common.writer import npy_bytes
 from epochcache import Cache, DecodeError, PickleNotAllowed
-from epochcache.decode import AutoDecoder, decode_sample, make_decoder
+from epochcache.data.decode import AutoDecoder, decode_sample, make_decoder
 
 
 def _pt(value: object) -> bytes:

@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pytest
 
-from epochcache.config import SourceConfig
+from epochcache.ingest.sources import SourceSpec
 from epochcache.demo import add_demo_data_parser, make_samples, write_demo_data
-from epochcache.sources import open_source
+from epochcache.ingest.sources import open_source
 
 if TYPE_CHECKING:
     from .conftest import S3Env
@@ -52,7 +52,7 @@ def test_both_layouts_on_local_disk(tmp_path: Path) -> None:
 def test_manifest_checksums_verify_through_a_source(tmp_path: Path) -> None:
     write_demo_data(f"file://{tmp_path}", samples=12, layout="tar", samples_per_shard=5)
     source = open_source(
-        SourceConfig(url=f"file://{tmp_path}", layout="tar", manifest="manifest.csv")
+        SourceSpec(url=f"file://{tmp_path}", layout="tar", manifest="manifest.csv")
     )
     results = source.fetch_many(source.list_keys())
     assert len(results) == 12 and all(isinstance(p, dict) for _, p in results)
@@ -93,11 +93,11 @@ def test_memory_url_files_only() -> None:
 def test_s3_both_layouts(s3: S3Env) -> None:
     write_demo_data(s3.url("demo"), samples=30, layout="both", storage_options=s3.storage_options)
     files = open_source(
-        SourceConfig(url=s3.url("demo/files"), pattern="*.npy", storage_options=s3.storage_options)
+        SourceSpec(url=s3.url("demo/files"), pattern="*.npy", storage_options=s3.storage_options)
     )
     assert len(files.list_keys()) == 30
     tar = open_source(
-        SourceConfig(url=s3.url("demo/tar"), layout="tar", storage_options=s3.storage_options)
+        SourceSpec(url=s3.url("demo/tar"), layout="tar", storage_options=s3.storage_options)
     )
     assert sum(1 for _ in tar.fetch_many(tar.list_keys())) == 30
 

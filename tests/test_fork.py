@@ -1,6 +1,7 @@
-"""A Cache opened and used in the parent works in forked children (LMDB is fork-hostile: the
-environment must be reopened in each child, never used or closed through the parent's handle),
-and the parent keeps working afterwards.
+"""A Cache opened and used in the parent works in forked children, and the parent keeps
+working afterwards. LMDB is fork-hostile: a child must not open the same files a second time nor
+close the inherited environment (that would clear the parent's reader slots), so the child adopts
+the environment it inherited (``epochcache.store.env._after_fork_in_child``) and never closes it.
 """
 
 from __future__ import annotations

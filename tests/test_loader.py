@@ -12,7 +12,7 @@ import torch
 
 from common.writer import Writer, fill
 from epochcache import Cache
-from epochcache.loader import PrepareFailed, epoch_order
+from epochcache.data.epochs import PrepareFailed, epoch_order
 
 
 def _ids(batch: torch.Tensor) -> list[int]:
@@ -171,7 +171,7 @@ def test_min_samples_beyond_capacity_fails_instead_of_waiting_forever(tmp_path: 
     """A cache that starts evicting before min_samples are cached can never reach them."""
     import threading
 
-    from epochcache.progress import wait_for_samples
+    from epochcache.data.wait import wait_for_samples
 
     cache = Cache(tmp_path / "small", capacity="64KiB", headroom=0.0)
     stop = threading.Event()

@@ -15,7 +15,7 @@ import torch
 
 from common.writer import npy_bytes, sample_array
 from epochcache import Cache
-from epochcache.rawnpy import NpyTemplate
+from epochcache.data.rawnpy import NpyTemplate
 
 
 def _general(cache: Cache, ds: object, indices: list[int]) -> list[object]:
@@ -91,7 +91,7 @@ def _outcome(fn: object) -> object:
                                  "not/npy/0000001.bin", "fortran/000001.npy"])
 def test_batches_with_an_odd_sample_give_what_the_general_path_gives(cache: Cache,
                                                                       odd: str) -> None:
-    from epochcache.collate import collate_samples
+    from epochcache.data.collate import collate_samples
 
     with cache.dataset() as ds:
         keys = [ds.key(i) for i in range(len(ds))]
@@ -112,7 +112,7 @@ def test_batches_with_an_odd_sample_give_what_the_general_path_gives(cache: Cach
 def test_template_rejects_what_it_cannot_copy() -> None:
     import struct
 
-    from epochcache.schema import HEADER
+    from epochcache.store.schema import HEADER
 
     def record(key: str, payload: bytes, codec: int = 0, flags: int = 0) -> memoryview:
         raw = key.encode()

@@ -51,8 +51,8 @@ def test_slow_read_on_the_raw_npy_fast_path_names_the_key(tmp_path: Path,
     # Raw 4 KiB arrays take that path; the stall is injected into its per-record check (the
     # one call in the loop besides LMDB's get) for sample 7, standing in for a page fault on a
     # stuck disk.
-    from epochcache.rawnpy import NpyTemplate
-    from epochcache.schema import HEADER
+    from epochcache.data.rawnpy import NpyTemplate
+    from epochcache.store.schema import HEADER
 
     fill(str(tmp_path / "c"), 0, 16, floats=1024)
     cache = Cache(tmp_path / "c", sync=False)
@@ -83,7 +83,7 @@ def test_slow_read_on_the_raw_npy_fast_path_names_the_key(tmp_path: Path,
 
 
 def test_a_key_that_cannot_be_resolved_still_gets_a_report() -> None:
-    from epochcache.stall import Activity
+    from epochcache.data.stall import Activity
 
     activity = Activity("batch")
     activity.key, activity.resolve = b"\x00" * 8, lambda token: 1 / 0  # type: ignore[assignment]

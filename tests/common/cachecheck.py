@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from epochcache import Cache
-from epochcache.codec import check_record, decode_payload, pack_fields
-from epochcache.counters import Counters
+from epochcache.store.codec import check_record, decode_payload, pack_fields
+from epochcache.store.counters import Counters
 from epochcache.errors import CacheCorrupted
-from epochcache.leases import read_leases
-from epochcache.schema import DB_KEYS, DB_LEASES, DB_META, DB_SAMPLES, seq_of, unpack_u64
+from epochcache.store.leases import read_leases
+from epochcache.store.schema import DB_KEYS, DB_LEASES, DB_META, DB_SAMPLES, seq_of, unpack_u64
 
 
 def content_for(key: str, size: int | None = None, *, compressible: bool | None = None) -> bytes:
@@ -146,7 +146,7 @@ def full_check(path: str) -> CacheState:
     finally:
         cache.close()
     try:
-        from epochcache.verify import verify_cache
+        from epochcache.store.verify import verify_cache
     except ImportError:  # pragma: no cover - verify not written yet
         return state
     report = verify_cache(path)

@@ -106,12 +106,12 @@ def cache_len(cache_dir: Path) -> int:
 
 
 def daemon_state(cache_dir: Path) -> dict[str, Any] | None:
-    return read_cache(cache_dir, lambda c: c.get_state("daemon"))
+    return read_cache(cache_dir, lambda c: c.tables.get_state("daemon"))
 
 
 def sampler_states(cache_dir: Path) -> dict[str, dict[str, Any]]:
     """The samplers' own health documents (``sampler/<i>``)."""
-    return read_cache(cache_dir, lambda c: c.states("sampler/")) or {}
+    return read_cache(cache_dir, lambda c: c.tables.states("sampler/")) or {}
 
 
 def _proc_stat(pid: int) -> tuple[str, int, int] | None:

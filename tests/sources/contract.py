@@ -18,10 +18,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from epochcache.config import SourceConfig
+from epochcache.ingest.sources import SourceSpec
 from epochcache.demo import write_demo_data
 from epochcache.errors import CorruptSample, PermanentRemoteError, SourceUnavailable
-from epochcache.sources import list_keys_cached, open_source, source_fingerprint
+from epochcache.ingest.sources import list_keys_cached, open_source, source_fingerprint
 
 
 @dataclass
@@ -35,8 +35,8 @@ class Backend:
     def url(self, sub: str = "") -> str:
         return f"{self.root.rstrip('/')}/{sub}".rstrip("/") if sub else self.root
 
-    def source(self, sub: str = "", **fields: Any) -> SourceConfig:
-        return SourceConfig(url=self.url(sub), storage_options=self.storage_options, **fields)
+    def source(self, sub: str = "", **fields: Any) -> SourceSpec:
+        return SourceSpec(url=self.url(sub), storage_options=self.storage_options, **fields)
 
 
 def npy_bytes(value: float = 1.0, shape: tuple[int, ...] = (4, 4)) -> bytes:
@@ -88,7 +88,7 @@ class SourceContract:
     def test_missing_object_is_permanent_error_with_key(self, backend: Backend) -> None:
         write_demo_data(backend.url("d"), 3, "files", backend.storage_options)
         source = open_source(backend.source("d"))
-        from epochcache.sources import SampleRef
+        from epochcache.ingest.sources import SampleRef
 
         [(_ref, result)] = source.fetch_many([SampleRef("nope.npy")])
         assert isinstance(result, PermanentRemoteError)
@@ -223,7 +223,7 @@ class SourceContract:
         source = open_source(backend.source("d", pattern="*.npy"))
         first = list_keys_cached(source, tmp_path)
         saved = list((tmp_path / "listings").iterdir())
-        assert [p.name for p in saved] == [f"{source_fingerprint(source.config)}.jsonl.gz"]
+        assert [p.name for p in saved] == [f"{source_fingerprint(source.spec)}.jsonl.gz"]
         secret_free = saved[0].read_bytes()
         for value in _secret_strings(backend.storage_options):
             assert value.encode() not in secret_free

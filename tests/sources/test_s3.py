@@ -8,9 +8,9 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import s3fs
 
-from epochcache.config import SourceConfig
+from epochcache.ingest.sources import SourceSpec
 from epochcache.errors import SourceUnavailable
-from epochcache.sources import open_source
+from epochcache.ingest.sources import open_source
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -33,7 +33,7 @@ class TestS3Source(SourceContract):
 
 def test_missing_bucket_fails_fast_with_url(s3: S3Env) -> None:
     start = time.monotonic()
-    config = SourceConfig(url="s3://no-such-bucket/train", storage_options=s3.storage_options)
+    config = SourceSpec(url="s3://no-such-bucket/train", storage_options=s3.storage_options)
     with pytest.raises(SourceUnavailable) as info:
         open_source(config).list_keys()
     assert time.monotonic() - start < 5
@@ -45,7 +45,7 @@ def test_unreachable_endpoint_fails_fast_with_url(
     unreachable_endpoint: str, s3_options_for: Callable[[str], dict[str, Any]]
 ) -> None:
     options = s3_options_for(unreachable_endpoint)
-    config = SourceConfig(url="s3://bucket/train", storage_options=options, pattern="*.npy")
+    config = SourceSpec(url="s3://bucket/train", storage_options=options, pattern="*.npy")
     start = time.monotonic()
     with pytest.raises(SourceUnavailable) as info:
         open_source(config).list_keys()

@@ -1,0 +1,130 @@
+"""EpochDataset: a map-style torch Dataset over one epoch's snapshot of the cache.
+
+Invariant 7: the dataset's index is the snapshot's ``uint64`` array (8 bytes per sample, no
+Python object per sample), so forked workers do not copy it page by page through refcounts. The
+dataset pickles as its :class:`~epochcache.data.reader.SampleReader` (the cache path and the
+decoding options) and that array -- never an LMDB handle or the lease.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+from torch.utils.data import Dataset
+
+from ..errors import SnapshotClosed
+from ..store import SampleStore, Snapshot
+from .decode import DecodeFn
+from .reader import SampleReader
+
+
+class EpochDataset(Dataset[Any]):
+    """Map-style Dataset over one epoch's snapshot: ``ds[i]`` is the i-th snapshot sample.
+
+    Made by :meth:`Cache.dataset` (see :meth:`from_cache`). Use it as a context manager, or call
+    :meth:`close`, to release the snapshot's lease. Only the process that took the snapshot
+    holds the lease; copies pickled into DataLoader workers read under it.
+
+    Args:
+        reader: reads and decodes samples.
+        seqs: the snapshot's sequence numbers.
+        epoch: the epoch number (for messages).
+        snapshot: the lease-holding snapshot, released by :meth:`close`.
+    """
+
+    def __init__(self, reader: SampleReader, seqs: np.ndarray, epoch: int | None = None,
+                 snapshot: Snapshot | None = None) -> None:
+        self.reader = reader
+        self.seqs = np.ascontiguousarray(seqs, dtype=np.uint64)
+        self.epoch = epoch
+        self._snapshot = snapshot
+
+    @classmethod
+    def from_cache(
+        cls,
+        cache: SampleStore,
+        epoch: int = 0,
+        *,
+        decode: str | DecodeFn | None = "auto",
+        transform: Callable[[Any], Any] | None = None,
+        allow_pickle: bool = False,
+        on_error: str = "raise",
+        stall_s: float | None = None,
+        stall_file: str | None = None,
+        snapshot: Snapshot | None = None,
+    ) -> EpochDataset:
+        """Take a snapshot of ``cache`` under a lease (or adopt ``snapshot``) and wrap it.
+
+        Raises:
+            ValueError: an invalid option (the message names it).
+        """
+        reader = SampleReader(cache.path, decode=decode, transform=transform,
+                              allow_pickle=allow_pickle, on_error=on_error, stall_s=stall_s,
+                              stall_file=stall_file)
+        reader.bind(cache)
+        snap = snapshot if snapshot is not None else cache.snapshot(epoch=epoch)
+        return cls(reader, snap.seqs, epoch, snap)
+
+    def __len__(self) -> int:
+        return int(self.seqs.shape[0])
+
+    def _check(self) -> None:
+        if self._snapshot is not None and self._snapshot.released:
+            raise SnapshotClosed(f"dataset of epoch {self.epoch} was closed (its lease released); "
+                                 "make a new one with cache.dataset(epoch)")
+
+    def _seqs_at(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
+        idx = np.asarray(indices, dtype=np.int64)
+        if idx.size and (idx.min() < -len(self) or idx.max() >= len(self)):
+            raise IndexError(f"indices out of range for a dataset of {len(self)} samples")
+        return self.seqs[idx]
+
+    def __getitem__(self, index: int) -> Any:
+        """The decoded sample (None if it was skipped under ``on_error='skip'``)."""
+        snapshot = self._snapshot
+        if snapshot is not None and snapshot.released:
+            self._check()
+        return self.reader.read(self.seqs.item(index))  # numpy raises IndexError when out of range
+
+    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
+        """Many samples in one read transaction (DataLoader's batched fetch)."""
+        self._check()
+        return self.reader.read_samples(self._seqs_at(indices))
+
+    def get_batch(self, indices: Sequence[int] | np.ndarray) -> Any:
+        """A collated batch, decoded straight into one tensor when samples are fixed-shape."""
+        self._check()
+        return self.reader.read_batch(self._seqs_at(indices))
+
+    def key(self, index: int) -> str:
+        """The source key of sample ``index``."""
+        return self.reader.cache.info(int(self.seqs[index])).key
+
+    @property
+    def skipped(self) -> int:
+        return self.reader.skipped
+
+    @property
+    def snapshot(self) -> Snapshot | None:
+        return self._snapshot
+
+    def close(self) -> None:
+        """Release the snapshot's lease (in the process that took it). Idempotent."""
+        if self._snapshot is not None:
+            self._snapshot.release()
+
+    def __enter__(self) -> EpochDataset:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The lease stays with the process that took it; copies only read.
+        return {"reader": self.reader, "seqs": self.seqs, "epoch": self.epoch, "_snapshot": None}
+
+    def __repr__(self) -> str:
+        return (f"EpochDataset(epoch={self.epoch}, samples={len(self)}, cache={self.reader.path!r},"
+                f" decode={self.reader.decode!r})")

@@ -1,0 +1,248 @@
+"""Turn a cached sample's bytes into Python values, chosen by key extension or field name.
+
+``decode="auto"`` picks a decoder from the sample key's extensions (``train/001.npy.gz``) or,
+for tar samples stored as a dict of fields, from each field's name (``{"npy": ..., "cls": ...}``):
+
+=============  ===============================================================
+``npy``        :class:`numpy.ndarray` (never unpickles object arrays unless opted in)
+``pt``/``pth`` ``torch.load(..., weights_only=True)``
+``json``       the parsed document
+``txt``        ``str``; ``cls``/``cls2``/``index`` an ``int`` when the text is one
+``gz``         gunzip, then decode what is inside by the next extension
+``pkl``        ``pickle.loads`` -- only with ``allow_pickle=True`` (it runs code)
+anything else  ``bytes``, unchanged
+=============  ===============================================================
+
+Decoders accept ``bytes`` or a ``memoryview`` into the LMDB map and always return values that own
+their memory (the map's buffers die with the read transaction).
+
+Errors: a sample that cannot be decoded raises :class:`~epochcache.errors.DecodeError` naming its
+key and the codec; a pickle sample without the opt-in raises
+:class:`~epochcache.errors.PickleNotAllowed` whatever the error policy, because skipping would
+silently drop every sample of such a dataset.
+"""
+
+from __future__ import annotations
+
+import ast
+import gzip
+import io
+import json
+import logging
+import pickle
+import zlib
+from collections.abc import Callable, Mapping
+from typing import Any, Union
+
+import numpy as np
+
+from ..errors import DecodeError, PickleNotAllowed
+from ..store.codec import Value
+
+log = logging.getLogger(__name__)
+
+Buffer = Union[bytes, bytearray, memoryview]
+#: A user decoder: ``fn(key, value)`` where value is bytes or a dict of field bytes.
+DecodeFn = Callable[[str, Any], Any]
+
+_NPY_MAGIC = b"\x93NUMPY"
+_PICKLE_EXTS = frozenset({"pkl", "pickle"})
+_INT_EXTS = frozenset({"cls", "cls2", "index", "idx", "label"})
+_TEXT_EXTS = frozenset({"txt", "text"}) | _INT_EXTS
+_GZ_EXTS = frozenset({"gz", "gzip"})
+_OPT_IN = "set loader.allow_pickle: true (allow_pickle=True) if you trust the data"
+
+
+class NpyHeader:
+    """A parsed ``.npy`` header: where the data starts and how to view it."""
+
+    __slots__ = ("dtype", "shape", "fortran", "offset", "nbytes", "count")
+
+    def __init__(self, dtype: np.dtype[Any], shape: tuple[int, ...], fortran: bool, offset: int):
+        self.dtype = dtype
+        self.shape = shape
+        self.fortran = fortran
+        self.offset = offset
+        self.count = int(np.prod(shape, dtype=np.int64))
+        self.nbytes = self.count * dtype.itemsize
+
+
+# Headers repeat across a dataset of fixed-shape arrays; parsing one costs ~10 us
+# (ast.literal_eval), a dict lookup on its bytes far less. Bounded so odd data cannot grow it.
+_header_cache: dict[bytes, NpyHeader] = {}
+_HEADER_CACHE_MAX = 256
+
+
+def parse_npy_header(data: Buffer) -> NpyHeader:
+    """Parse the header of a ``.npy`` buffer (versions 1-3) without copying the data.
+
+    Raises:
+        ValueError: the buffer is not a ``.npy`` file or its header is malformed.
+    """
+    view = memoryview(data)
+    if len(view) < 10 or bytes(view[:6]) != _NPY_MAGIC:
+        raise ValueError("not a .npy file (bad magic)")
+    major = view[6]
+    if major == 1:
+        hlen, start = int.from_bytes(view[8:10], "little"), 10
+    elif major in (2, 3):
+        hlen, start = int.from_bytes(view[8:12], "little"), 12
+    else:
+        raise ValueError(f"unsupported .npy version {major}")
+    raw = bytes(view[start : start + hlen])
+    header = _header_cache.get(raw)
+    if header is not None:
+        return header
+    if len(raw) != hlen:
+        raise ValueError("truncated .npy header")
+    meta = ast.literal_eval(raw.decode("latin1"))
+    if not isinstance(meta, dict) or not {"descr", "fortran_order", "shape"} <= meta.keys():
+        raise ValueError(f"malformed .npy header {raw[:80]!r}")
+    dtype = np.lib.format.descr_to_dtype(meta["descr"])
+    header = NpyHeader(dtype, tuple(int(d) for d in meta["shape"]), bool(meta["fortran_order"]),
+                       start + hlen)
+    if len(_header_cache) < _HEADER_CACHE_MAX:
+        _header_cache[raw] = header
+    return header
+
+
+def npy_view(data: Buffer, header: NpyHeader) -> np.ndarray:
+    """A read-only array over ``data`` (no copy); callers copy it out of the LMDB map."""
+    if len(data) - header.offset != header.nbytes:
+        raise ValueError(
+            f"array data is {len(data) - header.offset} bytes, header says {header.nbytes}"
+        )
+    flat = np.frombuffer(data, dtype=header.dtype, count=header.count, offset=header.offset)
+    if header.fortran:
+        return flat.reshape(header.shape[::-1]).transpose()
+    return flat.reshape(header.shape)
+
+
+def decode_npy(data: Buffer, allow_pickle: bool = False) -> np.ndarray:
+    header = parse_npy_header(data)
+    if header.dtype.hasobject:
+        if not allow_pickle:
+            raise PickleNotAllowed("object arrays need pickle to load")
+        return np.load(io.BytesIO(bytes(data)), allow_pickle=True)  # type: ignore[no-any-return]
+    return npy_view(data, header).copy()  # own the memory: writable, outlives the txn
+
+
+def decode_torch(data: Buffer) -> Any:
+    import torch  # only when a .pt sample shows up
+
+    # weights_only: tensors, containers and primitives only; never arbitrary code.
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+
+
+def decode_text(data: Buffer, ext: str) -> Any:
+    text = str(data, "utf-8")
+    if ext in _INT_EXTS:
+        stripped = text.strip()
+        try:
+            return int(stripped)
+        except ValueError:
+            return stripped
+    return text
+
+
+def extensions(name: str, is_field: bool) -> list[str]:
+    """The extension chain of a key (``a/b.npy.gz`` -> ``["npy", "gz"]``) or field name."""
+    base = name.rsplit("/", 1)[-1].lower()
+    parts = base.split(".")
+    return parts if is_field else parts[1:]
+
+
+def decode_bytes(name: str, data: Buffer, *, is_field: bool = False,
+                 allow_pickle: bool = False) -> Any:
+    """Decode one blob by the extensions of ``name`` (a key, or a field name when ``is_field``).
+
+    Raises:
+        PickleNotAllowed: the blob is a pickle and ``allow_pickle`` is False.
+        Exception: whatever the codec raises on bad data (callers wrap it in DecodeError).
+    """
+    exts = extensions(name, is_field)
+    while exts:
+        ext = exts.pop()
+        if ext in _GZ_EXTS:
+            data = gzip.decompress(data)
+            continue
+        if ext == "npy":
+            return decode_npy(data, allow_pickle)
+        if ext in ("pt", "pth"):
+            return decode_torch(data)
+        if ext == "json":
+            return json.loads(bytes(data))
+        if ext in _TEXT_EXTS:
+            return decode_text(data, ext)
+        if ext in _PICKLE_EXTS:
+            if not allow_pickle:
+                raise PickleNotAllowed("pickle can run arbitrary code")
+            return pickle.loads(data)
+        break  # an unknown extension: keep the bytes as they are
+    return bytes(data)
+
+
+class AutoDecoder:
+    """The ``decode="auto"`` decoder; picklable, so it travels into DataLoader workers.
+
+    Args:
+        allow_pickle: decode ``.pkl``/``.pickle`` samples and object ``.npy`` arrays.
+    """
+
+    def __init__(self, allow_pickle: bool = False) -> None:
+        self.allow_pickle = allow_pickle
+
+    def __call__(self, key: str, value: Value | memoryview) -> Any:
+        if isinstance(value, Mapping):
+            return {
+                name: decode_bytes(name, data, is_field=True, allow_pickle=self.allow_pickle)
+                for name, data in value.items()
+            }
+        return decode_bytes(key, value, allow_pickle=self.allow_pickle)
+
+
+def raw_decoder(key: str, value: Value | memoryview) -> Any:
+    """``decode="raw"``: bytes (or the dict of field bytes) unchanged."""
+    if isinstance(value, memoryview):
+        return bytes(value)
+    return value
+
+
+def make_decoder(decode: str | DecodeFn | None, allow_pickle: bool = False) -> DecodeFn:
+    """Resolve the ``decode`` argument: ``"auto"``, ``"raw"``/None, or ``fn(key, value)``.
+
+    Raises:
+        ValueError: an unknown decoder name.
+    """
+    if decode == "auto":
+        return AutoDecoder(allow_pickle)
+    if decode in ("raw", None):
+        return raw_decoder
+    if callable(decode):
+        return decode
+    raise ValueError(f"decode: expected 'auto', 'raw' or a callable fn(key, value), got {decode!r}")
+
+
+def decode_sample(fn: DecodeFn, key: str, value: Value | memoryview) -> Any:
+    """Run ``fn`` and translate its failures into errors that name the sample's key.
+
+    Raises:
+        PickleNotAllowed: with the key and how to opt in.
+        DecodeError: with the key and the codec's complaint.
+    """
+    try:
+        return fn(key, value)
+    except PickleNotAllowed as exc:
+        raise PickleNotAllowed(f"sample {key!r}: {exc}; {_OPT_IN}", key=key) from exc
+    except DecodeError as exc:
+        if exc.key:
+            raise
+        raise DecodeError(f"sample {key!r}: {exc}", key=key) from exc
+    except (ValueError, TypeError, EOFError, OSError, zlib.error, pickle.UnpicklingError,
+            UnicodeDecodeError, RuntimeError, KeyError, IndexError) as exc:
+        codec = "+".join(reversed(extensions(key, False))) or "custom"
+        raise DecodeError(
+            f"sample {key!r}: cannot decode ({codec}): {type(exc).__name__}: {exc} "
+            "(on_error='skip' skips such samples)",
+            key=key,
+        ) from exc

@@ -1,0 +1,87 @@
+"""EpochLoader: what epochs() yields per epoch, and the timing that drives the next epoch.
+
+Iterating it yields the epoch's batches and, as they go by, keeps an average of the gap between
+batches: from it the loader tells epochs() when the epoch is close enough to its end to take
+the next snapshot (so the next epoch sees what the cache gained during this one), and, a few
+batches in, to start preparing the next loader.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+from torch.utils.data import DataLoader
+
+from .plan import EpochPlan
+
+
+class EpochLoader:
+    """What epochs() yields per epoch: iterate it once for the epoch's batches.
+
+    Attributes:
+        epoch: the epoch number.
+        dataset: the epoch's :class:`EpochDataset` (its snapshot, on this node's leader).
+        loader: the underlying DataLoader.
+    """
+
+    def __init__(self, epoch: int, plan: EpochPlan, loader: DataLoader[Any], iterator: Any,
+                 on_near_end: Callable[[], None], on_started: Callable[[], None], lead_s: float,
+                 depth: int, stall: Any) -> None:
+        self.epoch, self.dataset, self.loader = epoch, plan.dataset, loader
+        self._plan, self._iterator = plan, iterator
+        self._on_near_end, self._lead_s, self._depth = on_near_end, lead_s, depth
+        self._on_started: Callable[[], None] | None = on_started
+        self._stall = stall
+        self._used = False
+        self.batch_times: list[float] = []
+
+    def __len__(self) -> int:
+        return self._plan.n_batches
+
+    @property
+    def seqs(self) -> np.ndarray:
+        """This rank's sample order for the epoch (sequence numbers)."""
+        return self._plan.order[: self._plan.n_batches * self._plan.batch_size]
+
+    def _maybe_trigger(self, done: int, gap_s: float) -> None:
+        remaining = self._plan.n_batches - done
+        if remaining <= self._depth + 2 or (gap_s > 0 and remaining * gap_s <= self._lead_s):
+            self._on_near_end()
+
+    def __iter__(self) -> Iterator[Any]:
+        if self._used:
+            raise RuntimeError(f"the loader of epoch {self.epoch} was already iterated; "
+                               "epochs() yields a fresh one per epoch")
+        self._used = True
+        it, n = self._iterator, self._plan.n_batches
+        gap, last = 0.0, time.monotonic()
+        self._maybe_trigger(0, 0.0)
+        for i in range(n):
+            if self._stall is not None:
+                with self._stall.watch(f"epoch {self.epoch} batch {i} (waiting for workers)"):
+                    batch = next(it)
+            else:
+                batch = next(it)
+            now = time.monotonic()
+            self.batch_times.append(now)
+            # An EMA of the gap between batches: the planner's lead time in batches.
+            gap = now - last if i == 0 else 0.8 * gap + 0.2 * (now - last)
+            last = now
+            if i == 2:
+                self._start_next()
+            self._maybe_trigger(i + 1, gap)
+            yield batch
+        self.finish()
+
+    def _start_next(self) -> None:
+        hook, self._on_started = self._on_started, None
+        if hook is not None:
+            hook()
+
+    def finish(self) -> None:
+        """The epoch is over (or abandoned): make sure the next one is being prepared."""
+        self._start_next()
+        self._on_near_end()

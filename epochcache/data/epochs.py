@@ -1,0 +1,470 @@
+"""epochs(): a DataLoader per epoch over a fresh snapshot, the next one prepared in the background.
+
+While epoch k runs, two background threads prepare epoch k+1:
+
+* the *builder* makes the DataLoader and calls ``iter()`` on it, which starts its workers (the
+  expensive part: ~1 s per worker with ``spawn``) and primes their prefetch queue; the batch
+  sampler blocks in that priming until the plan exists;
+* the *planner* waits until epoch k is nearly over (a lead time estimated from the batch rate
+  and from how long the last plan took), then takes the snapshot, so epoch k+1 trains on what
+  the cache gained during epoch k, shuffles it and agrees the batch count across ranks.
+
+So the boundary between epochs costs about one batch gap: the new workers are already up and
+their first batches already read. A failure on either thread is re-raised in the training loop
+``from`` the original exception.
+
+Without workers and without DDP there is nothing to start and no collective to wait for, so the
+next epoch is planned in the training thread itself, two batches before the end of the current
+one (~0.3 ms: a snapshot and a shuffle), and the previous epoch's lease is released there too: on
+a background thread the same work cost the training thread several times that in GIL hand-offs.
+
+The loader reads whole batches: its sampler yields arrays of sequence numbers and the dataset
+returns finished batches (see :meth:`SampleReader.read_batch`), so no per-sample work happens in
+``collate``. Without a transform the default is ``num_workers=0``: reading 64 KiB from LMDB's
+shared pages in the training process beats shipping batches from workers through shared memory.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import functools
+import logging
+import os
+import queue
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader
+
+from ..errors import EpochcacheError
+from .dataset import EpochDataset
+from .distributed import NodeSync, World, detect_world, dist_initialized, split_for_rank
+from .epoch_loader import EpochLoader
+from .plan import (
+    EpochPlan,
+    PlanSampler,
+    SeqBatches,
+    epoch_order,
+    identity,
+    in_process_batches,
+)
+from .reader import SampleReader
+from .stall import get_watchdog
+from .wait import wait_for_samples
+
+if TYPE_CHECKING:
+    from ..store import SampleStore
+    from .decode import DecodeFn
+
+log = logging.getLogger(__name__)
+
+#: DataLoader arguments epochs() sets itself (the sampler is its own; shuffling is per epoch).
+_RESERVED = ("dataset", "sampler", "batch_sampler", "shuffle", "generator")
+
+
+class PrepareFailed(EpochcacheError, RuntimeError):
+    """Preparing an epoch (snapshot, DataLoader, workers) failed in the background."""
+
+
+class _Cancelled(Exception):
+    pass
+
+
+def _seed_worker(user_init: Callable[[int], None] | None, worker_id: int) -> None:
+    # torch seeds each worker from the loader's generator; numpy and random follow it, so a
+    # transform's randomness is reproducible from epochs(seed=...).
+    seed = torch.initial_seed() % 2**32
+    np.random.seed(seed)
+    random.seed(seed)
+    if user_init is not None:
+        user_init(worker_id)
+
+
+class _Pending:
+    """Epoch k+1 in preparation: the planner's and the builder's futures."""
+
+    def __init__(self, epoch: int) -> None:
+        self.epoch = epoch
+        self.trigger = threading.Event()
+        self.plan: cf.Future[EpochPlan] = cf.Future()
+        self.loader: DataLoader[Any] | None = None
+        self.iterator: cf.Future[Any] = cf.Future()
+
+
+def _run_into(future: cf.Future[Any], fn: Callable[[], Any]) -> None:
+    try:
+        future.set_result(fn())
+    except BaseException as exc:  # surfaced to the consumer through the future
+        future.set_exception(exc)
+
+
+class _Lane:
+    """A daemon thread that runs the tasks given to it in order.
+
+    One per kind of background work (planning, building, releasing), kept for the whole
+    epochs() call: starting three threads per epoch cost ~1 ms of the training thread's time,
+    visible in short epochs. Daemon, so a planner still waiting for its trigger never holds up
+    the interpreter's exit.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._tasks: queue.SimpleQueue[tuple[cf.Future[Any], Callable[[], Any]] | None] = (
+            queue.SimpleQueue())
+        self._thread = threading.Thread(target=self._run, name=f"epochcache-{name}",
+                                        daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[[], Any]) -> cf.Future[Any]:
+        future: cf.Future[Any] = cf.Future()
+        self._tasks.put((future, fn))
+        return future
+
+    def _run(self) -> None:
+        while True:
+            task = self._tasks.get()
+            if task is None:
+                return
+            _run_into(*task)
+            # Hold nothing while idle: a task's references (the epochs() state, its process
+            # groups) must be dropped by the thread that owns them, not by this one at exit.
+            del task
+
+    def close(self, timeout: float | None = None) -> None:
+        """Stop after the tasks already given; wait up to ``timeout`` for them."""
+        self._tasks.put(None)
+        self._thread.join(timeout)
+
+
+class _Epochs:
+    """The state behind one epochs() call (see :func:`epochs` for the arguments)."""
+
+    def __init__(self, cache: SampleStore, *, batch_size: int, num_workers: int, seed: int,
+                 shuffle: bool, drop_last: bool, samples_per_epoch: int | None,
+                 persistent: bool, reader: SampleReader, collate_fn: Callable[[Any], Any] | None,
+                 worker_init_fn: Callable[[int], None] | None, stall_s: float | None,
+                 stall_file: str | None, loader_kwargs: dict[str, Any]) -> None:
+        self.cache, self.batch_size, self.num_workers = cache, batch_size, num_workers
+        self.seed, self.shuffle, self.drop_last = seed, shuffle, drop_last
+        self.samples_per_epoch, self.persistent, self.reader = samples_per_epoch, persistent, reader
+        self.collate_fn, self.worker_init_fn = collate_fn, worker_init_fn
+        self.stall_s, self.stall_file, self.loader_kwargs = stall_s, stall_file, loader_kwargs
+        self.world: World = detect_world()
+        self.sync = NodeSync(self.world) if dist_initialized() and self.world.distributed else None
+        # In process and without DDP collectives, the next epoch is planned in the training
+        # thread when triggered (~0.3 ms, once per epoch): on a background thread the same work
+        # cost the training thread ~5x that in GIL hand-offs.
+        self.inline = num_workers == 0 and self.sync is None
+        self.slots: list[tuple[DataLoader[Any], PlanSampler]] = []
+        self.prepared = 0
+        self.last_plan_s = 0.05
+        self.abort = threading.Event()
+        self.next: _Pending | None = None
+        self.want_next = False
+        self.lanes: dict[str, _Lane] = {}
+
+    # -- background work --------------------------------------------------------------------
+
+    def _make_loader(self, epoch: int) -> tuple[DataLoader[Any], PlanSampler]:
+        slot = self.prepared % 2
+        self.prepared += 1
+        if self.persistent and slot < len(self.slots):
+            return self.slots[slot]  # alternate two loaders: one finishes while one prefetches
+        sampler = PlanSampler()
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        kwargs = dict(self.loader_kwargs)
+        if self.num_workers > 0:
+            kwargs["worker_init_fn"] = functools.partial(_seed_worker, self.worker_init_fn)
+            kwargs["persistent_workers"] = self.persistent
+        loader = DataLoader(
+            SeqBatches(self.reader, collated=self.collate_fn is None),
+            batch_size=None, sampler=sampler, num_workers=self.num_workers,
+            collate_fn=self.collate_fn or identity, generator=generator, **kwargs,
+        )
+        if self.persistent:
+            self.slots.append((loader, sampler))
+        return loader, sampler
+
+    def _plan(self, pending: _Pending) -> EpochPlan:
+        while not pending.trigger.wait(0.5):
+            if self.abort.is_set():
+                raise _Cancelled
+        if self.abort.is_set():
+            raise _Cancelled
+        started = time.monotonic()
+        epoch, snapshot = pending.epoch, None
+
+        def take() -> np.ndarray:
+            nonlocal snapshot
+            snapshot = self.cache.snapshot(epoch=epoch, label=f"epochs() epoch {epoch}")
+            return snapshot.seqs
+
+        seqs = self.sync.share_seqs(take if self.world.local_rank == 0 else None) \
+            if self.sync is not None else take()
+        dataset = EpochDataset(self.reader, seqs, epoch, snapshot)
+        try:
+            order = epoch_order(seqs, epoch, self.seed, self.shuffle, self.samples_per_epoch)
+            order = split_for_rank(order, self.world)
+            full, rest = divmod(len(order), self.batch_size)
+            n_batches = full + (1 if rest and not self.drop_last else 0)
+            if self.sync is not None:
+                n_batches = self.sync.agree_batches(n_batches)
+            if n_batches == 0:
+                log.warning("epoch %d has no batches: the snapshot holds %d samples (batch_size "
+                            "%d); is the cache empty?", epoch, len(seqs), self.batch_size)
+        except BaseException:
+            dataset.close()
+            raise
+        seconds = time.monotonic() - started
+        self.last_plan_s = seconds
+        return EpochPlan(epoch, dataset, order, self.batch_size, n_batches, seconds)
+
+    def _build(self, pending: _Pending) -> Any:
+        loader, sampler = self._make_loader(pending.epoch)
+        sampler.plan = pending.plan
+        pending.loader = loader
+        if self.num_workers == 0 and not loader.pin_memory:
+            return in_process_batches(loader, sampler)
+        return iter(loader)  # starts the workers; their priming waits for the plan
+
+    def prepare(self, epoch: int) -> _Pending:
+        pending = _Pending(epoch)
+        if not self.inline:
+            pending.plan = self._lane("plan").submit(functools.partial(self._plan, pending))
+            pending.iterator = self._lane("build").submit(
+                functools.partial(self._build, pending))
+        return pending  # inline: planned and built when triggered (see _trigger)
+
+    def _lead_s(self) -> float:
+        """How long before the end of an epoch to trigger the next one's plan."""
+        # Inline planning is done when it returns: the snapshot can wait for the last batches.
+        return 0.0 if self.inline else max(0.3, 3 * self.last_plan_s)
+
+    def _trigger(self, pending: _Pending) -> None:
+        """Plan ``pending`` now: wake its planner, or, inline, plan and build it right here."""
+        pending.trigger.set()
+        if self.inline and not pending.plan.done():
+            _run_into(pending.plan, functools.partial(self._plan, pending))
+            _run_into(pending.iterator, functools.partial(self._build, pending))
+
+    def _lane(self, name: str) -> _Lane:
+        lane = self.lanes.get(name)
+        if lane is None:
+            lane = self.lanes[name] = _Lane(name)
+        return lane
+
+    def release_later(self, dataset: EpochDataset) -> None:
+        """Release an epoch's lease (a write transaction + fsync): off the training thread,
+        or, inline (see ``inline``), right here, where it costs less than a thread's GIL
+        hand-offs."""
+        if self.inline:
+            dataset.close()
+        else:
+            self._lane("release").submit(dataset.close)
+
+    def cancel(self, pending: _Pending) -> None:
+        """Stop preparing ``pending`` and release what it took."""
+        self.abort.set()
+        pending.trigger.set()
+        if self.inline and not pending.plan.done():
+            return  # never planned: nothing was taken
+        try:
+            pending.plan.result(timeout=60).dataset.close()
+        except BaseException:  # cancelled or failed: nothing was taken, or it is released
+            pass
+        try:
+            pending.iterator.result(timeout=60)
+        except BaseException:
+            pass
+
+    # -- the generator ----------------------------------------------------------------------
+
+    def _request_next(self) -> None:
+        self.want_next = True
+        if self.next is not None:
+            self._trigger(self.next)
+
+    def run(self, start: int, num_epochs: int) -> Iterator[tuple[int, EpochLoader]]:
+        dog = get_watchdog(self.stall_s, self.stall_file) if self.num_workers > 0 else None
+        depth = self.num_workers * int(self.loader_kwargs.get("prefetch_factor") or 2)
+        end = start + num_epochs
+        self.next = self.prepare(start) if num_epochs > 0 else None
+        previous: EpochDataset | None = None
+        try:
+            for epoch in range(start, end):
+                current, self.next, self.want_next = self.next, None, False
+                if current is None:
+                    raise RuntimeError("epochcache: internal error, epoch not prepared")
+                self._trigger(current)
+                try:
+                    plan = current.plan.result()
+                    iterator = current.iterator.result()
+                except BaseException as exc:
+                    self.cancel(current)
+                    raise PrepareFailed(f"epoch {epoch}: preparing its snapshot and DataLoader "
+                                        f"failed: {type(exc).__name__}: {exc}") from exc
+
+                def started(epoch: int = epoch, done: EpochDataset | None = previous) -> None:
+                    # Deferred until this epoch's first batches are out: starting threads and
+                    # building a DataLoader holds the GIL, which would show at the boundary.
+                    if done is not None:
+                        self.release_later(done)
+                    if epoch + 1 < end:
+                        self.next = self.prepare(epoch + 1)
+                        if self.want_next:
+                            self._trigger(self.next)
+
+                previous = None
+                loader = EpochLoader(epoch, plan, current.loader, iterator,  # type: ignore[arg-type]
+                                     self._request_next, started, self._lead_s(),
+                                     depth, dog)
+                if epoch == start and self.persistent:
+                    # The second loader's workers start now, alongside the first's, so even a
+                    # first epoch shorter than a worker start-up ends without a wait.
+                    loader._start_next()
+                try:
+                    yield epoch, loader
+                finally:
+                    loader.finish()
+                    if not self.persistent and hasattr(iterator, "_shutdown_workers"):
+                        iterator._shutdown_workers()
+                    if self.sync is not None:
+                        self.sync.epoch_end()
+                    previous = plan.dataset
+        finally:
+            if previous is not None:
+                previous.close()
+            if self.next is not None:
+                self.cancel(self.next)
+            for loader_, _sampler in self.slots:
+                it = getattr(loader_, "_iterator", None)
+                if it is not None and hasattr(it, "_shutdown_workers"):
+                    it._shutdown_workers()
+            for lane in self.lanes.values():
+                # Leases are released before epochs() returns, and no lane outlives this
+                # generator holding references to its state (see _Lane._run).
+                lane.close(timeout=60)
+            if self.sync is not None:
+                self.sync.close()
+
+
+def epochs(
+    cache: SampleStore,
+    num_epochs: int,
+    samples_per_epoch: int | None = None,
+    min_samples: int = 1,
+    seed: int = 0,
+    stall_s: float | None = 300.0,
+    *,
+    batch_size: int = 64,
+    num_workers: int | None = None,
+    shuffle: bool = True,
+    drop_last: bool = False,
+    decode: str | DecodeFn | None = "auto",
+    transform: Callable[[Any], Any] | None = None,
+    allow_pickle: bool = False,
+    on_error: str = "raise",
+    collate_fn: Callable[[Any], Any] | None = None,
+    persistent_workers: bool | None = None,
+    worker_init_fn: Callable[[int], None] | None = None,
+    start_epoch: int = 0,
+    wait_timeout_s: float | None = None,
+    stall_file: str | None = None,
+    **dataloader_kwargs: Any,
+) -> Iterator[tuple[int, EpochLoader]]:
+    """Yield ``(epoch, loader)`` for ``num_epochs`` epochs, each over a fresh snapshot.
+
+    Each epoch's batches come from a snapshot taken near the end of the previous epoch; the
+    next loader and its workers are prepared in the background. Every sample of the snapshot
+    is delivered once per epoch (per node under DDP, split across its ranks), unless
+    ``samples_per_epoch`` fixes the count (resampling when the cache is still small).
+
+    Args:
+        cache: the cache to train from.
+        num_epochs: how many epochs to yield.
+        samples_per_epoch: samples per epoch per node; None means the whole snapshot.
+        min_samples: wait (with a progress bar) until the cache holds this many samples.
+        seed: seeds the per-epoch shuffle and the workers (same seed and snapshot, same order).
+        stall_s: report batches slower than this with stacks and the sample key; None disables.
+        batch_size: samples per batch.
+        num_workers: DataLoader workers. Defaults to 0 without a transform (reading in the
+            training process is fastest) and to ``os.cpu_count()`` with one.
+        transform: applied to each decoded sample (in the workers).
+        collate_fn: replaces the built-in batch assembly; it receives a list of samples.
+        persistent_workers: keep workers across epochs (two loaders alternate, so the next
+            epoch's workers prefetch while this one finishes). Defaults to True with workers.
+        start_epoch: the first epoch's number (for resuming).
+        wait_timeout_s: give up waiting for ``min_samples`` after this long.
+        stall_file: where stall reports go (default stderr).
+        **dataloader_kwargs: passed to DataLoader (``pin_memory``, ``prefetch_factor``,
+            ``timeout``, ``multiprocessing_context``, ...).
+
+    Raises:
+        ValueError: an invalid argument (named in the message).
+        TimeoutError: ``min_samples`` were not cached within ``wait_timeout_s``.
+        PrepareFailed: the background preparation failed (``__cause__`` is the error).
+    """
+    _check_counts(num_epochs=num_epochs, batch_size=batch_size,
+                  samples_per_epoch=samples_per_epoch, min_samples=min_samples)
+    num_workers, persistent = _worker_settings(num_workers, transform, persistent_workers,
+                                               dataloader_kwargs)
+    reader = SampleReader(cache.path, decode=decode, transform=transform,
+                          allow_pickle=allow_pickle, on_error=on_error, stall_s=stall_s,
+                          stall_file=stall_file)
+    reader.bind(cache)
+    state = _Epochs(cache, batch_size=batch_size, num_workers=num_workers, seed=seed,
+                    shuffle=shuffle, drop_last=drop_last, samples_per_epoch=samples_per_epoch,
+                    persistent=persistent, reader=reader, collate_fn=collate_fn,
+                    worker_init_fn=worker_init_fn, stall_s=stall_s, stall_file=stall_file,
+                    loader_kwargs=dataloader_kwargs)
+    return _generate(state, cache, min_samples, wait_timeout_s, start_epoch, num_epochs)
+
+
+def _check_counts(*, num_epochs: int, batch_size: int, samples_per_epoch: int | None,
+                  min_samples: int) -> None:
+    if not isinstance(num_epochs, int) or num_epochs < 0:
+        raise ValueError(f"num_epochs: expected an int >= 0, got {num_epochs!r}")
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size: expected an int >= 1, got {batch_size!r}")
+    if samples_per_epoch is not None and (not isinstance(samples_per_epoch, int)
+                                          or samples_per_epoch < 1):
+        raise ValueError(f"samples_per_epoch: expected None or an int >= 1, "
+                         f"got {samples_per_epoch!r}")
+    if not isinstance(min_samples, int) or min_samples < 0:
+        raise ValueError(f"min_samples: expected an int >= 0, got {min_samples!r}")
+
+
+def _worker_settings(num_workers: int | None, transform: Callable[[Any], Any] | None,
+                     persistent_workers: bool | None,
+                     dataloader_kwargs: dict[str, Any]) -> tuple[int, bool]:
+    """``(num_workers, persistent)`` with their defaults; completes ``dataloader_kwargs``."""
+    bad = [name for name in _RESERVED if name in dataloader_kwargs]
+    if bad:
+        raise ValueError(f"epochs() sets {', '.join(bad)} itself; use shuffle=/seed= of "
+                         "epochs() instead")
+    if num_workers is None:
+        num_workers = 0 if transform is None else (os.cpu_count() or 1)
+    if not isinstance(num_workers, int) or num_workers < 0:
+        raise ValueError(f"num_workers: expected an int >= 0, got {num_workers!r}")
+    persistent = num_workers > 0 if persistent_workers is None else bool(persistent_workers)
+    persistent = persistent and num_workers > 0
+    if num_workers == 0:
+        dataloader_kwargs.pop("prefetch_factor", None)
+    elif dataloader_kwargs.get("multiprocessing_context") is None:
+        # Loaders are built by a background thread while others run (the next epoch's
+        # preparation, the stall watchdog, an in-process daemon): fork() there can hand
+        # workers locks held by other threads, and `epochcache run` hung that way. Workers
+        # start from a forkserver unless the caller asks otherwise; transforms and
+        # collate_fn must then be picklable (no lambdas).
+        dataloader_kwargs["multiprocessing_context"] = "forkserver"
+    return num_workers, persistent
+
+
+def _generate(state: _Epochs, cache: SampleStore, min_samples: int, wait_timeout_s: float | None,
+              start: int, num_epochs: int) -> Iterator[tuple[int, EpochLoader]]:
+    wait_for_samples(cache, min_samples, wait_timeout_s)
+    yield from state.run(start, num_epochs)

@@ -1,0 +1,260 @@
+"""``epochcache daemon CONFIG``: supervise the sampler processes that keep a cache growing.
+
+The daemon validates the config and lists the source before starting anything (a bad config or
+an unreachable source exits 2 with nothing started), holds an exclusive lock on the cache so a
+second daemon refuses to start, starts ``sampler.processes`` samplers with ``spawn`` (LMDB and
+fork do not mix), restarts any that die, writes its heartbeat and the samplers' health into the
+cache, appends stats history rows for plots, and on SIGTERM/SIGINT stops the samplers in order:
+each commits its batch in flight, then exits; the daemon exits 0.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import multiprocessing
+import os
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..config import EpochcacheConfig
+from ..errors import DaemonAlreadyRunning
+from ..store import SampleStore
+from ..store.leases import process_start_ticks
+from ..units import format_size
+from .from_config import open_configured_source
+from .sampler import StopFlag, run_sampler, state_name
+from .sources import list_keys_cached
+
+log = logging.getLogger(__name__)
+
+LOCK_FILE = "daemon.lock"
+HEARTBEAT_S = 1.0
+HISTORY_S = 5.0
+PROGRESS_LOG_S = 30.0
+STOP_GRACE_S = 30.0
+#: A sampler that dies this often in a row is given up on (and the daemon exits 1).
+MAX_RESTARTS_IN_A_ROW = 10
+
+
+class DaemonLock:
+    """An exclusive ``flock`` on the cache's lock file: released by the kernel if we die."""
+
+    def __init__(self, cache_dir: str) -> None:
+        self.path = os.path.join(cache_dir, LOCK_FILE)
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise DaemonAlreadyRunning(
+                f"{os.path.dirname(self.path)}: another epochcache daemon is already filling this "
+                f"cache (pid {self.holder()}); stop it first, or point cache.dir elsewhere"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        self._fd = fd
+
+    def holder(self) -> str:
+        try:
+            with open(self.path) as f:
+                return f.read().strip() or "unknown"
+        except OSError:
+            return "unknown"
+
+    @staticmethod
+    def is_held(cache_dir: str) -> bool:
+        path = os.path.join(cache_dir, LOCK_FILE)
+        if not os.path.exists(path):
+            return False
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)
+        return False
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+
+@dataclass
+class _Slot:
+    index: int
+    process: Any = None
+    restarts: int = 0
+    deaths_in_a_row: int = 0
+    started: float = field(default_factory=time.monotonic)
+
+
+class Daemon:
+    """Supervises the samplers of one config. :meth:`run` blocks until :meth:`stop`.
+
+    Args:
+        config: a validated config (``source``, ``cache`` and ``sampler`` are used).
+    """
+
+    def __init__(self, config: EpochcacheConfig) -> None:
+        self.config = config
+        self.cache_dir = str(config.cache.dir)
+        self._stop = threading.Event()
+        self._ctx = multiprocessing.get_context("spawn")
+        self._sampler_stop = StopFlag(self._ctx)
+        self._slots = [_Slot(i) for i in range(config.sampler.processes)]
+        self._lock = DaemonLock(self.cache_dir)
+        self.cache: SampleStore | None = None
+
+    def prepare(self) -> int:
+        """Open the cache, take the lock, list the source. Raises before anything is started."""
+        cfg = self.config.cache
+        self.cache = SampleStore(
+            cfg.dir, capacity=cfg.capacity_bytes, headroom=cfg.headroom_bytes,
+            compression=cfg.compression, level=cfg.level, sync=cfg.sync,
+        )
+        self._lock.acquire()
+        try:
+            source = open_configured_source(self.config)
+            refs = list_keys_cached(source, self.cache_dir)
+        except BaseException:
+            self._lock.release()
+            raise
+        log.info("%s: %d %ss to sample from", source.url, len(refs), source.unit)
+        return len(refs)
+
+    def stop(self, *_: Any) -> None:
+        self._stop.set()
+
+    def run(self) -> int:
+        """Start the samplers and supervise them until stopped. Returns the exit status."""
+        if self.cache is None:
+            self.prepare()
+        assert self.cache is not None  # for mypy: prepare() sets it
+        started = time.time()
+        status = 0
+        try:
+            for slot in self._slots:
+                self._start(slot)
+            last_history = last_log = 0.0
+            while not self._stop.is_set():
+                now = time.monotonic()
+                if not self._supervise():
+                    status = 1
+                    break
+                self._heartbeat(started)
+                if now - last_history >= HISTORY_S:
+                    self.cache.append_history()
+                    self.cache.reclaim_leases()
+                    last_history = now
+                if now - last_log >= PROGRESS_LOG_S:
+                    self._log_progress()
+                    last_log = now
+                self._stop.wait(HEARTBEAT_S)
+        finally:
+            self._shutdown()
+            self._heartbeat(started, stopped=True)
+            self.cache.append_history()
+            self._lock.release()
+            self.cache.close()
+        return status
+
+    def _start(self, slot: _Slot) -> None:
+        data = self.config.model_dump(mode="python")
+        slot.process = self._ctx.Process(
+            target=run_sampler,
+            args=(data, slot.index, self._sampler_stop, os.getpid()),
+            name=f"epochcache-sampler-{slot.index}",
+            daemon=False,
+        )
+        slot.process.start()
+        slot.started = time.monotonic()
+
+    def _supervise(self) -> bool:
+        for slot in self._slots:
+            proc = slot.process
+            if proc.is_alive():
+                if time.monotonic() - slot.started > 60:
+                    slot.deaths_in_a_row = 0
+                continue
+            code = proc.exitcode
+            slot.restarts += 1
+            slot.deaths_in_a_row += 1
+            log.warning("sampler %d (pid %s) exited with %s; restarting it", slot.index, proc.pid, code)
+            if slot.deaths_in_a_row > MAX_RESTARTS_IN_A_ROW:
+                log.error("sampler %d keeps dying; giving up (see the errors above)", slot.index)
+                return False
+            time.sleep(min(30.0, 0.5 * 2 ** (slot.deaths_in_a_row - 1)))
+            self._start(slot)
+        return True
+
+    def _heartbeat(self, started: float, stopped: bool = False) -> None:
+        assert self.cache is not None
+        samplers: dict[str, Any] = {}
+        states = self.cache.tables.states("sampler/")
+        for slot in self._slots:
+            doc = dict(states.get(state_name(slot.index), {}))
+            alive = bool(slot.process is not None and slot.process.is_alive())
+            doc.update(pid=slot.process.pid if slot.process else None, alive=alive, restarts=slot.restarts)
+            samplers[str(slot.index)] = doc
+        pid = os.getpid()
+        self.cache.tables.put_state(
+            "daemon",
+            {
+                "pid": pid,
+                "host": socket.gethostname(),
+                "start_ticks": process_start_ticks(pid),
+                "started": started,
+                "heartbeat": time.time(),
+                "stopped": stopped,
+                "source": self.config.source.url,
+                "samplers": samplers,
+            },
+        )
+
+    def _log_progress(self) -> None:
+        assert self.cache is not None
+        stats = self.cache.stats()
+        log.info(
+            "cache %s / %s (%.0f%%), %d samples, ingest %.1f samples/s %s/s, evicted %d, quarantined %d",
+            format_size(stats["bytes"]), format_size(stats["effective_capacity"]), 100 * stats["fill"],
+            stats["samples"], stats["ingest"]["samples_per_s"], format_size(stats["ingest"]["bytes_per_s"]),
+            stats["evicted"], stats["quarantined"],
+        )
+
+    def _shutdown(self) -> None:
+        self._sampler_stop.set()
+        deadline = time.monotonic() + STOP_GRACE_S
+        for slot in self._slots:
+            if slot.process is None:
+                continue
+            slot.process.join(max(0.1, deadline - time.monotonic()))
+            if slot.process.is_alive():
+                log.warning("sampler %d did not stop in %.0fs; terminating it", slot.index, STOP_GRACE_S)
+                slot.process.terminate()
+                slot.process.join(5)
+                if slot.process.is_alive():
+                    slot.process.kill()
+                    slot.process.join()
+
+
+def run_daemon(config: EpochcacheConfig) -> int:
+    """Run a daemon in this process until SIGTERM/SIGINT; returns the exit status."""
+    daemon = Daemon(config)
+    daemon.prepare()
+    previous = {sig: signal.signal(sig, daemon.stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return daemon.run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

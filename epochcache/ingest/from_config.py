@@ -1,0 +1,42 @@
+"""The edge between the run config and the ingest layer.
+
+Sources and samplers take plain arguments (:class:`~epochcache.ingest.sources.SourceSpec`,
+numbers); this module is the one place that reads the validated config's sections into them.
+"""
+
+from __future__ import annotations
+
+from ..config import EpochcacheConfig, SourceConfig
+from .sources import Source, SourceSpec, open_source
+
+
+def source_spec(config: SourceConfig) -> SourceSpec:
+    """The :class:`SourceSpec` of a validated ``source`` section."""
+    return SourceSpec(
+        url=config.url,
+        layout=config.layout,
+        pattern=config.pattern,
+        shards=config.shards,
+        manifest=config.manifest,
+        manifest_format=config.manifest_format,
+        storage_options=dict(config.storage_options),
+        timeout_s=config.timeout_s,
+        connect_timeout_s=config.connect_timeout_s,
+        list_deadline_s=config.list_deadline_s,
+        retries=config.retries,
+        checks=tuple(config.checks),
+    )
+
+
+def open_configured_source(config: EpochcacheConfig) -> Source:
+    """The source of a whole config, as one sampler process opens it: ``sampler.concurrency``,
+    checks off when ``sampler.check`` is false, and ``sampler.bandwidth_limit`` split evenly among
+    ``sampler.processes``."""
+    sampler = config.sampler
+    limit = sampler.bandwidth_limit / sampler.processes if sampler.bandwidth_limit else None
+    return open_source(
+        source_spec(config.source),
+        concurrency=sampler.concurrency,
+        checks=None if sampler.check else (),
+        bandwidth_limit=limit,
+    )

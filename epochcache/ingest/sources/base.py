@@ -1,0 +1,332 @@
+"""The Source interface: enumerate the sample references of a remote dataset and fetch them.
+
+A source never raises for one bad object: :meth:`Source.fetch_many` returns one
+``(ref, payload or exception)`` per result, where the exception is a :class:`~epochcache.errors.SourceError`
+(``CorruptSample``, ``PermanentRemoteError``, ``RemoteTimeout``, ``SourceUnavailable``) so that the
+sampler can quarantine, count, retry or skip it. Payloads:
+
+* ``files`` layout: ``bytes``, the whole object;
+* ``tar`` layout: ``dict[str, bytes]``, field (extension after the first dot, lowercased) -> bytes,
+  e.g. ``{"npy": ..., "cls": ...}``.
+
+The *unit of fetching* differs by layout: a ``files`` source lists one ref per object; a ``tar``
+source lists one ref per shard (listing every member would mean reading every shard), and fetching a
+shard ref yields one result per sample in it, each with its own ref (``shard`` and ``members`` set).
+Sampling without replacement over shards still covers every sample once per pass.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from ...errors import SourceError, SourceUnavailable
+from ...redact import redact_options
+from ..remote import (
+    TRANSIENT_ERRORS,
+    BandwidthLimiter,
+    backoff_delays,
+    call,
+    fetch_many,
+    open_fs,
+    retry,
+)
+
+log = logging.getLogger(__name__)
+
+#: what a fetch returns for one sample: whole-object bytes, or tar fields by extension
+Payload = bytes | dict[str, bytes]
+
+CHECKS: tuple[str, ...] = ("size", "checksum", "format")
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    """Where a remote dataset lives and how to read it: what a :class:`Source` is opened with.
+
+    The run config's ``source`` section converts to this at the edge
+    (:func:`epochcache.ingest.from_config.source_spec`); sources never see the config itself.
+
+    Attributes:
+        url: the dataset root, any fsspec URL or local path.
+        layout: ``files`` (one object per sample) or ``tar`` (WebDataset shards).
+        pattern: glob under ``url``; None means ``**`` (files) or ``**/*.tar`` (tar).
+        shards: tar shards as a brace pattern (``train-{000..009}.tar``) instead of listing.
+        manifest: URL, or path relative to ``url``, of a key manifest instead of listing.
+        manifest_format: ``auto`` (by extension), ``txt``, ``csv``, ``jsonl`` or ``parquet``.
+        storage_options: passed to fsspec; masked in ``repr``.
+        timeout_s: per remote call.
+        connect_timeout_s: per connection attempt.
+        list_deadline_s: listing at start fails within this (an unreachable remote fails fast).
+        retries: attempts per object for transient errors.
+        checks: content checks on ingest, a subset of :data:`CHECKS`.
+    """
+
+    url: str
+    layout: Literal["files", "tar"] = "files"
+    pattern: str | None = None
+    shards: str | None = None
+    manifest: str | None = None
+    manifest_format: str = "auto"
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    timeout_s: float = 30.0
+    connect_timeout_s: float = 5.0
+    list_deadline_s: float = 6.0
+    retries: int = 5
+    checks: Sequence[str] = CHECKS
+
+    @property
+    def effective_pattern(self) -> str:
+        """The glob used for listing when no manifest or shard pattern is given."""
+        if self.pattern is not None:
+            return self.pattern
+        return "**/*.tar" if self.layout == "tar" else "**"
+
+    def __repr__(self) -> str:
+        return (f"SourceSpec(url={self.url!r}, layout={self.layout!r}, "
+                f"storage_options={redact_options(self.storage_options)!r})")
+
+
+@dataclass(frozen=True, slots=True)
+class SampleRef:
+    """One fetchable unit (an object, a tar shard, or a sample inside a shard).
+
+    Attributes:
+        key: path relative to the source root (a tar sample: ``"<shard>/<member prefix>"``).
+        size: expected size in bytes of the fetched object, from a listing or manifest.
+        weight: sampling weight from a manifest (``None`` reads as 1.0).
+        checksum: expected digest of the fetched object, ``"algo:hex"`` or bare hex.
+        shard: for a tar sample, the shard key it came from.
+        members: for a tar sample, the member names that formed it.
+    """
+
+    key: str
+    size: int | None = None
+    weight: float | None = None
+    checksum: str | None = None
+    shard: str | None = None
+    members: tuple[str, ...] = field(default=())
+
+    def to_row(self) -> list[Any]:
+        """Compact JSON-able form used by the listing cache."""
+        return [self.key, self.size, self.weight, self.checksum]
+
+    @classmethod
+    def from_row(cls, row: Sequence[Any]) -> SampleRef:
+        """Inverse of :meth:`to_row`."""
+        key, size, weight, checksum = (list(row) + [None, None, None])[:4]
+        return cls(str(key), size, weight, checksum)
+
+
+#: one fetched sample: its ref and its payload, or the error that replaced it
+FetchResult = tuple[SampleRef, Payload | SourceError]
+
+
+class Source(abc.ABC):
+    """A remote dataset reachable through fsspec.
+
+    Args:
+        spec: where the dataset is and how to read it.
+        concurrency: requests in flight in one :meth:`fetch_many` call.
+        checks: content checks to run (``size``, ``checksum``, ``format``); defaults to
+            ``spec.checks``; ``()`` turns them off.
+        bandwidth_limit: bytes per second this source may read on average (this process only).
+    """
+
+    layout: Literal["files", "tar"]
+    #: what one listed ref stands for: a single sample or a shard of samples
+    unit: Literal["sample", "shard"]
+
+    def __init__(
+        self,
+        spec: SourceSpec,
+        *,
+        concurrency: int = 16,
+        checks: Sequence[str] | None = None,
+        bandwidth_limit: float | None = None,
+    ) -> None:
+        if concurrency < 1:
+            raise ValueError(f"concurrency: must be at least 1, got {concurrency}")
+        self.spec = spec
+        self.concurrency = concurrency
+        self.checks = frozenset(spec.checks if checks is None else checks)
+        self.limiter = BandwidthLimiter(bandwidth_limit) if bandwidth_limit else None
+        self.url = spec.url
+        self.fs, self.root = open_fs(
+            spec.url,
+            spec.storage_options,
+            timeout_s=spec.timeout_s,
+            connect_timeout_s=spec.connect_timeout_s,
+        )
+
+    # -- listing ---------------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def list_keys(self) -> list[SampleRef]:
+        """Enumerate the refs to sample from, sorted by key, from the manifest or a listing.
+
+        Raises:
+            SourceUnavailable: the endpoint, bucket or prefix is unreachable or nothing matches;
+                raised within a few seconds, the message names the URL and the pattern.
+        """
+
+    # -- fetching --------------------------------------------------------------------------------
+
+    def fetch_grouped(self, refs: Sequence[SampleRef]) -> list[list[FetchResult]]:
+        """Like :meth:`fetch_many`, but one list of results per input ref (a shard gives many)."""
+        paths = [self.object_path(ref.key) for ref in refs]
+        urls = [self.object_url(ref.key) for ref in refs]
+        fetched = fetch_many(self.fs, paths, concurrency=self.concurrency,
+                             timeout_s=self.spec.timeout_s, url_of=dict(zip(paths, urls)).__getitem__)
+        self._throttle(sum(len(value) for value in fetched if isinstance(value, bytes)))
+        return [
+            [(ref, value)] if isinstance(value, SourceError) else self._unpack(ref, url, value)
+            for ref, url, value in zip(refs, urls, fetched)
+        ]
+
+    @abc.abstractmethod
+    def _unpack(self, ref: SampleRef, url: str, data: bytes) -> list[FetchResult]:
+        """Check one fetched object and turn it into the results of the samples it holds."""
+
+    def fetch_many(self, refs: Sequence[SampleRef]) -> list[FetchResult]:
+        """Fetch and check ``refs`` concurrently; one result per sample, errors returned, not raised.
+
+        A failed fetch gives ``(ref, error)`` for the listed ref itself; a content check failure
+        gives ``(sample ref, CorruptSample)``. Results follow the order of ``refs``.
+        """
+        return [result for group in self.fetch_grouped(refs) for result in group]
+
+    def fetch_with_retries(
+        self,
+        refs: Sequence[SampleRef],
+        *,
+        attempts: int | None = None,
+        deadline_s: float | None = None,
+        base_s: float = 0.2,
+        max_s: float = 10.0,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> list[FetchResult]:
+        """:meth:`fetch_many`, re-fetching refs that failed transiently (``SourceUnavailable``,
+        ``RemoteTimeout``) with exponential backoff and full jitter, until ``attempts``
+        (default ``spec.retries``) or ``deadline_s`` run out. Permanent and corrupt results are
+        final at once. Whatever still fails is returned as its last error.
+        """
+        attempts = self.spec.retries if attempts is None else attempts
+        start = time.monotonic()
+        groups: list[list[FetchResult]] = [[] for _ in refs]
+        pending = list(range(len(refs)))
+        delays = backoff_delays(attempts, base_s=base_s, max_s=max_s)
+        while pending:
+            fetched = self.fetch_grouped([refs[i] for i in pending])
+            retry_next: list[int] = []
+            for index, group in zip(pending, fetched):
+                groups[index] = group
+                if (
+                    len(group) == 1
+                    and group[0][0] is refs[index]
+                    and isinstance(group[0][1], TRANSIENT_ERRORS)
+                ):
+                    retry_next.append(index)
+            pending = retry_next
+            if not pending:
+                break
+            delay = next(delays, None)
+            elapsed = time.monotonic() - start
+            if delay is None or (deadline_s is not None and elapsed + delay >= deadline_s):
+                break
+            log.info(
+                "%s: %d transient failures; retrying in %.2fs", self.url, len(pending), delay
+            )
+            sleep(delay)
+        return [result for group in groups for result in group]
+
+    def _throttle(self, num_bytes: int) -> None:
+        if self.limiter is not None and num_bytes:
+            self.limiter.consume(num_bytes)
+
+    # -- helpers shared by the layouts -----------------------------------------------------------
+
+    def object_url(self, key: str) -> str:
+        """The full URL of a key (for messages and logs)."""
+        return self.url.rstrip("/") + "/" + key
+
+    def object_path(self, key: str) -> str:
+        """The filesystem path of a key."""
+        return self.root.rstrip("/") + "/" + key if self.root else key
+
+    def _list_files(self, pattern: str) -> list[SampleRef]:
+        """List objects under the root whose relative path matches ``pattern``; fail fast if none."""
+        from .manifest import glob_to_regex
+
+        regex = glob_to_regex(pattern)
+        cfg = self.spec
+
+        def find() -> dict[str, Any]:
+            found: dict[str, Any] = call(
+                self.fs, "find", self.root, detail=True, timeout_s=cfg.timeout_s
+            )
+            return found
+
+        try:
+            # Listing at start must fail fast (invariant 5): two attempts within a short deadline.
+            infos = retry(
+                find, url=self.url, attempts=2, deadline_s=cfg.list_deadline_s, base_s=0.2
+            )
+        except SourceError as exc:
+            raise SourceUnavailable(
+                f"{self.url}: cannot list objects matching {pattern!r} ({exc}); check source.url, "
+                f"the endpoint and credentials in storage_options {redact_options(cfg.storage_options)}",
+                self.url,
+            ) from exc
+        prefix = self.root.rstrip("/") + "/" if self.root else ""
+        refs: list[SampleRef] = []
+        for path, info in infos.items():
+            if info.get("type", "file") != "file":
+                continue
+            rel = path[len(prefix) :] if prefix and path.startswith(prefix) else path
+            if regex.match(rel):
+                size = info.get("size")
+                refs.append(SampleRef(rel, int(size) if size is not None else None))
+        if not refs:
+            raise SourceUnavailable(
+                f"{self.url}: no keys match {pattern!r} ({len(infos)} objects under the prefix); "
+                "check source.url (bucket and prefix exist) and source.pattern",
+                self.url,
+            )
+        refs.sort(key=lambda r: r.key)
+        log.info("%s: listed %d keys matching %r", self.url, len(refs), pattern)
+        return refs
+
+    def _read_manifest(self) -> list[SampleRef]:
+        from .manifest import read_manifest
+
+        manifest = self.spec.manifest
+        if manifest is None:
+            raise ValueError("no manifest configured")
+        if "://" in manifest or manifest.startswith("/"):
+            fs, path = open_fs(
+                manifest,
+                self.spec.storage_options,
+                timeout_s=self.spec.timeout_s,
+                connect_timeout_s=self.spec.connect_timeout_s,
+            )
+            url = manifest
+        else:
+            fs, path, url = self.fs, self.object_path(manifest), self.object_url(manifest)
+        refs = read_manifest(
+            fs,
+            path,
+            url=url,
+            fmt=self.spec.manifest_format,
+            deadline_s=self.spec.list_deadline_s,
+            timeout_s=self.spec.timeout_s,
+        )
+        refs.sort(key=lambda r: r.key)
+        return refs
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(url={self.url!r})"

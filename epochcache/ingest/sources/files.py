@@ -1,0 +1,36 @@
+"""The ``files`` layout: one remote object per sample, selected by a glob under the root URL."""
+
+from __future__ import annotations
+
+import logging
+
+from ...errors import CorruptSample
+from .base import FetchResult, SampleRef, Source
+from .check import check_object
+
+log = logging.getLogger(__name__)
+
+
+class FilesSource(Source):
+    """Objects under ``source.url`` whose path relative to it matches ``source.pattern``.
+
+    The key of a sample is its path relative to the root, so it stays the same when the bucket is
+    mounted elsewhere. With ``source.manifest`` the manifest's keys are used instead of a listing.
+    """
+
+    layout = "files"
+    unit = "sample"
+
+    def list_keys(self) -> list[SampleRef]:
+        if self.spec.manifest is not None:
+            return self._read_manifest()
+        return self._list_files(self.spec.effective_pattern)
+
+    def _unpack(self, ref: SampleRef, url: str, data: bytes) -> list[FetchResult]:
+        try:
+            check_object(ref.key, data, size=ref.size, checksum=ref.checksum, checks=self.checks,
+                         url=url)
+        except CorruptSample as exc:
+            log.warning("%s: corrupt: %s", url, exc)
+            return [(ref, exc)]
+        return [(ref, data)]

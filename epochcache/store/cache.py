@@ -1,0 +1,321 @@
+"""SampleStore: a byte-bounded LMDB sample store that evicts its oldest samples.
+
+Writers (the sampler processes) call :meth:`SampleStore.put_many`; trainers take a
+:meth:`SampleStore.snapshot` per epoch, which protects that epoch's samples from eviction until
+it is released. The parts are objects of their own that the store holds: the LMDB environment
+(``store``), the limits (``capacity``), the write path (``writer``) and the side tables
+(``tables``); counters, leases, eviction and snapshots are modules of their own. The public
+:class:`epochcache.Cache` adds the torch-side ``dataset()`` and ``epochs()`` on top of this
+class, so that this layer never imports torch.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import lmdb
+import numpy as np
+
+from ..units import format_size, parse_size
+from . import codec
+from .capacity import Capacity, resolve_limits
+from .codec import Value
+from .counters import Counters
+from .env import Store, map_bound
+from .eviction import Eviction
+from .leases import DEFAULT_LEASE_TIMEOUT_S, Lease, delete_lease, read_leases, write_lease
+from .schema import DB_KEYS, DB_LEASES, DB_META, DB_SAMPLES, seq_key, seq_keys, unpack_u64
+from .snapshot import Snapshot, select_snapshot
+from .tables import SideTables
+from .writer import PutResult, Writer
+
+
+class SampleStore:
+    """A local sample cache bounded by ``capacity`` bytes, evicting oldest samples first.
+
+    Opening is cheap and safe in any process. A forked child (a DataLoader worker) adopts the
+    LMDB environment it inherited (see :mod:`epochcache.store.env`), so a store opened in the
+    parent can be read in workers; pickled, it travels as its path and reopens on the other side.
+
+    Args:
+        path: the cache directory (created private to the user).
+        capacity: stored bytes to keep, e.g. ``"200GiB"`` or ``10**9``. Required when creating
+            a cache; when opening an existing one, None keeps its stored capacity.
+        headroom: extra bytes writers may use while leases pin the oldest samples: a fraction
+            of capacity (default 0.1) or a size. At capacity + headroom writers wait.
+        compression: ``"zstd"`` or ``"none"``; incompressible samples are stored raw anyway.
+        level: the zstd level.
+        sync: fsync each commit (survives power loss as well as process crashes).
+        readonly: open for reading only (status, verify).
+        max_map_size: cap on the LMDB map (defaults to a bound derived from capacity).
+        lease_timeout_s: a lease holder on another host is presumed dead after this long
+            without a heartbeat.
+
+    Raises:
+        CacheError: the directory holds no cache and no capacity was given, or it cannot be
+            opened.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        capacity: int | str | None = None,
+        *,
+        headroom: float | int | str = 0.1,
+        compression: str = "zstd",
+        level: int = 3,
+        sync: bool = True,
+        readonly: bool = False,
+        max_map_size: int | str | None = None,
+        lease_timeout_s: float = DEFAULT_LEASE_TIMEOUT_S,
+    ) -> None:
+        if compression not in ("zstd", "none"):
+            raise ValueError(f"compression: expected 'zstd' or 'none', got {compression!r}")
+        self.path = os.path.realpath(os.fspath(path))
+        self.compress = compression == "zstd"
+        self.level = level
+        self.lease_timeout_s = lease_timeout_s
+        cap = None if capacity is None else parse_size(capacity, name="capacity")
+        if cap is not None and cap <= 0:
+            raise ValueError(f"capacity: must be positive, got {capacity!r}")
+        capacity_bytes, headroom_bytes, changed = resolve_limits(self.path, cap, headroom)
+        limit = capacity_bytes + headroom_bytes
+        max_map = parse_size(max_map_size, name="max_map_size") if max_map_size else None
+        bound = max_map if max_map is not None else map_bound(limit)
+        self.store = Store(self.path, map_size=min(bound, map_bound(limit)), max_map_size=bound,
+                         readonly=readonly, sync=sync)
+        self.capacity = Capacity(self.store, capacity_bytes, headroom_bytes)
+        self.writer = Writer(self.store, self.capacity, compress=self.compress, level=level,
+                             lease_timeout_s=lease_timeout_s)
+        self.tables = SideTables(self.store)
+        if not readonly:
+            if changed:
+                self.store.write(self.capacity.save)
+            self.capacity.fit_to_disk()
+
+    @property
+    def dbs(self) -> dict[bytes, lmdb._Database]:
+        """The sub-database handles of this process's environment."""
+        self.store.env  # noqa: B018 - opens the environment if this handle has not yet
+        return self.store.dbs
+
+    # -- limits -----------------------------------------------------------------------------
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.capacity.capacity_bytes
+
+    @property
+    def headroom_bytes(self) -> int:
+        return self.capacity.headroom_bytes
+
+    @property
+    def effective_capacity(self) -> int:
+        """Capacity in force: the configured one, lowered after a full disk."""
+        return self.capacity.effective
+
+    def reset_effective_capacity(self) -> None:
+        """Forget a capacity lowered after a full disk (after space was freed)."""
+        self.capacity.reset()
+
+    # -- writing ----------------------------------------------------------------------------
+
+    def encode(self, key: str, value: Value) -> bytes:
+        """Frame one sample as a record (samplers do it before they take the write lock)."""
+        return self.writer.encode(key, value)
+
+    def put(self, key: str, value: Value, **kwargs: Any) -> PutResult:
+        return self.put_many([(key, value)], **kwargs)
+
+    def put_many(
+        self,
+        items: Iterable[tuple[str, Value]],
+        *,
+        encoded: bool = False,
+        wait: bool = True,
+        timeout_s: float | None = None,
+        stop: threading.Event | None = None,
+    ) -> PutResult:
+        """Store samples; samples whose key is already cached are skipped.
+
+        Eviction makes room, oldest first. When leases pin too much to stay within capacity +
+        headroom, the call waits (back-pressure) until space returns, ``timeout_s`` passes or
+        ``stop`` is set; with ``wait=False`` it raises :class:`CacheFull` at once. Samples are
+        committed in order, as many per transaction as fit; when the call returns, every
+        sample is committed. A :class:`CacheFull` carries ``.result``, what was committed.
+
+        Args:
+            items: ``(source key, value)`` pairs; a value is ``bytes`` or a dict of fields.
+            encoded: the values are records already made by :meth:`encode`.
+
+        Raises:
+            CacheFull: no room and ``wait`` is False, the timeout passed, or ``stop`` was set.
+            SampleTooLarge: a sample could never fit the capacity.
+        """
+        return self.writer.put_many(items, encoded=encoded, wait=wait, timeout_s=timeout_s,
+                                    stop=stop)
+
+    def evict(self, limit_bytes: int | None = None) -> Eviction:
+        """Evict oldest unleased samples until at most ``limit_bytes`` (default capacity) remain."""
+        return self.writer.evict(limit_bytes)
+
+    # -- reading ----------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return self.counters().samples
+
+    def __contains__(self, key: object) -> bool:
+        if not isinstance(key, str):
+            return False
+        with self.store.read() as txn:
+            return txn.get(key.encode("utf-8"), db=self.dbs[DB_KEYS]) is not None
+
+    def has_key_prefix(self, prefix: str) -> bool:
+        """Whether any cached source key starts with ``prefix`` (a tar shard's samples)."""
+        raw = prefix.encode("utf-8")
+        with self.store.read() as txn:
+            cursor = txn.cursor(db=self.dbs[DB_KEYS])
+            return bool(cursor.set_range(raw)) and bytes(cursor.key()).startswith(raw)
+
+    def get(self, seq: int) -> bytes | dict[str, bytes]:
+        """The raw value of sample ``seq`` (bytes, or a dict of fields for tar samples).
+
+        Raises:
+            KeyError: the sample is not in the cache (evicted, or never written).
+        """
+        return self.get_many([seq])[0]
+
+    def get_many(self, seqs: Sequence[int] | np.ndarray) -> list[bytes | dict[str, bytes]]:
+        """Values of several samples, read in one transaction (the batched read path).
+
+        Raises:
+            KeyError: a sample is not in the cache (evicted, or never written).
+        """
+        keys = seq_keys(seqs)
+        values = self.store.read_many(self.dbs[DB_SAMPLES], keys, codec.decode_payload)
+        if None in values:
+            missing = [int(s) for s, v in zip(seqs, values) if v is None]
+            raise KeyError(
+                f"samples {missing[:10]} are not in the cache at {self.path} (evicted: was their "
+                "snapshot released?)"
+            )
+        return values  # type: ignore[return-value]
+
+    def info(self, seq: int) -> codec.RecordInfo:
+        """Metadata of sample ``seq``: source key, sizes, codec, checksum, time added."""
+        with self.store.read() as txn:
+            record = txn.get(seq_key(int(seq)), db=self.dbs[DB_SAMPLES])
+            if record is None:
+                raise KeyError(f"sample {seq} is not in the cache at {self.path}")
+            return codec.read_info(record)
+
+    def seq_of(self, key: str) -> int | None:
+        """The sequence number under which source ``key`` is cached, or None."""
+        with self.store.read() as txn:
+            raw = txn.get(key.encode("utf-8"), db=self.dbs[DB_KEYS])
+            return None if raw is None else unpack_u64(raw)
+
+    def counters(self) -> Counters:
+        with self.store.read() as txn:
+            return Counters.load(txn, self.dbs[DB_META])
+
+    # -- snapshots and leases ---------------------------------------------------------------
+
+    def snapshot(self, epoch: int | None = None, label: str = "") -> Snapshot:
+        """Freeze the newest samples that fit the capacity, under a lease.
+
+        The snapshot's samples stay readable, unchanged, until it is released, however much
+        is written meanwhile (invariant 1).
+        """
+        limit = self.effective_capacity
+
+        def run(txn: lmdb.Transaction) -> tuple[np.ndarray, str]:
+            self.writer.reclaim(txn)
+            counters = Counters.load(txn, self.dbs[DB_META])
+            seqs = select_snapshot(txn, self.dbs[DB_SAMPLES], counters, limit)
+            lo = int(seqs[0]) if len(seqs) else counters.next_seq
+            hi = int(seqs[-1]) + 1 if len(seqs) else counters.next_seq
+            name = label or (f"epoch {epoch}" if epoch is not None else "snapshot")
+            lease = Lease.new(lo, hi, len(seqs), label=name)
+            write_lease(txn, self.dbs[DB_LEASES], lease)
+            return seqs, lease.lease_id
+
+        seqs, lease_id = self.store.write(run)
+        return Snapshot(self, seqs, lease_id, epoch)
+
+    def leases(self) -> list[Lease]:
+        with self.store.read() as txn:
+            return read_leases(txn, self.dbs[DB_LEASES])
+
+    def release_lease(self, lease_id: str) -> bool:
+        return self.store.write(lambda txn: delete_lease(txn, self.dbs[DB_LEASES], lease_id))
+
+    def heartbeat_lease(self, lease_id: str) -> None:
+        def run(txn: lmdb.Transaction) -> None:
+            raw = txn.get(lease_id.encode(), db=self.dbs[DB_LEASES])
+            if raw is not None:
+                lease = Lease.from_bytes(raw)
+                lease.heartbeat_ns = time.time_ns()
+                write_lease(txn, self.dbs[DB_LEASES], lease)
+
+        self.store.write(run)
+
+    def reclaim_leases(self) -> list[Lease]:
+        """Delete leases whose holder died, then evict what they pinned beyond capacity."""
+        dead = self.store.write(self.writer.reclaim)
+        if dead:
+            self.evict()
+        return dead
+
+    # -- side tables and reporting ----------------------------------------------------------
+
+    def quarantined(self, limit: int = 100) -> list[dict[str, Any]]:
+        """The newest quarantine rows (key, reason, time, ...), oldest first."""
+        return self.tables.quarantined(limit)
+
+    def history(self, limit: int | None = None) -> list[dict[str, Any]]:
+        """Stats history rows (what ``status`` rates and ``plot`` are drawn from), oldest first."""
+        return self.tables.history(limit)
+
+    def append_history(self, row: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Append a stats row (counters, effective capacity and ``row``) to the history."""
+        doc: dict[str, Any] = {"time": time.time(), **self.counters().as_dict(), **(row or {})}
+        doc["capacity"] = self.effective_capacity
+        self.tables.append_history(doc)
+        return doc
+
+    def stats(self) -> dict[str, Any]:
+        """Counters, capacity, leases and daemon health, as a JSON-able dict."""
+        from .status import collect_stats
+
+        return collect_stats(self)
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def file_bytes(self) -> int:
+        return self.store.file_bytes()
+
+    def close(self) -> None:
+        self.store.close()
+
+    def __enter__(self) -> SampleStore:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.path!r}, capacity={format_size(self.capacity_bytes)!r})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Pickle as a path: the receiving process opens its own environment.
+        return {"path": self.path, "compression": "zstd" if self.compress else "none",
+                "level": self.level}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["path"], compression=state["compression"],  # type: ignore[misc]
+                      level=state["level"])

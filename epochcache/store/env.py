@@ -1,0 +1,286 @@
+"""Open the LMDB environment of a cache, and run transactions on it safely.
+
+All process-level LMDB concerns live here:
+
+* one ``lmdb.Environment`` per cache directory per process (LMDB forbids opening the same
+  file twice in one process), shared by every :class:`Store` on that path;
+* fork: a forked child (a DataLoader worker) adopts the environment it inherited instead of
+  opening the files a second time, and never closes it (see ``_after_fork_in_child``); sampler
+  processes are started with ``spawn`` and open their own;
+* map size: set from the capacity, grown on ``MapFullError`` up to a bound, and re-read
+  after another process grew it (``MapResizedError``);
+* a private directory (0700) and private files (0600), since samples may be sensitive.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterator
+from typing import TypeVar
+
+import lmdb
+
+from ..errors import CacheError
+from .schema import ALL_DBS
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+MIN_MAP_SIZE = 64 * 1024 * 1024
+#: Extra room above capacity + headroom: LMDB needs free pages for copy-on-write while old
+#: readers still see freed pages, and large values round up to whole pages.
+MAP_SLACK = 1.0
+MAX_READERS = 1024
+
+_lock = threading.Lock()
+_envs: dict[str, tuple[lmdb.Environment, dict[bytes, lmdb._Database], int]] = {}
+_refcounts: dict[str, int] = {}
+
+
+#: ``PROCESS[0]`` is a new object in every forked child: a cheaper "is this still the process
+#: that opened it?" test than ``os.getpid()`` (a system call) for per-sample paths.
+PROCESS: list[object] = [object()]
+
+
+def _after_fork_in_child() -> None:
+    global _lock
+    PROCESS[0] = object()
+    # The child adopts the environments it inherited instead of closing and reopening them:
+    # py-lmdb refuses to open the same files twice in one process, and closing them in the
+    # child would abort the inherited copies of the parent's read transactions, clearing the
+    # parent's reader slots in the shared lock table (its snapshots would no longer be
+    # protected from page reuse). The child's readers are registered under the parent's pid,
+    # which only delays the cleanup of a slot the child leaks by dying mid-read.
+    pid = os.getpid()
+    for path, (env, dbs, _old_pid) in list(_envs.items()):
+        _envs[path] = (env, dbs, pid)
+    _refcounts.clear()
+    for path in _envs:
+        _refcounts[path] = 1 << 30  # never closed in the child
+    _lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def begin_read(env: lmdb.Environment) -> lmdb.Transaction:
+    """A read transaction (buffers into the map); survives another process growing the map.
+
+    The caller aborts it. Hot paths call this directly instead of :meth:`Store.read`.
+    """
+    try:
+        return env.begin(buffers=True)
+    except lmdb.MapResizedError:
+        env.set_mapsize(0)  # adopt the size another process set
+        return env.begin(buffers=True)
+
+
+def map_bound(limit_bytes: int) -> int:
+    """The largest LMDB map (and so the largest data file) for a cache of ``limit_bytes``."""
+    return max(MIN_MAP_SIZE, int(limit_bytes * (1 + MAP_SLACK)) + MIN_MAP_SIZE)
+
+
+def make_private_dir(path: str) -> None:
+    """Create ``path`` readable by its owner only; tighten an existing empty directory."""
+    existed = os.path.isdir(path)
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    if not existed:
+        os.chmod(path, 0o700)
+    elif os.stat(path).st_mode & 0o077:
+        log.warning("cache directory %s is readable by other users; consider chmod 700", path)
+
+
+class Store:
+    """Transactions on one cache directory's LMDB environment.
+
+    Args:
+        path: the cache directory.
+        map_size: the initial map size in bytes.
+        max_map_size: how far the map may grow on ``MapFullError``; past it, writes raise
+            ``lmdb.MapFullError`` for the caller to treat as a full disk.
+        readonly: open without write access (``verify``/``status`` on another user's cache).
+        sync: fsync each commit. Process crashes never lose a returned commit either way;
+            ``sync`` also keeps commits across power loss.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        map_size: int = MIN_MAP_SIZE,
+        max_map_size: int | None = None,
+        readonly: bool = False,
+        sync: bool = True,
+    ) -> None:
+        self.path = os.path.realpath(path)
+        self.readonly = readonly
+        self.sync = sync
+        self.max_map_size = max(map_size, max_map_size or map_size)
+        self._map_size = map_size
+        self._pid = -1
+        self._env: lmdb.Environment | None = None
+        self.dbs: dict[bytes, lmdb._Database] = {}
+        self._closed = False
+        self._ensure_open()
+
+    # -- process-level handle management ---------------------------------------------------
+
+    def _ensure_open(self) -> lmdb.Environment:
+        pid = os.getpid()
+        if self._env is not None and self._pid == pid:
+            return self._env
+        if self._closed:
+            raise CacheError(f"{self.path}: cache is closed")
+        with _lock:
+            entry = _envs.get(self.path)
+            if entry is None or entry[2] != pid:
+                entry = self._open_env(pid)
+                _envs[self.path] = entry
+                _refcounts[self.path] = 0
+            _refcounts[self.path] += 1
+        env, self.dbs, self._pid = entry
+        self._env = env
+        if env.info()["map_size"] < self._map_size and not self.readonly:
+            self._set_map_size(self._map_size)
+        return env
+
+    def _open_env(self, pid: int) -> tuple[lmdb.Environment, dict[bytes, lmdb._Database], int]:
+        if self.readonly:
+            if not os.path.exists(os.path.join(self.path, "data.mdb")):
+                raise CacheError(f"{self.path}: no cache here (data.mdb is missing)")
+        else:
+            make_private_dir(self.path)
+        # The environment is shared by every Store on this path in the process, so it is
+        # opened writable whenever the directory allows it; `readonly` Stores just never write.
+        lmdb_readonly = self.readonly and not os.access(self.path, os.W_OK)
+        try:
+            env = lmdb.open(
+                self.path,
+                map_size=self._map_size,
+                subdir=True,
+                readonly=lmdb_readonly,
+                sync=self.sync,
+                # One fsync per commit, not two: a crash may undo the last commit but never
+                # corrupts the environment.
+                metasync=False,
+                readahead=False,  # random reads over a cache larger than RAM
+                meminit=False,
+                max_readers=MAX_READERS,
+                max_dbs=len(ALL_DBS) + 2,
+                mode=0o600,
+                lock=True,
+            )
+        except lmdb.Error as exc:
+            raise CacheError(f"{self.path}: cannot open the cache: {exc}") from exc
+        dbs: dict[bytes, lmdb._Database] = {}
+        for _attempt in range(5):
+            try:
+                with env.begin(write=not lmdb_readonly) as txn:
+                    for name in ALL_DBS:
+                        dbs[name] = env.open_db(name, txn=txn, create=not lmdb_readonly)
+                break
+            except lmdb.MapResizedError:
+                env.set_mapsize(0)  # a writer grew the map while we opened: adopt its size
+            except lmdb.NotFoundError as exc:
+                env.close()
+                raise CacheError(f"{self.path}: not an epochcache cache ({exc})") from exc
+        return env, dbs, pid
+
+    @property
+    def env(self) -> lmdb.Environment:
+        return self._ensure_open()
+
+    def close(self) -> None:
+        """Drop this handle; the environment closes when its last handle in the process does."""
+        if self._env is None or self._closed:
+            self._closed = True
+            return
+        self._closed = True
+        if self._pid != os.getpid():
+            self._env = None
+            return
+        with _lock:
+            _refcounts[self.path] = _refcounts.get(self.path, 1) - 1
+            if _refcounts[self.path] <= 0:
+                entry = _envs.pop(self.path, None)
+                _refcounts.pop(self.path, None)
+                if entry is not None:
+                    entry[0].close()
+        self._env = None
+
+    # -- map size ---------------------------------------------------------------------------
+
+    @property
+    def map_size(self) -> int:
+        return int(self.env.info()["map_size"])
+
+    def _set_map_size(self, size: int) -> None:
+        # Only valid with no transaction of this process open (py-lmdb, "Handling growth").
+        self.env.set_mapsize(size)
+        log.debug("%s: LMDB map size set to %d bytes", self.path, size)
+
+    def _grow_map(self) -> bool:
+        current = self.map_size
+        if current >= self.max_map_size:
+            return False
+        self._set_map_size(min(self.max_map_size, max(current * 3 // 2, current + MIN_MAP_SIZE)))
+        return True
+
+    # -- transactions -----------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def read(self) -> Iterator[lmdb.Transaction]:
+        """A short read transaction; survives another process growing the map."""
+        txn = begin_read(self.env)
+        try:
+            yield txn
+        finally:
+            txn.abort()
+
+    def read_many(
+        self, db: lmdb._Database, keys: list[bytes], fn: Callable[[memoryview], T]
+    ) -> list[T | None]:
+        """``fn(value)`` for each key (None where missing), in one read transaction.
+
+        The hot read path, so no context manager around it. ``fn`` must copy what it keeps:
+        the buffers point into the map and are valid only inside the transaction.
+        """
+        txn = begin_read(self.env)
+        try:
+            get = txn.get
+            return [None if (value := get(key, None, db)) is None else fn(value) for key in keys]
+        finally:
+            txn.abort()
+
+    def write(self, fn: Callable[[lmdb.Transaction], T]) -> T:
+        """Run ``fn`` in one write transaction and commit it; grow the map when it is full.
+
+        ``fn`` may run more than once (after a map growth), so it must not have side effects
+        outside the transaction. ``lmdb.MapFullError`` escapes once the map is at its bound,
+        and ``lmdb.DiskError`` when the disk is full: callers lower the capacity.
+        """
+        if self.readonly:
+            raise CacheError(f"{self.path}: opened read-only")
+        while True:
+            env = self.env
+            try:
+                with env.begin(write=True, buffers=True) as txn:
+                    return fn(txn)
+            except lmdb.MapResizedError:
+                env.set_mapsize(0)
+            except lmdb.MapFullError:
+                if not self._grow_map():
+                    raise
+
+    def file_bytes(self) -> int:
+        """Size of the data file on disk (allocated blocks, since LMDB files can be sparse)."""
+        try:
+            st = os.stat(os.path.join(self.path, "data.mdb"))
+        except FileNotFoundError:
+            return 0
+        return min(st.st_size, st.st_blocks * 512)

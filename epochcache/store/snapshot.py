@@ -1,0 +1,129 @@
+"""Freeze the cache's current samples into a compact index held by a lease.
+
+A snapshot is the array of sequence numbers an epoch trains on (8 bytes per sample, no Python
+object per sample, so forked DataLoader workers do not copy it page by page as refcounts
+change). It covers the newest samples that fit the capacity: samples that only sit in the
+headroom because an older lease pinned them are left out, so once that older lease is released
+they can be evicted, and the cache turns over even though some epoch always holds a lease.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import lmdb
+import numpy as np
+
+from .counters import Counters
+from ..errors import SnapshotClosed
+from .schema import seq_of
+
+if TYPE_CHECKING:
+    from .cache import SampleStore
+
+log = logging.getLogger(__name__)
+
+
+def select_snapshot(
+    txn: lmdb.Transaction,
+    samples_db: lmdb._Database,
+    counters: Counters,
+    limit_bytes: int,
+) -> np.ndarray:
+    """The sequence numbers of the newest samples whose stored bytes fit ``limit_bytes``."""
+    cursor = txn.cursor(db=samples_db)
+    if counters.samples == 0 or not cursor.first():
+        return np.empty(0, dtype=np.uint64)
+    first = seq_of(bytes(cursor.key()))
+    skip = 0
+    excess = counters.bytes - limit_bytes
+    if excess > 0:
+        # Only the headroom is walked (at most ~10% of the samples): the oldest samples beyond
+        # capacity are excluded from the snapshot, so nothing new pins them.
+        freed = 0
+        while freed < excess:
+            freed += len(cursor.value())
+            skip += 1
+            if not cursor.next():
+                break
+    if counters.next_seq - first == counters.samples:
+        return np.arange(first + skip, counters.next_seq, dtype=np.uint64)
+    # Gaps (left by `verify --repair`): read the keys themselves.
+    cursor.first()
+    raw = b"".join(bytes(k) for k in cursor.iternext(keys=True, values=False))
+    seqs = np.frombuffer(raw, dtype=">u8").astype(np.uint64)
+    return seqs[skip:]
+
+
+class Snapshot:
+    """The samples of one epoch, frozen and protected from eviction until :meth:`release`.
+
+    Obtained from :meth:`SampleStore.snapshot`. Use it as a context manager, or call
+    :meth:`release`; a snapshot dropped without release is released when garbage collected
+    (in the process that took it only), and its lease is reclaimed if that process dies.
+    """
+
+    def __init__(self, cache: SampleStore, seqs: np.ndarray, lease_id: str, epoch: int | None) -> None:
+        self.cache = cache
+        self.seqs = seqs
+        self.lease_id = lease_id
+        self.epoch = epoch
+        self._owner_pid = os.getpid()
+        self._released = False
+        self._finalizer = weakref.finalize(
+            self, _release_quietly, cache, lease_id, self._owner_pid
+        )
+
+    def __len__(self) -> int:
+        return int(self.seqs.shape[0])
+
+    def __repr__(self) -> str:
+        state = "released" if self._released else "held"
+        return f"Snapshot(epoch={self.epoch}, samples={len(self)}, lease={self.lease_id[:8]}, {state})"
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def check_open(self) -> None:
+        if self._released:
+            raise SnapshotClosed(
+                f"snapshot of epoch {self.epoch} was released; take a new one with cache.snapshot()"
+            )
+
+    def heartbeat(self) -> None:
+        """Refresh the lease's heartbeat (only needed for caches on shared filesystems)."""
+        self.check_open()
+        self.cache.heartbeat_lease(self.lease_id)
+
+    def release(self) -> None:
+        """Release the lease: its samples may be evicted from now on. Idempotent."""
+        if self._released:
+            return
+        self._released = True
+        self._finalizer.detach()
+        if os.getpid() == self._owner_pid:
+            self.cache.release_lease(self.lease_id)
+
+    def __enter__(self) -> Snapshot:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError(
+            "a Snapshot owns a lease and cannot be pickled; pass snapshot.seqs (or the Dataset)"
+        )
+
+
+def _release_quietly(cache: SampleStore, lease_id: str, owner_pid: int) -> None:
+    if os.getpid() != owner_pid:
+        return
+    try:
+        cache.release_lease(lease_id)
+    except Exception:  # interpreter shutdown: the lease is reclaimed once we are gone
+        log.debug("could not release lease %s at exit", lease_id, exc_info=True)

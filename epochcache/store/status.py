@@ -1,0 +1,144 @@
+"""Cache statistics as a JSON-able dict (``status --json``) and as a rich table."""
+
+from __future__ import annotations
+
+import socket
+import time
+from typing import TYPE_CHECKING, Any
+
+from .leases import pid_alive
+from ..units import format_size
+
+if TYPE_CHECKING:
+    from rich.console import RenderableType
+
+    from .cache import SampleStore
+
+#: A daemon whose heartbeat is older than this is reported as not alive.
+DAEMON_STALE_S = 60.0
+
+
+def daemon_health(doc: dict[str, Any] | None, now: float | None = None) -> dict[str, Any] | None:
+    """The daemon's state document plus whether it is alive (pid on this host, fresh heartbeat)."""
+    if doc is None:
+        return None
+    now = time.time() if now is None else now
+    age = now - float(doc.get("heartbeat", 0))
+    if doc.get("host") == socket.gethostname():
+        alive = pid_alive(int(doc.get("pid", -1)), doc.get("start_ticks")) and not doc.get("stopped")
+    else:
+        alive = age < DAEMON_STALE_S and not doc.get("stopped")
+    return {**doc, "alive": bool(alive), "heartbeat_age_s": round(age, 1)}
+
+
+def ingest_rate(history: list[dict[str, Any]], window_s: float = 60.0) -> dict[str, float]:
+    """Samples/s and bytes/s inserted over the last ``window_s`` of history rows."""
+    if len(history) < 2 or time.time() - history[-1]["time"] > 2 * window_s:
+        return {"samples_per_s": 0.0, "bytes_per_s": 0.0}  # no recent rows: nothing is ingesting
+    last = history[-1]
+    first = next((row for row in history if last["time"] - row["time"] <= window_s), history[-2])
+    if first is last:
+        first = history[-2]
+    dt = max(1e-9, last["time"] - first["time"])
+    inserted_bytes = (last["bytes"] + last["evicted_bytes"]) - (first["bytes"] + first["evicted_bytes"])
+    return {
+        "samples_per_s": round((last["inserted"] - first["inserted"]) / dt, 2),
+        "bytes_per_s": round(inserted_bytes / dt, 1),
+    }
+
+
+def collect_stats(cache: SampleStore) -> dict[str, Any]:
+    counters = cache.counters()
+    now = time.time()
+    leases = cache.leases()
+    history = cache.history(limit=200)
+    capacity = cache.effective_capacity
+    return {
+        "path": cache.path,
+        "samples": counters.samples,
+        "bytes": counters.bytes,
+        "capacity": cache.capacity_bytes,
+        "effective_capacity": capacity,
+        "headroom": cache.headroom_bytes,
+        "fill": round(counters.bytes / capacity, 4) if capacity else 0.0,
+        "inserted": counters.inserted,
+        "evicted": counters.evicted,
+        "evicted_bytes": counters.evicted_bytes,
+        "quarantined": counters.quarantined,
+        "file_bytes": cache.file_bytes(),
+        "leases": len(leases),
+        "lease_details": [
+            {
+                "id": lease.lease_id[:8],
+                "label": lease.label,
+                "pid": lease.pid,
+                "host": lease.host,
+                "samples": lease.count,
+                "age_s": round(now - lease.created_ns / 1e9, 1),
+                "alive": lease.is_alive(time.time_ns(), cache.lease_timeout_s),
+            }
+            for lease in leases
+        ],
+        "ingest": ingest_rate(history),
+        "daemon": daemon_health(cache.tables.get_state("daemon"), now),
+        "recent_quarantine": cache.quarantined(limit=5),
+    }
+
+
+def render(stats: dict[str, Any]) -> RenderableType:
+    """A human table of :func:`collect_stats` output."""
+    from rich.console import Group
+    from rich.table import Table
+
+    table = Table(title=f"epochcache  {stats['path']}", show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column()
+    fill = f"{format_size(stats['bytes'])} / {format_size(stats['effective_capacity'])} ({stats['fill']:.0%})"
+    if stats["effective_capacity"] < stats["capacity"]:
+        fill += f"  [yellow]lowered from {format_size(stats['capacity'])} (disk full)[/]"
+    table.add_row("samples", f"{stats['samples']:,}")
+    table.add_row("stored", fill)
+    table.add_row("headroom", format_size(stats["headroom"]))
+    table.add_row("data file", format_size(stats["file_bytes"]))
+    table.add_row("inserted / evicted", f"{stats['inserted']:,} / {stats['evicted']:,}")
+    ingest = stats["ingest"]
+    table.add_row("ingest", f"{ingest['samples_per_s']:.1f} samples/s, {format_size(ingest['bytes_per_s'])}/s")
+    quarantined = stats["quarantined"]
+    table.add_row("quarantined", f"[red]{quarantined:,}[/]" if quarantined else "0")
+    daemon = stats["daemon"]
+    if daemon is None:
+        table.add_row("daemon", "none")
+    else:
+        state = "[green]alive[/]" if daemon["alive"] else "[red]not running[/]"
+        table.add_row("daemon", f"{state} pid {daemon.get('pid')} on {daemon.get('host')}, "
+                      f"heartbeat {daemon['heartbeat_age_s']:.0f}s ago")
+        for name, sampler in sorted((daemon.get("samplers") or {}).items()):
+            table.add_row(f"  {name}", _sampler_line(sampler))
+    parts: list[RenderableType] = [table]
+    if stats["lease_details"]:
+        leases = Table(title="leases", title_justify="left")
+        for column in ("id", "label", "pid", "host", "samples", "age_s", "alive"):
+            leases.add_column(column)
+        for lease in stats["lease_details"]:
+            leases.add_row(*(str(lease[c]) for c in ("id", "label", "pid", "host", "samples", "age_s", "alive")))
+        parts.append(leases)
+    if stats["recent_quarantine"]:
+        quarantine = Table(title="recent quarantine", title_justify="left")
+        quarantine.add_column("key")
+        quarantine.add_column("reason")
+        for row in stats["recent_quarantine"]:
+            quarantine.add_row(str(row.get("key")), str(row.get("reason")))
+        parts.append(quarantine)
+    return Group(*parts)
+
+
+def _sampler_line(sampler: dict[str, Any]) -> str:
+    state = "[green]up[/]" if sampler.get("alive", True) else "[red]down[/]"
+    bits = [state, f"pid {sampler.get('pid')}", f"fetched {sampler.get('fetched', 0):,}"]
+    if sampler.get("errors"):
+        bits.append(f"[yellow]errors {sampler['errors']}[/]")
+    if sampler.get("restarts"):
+        bits.append(f"restarts {sampler['restarts']}")
+    if sampler.get("last_error"):
+        bits.append(f"last error: {sampler['last_error']}")
+    return ", ".join(bits)

@@ -1,0 +1,284 @@
+"""The write path of a cache: framing, commits in batches, eviction and back-pressure.
+
+:meth:`Writer.put_many` commits as many samples per transaction as fit within capacity +
+headroom, evicting the oldest unleased samples first; when leases pin the rest it waits
+(back-pressure) instead of failing or overfilling. A full disk or LMDB map is met by evicting in
+a transaction of its own and then lowering the effective capacity, never by corrupting the cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import lmdb
+
+from ..errors import CacheError, CacheFull, SampleTooLarge
+from ..units import format_size
+from . import codec
+from .capacity import Capacity
+from .codec import Value
+from .counters import Counters
+from .env import Store
+from .eviction import Eviction, evict_oldest
+from .leases import Lease, read_leases, reclaim_dead
+from .schema import DB_KEYS, DB_LEASES, DB_META, DB_SAMPLES, seq_key
+
+log = logging.getLogger("epochcache.cache")  # one logger for everything a cache does
+
+#: Rounds of "disk full, evict or lower the capacity, try again" before giving up.
+_MAX_DISK_FULL_ROUNDS = 16
+
+
+@dataclass
+class PutResult:
+    """What :meth:`Cache.put_many` committed."""
+
+    inserted: int = 0
+    skipped: int = 0
+    seqs: list[int] = field(default_factory=list)
+    evicted: int = 0
+
+    def add(self, other: PutResult) -> None:
+        self.inserted += other.inserted
+        self.skipped += other.skipped
+        self.evicted += other.evicted
+        self.seqs.extend(other.seqs)
+
+
+def is_disk_full(exc: lmdb.Error) -> bool:
+    """MapFullError, ENOSPC, or the EIO LMDB reports for a short write on a full disk."""
+    if isinstance(exc, (lmdb.MapFullError, lmdb.DiskError)):
+        return True
+    text = str(exc)
+    return "Input/output error" in text or "No space left" in text
+
+
+class _Backoff:
+    """The waits of a writer held back by leases: 20 ms doubling to 250 ms (a released lease
+    should unblock writers promptly), until an optional deadline."""
+
+    def __init__(self, timeout_s: float | None) -> None:
+        self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        self.delay = 0.02
+
+    def reset(self) -> None:
+        self.delay = 0.02
+
+    def expired(self) -> bool:
+        return self.deadline is not None and time.monotonic() >= self.deadline
+
+    def sleep(self, stop: threading.Event | None) -> None:
+        if stop is not None:
+            stop.wait(self.delay)
+        else:
+            time.sleep(self.delay)
+        self.delay = min(self.delay * 2, 0.25)
+
+
+class Writer:
+    """Puts samples into one cache and evicts its oldest ones.
+
+    Args:
+        store: the cache's LMDB environment.
+        capacity: the cache's limits.
+        compress: zstd-compress samples that shrink (incompressible ones are stored raw).
+        level: the zstd level.
+        lease_timeout_s: see :class:`~epochcache.store.leases.Lease`.
+    """
+
+    def __init__(self, store: Store, capacity: Capacity, *, compress: bool, level: int,
+                 lease_timeout_s: float) -> None:
+        self.store, self.capacity = store, capacity
+        self.compress, self.level, self.lease_timeout_s = compress, level, lease_timeout_s
+        self._full_logged = 0.0
+
+    @property
+    def path(self) -> str:
+        return self.store.path
+
+    def encode(self, key: str, value: Value) -> bytes:
+        """Frame one sample as a record (done by samplers before they take the write lock)."""
+        return codec.encode_record(key, value, level=self.level, compress=self.compress)
+
+    def put_many(
+        self,
+        items: Iterable[tuple[str, Value]],
+        *,
+        encoded: bool = False,
+        wait: bool = True,
+        timeout_s: float | None = None,
+        stop: threading.Event | None = None,
+    ) -> PutResult:
+        """See :meth:`epochcache.store.SampleStore.put_many`."""
+        pending = self._frame(items, encoded)
+        total = PutResult()
+        backoff = _Backoff(timeout_s)
+        disk_full_rounds = 0
+        while pending:
+            limit = self.capacity.effective
+            try:
+                result, pending, blocked = self.store.write(
+                    lambda txn: self._put_txn(txn, pending, limit)
+                )
+            except lmdb.Error as exc:
+                if not is_disk_full(exc):
+                    raise
+                disk_full_rounds += 1
+                blocked = self._make_room(exc, pending, limit, disk_full_rounds)
+                if blocked is None:
+                    continue
+                result = PutResult()
+            total.add(result)
+            if blocked is None or not pending:
+                continue
+            if result.inserted:
+                backoff.reset()  # progress: space is coming back
+            if not wait or backoff.expired() or (stop is not None and stop.is_set()):
+                error = CacheFull(self._full_message(blocked))
+                error.result = total
+                raise error
+            self._log_waiting(blocked)
+            backoff.sleep(stop)
+        return total
+
+    def _frame(self, items: Iterable[tuple[str, Value]], encoded: bool) -> list[tuple[bytes, bytes]]:
+        """``(key bytes, record)`` of each item, the first of each key only.
+
+        Raises:
+            SampleTooLarge: a sample could never fit the capacity.
+        """
+        batch: dict[bytes, bytes] = {}
+        for key, value in items:
+            record = value if encoded else self.encode(key, value)
+            if len(record) > self.capacity.capacity_bytes:
+                raise SampleTooLarge(
+                    f"{self.path}: sample {key!r} is {format_size(len(record))}, larger than the "
+                    f"cache capacity {format_size(self.capacity.capacity_bytes)}; raise "
+                    "cache.capacity"
+                )
+            batch.setdefault(key.encode("utf-8"), record)  # type: ignore[arg-type]
+        return list(batch.items())
+
+    def _make_room(self, exc: lmdb.Error, pending: list[tuple[bytes, bytes]], limit: int,
+                   rounds: int) -> Lease | None:
+        """After a full disk or map: evict in a transaction of its own, else lower the capacity.
+
+        Returns the lease that stops eviction (the writer then waits), or None to try again now.
+        """
+        if rounds > _MAX_DISK_FULL_ROUNDS:
+            raise CacheError(
+                f"{self.path}: disk full even after lowering the capacity; free disk space"
+            ) from exc
+        incoming = sum(len(r) for _, r in pending)
+        # LMDB reuses freed pages only after the freeing transaction commits, so evict in a
+        # transaction of its own before trying the insert again.
+        freed = self._evict_quietly(limit - incoming)
+        if freed.count:
+            return None
+        if freed.blocked_by is None:
+            self.capacity.lower(exc, incoming)
+            return None
+        return freed.blocked_by
+
+    def _evict_quietly(self, limit: int) -> Eviction:
+        try:
+            return self.evict(max(0, limit))
+        except lmdb.Error as exc:
+            if not is_disk_full(exc):
+                raise
+            return Eviction()
+
+    def _put_txn(
+        self, txn: lmdb.Transaction, pending: list[tuple[bytes, bytes]], limit: int
+    ) -> tuple[PutResult, list[tuple[bytes, bytes]], Lease | None]:
+        """Commit the longest prefix of ``pending`` that fits; return the rest and the blocker."""
+        dbs = self.store.dbs
+        counters = Counters.load(txn, dbs[DB_META])
+        fresh = [(k, r) for k, r in pending if txn.get(k, db=dbs[DB_KEYS]) is None]
+        result = PutResult(skipped=len(pending) - len(fresh))
+        blocker: Lease | None = None
+        rest: list[tuple[bytes, bytes]] = []
+        incoming = sum(len(r) for _, r in fresh)
+        if counters.bytes + incoming > limit:
+            evicted = self._evict_for(txn, counters, limit, incoming)
+            result.evicted = evicted.count
+            room = limit + self.capacity.headroom_for(limit) - counters.bytes
+            if incoming > room:
+                blocker = evicted.blocked_by or Lease.new(0, 0, 0, label="(none: disk limit)")
+                fits = _prefix_within(fresh, room)
+                fresh, rest = fresh[:fits], fresh[fits:]
+                incoming = sum(len(r) for _, r in fresh)
+        first = counters.next_seq
+        result.seqs = list(range(first, first + len(fresh)))
+        if fresh:
+            cursor = txn.cursor(db=dbs[DB_SAMPLES])
+            # Sequence keys are big-endian and increasing, so append=True is valid (fast path).
+            cursor.putmulti([(seq_key(s), r) for s, (_, r) in zip(result.seqs, fresh)], append=True)
+            for seq, (key, _) in zip(result.seqs, fresh):
+                txn.put(key, seq_key(seq), db=dbs[DB_KEYS])
+        counters.next_seq += len(fresh)
+        counters.samples += len(fresh)
+        counters.inserted += len(fresh)
+        counters.bytes += incoming
+        if fresh or result.evicted:
+            counters.save(txn, dbs[DB_META])  # an unchanged transaction commits without an fsync
+        result.inserted = len(fresh)
+        return result, rest, blocker
+
+    def _evict_for(self, txn: lmdb.Transaction, counters: Counters, limit: int,
+                   incoming: int) -> Eviction:
+        """Evict to make room for ``incoming`` bytes; past the headroom, reclaim dead leases
+        first. ``counters`` is updated in place."""
+        dbs = self.store.dbs
+        target = max(0, limit - incoming)
+        evicted = evict_oldest(txn, dbs, counters, target, read_leases(txn, dbs[DB_LEASES]))
+        over_headroom = counters.bytes + incoming > limit + self.capacity.headroom_for(limit)
+        if over_headroom and self.reclaim(txn):
+            more = evict_oldest(txn, dbs, counters, target, read_leases(txn, dbs[DB_LEASES]))
+            evicted = Eviction(evicted.count + more.count, evicted.bytes + more.bytes,
+                               more.blocked_by)
+        return evicted
+
+    def reclaim(self, txn: lmdb.Transaction) -> list[Lease]:
+        """Delete (and log) the leases of dead holders, in ``txn``."""
+        return reclaim_dead(txn, self.store.dbs[DB_LEASES], self.lease_timeout_s, path=self.path)
+
+    def _full_message(self, blocker: Lease) -> str:
+        return (
+            f"{self.path}: cache is at capacity + headroom and the oldest samples are held by "
+            f"lease {blocker.lease_id[:8]} ({blocker.label or 'snapshot'}) of pid {blocker.pid} "
+            f"on {blocker.host}; writers wait until it is released"
+        )
+
+    def _log_waiting(self, blocker: Lease) -> None:
+        now = time.monotonic()
+        if now - self._full_logged > 60:
+            self._full_logged = now
+            log.info("%s", self._full_message(blocker))
+
+    def evict(self, limit_bytes: int | None = None) -> Eviction:
+        """Evict oldest unleased samples until at most ``limit_bytes`` (default capacity) remain."""
+        limit = self.capacity.effective if limit_bytes is None else limit_bytes
+        dbs = self.store.dbs
+
+        def run(txn: lmdb.Transaction) -> Eviction:
+            counters = Counters.load(txn, dbs[DB_META])
+            result = evict_oldest(txn, dbs, counters, limit, read_leases(txn, dbs[DB_LEASES]))
+            counters.save(txn, dbs[DB_META])
+            return result
+
+        return self.store.write(run)
+
+
+def _prefix_within(records: list[tuple[bytes, bytes]], room: int) -> int:
+    """How many of the first ``records`` fit in ``room`` bytes."""
+    used = 0
+    for count, (_, record) in enumerate(records):
+        used += len(record)
+        if used > room:
+            return count
+    return len(records)

@@ -1,0 +1,74 @@
+"""The layering is a test: import contracts (import-linter) and a torch-free ingest layer.
+
+README "Layout" describes the layers; pyproject.toml's ``[tool.importlinter]`` states them as
+contracts. These tests run the real ``lint-imports`` on the package, show that it fails on a
+deliberate violation (so the contracts are not vacuous), and check at run time that the ingest
+layer and the daemon command never import torch.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+LINT = Path(sys.executable).with_name("lint-imports")
+
+pytestmark = pytest.mark.skipif(not LINT.exists(), reason="import-linter is not installed")
+
+
+def _lint(root: Path, *contracts: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    only = [arg for contract in contracts for arg in ("--contract", contract)]
+    return subprocess.run([str(LINT), "--no-cache", "--no-logo", *only], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def _copy_package(tmp_path: Path) -> Path:
+    shutil.copytree(ROOT / "epochcache", tmp_path / "epochcache",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    return tmp_path
+
+
+def test_the_package_keeps_its_import_contracts() -> None:
+    result = _lint(ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "4 kept, 0 broken" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("module", "violation", "contract"),
+    [
+        ("ingest/keyorder.py", "import torch", "ingest"),
+        ("store/snapshot.py", "from ..data import dataset", "store"),
+        ("data/wait.py", "from ..ingest import remote", "data"),
+        ("config.py", "import fsspec", "base"),
+    ],
+)
+def test_a_violation_breaks_its_contract(tmp_path: Path, module: str, violation: str,
+                                         contract: str) -> None:
+    root = _copy_package(tmp_path)
+    path = root / "epochcache" / module
+    path.write_text(path.read_text() + f"\n{violation}  # deliberate violation\n")
+    result = _lint(root, contract)
+    assert result.returncode != 0, f"{contract}: {violation!r} went unnoticed"
+    assert "BROKEN" in result.stdout and module.removesuffix(".py").replace("/", ".") in result.stdout
+
+
+def test_ingest_and_the_daemon_command_never_import_torch(tmp_path: Path) -> None:
+    code = (
+        "import sys\n"
+        "import epochcache.ingest.daemon, epochcache.ingest.sampler, epochcache.store.verify\n"
+        "from epochcache.cli import main\n"
+        f"assert main(['daemon', {str(tmp_path / 'missing.yaml')!r}]) == 2\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
