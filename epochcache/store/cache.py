@@ -28,10 +28,19 @@ from .counters import Counters
 from .env import Store, map_bound
 from .eviction import Eviction
 from .leases import DEFAULT_LEASE_TIMEOUT_S, Lease, delete_lease, read_leases, write_lease
-from .schema import DB_KEYS, DB_LEASES, DB_META, DB_SAMPLES, seq_key, seq_keys, unpack_u64
+from .schema import (
+    DB_KEYS,
+    DB_LEASES,
+    DB_META,
+    DB_SAMPLES,
+    index_key,
+    seq_key,
+    seq_keys,
+    unpack_u64,
+)
 from .snapshot import Snapshot, select_snapshot
 from .tables import SideTables
-from .writer import PutResult, Writer
+from .writer import OnReject, PutResult, Writer
 
 
 class SampleStore:
@@ -139,6 +148,7 @@ class SampleStore:
         wait: bool = True,
         timeout_s: float | None = None,
         stop: threading.Event | None = None,
+        on_reject: OnReject | None = None,
     ) -> PutResult:
         """Store samples; samples whose key is already cached are skipped.
 
@@ -149,15 +159,20 @@ class SampleStore:
         sample is committed. A :class:`CacheFull` carries ``.result``, what was committed.
 
         Args:
-            items: ``(source key, value)`` pairs; a value is ``bytes`` or a dict of fields.
+            items: ``(source key, value)`` pairs; a value is ``bytes`` or a dict of fields. A
+                key may be any length: keys LMDB cannot hold are indexed under a digest.
             encoded: the values are records already made by :meth:`encode`.
+            on_reject: ``on_reject(key, error)`` for each sample that can never be stored
+                (:class:`SampleRejected`); the others are committed. Without it, such a sample
+                raises before anything is committed.
 
         Raises:
             CacheFull: no room and ``wait`` is False, the timeout passed, or ``stop`` was set.
-            SampleTooLarge: a sample could never fit the capacity.
+            SampleTooLarge: a sample could never fit the capacity (and no ``on_reject``).
+            SampleRejected: a sample can never be stored otherwise (and no ``on_reject``).
         """
         return self.writer.put_many(items, encoded=encoded, wait=wait, timeout_s=timeout_s,
-                                    stop=stop)
+                                    stop=stop, on_reject=on_reject)
 
     def evict(self, limit_bytes: int | None = None) -> Eviction:
         """Evict oldest unleased samples until at most ``limit_bytes`` (default capacity) remain."""
@@ -172,10 +187,14 @@ class SampleStore:
         if not isinstance(key, str):
             return False
         with self.store.read() as txn:
-            return txn.get(key.encode("utf-8"), db=self.dbs[DB_KEYS]) is not None
+            return txn.get(index_key(key.encode("utf-8")), db=self.dbs[DB_KEYS]) is not None
 
     def has_key_prefix(self, prefix: str) -> bool:
-        """Whether any cached source key starts with ``prefix`` (a tar shard's samples)."""
+        """Whether any cached source key starts with ``prefix`` (a tar shard's samples).
+
+        Keys indexed under a digest (longer than 511 bytes) are found for prefixes of up to
+        478 bytes; past that a shard may be fetched again, and its samples skipped as cached.
+        """
         raw = prefix.encode("utf-8")
         with self.store.read() as txn:
             cursor = txn.cursor(db=self.dbs[DB_KEYS])
@@ -216,7 +235,7 @@ class SampleStore:
     def seq_of(self, key: str) -> int | None:
         """The sequence number under which source ``key`` is cached, or None."""
         with self.store.read() as txn:
-            raw = txn.get(key.encode("utf-8"), db=self.dbs[DB_KEYS])
+            raw = txn.get(index_key(key.encode("utf-8")), db=self.dbs[DB_KEYS])
             return None if raw is None else unpack_u64(raw)
 
     def counters(self) -> Counters:
