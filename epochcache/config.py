@@ -184,6 +184,11 @@ class SamplerConfig(_Section):
     num_nodes: int | None = Field(default=None, ge=1)
     batch_size: int = Field(default=64, ge=1, description="samples per cache commit")
     bandwidth_limit: Annotated[int, BeforeValidator(_rate), Field(gt=0)] | None = None
+    max_bytes_in_flight: Annotated[int, BeforeValidator(_size), Field(gt=0)] = Field(
+        default=512 * 1024**2,
+        description="bytes one sampler process holds between fetch and commit (listed sizes "
+                    "count before the fetch); an object larger than this is fetched alone",
+    )
     check: bool = True
 
     @model_validator(mode="after")

@@ -72,8 +72,10 @@ def test_sample_larger_than_capacity_is_quarantined_and_the_rest_commits(
     time.sleep(1.5)  # more passes go by: it is not fetched and quarantined again
     doc = daemon_state(cache_dir)
     assert doc is not None and all(s["restarts"] == 0 and s["alive"] for s in doc["samplers"].values()), doc
-    assert sum(h["quarantined"] for h in sampler_states(cache_dir).values()) == 1
+    wait_for(lambda: sum(h["quarantined"] for h in sampler_states(cache_dir).values()) == 1, 10,
+             "the samplers' health to count the quarantined sample")
     assert daemon.terminate() == 0
+    assert sum(h["quarantined"] for h in sampler_states(cache_dir).values()) == 1
     assert "huge.npy" in daemon.logs()
     state = full_check(str(cache_dir))
     assert sorted(state.keys) == keys
