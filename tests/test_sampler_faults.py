@@ -227,3 +227,55 @@ def test_a_per_record_write_error_quarantines_only_that_sample(tmp_path: Path) -
         assert [row["key"] for row in rows] == ["s-013.bin"]
         assert "MDB_BAD_VALSIZE" in rows[0]["reason"]
     assert cache_len(tmp_path / "cache") == 59
+
+
+def test_a_sampler_whose_committer_dies_is_restarted_and_counted(
+    s3: S3Env, tmp_path: Path, start_daemon: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import json
+    import subprocess
+
+    n = 100
+    keys = upload(s3.url, s3.storage_options, "ds", n, "files")
+    # Fault injection into the daemon's real sampler processes: a sitecustomize that makes the
+    # store's put_many fail (a systemic error, not a per-sample one) while `broken` exists.
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    broken = tmp_path / "broken"
+    broken.touch()
+    (inject / "sitecustomize.py").write_text(textwrap.dedent(f"""
+        import multiprocessing, os
+        from epochcache.store import SampleStore
+        real = SampleStore.put_many
+        def put_many(self, items, **kwargs):
+            in_sampler = multiprocessing.current_process().name.startswith("epochcache-sampler")
+            if in_sampler and os.path.exists({str(broken)!r}):
+                raise OSError(5, "simulated I/O error on every write")
+            return real(self, items, **kwargs)
+        SampleStore.put_many = put_many
+    """))
+    monkeypatch.setenv("PYTHONPATH", str(inject))
+    cache_dir = tmp_path / "cache"
+    config = write_config(
+        tmp_path / "cfg.yaml", url=s3.url("ds"), cache_dir=cache_dir,
+        storage_options=s3.storage_options, sampler={"processes": 1},
+    )
+    daemon = start_daemon(config)
+
+    def restarted() -> bool:
+        doc = daemon_state(cache_dir) or {}
+        return bool(doc.get("samplers", {}).get("0", {}).get("restarts", 0) >= 1)
+
+    wait_for(restarted, 20, "the daemon to restart the sampler whose committer died")
+    assert daemon.alive()
+    broken.unlink()  # the fault goes away: the restarted sampler fills the cache
+    wait_cached(daemon, cache_dir, n, timeout_s=60)
+    status = subprocess.run([sys.executable, "-m", "epochcache", "status", str(cache_dir), "--json"],
+                            capture_output=True, text=True, timeout=60)
+    assert status.returncode == 0, status.stderr
+    sampler = json.loads(status.stdout)["daemon"]["samplers"]["0"]
+    assert sampler["restarts"] >= 1 and sampler["alive"]
+    assert daemon.terminate() == 0
+    logs = daemon.logs()
+    assert "simulated I/O error on every write" in logs and "exited with 1" in logs, logs[-3000:]
+    assert sorted(full_check(str(cache_dir)).keys) == keys

@@ -11,6 +11,7 @@ class, so that this layer never imports torch.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -22,7 +23,7 @@ import numpy as np
 
 from ..units import format_size, parse_size
 from . import codec
-from .capacity import Capacity, resolve_limits
+from .capacity import Capacity, resolve_limits, stored_limits
 from .codec import Value
 from .counters import Counters
 from .env import Store, map_bound
@@ -42,6 +43,8 @@ from .snapshot import Snapshot, select_snapshot
 from .tables import SideTables
 from .writer import OnReject, PutResult, Writer
 
+log = logging.getLogger("epochcache.cache")  # one logger for everything a cache does
+
 
 class SampleStore:
     """A local sample cache bounded by ``capacity`` bytes, evicting oldest samples first.
@@ -53,7 +56,10 @@ class SampleStore:
     Args:
         path: the cache directory (created private to the user).
         capacity: stored bytes to keep, e.g. ``"200GiB"`` or ``10**9``. Required when creating
-            a cache; when opening an existing one, None keeps its stored capacity.
+            a cache; when opening an existing one, None keeps its stored capacity. A different
+            capacity (or headroom) replaces the stored one only when no other process has the
+            cache open for writing, and the log says ``old -> new``; otherwise the stored
+            limits are kept, with a warning, so that every process works to the same ones.
         headroom: extra bytes writers may use while leases pin the oldest samples: a fraction
             of capacity (default 0.1) or a size. At capacity + headroom writers wait.
         compression: ``"zstd"`` or ``"none"``; incompressible samples are stored raw anyway.
@@ -91,20 +97,54 @@ class SampleStore:
         cap = None if capacity is None else parse_size(capacity, name="capacity")
         if cap is not None and cap <= 0:
             raise ValueError(f"capacity: must be positive, got {capacity!r}")
-        capacity_bytes, headroom_bytes, changed = resolve_limits(self.path, cap, headroom)
-        limit = capacity_bytes + headroom_bytes
         max_map = parse_size(max_map_size, name="max_map_size") if max_map_size else None
-        bound = max_map if max_map is not None else map_bound(limit)
-        self.store = Store(self.path, map_size=min(bound, map_bound(limit)), max_map_size=bound,
-                         readonly=readonly, sync=sync)
+
+        def map_limits(capacity_bytes: int, headroom_bytes: int) -> tuple[int, int]:
+            limit = capacity_bytes + headroom_bytes
+            bound = max_map if max_map is not None else map_bound(limit)
+            return min(bound, map_bound(limit)), bound
+
+        # No cache and no capacity: this raises before anything is created.
+        capacity_bytes, headroom_bytes, _ = resolve_limits(self.path, cap, headroom)
+        map_size, bound = map_limits(capacity_bytes, headroom_bytes)
+        self.store = Store(self.path, map_size=map_size, max_map_size=bound, readonly=readonly,
+                           sync=sync)
+        # Read the limits again now that this process holds the cache (see Store.alone).
+        capacity_bytes, headroom_bytes, changed = resolve_limits(self.path, cap, headroom)
+        if changed and not readonly:
+            capacity_bytes, headroom_bytes = self._settle_limits(cap, headroom)
+        self.store.set_map_limits(*map_limits(capacity_bytes, headroom_bytes))
         self.capacity = Capacity(self.store, capacity_bytes, headroom_bytes)
         self.writer = Writer(self.store, self.capacity, compress=self.compress, level=level,
                              lease_timeout_s=lease_timeout_s)
         self.tables = SideTables(self.store)
         if not readonly:
-            if changed:
-                self.store.write(self.capacity.save)
             self.capacity.fit_to_disk()
+
+    def _settle_limits(self, capacity: int | None, headroom: float | int | str) -> tuple[int, int]:
+        """Store the limits asked for if no other process holds the cache, else keep the
+        stored ones (every process must work to the same limits); log either way."""
+        with self.store.alone() as sole:
+            cap, head, changed = resolve_limits(self.path, capacity, headroom)
+            old_cap, old_head = stored_limits(self.path)
+            if not changed:
+                return cap, head
+            if old_cap is None or sole:
+                self.store.write(Capacity(self.store, cap, head).save)
+                if old_cap is not None:
+                    log.info("%s: capacity %s -> %s, headroom %s -> %s", self.path,
+                             format_size(old_cap), format_size(cap),
+                             format_size(old_head or 0), format_size(head))
+                return cap, head
+        kept_cap, kept_head, _ = resolve_limits(self.path, None, headroom)
+        log.warning(
+            "%s: keeping capacity %s (headroom %s) instead of %s (headroom %s): other processes "
+            "have this cache open (a daemon, its samplers or trainers), and all must work to the "
+            "same limits; stop them, then open it with the new capacity",
+            self.path, format_size(kept_cap), format_size(kept_head), format_size(cap),
+            format_size(head),
+        )
+        return kept_cap, kept_head
 
     @property
     def dbs(self) -> dict[bytes, lmdb._Database]:
