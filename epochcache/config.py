@@ -103,7 +103,11 @@ class SourceConfig(_Section):
     list_deadline_s: Duration = 6.0
     retries: int = Field(default=5, ge=1, le=100)
     checks: list[Check] = Field(default_factory=lambda: list(_ALL_CHECKS))
-    listing_ttl_s: Duration | None = None
+    listing_ttl_s: Duration | None = Field(
+        default=None,
+        description="re-list the source in the background this long after the last listing; "
+                    "new keys join the sampling order (default: list once, reuse the saved listing)",
+    )
     demo_samples: int | None = Field(
         default=None, ge=1,
         description="write a synthetic demo dataset of this many samples at url when none is there",
@@ -259,6 +263,15 @@ class EpochcacheConfig(_Section):
     _secret_paths: set[str] = PrivateAttr(default_factory=set)
     _secret_values: set[str] = PrivateAttr(default_factory=set)
     _origin: str = PrivateAttr(default="<dict>")
+
+    @model_validator(mode="after")
+    def _check_relisting(self) -> EpochcacheConfig:
+        if self.source.listing_ttl_s is not None and self.sampler.strategy == "weighted":
+            raise ValueError(
+                "source.listing_ttl_s: re-listing adds keys without weights, so it cannot be "
+                "used with sampler.strategy: weighted (remove one of them)"
+            )
+        return self
 
     @property
     def origin(self) -> str:

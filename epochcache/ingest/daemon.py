@@ -33,8 +33,9 @@ from ..store.env import make_private_dir
 from ..store.leases import process_start_ticks
 from ..units import format_size
 from .from_config import open_configured_source
+from .relist import Relister
 from .sampler import StopFlag, run_sampler, state_name
-from .sources import list_keys_cached
+from .sources import Source, listing_cached
 
 log = logging.getLogger(__name__)
 
@@ -173,6 +174,8 @@ class Daemon:
         self._slots = [_Slot(i) for i in range(config.sampler.processes)]
         self._lock = DaemonLock(self.cache_dir)
         self.cache: SampleStore | None = None
+        self._source: Source | None = None
+        self._listed_at = 0.0
 
     def prepare(self) -> int:
         """Take the lock, open the cache, list the source. Raises before anything is started.
@@ -191,15 +194,16 @@ class Daemon:
                 compression=cfg.compression, level=cfg.level, sync=cfg.sync,
             )
             source = open_configured_source(self.config)
-            refs = list_keys_cached(source, self.cache_dir)
+            listing = listing_cached(source, self.cache_dir)
         except BaseException:
             if self.cache is not None:
                 self.cache.close()
                 self.cache = None
             self._lock.release()
             raise
-        log.info("%s: %d %ss to sample from", source.url, len(refs), source.unit)
-        return len(refs)
+        self._source, self._listed_at = source, listing.created
+        log.info("%s: %d %ss to sample from", source.url, len(listing.refs), source.unit)
+        return len(listing.refs)
 
     def stop(self, *_: Any) -> None:
         self._stop.set()
@@ -211,7 +215,13 @@ class Daemon:
         assert self.cache is not None  # for mypy: prepare() sets it
         started = time.time()
         status = 0
+        relister = None
+        ttl = self.config.source.listing_ttl_s
+        if ttl and self._source is not None:
+            relister = Relister(self._source, self.cache_dir, ttl, self._listed_at)
         try:
+            if relister is not None:
+                relister.start()
             for slot in self._slots:
                 self._start(slot)
             last_history = last_log = 0.0
@@ -230,6 +240,8 @@ class Daemon:
                     last_log = now
                 self._stop.wait(HEARTBEAT_S)
         finally:
+            if relister is not None:
+                relister.stop()  # a daemon thread: a listing under way is abandoned
             self._shutdown()
             self._heartbeat(started, stopped=True)
             self.cache.append_history()

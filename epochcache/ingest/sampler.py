@@ -27,15 +27,18 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import numpy as np
+
 from ..config import EpochcacheConfig
 from ..errors import CorruptSample, PermanentRemoteError, SampleRejected, SourceError
 from ..store import SampleStore
 from .committer import Batch, Committer, state_name
 from .from_config import open_configured_source
 from .inflight import ByteBudget, SizeEstimate
-from .keyorder import KeyOrder
+from .keyorder import KeyOrder, key_hashes
 from .lifeline import Lifeline, kill_with_parent
-from .sources import SampleRef, Source, list_keys_cached
+from .relist import ListingFollower
+from .sources import Listing, SampleRef, Source, listing_cached
 
 __all__ = ["Sampler", "SamplerHealth", "StopFlag", "run_sampler", "state_name"]
 
@@ -150,9 +153,18 @@ class Sampler:
         # ingest at link speed on a busy node (docs/benchmarks.md).
         self.cache = SampleStore(config.cache.dir, sync=config.cache.sync)
         self.source = open_configured_source(config)
-        self.refs = list_keys_cached(self.source, config.cache.dir)
+        listing = listing_cached(self.source, config.cache.dir)
+        self.refs = listing.refs
+        # The original listing is the key order's base; blocks a re-list added join it by key
+        # hash. Weighted sampling draws from the whole listing (no re-listing: see config).
+        weighted = config.sampler.strategy == "weighted"
+        self.blocks = list(listing.blocks) if weighted else [listing.blocks[0]]
+        self.gone = listing.gone  # keys a re-list no longer found: skipped
         saved = self.cache.tables.get_state(state_name(index)) or {}
-        self.order = _key_order(config, len(self.refs), self.refs, index, saved.get("position"))
+        self.order = _key_order(config, self.refs[: self.blocks[-1]], index, saved.get("position"))
+        self._add_blocks(listing)  # keys added by earlier re-lists, before the saved position
+        self.follower = (ListingFollower(self.source, str(config.cache.dir))
+                         if config.source.listing_ttl_s else None)
         self.health = SamplerHealth(index=index)
         for name in ("fetched", "fetched_bytes", "committed", "skipped", "errors", "quarantined"):
             setattr(self.health, name, int(saved.get(name, 0)))
@@ -207,7 +219,10 @@ class Sampler:
         try:
             while not self.should_stop():
                 self.committer.check()
-                if self.fruitless >= self.order.pass_length and not self.fetching and not self.carry:
+                if self.follower is not None:
+                    self._follow_listing()
+                pass_keys = self.order.pass_length + self.order.num_added
+                if self.fruitless >= pass_keys and not self.fetching and not self.carry:
                     # A whole pass brought nothing new (everything cached, corrupt or failing):
                     # wait instead of spinning on the cache and the remote.
                     self.stop.wait(IDLE_WAIT_S)
@@ -230,7 +245,8 @@ class Sampler:
         to :attr:`batch_bytes`, and the key order position to save once it is committed."""
         if not self.carry:
             self._carry_position = self.order.state()
-            taken = [self.refs[int(i)] for i in self.order.take(self.per_batch)]
+            taken = [self.refs[i] for i in map(int, self.order.take(self.per_batch))
+                     if i not in self.gone]
             self.fruitless += self.per_batch
             unique = {ref.key: ref for ref in taken}  # a small dataset can wrap within one batch
             self.carry.extend(
@@ -251,6 +267,28 @@ class Sampler:
         # committed by then is skipped as cached): save the position from before the take.
         position = self._carry_position if self.carry else self.order.state()
         return batch, position
+
+    def _follow_listing(self) -> None:
+        """Take the keys of a listing the daemon re-listed into the key order (this pass)."""
+        listing = self.follower.poll() if self.follower is not None else None
+        if listing is None:
+            return
+        if listing.blocks[: len(self.blocks)] != self.blocks:
+            log.warning("the saved listing was rebuilt rather than grown; this sampler goes on "
+                        "with its %d keys until it is restarted", len(self.refs))
+            return
+        before = self.order.num_added
+        self.refs, self.gone = listing.refs, listing.gone
+        self._add_blocks(listing)
+        log.info("the listing grew to %d keys (%d gone); %d more for this sampler",
+                 len(self.refs), len(self.gone), self.order.num_added - before)
+
+    def _add_blocks(self, listing: Listing) -> None:
+        for b in range(len(self.blocks), len(listing.blocks)):
+            lo, hi = listing.blocks[b - 1], listing.blocks[b]
+            keys = [ref.key for ref in listing.refs[lo:hi]]
+            self.order.add_block(np.arange(lo, hi), key_hashes(keys))
+            self.blocks.append(hi)
 
     def _reserve_and_submit(self, picked: list[SampleRef], position: dict[str, int]) -> bool:
         """Reserve the batch's bytes (handing over fetched batches meanwhile) and start
@@ -293,7 +331,8 @@ class Sampler:
         unknown = [ref for ref in fetching.refs if not ref.size]
         if unknown and fetched:
             self.sizes.observe(fetched * len(unknown) // max(1, len(fetching.refs)), len(unknown))
-        nbytes = fetched + sum(len(record) for _, record in records)
+        # From here on the batch holds its records (the fetched payloads are dropped).
+        nbytes = sum(len(record) for _, record in records)
         self.budget.adjust(fetching.reserved, nbytes)
         if records:
             self.fruitless = 0
@@ -371,14 +410,14 @@ class Sampler:
             log.warning("sampler %d: could not save its health: %s", self.index, exc)
 
 
-def _key_order(config: EpochcacheConfig, num_keys: int, refs: list[SampleRef], index: int,
+def _key_order(config: EpochcacheConfig, refs: list[SampleRef], index: int,
                position: dict[str, int] | None) -> KeyOrder:
     node_rank, num_nodes = config.sampler.node()
     weights = None
     if config.sampler.strategy == "weighted":
         weights = [r.weight if r.weight is not None else 1.0 for r in refs]
     return KeyOrder(
-        num_keys,
+        len(refs),
         seed=config.sampler.seed,
         node_rank=node_rank,
         num_nodes=num_nodes,
