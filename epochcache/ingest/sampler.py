@@ -151,7 +151,8 @@ class Sampler:
         # (the data is in the page cache); only a power loss or kernel crash can cost recent
         # commits, or the cache (rebuild it from the remote). It is what large samples need to
         # ingest at link speed on a busy node (docs/benchmarks.md).
-        self.cache = SampleStore(config.cache.dir, sync=config.cache.sync)
+        self.cache = SampleStore(config.cache.dir, compression=config.cache.compression,
+                                 level=config.cache.level, sync=config.cache.sync)
         self.source = open_configured_source(config)
         listing = listing_cached(self.source, config.cache.dir)
         self.refs = listing.refs
