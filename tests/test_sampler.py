@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -98,3 +99,62 @@ def test_samplers_store_samples_with_the_configured_compression(tmp_path: Path) 
     _run_until_cached(Sampler(config, 0, stop), stop, 10)
     with Cache(config.cache.dir, readonly=True) as cache:
         assert {cache.info(seq).codec for seq in range(10)} == {Codec.RAW}
+
+
+def test_a_sample_larger_than_the_headroom_does_not_hold_up_the_rest_while_epochs_train(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="epochcache")
+    fs = fsspec.filesystem("memory")
+    for i in range(40):
+        fs.pipe_file(f"/headroom/s-{i:03d}.bin", random.Random(i).randbytes(2000))
+    big = random.Random(99).randbytes(30_000)  # < capacity (80 KB), > headroom (8 KB)
+    fs.pipe_file("/headroom/big.bin", big)
+    config = EpochcacheConfig.model_validate({
+        "source": {"url": "memory://headroom", "pattern": "*.bin", "checks": []},
+        "cache": {"dir": str(tmp_path / "c"), "capacity": 80_000, "sync": False},
+        "sampler": {"processes": 1, "concurrency": 4, "batch_size": 4},
+    })
+    cache = Cache(config.cache.dir, 80_000)
+    # A trainer: epochs back to back, each snapshot taken before the last one is released.
+    for i in range(40):
+        cache.put(f"old-{i}", random.Random(1000 + i).randbytes(2000))
+    stop, trained = threading.Event(), threading.Event()
+
+    def train() -> None:
+        snap = cache.snapshot(epoch=0)
+        epoch = 0
+        while not trained.is_set():
+            trained.wait(0.05)
+            epoch += 1
+            nxt = cache.snapshot(epoch=epoch)
+            snap.release()
+            snap = nxt
+        snap.release()
+
+    trainer = threading.Thread(target=train)
+    trainer.start()
+    sampler = Sampler(config, 0, stop)
+    runner = threading.Thread(target=sampler.run)
+    runner.start()
+    try:
+        small = [f"s-{i:03d}.bin" for i in range(40)]
+        deadline = time.monotonic() + 30
+        seen: set[str] = set()
+        while time.monotonic() < deadline and not set(small) <= seen:
+            seen |= {key for key in small if key in cache}  # the cache turns over: remember
+            time.sleep(0.02)
+        assert set(small) <= seen, f"{len(seen)} of 40 small samples got in"
+        assert "big.bin" not in cache
+        assert sampler.health.deferred >= 1
+    finally:
+        stop.set()
+        runner.join(60)
+        trained.set()
+        trainer.join(30)
+        sampler.close()
+        cache.close()
+    assert any("big.bin" in r.getMessage() and "cache.headroom" in r.getMessage()
+               for r in caplog.records)

@@ -11,7 +11,11 @@ What it must never do is stall its sampler silently:
   never blocks on a full queue for long), and the sampler process exits non-zero so that the
   daemon restarts it;
 * while the cache is full behind a lease it waits in rounds of :data:`HEALTH_INTERVAL_S`,
-  writing its health each round and checking ``should_stop`` (stop asked, or daemon gone).
+  writing its health each round and checking ``should_stop`` (stop asked, or daemon gone);
+* a sample larger than the headroom is set aside when leases hold the cache full: while
+  epochs train, snapshots pin the newest capacity's worth of samples, so it could never get in
+  and would hold up every batch behind it. It is counted (``deferred``), logged once with its
+  key, and fetched again on a later pass, when it may fit.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import Any
 
 from ..errors import CacheFull, SampleRejected
 from ..store import SampleStore
+from ..units import format_size
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +97,7 @@ class Committer(threading.Thread):
         self._batches: queue.Queue[Batch | None] = queue.Queue(maxsize=1)
         self.error: BaseException | None = None
         self._rejected: set[str] = set()
+        self._deferred_logged: set[str] = set()
 
     # -- the fetch loop's side ------------------------------------------------------------------
 
@@ -190,6 +196,25 @@ class Committer(threading.Thread):
         for key, exc in failed:
             self.quarantine(key, f"cannot be written to the cache: {type(exc).__name__}: {exc}")
 
+    def _set_aside_too_large(self, records: list[tuple[str, bytes]]) -> list[tuple[str, bytes]]:
+        """The records that can fit once leases move on; the others are deferred (see the
+        module doc)."""
+        headroom = self.cache.effective_headroom
+        keep = []
+        for key, record in records:
+            if len(record) <= headroom:
+                keep.append((key, record))
+                continue
+            self.health.deferred += 1
+            if key not in self._deferred_logged:
+                self._deferred_logged.add(key)
+                log.warning(
+                    "sampler %d: %r is %s, more than the cache's headroom (%s): it cannot be "
+                    "cached while epochs hold snapshots of the rest; skipped until a later pass "
+                    "(raise cache.headroom to cache samples this large during training)",
+                    self.health.index, key, format_size(len(record)), format_size(headroom))
+        return keep
+
     def _on_reject(self, key: str, exc: SampleRejected) -> None:
         if key not in self._rejected:
             self._rejected.add(key)
@@ -212,7 +237,8 @@ class Committer(threading.Thread):
                 if full.result is not None:
                     inserted += full.result.inserted  # type: ignore[attr-defined]
                     self.health.committed += full.result.inserted  # type: ignore[attr-defined]
-                records = [(key, record) for key, record in records if key not in self._rejected]
+                records = self._set_aside_too_large(
+                    [(key, record) for key, record in records if key not in self._rejected])
                 self.health.waiting_for_space = True
                 self._save_health()
                 if self.should_stop():

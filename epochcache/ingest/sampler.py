@@ -77,6 +77,7 @@ class SamplerHealth:
     skipped: int = 0
     errors: int = 0
     quarantined: int = 0
+    deferred: int = 0  # samples larger than the headroom, skipped while leases pin the cache
     last_error: str = ""
     waiting_for_space: bool = False
     position: dict[str, int] = field(default_factory=dict)
@@ -167,7 +168,8 @@ class Sampler:
         self.follower = (ListingFollower(self.source, str(config.cache.dir))
                          if config.source.listing_ttl_s else None)
         self.health = SamplerHealth(index=index)
-        for name in ("fetched", "fetched_bytes", "committed", "skipped", "errors", "quarantined"):
+        for name in ("fetched", "fetched_bytes", "committed", "skipped", "errors", "quarantined",
+                     "deferred"):
             setattr(self.health, name, int(saved.get(name, 0)))
         self.committer = Committer(self.cache, self.health, stop=stop,
                                    should_stop=self.should_stop, quarantine=self.quarantine,

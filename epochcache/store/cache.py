@@ -167,6 +167,13 @@ class SampleStore:
         """Capacity in force: the configured one, lowered after a full disk."""
         return self.capacity.effective
 
+    @property
+    def effective_headroom(self) -> int:
+        """Headroom in force (scaled down with a lowered capacity). While epochs hold
+        snapshots of the newest capacity's worth of samples, a sample larger than this cannot
+        get in: the writer would wait for it forever."""
+        return self.capacity.headroom_for(self.capacity.effective)
+
     def reset_effective_capacity(self) -> None:
         """Forget a capacity lowered after a full disk (after space was freed)."""
         self.capacity.reset()
