@@ -158,3 +158,43 @@ def test_a_sample_larger_than_the_headroom_does_not_hold_up_the_rest_while_epoch
         cache.close()
     assert any("big.bin" in r.getMessage() and "cache.headroom" in r.getMessage()
                for r in caplog.records)
+
+
+def test_without_prctl_a_sampler_waiting_for_space_stops_when_its_daemon_is_gone(
+    tmp_path: Path,
+) -> None:
+    """Where the kernel cannot kill samplers with their daemon, every wait loop checks the
+    parent: here the committer waits for space behind a lease when the daemon goes away."""
+    import os
+
+    fs = fsspec.filesystem("memory")
+    for i in range(60):
+        fs.pipe_file(f"/orphan/s-{i:03d}.bin", random.Random(i).randbytes(4000))
+    config = _config(tmp_path, "orphan")
+    config.cache.capacity = 40_000
+    Cache(config.cache.dir, 40_000).close()
+    cache = Cache(config.cache.dir)
+    stop = threading.Event()
+    sampler = Sampler(config, 0, stop, parent_pid=os.getppid())
+    runner = threading.Thread(target=sampler.run)
+    runner.start()
+    try:
+        while len(cache) < 5:
+            time.sleep(0.02)
+        snap = cache.snapshot()  # pins what is there: the sampler fills the headroom, then waits
+        deadline = time.monotonic() + 30
+        while not sampler.health.waiting_for_space and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert sampler.health.waiting_for_space
+        sampler.lifeline.parent_pid = -1  # what getppid() shows once the daemon has died
+        gone = time.monotonic()
+        runner.join(10)
+        assert not runner.is_alive(), "the sampler kept waiting for space without its daemon"
+        assert time.monotonic() - gone < 5
+        assert stop.is_set()
+        snap.release()
+    finally:
+        stop.set()
+        runner.join(30)
+        sampler.close()
+        cache.close()
