@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from common.daemonproc import upload, wait_running, write_config
 from common.procs import spawn_script
 from conftest import S3Env
+
 from epochcache import Cache
 from epochcache.store.capacity import stored_limits
 

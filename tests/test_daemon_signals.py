@@ -12,7 +12,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from common.procs import spawn_script
 
 pytestmark = pytest.mark.timeout(120)

@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 import s3fs
-
 from common.cachecheck import full_check
 from common.daemonproc import (
     daemon_state,
@@ -24,6 +23,7 @@ from common.daemonproc import (
     write_config,
 )
 from conftest import S3Env
+
 from epochcache.ingest.sources import (
     Listing,
     SampleRef,

@@ -18,7 +18,6 @@ from typing import Any
 import numpy as np
 import pytest
 import s3fs
-
 from common.cachecheck import full_check
 from common.daemonproc import (
     SAMPLE_BYTES,
@@ -34,6 +33,7 @@ from common.daemonproc import (
     write_config,
 )
 from conftest import S3Env
+
 from epochcache import Cache
 
 pytestmark = pytest.mark.timeout(120)
@@ -216,7 +216,8 @@ def test_a_per_record_write_error_quarantines_only_that_sample(tmp_path: Path) -
 
     script = _sampler_script(tmp_path, "record")
     proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
-                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}, timeout=60)
+                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}, timeout=60,
+                          check=False)
     err = proc.stderr.decode(errors="replace")
     assert proc.returncode == 0, err
     assert "s-013.bin" in err
@@ -270,8 +271,10 @@ def test_a_sampler_whose_committer_dies_is_restarted_and_counted(
     assert daemon.alive()
     broken.unlink()  # the fault goes away: the restarted sampler fills the cache
     wait_cached(daemon, cache_dir, n, timeout_s=60)
-    status = subprocess.run([sys.executable, "-m", "epochcache", "status", str(cache_dir), "--json"],
-                            capture_output=True, text=True, timeout=60)
+    status = subprocess.run(
+        [sys.executable, "-m", "epochcache", "status", str(cache_dir), "--json"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )
     assert status.returncode == 0, status.stderr
     sampler = json.loads(status.stdout)["daemon"]["samplers"]["0"]
     assert sampler["restarts"] >= 1 and sampler["alive"]

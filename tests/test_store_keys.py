@@ -10,8 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from common.cachecheck import assert_consistent, content_for, full_check
+
 from epochcache import Cache, SampleRejected, SampleTooLarge
 from epochcache.store.schema import MAX_KEY_BYTES, index_key
 

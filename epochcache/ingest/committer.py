@@ -174,7 +174,7 @@ class Committer(threading.Thread):
         self._rejected.clear()
         try:
             self._put(records)
-        except Exception as exc:  # noqa: BLE001 - per-record or systemic: _commit_each decides
+        except Exception as exc:  # per-record or systemic: _commit_each decides
             if len(records) < 2:
                 raise
             self._commit_each(records, exc)
@@ -193,8 +193,8 @@ class Committer(threading.Thread):
                 failed.append((key, exc))
         if failed and not inserted:
             raise batch_error  # not one sample could be written: the cache is failing
-        for key, exc in failed:
-            self.quarantine(key, f"cannot be written to the cache: {type(exc).__name__}: {exc}")
+        for key, error in failed:
+            self.quarantine(key, f"cannot be written to the cache: {type(error).__name__}: {error}")
 
     def _set_aside_too_large(self, records: list[tuple[str, bytes]]) -> list[tuple[str, bytes]]:
         """The records that can fit once leases move on; the others are deferred (see the

@@ -35,7 +35,7 @@ def kill_with_parent() -> bool:
         return False
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        ok = libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0
+        ok = bool(libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0)
     except (OSError, AttributeError):
         return False
     if not ok:

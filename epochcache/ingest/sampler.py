@@ -460,7 +460,7 @@ def run_sampler(config_data: dict[str, Any], index: int, stop: Any,
     try:
         sampler.run()
         sampler.close()
-    except BaseException as exc:  # noqa: BLE001 - any failure: exit now, the daemon restarts us
+    except BaseException as exc:  # any failure: exit now, the daemon restarts us
         log.error("sampler %d is exiting on %s: %s (the daemon restarts it)", index,
                   type(exc).__name__, exc, exc_info=exc)
         sampler.abort(exc)
