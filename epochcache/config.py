@@ -294,6 +294,16 @@ class EpochcacheConfig(_Section):
     def __repr_args__(self) -> Iterator[tuple[str | None, Any]]:
         yield from self.redacted().items()
 
+    def to_wire(self) -> dict[str, Any]:
+        """Plain JSON-able data another process turns back into this config with
+        :func:`config_from_wire` (real values, and what to mask: never log or save it)."""
+        return {
+            "config": self.model_dump(mode="json"),
+            "secret_paths": sorted(self._secret_paths),
+            "secret_values": sorted(self._secret_values),
+            "origin": self._origin,
+        }
+
 
 Config = EpochcacheConfig
 
@@ -348,11 +358,24 @@ def parse_config(
         raise ConfigError(
             env.describe_errors(exc, origin, hidden, secrets, EpochcacheConfig)
         ) from None
-    config._secret_paths = secret_paths
-    config._secret_values = secrets
-    config._origin = origin
-    config.source._secret_values = secrets
+    _set_secrets(config, secret_paths, secrets, origin)
     return config
+
+
+def config_from_wire(data: Mapping[str, Any]) -> EpochcacheConfig:
+    """The config :meth:`EpochcacheConfig.to_wire` sent (already interpolated: no ``${VAR}``
+    is read again)."""
+    config = EpochcacheConfig.model_validate(data["config"])
+    _set_secrets(config, set(data.get("secret_paths", ())), set(data.get("secret_values", ())),
+                 str(data.get("origin", "<dict>")))
+    return config
+
+
+def _set_secrets(config: EpochcacheConfig, paths: set[str], values: set[str], origin: str) -> None:
+    config._secret_paths = paths
+    config._secret_values = values
+    config._origin = origin
+    config.source._secret_values = values
 
 
 def load_config(

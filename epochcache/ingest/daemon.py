@@ -23,6 +23,7 @@ import select
 import signal
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +34,7 @@ from ..store.env import make_private_dir
 from ..store.leases import process_start_ticks
 from ..units import format_size
 from .from_config import open_configured_source
+from .lifeline import Lifeline
 from .relist import Relister
 from .sampler import StopFlag, run_sampler, state_name
 from .sources import Source, listing_cached
@@ -165,8 +167,10 @@ class Daemon:
         config: a validated config (``source``, ``cache`` and ``sampler`` are used).
     """
 
-    def __init__(self, config: EpochcacheConfig) -> None:
+    def __init__(self, config: EpochcacheConfig, *, parent_pid: int | None = None) -> None:
         self.config = config
+        # Run for a Python program (epochcache.Daemon): stop in order when it is gone.
+        self._parent = Lifeline(parent_pid)
         self.cache_dir = str(config.cache.dir)
         self._stop = StopRequest()
         self._ctx = multiprocessing.get_context("spawn")
@@ -227,6 +231,8 @@ class Daemon:
             last_history = last_log = 0.0
             while not self._stop.is_set():
                 now = time.monotonic()
+                if self._parent.parent_gone():
+                    break
                 if not self._supervise():
                     status = 1
                     break
@@ -338,13 +344,22 @@ class Daemon:
                     slot.process.join()
 
 
-def run_daemon(config: EpochcacheConfig) -> int:
-    """Run a daemon in this process until SIGTERM/SIGINT; returns the exit status."""
-    daemon = Daemon(config)
+def run_daemon(config: EpochcacheConfig, *, parent_pid: int | None = None,
+               ready: Callable[[Daemon], None] | None = None) -> int:
+    """Run a daemon in this process until SIGTERM/SIGINT; returns the exit status.
+
+    Args:
+        config: the validated config.
+        parent_pid: stop (in order) once this process is gone (see :mod:`epochcache.daemon`).
+        ready: called once the lock is held and the source listed, before samplers start.
+    """
+    daemon = Daemon(config, parent_pid=parent_pid)
     daemon.prepare()
     # The handler is safe to run at any point of the main thread: see StopRequest.
     previous = {sig: signal.signal(sig, daemon.stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
+        if ready is not None:
+            ready(daemon)  # after the handlers: a stop asked from now on is an orderly one
         return daemon.run()
     finally:
         for sig, handler in previous.items():
