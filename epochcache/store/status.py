@@ -65,6 +65,7 @@ def collect_stats(cache: SampleStore) -> dict[str, Any]:
         "evicted": counters.evicted,
         "evicted_bytes": counters.evicted_bytes,
         "quarantined": counters.quarantined,
+        "sources": cache.source_stats(),
         "file_bytes": cache.file_bytes(),
         "leases": len(leases),
         "lease_details": [
@@ -105,6 +106,10 @@ def render(stats: dict[str, Any]) -> RenderableType:
     table.add_row("ingest", f"{ingest['samples_per_s']:.1f} samples/s, {format_size(ingest['bytes_per_s'])}/s")
     quarantined = stats["quarantined"]
     table.add_row("quarantined", f"[red]{quarantined:,}[/]" if quarantined else "0")
+    for name, source in sorted(stats.get("sources", {}).items()):
+        table.add_row(f"  source {name}", f"{source['samples']:,} samples, "
+                      f"{format_size(source['bytes'])}, ingested {source['ingested']:,}, "
+                      f"quarantined {source['quarantined']:,}")
     daemon = stats["daemon"]
     if daemon is None:
         table.add_row("daemon", "none")

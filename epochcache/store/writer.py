@@ -232,6 +232,9 @@ class Writer:
             cursor.putmulti([(seq_key(s), r) for s, (_, r) in zip(result.seqs, fresh)], append=True)
             for seq, (key, _) in zip(result.seqs, fresh):
                 txn.put(key, seq_key(seq), db=dbs[DB_KEYS])
+        if counters.sources is not None:
+            for key, record in fresh:
+                counters.sources.inserted(key, len(record))
         counters.next_seq += len(fresh)
         counters.samples += len(fresh)
         counters.inserted += len(fresh)
