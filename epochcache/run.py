@@ -120,22 +120,25 @@ def resolve_entrypoint(spec: str) -> TrainFn:
 
 
 def ensure_demo_data(config: EpochcacheConfig) -> None:
-    """Write the demo dataset at ``source.url`` when ``demo_samples`` is set and nothing is there."""
-    samples = config.source.demo_samples
-    if samples is None:
-        return
+    """Write the demo dataset at each source's url whose ``demo_samples`` is set and where
+    nothing is there."""
     from .demo import write_demo_data
     from .ingest.remote import open_fs, translate_errors
 
-    url = config.source.url
-    with translate_errors(url):  # an unreachable remote is SourceUnavailable (exit 2), not a traceback
-        fs, root = open_fs(url, config.source.storage_options, timeout_s=config.source.timeout_s,
-                           connect_timeout_s=config.source.connect_timeout_s)
-        if fs.exists(root) and fs.ls(root):
-            return
-    log.info("writing the demo dataset (%d samples) to %s", samples, config.source.url)
-    layout = "tar" if config.source.layout == "tar" else "files"
-    write_demo_data(config.source.url, samples, layout, config.source.storage_options)  # type: ignore[arg-type]
+    for entry in config.source_entries():
+        source = entry.config
+        samples = source.demo_samples
+        if samples is None:
+            continue
+        url = source.url
+        with translate_errors(url):  # unreachable: SourceUnavailable (exit 2), not a traceback
+            fs, root = open_fs(url, source.storage_options, timeout_s=source.timeout_s,
+                               connect_timeout_s=source.connect_timeout_s)
+            if fs.exists(root) and fs.ls(root):
+                continue
+        log.info("writing the demo dataset (%d samples) to %s", samples, url)
+        layout = "tar" if source.layout == "tar" else "files"
+        write_demo_data(url, samples, layout, source.storage_options)  # type: ignore[arg-type]
 
 
 def _loader_kwargs(config: EpochcacheConfig) -> dict[str, Any]:

@@ -33,11 +33,9 @@ from ..store import SampleStore
 from ..store.env import make_private_dir
 from ..store.leases import process_start_ticks
 from ..units import format_size
-from .from_config import open_configured_source
+from .daemon_sources import DaemonSources
 from .lifeline import Lifeline
-from .relist import Relister
 from .sampler import StopFlag, run_sampler, state_name
-from .sources import Source, listing_cached
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +162,8 @@ class Daemon:
     """Supervises the samplers of one config. :meth:`run` blocks until :meth:`stop`.
 
     Args:
-        config: a validated config (``source``, ``cache`` and ``sampler`` are used).
+        config: a validated config (``source`` or ``sources``, ``cache``, ``sampler``).
+        parent_pid: stop in order once this process is gone (None: run until stopped).
     """
 
     def __init__(self, config: EpochcacheConfig, *, parent_pid: int | None = None) -> None:
@@ -178,15 +177,14 @@ class Daemon:
         self._slots = [_Slot(i) for i in range(config.sampler.processes)]
         self._lock = DaemonLock(self.cache_dir)
         self.cache: SampleStore | None = None
-        self._source: Source | None = None
-        self._listed_at = 0.0
+        self.sources = DaemonSources(config)
 
     def prepare(self) -> int:
-        """Take the lock, open the cache, list the source. Raises before anything is started.
+        """Take the lock, open the cache, list the sources. Raises before anything is started.
 
         Raises:
             DaemonAlreadyRunning: another daemon fills this cache (nothing was changed).
-            SourceUnavailable: the source cannot be listed.
+            SourceUnavailable: a source that is not optional cannot be listed (named).
         """
         cfg = self.config.cache
         make_private_dir(self.cache_dir)
@@ -197,17 +195,17 @@ class Daemon:
                 cfg.dir, capacity=cfg.capacity_bytes, headroom=cfg.headroom_bytes,
                 compression=cfg.compression, level=cfg.level, sync=cfg.sync,
             )
-            source = open_configured_source(self.config)
-            listing = listing_cached(source, self.cache_dir)
+            keys = self.sources.list_all()
+            names = [entry.name for entry in self.config.source_entries() if entry.name]
+            if names:  # per-source counters, kept by the store from now on
+                self.cache.register_sources(names)
         except BaseException:
             if self.cache is not None:
                 self.cache.close()
                 self.cache = None
             self._lock.release()
             raise
-        self._source, self._listed_at = source, listing.created
-        log.info("%s: %d %ss to sample from", source.url, len(listing.refs), source.unit)
-        return len(listing.refs)
+        return keys
 
     def stop(self, *_: Any) -> None:
         self._stop.set()
@@ -219,13 +217,8 @@ class Daemon:
         assert self.cache is not None  # for mypy: prepare() sets it
         started = time.time()
         status = 0
-        relister = None
-        ttl = self.config.source.listing_ttl_s
-        if ttl and self._source is not None:
-            relister = Relister(self._source, self.cache_dir, ttl, self._listed_at)
         try:
-            if relister is not None:
-                relister.start()
+            self.sources.start()
             for slot in self._slots:
                 self._start(slot)
             last_history = last_log = 0.0
@@ -236,6 +229,9 @@ class Daemon:
                 if not self._supervise():
                     status = 1
                     break
+                if self.sources.joined.is_set():
+                    self.sources.joined.clear()
+                    self._restart_samplers()
                 self._heartbeat(started)
                 if now - last_history >= HISTORY_S:
                     self.cache.append_history()
@@ -246,8 +242,7 @@ class Daemon:
                     last_log = now
                 self._stop.wait(HEARTBEAT_S)
         finally:
-            if relister is not None:
-                relister.stop()  # a daemon thread: a listing under way is abandoned
+            self.sources.stop()
             self._shutdown()
             self._heartbeat(started, stopped=True)
             self.cache.append_history()
@@ -258,9 +253,10 @@ class Daemon:
 
     def _start(self, slot: _Slot) -> None:
         data = self.config.model_dump(mode="python")
+        names = self.sources.names if self.config.sources is not None else None
         slot.process = self._ctx.Process(
             target=run_sampler,
-            args=(data, slot.index, self._sampler_stop, os.getpid()),
+            args=(data, slot.index, self._sampler_stop, os.getpid(), names),
             name=f"epochcache-sampler-{slot.index}",
             daemon=False,
         )
@@ -304,6 +300,7 @@ class Daemon:
             doc.update(pid=slot.process.pid if slot.process else None, alive=alive, restarts=slot.restarts)
             samplers[str(slot.index)] = doc
         pid = os.getpid()
+        active = set(self.sources.names)
         self.cache.tables.put_state(
             "daemon",
             {
@@ -313,7 +310,12 @@ class Daemon:
                 "started": started,
                 "heartbeat": time.time(),
                 "stopped": stopped,
-                "source": self.config.source.url,
+                "source": self.config.first_source.url,
+                "sources": {
+                    entry.name: {"url": entry.config.url, "weight": entry.weight,
+                                 "active": entry.name in active}
+                    for entry in self.config.source_entries() if entry.name
+                },
                 "samplers": samplers,
             },
         )
@@ -327,6 +329,14 @@ class Daemon:
             stats["samples"], stats["ingest"]["samples_per_s"], format_size(stats["ingest"]["bytes_per_s"]),
             stats["evicted"], stats["quarantined"],
         )
+
+    def _restart_samplers(self) -> None:
+        """Stop the samplers in order and start them again (a source joined)."""
+        self._shutdown()
+        self._sampler_stop = StopFlag(self._ctx)
+        for slot in self._slots:
+            slot.restart_at = None
+            self._start(slot)
 
     def _shutdown(self) -> None:
         self._sampler_stop.set()

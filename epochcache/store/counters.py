@@ -23,7 +23,6 @@ from .schema import (
 )
 from .source_counters import SourceCounters
 
-
 #: Field name -> key in ``meta``.
 _KEYS = {
     "samples": C_SAMPLES,
@@ -52,7 +51,9 @@ class Counters:
 
     @classmethod
     def load(cls, txn: lmdb.Transaction, db: lmdb._Database) -> Counters:
-        counters = cls(**{name: unpack_u64(txn.get(key, db=db)) for name, key in _KEYS.items()})
+        counters = cls()
+        for name, key in _KEYS.items():
+            setattr(counters, name, unpack_u64(txn.get(key, db=db)))
         counters.sources = SourceCounters.load(txn, db)
         return counters
 

@@ -146,6 +146,9 @@ def _sampler_line(sampler: dict[str, Any]) -> str:
         bits.append(f"quarantined {sampler['quarantined']}")
     if sampler.get("deferred"):
         bits.append(f"[yellow]deferred {sampler['deferred']} (larger than the headroom)[/]")
+    down = sorted(name for name, src in (sampler.get("sources") or {}).items() if src.get("down"))
+    if down:
+        bits.append(f"[yellow]source {', '.join(down)} down (retried)[/]")
     if sampler.get("waiting_for_space"):
         bits.append("waiting for space")
     if sampler.get("restarts"):

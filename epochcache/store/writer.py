@@ -98,6 +98,8 @@ class Writer:
         self.store, self.capacity = store, capacity
         self.compress, self.level, self.lease_timeout_s = compress, level, lease_timeout_s
         self._full_logged = 0.0
+        #: Seconds put_many has waited for leases to free space (back-pressure), in total.
+        self.lease_wait_s = 0.0
 
     @property
     def path(self) -> str:
@@ -146,7 +148,9 @@ class Writer:
                 error.result = total
                 raise error
             self._log_waiting(blocked)
+            started = time.monotonic()
             backoff.sleep(stop)
+            self.lease_wait_s += time.monotonic() - started
         return total
 
     def _frame(self, items: Iterable[tuple[str, Value]], encoded: bool,
