@@ -34,6 +34,7 @@ from ..store.env import make_private_dir
 from ..store.leases import process_start_ticks
 from ..units import format_size
 from .daemon_sources import DaemonSources
+from .metrics import MetricsServer, daemon_metrics, require_prometheus
 from .lifeline import Lifeline
 from .sampler import StopFlag, run_sampler, state_name
 
@@ -178,6 +179,7 @@ class Daemon:
         self._lock = DaemonLock(self.cache_dir)
         self.cache: SampleStore | None = None
         self.sources = DaemonSources(config)
+        self.metrics: MetricsServer | None = None
 
     def prepare(self) -> int:
         """Take the lock, open the cache, list the sources. Raises before anything is started.
@@ -187,6 +189,8 @@ class Daemon:
             SourceUnavailable: a source that is not optional cannot be listed (named).
         """
         cfg = self.config.cache
+        if self.config.daemon.metrics_port is not None:
+            require_prometheus("daemon.metrics_port")  # before anything is touched
         make_private_dir(self.cache_dir)
         # The lock first: a daemon that is refused must not have rewritten the stored capacity.
         self._lock.acquire()
@@ -199,6 +203,12 @@ class Daemon:
             names = [entry.name for entry in self.config.source_entries() if entry.name]
             if names:  # per-source counters, kept by the store from now on
                 self.cache.register_sources(names)
+            port = self.config.daemon.metrics_port
+            if port is not None:
+                cache = self.cache
+                self.metrics = MetricsServer(lambda: daemon_metrics(cache),
+                                             self.config.daemon.metrics_host, port,
+                                             "daemon.metrics_port")
         except BaseException:
             if self.cache is not None:
                 self.cache.close()
@@ -243,6 +253,8 @@ class Daemon:
                 self._stop.wait(HEARTBEAT_S)
         finally:
             self.sources.stop()
+            if self.metrics is not None:
+                self.metrics.close()
             self._shutdown()
             self._heartbeat(started, stopped=True)
             self.cache.append_history()
@@ -311,6 +323,7 @@ class Daemon:
                 "heartbeat": time.time(),
                 "stopped": stopped,
                 "source": self.config.first_source.url,
+                "metrics": self.metrics.url if self.metrics is not None else None,
                 "sources": {
                     entry.name: {"url": entry.config.url, "weight": entry.weight,
                                  "active": entry.name in active}

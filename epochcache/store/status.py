@@ -117,6 +117,8 @@ def render(stats: dict[str, Any]) -> RenderableType:
         state = "[green]alive[/]" if daemon["alive"] else "[red]not running[/]"
         table.add_row("daemon", f"{state} pid {daemon.get('pid')} on {daemon.get('host')}, "
                       f"heartbeat {daemon['heartbeat_age_s']:.0f}s ago")
+        if daemon.get("metrics"):
+            table.add_row("  metrics", str(daemon["metrics"]))
         for name, sampler in sorted((daemon.get("samplers") or {}).items()):
             table.add_row(f"  {name}", _sampler_line(sampler))
     parts: list[RenderableType] = [table]
