@@ -23,10 +23,14 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from .cache import Cache
 from .config import EpochcacheConfig, load_config
 from .ingest.daemon import Daemon, DaemonLock
 from .errors import ConfigError, DaemonAlreadyRunning
+from .ingest.metrics import MetricsServer, require_prometheus
+from .run_metrics import TrainProgress, Turnover, batch_len, train_metrics
 from .units import format_size
 
 log = logging.getLogger(__name__)
@@ -81,10 +85,11 @@ class RunContext:
 class _TimedLoader:
     """Wraps a loader to measure how long the training loop waits for each batch."""
 
-    def __init__(self, loader: Any) -> None:
+    def __init__(self, loader: Any, progress: TrainProgress | None = None) -> None:
         self.loader = loader
         self.wait_s = 0.0
         self.batches = 0
+        self.progress = progress
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -98,8 +103,14 @@ class _TimedLoader:
             except StopIteration:
                 self.wait_s += time.perf_counter() - start
                 return
-            self.wait_s += time.perf_counter() - start
+            waited = time.perf_counter() - start
+            self.wait_s += waited
             self.batches += 1
+            progress = self.progress
+            if progress is not None:  # plain fields, read by /metrics at scrape time
+                progress.data_wait_s += waited
+                progress.batches += 1
+                progress.samples += batch_len(batch)
             yield batch
 
     def __getattr__(self, name: str) -> Any:
@@ -183,6 +194,20 @@ class Run:
         self.daemon: Daemon | None = None
         self._daemon_thread: threading.Thread | None = None
         self.metrics: list[dict[str, Any]] = []
+        self.progress = TrainProgress()
+        self.turnover = Turnover(hint=is_main)
+        self.metrics_server: MetricsServer | None = None
+
+    def serve_metrics(self, local_rank: int = 0) -> None:
+        """Serve the training side's /metrics when ``train.metrics_port`` is set (the port
+        plus the local rank: each rank of a node serves its own)."""
+        train = self.config.train
+        if train.metrics_port is None:
+            return
+        port = train.metrics_port + local_rank if train.metrics_port else 0
+        progress = self.progress
+        self.metrics_server = MetricsServer(lambda: train_metrics(progress), train.metrics_host,
+                                            port, "train.metrics_port")
 
     def start_daemon(self) -> None:
         """Start the samplers unless a daemon already fills this cache (then attach to it)."""
@@ -207,6 +232,9 @@ class Run:
             self.daemon.stop()
             self._daemon_thread.join()
             self.daemon = None
+        if self.metrics_server is not None:
+            self.metrics_server.close()
+            self.metrics_server = None
 
     def train(self) -> int:
         checkpoint = load_checkpoint(self.run_dir) if self.resume else None
@@ -235,13 +263,20 @@ class Run:
 
     def _run_epoch(self, cache: Cache, context: RunContext, epoch: int, loader: Any) -> None:
         before = cache.counters()
-        timed = _TimedLoader(loader)
+        mark = self.turnover.mark(cache)
+        self.progress.epoch = epoch
+        timed = _TimedLoader(loader, self.progress)
         started = time.perf_counter()
         from .data.distributed import mean_across_ranks
 
         result = mean_across_ranks(dict(self.train_fn(context, epoch, timed) or {}))
         elapsed = time.perf_counter() - started
         after = cache.counters()
+        dataset = getattr(loader, "dataset", None)
+        turnover = self.turnover.measure(cache, mark, getattr(dataset, "seqs", np.empty(0)))
+        self.progress.new_samples = turnover["new_samples"]
+        self.progress.snapshot_samples = turnover["snapshot_samples"]
+        self.progress.writer_wait_fraction = turnover["writer_wait_fraction"] or 0.0
         row = {
             "epoch": epoch,
             **result,
@@ -252,21 +287,24 @@ class Run:
             "cache_samples": after.samples,
             "cache_bytes": after.bytes,
             "evicted": after.evicted - before.evicted,
+            **turnover,
             "time": time.time(),
         }
         self.metrics.append(row)
         if not self.is_main:
             return
-        cache.append_history({"epoch": epoch})
+        cache.append_history({"epoch": epoch, **turnover})
         with open(self.run_dir / METRICS, "a") as f:
             f.write(json.dumps(row) + "\n")
         context.save_checkpoint(epoch, row)
         loss = row.get("loss")
+        wait = turnover["writer_wait_fraction"]
         log.info(
-            "epoch %d: loss %s, %d samples in %d batches, %.1fs, data wait %.1f%%, cache %s (%d samples), evicted %d",
+            "epoch %d: loss %s, %d samples in %d batches, %.1fs, data wait %.1f%%, cache %s (%d samples), evicted %d, "
+            "new to the snapshot %d, writers waited %s",
             epoch, f"{loss:.4f}" if isinstance(loss, float) else loss, row.get("samples", row["snapshot_samples"]),
             timed.batches, elapsed, 100 * row["data_wait_fraction"], format_size(after.bytes), after.samples,
-            row["evicted"],
+            row["evicted"], turnover["new_samples"], "n/a" if wait is None else f"{100 * wait:.0f}%",
         )
 
     def write_plots(self) -> Path | None:
@@ -305,9 +343,12 @@ def run_training(config: EpochcacheConfig, *, resume: bool = False) -> int:
     from .data.world import detect_world
 
     world = detect_world()
+    if config.train.metrics_port is not None:
+        require_prometheus("train.metrics_port")  # before anything starts
     run = Run(config, resume=resume, is_main=world.rank == 0)
     created_group = False
     try:
+        run.serve_metrics(world.local_rank)
         if world.rank == 0:
             ensure_demo_data(config)
         if world.local_rank == 0:

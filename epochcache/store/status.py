@@ -47,6 +47,18 @@ def ingest_rate(history: list[dict[str, Any]], window_s: float = 60.0) -> dict[s
     }
 
 
+#: History rows ``status`` looks through for the epochs of a run (5 s apart: ~7 hours).
+TURNOVER_SCAN_ROWS = 5000
+
+
+def recent_epochs(cache: SampleStore, count: int = 5) -> list[dict[str, Any]]:
+    """The turnover of the last ``count`` epochs ``epochcache run`` recorded: epoch, samples
+    new to its snapshot, snapshot size, fraction of the epoch writers waited on leases."""
+    rows = [row for row in cache.history(limit=TURNOVER_SCAN_ROWS) if "new_samples" in row]
+    keys = ("epoch", "new_samples", "snapshot_samples", "writer_wait_fraction", "time")
+    return [{key: row.get(key) for key in keys} for row in rows[-count:]]
+
+
 def collect_stats(cache: SampleStore) -> dict[str, Any]:
     counters = cache.counters()
     now = time.time()
@@ -83,6 +95,7 @@ def collect_stats(cache: SampleStore) -> dict[str, Any]:
         "ingest": ingest_rate(history),
         "daemon": daemon_health(cache.tables.get_state("daemon"), now),
         "recent_quarantine": cache.quarantined(limit=5),
+        "turnover": recent_epochs(cache),
     }
 
 
@@ -129,6 +142,16 @@ def render(stats: dict[str, Any]) -> RenderableType:
         for lease in stats["lease_details"]:
             leases.add_row(*(str(lease[c]) for c in ("id", "label", "pid", "host", "samples", "age_s", "alive")))
         parts.append(leases)
+    if stats.get("turnover"):
+        turnover = Table(title="turnover (epochs of epochcache run)", title_justify="left")
+        for column in ("epoch", "new samples", "snapshot", "writers waited"):
+            turnover.add_column(column)
+        for row in stats["turnover"]:
+            wait = row["writer_wait_fraction"]
+            turnover.add_row(str(row["epoch"]), f"{row['new_samples']:,}",
+                             f"{row['snapshot_samples']:,}",
+                             "n/a" if wait is None else f"{wait:.0%}")
+        parts.append(turnover)
     if stats["recent_quarantine"]:
         quarantine = Table(title="recent quarantine", title_justify="left")
         quarantine.add_column("key")
