@@ -115,8 +115,18 @@ class SampleStore:
 
     @property
     def effective_capacity(self) -> int:
-        """Capacity in force: the configured one, lowered after a full disk."""
-        return self.capacity.effective
+        """Capacity in force: the configured one, unless this process or another live writer
+        runs lowered while the disk (or the LMDB map) is full; see :meth:`capacity_lowered`."""
+        lowered = self.capacity.lowered()
+        own = self.capacity.effective
+        return own if lowered is None else min(own, int(lowered["limit"]))
+
+    def capacity_lowered(self) -> dict[str, Any] | None:
+        """The lowest capacity in force in a live process, when lower than the configured one:
+        ``limit``, ``capacity``, ``reason``, ``since``, ``pid``; None otherwise. A lowered
+        capacity is a runtime back-off that recovers by itself and is never stored
+        (:mod:`epochcache.store.backoff`)."""
+        return self.capacity.lowered()
 
     def reset_effective_capacity(self) -> None:
         """Forget a capacity lowered after a full disk (after space was freed)."""
@@ -300,6 +310,7 @@ class SampleStore:
         return self.store.file_bytes()
 
     def close(self) -> None:
+        self.capacity.close()
         self.store.close()
 
     def __enter__(self) -> SampleStore:
