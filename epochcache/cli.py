@@ -79,18 +79,25 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     report = verify_cache(args.cache_dir, repair=args.repair)
     if args.json:
         print(json.dumps(report.as_dict(), indent=2))
+        return EXIT_OK if report.ok else EXIT_FAILURE
+    print(f"{report.path}: checked {report.checked:,} samples ({report.checked_bytes:,} bytes) in "
+          f"{report.transactions:,} read transactions")
+    for item in report.corrupt[:50]:
+        print(f"  corrupt sample {item['seq']} ({item['key']!r}): {item['error']}")
+    for name, (stored, actual) in report.counter_mismatches.items():
+        print(f"  counter {name}: stored {stored}, records say {actual}")
+    for problem in report.index_problems[:50]:
+        print(f"  index: {problem}")
+    done = [f"{count} {what.replace('_', ' ')}" for what, count in report.repairs.items() if count]
+    if done:
+        print(f"  repaired: {', '.join(done)}")
+    if report.ok:
+        print("consistent after the repair" if report.found_problems else "clean")
+    elif args.repair:
+        print("PROBLEMS REMAIN after the repair")
     else:
-        print(f"{report.path}: checked {report.checked:,} samples ({report.checked_bytes:,} bytes)")
-        for item in report.corrupt[:50]:
-            print(f"  corrupt sample {item['seq']}: {item['error']}")
-        for name, (stored, actual) in report.counter_mismatches.items():
-            print(f"  counter {name}: stored {stored}, records say {actual}")
-        for problem in report.index_problems[:50]:
-            print(f"  index: {problem}")
-        if report.repaired:
-            print(f"  repaired: removed {report.repaired} corrupt samples")
-        print("clean" if report.ok else "PROBLEMS FOUND" + ("" if args.repair else " (run with --repair to fix)"))
-    return EXIT_OK if report.ok or report.repaired else EXIT_FAILURE
+        print("PROBLEMS FOUND (run with --repair to fix)")
+    return EXIT_OK if report.ok else EXIT_FAILURE
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -116,7 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     verify = sub.add_parser("verify", help="check every stored sample and the counters")
     verify.add_argument("cache_dir")
-    verify.add_argument("--repair", action="store_true", help="remove corrupt samples, rebuild counters")
+    verify.add_argument("--repair", action="store_true",
+                        help="remove corrupt samples, fix the key index and the counters")
     verify.add_argument("--json", action="store_true")
     verify.set_defaults(func=_cmd_verify)
 
