@@ -43,6 +43,7 @@ from pydantic import (
 
 from . import _config_env as env
 from .errors import ConfigError
+from .limits import DEFAULT_MAX_SAMPLE_BYTES
 from .redact import REDACTED, redact_options, scrub, secret_values
 from .units import headroom_bytes, parse_duration, parse_headroom, parse_size
 
@@ -214,6 +215,11 @@ class LoaderConfig(_Section):
     num_workers: int = Field(default=2, ge=0)
     decode: str = "auto"
     allow_pickle: bool = False
+    max_sample_bytes: Annotated[int, BeforeValidator(_size), Field(gt=0)] = Field(
+        default=DEFAULT_MAX_SAMPLE_BYTES,
+        description="the largest sample: objects listed larger are quarantined before download, "
+                    "decompression (gzip) stops past it on ingest and in the loader",
+    )
     pin_memory: bool = False
     prefetch_factor: int | None = Field(default=2, ge=1)
     persistent_workers: bool = False

@@ -145,6 +145,7 @@ def _loader_kwargs(config: EpochcacheConfig) -> dict[str, Any]:
         "num_workers": loader.num_workers,
         "decode": loader.decode,
         "allow_pickle": loader.allow_pickle,
+        "max_sample_bytes": loader.max_sample_bytes,
         "pin_memory": loader.pin_memory,
         "stall_s": loader.stall_s,
         "timeout": loader.timeout,

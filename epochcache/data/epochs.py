@@ -42,6 +42,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from ..errors import EpochcacheError
+from ..limits import DEFAULT_MAX_SAMPLE_BYTES
 from .dataset import EpochDataset
 from .distributed import NodeSync, World, detect_world, dist_initialized, split_for_rank
 from .epoch_loader import EpochLoader
@@ -367,6 +368,7 @@ def epochs(
     decode: str | DecodeFn | None = "auto",
     transform: Callable[[Any], Any] | None = None,
     allow_pickle: bool = False,
+    max_sample_bytes: int = DEFAULT_MAX_SAMPLE_BYTES,
     on_error: str = "raise",
     collate_fn: Callable[[Any], Any] | None = None,
     persistent_workers: bool | None = None,
@@ -394,6 +396,8 @@ def epochs(
         num_workers: DataLoader workers. Defaults to 0 without a transform (reading in the
             training process is fastest) and to ``os.cpu_count()`` with one.
         transform: applied to each decoded sample (in the workers).
+        max_sample_bytes: the most a sample may decompress to (a gzip bomb raises a
+            ``DecodeError`` naming its key); ``loader.max_sample_bytes``, default 256 MiB.
         collate_fn: replaces the built-in batch assembly; it receives a list of samples.
         persistent_workers: keep workers across epochs (two loaders alternate, so the next
             epoch's workers prefetch while this one finishes). Defaults to True with workers.
@@ -413,7 +417,8 @@ def epochs(
     num_workers, persistent = _worker_settings(num_workers, transform, persistent_workers,
                                                dataloader_kwargs)
     reader = SampleReader(cache.path, decode=decode, transform=transform,
-                          allow_pickle=allow_pickle, on_error=on_error, stall_s=stall_s,
+                          allow_pickle=allow_pickle, max_sample_bytes=max_sample_bytes,
+                          on_error=on_error, stall_s=stall_s,
                           stall_file=stall_file)
     reader.bind(cache)
     state = _Epochs(cache, batch_size=batch_size, num_workers=num_workers, seed=seed,

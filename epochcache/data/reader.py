@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from ..errors import DecodeError, PickleNotAllowed
+from ..limits import DEFAULT_MAX_SAMPLE_BYTES
 from ..store import SampleStore
 from ..store.codec import decode_payload, source_key
 from ..store.env import PROCESS, begin_read
@@ -53,6 +54,8 @@ class SampleReader:
         decode: ``"auto"``, ``"raw"`` or ``fn(key, value)``.
         transform: applied to each decoded sample.
         allow_pickle: let ``decode="auto"`` unpickle ``.pkl`` samples (runs code: trust the data).
+        max_sample_bytes: the most ``decode="auto"`` lets a sample decompress to (gzip);
+            a sample past it raises a :class:`DecodeError` naming its key.
         on_error: ``"raise"`` a :class:`DecodeError` naming the key, or ``"skip"`` the sample
             (logged with its key and counted in :attr:`skipped`, per process).
         stall_s: report a batch slower than this (see :mod:`epochcache.stall`); None disables.
@@ -66,6 +69,7 @@ class SampleReader:
         decode: str | DecodeFn | None = "auto",
         transform: Callable[[Any], Any] | None = None,
         allow_pickle: bool = False,
+        max_sample_bytes: int = DEFAULT_MAX_SAMPLE_BYTES,
         on_error: str = "raise",
         stall_s: float | None = None,
         stall_file: str | None = None,
@@ -76,7 +80,8 @@ class SampleReader:
             raise TypeError(f"transform: expected a callable, got {transform!r}")
         self.path = path
         self.decode = decode
-        self.decoder = make_decoder(decode, allow_pickle)
+        self.decoder = make_decoder(decode, allow_pickle, max_sample_bytes)
+        self.max_sample_bytes = max_sample_bytes
         self.transform = transform
         self.allow_pickle = allow_pickle
         self.on_error = on_error

@@ -259,8 +259,13 @@ def fetch_many(
     concurrency: int = 16,
     timeout_s: float = 30.0,
     url_of: Callable[[str], str] | None = None,
+    limits: Sequence[int | None] | None = None,
 ) -> list[bytes | SourceError]:
     """Read whole objects concurrently; return each one's bytes or error, in input order.
+
+    ``limits`` bounds what is read of each object: with a limit ``n`` at most ``n`` bytes are
+    downloaded (a ranged read), so a caller that asks for one byte more than it accepts can
+    tell an object that is too large without holding all of it.
 
     Async filesystems (s3fs, http, gcs) run one coroutine per path on fsspec's IO loop, at most
     ``concurrency`` in flight, each bounded by ``timeout_s`` (measured faster than a thread pool of
@@ -270,29 +275,46 @@ def fetch_many(
     url_of = url_of or (lambda p: fs.unstrip_protocol(p))
     if not paths:
         return []
+    ends = list(limits) if limits is not None else [None] * len(paths)
     if isinstance(fs, AsyncFileSystem) and getattr(fs, "asynchronous", False) is False:
-        raw = _fetch_async(fs, paths, concurrency, timeout_s)
+        raw = _fetch_async(fs, paths, concurrency, timeout_s, ends)
     else:
-        raw = _fetch_threads(fs, paths, concurrency, timeout_s)
+        raw = _fetch_threads(fs, paths, concurrency, timeout_s, ends)
+    raw = [b"" if end is not None and _unsatisfiable(value) else value
+           for value, end in zip(raw, ends)]
     return [
         translate_error(value, url_of(path)) if isinstance(value, BaseException) else value
         for path, value in zip(paths, raw)
     ]
 
 
+def _unsatisfiable(value: bytes | BaseException) -> bool:
+    """A ranged read from byte 0 answered 416: the object is empty (no range of it exists)."""
+    while isinstance(value, BaseException):
+        if _http_status(value) == 416:
+            return True
+        value = value.__cause__  # type: ignore[assignment]
+    return False
+
+
+def _range(end: int | None) -> dict[str, int]:
+    return {} if end is None else {"start": 0, "end": end}
+
+
 def _fetch_async(
-    fs: AsyncFileSystem, paths: Sequence[str], concurrency: int, timeout_s: float
+    fs: AsyncFileSystem, paths: Sequence[str], concurrency: int, timeout_s: float,
+    ends: Sequence[int | None],
 ) -> list[bytes | BaseException]:
-    async def one(semaphore: asyncio.Semaphore, path: str) -> bytes | BaseException:
+    async def one(semaphore: asyncio.Semaphore, path: str, end: int | None) -> bytes | BaseException:
         async with semaphore:
             try:
-                return bytes(await asyncio.wait_for(fs._cat_file(path), timeout_s))
+                return bytes(await asyncio.wait_for(fs._cat_file(path, **_range(end)), timeout_s))
             except Exception as exc:  # noqa: BLE001 - returned per object, translated by the caller
                 return exc
 
     async def gather() -> list[bytes | BaseException]:
         semaphore = asyncio.Semaphore(max(1, concurrency))
-        return list(await asyncio.gather(*(one(semaphore, p) for p in paths)))
+        return list(await asyncio.gather(*(one(semaphore, p, e) for p, e in zip(paths, ends))))
 
     # The outer timeout is a safety net only: every object has its own wait_for above.
     waves = -(-len(paths) // max(1, concurrency))
@@ -301,13 +323,14 @@ def _fetch_async(
 
 
 def _fetch_threads(
-    fs: fsspec.AbstractFileSystem, paths: Sequence[str], concurrency: int, timeout_s: float
+    fs: fsspec.AbstractFileSystem, paths: Sequence[str], concurrency: int, timeout_s: float,
+    ends: Sequence[int | None],
 ) -> list[bytes | BaseException]:
     results: list[bytes | BaseException] = []
     workers = max(1, min(concurrency, len(paths)))
     pool = ThreadPoolExecutor(max_workers=workers)
     try:
-        futures = [pool.submit(fs.cat_file, p) for p in paths]
+        futures = [pool.submit(fs.cat_file, p, **_range(e)) for p, e in zip(paths, ends)]
         # A thread cannot be interrupted, so bound the whole call: every wave of `workers` objects
         # gets timeout_s. An object still running at the deadline is reported as timed out.
         waves = -(-len(paths) // workers)
