@@ -11,9 +11,13 @@ required::
 
 ``${VAR}`` and ``${VAR:-default}`` in any string value are replaced from the environment before
 validation (``$${`` writes a literal ``${``), so secrets stay out of files. Values interpolated from a
-variable whose name contains KEY, SECRET, TOKEN, PASSWORD or CREDENTIAL, and every credential-like key
-of ``source.storage_options``, are masked as ``***`` in ``repr()``, :meth:`EpochcacheConfig.redacted`
-and error messages. ``model_dump()`` keeps the real values (samplers need them): never log it.
+variable whose name contains KEY, SECRET, TOKEN, PASSWORD or CREDENTIAL, every credential-like key
+of ``source.storage_options``, and the credentials inside URLs (userinfo, presigned signature and
+token parameters, see :func:`epochcache.redact.redact_url`) are masked as ``***`` in ``repr()``,
+:meth:`EpochcacheConfig.redacted` and error messages. ``model_dump()`` keeps the real values
+(samplers need them): never log it. A config handed to another process goes as
+:meth:`EpochcacheConfig.to_transfer` and comes back with :meth:`EpochcacheConfig.from_transfer`,
+which keeps what must be masked (``model_validate`` alone would forget it).
 
 Sizes accept ints or strings such as ``200GiB``/``64MB``; durations ints, floats or ``30s``/``5m``.
 Every error is a :class:`~epochcache.errors.ConfigError` whose message names the field path, the bad
@@ -44,7 +48,7 @@ from pydantic import (
 from . import _config_env as env
 from .errors import ConfigError
 from .limits import DEFAULT_MAX_SAMPLE_BYTES
-from .redact import REDACTED, redact_options, scrub, secret_values
+from .redact import REDACTED, redact_options, redact_tree, secret_values, url_secrets
 from .units import headroom_bytes, parse_duration, parse_headroom, parse_size
 
 log = logging.getLogger(__name__)
@@ -136,14 +140,14 @@ class SourceConfig(_Section):
     def redacted_options(self) -> dict[str, Any]:
         """``storage_options`` with credentials masked."""
         options = redact_options(self.storage_options)
-        return _scrub_tree(options, self._secret_values)  # type: ignore[no-any-return]
+        return redact_tree(options, self._secret_values)  # type: ignore[no-any-return]
 
     def __repr_args__(self) -> Iterator[tuple[str | None, Any]]:
         # pydantic's __repr__, __str__ and __rich_repr__ all go through here.
         for name, value in super().__repr_args__():
             if name == "storage_options":
                 value = self.redacted_options()
-            yield name, _scrub_tree(value, self._secret_values)
+            yield name, redact_tree(value, self._secret_values)
 
 
 class CacheConfig(_Section):
@@ -272,7 +276,32 @@ class EpochcacheConfig(_Section):
         data["source"]["storage_options"] = redact_options(data["source"]["storage_options"])
         for path in self._secret_paths:
             _set_path(data, path.split("."), REDACTED)
-        return _scrub_tree(data, self._secret_values)  # type: ignore[no-any-return]
+        return redact_tree(data, self._secret_values)  # type: ignore[no-any-return]
+
+    @property
+    def secrets(self) -> frozenset[str]:
+        """The secret strings this config masks (to scrub them from log lines too)."""
+        return frozenset(self._secret_values)
+
+    def to_transfer(self) -> dict[str, Any]:
+        """This config as plain data for another process (a sampler), with what must be masked
+        there too. It holds the real secrets, like ``model_dump()``: never log it."""
+        return {
+            "config": self.model_dump(mode="python"),
+            "secret_paths": sorted(self._secret_paths),
+            "secret_values": sorted(self._secret_values),
+            "origin": self._origin,
+        }
+
+    @classmethod
+    def from_transfer(cls, data: Mapping[str, Any]) -> EpochcacheConfig:
+        """The config :meth:`to_transfer` gave, masking what the original masked."""
+        config = cls.model_validate(data["config"])
+        config._secret_paths = set(data.get("secret_paths", ()))
+        config._secret_values = set(data.get("secret_values", ())) | _found_secrets(data["config"])
+        config._origin = str(data.get("origin", "<dict>"))
+        config.source._secret_values = config._secret_values
+        return config
 
     def redacted_yaml(self) -> str:
         """:meth:`redacted` as YAML (what ``epochcache config`` prints and runs save)."""
@@ -301,16 +330,23 @@ def _set_path(data: Any, parts: list[str], value: Any) -> None:
         data[int(last)] = value
 
 
-def _scrub_tree(value: Any, secrets: set[str]) -> Any:
-    if not secrets:
-        return value
-    if isinstance(value, str):
-        return scrub(value, secrets)
-    if isinstance(value, dict):
-        return {k: _scrub_tree(v, secrets) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_scrub_tree(v, secrets) for v in value)
-    return value
+def _found_secrets(data: Any) -> set[str]:
+    """Secrets a resolved config carries in plain sight: credential-like storage options and
+    the credentials inside every URL-like string."""
+    found = secret_values(_get(data, ("source", "storage_options")))
+
+    def visit(value: Any) -> None:
+        if isinstance(value, str):
+            found.update(url_secrets(value))
+        elif isinstance(value, Mapping):
+            for item in value.values():
+                visit(item)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                visit(item)
+
+    visit(data)
+    return found
 
 
 def parse_config(
@@ -328,7 +364,7 @@ def parse_config(
         )
     environ = os.environ if environ is None else environ
     resolved, secret_paths, secrets = env.interpolate(data, environ, origin)
-    secrets |= secret_values(_get(resolved, ("source", "storage_options")))
+    secrets |= _found_secrets(resolved)
     try:
         config = EpochcacheConfig.model_validate(resolved)
     except ValidationError as exc:

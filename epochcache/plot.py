@@ -22,8 +22,14 @@ INSTALL_HINT = "pip install 'epochcache[plot]'"
 
 
 def available() -> bool:
-    """Whether matplotlib (an extra) is installed."""
-    return importlib.util.find_spec("matplotlib") is not None
+    """Whether matplotlib (an extra) can be imported (installed, and not broken)."""
+    if importlib.util.find_spec("matplotlib") is None:
+        return False
+    try:
+        import matplotlib  # noqa: F401 - the package only (~0.1 s), not pyplot
+    except ImportError:
+        return False
+    return True
 
 
 def _pyplot() -> Any:

@@ -25,6 +25,7 @@ from ..config import EpochcacheConfig
 from ..errors import DaemonAlreadyRunning
 from ..store import SampleStore
 from ..store.leases import process_start_ticks
+from ..redact import redact_url
 from ..units import format_size
 from .from_config import open_configured_source
 from .sampler import StopFlag, run_sampler, state_name
@@ -170,7 +171,7 @@ class Daemon:
         return status
 
     def _start(self, slot: _Slot) -> None:
-        data = self.config.model_dump(mode="python")
+        data = self.config.to_transfer()  # keeps what the samplers must mask
         slot.process = self._ctx.Process(
             target=run_sampler,
             args=(data, slot.index, self._sampler_stop, os.getpid()),
@@ -217,7 +218,7 @@ class Daemon:
                 "started": started,
                 "heartbeat": time.time(),
                 "stopped": stopped,
-                "source": self.config.source.url,
+                "source": redact_url(self.config.source.url),
                 "samplers": samplers,
             },
         )

@@ -35,6 +35,7 @@ import fsspec
 from fsspec.asyn import AsyncFileSystem, sync
 
 from ..errors import PermanentRemoteError, RemoteTimeout, SourceError, SourceUnavailable
+from ..redact import redact_url, scrub_urls
 
 log = logging.getLogger(__name__)
 
@@ -83,10 +84,11 @@ def open_fs(
     try:
         fs, path = fsspec.core.url_to_fs(url, **options)
     except (ImportError, ValueError) as exc:
+        shown = redact_url(url)
         raise SourceUnavailable(
-            f"{url}: cannot open this URL ({exc}); check the protocol and that its fsspec package "
-            "(s3fs, gcsfs, adlfs, aiohttp) is installed",
-            url,
+            f"{shown}: cannot open this URL ({scrub_urls(str(exc))}); check the protocol and that "
+            "its fsspec package (s3fs, gcsfs, adlfs, aiohttp) is installed",
+            shown,
         ) from exc
     if hasattr(fs, "retries"):
         fs.retries = 1  # s3fs retries 5 times with its own sleeps unless told otherwise
@@ -149,7 +151,9 @@ def translate_error(exc: BaseException, url: str) -> SourceError:
     """
     if isinstance(exc, SourceError):
         return exc
-    detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    url = redact_url(url)
+    # Library messages repeat the URL they fetched, credentials and all.
+    detail = scrub_urls(f"{type(exc).__name__}: {exc}") if str(exc) else type(exc).__name__
     if _is_timeout(exc):
         return RemoteTimeout(
             f"{url}: timed out ({detail}); check the endpoint or raise timeout_s", url
@@ -272,7 +276,7 @@ def fetch_many(
     ``cat_file``; see the report in remote's tests). Other filesystems use a thread pool. Errors are
     translated per object and never raised: one bad object must not fail its batch.
     """
-    url_of = url_of or (lambda p: fs.unstrip_protocol(p))
+    url_of = url_of or (lambda p: redact_url(fs.unstrip_protocol(p)))
     if not paths:
         return []
     ends = list(limits) if limits is not None else [None] * len(paths)

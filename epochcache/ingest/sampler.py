@@ -25,6 +25,7 @@ from typing import Any
 
 from ..config import EpochcacheConfig
 from ..errors import CacheFull, CorruptSample, PermanentRemoteError, SourceError
+from ..redact import install_log_redaction
 from ..store import SampleStore
 from .from_config import open_configured_source
 from .keyorder import KeyOrder
@@ -339,7 +340,7 @@ def run_sampler(config_data: dict[str, Any], index: int, stop: Any,
     """Entry point of a sampler process (started with ``spawn`` by the daemon).
 
     Args:
-        config_data: the validated config, as ``EpochcacheConfig.model_dump()``.
+        config_data: the validated config, as ``EpochcacheConfig.to_transfer()``.
         index: this sampler's index among ``sampler.processes``.
         stop: the daemon's :class:`StopFlag`; set, the sampler stops after committing what it
             has fetched.
@@ -348,8 +349,9 @@ def run_sampler(config_data: dict[str, Any], index: int, stop: Any,
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the daemon, which stops us in order
     # SIGTERM to the whole process group (systemd, timeout): stop after the batch in flight.
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    config = EpochcacheConfig.model_validate(config_data)
+    config = EpochcacheConfig.from_transfer(config_data)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s sampler {index}: %(message)s")
+    install_log_redaction(secrets=set(config.secrets))  # URLs in any library's log lines
     sampler = Sampler(config, index, stop, parent_pid)
     try:
         sampler.run()

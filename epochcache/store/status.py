@@ -6,8 +6,9 @@ import socket
 import time
 from typing import TYPE_CHECKING, Any
 
-from .leases import pid_alive
+from ..redact import redact_tree
 from ..units import format_size
+from .leases import pid_alive
 
 if TYPE_CHECKING:
     from rich.console import RenderableType
@@ -48,6 +49,12 @@ def ingest_rate(history: list[dict[str, Any]], window_s: float = 60.0) -> dict[s
 
 
 def collect_stats(cache: SampleStore) -> dict[str, Any]:
+    """Everything ``status`` shows, with URL credentials masked (state documents written by
+    older versions may hold them)."""
+    return redact_tree(_collect(cache))  # type: ignore[no-any-return]
+
+
+def _collect(cache: SampleStore) -> dict[str, Any]:
     counters = cache.counters()
     now = time.time()
     leases = cache.leases()

@@ -39,7 +39,7 @@ from typing import Any, Literal
 
 from ...errors import CorruptSample, SourceError, SourceUnavailable
 from ...limits import DEFAULT_MAX_SAMPLE_BYTES
-from ...redact import redact_options
+from ...redact import redact_options, redact_url
 from ...units import format_size
 from ..remote import (
     TRANSIENT_ERRORS,
@@ -105,7 +105,7 @@ class SourceSpec:
         return "**/*.tar" if self.layout == "tar" else "**"
 
     def __repr__(self) -> str:
-        return (f"SourceSpec(url={self.url!r}, layout={self.layout!r}, "
+        return (f"SourceSpec(url={redact_url(self.url)!r}, layout={self.layout!r}, "
                 f"storage_options={redact_options(self.storage_options)!r})")
 
 
@@ -173,7 +173,9 @@ class Source(abc.ABC):
         self.concurrency = concurrency
         self.checks = frozenset(spec.checks if checks is None else checks)
         self.limiter = BandwidthLimiter(bandwidth_limit) if bandwidth_limit else None
-        self.url = spec.url
+        # What messages, logs and the cache show: credentials in the URL masked. fsspec gets
+        # the real one (spec.url) below.
+        self.url = redact_url(spec.url)
         self.fs, self.root = open_fs(
             spec.url,
             spec.storage_options,
@@ -377,7 +379,7 @@ class Source(abc.ABC):
                 timeout_s=self.spec.timeout_s,
                 connect_timeout_s=self.spec.connect_timeout_s,
             )
-            url = manifest
+            url = redact_url(manifest)
         else:
             fs, path, url = self.fs, self.object_path(manifest), self.object_url(manifest)
         refs = read_manifest(
