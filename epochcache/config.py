@@ -108,7 +108,11 @@ class SourceConfig(_Section):
     list_deadline_s: Duration = 6.0
     retries: int = Field(default=5, ge=1, le=100)
     checks: list[Check] = Field(default_factory=lambda: list(_ALL_CHECKS))
-    listing_ttl_s: Duration | None = None
+    listing_ttl_s: Duration | None = Field(
+        default=None,
+        description="re-list the source in the background this long after the last listing; "
+                    "new keys join the sampling order (default: list once, reuse the saved listing)",
+    )
     demo_samples: int | None = Field(
         default=None, ge=1,
         description="write a synthetic demo dataset of this many samples at url when none is there",
@@ -189,6 +193,11 @@ class SamplerConfig(_Section):
     num_nodes: int | None = Field(default=None, ge=1)
     batch_size: int = Field(default=64, ge=1, description="samples per cache commit")
     bandwidth_limit: Annotated[int, BeforeValidator(_rate), Field(gt=0)] | None = None
+    max_bytes_in_flight: Annotated[int, BeforeValidator(_size), Field(gt=0)] = Field(
+        default=512 * 1024**2,
+        description="bytes one sampler process holds between fetch and commit (listed sizes "
+                    "count before the fetch); an object larger than this is fetched alone",
+    )
     check: bool = True
 
     @model_validator(mode="after")
@@ -265,6 +274,15 @@ class EpochcacheConfig(_Section):
     _secret_values: set[str] = PrivateAttr(default_factory=set)
     _origin: str = PrivateAttr(default="<dict>")
 
+    @model_validator(mode="after")
+    def _check_relisting(self) -> EpochcacheConfig:
+        if self.source.listing_ttl_s is not None and self.sampler.strategy == "weighted":
+            raise ValueError(
+                "source.listing_ttl_s: re-listing adds keys without weights, so it cannot be "
+                "used with sampler.strategy: weighted (remove one of them)"
+            )
+        return self
+
     @property
     def origin(self) -> str:
         """The file the config was read from (``<dict>`` when built from a mapping)."""
@@ -295,7 +313,10 @@ class EpochcacheConfig(_Section):
 
     @classmethod
     def from_transfer(cls, data: Mapping[str, Any]) -> EpochcacheConfig:
-        """The config :meth:`to_transfer` gave, masking what the original masked."""
+        """The config :meth:`to_transfer` gave, masking what the original masked (a plain
+        ``model_dump()`` is accepted too: then what can be found in it is masked)."""
+        if "config" not in data:
+            data = {"config": data}
         config = cls.model_validate(data["config"])
         config._secret_paths = set(data.get("secret_paths", ()))
         config._secret_values = set(data.get("secret_values", ())) | _found_secrets(data["config"])

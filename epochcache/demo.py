@@ -29,6 +29,7 @@ from typing import Any, Literal
 import numpy as np
 
 from .ingest.remote import join_url, open_fs, translate_errors
+from .redact import redact_url
 
 log = logging.getLogger(__name__)
 
@@ -221,6 +222,7 @@ def _run_demo_data(args: argparse.Namespace) -> int:
     )
     for name, info in summary["layouts"].items():
         print(
-            f"{name}: {info['keys']} keys, {info['objects']} objects, {info['bytes']} bytes at {info['url']}"
+            f"{name}: {info['keys']} keys, {info['objects']} objects, {info['bytes']} bytes at "
+            f"{redact_url(info['url'])}"
         )
     return 0

@@ -14,7 +14,8 @@ callers can catch either::
     │  ├─ CacheCorrupted                              a record or counter failed its check
     │  ├─ CacheIOError(CacheError, OSError)           the disk failed a write (EIO); the writer stops
     │  ├─ CacheFull                                   back-pressure: wait, the cache is at capacity + headroom
-    │  ├─ SampleTooLarge(CacheError, ValueError)      one sample can never fit the capacity
+    │  ├─ SampleRejected(CacheError, ValueError)      one sample can never be stored; samplers quarantine it
+    │  │  └─ SampleTooLarge                           larger than the capacity
     │  ├─ DaemonAlreadyRunning                        a second daemon on the same cache
     │  └─ SnapshotClosed(CacheError, RuntimeError)    lifecycle misuse
     └─ DecodeError(EpochcacheError, ValueError)       key + codec
@@ -86,8 +87,16 @@ class CacheFull(CacheError):
     result: object = None
 
 
-class SampleTooLarge(CacheError, ValueError):
-    """A single sample (or batch) is larger than the cache could ever hold."""
+class SampleRejected(CacheError, ValueError):
+    """One sample can never be stored (``key`` names it); the rest of its batch can."""
+
+    def __init__(self, message: str, key: str = "") -> None:
+        super().__init__(message)
+        self.key = key
+
+
+class SampleTooLarge(SampleRejected):
+    """A single sample is larger than the cache could ever hold."""
 
 
 class DaemonAlreadyRunning(CacheError):

@@ -28,7 +28,7 @@ from .cache import Cache
 from .redact import redact_url
 from .config import EpochcacheConfig, load_config
 from .ingest.daemon import Daemon, DaemonLock
-from .errors import ConfigError
+from .errors import ConfigError, DaemonAlreadyRunning
 from .units import format_size
 
 log = logging.getLogger(__name__)
@@ -217,7 +217,13 @@ class Run:
             log.info("attaching to the daemon already filling %s", cache_dir)
             return
         daemon = Daemon(self.config)
-        daemon.prepare()  # lists the source: raises SourceUnavailable before anything starts
+        try:
+            # Takes the daemon lock before opening the cache with the config's capacity, then
+            # lists the source: raises SourceUnavailable before anything starts.
+            daemon.prepare()
+        except DaemonAlreadyRunning:
+            log.info("attaching to the daemon that just started filling %s", cache_dir)
+            return
         self.daemon = daemon
         self._daemon_thread = threading.Thread(target=daemon.run, name="epochcache-daemon", daemon=True)
         self._daemon_thread.start()

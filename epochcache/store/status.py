@@ -153,8 +153,14 @@ def _sampler_line(sampler: dict[str, Any]) -> str:
     bits = [state, f"pid {sampler.get('pid')}", f"fetched {sampler.get('fetched', 0):,}"]
     if sampler.get("errors"):
         bits.append(f"[yellow]errors {sampler['errors']}[/]")
+    if sampler.get("quarantined"):
+        bits.append(f"quarantined {sampler['quarantined']}")
+    if sampler.get("deferred"):
+        bits.append(f"[yellow]deferred {sampler['deferred']} (larger than the headroom)[/]")
+    if sampler.get("waiting_for_space"):
+        bits.append("waiting for space")
     if sampler.get("restarts"):
-        bits.append(f"restarts {sampler['restarts']}")
+        bits.append(f"[yellow]restarts {sampler['restarts']}[/]")
     if sampler.get("last_error"):
         bits.append(f"last error: {sampler['last_error']}")
     return ", ".join(bits)

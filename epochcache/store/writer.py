@@ -13,12 +13,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import lmdb
 
-from ..errors import CacheError, CacheFull, SampleTooLarge
+from ..errors import CacheError, CacheFull, SampleRejected, SampleTooLarge
 from ..units import format_size
 from . import codec
 from .capacity import Capacity
@@ -27,7 +27,7 @@ from .counters import Counters
 from .env import Store
 from .eviction import Eviction, evict_oldest
 from .leases import Lease, read_leases, reclaim_dead
-from .schema import DB_KEYS, DB_LEASES, DB_META, DB_SAMPLES, pack_u64, seq_key
+from .schema import DB_KEYS, DB_LEASES, DB_META, DB_SAMPLES, index_key, pack_u64, seq_key
 
 log = logging.getLogger("epochcache.cache")  # one logger for everything a cache does
 
@@ -37,6 +37,9 @@ _MAX_DISK_FULL_ROUNDS = 16
 _STUCK = "(none: too full to evict)"
 #: ``meta`` key written to advance LMDB's transaction id on a full disk (:meth:`Writer._advance`).
 _M_FULL_MARK = b"last_full_disk_ns"
+
+#: Called with each sample :meth:`Writer.put_many` leaves out instead of raising.
+OnReject = Callable[[str, SampleRejected], None]
 
 
 @dataclass
@@ -119,9 +122,10 @@ class Writer:
         wait: bool = True,
         timeout_s: float | None = None,
         stop: threading.Event | None = None,
+        on_reject: OnReject | None = None,
     ) -> PutResult:
         """See :meth:`epochcache.store.SampleStore.put_many`."""
-        pending = self._frame(items, encoded)
+        pending = self._frame(items, encoded, on_reject)
         total = PutResult()
         backoff = _Backoff(timeout_s)
         disk_full_rounds = 0
@@ -156,22 +160,30 @@ class Writer:
             disk_full_rounds = 0  # waiting, not lowering: the rounds start again
         return total
 
-    def _frame(self, items: Iterable[tuple[str, Value]], encoded: bool) -> list[tuple[bytes, bytes]]:
-        """``(key bytes, record)`` of each item, the first of each key only.
+    def _frame(self, items: Iterable[tuple[str, Value]], encoded: bool,
+               on_reject: OnReject | None) -> list[tuple[bytes, bytes]]:
+        """``(key index entry, record)`` of each item, the first of each key only.
 
         Raises:
-            SampleTooLarge: a sample could never fit the capacity.
+            SampleRejected: a sample can never be stored (``SampleTooLarge``: it could never
+                fit the capacity), and there is no ``on_reject`` to hand it to.
         """
         batch: dict[bytes, bytes] = {}
         for key, value in items:
-            record = value if encoded else self.encode(key, value)
-            if len(record) > self.capacity.capacity_bytes:
-                raise SampleTooLarge(
-                    f"{self.path}: sample {key!r} is {format_size(len(record))}, larger than the "
-                    f"cache capacity {format_size(self.capacity.capacity_bytes)}; raise "
-                    "cache.capacity"
-                )
-            batch.setdefault(key.encode("utf-8"), record)  # type: ignore[arg-type]
+            try:
+                record = value if encoded else self.encode(key, value)
+                if len(record) > self.capacity.capacity_bytes:
+                    raise SampleTooLarge(
+                        f"{self.path}: sample {key!r} is {format_size(len(record))}, larger than "
+                        f"the cache capacity {format_size(self.capacity.capacity_bytes)}; raise "
+                        "cache.capacity", key=key,
+                    )
+            except SampleRejected as exc:
+                if on_reject is None:
+                    raise
+                on_reject(key, exc)
+                continue
+            batch.setdefault(index_key(key.encode("utf-8")), record)  # type: ignore[arg-type]
         return list(batch.items())
 
     def _make_room(self, exc: lmdb.Error, pending: list[tuple[bytes, bytes]], limit: int,
