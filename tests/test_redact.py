@@ -138,7 +138,7 @@ def test_credentials_in_urls_leak_nowhere(tmp_path: Path) -> None:
             "cache": {"dir": "cache", "capacity": "300KiB"},
             "sampler": {"processes": 1, "concurrency": 4},
             "loader": {"batch_size": 64, "num_workers": 0},
-            "train": {"epochs": 2, "min_samples": 150, "run_dir": "run",
+            "train": {"epochs": 1, "min_samples": 150, "run_dir": "run",
                       "options": {"api_token": "${MY_API_TOKEN}"}},
         }
         (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(config))
