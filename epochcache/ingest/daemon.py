@@ -28,10 +28,10 @@ from typing import Any
 
 from ..config import EpochcacheConfig
 from ..errors import DaemonAlreadyRunning
+from ..redact import redact_url
 from ..store import SampleStore
 from ..store.env import make_private_dir
 from ..store.leases import process_start_ticks
-from ..redact import redact_url
 from ..units import format_size
 from .from_config import open_configured_source
 from .relist import Relister
