@@ -122,7 +122,7 @@ class _Scan:
                 return 0
             for raw_key, record in cursor:
                 seq = seq_of(bytes(raw_key))
-                self._check(txn, dbs, seq, record)
+                self.check(txn, dbs, seq, record)
                 seqs.append(seq)
                 sizes.append(len(record))
                 read += len(record)
@@ -137,8 +137,9 @@ class _Scan:
                 self.progress(len(seqs))
         return len(seqs)
 
-    def _check(self, txn: lmdb.Transaction, dbs: dict[bytes, lmdb._Database], seq: int,
-               record: bytes | memoryview) -> None:
+    def check(self, txn: lmdb.Transaction, dbs: dict[bytes, lmdb._Database], seq: int,
+              record: bytes | memoryview) -> None:
+        """Check one record (checksum, decompression, key index entry) in ``txn``."""
         report = self.report
         report.checked += 1
         report.checked_bytes += len(record)
@@ -183,7 +184,7 @@ def _check_counters(cache: SampleStore, scan: _Scan, report: VerifyReport) -> No
         count, total = scan.scanned_bytes_from(first)
         if cursor.set_range(seq_key(scan.next_seq)):
             for raw_key, record in cursor:  # inserted since the scan passed: a few at most
-                scan._check(txn, dbs, seq_of(bytes(raw_key)), record)
+                scan.check(txn, dbs, seq_of(bytes(raw_key)), record)
                 count += 1
                 total += len(record)
         if count != entries:
