@@ -116,7 +116,7 @@ def _open_pil(data: Buffer) -> Any:
     try:
         im = Image.open(io.BytesIO(data))
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
-        raise DecodeError(f"{exc} (a decompression bomb?)") from exc
+        raise DecodeError(f"{exc} (raise PIL.Image.MAX_IMAGE_PIXELS if it is genuine)") from exc
     _check_pixels(*im.size)
     im.load()
     if im.mode in _KEEP_MODES or im.mode in ("I", "F"):
