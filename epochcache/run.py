@@ -145,6 +145,8 @@ def _loader_kwargs(config: EpochcacheConfig) -> dict[str, Any]:
         "num_workers": loader.num_workers,
         "decode": loader.decode,
         "allow_pickle": loader.allow_pickle,
+        "fields": loader.fields,
+        "image": loader.image,
         "pin_memory": loader.pin_memory,
         "stall_s": loader.stall_s,
         "timeout": loader.timeout,
