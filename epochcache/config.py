@@ -108,6 +108,9 @@ class SourceConfig(_Section):
         default=None, ge=1,
         description="write a synthetic demo dataset of this many samples at url when none is there",
     )
+    demo_kind: Literal["npy", "jpg"] = Field(
+        default="npy", description="the demo dataset's samples: npy arrays or jpg images of shapes"
+    )
 
     _secret_values: set[str] = PrivateAttr(default_factory=set)
 

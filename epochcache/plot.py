@@ -51,13 +51,21 @@ def _rates(
     history: Sequence[dict[str, Any]], t0: float, unit_s: float
 ) -> tuple[list[float], list[float], list[float]]:
     times, ingest, evictions = [], [], []
-    for prev, row in zip(history, history[1:]):
+    if not history:
+        return times, ingest, evictions
+    # Rates over windows of at least 1/100 of the span (and 1 s): a run adds a row at each
+    # epoch's end, often moments after the daemon's, and a burst over such a sliver of time
+    # would read as thousands per second.
+    min_dt = max(1.0, (history[-1]["time"] - history[0]["time"]) / 100)
+    prev = history[0]
+    for row in history[1:]:
         dt = row["time"] - prev["time"]
-        if dt <= 0:
+        if dt < min_dt:
             continue
         times.append((row["time"] - t0) / unit_s)
         ingest.append((row["inserted"] - prev["inserted"]) / dt)
         evictions.append((row["evicted"] - prev["evicted"]) / dt)
+        prev = row
     return times, ingest, evictions
 
 

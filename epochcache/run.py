@@ -135,7 +135,8 @@ def ensure_demo_data(config: EpochcacheConfig) -> None:
             return
     log.info("writing the demo dataset (%d samples) to %s", samples, config.source.url)
     layout = "tar" if config.source.layout == "tar" else "files"
-    write_demo_data(config.source.url, samples, layout, config.source.storage_options)  # type: ignore[arg-type]
+    write_demo_data(config.source.url, samples, layout, config.source.storage_options,  # type: ignore[arg-type]
+                    kind=config.source.demo_kind)
 
 
 def _loader_kwargs(config: EpochcacheConfig) -> dict[str, Any]:
