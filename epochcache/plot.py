@@ -96,7 +96,7 @@ def _fill_axes(
     ax_rate.set_title("ingest and eviction rate")
     rate_times, ingest, evictions = _rates(history, t0, unit_s)
     ax_rate.plot(rate_times, ingest, ".-", label="ingested")
-    ax_rate.plot(rate_times, evictions, ".-", label="evicted")
+    ax_rate.plot(rate_times, evictions, ".--", label="evicted")
     ax_rate.set_ylim(bottom=0)
     for ax in (ax_fill, ax_rate):
         for index, (epoch, end) in enumerate(epoch_ends):
@@ -160,6 +160,11 @@ def plot_run(
         axes[0][0].text(0.5, 0.5, "no finished epoch", ha="center", va="center",
                         transform=axes[0][0].transAxes)
     ends = [(int(row["epoch"]), float(row["time"])) for row in metrics if "time" in row]
+    if ends:
+        # What the cache did after the last epoch (the run releasing its lease, the daemon
+        # stopping) is not part of the run.
+        last = max(end for _epoch, end in ends)
+        history = [row for row in history if row["time"] <= last + 0.5]
     _fill_axes(axes[1][0], axes[1][1], history, ends)
     if title:
         fig.suptitle(title)
