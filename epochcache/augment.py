@@ -38,15 +38,15 @@ def crop_box(height: int, width: int, scale: tuple[float, float] = (0.08, 1.0),
     for _ in range(10):
         target = area * rng.uniform(*scale)
         aspect = math.exp(rng.uniform(*log_ratio))
-        w = int(round(math.sqrt(target * aspect)))
-        h = int(round(math.sqrt(target / aspect)))
+        w = round(math.sqrt(target * aspect))
+        h = round(math.sqrt(target / aspect))
         if 0 < w <= width and 0 < h <= height:
             return rng.randint(0, height - h), rng.randint(0, width - w), h, w
     in_ratio = width / height
     if in_ratio < ratio[0]:
-        w, h = width, int(round(width / ratio[0]))
+        w, h = width, round(width / ratio[0])
     elif in_ratio > ratio[1]:
-        h, w = height, int(round(height * ratio[1]))
+        h, w = height, round(height * ratio[1])
     else:
         w, h = width, height
     return (height - h) // 2, (width - w) // 2, h, w

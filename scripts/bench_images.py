@@ -16,6 +16,10 @@ sample, then batches 64, at ``num_workers`` 0 and 2:
 litdata is left out: it does not install cleanly next to torch 2.13 CPU (pip resolves it to a
 torch upgrade or a torchvision build for another torch).
 
+First, JPEG decoding alone (why epochcache decodes JPEG with simplejpeg): Pillow
+(``Image.open(...).convert("RGB")`` to a numpy array) against ``simplejpeg.decode_jpeg`` on the
+same 1,000 images of the set, alternating, ``--rounds`` rounds.
+
 Measured per contender: samples/s after the first batch over ``--samples`` samples, and the time
 from creating the loader to its first batch. The contenders run back to back, ``--rounds``
 rounds in alternating order; a ratio is the median of per-round ratios (shared machines drift).
@@ -161,6 +165,37 @@ def _timed(batches: Any, samples: int, started: float) -> dict[str, float]:
     return {"first_batch_s": first - started, "rate": n / (end - first)}
 
 
+def decode_rates(shards: list[str], rounds: int, count: int = 1000) -> dict[str, list[float]]:
+    """Images/s of Pillow and simplejpeg decoding the same JPEGs to RGB arrays."""
+    import simplejpeg
+    from PIL import Image
+
+    blobs: list[bytes] = []
+    with tarfile.open(shards[0]) as tar:
+        for member in tar:
+            if member.name.endswith(".jpg") and len(blobs) < count:
+                blobs.append(tar.extractfile(member).read())  # type: ignore[union-attr]
+
+    def pillow(data: bytes) -> np.ndarray:
+        with Image.open(io.BytesIO(data)) as image:
+            return np.asarray(image.convert("RGB"))
+
+    def turbo(data: bytes) -> np.ndarray:
+        return simplejpeg.decode_jpeg(data, colorspace="RGB")  # type: ignore[no-any-return]
+
+    if not np.array_equal(pillow(blobs[0]), turbo(blobs[0])):
+        print("note: Pillow and simplejpeg decoded different pixels", flush=True)
+    out: dict[str, list[float]] = {"pillow": [], "simplejpeg": []}
+    for rnd in range(rounds):
+        order = [("pillow", pillow), ("simplejpeg", turbo)]
+        for name, fn in order if rnd % 2 == 0 else order[::-1]:
+            started = time.perf_counter()
+            for data in blobs:
+                fn(data)
+            out[name].append(len(blobs) / (time.perf_counter() - started))
+    return out
+
+
 def measure_ours(cache: Cache, workers: int, samples: int) -> dict[str, float]:
     started = time.perf_counter()
     epochs = cache.epochs(1, batch_size=BATCH, num_workers=workers, fields=("jpg", "cls"),
@@ -202,6 +237,8 @@ def main() -> None:
     r: dict[str, Any] = {"images": args.images, "samples": args.samples, "batch": BATCH,
                          "cpus": os.cpu_count(), "shard_bytes": sum(map(os.path.getsize, shards))}
     try:
+        print("JPEG decoding: Pillow vs simplejpeg ...", flush=True)
+        r["decode"] = decode_rates(shards, args.rounds)
         print("filling the cache ...", flush=True)
         cache = fill_cache(os.path.join(root, "cache"), shards)
         r["cache_samples"] = cache.counters().samples
@@ -239,6 +276,11 @@ def main() -> None:
 
 
 def report(r: dict[str, Any]) -> None:
+    dec = r["decode"]
+    ratios = [s / p for s, p in zip(dec["simplejpeg"], dec["pillow"])]
+    print(f"JPEG decode: Pillow {np.median(dec['pillow']):,.0f}/s, simplejpeg "
+          f"{np.median(dec['simplejpeg']):,.0f}/s = {np.median(ratios):.2f}x "
+          f"[rounds {min(ratios):.2f}-{max(ratios):.2f}]")
     print(f"{r['images']} JPEGs ({r['shard_bytes'] / 2**20:.0f} MiB of shards), "
           f"{r['samples']} samples per measurement, batch {r['batch']}, {r['cpus']} cores")
     print(f"{'contender':<34} {'samples/s (median [range])':<30} first batch (median)")

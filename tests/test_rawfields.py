@@ -50,7 +50,8 @@ def _forbid_general(ds: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ds.reader, "read_samples", fail)
 
 
-@pytest.mark.parametrize("fields", [None, ("npy", "cls"), ("cls", "npy;png", "__key__")])
+@pytest.mark.parametrize("fields", [None, ("npy", "cls"), ("cls", "npy;png", "__key__"),
+                                    ("cls", "npy", "cls", "npy")])
 def test_uniform_records_take_the_fast_path_and_equal_the_general_decoder(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fields: Any) -> None:
     cache = Cache(tmp_path / "c", "16MiB", sync=False)

@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import io
 import struct
-from typing import Any, Union
+from typing import Any
 
 import numpy as np
 
 from ..errors import DecodeError
 
-Buffer = Union[bytes, bytearray, memoryview]
+Buffer = bytes | bytearray | memoryview
 
 IMAGE_EXTS = frozenset({"jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff"})
 IMAGE_FORMS = ("numpy", "torch", "pil")

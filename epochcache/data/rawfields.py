@@ -66,7 +66,7 @@ def _tuple_getter(indices: Sequence[int]) -> Callable[[tuple[Any, ...]], tuple[A
 class _Out:
     """One output of the batch: a field's kind and where its bytes lie in a record."""
 
-    __slots__ = ("name", "kind", "start", "var", "hdr", "hlen", "dtype", "shape", "nbytes")
+    __slots__ = ("dtype", "hdr", "hlen", "kind", "name", "nbytes", "shape", "start", "var")
 
     def __init__(self, name: str, kind: int, start: int, var: int) -> None:
         self.name, self.kind, self.start, self.var = name, kind, start, var
@@ -138,7 +138,9 @@ class FieldsTemplate:
                      for name in chosen]
         # The common shape gets a loop of its own (see FieldsBatch.fill): arrays at fixed
         # offsets and one field of variable length (a label, a JSON document) after them.
-        self.simple = len(lengths) == 1 and all(o.var == 0 for o in self.outs if o.kind == ARRAY)
+        variable_outs = [o for o in self.outs if o.kind in (INT, JSON)]
+        self.simple = (len(lengths) == 1 and len(variable_outs) <= 1
+                       and all(o.var == 0 for o in self.outs if o.kind == ARRAY))
         self.var_index = lengths[0] if self.simple else -1
         # FieldsBatch.fill's plan: (output, data offset, bytes) per array; the output of the
         # variable field, if it is chosen, and where it starts; the outputs of __key__.

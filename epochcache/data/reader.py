@@ -4,8 +4,12 @@ The read path is built for batches. :meth:`SampleReader.read_batch` reads a whol
 LMDB read transaction and, when the samples are fixed-shape ``.npy`` arrays stored raw, copies
 each one straight from the memory map into one preallocated batch tensor: one ``memcpy`` per
 sample, no per-sample tensor, no ``default_collate`` stacking, no header parsing (records are
-recognised by a template, see :mod:`epochcache.rawnpy`). In a DataLoader worker that
+recognised by a template, see :mod:`epochcache.data.rawnpy`). In a DataLoader worker that
 tensor is allocated in shared memory, so handing it to the trainer costs no further copy.
+WebDataset-style records of ``.npy`` arrays with ``.cls`` labels or ``.json`` documents get the
+same treatment field by field (:mod:`epochcache.data.rawfields`): one batch tensor per array
+field, the labels of a batch converted at once. ``fields=`` selects and orders fields into
+tuples (:mod:`epochcache.data.fields`) on either path.
 
 A reader pickles as the cache path and its options -- never an LMDB handle: each process opens
 (or, in a forked worker, adopts) the environment on first read.
