@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import io
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -20,7 +21,7 @@ NUM_CLASSES = 10
 CLASS_NAMES = ("circle", "square", "triangle", "diamond", "cross", "ring", "star", "hexagon",
                "ellipse", "crescent")
 
-Mask = Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
+Mask = Callable[[np.ndarray, np.ndarray, Any], np.ndarray]
 
 
 def _polar(u: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -91,7 +92,8 @@ def draw(label: int, rng: np.random.Generator, size: int = 64) -> np.ndarray:
     while np.abs(colour - behind).sum() < 150:
         colour = _class_colour(label, rng)
     image[mask] = colour + rng.normal(0, 10, (int(mask.sum()), 3))
-    return np.clip(image, 0, 255).astype(np.uint8)
+    out: np.ndarray = np.clip(image, 0, 255).astype(np.uint8)
+    return out
 
 
 def encode_jpeg(image: np.ndarray, quality: int = 90) -> bytes:

@@ -50,7 +50,9 @@ def _time_unit(history: Sequence[dict[str, Any]]) -> tuple[float, str]:
 def _rates(
     history: Sequence[dict[str, Any]], t0: float, unit_s: float
 ) -> tuple[list[float], list[float], list[float]]:
-    times, ingest, evictions = [], [], []
+    times: list[float] = []
+    ingest: list[float] = []
+    evictions: list[float] = []
     if not history:
         return times, ingest, evictions
     # Rates over windows of at least 1/100 of the span (and 1 s): a run adds a row at each

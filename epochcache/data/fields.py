@@ -127,7 +127,7 @@ class FieldSelector:
             fields: Mapping[str, Any] = value
         else:
             fields = dict.fromkeys(blob_fields(key), value)
-        out = []
+        out: list[Any] = []
         for name in resolve(list(fields), self.selection, key):
             if name == KEY_FIELD and name not in fields:
                 out.append(key)

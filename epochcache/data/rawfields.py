@@ -60,7 +60,7 @@ def _tuple_getter(indices: Sequence[int]) -> Callable[[tuple[Any, ...]], tuple[A
         return lambda values: (values[index],)
     if not indices:
         return lambda values: ()
-    return operator.itemgetter(*indices)  # type: ignore[return-value]
+    return operator.itemgetter(*indices)
 
 
 class _Out:
@@ -165,7 +165,8 @@ class FieldsTemplate:
                 runs.append([lo, hi])
         items = sorted([(lo, hi, True) for lo, hi in runs]
                        + [(at, at + 8, False) for at in varying])
-        fmt, cursor, fixed, lengths = [_HEAD], _H, [0, 1, 2], []
+        fmt, cursor, fixed = [_HEAD], _H, [0, 1, 2]
+        lengths: list[int] = []
         for lo, hi, is_pinned in items:
             fmt.append(f"{lo - cursor}x" if lo > cursor else "")
             fmt.append(f"{hi - lo}s" if is_pinned else "Q")
@@ -196,7 +197,7 @@ class FieldsBatch:
         for out in template.outs:
             if out.kind == ARRAY:
                 tensor = alloc_batch((batch, *out.shape), out.dtype)  # type: ignore[arg-type]
-                self.columns.append((tensor, memoryview(tensor.numpy()).cast("B")))
+                self.columns.append((tensor, memoryview(tensor.numpy()).cast("B")))  # type: ignore[arg-type]
             elif out.kind == INT:
                 self.columns.append(bytearray(b"0" * (LABEL_WIDTH * batch)))
             else:
