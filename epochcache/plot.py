@@ -166,7 +166,7 @@ def plot_run(
         # What the cache did after the last epoch (the run releasing its lease, the daemon
         # stopping) is not part of the run.
         last = max(end for _epoch, end in ends)
-        history = [row for row in history if row["time"] <= last + 0.5]
+        history = [row for row in history if row["time"] <= last + 0.2]
     _fill_axes(axes[1][0], axes[1][1], history, ends)
     if title:
         fig.suptitle(title)
