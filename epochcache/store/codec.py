@@ -69,8 +69,13 @@ def pack_fields(fields: Mapping[str, bytes]) -> bytes:
     return b"".join(parts)
 
 
-def unpack_fields(payload: bytes | memoryview) -> dict[str, bytes]:
-    """Inverse of :func:`pack_fields`."""
+def field_spans(payload: bytes | memoryview) -> tuple[list[tuple[str, int, int]], int]:
+    """Where each field of a :func:`pack_fields` payload lies: ``([(name, start, length)],
+    end of the table)``, offsets into ``payload``.
+
+    Raises:
+        CacheCorrupted: the container's magic number or lengths are wrong.
+    """
     view = memoryview(payload)
     if bytes(view[:4]) != _FIELDS_MAGIC:
         raise CacheCorrupted("field container has a bad magic number")
@@ -82,13 +87,21 @@ def unpack_fields(payload: bytes | memoryview) -> dict[str, bytes]:
         offset += _FIELD_ENTRY.size
         entries.append((bytes(view[offset : offset + name_len]).decode("utf-8"), value_len))
         offset += name_len
-    fields: dict[str, bytes] = {}
+    table_end = offset
+    spans: list[tuple[str, int, int]] = []
     for name, value_len in entries:
-        fields[name] = bytes(view[offset : offset + value_len])
+        spans.append((name, offset, value_len))
         offset += value_len
     if offset != len(view):
         raise CacheCorrupted("field container length does not match its entries")
-    return fields
+    return spans, table_end
+
+
+def unpack_fields(payload: bytes | memoryview) -> dict[str, bytes]:
+    """Inverse of :func:`pack_fields`."""
+    view = memoryview(payload)
+    return {name: bytes(view[start : start + length])
+            for name, start, length in field_spans(view)[0]}
 
 
 def encode_record(key: str, value: Value, *, level: int = 3, compress: bool = True) -> bytes:
