@@ -5,8 +5,10 @@
 * baselines: a bare concurrent fetch of the same objects with the same fsspec client in one
   process (HTTP, S3), and for ``file://`` a raw LMDB write of the same bytes: ``putmulti`` in
   batches of the daemon's ``batch_size``, one transaction each, with the cache's sync settings;
-* :func:`daemon_fill`: ``epochcache daemon`` filling an empty cache from the remote, timed from
-  its first sampler's start until every object is cached.
+* :func:`daemon_fill`: ``epochcache daemon`` filling an empty cache from the remote: its
+  running rate, from the moment a tenth of the objects is cached until all are (start-up,
+  listing and first connections are not ingest; the time from the first sampler's start is
+  reported too).
 """
 
 from __future__ import annotations
@@ -112,8 +114,8 @@ def daemon_fill(source: dict[str, Any], count: int, workdir: Path, *, processes:
                 timeout_s: float = 300) -> dict[str, Any]:
     """Run ``epochcache daemon`` on an empty cache until ``count`` samples are cached.
 
-    Returns the seconds from the first sampler's start to the last sample, and the samplers'
-    fetched and error counts.
+    Returns ``seconds`` (all ``count`` samples at the running rate, see the module doc),
+    ``from_start_seconds`` and the samplers' fetched and error counts.
     """
     import lmdb
     import yaml
@@ -137,15 +139,20 @@ def daemon_fill(source: dict[str, Any], count: int, workdir: Path, *, processes:
                             start_new_session=True)
     try:
         deadline = time.monotonic() + timeout_s
-        done_at = None
+        done_at = tenth_at = None
+        first = max(1, count // 10)
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 raise RuntimeError(f"daemon exited {proc.returncode}; see {log.name}")
             try:
                 with Cache(cache_dir, readonly=True) as cache:
-                    if len(cache) >= count:
-                        done_at = time.time()
-                        break
+                    cached = len(cache)
+                now = time.time()
+                if tenth_at is None and cached >= first:
+                    tenth_at, tenth = now, cached
+                if cached >= count:
+                    done_at = now
+                    break
             except (CacheError, lmdb.Error):
                 pass  # not created yet
             time.sleep(0.01)
@@ -155,8 +162,12 @@ def daemon_fill(source: dict[str, Any], count: int, workdir: Path, *, processes:
         proc.wait(60)
         with Cache(cache_dir, readonly=True) as cache:
             healths = cache.tables.states("sampler/")
+        assert tenth_at is not None
         return {
-            "seconds": done_at - min(h["started"] for h in healths.values()),
+            # the rate once running: the samples after the first tenth over their time, as
+            # seconds for all of them (start-up, listing and connecting are not ingest)
+            "seconds": (done_at - tenth_at) * count / max(1, count - tenth),
+            "from_start_seconds": done_at - min(h["started"] for h in healths.values()),
             "fetched": sum(h["fetched"] for h in healths.values()),
             "errors": sum(h["errors"] for h in healths.values()),
         }
