@@ -326,54 +326,27 @@ def _fetch_async(
     return result
 
 
-_pools = threading.local()
-
-
-def _thread_pool(workers: int) -> ThreadPoolExecutor:
-    """The calling thread's pool of ``workers`` fetch threads, kept between calls: starting
-    threads for every batch cost more than reading small objects from a local disk."""
-    pool: ThreadPoolExecutor | None = getattr(_pools, "pool", None)
-    if pool is None or _pools.workers != workers:
-        if pool is not None:
-            pool.shutdown(wait=False)
-        pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="epochcache-read")
-        _pools.pool, _pools.workers = pool, workers
-    return pool
-
-
-def _drop_thread_pool() -> None:
-    """Abandon the calling thread's pool (a read in it hung): the next call starts a new one."""
-    pool: ThreadPoolExecutor | None = getattr(_pools, "pool", None)
-    if pool is not None:
-        pool.shutdown(wait=False, cancel_futures=True)
-        _pools.pool = None
-
-
 def _fetch_threads(
     fs: fsspec.AbstractFileSystem, paths: Sequence[str], concurrency: int, timeout_s: float,
     ends: Sequence[int | None],
 ) -> list[bytes | BaseException]:
     results: list[bytes | BaseException] = []
     workers = max(1, min(concurrency, len(paths)))
-    pool = _thread_pool(max(1, concurrency))
-    futures = [pool.submit(fs.cat_file, p, **_range(e)) for p, e in zip(paths, ends)]
-    # A thread cannot be interrupted, so bound the whole call: every wave of `workers` objects
-    # gets timeout_s. An object still running at the deadline is reported as timed out, and its
-    # pool abandoned (without waiting for the hung thread) so that later calls do not queue
-    # behind it.
-    waves = -(-len(paths) // workers)
-    deadline = time.monotonic() + timeout_s * waves
-    hung = False
-    for future in futures:
-        try:
-            results.append(bytes(future.result(max(0.0, deadline - time.monotonic()))))
-        except FutureTimeout as exc:
-            hung = True
-            results.append(exc)
-        except BaseException as exc:  # noqa: BLE001 - returned per object, translated by caller
-            results.append(exc)
-    if hung:
-        _drop_thread_pool()
+    pool = ThreadPoolExecutor(max_workers=workers)
+    try:
+        futures = [pool.submit(fs.cat_file, p, **_range(e)) for p, e in zip(paths, ends)]
+        # A thread cannot be interrupted, so bound the whole call: every wave of `workers` objects
+        # gets timeout_s. An object still running at the deadline is reported as timed out.
+        waves = -(-len(paths) // workers)
+        deadline = time.monotonic() + timeout_s * waves
+        for future in futures:
+            try:
+                results.append(bytes(future.result(max(0.0, deadline - time.monotonic()))))
+            except BaseException as exc:  # noqa: BLE001 - returned per object, translated by caller
+                results.append(exc)
+    finally:
+        # Do not wait for a hung thread: its result is already reported as a timeout.
+        pool.shutdown(wait=False, cancel_futures=True)
     return results
 
 
