@@ -167,7 +167,7 @@ class Daemon:
         # At interpreter exit (or when this object is dropped) the daemon is stopped in order.
         self._finalizer = weakref.finalize(self, _terminate, popen, STOP_TIMEOUT_S)
         try:
-            popen.stdin.write(json.dumps(self.config.to_wire()).encode())
+            popen.stdin.write(json.dumps(self.config.to_transfer()).encode())
             popen.stdin.close()
             event = self._wait_ready(popen, timeout_s)
         except BaseException:

@@ -12,6 +12,7 @@ callers can catch either::
     │  └─ CorruptSample                               key; quarantined by the sampler
     ├─ CacheError
     │  ├─ CacheCorrupted                              a record or counter failed its check
+    │  ├─ CacheIOError(CacheError, OSError)           the disk failed a write (EIO); the writer stops
     │  ├─ CacheFull                                   back-pressure: wait, the cache is at capacity + headroom
     │  ├─ SampleRejected(CacheError, ValueError)      one sample can never be stored; samplers quarantine it
     │  │  └─ SampleTooLarge                           larger than the capacity
@@ -66,6 +67,14 @@ class CacheError(EpochcacheError):
 
 class CacheCorrupted(CacheError):
     """A stored record or counter failed its consistency check."""
+
+
+class CacheIOError(CacheError, OSError):
+    """The disk failed a write with an I/O error (EIO): not a full disk, a failing one.
+
+    The write was not committed (LMDB transactions), so nothing committed is lost, but a writer
+    that meets this stops: retrying against a failing disk cannot help.
+    """
 
 
 class CacheFull(CacheError):

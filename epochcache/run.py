@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import json
 import logging
 import os
@@ -26,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from .cache import Cache
+from .redact import redact_url
 from .config import EpochcacheConfig, load_config
 from .ingest.daemon import Daemon, DaemonLock
 from .errors import ConfigError, DaemonAlreadyRunning
@@ -117,6 +119,24 @@ class _TimedLoader:
         return getattr(self.loader, name)
 
 
+def check_entrypoint(spec: str) -> None:
+    """Check that the module of ``package.module:function`` exists, without importing it (a
+    trainer imports torch, which takes seconds: a bad source must fail before that).
+
+    Raises:
+        ConfigError: the module cannot be found (the message names ``train.entrypoint``).
+    """
+    module_name = spec.partition(":")[0]
+    try:
+        found = importlib.util.find_spec(module_name) is not None
+    except (ImportError, ValueError) as exc:  # a parent package fails to import
+        raise ConfigError(f"train.entrypoint: cannot import {module_name!r} ({exc}); check the "
+                          "module path") from exc
+    if not found:
+        raise ConfigError(f"train.entrypoint: cannot import {module_name!r} (No module named "
+                          f"{module_name!r}); check the module path")
+
+
 def resolve_entrypoint(spec: str) -> TrainFn:
     """Import ``package.module:function``; raise ConfigError naming ``train.entrypoint``."""
     module_name, _, attr = spec.partition(":")
@@ -141,15 +161,16 @@ def ensure_demo_data(config: EpochcacheConfig) -> None:
         samples = source.demo_samples
         if samples is None:
             continue
-        url = source.url
-        with translate_errors(url):  # unreachable: SourceUnavailable (exit 2), not a traceback
-            fs, root = open_fs(url, source.storage_options, timeout_s=source.timeout_s,
+        shown = redact_url(source.url)
+        with translate_errors(shown):  # unreachable: SourceUnavailable (exit 2), not a traceback
+            fs, root = open_fs(source.url, source.storage_options, timeout_s=source.timeout_s,
                                connect_timeout_s=source.connect_timeout_s)
             if fs.exists(root) and fs.ls(root):
                 continue
-        log.info("writing the demo dataset (%d samples) to %s", samples, url)
+        log.info("writing the demo dataset (%d samples) to %s", samples, shown)
         layout = "tar" if source.layout == "tar" else "files"
-        write_demo_data(url, samples, layout, source.storage_options)  # type: ignore[arg-type]
+        write_demo_data(source.url, samples, layout, source.storage_options,  # type: ignore[arg-type]
+                        kind=source.demo_kind)
 
 
 def _loader_kwargs(config: EpochcacheConfig) -> dict[str, Any]:
@@ -159,6 +180,9 @@ def _loader_kwargs(config: EpochcacheConfig) -> dict[str, Any]:
         "num_workers": loader.num_workers,
         "decode": loader.decode,
         "allow_pickle": loader.allow_pickle,
+        "max_sample_bytes": loader.max_sample_bytes,
+        "fields": loader.fields,
+        "image": loader.image,
         "pin_memory": loader.pin_memory,
         "stall_s": loader.stall_s,
         "timeout": loader.timeout,
@@ -190,7 +214,8 @@ class Run:
         self.resume = resume
         self.is_main = is_main  # global rank 0: the one that writes the run directory
         self.run_dir = Path(config.train.run_dir)
-        self.train_fn = resolve_entrypoint(config.train.entrypoint)
+        check_entrypoint(config.train.entrypoint)
+        self._train_fn: TrainFn | None = None  # imported once the source is known to be there
         self.daemon: Daemon | None = None
         self._daemon_thread: threading.Thread | None = None
         self.metrics: list[dict[str, Any]] = []
@@ -208,6 +233,13 @@ class Run:
         progress = self.progress
         self.metrics_server = MetricsServer(lambda: train_metrics(progress), train.metrics_host,
                                             port, "train.metrics_port")
+
+    @property
+    def train_fn(self) -> TrainFn:
+        """The trainer (imported on first use: it imports torch)."""
+        if self._train_fn is None:
+            self._train_fn = resolve_entrypoint(self.config.train.entrypoint)
+        return self._train_fn
 
     def start_daemon(self) -> None:
         """Start the samplers unless a daemon already fills this cache (then attach to it)."""
@@ -352,8 +384,10 @@ def run_training(config: EpochcacheConfig, *, resume: bool = False) -> int:
         if world.rank == 0:
             ensure_demo_data(config)
         if world.local_rank == 0:
-            # Lists the source first: an unreachable one exits 2 before the run dir is written.
+            # Lists the source first: an unreachable one exits 2 before the run dir is written
+            # (and before torch is imported, which takes seconds).
             run.start_daemon()
+        run.train_fn  # noqa: B018 - import the trainer now: a missing function is a bad config
         from .data.distributed import barrier, init_run_distributed  # torch: after the checks
 
         created_group = init_run_distributed(world)

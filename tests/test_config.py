@@ -308,10 +308,22 @@ def test_sources_errors_name_the_field(change: dict, fragment: str) -> None:
 
 
 def test_config_travels_to_another_process_with_its_secrets_masked() -> None:
-    from epochcache.config import config_from_wire
+    from epochcache.config import EpochcacheConfig
 
     config = parse_config(SOURCES)
-    clone = config_from_wire(config.to_wire())
+    clone = EpochcacheConfig.from_transfer(config.to_transfer())
     assert clone == config
     assert clone.sources is not None and clone.sources[0].storage_options["secret"] == "s3cr3t-web"
     assert "s3cr3t-web" not in repr(clone) and "s3cr3t-web" not in repr(clone.sources[0])
+
+
+def test_loader_fields_and_image() -> None:
+    config = parse_config({**MINIMAL, "loader": {"fields": ["jpg;png", "cls"], "image": "torch"}})
+    assert config.loader.fields == ["jpg;png", "cls"] and config.loader.image == "torch"
+    assert parse_config({**MINIMAL, "loader": {"fields": "jpg;png cls"}}).loader.fields == [
+        "jpg;png", "cls"]
+    assert parse_config(MINIMAL).loader.fields is None
+    for loader, field in (({"image": "tensor"}, "loader.image"), ({"fields": []}, "loader.fields"),
+                          ({"fields": ["jpg", ";"]}, "loader.fields")):
+        with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+            parse_config({**MINIMAL, "loader": loader})

@@ -29,6 +29,7 @@ from typing import Any
 
 from ..config import EpochcacheConfig
 from ..errors import DaemonAlreadyRunning
+from ..redact import redact_url
 from ..store import SampleStore
 from ..store.env import make_private_dir
 from ..store.leases import process_start_ticks
@@ -264,7 +265,7 @@ class Daemon:
         return status
 
     def _start(self, slot: _Slot) -> None:
-        data = self.config.model_dump(mode="python")
+        data = self.config.to_transfer()  # keeps what the samplers must mask
         names = self.sources.names if self.config.sources is not None else None
         slot.process = self._ctx.Process(
             target=run_sampler,
@@ -322,10 +323,10 @@ class Daemon:
                 "started": started,
                 "heartbeat": time.time(),
                 "stopped": stopped,
-                "source": self.config.first_source.url,
+                "source": redact_url(self.config.first_source.url),
                 "metrics": self.metrics.url if self.metrics is not None else None,
                 "sources": {
-                    entry.name: {"url": entry.config.url, "weight": entry.weight,
+                    entry.name: {"url": redact_url(entry.config.url), "weight": entry.weight,
                                  "active": entry.name in active}
                     for entry in self.config.source_entries() if entry.name
                 },

@@ -1,6 +1,6 @@
 """The daemon process that :class:`epochcache.Daemon` starts: ``python -m epochcache.ingest.daemon_main``.
 
-It reads its config from stdin (JSON, :meth:`EpochcacheConfig.to_wire`: credentials never touch
+It reads its config from stdin (JSON, :meth:`EpochcacheConfig.to_transfer`: credentials never touch
 a file or the command line), then runs :func:`~epochcache.ingest.daemon.run_daemon` as
 ``epochcache daemon`` does. One JSON line on stdout tells the parent how the start went::
 
@@ -36,7 +36,7 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, stream=sys.stderr)
     for noisy in ("botocore", "aiobotocore", "s3fs", "fsspec", "urllib3", "asyncio"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    from ..config import config_from_wire
+    from ..config import EpochcacheConfig
     from .daemon import run_daemon
 
     started = False
@@ -47,7 +47,7 @@ def main() -> int:
         _say({"event": "ready", "pid": os.getpid()})
 
     try:
-        config = config_from_wire(json.loads(sys.stdin.read()))
+        config = EpochcacheConfig.from_transfer(json.loads(sys.stdin.read()))
         return run_daemon(config, parent_pid=parent_pid, ready=ready)
     except EpochcacheError as exc:
         if started:

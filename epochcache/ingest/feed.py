@@ -138,10 +138,12 @@ class Feed:
         """The key a sample of this source is cached under."""
         return self.prefix + key
 
-    def is_cached(self, cache: SampleStore, ref: SampleRef) -> bool:
+    def cached(self, cache: SampleStore, refs: list[SampleRef]) -> list[bool]:
+        """Whether each ref is cached (a shard: whether any of its samples is); the samples
+        of a batch in one read transaction."""
         if self.source.unit == "sample":
-            return self.cache_key(ref.key) in cache
-        return cache.has_key_prefix(self.cache_key(ref.key.rstrip("/") + "/"))
+            return cache.contains_many([self.cache_key(ref.key) for ref in refs])
+        return [cache.has_key_prefix(self.cache_key(ref.key.rstrip("/") + "/")) for ref in refs]
 
     # -- choosing keys ----------------------------------------------------------------------
 
@@ -155,11 +157,10 @@ class Feed:
                      if i not in self.gone]
             self.fruitless += self.per_batch
             unique = {ref.key: ref for ref in taken}  # a small dataset can wrap within one batch
-            self.carry.extend(
-                ref for ref in unique.values()
-                if not skip(self.cache_key(ref.key))
-                and not self.is_cached(cache, ref)  # the whole dataset may fit
-            )
+            wanted = [ref for ref in unique.values() if not skip(self.cache_key(ref.key))]
+            # the whole dataset may fit: skip what is cached
+            self.carry.extend(ref for ref, cached in zip(wanted, self.cached(cache, wanted))
+                              if not cached)
         batch: list[SampleRef] = []
         total = 0
         while self.carry:

@@ -6,6 +6,8 @@ numbers); this module is the one place that reads the validated config's section
 
 from __future__ import annotations
 
+import dataclasses
+
 from ..config import EpochcacheConfig, SourceConfig
 from .sources import Source, SourceSpec, open_source
 
@@ -28,6 +30,12 @@ def source_spec(config: SourceConfig) -> SourceSpec:
     )
 
 
+def max_sample_bytes(config: EpochcacheConfig) -> int:
+    """The largest sample samplers accept: ``loader.max_sample_bytes``, or the cache capacity
+    when smaller (a larger sample could never be cached)."""
+    return min(config.loader.max_sample_bytes, config.cache.capacity_bytes)
+
+
 def open_configured_source(config: EpochcacheConfig,
                            section: SourceConfig | None = None) -> Source:
     """A source of a whole config (``section``, default the first), as one sampler process
@@ -36,8 +44,9 @@ def open_configured_source(config: EpochcacheConfig,
     limiter among its sources: see ``Sampler``)."""
     sampler = config.sampler
     limit = sampler.bandwidth_limit / sampler.processes if sampler.bandwidth_limit else None
+    spec = source_spec(section if section is not None else config.first_source)
     return open_source(
-        source_spec(section if section is not None else config.first_source),
+        dataclasses.replace(spec, max_sample_bytes=max_sample_bytes(config)),
         concurrency=sampler.concurrency,
         checks=None if sampler.check else (),
         bandwidth_limit=limit,

@@ -31,9 +31,11 @@ from typing import Any
 
 from ..config import EpochcacheConfig
 from ..errors import CorruptSample, PermanentRemoteError, SampleRejected, SourceError
+from ..redact import install_log_redaction
 from ..store import SampleStore
 from .committer import Batch, Committer, state_name
 from .feed import IDLE_WAIT_S, Feed, error_kind, next_feed
+from .heap import reuse_freed_buffers
 from .inflight import ByteBudget
 from .lifeline import Lifeline, kill_with_parent
 from .sources import SampleRef
@@ -415,7 +417,7 @@ def run_sampler(config_data: dict[str, Any], index: int, stop: Any,
     flight: the daemon restarts it. Committed samples are durable either way.
 
     Args:
-        config_data: the validated config, as ``EpochcacheConfig.model_dump()``.
+        config_data: the validated config, as ``EpochcacheConfig.to_transfer()``.
         index: this sampler's index among ``sampler.processes``.
         stop: the daemon's :class:`StopFlag`; set, the sampler stops after committing what it
             has fetched.
@@ -429,8 +431,10 @@ def run_sampler(config_data: dict[str, Any], index: int, stop: Any,
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the daemon, which stops us in order
     # SIGTERM to the whole process group (systemd, timeout): stop after the batch in flight.
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    config = EpochcacheConfig.model_validate(config_data)
+    reuse_freed_buffers()
+    config = EpochcacheConfig.from_transfer(config_data)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s sampler {index}: %(message)s")
+    install_log_redaction(secrets=set(config.secrets))  # URLs in any library's log lines
     sampler = Sampler(config, index, stop, parent_pid, sources)
     try:
         sampler.run()

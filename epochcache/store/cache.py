@@ -165,8 +165,18 @@ class SampleStore:
 
     @property
     def effective_capacity(self) -> int:
-        """Capacity in force: the configured one, lowered after a full disk."""
-        return self.capacity.effective
+        """Capacity in force: the configured one, unless this process or another live writer
+        runs lowered while the disk (or the LMDB map) is full; see :meth:`capacity_lowered`."""
+        lowered = self.capacity.lowered()
+        own = self.capacity.effective
+        return own if lowered is None else min(own, int(lowered["limit"]))
+
+    def capacity_lowered(self) -> dict[str, Any] | None:
+        """The lowest capacity in force in a live process, when lower than the configured one:
+        ``limit``, ``capacity``, ``reason``, ``since``, ``pid``; None otherwise. A lowered
+        capacity is a runtime back-off that recovers by itself and is never stored
+        (:mod:`epochcache.store.backoff`)."""
+        return self.capacity.lowered()
 
     @property
     def effective_headroom(self) -> int:
@@ -236,6 +246,14 @@ class SampleStore:
             return False
         with self.store.read() as txn:
             return txn.get(index_key(key.encode("utf-8")), db=self.dbs[DB_KEYS]) is not None
+
+    def contains_many(self, keys: Sequence[str]) -> list[bool]:
+        """``key in cache`` for each key, in one read transaction (samplers check every batch
+        they pick)."""
+        db = self.dbs[DB_KEYS]
+        with self.store.read() as txn:
+            get = txn.get
+            return [get(index_key(key.encode("utf-8")), db=db) is not None for key in keys]
 
     def has_key_prefix(self, prefix: str) -> bool:
         """Whether any cached source key starts with ``prefix`` (a tar shard's samples).
@@ -384,6 +402,7 @@ class SampleStore:
         return self.store.file_bytes()
 
     def close(self) -> None:
+        self.capacity.close()
         self.store.close()
 
     def __enter__(self) -> SampleStore:

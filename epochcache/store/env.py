@@ -21,6 +21,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -28,7 +29,7 @@ from typing import TypeVar
 
 import lmdb
 
-from ..errors import CacheError
+from ..errors import CacheError, CacheIOError
 from .schema import ALL_DBS
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,8 @@ MIN_MAP_SIZE = 64 * 1024 * 1024
 #: readers still see freed pages, and large values round up to whole pages.
 MAP_SLACK = 1.0
 MAX_READERS = 1024
+#: An EIO from a write with less free space than this is the short write of a full disk.
+NEARLY_FULL_BYTES = 16 * 1024 * 1024
 
 #: Held shared by every process with a writable handle on the cache (see :meth:`Store.alone`).
 HOLDERS_FILE = "holders.lock"
@@ -101,6 +104,18 @@ def begin_read(env: lmdb.Environment) -> lmdb.Transaction:
 def map_bound(limit_bytes: int) -> int:
     """The largest LMDB map (and so the largest data file) for a cache of ``limit_bytes``."""
     return max(MIN_MAP_SIZE, int(limit_bytes * (1 + MAP_SLACK)) + MIN_MAP_SIZE)
+
+
+def _is_io_error(exc: lmdb.Error) -> bool:
+    return "Input/output error" in str(exc)
+
+
+def _free_text(path: str) -> str:
+    try:
+        free = shutil.disk_usage(path).free
+    except OSError as exc:
+        return f"free space unknown: {exc.strerror or exc}"
+    return f"{free / 1024**2:.0f} MiB free on the disk"
 
 
 def _open_lock_file(path: str) -> int:
@@ -368,7 +383,11 @@ class Store:
 
         ``fn`` may run more than once (after a map growth), so it must not have side effects
         outside the transaction. ``lmdb.MapFullError`` escapes once the map is at its bound,
-        and ``lmdb.DiskError`` when the disk is full: callers lower the capacity.
+        and ``lmdb.DiskError`` (or the EIO of a short write) when the disk is full: callers
+        lower the capacity.
+
+        Raises:
+            CacheIOError: the disk failed the write with EIO while it has room: a failing disk.
         """
         if self.readonly:
             raise CacheError(f"{self.path}: opened read-only")
@@ -382,6 +401,23 @@ class Store:
             except lmdb.MapFullError:
                 if not self._grow_map():
                     raise
+            except lmdb.Error as exc:
+                if _is_io_error(exc) and not self._disk_nearly_full():
+                    raise CacheIOError(
+                        f"{self.path}: the disk failed a write with an I/O error ({exc}; "
+                        f"{_free_text(self.path)}): this is not a full disk but a failing one, so "
+                        "the writer stops. Nothing committed was lost (the transaction was not "
+                        "committed); check the disk and filesystem (dmesg, SMART), then restart"
+                    ) from exc
+                raise
+
+    def _disk_nearly_full(self) -> bool:
+        # LMDB reports a short write (a full disk) as EIO too: tell the two apart by the room.
+        try:
+            free = shutil.disk_usage(self.path).free
+        except OSError:
+            return False
+        return free < NEARLY_FULL_BYTES
 
     def file_bytes(self) -> int:
         """Size of the data file on disk (allocated blocks, since LMDB files can be sparse)."""

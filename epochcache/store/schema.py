@@ -46,6 +46,8 @@ C_EVICTED_BYTES = b"evicted_bytes"
 C_INSERTED = b"inserted"
 C_QUARANTINED = b"quarantined"
 C_FORMAT = b"format_version"
+#: A lowered capacity stored by earlier versions; now a runtime back-off, so this key is ignored
+#: and deleted when a cache is opened for writing (:mod:`epochcache.store.backoff`).
 C_EFFECTIVE_CAPACITY = b"effective_capacity"
 COUNTERS = (C_SAMPLES, C_BYTES, C_NEXT_SEQ, C_EVICTED, C_EVICTED_BYTES, C_INSERTED, C_QUARANTINED)
 

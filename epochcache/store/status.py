@@ -6,8 +6,9 @@ import socket
 import time
 from typing import TYPE_CHECKING, Any
 
-from .leases import pid_alive
+from ..redact import redact_tree
 from ..units import format_size
+from .leases import pid_alive
 
 if TYPE_CHECKING:
     from rich.console import RenderableType
@@ -60,17 +61,28 @@ def recent_epochs(cache: SampleStore, count: int = 5) -> list[dict[str, Any]]:
 
 
 def collect_stats(cache: SampleStore) -> dict[str, Any]:
+    """Everything ``status`` shows, with URL credentials masked (state documents written by
+    older versions may hold them)."""
+    return redact_tree(_collect(cache))  # type: ignore[no-any-return]
+
+
+def _collect(cache: SampleStore) -> dict[str, Any]:
     counters = cache.counters()
     now = time.time()
     leases = cache.leases()
     history = cache.history(limit=200)
-    capacity = cache.effective_capacity
+    lowered = cache.capacity_lowered()
+    capacity = cache.capacity.effective if lowered is None else min(
+        cache.capacity.effective, int(lowered["limit"]))
     return {
         "path": cache.path,
         "samples": counters.samples,
         "bytes": counters.bytes,
         "capacity": cache.capacity_bytes,
         "effective_capacity": capacity,
+        "capacity_lowered": None if lowered is None else {
+            name: lowered.get(name) for name in ("limit", "reason", "since", "pid")
+        },
         "headroom": cache.headroom_bytes,
         "fill": round(counters.bytes / capacity, 4) if capacity else 0.0,
         "inserted": counters.inserted,
@@ -102,14 +114,18 @@ def collect_stats(cache: SampleStore) -> dict[str, Any]:
 def render(stats: dict[str, Any]) -> RenderableType:
     """A human table of :func:`collect_stats` output."""
     from rich.console import Group
+    from rich.markup import escape
     from rich.table import Table
 
     table = Table(title=f"epochcache  {stats['path']}", show_header=False, title_justify="left")
     table.add_column(style="bold")
     table.add_column()
     fill = f"{format_size(stats['bytes'])} / {format_size(stats['effective_capacity'])} ({stats['fill']:.0%})"
-    if stats["effective_capacity"] < stats["capacity"]:
-        fill += f"  [yellow]lowered from {format_size(stats['capacity'])} (disk full)[/]"
+    lowered = stats.get("capacity_lowered")
+    if lowered:
+        since = time.strftime("%H:%M:%S", time.localtime(lowered["since"]))
+        fill += (f"  [yellow]lowered from {format_size(stats['capacity'])} since {since} by pid "
+                 f"{lowered['pid']}: {escape(str(lowered['reason']))}[/]")
     table.add_row("samples", f"{stats['samples']:,}")
     table.add_row("stored", fill)
     table.add_row("headroom", format_size(stats["headroom"]))
