@@ -10,11 +10,20 @@ node with a smaller cache never leaves the others waiting in a collective.
 while the training loop runs DDP's on the default group, and collectives on one group must be
 issued in the same order by every rank. One group serves the background thread, another the
 epoch-end barrier on the training thread.
+
+No collective may wait for a rank that will never come (a rank that failed in its training loop
+while another waits in a gradient all_reduce would otherwise hold both until the collective
+timeout, 30 minutes by default). So the background collectives start only once every rank's
+planner has arrived, which :meth:`NodeSync.rendezvous` finds out through the job's store (a
+non-blocking check, polled, that gives up as soon as its caller is closing), and epochs() issues
+no collective at all on its error path.
 """
 
 from __future__ import annotations
 
 import logging
+import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -49,7 +58,11 @@ class NodeSync:
         self.prep_group = dist.new_group(backend="gloo")
         self.main_group = dist.new_group(backend="gloo")
         places: list[Any] = [None] * world.world_size
-        dist.all_gather_object(places, (world.node_rank, world.local_rank), group=self.prep_group)
+        dist.all_gather_object(places, (world.node_rank, world.local_rank, uuid.uuid4().hex),
+                               group=self.prep_group)
+        # Keys of this NodeSync in the job's store, named by rank 0's token (every rank sees it).
+        self.store: Any = dist.PrefixStore(f"epochcache/{places[0][2]}/",
+                                           dist.distributed_c10d._get_default_store())
         self.node_group: Any = None
         self.leader = world.rank
         # new_group is itself collective: every rank creates every node's group, in one order.
@@ -65,6 +78,31 @@ class NodeSync:
                 self.leader = leaders[0]
         log.debug("NodeSync: rank %d on node %d, leader %d", world.rank, world.node_rank,
                   self.leader)
+
+    def rendezvous(self, epoch: int, cancelled: Callable[[], bool],
+                   poll_s: tuple[float, float] = (0.001, 0.05)) -> bool:
+        """Wait until every rank's planner of ``epoch`` is here; False if ``cancelled()`` first.
+
+        The collectives that follow then complete: every rank is about to issue them. A
+        rank that fails is not waited for: its peers' training loops see the failure (their
+        gradient collectives break when its process ends) and close, which cancels this wait.
+        """
+        store, key, done = self.store, f"{epoch}/arrived", f"{epoch}/all"
+        if int(store.add(key, 1)) == self.world.world_size:
+            store.set(done, b"1")
+            for old in (f"{epoch - 1}/arrived", f"{epoch - 1}/all"):
+                try:  # every rank is past epoch - 1's rendezvous
+                    store.delete_key(old)
+                except (RuntimeError, NotImplementedError):
+                    pass
+            return True
+        delay = poll_s[0]
+        while not store.check([done]):
+            if cancelled():
+                return False
+            time.sleep(delay)
+            delay = min(poll_s[1], delay * 2)
+        return True
 
     def share_seqs(self, take: Callable[[], np.ndarray] | None) -> np.ndarray:
         """Local rank 0 calls ``take()`` (a snapshot); every rank of the node gets its seqs."""
@@ -94,7 +132,10 @@ class NodeSync:
         return int(value.item())
 
     def epoch_end(self) -> None:
-        """Barrier on the training thread: nobody still reads when the leader releases."""
+        """Barrier on the training thread: nobody still reads when the leader releases.
+
+        Only at an epoch's normal end: never while epochs() is being closed by an error.
+        """
         torch.distributed.barrier(group=self.main_group)
 
     def close(self) -> None:

@@ -203,6 +203,8 @@ class _Epochs:
             snapshot = self.cache.snapshot(epoch=epoch, label=f"epochs() epoch {epoch}")
             return snapshot.seqs
 
+        if self.sync is not None and not self.sync.rendezvous(epoch, self.abort.is_set):
+            raise _Cancelled
         seqs = self.sync.share_seqs(take if self.world.local_rank == 0 else None) \
             if self.sync is not None else take()
         dataset = EpochDataset(self.reader, seqs, epoch, snapshot)
@@ -294,6 +296,7 @@ class _Epochs:
         end = start + num_epochs
         self.next = self.prepare(start) if num_epochs > 0 else None
         previous: EpochDataset | None = None
+        closing = False
         try:
             for epoch in range(start, end):
                 current, self.next, self.want_next = self.next, None, False
@@ -328,11 +331,20 @@ class _Epochs:
                     loader._start_next()
                 try:
                     yield epoch, loader
+                except BaseException:
+                    # Closed by an error in the training loop (or close()): the other ranks
+                    # may be waiting in a collective this rank will never join, so nothing
+                    # here may wait for them -- no barrier, no next epoch; the lease is
+                    # released locally and the planner, if it waits for the others, gives up.
+                    closing = True
+                    self.abort.set()
+                    raise
                 finally:
-                    loader.finish()
+                    if not closing:
+                        loader.finish()
                     if not self.persistent and hasattr(iterator, "_shutdown_workers"):
                         iterator._shutdown_workers()
-                    if self.sync is not None:
+                    if self.sync is not None and not closing:
                         self.sync.epoch_end()
                     previous = plan.dataset
         finally:

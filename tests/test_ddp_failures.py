@@ -1,0 +1,124 @@
+"""DDP failure modes: a rank that fails never leaves the others hanging, and ranks never train
+silently on different things.
+
+Every test runs real ranks (spawned processes, gloo, one machine). The collective timeout is
+set to 900 s, so a test that ends within a minute shows that nothing waited for it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from common.writer import fill
+from conftest import free_port
+
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=900)
+
+
+def _join_env(rank: int, world_size: int, port: int, local_world_size: int | None = None,
+              node: int | None = None) -> None:
+    local = world_size if local_world_size is None else local_world_size
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size),
+                       "LOCAL_RANK": str(rank % local), "LOCAL_WORLD_SIZE": str(local),
+                       "GROUP_RANK": str(rank // local if node is None else node),
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+
+
+def _start_ranks(target: Any, world_size: int, *args: Any) -> list[Any]:
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=target, args=(rank, *args)) for rank in range(world_size)]
+    for p in procs:
+        p.start()
+    return procs
+
+
+def _wait_all(procs: list[Any], timeout_s: float) -> float:
+    """Join every process within ``timeout_s`` (kill the rest); return the seconds taken."""
+    started = time.monotonic()
+    for p in procs:
+        p.join(max(0.1, timeout_s - (time.monotonic() - started)))
+    took = time.monotonic() - started
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.kill()
+        p.join(5)
+    assert not alive, f"ranks {[procs.index(p) for p in alive]} still running after {took:.0f} s"
+    return took
+
+
+# -- 1. an exception on one rank ends the job, it does not hang it ----------------------------
+
+def _raise_at_batch_2(rank: int, port: int, path: str, out: str, num_workers: int) -> None:
+    _join_env(rank, 2, port)
+    from epochcache import Cache
+
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=COLLECTIVE_TIMEOUT)
+    cache = Cache(path, sync=False)
+    try:
+        for _epoch, loader in cache.epochs(3, batch_size=4, num_workers=num_workers):
+            for i, _batch in enumerate(loader):
+                if rank == 0 and i == 2:
+                    raise RuntimeError("rank 0 fails in its training step")
+                dist.all_reduce(torch.ones(1))  # a gradient all_reduce, as DDP does
+    except BaseException as exc:
+        Path(out, f"rank{rank}.err").write_text(f"{type(exc).__name__}: {exc}")
+        raise
+
+
+def _check_failure_ends_job(tmp_path: Path, num_workers: int) -> None:
+    path = str(tmp_path / "cache")
+    fill(path, 0, 400)  # 50 batches per rank and epoch: rank 0 fails early in epoch 0
+    procs = _start_ranks(_raise_at_batch_2, 2, free_port(), path, str(tmp_path), num_workers)
+    took = _wait_all(procs, 60)
+    assert procs[0].exitcode != 0 and procs[1].exitcode != 0, [p.exitcode for p in procs]
+    assert "rank 0 fails" in (tmp_path / "rank0.err").read_text()
+    assert took < 60
+
+
+def test_exception_on_one_rank_ends_the_job_in_process(tmp_path: Path) -> None:
+    _check_failure_ends_job(tmp_path, num_workers=0)
+
+
+def test_exception_on_one_rank_ends_the_job_with_workers(tmp_path: Path) -> None:
+    _check_failure_ends_job(tmp_path, num_workers=1)
+
+
+def _raise_with_planner_waiting(rank: int, port: int, path: str, out: str) -> None:
+    _join_env(rank, 2, port)
+    from epochcache import Cache
+
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=COLLECTIVE_TIMEOUT)
+    cache = Cache(path, sync=False)
+    try:
+        for _epoch, loader in cache.epochs(3, batch_size=4, num_workers=0):
+            n = len(loader)
+            for i, _batch in enumerate(loader):
+                if rank == 1:
+                    # Rank 1 waits in a collective (gradient accumulation: one sync per epoch,
+                    # at its end) that rank 0 never reaches; its own planner never starts.
+                    dist.all_reduce(torch.ones(1))
+                elif i == n - 2:
+                    # Rank 0 is near its epoch's end: its planner waits for rank 1's.
+                    time.sleep(1.0)
+                    raise RuntimeError("rank 0 fails before its gradient sync")
+    except BaseException as exc:
+        Path(out, f"rank{rank}.err").write_text(f"{type(exc).__name__}: {exc}")
+        raise
+
+
+def test_exception_while_the_next_epoch_is_being_agreed_ends_the_job(tmp_path: Path) -> None:
+    path = str(tmp_path / "cache")
+    fill(path, 0, 400)
+    procs = _start_ranks(_raise_with_planner_waiting, 2, free_port(), path, str(tmp_path))
+    took = _wait_all(procs, 60)
+    assert procs[0].exitcode != 0 and procs[1].exitcode != 0, [p.exitcode for p in procs]
+    assert "rank 0 fails" in (tmp_path / "rank0.err").read_text()
+    assert took < 60
