@@ -191,3 +191,37 @@ def test_min_samples_beyond_capacity_fails_instead_of_waiting_forever(tmp_path: 
         stop.set()
         thread.join()
         cache.close()
+
+
+def _draws(_x: np.ndarray) -> tuple[int, int, int]:
+    import random
+
+    return (int(np.random.randint(2**62)), random.getrandbits(62),
+            int(torch.randint(2**62, (1,))))
+
+
+def _rank_draws(cache: Cache, monkeypatch: pytest.MonkeyPatch, rank: int) -> list[tuple[int, ...]]:
+    # Where a rank sits is read from torchrun's variables (no process group is needed to
+    # seed the workers): two ranks of one node, each reading its half of the snapshot.
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setenv("LOCAL_RANK", str(rank))
+    for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.setenv(name, "2")
+    monkeypatch.setenv("GROUP_RANK", "0")
+    draws = []
+    for _epoch, loader in cache.epochs(2, batch_size=4, num_workers=2, transform=_draws,
+                                       collate_fn=list, seed=7, timeout=60):
+        draws += [d for batch in loader for d in batch]
+    return draws
+
+
+def test_worker_seeds_differ_across_ranks_and_repeat_for_a_rank(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fill(str(tmp_path / "c"), 0, 32)
+    cache = Cache(tmp_path / "c", sync=False)
+    rank0, rank1 = (_rank_draws(cache, monkeypatch, r) for r in (0, 1))
+    assert len(rank0) == len(rank1) == 32  # 16 samples per rank and epoch
+    for name, i in (("numpy", 0), ("random", 1), ("torch", 2)):
+        # Identical draws on every rank would give every rank the same augmentations.
+        assert not {d[i] for d in rank0} & {d[i] for d in rank1}, name
+    assert _rank_draws(cache, monkeypatch, 0) == rank0  # same seed and rank: same draws

@@ -75,11 +75,22 @@ class _Cancelled(Exception):
     pass
 
 
+def loader_seed(seed: int, epoch: int, rank: int) -> int:
+    """The seed of an epoch's DataLoader generator on global rank ``rank``.
+
+    DataLoader seeds worker ``w`` with ``base + w``, ``base`` drawn from this generator, so the
+    workers' seeds depend on (seed, epoch, rank, worker id): the same on a rerun, different on
+    every rank (identical augmentations on every rank would shrink the effective batch).
+    """
+    state = np.random.SeedSequence([seed, epoch, rank]).generate_state(2, np.uint32)
+    return int(state[0]) << 31 | int(state[1]) >> 1  # 63 bits: manual_seed takes it as is
+
+
 def _seed_worker(user_init: Callable[[int], None] | None, worker_id: int) -> None:
-    # torch seeds each worker from the loader's generator; numpy and random follow it, so a
-    # transform's randomness is reproducible from epochs(seed=...).
-    seed = torch.initial_seed() % 2**32
-    np.random.seed(seed)
+    # torch seeds each worker from the loader's generator (see loader_seed); numpy and random
+    # follow it, so a transform's randomness is reproducible from epochs(seed=...).
+    seed = torch.initial_seed()
+    np.random.seed(np.random.SeedSequence(seed).generate_state(4))
     random.seed(seed)
     if user_init is not None:
         user_init(worker_id)
@@ -175,7 +186,7 @@ class _Epochs:
         if self.persistent and slot < len(self.slots):
             return self.slots[slot]  # alternate two loaders: one finishes while one prefetches
         sampler = PlanSampler()
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        generator = torch.Generator().manual_seed(loader_seed(self.seed, epoch, self.world.rank))
         kwargs = dict(self.loader_kwargs)
         if self.num_workers > 0:
             kwargs["worker_init_fn"] = functools.partial(_seed_worker, self.worker_init_fn)
@@ -400,7 +411,10 @@ def epochs(
         num_epochs: how many epochs to yield.
         samples_per_epoch: samples per epoch per node; None means the whole snapshot.
         min_samples: wait (with a progress bar) until the cache holds this many samples.
-        seed: seeds the per-epoch shuffle and the workers (same seed and snapshot, same order).
+        seed: seeds the per-epoch shuffle (same seed and snapshot, same order) and the
+            workers' torch, numpy and ``random`` state, from (seed, epoch, global rank, worker
+            id): reproducible, and different on every rank. Without workers a transform draws
+            from the training process's own random state.
         stall_s: report batches slower than this with stacks and the sample key; None disables.
         batch_size: samples per batch.
         num_workers: DataLoader workers. Defaults to 0 without a transform (reading in the
