@@ -11,7 +11,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from .errors import ConfigError
-from .redact import REDACTED, scrub
+from .redact import REDACTED, scrub, scrub_urls
 
 _VAR = re.compile(r"\$\$\{|\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 _SECRET_VAR = re.compile(r"KEY|SECRET|TOKEN|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
@@ -150,4 +150,4 @@ def describe_errors(
             problems.append(f"{path}: {message}, got {shown}")
     count = len(problems)
     head = f"{origin}: invalid config ({count} problem{'s' if count != 1 else ''}): "
-    return scrub(head + "; ".join(problems) + ".", secrets)
+    return scrub(scrub_urls(head + "; ".join(problems) + "."), secrets)

@@ -2,6 +2,11 @@
 
 Exit status: 0 success, 1 a failure at run time, 2 bad usage, bad config, or a source that is
 unreachable at start (nothing was started). argparse already exits 2 on bad usage.
+
+Logging goes to stderr, at INFO by default; ``-v`` is DEBUG for epochcache (``-vv`` for the
+libraries too), ``-q`` WARNING, before or after the subcommand. stdout carries only what a
+command prints (``status --json`` pipes into ``jq``). Log lines and error messages have the
+credentials inside URLs masked (:mod:`epochcache.redact`).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .errors import CacheError, ConfigError, EpochcacheError, SourceUnavailable
+from .redact import install_log_redaction, scrub_urls
 
 log = logging.getLogger("epochcache")
 
@@ -28,6 +34,12 @@ _EXTENSIONS: list[tuple[str, str]] = [
     ("epochcache.run", "add_config_parser"),
     ("epochcache.plot", "add_plot_parser"),
 ]
+
+
+def _version() -> str:
+    from . import __version__
+
+    return __version__
 
 
 def _open_cache_readonly(path: str) -> Any:
@@ -79,18 +91,25 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     report = verify_cache(args.cache_dir, repair=args.repair)
     if args.json:
         print(json.dumps(report.as_dict(), indent=2))
+        return EXIT_OK if report.ok else EXIT_FAILURE
+    print(f"{report.path}: checked {report.checked:,} samples ({report.checked_bytes:,} bytes) in "
+          f"{report.transactions:,} read transactions")
+    for item in report.corrupt[:50]:
+        print(f"  corrupt sample {item['seq']} ({item['key']!r}): {item['error']}")
+    for name, (stored, actual) in report.counter_mismatches.items():
+        print(f"  counter {name}: stored {stored}, records say {actual}")
+    for problem in report.index_problems[:50]:
+        print(f"  index: {problem}")
+    done = [f"{count} {what.replace('_', ' ')}" for what, count in report.repairs.items() if count]
+    if done:
+        print(f"  repaired: {', '.join(done)}")
+    if report.ok:
+        print("consistent after the repair" if report.found_problems else "clean")
+    elif args.repair:
+        print("PROBLEMS REMAIN after the repair")
     else:
-        print(f"{report.path}: checked {report.checked:,} samples ({report.checked_bytes:,} bytes)")
-        for item in report.corrupt[:50]:
-            print(f"  corrupt sample {item['seq']}: {item['error']}")
-        for name, (stored, actual) in report.counter_mismatches.items():
-            print(f"  counter {name}: stored {stored}, records say {actual}")
-        for problem in report.index_problems[:50]:
-            print(f"  index: {problem}")
-        if report.repaired:
-            print(f"  repaired: removed {report.repaired} corrupt samples")
-        print("clean" if report.ok else "PROBLEMS FOUND" + ("" if args.repair else " (run with --repair to fix)"))
-    return EXIT_OK if report.ok or report.repaired else EXIT_FAILURE
+        print("PROBLEMS FOUND (run with --repair to fix)")
+    return EXIT_OK if report.ok else EXIT_FAILURE
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -98,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="epochcache",
         description="A growing local sample cache for remote training datasets.",
     )
-    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
+    _add_verbosity(parser, 0)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     status = sub.add_parser("status", help="fill, rates, evictions, quarantine, leases, daemon health")
@@ -116,7 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     verify = sub.add_parser("verify", help="check every stored sample and the counters")
     verify.add_argument("cache_dir")
-    verify.add_argument("--repair", action="store_true", help="remove corrupt samples, rebuild counters")
+    verify.add_argument("--repair", action="store_true",
+                        help="remove corrupt samples, fix the key index and the counters")
     verify.add_argument("--json", action="store_true")
     verify.set_defaults(func=_cmd_verify)
 
@@ -125,23 +145,35 @@ def build_parser() -> argparse.ArgumentParser:
     for module_name, function in _EXTENSIONS:
         add: Callable[[Any], Any] = getattr(importlib.import_module(module_name), function)
         add(sub)
+    for command in sub.choices.values():  # `epochcache status DIR -v` works too
+        _add_verbosity(command, argparse.SUPPRESS)
     return parser
 
 
-def _setup_logging(verbose: int) -> None:
+def _add_verbosity(parser: argparse.ArgumentParser, default: Any) -> None:
+    parser.add_argument("-v", "--verbose", action="count", default=default,
+                        help="debug logging (-vv: the libraries' too)")
+    parser.add_argument("-q", "--quiet", action="store_true",
+                        default=False if default == 0 else argparse.SUPPRESS,
+                        help="warnings and errors only")
+
+
+def _setup_logging(verbose: int, quiet: bool) -> None:
+    """INFO by default; ``-v`` DEBUG for epochcache, ``-vv`` for every library; ``-q`` WARNING."""
     from rich.console import Console
     from rich.logging import RichHandler
 
-    level = logging.WARNING if verbose <= 0 else logging.INFO if verbose == 1 else logging.DEBUG
-    level = min(level, logging.INFO)
+    ours = logging.WARNING if quiet else logging.DEBUG if verbose else logging.INFO
     logging.basicConfig(
-        level=level,
+        level=logging.WARNING if quiet else logging.DEBUG if verbose >= 2 else logging.INFO,
         format="%(message)s",
         datefmt="[%X]",
         # stderr: stdout carries what commands print (`status --json` pipes into jq).
         handlers=[RichHandler(show_path=False, rich_tracebacks=False,
                               console=Console(stderr=True))],
     )
+    logging.getLogger("epochcache").setLevel(ours)
+    install_log_redaction()  # libraries log URLs, credentials and all
     if verbose < 2:
         for noisy in ("botocore", "aiobotocore", "s3fs", "fsspec", "urllib3", "asyncio"):
             logging.getLogger(noisy).setLevel(logging.WARNING)
@@ -150,14 +182,16 @@ def _setup_logging(verbose: int) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    _setup_logging(args.verbose)
+    _setup_logging(args.verbose, args.quiet)
+    log.debug("epochcache %s on Python %s: %s", _version(), sys.version.split()[0],
+              " ".join(sys.argv[1:] if argv is None else argv))
     try:
         return int(args.func(args))
     except (ConfigError, SourceUnavailable) as exc:
-        print(f"epochcache {args.command}: {exc}", file=sys.stderr)
+        print(f"epochcache {args.command}: {scrub_urls(str(exc))}", file=sys.stderr)
         return EXIT_USAGE
     except EpochcacheError as exc:
-        print(f"epochcache {args.command}: {exc}", file=sys.stderr)
+        print(f"epochcache {args.command}: {scrub_urls(str(exc))}", file=sys.stderr)
         return EXIT_FAILURE
     except KeyboardInterrupt:
         return 130

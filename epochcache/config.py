@@ -11,9 +11,13 @@ required::
 
 ``${VAR}`` and ``${VAR:-default}`` in any string value are replaced from the environment before
 validation (``$${`` writes a literal ``${``), so secrets stay out of files. Values interpolated from a
-variable whose name contains KEY, SECRET, TOKEN, PASSWORD or CREDENTIAL, and every credential-like key
-of ``source.storage_options``, are masked as ``***`` in ``repr()``, :meth:`EpochcacheConfig.redacted`
-and error messages. ``model_dump()`` keeps the real values (samplers need them): never log it.
+variable whose name contains KEY, SECRET, TOKEN, PASSWORD or CREDENTIAL, every credential-like key
+of ``source.storage_options``, and the credentials inside URLs (userinfo, presigned signature and
+token parameters, see :func:`epochcache.redact.redact_url`) are masked as ``***`` in ``repr()``,
+:meth:`EpochcacheConfig.redacted` and error messages. ``model_dump()`` keeps the real values
+(samplers need them): never log it. A config handed to another process goes as
+:meth:`EpochcacheConfig.to_transfer` and comes back with :meth:`EpochcacheConfig.from_transfer`,
+which keeps what must be masked (``model_validate`` alone would forget it).
 
 Sizes accept ints or strings such as ``200GiB``/``64MB``; durations ints, floats or ``30s``/``5m``.
 Every error is a :class:`~epochcache.errors.ConfigError` whose message names the field path, the bad
@@ -43,7 +47,8 @@ from pydantic import (
 
 from . import _config_env as env
 from .errors import ConfigError
-from .redact import REDACTED, redact_options, scrub, secret_values
+from .limits import DEFAULT_MAX_SAMPLE_BYTES
+from .redact import REDACTED, redact_options, redact_tree, secret_values, url_secrets
 from .units import headroom_bytes, parse_duration, parse_headroom, parse_size
 
 log = logging.getLogger(__name__)
@@ -103,10 +108,17 @@ class SourceConfig(_Section):
     list_deadline_s: Duration = 6.0
     retries: int = Field(default=5, ge=1, le=100)
     checks: list[Check] = Field(default_factory=lambda: list(_ALL_CHECKS))
-    listing_ttl_s: Duration | None = None
+    listing_ttl_s: Duration | None = Field(
+        default=None,
+        description="re-list the source in the background this long after the last listing; "
+                    "new keys join the sampling order (default: list once, reuse the saved listing)",
+    )
     demo_samples: int | None = Field(
         default=None, ge=1,
         description="write a synthetic demo dataset of this many samples at url when none is there",
+    )
+    demo_kind: Literal["npy", "jpg"] = Field(
+        default="npy", description="the demo dataset's samples: npy arrays or jpg images of shapes"
     )
 
     _secret_values: set[str] = PrivateAttr(default_factory=set)
@@ -135,14 +147,14 @@ class SourceConfig(_Section):
     def redacted_options(self) -> dict[str, Any]:
         """``storage_options`` with credentials masked."""
         options = redact_options(self.storage_options)
-        return _scrub_tree(options, self._secret_values)  # type: ignore[no-any-return]
+        return redact_tree(options, self._secret_values)  # type: ignore[no-any-return]
 
     def __repr_args__(self) -> Iterator[tuple[str | None, Any]]:
         # pydantic's __repr__, __str__ and __rich_repr__ all go through here.
         for name, value in super().__repr_args__():
             if name == "storage_options":
                 value = self.redacted_options()
-            yield name, _scrub_tree(value, self._secret_values)
+            yield name, redact_tree(value, self._secret_values)
 
 
 class CacheConfig(_Section):
@@ -184,6 +196,11 @@ class SamplerConfig(_Section):
     num_nodes: int | None = Field(default=None, ge=1)
     batch_size: int = Field(default=64, ge=1, description="samples per cache commit")
     bandwidth_limit: Annotated[int, BeforeValidator(_rate), Field(gt=0)] | None = None
+    max_bytes_in_flight: Annotated[int, BeforeValidator(_size), Field(gt=0)] = Field(
+        default=512 * 1024**2,
+        description="bytes one sampler process holds between fetch and commit (listed sizes "
+                    "count before the fetch); an object larger than this is fetched alone",
+    )
     check: bool = True
 
     @model_validator(mode="after")
@@ -214,11 +231,39 @@ class LoaderConfig(_Section):
     num_workers: int = Field(default=2, ge=0)
     decode: str = "auto"
     allow_pickle: bool = False
+    max_sample_bytes: Annotated[int, BeforeValidator(_size), Field(gt=0)] = Field(
+        default=DEFAULT_MAX_SAMPLE_BYTES,
+        description="the largest sample: objects listed larger are quarantined before download, "
+                    "decompression (gzip) stops past it on ingest and in the loader",
+    )
     pin_memory: bool = False
     prefetch_factor: int | None = Field(default=2, ge=1)
     persistent_workers: bool = False
     stall_s: Duration = 300.0
     timeout: Annotated[float, BeforeValidator(_duration), Field(ge=0)] = 0.0
+    fields: list[str] | None = Field(
+        default=None,
+        description='samples as tuples of these fields, e.g. ["jpg;png", "cls"] (WebDataset to_tuple)',
+    )
+    image: Literal["numpy", "torch", "pil"] = "numpy"
+
+    @field_validator("fields", mode="before")
+    @classmethod
+    def _split_fields(cls, value: Any) -> Any:
+        if isinstance(value, str):  # "jpg;png cls", as WebDataset's to_tuple takes it
+            value = value.split()
+        return value
+
+    @field_validator("fields")
+    @classmethod
+    def _check_fields(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None:
+            if not value:
+                raise ValueError("expected at least one field name, or null for whole samples")
+            for item in value:
+                if not [name for name in item.split(";") if name.strip()]:
+                    raise ValueError(f"empty field name in {item!r}; use names like 'jpg;png'")
+        return value
 
 
 class TrainConfig(_Section):
@@ -255,6 +300,15 @@ class EpochcacheConfig(_Section):
     _secret_values: set[str] = PrivateAttr(default_factory=set)
     _origin: str = PrivateAttr(default="<dict>")
 
+    @model_validator(mode="after")
+    def _check_relisting(self) -> EpochcacheConfig:
+        if self.source.listing_ttl_s is not None and self.sampler.strategy == "weighted":
+            raise ValueError(
+                "source.listing_ttl_s: re-listing adds keys without weights, so it cannot be "
+                "used with sampler.strategy: weighted (remove one of them)"
+            )
+        return self
+
     @property
     def origin(self) -> str:
         """The file the config was read from (``<dict>`` when built from a mapping)."""
@@ -266,7 +320,35 @@ class EpochcacheConfig(_Section):
         data["source"]["storage_options"] = redact_options(data["source"]["storage_options"])
         for path in self._secret_paths:
             _set_path(data, path.split("."), REDACTED)
-        return _scrub_tree(data, self._secret_values)  # type: ignore[no-any-return]
+        return redact_tree(data, self._secret_values)  # type: ignore[no-any-return]
+
+    @property
+    def secrets(self) -> frozenset[str]:
+        """The secret strings this config masks (to scrub them from log lines too)."""
+        return frozenset(self._secret_values)
+
+    def to_transfer(self) -> dict[str, Any]:
+        """This config as plain data for another process (a sampler), with what must be masked
+        there too. It holds the real secrets, like ``model_dump()``: never log it."""
+        return {
+            "config": self.model_dump(mode="python"),
+            "secret_paths": sorted(self._secret_paths),
+            "secret_values": sorted(self._secret_values),
+            "origin": self._origin,
+        }
+
+    @classmethod
+    def from_transfer(cls, data: Mapping[str, Any]) -> EpochcacheConfig:
+        """The config :meth:`to_transfer` gave, masking what the original masked (a plain
+        ``model_dump()`` is accepted too: then what can be found in it is masked)."""
+        if "config" not in data:
+            data = {"config": data}
+        config = cls.model_validate(data["config"])
+        config._secret_paths = set(data.get("secret_paths", ()))
+        config._secret_values = set(data.get("secret_values", ())) | _found_secrets(data["config"])
+        config._origin = str(data.get("origin", "<dict>"))
+        config.source._secret_values = config._secret_values
+        return config
 
     def redacted_yaml(self) -> str:
         """:meth:`redacted` as YAML (what ``epochcache config`` prints and runs save)."""
@@ -295,16 +377,23 @@ def _set_path(data: Any, parts: list[str], value: Any) -> None:
         data[int(last)] = value
 
 
-def _scrub_tree(value: Any, secrets: set[str]) -> Any:
-    if not secrets:
-        return value
-    if isinstance(value, str):
-        return scrub(value, secrets)
-    if isinstance(value, dict):
-        return {k: _scrub_tree(v, secrets) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_scrub_tree(v, secrets) for v in value)
-    return value
+def _found_secrets(data: Any) -> set[str]:
+    """Secrets a resolved config carries in plain sight: credential-like storage options and
+    the credentials inside every URL-like string."""
+    found = secret_values(_get(data, ("source", "storage_options")))
+
+    def visit(value: Any) -> None:
+        if isinstance(value, str):
+            found.update(url_secrets(value))
+        elif isinstance(value, Mapping):
+            for item in value.values():
+                visit(item)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                visit(item)
+
+    visit(data)
+    return found
 
 
 def parse_config(
@@ -322,7 +411,7 @@ def parse_config(
         )
     environ = os.environ if environ is None else environ
     resolved, secret_paths, secrets = env.interpolate(data, environ, origin)
-    secrets |= secret_values(_get(resolved, ("source", "storage_options")))
+    secrets |= _found_secrets(resolved)
     try:
         config = EpochcacheConfig.model_validate(resolved)
     except ValidationError as exc:

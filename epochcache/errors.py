@@ -12,8 +12,10 @@ callers can catch either::
     │  └─ CorruptSample                               key; quarantined by the sampler
     ├─ CacheError
     │  ├─ CacheCorrupted                              a record or counter failed its check
+    │  ├─ CacheIOError(CacheError, OSError)           the disk failed a write (EIO); the writer stops
     │  ├─ CacheFull                                   back-pressure: wait, the cache is at capacity + headroom
-    │  ├─ SampleTooLarge(CacheError, ValueError)      one sample can never fit the capacity
+    │  ├─ SampleRejected(CacheError, ValueError)      one sample can never be stored; samplers quarantine it
+    │  │  └─ SampleTooLarge                           larger than the capacity
     │  ├─ DaemonAlreadyRunning                        a second daemon on the same cache
     │  └─ SnapshotClosed(CacheError, RuntimeError)    lifecycle misuse
     └─ DecodeError(EpochcacheError, ValueError)       key + codec
@@ -67,6 +69,14 @@ class CacheCorrupted(CacheError):
     """A stored record or counter failed its consistency check."""
 
 
+class CacheIOError(CacheError, OSError):
+    """The disk failed a write with an I/O error (EIO): not a full disk, a failing one.
+
+    The write was not committed (LMDB transactions), so nothing committed is lost, but a writer
+    that meets this stops: retrying against a failing disk cannot help.
+    """
+
+
 class CacheFull(CacheError):
     """The cache is at capacity plus headroom and nothing can be evicted yet.
 
@@ -77,8 +87,16 @@ class CacheFull(CacheError):
     result: object = None
 
 
-class SampleTooLarge(CacheError, ValueError):
-    """A single sample (or batch) is larger than the cache could ever hold."""
+class SampleRejected(CacheError, ValueError):
+    """One sample can never be stored (``key`` names it); the rest of its batch can."""
+
+    def __init__(self, message: str, key: str = "") -> None:
+        super().__init__(message)
+        self.key = key
+
+
+class SampleTooLarge(SampleRejected):
+    """A single sample is larger than the cache could ever hold."""
 
 
 class DaemonAlreadyRunning(CacheError):

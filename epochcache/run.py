@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import json
 import logging
 import os
@@ -24,9 +25,10 @@ from pathlib import Path
 from typing import Any
 
 from .cache import Cache
+from .redact import redact_url
 from .config import EpochcacheConfig, load_config
 from .ingest.daemon import Daemon, DaemonLock
-from .errors import ConfigError
+from .errors import ConfigError, DaemonAlreadyRunning
 from .units import format_size
 
 log = logging.getLogger(__name__)
@@ -106,6 +108,24 @@ class _TimedLoader:
         return getattr(self.loader, name)
 
 
+def check_entrypoint(spec: str) -> None:
+    """Check that the module of ``package.module:function`` exists, without importing it (a
+    trainer imports torch, which takes seconds: a bad source must fail before that).
+
+    Raises:
+        ConfigError: the module cannot be found (the message names ``train.entrypoint``).
+    """
+    module_name = spec.partition(":")[0]
+    try:
+        found = importlib.util.find_spec(module_name) is not None
+    except (ImportError, ValueError) as exc:  # a parent package fails to import
+        raise ConfigError(f"train.entrypoint: cannot import {module_name!r} ({exc}); check the "
+                          "module path") from exc
+    if not found:
+        raise ConfigError(f"train.entrypoint: cannot import {module_name!r} (No module named "
+                          f"{module_name!r}); check the module path")
+
+
 def resolve_entrypoint(spec: str) -> TrainFn:
     """Import ``package.module:function``; raise ConfigError naming ``train.entrypoint``."""
     module_name, _, attr = spec.partition(":")
@@ -127,15 +147,16 @@ def ensure_demo_data(config: EpochcacheConfig) -> None:
     from .demo import write_demo_data
     from .ingest.remote import open_fs, translate_errors
 
-    url = config.source.url
+    url = redact_url(config.source.url)
     with translate_errors(url):  # an unreachable remote is SourceUnavailable (exit 2), not a traceback
         fs, root = open_fs(url, config.source.storage_options, timeout_s=config.source.timeout_s,
                            connect_timeout_s=config.source.connect_timeout_s)
         if fs.exists(root) and fs.ls(root):
             return
-    log.info("writing the demo dataset (%d samples) to %s", samples, config.source.url)
+    log.info("writing the demo dataset (%d samples) to %s", samples, url)
     layout = "tar" if config.source.layout == "tar" else "files"
-    write_demo_data(config.source.url, samples, layout, config.source.storage_options)  # type: ignore[arg-type]
+    write_demo_data(config.source.url, samples, layout, config.source.storage_options,  # type: ignore[arg-type]
+                    kind=config.source.demo_kind)
 
 
 def _loader_kwargs(config: EpochcacheConfig) -> dict[str, Any]:
@@ -145,6 +166,9 @@ def _loader_kwargs(config: EpochcacheConfig) -> dict[str, Any]:
         "num_workers": loader.num_workers,
         "decode": loader.decode,
         "allow_pickle": loader.allow_pickle,
+        "max_sample_bytes": loader.max_sample_bytes,
+        "fields": loader.fields,
+        "image": loader.image,
         "pin_memory": loader.pin_memory,
         "stall_s": loader.stall_s,
         "timeout": loader.timeout,
@@ -176,10 +200,18 @@ class Run:
         self.resume = resume
         self.is_main = is_main  # global rank 0: the one that writes the run directory
         self.run_dir = Path(config.train.run_dir)
-        self.train_fn = resolve_entrypoint(config.train.entrypoint)
+        check_entrypoint(config.train.entrypoint)
+        self._train_fn: TrainFn | None = None  # imported once the source is known to be there
         self.daemon: Daemon | None = None
         self._daemon_thread: threading.Thread | None = None
         self.metrics: list[dict[str, Any]] = []
+
+    @property
+    def train_fn(self) -> TrainFn:
+        """The trainer (imported on first use: it imports torch)."""
+        if self._train_fn is None:
+            self._train_fn = resolve_entrypoint(self.config.train.entrypoint)
+        return self._train_fn
 
     def start_daemon(self) -> None:
         """Start the samplers unless a daemon already fills this cache (then attach to it)."""
@@ -188,7 +220,13 @@ class Run:
             log.info("attaching to the daemon already filling %s", cache_dir)
             return
         daemon = Daemon(self.config)
-        daemon.prepare()  # lists the source: raises SourceUnavailable before anything starts
+        try:
+            # Takes the daemon lock before opening the cache with the config's capacity, then
+            # lists the source: raises SourceUnavailable before anything starts.
+            daemon.prepare()
+        except DaemonAlreadyRunning:
+            log.info("attaching to the daemon that just started filling %s", cache_dir)
+            return
         self.daemon = daemon
         self._daemon_thread = threading.Thread(target=daemon.run, name="epochcache-daemon", daemon=True)
         self._daemon_thread.start()
@@ -302,8 +340,10 @@ def run_training(config: EpochcacheConfig, *, resume: bool = False) -> int:
         if world.rank == 0:
             ensure_demo_data(config)
         if world.local_rank == 0:
-            # Lists the source first: an unreachable one exits 2 before the run dir is written.
+            # Lists the source first: an unreachable one exits 2 before the run dir is written
+            # (and before torch is imported, which takes seconds).
             run.start_daemon()
+        run.train_fn  # noqa: B018 - import the trainer now: a missing function is a bad config
         from .data.distributed import barrier, init_run_distributed  # torch: after the checks
 
         created_group = init_run_distributed(world)

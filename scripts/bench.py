@@ -12,6 +12,9 @@ Sections:
            fork and spawn, worker RSS over 10 epochs, snapshot of 1M samples.
   ingest   scripts/bench_ingest.py: the daemon's fill rate vs a bare concurrent s3fs fetch of
            the same objects from the same moto S3 server, 16 KiB and 1 MiB objects.
+  images   scripts/bench_images.py: JPEG decode + augmentation through cache.epochs() vs
+           WebDataset on local tar shards, 0 and 2 workers; Pillow vs simplejpeg decoding
+           (needs the bench extra: webdataset).
 Each section prints its own table; all results go into one JSON file.
 """
 
@@ -257,6 +260,7 @@ SECTIONS: dict[str, tuple[Callable[[bool], dict[str, Any]], Callable[[dict[str, 
     "cache": (section_cache, print_cache),
     "loader": (_script_section("bench_loader.py", [], ["--samples", "1500", "--tiny", "200000"], "--json"), _printed),
     "ingest": (_script_section("bench_ingest.py", [], ["--small", "500", "--large", "60", "--repeat", "1"], "--out"), _printed),
+    "images": (_script_section("bench_images.py", [], ["--images", "2000", "--samples", "500", "--rounds", "1"], "--json"), _printed),
 }
 
 

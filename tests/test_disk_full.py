@@ -7,17 +7,25 @@ small tmpfs (real ``ENOSPC`` from the kernel; needs root to mount, skipped other
 
 from __future__ import annotations
 
+import fcntl
+import json
 import logging
 import os
+import shutil
+import struct
 import subprocess
+import sys
+import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import lmdb
 import pytest
 
 from common.cachecheck import assert_consistent, content_for, digest, full_check
-from epochcache import Cache, CacheError, CacheFull
+from epochcache import Cache, CacheError, CacheFull, CacheIOError
 
 SAMPLE = 4000  # incompressible: one LMDB overflow page each
 
@@ -71,12 +79,12 @@ def test_small_map_lowers_capacity_warns_and_keeps_writing(
     finally:
         cache.close()
     full_check(str(path))
-    # The lowered capacity is remembered across a reopen, until reset.
-    with Cache(path, sync=False) as cache:
-        assert cache.effective_capacity == lowered
-        cache.reset_effective_capacity()
+    # A lowered capacity is a back-off of the process that met the full map, never stored:
+    # a reopen (a restarted sampler) starts at the configured capacity.
+    with Cache(path, sync=False, max_map_size="1MiB") as cache:
         assert cache.effective_capacity == 4 * 1024**2
-        cache.put_many(_batch("after-reset"))
+        assert cache.stats()["capacity_lowered"] is None
+        cache.put_many(_batch("after-reopen"))
         assert_consistent(cache)
 
 
@@ -127,6 +135,124 @@ def test_small_map_full_under_a_lease_recovers_after_release(tmp_path: Path) -> 
             assert len(again) >= 60
     finally:
         cache.close()
+
+
+def test_a_lowered_capacity_stored_by_an_older_version_is_ignored_and_removed(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "cache"
+    with Cache(path, "4MiB", sync=False) as cache:
+        cache.put_many(_batch("a"))
+    # Earlier versions stored a lowered capacity in `meta` and used it for good.
+    env = lmdb.open(str(path), max_dbs=16)
+    with env.begin(write=True) as txn:
+        txn.put(b"effective_capacity", (64 * 1024).to_bytes(8, "big"), db=env.open_db(b"meta", txn=txn))
+    env.close()
+    with Cache(path, sync=False) as cache:
+        assert cache.effective_capacity == 4 * 1024**2
+        assert cache.stats()["capacity_lowered"] is None
+        cache.put_many(_batch("b"))
+        assert_consistent(cache)
+    env = lmdb.open(str(path), max_dbs=16, readonly=True)
+    with env.begin() as txn:
+        assert txn.get(b"effective_capacity", db=env.open_db(b"meta", txn=txn)) is None
+    env.close()
+
+
+def _status_json(path: Path) -> dict[str, Any]:
+    done = subprocess.run([sys.executable, "-m", "epochcache", "status", "--json", str(path)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return dict(json.loads(done.stdout))
+
+
+def _status_text(path: Path) -> str:
+    done = subprocess.run([sys.executable, "-m", "epochcache", "status", str(path)],
+                          capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "COLUMNS": "250"})
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def _write_until(cache: Cache, done: Any, tag: str, timeout_s: float = 30.0) -> int:
+    """Write batches (epochcache's own errors allowed) until ``done()``; return batches written."""
+    deadline = time.monotonic() + timeout_s
+    b = 0
+    while not done():
+        assert time.monotonic() < deadline, f"not done after {b} batches"
+        try:
+            cache.put_many(_batch(f"{tag}{b}"), wait=False)
+        except (CacheFull, CacheError) as exc:
+            assert not isinstance(exc, CacheIOError), exc
+        b += 1
+        time.sleep(0.01)
+    return b
+
+
+def test_a_reader_pinning_the_map_makes_writers_wait_without_lowering_capacity(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A long read transaction (a verify in one transaction) pins every page freed while it
+    lasts, so the map fills. Lowering the capacity would only evict more: writers wait (and
+    nothing is lost), and once it ends they go on at the configured capacity."""
+    caplog.set_level(logging.WARNING, logger="epochcache")
+    path = tmp_path / "cache"
+    cache = Cache(path, "1MiB", max_map_size="3MiB", sync=False)
+    try:
+        _write_until(cache, lambda: cache.counters().bytes > 0.9 * 1024**2, "a")
+        reader = cache.store.env.begin()  # pins the pages of everything stored now
+        full: list[CacheFull] = []
+        try:
+            for b in range(200):
+                try:
+                    cache.put_many(_batch(f"p{b}"), wait=False)
+                except CacheFull as exc:
+                    full.append(exc)
+                    if len(full) >= 3:
+                        break
+            assert full and "too full even to evict" in str(full[-1]), full
+            assert "long read transaction" in str(full[-1])
+            assert cache.effective_capacity == 1024**2 and not _full_warnings(caplog)
+            state = assert_consistent(cache)
+            assert state.bytes > 0.8 * 1024**2  # nothing evicted for nothing
+        finally:
+            reader.abort()
+        before = cache.counters().inserted
+        _write_until(cache, lambda: cache.counters().inserted >= before + 64, "r")
+        state = assert_consistent(cache)
+        assert state.bytes <= 1024**2 + cache.headroom_bytes
+        assert cache.effective_capacity == 1024**2 and not _full_warnings(caplog)
+    finally:
+        cache.close()
+    full_check(str(path))
+
+
+def test_a_map_that_stays_full_is_probed_ever_less_often(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each probe lifts a map back-off (the map's room cannot be measured); when the map is
+    still too small the limit is lowered again, and the next probe waits twice as long."""
+    caplog.set_level(logging.INFO, logger="epochcache")
+    monkeypatch.setenv("EPOCHCACHE_CAPACITY_PROBE_S", "0.1")
+    path = tmp_path / "cache"
+    cache = Cache(path, "4MiB", max_map_size="1MiB", sync=False)
+    try:
+        started = time.monotonic()
+        b = 0
+        while time.monotonic() - started < 3.0:
+            cache.put_many(_batch(f"b{b}"), wait=False)  # never fails: no lease holds anything
+            b += 1
+        state = assert_consistent(cache)
+        assert state.bytes <= cache.effective_capacity + cache.headroom_bytes
+        lowerings = [r for r in caplog.records if "lowering the effective capacity" in r.getMessage()]
+        recoveries = [r for r in caplog.records if "back to the configured" in r.getMessage()]
+        # 3 s of probes every 0.1 s would be 30 lowerings; doubling intervals give about 5
+        assert 2 <= len(lowerings) <= 7, [r.getMessage()[:100] for r in lowerings]
+        assert len(recoveries) >= 1
+        assert os.path.getsize(path / "data.mdb") <= 1024**2
+    finally:
+        cache.close()
+    full_check(str(path))
 
 
 # -- a small tmpfs: real ENOSPC ---------------------------------------------------------------
@@ -265,3 +391,140 @@ def test_disk_fitted_capacity_back_pressures_before_the_disk_fills(tmpfs: Path) 
         assert_consistent(cache)
     finally:
         cache.close()
+
+
+def test_brief_enospc_recovers_to_the_configured_capacity_without_restart(
+    tmpfs: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="epochcache")
+    monkeypatch.setenv("EPOCHCACHE_CAPACITY_PROBE_S", "0.2")
+    path = tmpfs / "cache"
+    cache = Cache(path, "3MiB")
+    try:
+        ballast = _ballast(tmpfs, 1024**2)  # another tenant fills the disk for a while
+        _write_until(cache, lambda: cache.effective_capacity < 3 * 1024**2, "b")
+        assert_consistent(cache)
+        lowered = cache.effective_capacity
+        # status shows the limit in force and why, in another process, as JSON and as text
+        shown = _status_json(path)
+        assert shown["capacity"] == 3 * 1024**2 and shown["effective_capacity"] == lowered
+        assert "disk full" in shown["capacity_lowered"]["reason"]
+        text = _status_text(path)
+        assert "lowered from 3.0 MiB" in text and "disk full" in text, text
+        ballast.unlink()  # ... and deletes its files again
+        _write_until(cache, lambda: cache.effective_capacity == 3 * 1024**2, "r")
+        assert any("back to" in r.getMessage() for r in caplog.records), caplog.text
+        _write_until(cache, lambda: cache.counters().bytes > lowered + 256 * 1024, "s")
+        state = assert_consistent(cache)
+        assert state.bytes <= 3 * 1024**2 + cache.headroom_bytes
+        shown = _status_json(path)
+        assert shown["effective_capacity"] == 3 * 1024**2 and shown["capacity_lowered"] is None
+        assert "lowered" not in _status_text(path)
+    finally:
+        cache.close()
+    full_check(str(path))
+
+
+def test_a_restart_after_enospc_starts_at_the_configured_capacity(tmpfs: Path) -> None:
+    path = tmpfs / "cache"
+    cache = Cache(path, "3MiB")
+    ballast = _ballast(tmpfs, 1024**2)
+    try:
+        _write_until(cache, lambda: cache.effective_capacity < 3 * 1024**2, "b")
+    finally:
+        cache.close()
+    ballast.unlink()
+    with Cache(path) as cache:  # what a restarted sampler does
+        assert cache.effective_capacity == 3 * 1024**2
+        assert cache.stats()["capacity_lowered"] is None
+    full_check(str(path))
+
+
+# -- ext4 on a loop device, shut down: real EIO ----------------------------------------------
+
+#: ioctl FS_IOC_SHUTDOWN (_IOR("X", 125, __u32)), flag EXT4_GOING_FLAGS_DEFAULT (flush, then shut down): every later
+#: write to the filesystem fails with EIO, as after a failing disk.
+_FS_IOC_SHUTDOWN = 0x8004587D
+_FLUSH_ALL = 0
+
+
+@dataclass
+class Ext4:
+    """A small ext4 filesystem on a loop device (see the ``ext4`` fixture)."""
+
+    device: str
+    mnt: Path
+
+    def shut_down(self) -> None:
+        """From now on every write to the filesystem fails with EIO, as on a failing disk."""
+        fd = os.open(self.mnt, os.O_RDONLY)
+        try:
+            fcntl.ioctl(fd, _FS_IOC_SHUTDOWN, struct.pack("I", _FLUSH_ALL))
+        finally:
+            os.close(fd)
+
+    def remount(self) -> None:
+        """Unmount and mount again: the journal replays, as after a reboot."""
+        subprocess.run(["umount", str(self.mnt)], check=True, capture_output=True)
+        subprocess.run(["mount", self.device, str(self.mnt)], check=True, capture_output=True)
+
+
+@pytest.fixture
+def ext4(tmp_path: Path) -> Iterator[Ext4]:
+    """A 64 MiB ext4 filesystem on a loop device, mounted for this test (root only)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a loop device needs root")
+    if not (shutil.which("losetup") and shutil.which("mkfs.ext4")):
+        pytest.skip("losetup and mkfs.ext4 are needed")
+    image, mnt = tmp_path / "disk.img", tmp_path / "ext4"
+    mnt.mkdir()
+    with open(image, "wb") as f:
+        f.truncate(64 * 1024**2)
+    attach = subprocess.run(["losetup", "-f", "--show", str(image)], capture_output=True, text=True)
+    if attach.returncode != 0:
+        pytest.skip(f"no loop device here: {attach.stderr.strip()}")
+    device = attach.stdout.strip()
+    try:
+        subprocess.run(["mkfs.ext4", "-q", "-F", device], check=True, capture_output=True)
+        mounted = subprocess.run(["mount", device, str(mnt)], capture_output=True, text=True)
+        if mounted.returncode != 0:
+            pytest.skip(f"cannot mount ext4 here: {mounted.stderr.strip()}")
+        try:
+            yield Ext4(device, mnt)
+        finally:
+            if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
+                subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+    finally:
+        subprocess.run(["losetup", "-d", device], capture_output=True)
+
+
+def test_eio_stops_the_writer_with_a_clear_message(
+    ext4: Ext4, caplog: pytest.LogCaptureFixture
+) -> None:
+    """EIO is a failing disk, not a full one: the writer stops with a message that says so,
+    the capacity is not lowered, and everything committed before is still there."""
+    caplog.set_level(logging.WARNING, logger="epochcache")
+    path = ext4.mnt / "cache"
+    cache = Cache(path, "8MiB")
+    committed = {}
+    try:
+        for b in range(8):
+            batch = _batch(f"a{b}")
+            cache.put_many(batch)
+            committed.update({k: digest(v) for k, v in batch})
+        ext4.shut_down()
+        with pytest.raises(CacheIOError) as failed:
+            cache.put_many(_batch("after"))
+        message = str(failed.value)
+        assert str(path) in message and "I/O error" in message and "disk" in message, message
+        assert isinstance(failed.value, OSError)
+        assert cache.effective_capacity == 8 * 1024**2  # not mistaken for a full disk
+        assert not _full_warnings(caplog), caplog.text
+    finally:
+        cache.close()
+    ext4.remount()
+    full_check(str(path))
+    with Cache(path) as again:
+        assert again.effective_capacity == 8 * 1024**2
+        for key, value in committed.items():
+            assert digest(again.get(again.seq_of(key))) == value

@@ -139,3 +139,71 @@ def test_a_process_ahead_by_a_pass_never_takes_another_process_keys(processes: i
             assert set(this_pass[p::processes].tolist()) == shares[p]
             assert sorted(this_pass.tolist()) == list(range(101))
     assert not np.array_equal(orders[0].pass_order(1), orders[0].pass_order(2))
+
+
+# -- keys added by a re-list (source.listing_ttl_s) ----------------------------------------------
+
+
+def _grown(num_keys: int, added: int) -> tuple[np.ndarray, np.ndarray]:
+    from epochcache.ingest.keyorder import key_hashes
+
+    indices = np.arange(num_keys, num_keys + added)
+    return indices, key_hashes(f"new-{i}" for i in indices)
+
+
+@settings(max_examples=30, deadline=None)
+@given(num_keys=st.integers(9, 120), added=st.integers(1, 80), nodes=st.integers(1, 3),
+       processes=st.integers(1, 3), seed=st.integers(0, 1000))
+def test_added_keys_are_split_disjointly_and_taken_once_per_pass(
+    num_keys: int, added: int, nodes: int, processes: int, seed: int
+) -> None:
+    indices, hashes = _grown(num_keys, added)
+    per_pass: list[list[int]] = [[], []]
+    for node in range(nodes):
+        for p in range(processes):
+            order = KeyOrder(num_keys, seed=seed, node_rank=node, num_nodes=nodes,
+                             process_index=p, num_processes=processes)
+            order.add_block(indices, hashes)
+            share = len(order.node_keys[p::processes]) + order.num_added
+            for pass_taken in per_pass:
+                pass_taken.extend(order.take(share).tolist())
+    for pass_taken in per_pass:
+        # Every added key is taken exactly once per pass, by exactly one node and process.
+        assert sorted(k for k in pass_taken if k >= num_keys) == indices.tolist()
+
+
+def test_a_block_added_mid_pass_joins_that_pass_and_keeps_what_was_taken() -> None:
+    order = KeyOrder(100, seed=1)
+    first = order.take(60).tolist()
+    indices, hashes = _grown(100, 30)
+    assert order.add_block(indices, hashes) == 30
+    rest = order.take(70).tolist()  # the rest of pass 0: 40 original keys, then the 30 new ones
+    assert sorted(first + rest) == list(range(130))
+    assert order.position == Position(0, 100, 30)
+    nxt = order.take(130).tolist()  # pass 1 takes every key again, in a new order
+    assert sorted(nxt) == list(range(130)) and nxt != first + rest
+    # Added mid-pass (after some added keys were taken): the new block follows them.
+    more_indices, more_hashes = _grown(130, 10)
+    order.add_block(more_indices, more_hashes)
+    assert sorted(order.take(140).tolist()) == list(range(140))
+
+
+def test_position_with_added_keys_resumes_exactly() -> None:
+    indices, hashes = _grown(50, 20)
+    a = KeyOrder(50, seed=4, process_index=1, num_processes=2)
+    a.add_block(indices, hashes)
+    head = a.take(33).tolist()
+    saved = json.loads(json.dumps(a.state()))
+    assert saved["extra"] > 0
+    b = KeyOrder(50, seed=4, process_index=1, num_processes=2, position=saved)
+    b.add_block(indices, hashes)
+    assert b.take(40).tolist() == a.take(40).tolist()
+    assert head  # (the first 33 are not taken again by the resumed order)
+    old = KeyOrder(50, seed=4, position={"pass_index": 1, "offset": 3})  # saved before "extra"
+    assert old.position == Position(1, 3, 0)
+
+
+def test_weighted_order_takes_no_added_keys() -> None:
+    order = KeyOrder(10, strategy="weighted", weights=[1.0] * 10)
+    with pytest.raises(ValueError, match="uniform"):
+        order.add_block(*_grown(10, 3))

@@ -15,6 +15,7 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from ..errors import SnapshotClosed
+from ..limits import DEFAULT_MAX_SAMPLE_BYTES
 from ..store import SampleStore, Snapshot
 from .decode import DecodeFn
 from .reader import SampleReader
@@ -50,19 +51,26 @@ class EpochDataset(Dataset[Any]):
         decode: str | DecodeFn | None = "auto",
         transform: Callable[[Any], Any] | None = None,
         allow_pickle: bool = False,
+        max_sample_bytes: int = DEFAULT_MAX_SAMPLE_BYTES,
         on_error: str = "raise",
         stall_s: float | None = None,
         stall_file: str | None = None,
         snapshot: Snapshot | None = None,
+        fields: str | Sequence[str] | None = None,
+        image: str = "numpy",
     ) -> EpochDataset:
         """Take a snapshot of ``cache`` under a lease (or adopt ``snapshot``) and wrap it.
+
+        The options are :class:`~epochcache.data.reader.SampleReader`'s: ``fields=("jpg;png",
+        "cls")`` makes each sample a tuple, ``image`` picks numpy, torch or pil images.
 
         Raises:
             ValueError: an invalid option (the message names it).
         """
         reader = SampleReader(cache.path, decode=decode, transform=transform,
-                              allow_pickle=allow_pickle, on_error=on_error, stall_s=stall_s,
-                              stall_file=stall_file)
+                              allow_pickle=allow_pickle, max_sample_bytes=max_sample_bytes,
+                              on_error=on_error, stall_s=stall_s, stall_file=stall_file,
+                              fields=fields, image=image)
         reader.bind(cache)
         snap = snapshot if snapshot is not None else cache.snapshot(epoch=epoch)
         return cls(reader, snap.seqs, epoch, snap)

@@ -8,13 +8,20 @@ for tar samples stored as a dict of fields, from each field's name (``{"npy": ..
 ``pt``/``pth`` ``torch.load(..., weights_only=True)``
 ``json``       the parsed document
 ``txt``        ``str``; ``cls``/``cls2``/``index`` an ``int`` when the text is one
-``gz``         gunzip, then decode what is inside by the next extension
+``jpg`` ...    images (``jpg/jpeg/png/webp/bmp/tif/tiff``): an HWC ``uint8`` array, a CHW
+               tensor or a PIL image by ``image=`` (see :mod:`epochcache.data.images`)
+``gz``         gunzip (at most ``max_sample_bytes``), then decode what is inside by the next
+               extension
 ``pkl``        ``pickle.loads`` -- only with ``allow_pickle=True`` (it runs code)
 anything else  ``bytes``, unchanged
 =============  ===============================================================
 
 Decoders accept ``bytes`` or a ``memoryview`` into the LMDB map and always return values that own
 their memory (the map's buffers die with the read transaction).
+
+Untrusted input is bounded: gzip is decompressed in a stream that stops past
+``max_sample_bytes`` (``loader.max_sample_bytes``, default 256 MiB: a gzip bomb costs at most
+that), and a ``.npy`` header longer than numpy's 10000-byte limit is refused before it is parsed.
 
 Errors: a sample that cannot be decoded raises :class:`~epochcache.errors.DecodeError` naming its
 key and the codec; a pickle sample without the opt-in raises
@@ -25,7 +32,6 @@ silently drop every sample of such a dataset.
 from __future__ import annotations
 
 import ast
-import gzip
 import io
 import json
 import logging
@@ -37,7 +43,9 @@ from typing import Any, Union
 import numpy as np
 
 from ..errors import DecodeError, PickleNotAllowed
+from ..limits import DEFAULT_MAX_SAMPLE_BYTES, NPY_MAX_HEADER_BYTES, gunzip
 from ..store.codec import Value
+from .images import IMAGE_EXTS, MissingImageLibrary, check_form, decode_image
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +97,10 @@ def parse_npy_header(data: Buffer) -> NpyHeader:
         hlen, start = int.from_bytes(view[8:12], "little"), 12
     else:
         raise ValueError(f"unsupported .npy version {major}")
+    if hlen > NPY_MAX_HEADER_BYTES:
+        # numpy's own limit: ast.literal_eval of a huge crafted header costs memory and time
+        raise ValueError(f".npy header is {hlen} bytes, over the {NPY_MAX_HEADER_BYTES} numpy "
+                         "accepts (a crafted file?)")
     raw = bytes(view[start : start + hlen])
     header = _header_cache.get(raw)
     if header is not None:
@@ -153,8 +165,12 @@ def extensions(name: str, is_field: bool) -> list[str]:
 
 
 def decode_bytes(name: str, data: Buffer, *, is_field: bool = False,
-                 allow_pickle: bool = False) -> Any:
+                 allow_pickle: bool = False, image: str = "numpy",
+                 max_sample_bytes: int = DEFAULT_MAX_SAMPLE_BYTES) -> Any:
     """Decode one blob by the extensions of ``name`` (a key, or a field name when ``is_field``).
+
+    ``image`` is the form images decode to: ``"numpy"``, ``"torch"`` or ``"pil"``;
+    ``max_sample_bytes`` bounds what decompression may produce (a gzip bomb raises).
 
     Raises:
         PickleNotAllowed: the blob is a pickle and ``allow_pickle`` is False.
@@ -164,7 +180,7 @@ def decode_bytes(name: str, data: Buffer, *, is_field: bool = False,
     while exts:
         ext = exts.pop()
         if ext in _GZ_EXTS:
-            data = gzip.decompress(data)
+            data = gunzip(data, max_sample_bytes)
             continue
         if ext == "npy":
             return decode_npy(data, allow_pickle)
@@ -174,6 +190,8 @@ def decode_bytes(name: str, data: Buffer, *, is_field: bool = False,
             return json.loads(bytes(data))
         if ext in _TEXT_EXTS:
             return decode_text(data, ext)
+        if ext in IMAGE_EXTS:
+            return decode_image(data, ext, image)
         if ext in _PICKLE_EXTS:
             if not allow_pickle:
                 raise PickleNotAllowed("pickle can run arbitrary code")
@@ -187,18 +205,25 @@ class AutoDecoder:
 
     Args:
         allow_pickle: decode ``.pkl``/``.pickle`` samples and object ``.npy`` arrays.
+        image: the form images decode to: ``"numpy"``, ``"torch"`` or ``"pil"``.
+        max_sample_bytes: the most a sample may decompress to.
     """
 
-    def __init__(self, allow_pickle: bool = False) -> None:
+    def __init__(self, allow_pickle: bool = False, image: str = "numpy",
+                 max_sample_bytes: int = DEFAULT_MAX_SAMPLE_BYTES) -> None:
         self.allow_pickle = allow_pickle
+        self.image = check_form(image)
+        self.max_sample_bytes = check_max_sample_bytes(max_sample_bytes)
 
     def __call__(self, key: str, value: Value | memoryview) -> Any:
         if isinstance(value, Mapping):
             return {
-                name: decode_bytes(name, data, is_field=True, allow_pickle=self.allow_pickle)
+                name: decode_bytes(name, data, is_field=True, allow_pickle=self.allow_pickle,
+                                   image=self.image, max_sample_bytes=self.max_sample_bytes)
                 for name, data in value.items()
             }
-        return decode_bytes(key, value, allow_pickle=self.allow_pickle)
+        return decode_bytes(key, value, allow_pickle=self.allow_pickle, image=self.image,
+                            max_sample_bytes=self.max_sample_bytes)
 
 
 def raw_decoder(key: str, value: Value | memoryview) -> Any:
@@ -208,14 +233,29 @@ def raw_decoder(key: str, value: Value | memoryview) -> Any:
     return value
 
 
-def make_decoder(decode: str | DecodeFn | None, allow_pickle: bool = False) -> DecodeFn:
+def check_max_sample_bytes(value: int) -> int:
+    """Validate a ``max_sample_bytes`` argument.
+
+    Raises:
+        ValueError: not a positive number of bytes.
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"max_sample_bytes: expected a positive number of bytes, got {value!r}")
+    return value
+
+
+def make_decoder(decode: str | DecodeFn | None, allow_pickle: bool = False,
+                 image: str = "numpy",
+                 max_sample_bytes: int = DEFAULT_MAX_SAMPLE_BYTES) -> DecodeFn:
     """Resolve the ``decode`` argument: ``"auto"``, ``"raw"``/None, or ``fn(key, value)``.
 
     Raises:
-        ValueError: an unknown decoder name.
+        ValueError: an unknown decoder name or image form, or a bad ``max_sample_bytes``.
     """
+    check_form(image)
+    check_max_sample_bytes(max_sample_bytes)
     if decode == "auto":
-        return AutoDecoder(allow_pickle)
+        return AutoDecoder(allow_pickle, image, max_sample_bytes)
     if decode in ("raw", None):
         return raw_decoder
     if callable(decode):
@@ -234,6 +274,10 @@ def decode_sample(fn: DecodeFn, key: str, value: Value | memoryview) -> Any:
         return fn(key, value)
     except PickleNotAllowed as exc:
         raise PickleNotAllowed(f"sample {key!r}: {exc}; {_OPT_IN}", key=key) from exc
+    except MissingImageLibrary as exc:
+        if exc.key:
+            raise
+        raise MissingImageLibrary(f"sample {key!r}: {exc}", key=key) from exc
     except DecodeError as exc:
         if exc.key:
             raise

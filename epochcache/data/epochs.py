@@ -34,7 +34,7 @@ import queue
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -42,6 +42,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from ..errors import EpochcacheError
+from ..limits import DEFAULT_MAX_SAMPLE_BYTES
 from .dataset import EpochDataset
 from .distributed import NodeSync, World, detect_world, dist_initialized, split_for_rank
 from .epoch_loader import EpochLoader
@@ -390,6 +391,7 @@ def epochs(
     decode: str | DecodeFn | None = "auto",
     transform: Callable[[Any], Any] | None = None,
     allow_pickle: bool = False,
+    max_sample_bytes: int = DEFAULT_MAX_SAMPLE_BYTES,
     on_error: str = "raise",
     collate_fn: Callable[[Any], Any] | None = None,
     persistent_workers: bool | None = None,
@@ -397,6 +399,8 @@ def epochs(
     start_epoch: int = 0,
     wait_timeout_s: float | None = None,
     stall_file: str | None = None,
+    fields: str | Sequence[str] | None = None,
+    image: str = "numpy",
     **dataloader_kwargs: Any,
 ) -> Iterator[tuple[int, EpochLoader]]:
     """Yield ``(epoch, loader)`` for ``num_epochs`` epochs, each over a fresh snapshot.
@@ -420,12 +424,17 @@ def epochs(
         num_workers: DataLoader workers. Defaults to 0 without a transform (reading in the
             training process is fastest) and to ``os.cpu_count()`` with one.
         transform: applied to each decoded sample (in the workers).
+        max_sample_bytes: the most a sample may decompress to (a gzip bomb raises a
+            ``DecodeError`` naming its key); ``loader.max_sample_bytes``, default 256 MiB.
         collate_fn: replaces the built-in batch assembly; it receives a list of samples.
         persistent_workers: keep workers across epochs (two loaders alternate, so the next
             epoch's workers prefetch while this one finishes). Defaults to True with workers.
         start_epoch: the first epoch's number (for resuming).
         wait_timeout_s: give up waiting for ``min_samples`` after this long.
         stall_file: where stall reports go (default stderr).
+        fields: yield each sample as a tuple of these fields, WebDataset's ``to_tuple``
+            (``("jpg;png", "cls")``; see :mod:`epochcache.data.fields`).
+        image: images decode to ``"numpy"`` HWC arrays, ``"torch"`` CHW tensors or ``"pil"``.
         **dataloader_kwargs: passed to DataLoader (``pin_memory``, ``prefetch_factor``,
             ``timeout``, ``multiprocessing_context``, ...).
 
@@ -439,8 +448,9 @@ def epochs(
     num_workers, persistent = _worker_settings(num_workers, transform, persistent_workers,
                                                dataloader_kwargs)
     reader = SampleReader(cache.path, decode=decode, transform=transform,
-                          allow_pickle=allow_pickle, on_error=on_error, stall_s=stall_s,
-                          stall_file=stall_file)
+                          allow_pickle=allow_pickle, max_sample_bytes=max_sample_bytes,
+                          on_error=on_error, stall_s=stall_s, stall_file=stall_file,
+                          fields=fields, image=image)
     reader.bind(cache)
     state = _Epochs(cache, batch_size=batch_size, num_workers=num_workers, seed=seed,
                     shuffle=shuffle, drop_last=drop_last, samples_per_epoch=samples_per_epoch,

@@ -6,6 +6,11 @@ second daemon refuses to start, starts ``sampler.processes`` samplers with ``spa
 fork do not mix), restarts any that die, writes its heartbeat and the samplers' health into the
 cache, appends stats history rows for plots, and on SIGTERM/SIGINT stops the samplers in order:
 each commits its batch in flight, then exits; the daemon exits 0.
+
+The lock is taken before the cache is opened with the config's capacity, so a refused daemon
+changes nothing. Samplers die with the daemon (see :mod:`.lifeline`). The signal handler only
+sets a flag and writes to a pipe (:class:`StopRequest`): the supervision loop waits on that pipe,
+never on a lock a handler could need.
 """
 
 from __future__ import annotations
@@ -14,21 +19,24 @@ import fcntl
 import logging
 import multiprocessing
 import os
+import select
 import signal
 import socket
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import EpochcacheConfig
 from ..errors import DaemonAlreadyRunning
+from ..redact import redact_url
 from ..store import SampleStore
+from ..store.env import make_private_dir
 from ..store.leases import process_start_ticks
 from ..units import format_size
 from .from_config import open_configured_source
+from .relist import Relister
 from .sampler import StopFlag, run_sampler, state_name
-from .sources import list_keys_cached
+from .sources import Source, listing_cached
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +98,57 @@ class DaemonLock:
             self._fd = None
 
 
+class StopRequest:
+    """A stop flag that a signal handler may set while the main thread waits on it.
+
+    ``threading.Event`` is not safe for that: ``Event.set()`` takes the lock that ``Event.wait()``
+    holds around its condition variable, and a handler runs in the main thread, between two
+    bytecodes of that very ``wait()``: the main thread then waits for itself forever. Here
+    :meth:`set` assigns a flag and writes a byte to a pipe (no lock); :meth:`wait` sleeps in
+    ``select`` on the pipe. Safe from signal handlers and from other threads.
+    """
+
+    def __init__(self) -> None:
+        self._flag = False
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._read, False)
+        os.set_blocking(self._write, False)
+
+    def set(self) -> None:
+        self._flag = True
+        if self._write >= 0:
+            try:
+                os.write(self._write, b"x")
+            except OSError:
+                pass  # the pipe is full: a wake-up is pending anyway
+
+    def is_set(self) -> bool:
+        return self._flag
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Sleep until :meth:`set` or ``timeout``; return whether it is set."""
+        if not self._flag:
+            if self._read < 0:
+                raise ValueError("StopRequest is closed")
+            select.select([self._read], [], [], timeout)
+            try:
+                while os.read(self._read, 512):
+                    pass
+            except BlockingIOError:
+                pass  # drained
+        return self._flag
+
+    def close(self) -> None:
+        """Close the pipe (:meth:`set` still sets the flag afterwards)."""
+        fds, self._read, self._write = (self._read, self._write), -1, -1
+        for fd in fds:
+            if fd >= 0:
+                os.close(fd)
+
+    def __del__(self) -> None:
+        self.close()
+
+
 @dataclass
 class _Slot:
     index: int
@@ -97,6 +156,7 @@ class _Slot:
     restarts: int = 0
     deaths_in_a_row: int = 0
     started: float = field(default_factory=time.monotonic)
+    restart_at: float | None = None  # a dead sampler waits out its backoff until then
 
 
 class Daemon:
@@ -109,29 +169,42 @@ class Daemon:
     def __init__(self, config: EpochcacheConfig) -> None:
         self.config = config
         self.cache_dir = str(config.cache.dir)
-        self._stop = threading.Event()
+        self._stop = StopRequest()
         self._ctx = multiprocessing.get_context("spawn")
         self._sampler_stop = StopFlag(self._ctx)
         self._slots = [_Slot(i) for i in range(config.sampler.processes)]
         self._lock = DaemonLock(self.cache_dir)
         self.cache: SampleStore | None = None
+        self._source: Source | None = None
+        self._listed_at = 0.0
 
     def prepare(self) -> int:
-        """Open the cache, take the lock, list the source. Raises before anything is started."""
+        """Take the lock, open the cache, list the source. Raises before anything is started.
+
+        Raises:
+            DaemonAlreadyRunning: another daemon fills this cache (nothing was changed).
+            SourceUnavailable: the source cannot be listed.
+        """
         cfg = self.config.cache
-        self.cache = SampleStore(
-            cfg.dir, capacity=cfg.capacity_bytes, headroom=cfg.headroom_bytes,
-            compression=cfg.compression, level=cfg.level, sync=cfg.sync,
-        )
+        make_private_dir(self.cache_dir)
+        # The lock first: a daemon that is refused must not have rewritten the stored capacity.
         self._lock.acquire()
         try:
+            self.cache = SampleStore(
+                cfg.dir, capacity=cfg.capacity_bytes, headroom=cfg.headroom_bytes,
+                compression=cfg.compression, level=cfg.level, sync=cfg.sync,
+            )
             source = open_configured_source(self.config)
-            refs = list_keys_cached(source, self.cache_dir)
+            listing = listing_cached(source, self.cache_dir)
         except BaseException:
+            if self.cache is not None:
+                self.cache.close()
+                self.cache = None
             self._lock.release()
             raise
-        log.info("%s: %d %ss to sample from", source.url, len(refs), source.unit)
-        return len(refs)
+        self._source, self._listed_at = source, listing.created
+        log.info("%s: %d %ss to sample from", source.url, len(listing.refs), source.unit)
+        return len(listing.refs)
 
     def stop(self, *_: Any) -> None:
         self._stop.set()
@@ -143,7 +216,13 @@ class Daemon:
         assert self.cache is not None  # for mypy: prepare() sets it
         started = time.time()
         status = 0
+        relister = None
+        ttl = self.config.source.listing_ttl_s
+        if ttl and self._source is not None:
+            relister = Relister(self._source, self.cache_dir, ttl, self._listed_at)
         try:
+            if relister is not None:
+                relister.start()
             for slot in self._slots:
                 self._start(slot)
             last_history = last_log = 0.0
@@ -162,15 +241,18 @@ class Daemon:
                     last_log = now
                 self._stop.wait(HEARTBEAT_S)
         finally:
+            if relister is not None:
+                relister.stop()  # a daemon thread: a listing under way is abandoned
             self._shutdown()
             self._heartbeat(started, stopped=True)
             self.cache.append_history()
             self._lock.release()
             self.cache.close()
+            self._stop.close()
         return status
 
     def _start(self, slot: _Slot) -> None:
-        data = self.config.model_dump(mode="python")
+        data = self.config.to_transfer()  # keeps what the samplers must mask
         slot.process = self._ctx.Process(
             target=run_sampler,
             args=(data, slot.index, self._sampler_stop, os.getpid()),
@@ -181,21 +263,30 @@ class Daemon:
         slot.started = time.monotonic()
 
     def _supervise(self) -> bool:
+        """Restart dead samplers (after a backoff, without blocking the loop); False once one
+        keeps dying."""
+        now = time.monotonic()
         for slot in self._slots:
+            if slot.restart_at is not None:
+                if now >= slot.restart_at and not self._stop.is_set():
+                    slot.restart_at = None
+                    self._start(slot)
+                continue
             proc = slot.process
             if proc.is_alive():
-                if time.monotonic() - slot.started > 60:
+                if now - slot.started > 60:
                     slot.deaths_in_a_row = 0
                 continue
-            code = proc.exitcode
             slot.restarts += 1
             slot.deaths_in_a_row += 1
-            log.warning("sampler %d (pid %s) exited with %s; restarting it", slot.index, proc.pid, code)
             if slot.deaths_in_a_row > MAX_RESTARTS_IN_A_ROW:
-                log.error("sampler %d keeps dying; giving up (see the errors above)", slot.index)
+                log.error("sampler %d (pid %s) exited with %s and keeps dying; giving up (see "
+                          "the errors above)", slot.index, proc.pid, proc.exitcode)
                 return False
-            time.sleep(min(30.0, 0.5 * 2 ** (slot.deaths_in_a_row - 1)))
-            self._start(slot)
+            delay = min(30.0, 0.5 * 2 ** (slot.deaths_in_a_row - 1))
+            log.warning("sampler %d (pid %s) exited with %s; restarting it in %.1fs", slot.index,
+                        proc.pid, proc.exitcode, delay)
+            slot.restart_at = now + delay
         return True
 
     def _heartbeat(self, started: float, stopped: bool = False) -> None:
@@ -217,7 +308,7 @@ class Daemon:
                 "started": started,
                 "heartbeat": time.time(),
                 "stopped": stopped,
-                "source": self.config.source.url,
+                "source": redact_url(self.config.source.url),
                 "samplers": samplers,
             },
         )
@@ -252,6 +343,7 @@ def run_daemon(config: EpochcacheConfig) -> int:
     """Run a daemon in this process until SIGTERM/SIGINT; returns the exit status."""
     daemon = Daemon(config)
     daemon.prepare()
+    # The handler is safe to run at any point of the main thread: see StopRequest.
     previous = {sig: signal.signal(sig, daemon.stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         return daemon.run()

@@ -6,6 +6,8 @@ numbers); this module is the one place that reads the validated config's section
 
 from __future__ import annotations
 
+import dataclasses
+
 from ..config import EpochcacheConfig, SourceConfig
 from .sources import Source, SourceSpec, open_source
 
@@ -28,6 +30,12 @@ def source_spec(config: SourceConfig) -> SourceSpec:
     )
 
 
+def max_sample_bytes(config: EpochcacheConfig) -> int:
+    """The largest sample samplers accept: ``loader.max_sample_bytes``, or the cache capacity
+    when smaller (a larger sample could never be cached)."""
+    return min(config.loader.max_sample_bytes, config.cache.capacity_bytes)
+
+
 def open_configured_source(config: EpochcacheConfig) -> Source:
     """The source of a whole config, as one sampler process opens it: ``sampler.concurrency``,
     checks off when ``sampler.check`` is false, and ``sampler.bandwidth_limit`` split evenly among
@@ -35,7 +43,7 @@ def open_configured_source(config: EpochcacheConfig) -> Source:
     sampler = config.sampler
     limit = sampler.bandwidth_limit / sampler.processes if sampler.bandwidth_limit else None
     return open_source(
-        source_spec(config.source),
+        dataclasses.replace(source_spec(config.source), max_sample_bytes=max_sample_bytes(config)),
         concurrency=sampler.concurrency,
         checks=None if sampler.check else (),
         bandwidth_limit=limit,

@@ -15,14 +15,22 @@ listing of millions of keys costs a few bytes per key:
    process's offsets are the same in every pass (those of pass 0, reshuffled): processes run at
    different speeds, and a process already in pass k+1 must not take a key that another process
    has yet to fetch in pass k (it would be fetched twice).
-4. **Position.** ``(pass_index, offset)`` is the next offset this process will take; it is a small
-   JSON-able dict, saved in the cache and restored after a restart so the daemon continues its
-   permutation instead of refetching the first keys.
+4. **Position.** ``(pass_index, offset, extra)`` is the next offset this process will take (and
+   how many added keys it took in this pass); it is a small JSON-able dict, saved in the cache
+   and restored after a restart so the daemon continues its permutation instead of refetching
+   the first keys.
+5. **Added keys.** Keys a re-list found later (:meth:`KeyOrder.add_block`, uniform only) are
+   owned by a hash of the key, not by their index: ``h % num_nodes`` picks the node and
+   ``h // num_nodes % num_processes`` the process, so nodes that re-listed at different times
+   still agree. A process takes its added keys after its share of the original keys, in every
+   pass, block after block, each block in a fresh order per pass; a block added mid-pass joins
+   the current pass at its end, so nothing already taken moves.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import hashlib
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -30,6 +38,7 @@ import numpy as np
 
 _NODE_TAG = 0x4E4F4445  # "NODE": keeps the partition stream apart from the pass streams
 _PASS_TAG = 0x50415353  # "PASS"
+_BLOCK_TAG = 0x424C4B53  # "BLKS"
 
 
 @dataclass(frozen=True)
@@ -38,10 +47,11 @@ class Position:
 
     pass_index: int = 0
     offset: int = 0
+    extra: int = 0
 
     def to_dict(self) -> dict[str, int]:
         """JSON-able form."""
-        return {"pass_index": self.pass_index, "offset": self.offset}
+        return {"pass_index": self.pass_index, "offset": self.offset, "extra": self.extra}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Position:
@@ -52,13 +62,14 @@ class Position:
         """
         try:
             pass_index, offset = int(data["pass_index"]), int(data["offset"])
-        except (KeyError, TypeError, ValueError) as exc:
+            extra = int(data.get("extra", 0))
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ValueError(
                 f"sampler position: expected pass_index and offset, got {data!r}"
             ) from exc
-        if pass_index < 0 or offset < 0:
+        if pass_index < 0 or offset < 0 or extra < 0:
             raise ValueError(f"sampler position: must not be negative, got {data!r}")
-        return cls(pass_index, offset)
+        return cls(pass_index, offset, extra)
 
 
 def node_partition(num_keys: int, seed: int, node_rank: int, num_nodes: int) -> np.ndarray:
@@ -71,6 +82,15 @@ def node_partition(num_keys: int, seed: int, node_rank: int, num_nodes: int) -> 
     rng = np.random.default_rng([_NODE_TAG, seed])
     order = rng.permutation(num_keys).astype(dtype, copy=False)
     return order[node_rank::num_nodes].copy()
+
+
+def key_hashes(keys: Iterable[str]) -> np.ndarray:
+    """A stable 64-bit hash of each key (the owner of an added key is chosen by it)."""
+    return np.array(
+        [int.from_bytes(hashlib.blake2b(k.encode("utf-8"), digest_size=8).digest(), "big")
+         for k in keys],
+        dtype=np.uint64,
+    )
 
 
 def node_partition_pass0(node_keys: np.ndarray, seed: int, node_rank: int) -> np.ndarray:
@@ -139,9 +159,13 @@ class KeyOrder:
             # Saved by a different process count: realign to this process's stride in the same pass.
             offset = self._position.offset
             offset += (process_index - offset) % num_processes
-            self._position = Position(self._position.pass_index, offset)
+            self._position = Position(self._position.pass_index, offset, self._position.extra)
         self._cached_pass: int | None = None
         self._cached_order = np.empty(0, dtype=self.node_keys.dtype)
+        # Added keys this process owns, one array per block, and their order in one pass.
+        self._blocks: list[np.ndarray] = []
+        self._extras_pass: int | None = None
+        self._extras_order = np.empty(0, dtype=np.int64)
 
     def _node_probabilities(self, weights: Sequence[float] | np.ndarray | None) -> np.ndarray:
         if weights is None:
@@ -205,20 +229,70 @@ class KeyOrder:
         chunks: list[np.ndarray] = []
         needed = count
         pass_index, offset = self._position.pass_index, self._position.offset
+        extra = self._position.extra
         step = self.num_processes
         while needed > 0:
-            if offset >= self.pass_length:
-                pass_index, offset = pass_index + 1, self.process_index
+            if offset < self.pass_length:
+                order = self.pass_order(pass_index)
+                chunk = order[offset : offset + needed * step : step]
+                offset += len(chunk) * step
+            elif extra < self.num_added:
+                chunk = self._extras(pass_index)[extra : extra + needed]
+                extra += len(chunk)
+            else:
+                pass_index, offset, extra = pass_index + 1, self.process_index, 0
                 continue
-            order = self.pass_order(pass_index)
-            chunk = order[offset : offset + needed * step : step]
             chunks.append(chunk)
             needed -= len(chunk)
-            offset += len(chunk) * step
-        self._position = Position(pass_index, offset)
+        self._position = Position(pass_index, offset, extra)
         if not chunks:
-            return np.empty(0, dtype=self.node_keys.dtype)
-        return np.concatenate(chunks)
+            return np.empty(0, dtype=np.int64)
+        return np.concatenate([c.astype(np.int64, copy=False) for c in chunks])
+
+    # ------------------------------------------------------------------------------ added keys
+
+    @property
+    def num_added(self) -> int:
+        """Added keys this process takes in every pass (after its share of the original ones)."""
+        return sum(len(block) for block in self._blocks)
+
+    def add_block(self, indices: np.ndarray | Sequence[int], hashes: np.ndarray) -> int:
+        """Add keys a re-list found (their listing indices, and :func:`key_hashes` of their
+        keys); keep those this node and process own. Returns how many it kept.
+
+        Raises:
+            ValueError: the weighted strategy (its weights come from a fixed manifest), or
+                ``indices`` and ``hashes`` differ in length.
+        """
+        if self.strategy != "uniform":
+            raise ValueError("added keys: only the uniform strategy takes keys added by a re-list")
+        indices = np.asarray(indices, dtype=np.int64)
+        hashes = np.asarray(hashes, dtype=np.uint64)
+        if indices.shape != hashes.shape:
+            raise ValueError(f"add_block: {len(indices)} indices but {len(hashes)} hashes")
+        nodes = np.uint64(self.num_nodes)
+        mine = (hashes % nodes == self.node_rank) & (
+            (hashes // nodes) % np.uint64(self.num_processes) == self.process_index)
+        block = indices[mine]
+        self._blocks.append(block)
+        if self._extras_pass is not None:
+            # The pass under way takes the new block after what it already had.
+            self._extras_order = np.concatenate(
+                [self._extras_order, self._block_order(self._extras_pass, len(self._blocks) - 1)])
+        return len(block)
+
+    def _block_order(self, pass_index: int, b: int) -> np.ndarray:
+        rng = np.random.default_rng(
+            [_BLOCK_TAG, self.seed, pass_index, self.node_rank, self.process_index, b])
+        block = self._blocks[b]
+        return block[rng.permutation(len(block))]
+
+    def _extras(self, pass_index: int) -> np.ndarray:
+        if pass_index != self._extras_pass:
+            parts = [self._block_order(pass_index, b) for b in range(len(self._blocks))]
+            self._extras_order = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+            self._extras_pass = pass_index
+        return self._extras_order
 
     def __repr__(self) -> str:
         return (

@@ -35,6 +35,7 @@ import fsspec
 from fsspec.asyn import AsyncFileSystem, sync
 
 from ..errors import PermanentRemoteError, RemoteTimeout, SourceError, SourceUnavailable
+from ..redact import redact_url, scrub_urls
 
 log = logging.getLogger(__name__)
 
@@ -83,10 +84,11 @@ def open_fs(
     try:
         fs, path = fsspec.core.url_to_fs(url, **options)
     except (ImportError, ValueError) as exc:
+        shown = redact_url(url)
         raise SourceUnavailable(
-            f"{url}: cannot open this URL ({exc}); check the protocol and that its fsspec package "
-            "(s3fs, gcsfs, adlfs, aiohttp) is installed",
-            url,
+            f"{shown}: cannot open this URL ({scrub_urls(str(exc))}); check the protocol and that "
+            "its fsspec package (s3fs, gcsfs, adlfs, aiohttp) is installed",
+            shown,
         ) from exc
     if hasattr(fs, "retries"):
         fs.retries = 1  # s3fs retries 5 times with its own sleeps unless told otherwise
@@ -149,7 +151,9 @@ def translate_error(exc: BaseException, url: str) -> SourceError:
     """
     if isinstance(exc, SourceError):
         return exc
-    detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    url = redact_url(url)
+    # Library messages repeat the URL they fetched, credentials and all.
+    detail = scrub_urls(f"{type(exc).__name__}: {exc}") if str(exc) else type(exc).__name__
     if _is_timeout(exc):
         return RemoteTimeout(
             f"{url}: timed out ({detail}); check the endpoint or raise timeout_s", url
@@ -259,40 +263,62 @@ def fetch_many(
     concurrency: int = 16,
     timeout_s: float = 30.0,
     url_of: Callable[[str], str] | None = None,
+    limits: Sequence[int | None] | None = None,
 ) -> list[bytes | SourceError]:
     """Read whole objects concurrently; return each one's bytes or error, in input order.
+
+    ``limits`` bounds what is read of each object: with a limit ``n`` at most ``n`` bytes are
+    downloaded (a ranged read), so a caller that asks for one byte more than it accepts can
+    tell an object that is too large without holding all of it.
 
     Async filesystems (s3fs, http, gcs) run one coroutine per path on fsspec's IO loop, at most
     ``concurrency`` in flight, each bounded by ``timeout_s`` (measured faster than a thread pool of
     ``cat_file``; see the report in remote's tests). Other filesystems use a thread pool. Errors are
     translated per object and never raised: one bad object must not fail its batch.
     """
-    url_of = url_of or (lambda p: fs.unstrip_protocol(p))
+    url_of = url_of or (lambda p: redact_url(fs.unstrip_protocol(p)))
     if not paths:
         return []
+    ends = list(limits) if limits is not None else [None] * len(paths)
     if isinstance(fs, AsyncFileSystem) and getattr(fs, "asynchronous", False) is False:
-        raw = _fetch_async(fs, paths, concurrency, timeout_s)
+        raw = _fetch_async(fs, paths, concurrency, timeout_s, ends)
     else:
-        raw = _fetch_threads(fs, paths, concurrency, timeout_s)
+        raw = _fetch_threads(fs, paths, concurrency, timeout_s, ends)
+    raw = [b"" if end is not None and _unsatisfiable(value) else value
+           for value, end in zip(raw, ends)]
     return [
         translate_error(value, url_of(path)) if isinstance(value, BaseException) else value
         for path, value in zip(paths, raw)
     ]
 
 
+def _unsatisfiable(value: bytes | BaseException) -> bool:
+    """A ranged read from byte 0 answered 416: the object is empty (no range of it exists)."""
+    while isinstance(value, BaseException):
+        if _http_status(value) == 416:
+            return True
+        value = value.__cause__  # type: ignore[assignment]
+    return False
+
+
+def _range(end: int | None) -> dict[str, int]:
+    return {} if end is None else {"start": 0, "end": end}
+
+
 def _fetch_async(
-    fs: AsyncFileSystem, paths: Sequence[str], concurrency: int, timeout_s: float
+    fs: AsyncFileSystem, paths: Sequence[str], concurrency: int, timeout_s: float,
+    ends: Sequence[int | None],
 ) -> list[bytes | BaseException]:
-    async def one(semaphore: asyncio.Semaphore, path: str) -> bytes | BaseException:
+    async def one(semaphore: asyncio.Semaphore, path: str, end: int | None) -> bytes | BaseException:
         async with semaphore:
             try:
-                return bytes(await asyncio.wait_for(fs._cat_file(path), timeout_s))
+                return bytes(await asyncio.wait_for(fs._cat_file(path, **_range(end)), timeout_s))
             except Exception as exc:  # noqa: BLE001 - returned per object, translated by the caller
                 return exc
 
     async def gather() -> list[bytes | BaseException]:
         semaphore = asyncio.Semaphore(max(1, concurrency))
-        return list(await asyncio.gather(*(one(semaphore, p) for p in paths)))
+        return list(await asyncio.gather(*(one(semaphore, p, e) for p, e in zip(paths, ends))))
 
     # The outer timeout is a safety net only: every object has its own wait_for above.
     waves = -(-len(paths) // max(1, concurrency))
@@ -301,13 +327,14 @@ def _fetch_async(
 
 
 def _fetch_threads(
-    fs: fsspec.AbstractFileSystem, paths: Sequence[str], concurrency: int, timeout_s: float
+    fs: fsspec.AbstractFileSystem, paths: Sequence[str], concurrency: int, timeout_s: float,
+    ends: Sequence[int | None],
 ) -> list[bytes | BaseException]:
     results: list[bytes | BaseException] = []
     workers = max(1, min(concurrency, len(paths)))
     pool = ThreadPoolExecutor(max_workers=workers)
     try:
-        futures = [pool.submit(fs.cat_file, p) for p in paths]
+        futures = [pool.submit(fs.cat_file, p, **_range(e)) for p, e in zip(paths, ends)]
         # A thread cannot be interrupted, so bound the whole call: every wave of `workers` objects
         # gets timeout_s. An object still running at the deadline is reported as timed out.
         waves = -(-len(paths) // workers)

@@ -1,11 +1,15 @@
 """One sampler process: choose keys, fetch them concurrently, validate, compress, commit.
 
-A sampler runs until its stop event is set (or its daemon disappears). Fetching and committing
-overlap: the next batch is fetched while a committer thread writes the previous one, so the
-cache's write lock and fsync never leave the network idle. Its position in the key order is
-saved in the cache after each commit, so a restarted sampler goes on where it stopped instead
-of fetching the same first samples again. Per-sample faults never stop it: corrupt objects are
-quarantined, failed fetches counted and logged with their key, and retried on a later pass.
+A sampler runs until its stop flag is set or its daemon disappears. Fetching and committing
+overlap: the next batches are fetched while a committer thread (:mod:`.committer`) writes the
+previous one, so the cache's write lock and fsync never leave the network idle; what it holds
+in flight is bounded in bytes (:mod:`.inflight`). Its position in the key order is saved in the
+cache after each commit, so a restarted sampler goes on where it stopped instead of fetching the
+same first samples again. Per-sample faults never stop it: corrupt objects and samples the cache
+cannot hold are quarantined, failed fetches counted and logged with their key and retried on a
+later pass. A fault that is not per-sample (the committer dies) ends the process with exit
+status 1 within seconds, so that the daemon restarts it; the death of the daemon ends it at
+once (:mod:`.lifeline`).
 
 This module must not import torch: sampler processes stay small.
 """
@@ -15,37 +19,51 @@ from __future__ import annotations
 import collections
 import logging
 import os
-import queue
 import signal
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import numpy as np
+
 from ..config import EpochcacheConfig
-from ..errors import CacheFull, CorruptSample, PermanentRemoteError, SourceError
+from ..errors import CorruptSample, PermanentRemoteError, SampleRejected, SourceError
+from ..redact import install_log_redaction
 from ..store import SampleStore
+from .committer import Batch, Committer, state_name
 from .from_config import open_configured_source
-from .keyorder import KeyOrder
-from .sources import SampleRef, Source, list_keys_cached
+from .inflight import ByteBudget, SizeEstimate
+from .keyorder import KeyOrder, key_hashes
+from .lifeline import Lifeline, kill_with_parent
+from .relist import ListingFollower
+from .sources import Listing, SampleRef, Source, listing_cached
+
+__all__ = ["Sampler", "SamplerHealth", "StopFlag", "run_sampler", "state_name"]
 
 log = logging.getLogger(__name__)
 
-#: Seconds between sampler health documents when nothing is committed (stalled remote).
-HEALTH_INTERVAL_S = 2.0
-#: Seconds between health/position writes while commits flow.
-STATE_INTERVAL_S = 0.5
 #: Pause after a whole pass found every sample already cached (the dataset fits the cache).
 IDLE_WAIT_S = 1.0
 #: Batches fetched at the same time (``sampler.concurrency`` is split among them).
 FETCH_DEPTH = 2
+#: Aim for commits of about this many bytes: 64 samples of 1 MiB would hold the pipeline for a
+#: 64 MiB round (fetch, then commit) where 8 MiB rounds keep fetching and committing overlapped.
+BATCH_BYTES = 8 * 1024 * 1024
+#: How often a wait for a fetch looks at the committer and the daemon.
+_POLL_S = 0.25
 
 
 def _is_cached(cache: SampleStore, source: Source, ref: SampleRef) -> bool:
     if source.unit == "sample":
         return ref.key in cache
     return cache.has_key_prefix(ref.key.rstrip("/") + "/")
+
+
+def _payload_bytes(payload: Any) -> int:
+    return len(payload) if isinstance(payload, bytes) else sum(len(v) for v in payload.values())
 
 
 @dataclass
@@ -60,6 +78,7 @@ class SamplerHealth:
     skipped: int = 0
     errors: int = 0
     quarantined: int = 0
+    deferred: int = 0  # samples larger than the headroom, skipped while leases pin the cache
     last_error: str = ""
     waiting_for_space: bool = False
     position: dict[str, int] = field(default_factory=dict)
@@ -95,99 +114,6 @@ class StopFlag:
         return True
 
 
-def state_name(index: int) -> str:
-    return f"sampler/{index}"
-
-
-class _Committer(threading.Thread):
-    """Writes fetched batches to the cache in order, one batch behind the fetcher."""
-
-    def __init__(self, cache: SampleStore, health: SamplerHealth, stop: Any) -> None:
-        super().__init__(name="epochcache-committer", daemon=True)
-        self.cache, self.health, self.stop_event = cache, health, stop
-        self.batches: queue.Queue[tuple[list[tuple[str, bytes]], dict[str, int], list[str]] | None] = (
-            queue.Queue(maxsize=1)
-        )
-        self.error: BaseException | None = None
-        # Keys fetched but not committed yet: not cached, yet they must not be fetched again
-        # (a small pass wraps around while its last batches are still queued here).
-        self.in_flight: set[str] = set()
-        self._lock = threading.Lock()
-
-    def mark_in_flight(self, keys: list[str]) -> None:
-        """Keys being fetched: cleared once their batch is committed."""
-        with self._lock:
-            self.in_flight.update(keys)
-
-    def is_in_flight(self, key: str) -> bool:
-        with self._lock:
-            return key in self.in_flight
-
-    def run(self) -> None:
-        try:
-            while (item := self.batches.get()) is not None:
-                records, position, keys = item
-                self._commit(records)
-                with self._lock:
-                    self.in_flight.difference_update(keys)
-                self.health.position = position
-                now = time.time()
-                # At most one health/position write per STATE_INTERVAL_S: each is a commit with
-                # an fsync of its own. A position that lags is harmless: on restart, keys already
-                # cached are skipped before fetching.
-                if now - self.health.heartbeat >= STATE_INTERVAL_S:
-                    self.health.heartbeat = now
-                    self.cache.tables.put_state(state_name(self.health.index), asdict(self.health))
-        except BaseException as exc:  # surfaced by the fetch loop
-            self.error = exc
-
-    def _commit(self, records: list[tuple[str, bytes]]) -> None:
-        while records:
-            try:
-                result = self.cache.put_many(records, encoded=True, stop=self.stop_event, timeout_s=HEALTH_INTERVAL_S)
-                self.health.committed += result.inserted
-                self.health.skipped += result.skipped
-                self.health.waiting_for_space = False
-                return
-            except CacheFull as full:
-                # Whatever part was committed is skipped as a duplicate on the next attempt.
-                if full.result is not None:
-                    self.health.committed += full.result.inserted  # type: ignore[attr-defined]
-                self.health.waiting_for_space = True
-                self.health.heartbeat = time.time()
-                self.cache.tables.put_state(state_name(self.health.index), asdict(self.health))
-                if self.stop_event.is_set():
-                    log.info("sampler %d: stopping with %d samples not committed", self.health.index, len(records))
-                    return
-
-
-def _encode_results(
-    cache: SampleStore, source: Source, results: list[tuple[SampleRef, Any]], health: SamplerHealth
-) -> list[tuple[str, bytes]]:
-    records: list[tuple[str, bytes]] = []
-    for ref, payload in results:
-        if isinstance(payload, CorruptSample):
-            health.quarantined += 1
-            log.warning("quarantined %s: %s", source.object_url(ref.key), payload)
-            cache.tables.quarantine(ref.key, str(payload), url=source.object_url(ref.key))
-        elif isinstance(payload, BaseException):
-            health.errors += 1
-            health.last_error = f"{ref.key}: {payload}"[:300]
-            level = logging.WARNING if isinstance(payload, PermanentRemoteError) else logging.INFO
-            log.log(level, "fetch failed for %s (retried next pass): %s", ref.key, payload)
-        else:
-            health.fetched += 1
-            size = len(payload) if isinstance(payload, bytes) else sum(len(v) for v in payload.values())
-            health.fetched_bytes += size
-            records.append((ref.key, cache.encode(ref.key, payload)))
-    return records
-
-
-#: Aim for commits of about this many bytes: 64 samples of 1 MiB would hold the pipeline for a
-#: 64 MiB round (fetch, then commit) where 8 MiB rounds keep fetching and committing overlapped.
-BATCH_BYTES = 8 * 1024 * 1024
-
-
 def _samples_per_batch(configured: int, refs: list[SampleRef], unit: str, concurrency: int) -> int:
     """Samples per fetch/commit round: ``sampler.batch_size``, fewer for large objects."""
     if unit != "sample":
@@ -197,6 +123,16 @@ def _samples_per_batch(configured: int, refs: list[SampleRef], unit: str, concur
         return configured
     mean = sum(sizes) / len(sizes)
     return max(1, min(configured, int(BATCH_BYTES // max(1.0, mean))))
+
+
+@dataclass
+class _Fetching:
+    """A batch being fetched: its future, where the key order stands after it, its bytes."""
+
+    future: Future[list[Any]]
+    refs: list[SampleRef]
+    position: dict[str, int]
+    reserved: int
 
 
 class Sampler:
@@ -211,22 +147,41 @@ class Sampler:
 
     def __init__(self, config: EpochcacheConfig, index: int, stop: Any,
                  parent_pid: int | None = None) -> None:
-        self.index, self.stop, self.parent_pid = index, stop, parent_pid
+        self.index, self.stop = index, stop
+        self.lifeline = Lifeline(parent_pid)
         # sync: false skips the fsync per commit. A killed process still loses nothing committed
         # (the data is in the page cache); only a power loss or kernel crash can cost recent
         # commits, or the cache (rebuild it from the remote). It is what large samples need to
         # ingest at link speed on a busy node (docs/benchmarks.md).
-        self.cache = SampleStore(config.cache.dir, sync=config.cache.sync)
+        self.cache = SampleStore(config.cache.dir, compression=config.cache.compression,
+                                 level=config.cache.level, sync=config.cache.sync)
         self.source = open_configured_source(config)
-        self.refs = list_keys_cached(self.source, config.cache.dir)
+        listing = listing_cached(self.source, config.cache.dir)
+        self.refs = listing.refs
+        # The original listing is the key order's base; blocks a re-list added join it by key
+        # hash. Weighted sampling draws from the whole listing (no re-listing: see config).
+        weighted = config.sampler.strategy == "weighted"
+        self.blocks = list(listing.blocks) if weighted else [listing.blocks[0]]
+        self.gone = listing.gone  # keys a re-list no longer found: skipped
         saved = self.cache.tables.get_state(state_name(index)) or {}
-        self.order = _key_order(config, len(self.refs), self.refs, index, saved.get("position"))
+        self.order = _key_order(config, self.refs[: self.blocks[-1]], index, saved.get("position"))
+        self._add_blocks(listing)  # keys added by earlier re-lists, before the saved position
+        self.follower = (ListingFollower(self.source, str(config.cache.dir))
+                         if config.source.listing_ttl_s else None)
         self.health = SamplerHealth(index=index)
-        for name in ("fetched", "fetched_bytes", "committed", "skipped", "errors", "quarantined"):
+        for name in ("fetched", "fetched_bytes", "committed", "skipped", "errors", "quarantined",
+                     "deferred"):
             setattr(self.health, name, int(saved.get(name, 0)))
-        self.committer = _Committer(self.cache, self.health, stop)
+        self.committer = Committer(self.cache, self.health, stop=stop,
+                                   should_stop=self.should_stop, quarantine=self.quarantine,
+                                   done=self._done)
         self.per_batch = _samples_per_batch(config.sampler.batch_size, self.refs, self.source.unit,
                                             config.sampler.concurrency)
+        limit = config.sampler.max_bytes_in_flight
+        self.budget = ByteBudget(limit)
+        # FETCH_DEPTH batches in fetch, one queued and one committing: each gets a share.
+        self.batch_bytes = max(1, min(BATCH_BYTES, limit // (FETCH_DEPTH + 2)))
+        self.sizes = SizeEstimate(self.refs, self.batch_bytes)
         # FETCH_DEPTH batches are fetched at once, each with its share of `concurrency`: while
         # one drains its slowest requests, the other keeps the link busy (one batch at a time
         # left the link idle at every batch boundary: 0.6x a bare fetch, 0.9x+ with two).
@@ -235,30 +190,51 @@ class Sampler:
         # Keys quarantined by this process: corrupt objects are not fetched (and counted) again
         # every pass; a restarted daemon tries them once more.
         self.quarantined: set[str] = set()
+        # Keys fetched but not committed yet: not cached, yet they must not be fetched again
+        # (a small pass wraps around while its last batches are still being committed).
+        self._in_flight: set[str] = set()
+        self._in_flight_lock = threading.Lock()
+        # Refs taken from the key order but not fetched yet (a batch is cut to batch_bytes),
+        # and the position before they were taken (saved until they are all fetched).
+        self.carry: collections.deque[SampleRef] = collections.deque()
+        self._carry_position: dict[str, int] = self.order.state()
         self.fruitless = 0  # offsets taken since the last batch that brought anything new
-        self.fetching: collections.deque[tuple[Future[list[Any]], dict[str, int], list[str]]] = (
-            collections.deque())
+        self.fetching: collections.deque[_Fetching] = collections.deque()
         self.pool = ThreadPoolExecutor(max_workers=FETCH_DEPTH, thread_name_prefix="epochcache-fetch")
 
+    # -- stopping ---------------------------------------------------------------------------------
+
+    def should_stop(self) -> bool:
+        """Stop asked by the daemon (or SIGTERM), or the daemon is gone (then stop is set)."""
+        if self.lifeline.parent_gone():
+            self.stop.set()
+        return bool(self.stop.is_set())
+
+    # -- the fetch loop ---------------------------------------------------------------------------
+
     def run(self) -> None:
-        """Fetch and commit until stopped; what is in flight then is committed too."""
+        """Fetch and commit until stopped; what is in flight then is committed too.
+
+        Raises:
+            CommitterDied: the committer failed (the process must exit and be restarted).
+        """
         self.committer.start()
         log.info("%d %ss, starting at %s", len(self.refs), self.source.unit, self.order.position)
         try:
-            while not self.stop.is_set():
-                if self.parent_pid is not None and os.getppid() != self.parent_pid:
-                    log.warning("daemon %d is gone; stopping", self.parent_pid)
-                    break
-                if self.committer.error is not None:
-                    raise self.committer.error
-                if self.fruitless >= self.order.pass_length and not self.fetching:
+            while not self.should_stop():
+                self.committer.check()
+                if self.follower is not None:
+                    self._follow_listing()
+                pass_keys = self.order.pass_length + self.order.num_added
+                if self.fruitless >= pass_keys and not self.fetching and not self.carry:
                     # A whole pass brought nothing new (everything cached, corrupt or failing):
                     # wait instead of spinning on the cache and the remote.
                     self.stop.wait(IDLE_WAIT_S)
                     self.fruitless = 0
-                picked = self._pick()
-                if picked:
-                    self._submit(picked)
+                    continue
+                picked, position = self._pick()
+                if picked and not self._reserve_and_submit(picked, position):
+                    break
                 if len(self.fetching) >= FETCH_DEPTH or (self.fetching and not picked):
                     self._hand_over()
             # Stopping: what is being fetched is committed too (graceful stop loses nothing).
@@ -268,61 +244,184 @@ class Sampler:
             self.health.last_error = str(exc)[:300]
             raise
 
-    def _pick(self) -> list[SampleRef]:
-        """The next batch of refs in key order that are neither cached nor on their way."""
-        picked = [self.refs[int(i)] for i in self.order.take(self.per_batch)]
-        self.fruitless += self.per_batch
-        unique = {ref.key: ref for ref in picked}  # a small dataset can wrap within one batch
-        return [
-            ref for ref in unique.values()
-            if ref.key not in self.quarantined
-            and not self.committer.is_in_flight(ref.key)
-            and not _is_cached(self.cache, self.source, ref)  # the whole dataset may fit
-        ]
+    def _pick(self) -> tuple[list[SampleRef], dict[str, int]]:
+        """The next batch of refs in key order that are neither cached nor on their way, cut
+        to :attr:`batch_bytes`, and the key order position to save once it is committed."""
+        if not self.carry:
+            self._carry_position = self.order.state()
+            taken = [self.refs[i] for i in map(int, self.order.take(self.per_batch))
+                     if i not in self.gone]
+            self.fruitless += self.per_batch
+            unique = {ref.key: ref for ref in taken}  # a small dataset can wrap within one batch
+            self.carry.extend(
+                ref for ref in unique.values()
+                if ref.key not in self.quarantined
+                and not self._is_in_flight(ref.key)
+                and not _is_cached(self.cache, self.source, ref)  # the whole dataset may fit
+            )
+        batch: list[SampleRef] = []
+        total = 0
+        while self.carry:
+            size = self.sizes.of(self.carry[0])
+            if batch and total + size > self.batch_bytes:
+                break
+            batch.append(self.carry.popleft())
+            total += size
+        # Until the rest of what was taken is fetched, a restart must take it again (what is
+        # committed by then is skipped as cached): save the position from before the take.
+        position = self._carry_position if self.carry else self.order.state()
+        return batch, position
 
-    def _submit(self, picked: list[SampleRef]) -> None:
+    def _follow_listing(self) -> None:
+        """Take the keys of a listing the daemon re-listed into the key order (this pass)."""
+        listing = self.follower.poll() if self.follower is not None else None
+        if listing is None:
+            return
+        if listing.blocks[: len(self.blocks)] != self.blocks:
+            log.warning("the saved listing was rebuilt rather than grown; this sampler goes on "
+                        "with its %d keys until it is restarted", len(self.refs))
+            return
+        before = self.order.num_added
+        self.refs, self.gone = listing.refs, listing.gone
+        self._add_blocks(listing)
+        log.info("the listing grew to %d keys (%d gone); %d more for this sampler",
+                 len(self.refs), len(self.gone), self.order.num_added - before)
+
+    def _add_blocks(self, listing: Listing) -> None:
+        for b in range(len(self.blocks), len(listing.blocks)):
+            lo, hi = listing.blocks[b - 1], listing.blocks[b]
+            keys = [ref.key for ref in listing.refs[lo:hi]]
+            self.order.add_block(np.arange(lo, hi), key_hashes(keys))
+            self.blocks.append(hi)
+
+    def _reserve_and_submit(self, picked: list[SampleRef], position: dict[str, int]) -> bool:
+        """Reserve the batch's bytes (handing over fetched batches meanwhile) and start
+        fetching it; False if the sampler is stopping instead."""
+        need = sum(self.sizes.of(ref) for ref in picked)
+        while self.fetching and not self.budget.fits(need):
+            self._hand_over()
+        if not self.budget.wait(need, self._stop_or_committer_dead):
+            self.committer.check()
+            return False
+        self.budget.take(need)
         keys = [ref.key for ref in picked]
-        self.committer.mark_in_flight(keys)
+        with self._in_flight_lock:
+            self._in_flight.update(keys)
         future = self.pool.submit(self.source.fetch_with_retries, picked,
                                   deadline_s=self.deadline_s)
-        self.fetching.append((future, self.order.state(), keys))
+        self.fetching.append(_Fetching(future, picked, position, need))
+        return True
+
+    def _stop_or_committer_dead(self) -> bool:
+        return self.should_stop() or self.committer.error is not None or not self.committer.is_alive()
 
     def _hand_over(self) -> None:
         """Wait for the oldest batch in flight and queue it for commit (in order)."""
-        future, position, keys = self.fetching.popleft()
-        results = future.result()
+        fetching = self.fetching.popleft()
+        keys = [ref.key for ref in fetching.refs]
+        while True:
+            try:
+                results = fetching.future.result(timeout=_POLL_S)
+                break
+            except FutureTimeout:
+                self.committer.check()
+                if self.lifeline.parent_gone():  # nobody will read what we would commit
+                    self.stop.set()
+                    self._done(Batch([], fetching.position, keys, fetching.reserved))
+                    return
         self.quarantined.update(
             ref.key for ref, payload in results if isinstance(payload, CorruptSample))
-        records = _encode_results(self.cache, self.source, results, self.health)
+        records, fetched = self._encode_results(results)
+        unknown = [ref for ref in fetching.refs if not ref.size]
+        if unknown and fetched:
+            self.sizes.observe(fetched * len(unknown) // max(1, len(fetching.refs)), len(unknown))
+        # From here on the batch holds its records (the fetched payloads are dropped).
+        nbytes = sum(len(record) for _, record in records)
+        self.budget.adjust(fetching.reserved, nbytes)
         if records:
             self.fruitless = 0
-        self.committer.batches.put((records, position, keys))
+        self.committer.hand_over(Batch(records, fetching.position, keys, nbytes))
+
+    def _encode_results(self, results: list[tuple[SampleRef, Any]]) -> tuple[list[tuple[str, bytes]], int]:
+        """Records of the fetched samples (errors counted, corrupt ones quarantined), and the
+        bytes fetched."""
+        records: list[tuple[str, bytes]] = []
+        fetched = 0
+        health = self.health
+        for ref, payload in results:
+            if isinstance(payload, CorruptSample):
+                self.quarantine(ref.key, str(payload))
+            elif isinstance(payload, BaseException):
+                health.errors += 1
+                health.last_error = f"{ref.key}: {payload}"[:300]
+                level = logging.WARNING if isinstance(payload, PermanentRemoteError) else logging.INFO
+                log.log(level, "fetch failed for %s (retried next pass): %s", ref.key, payload)
+            else:
+                size = _payload_bytes(payload)
+                health.fetched += 1
+                health.fetched_bytes += size
+                fetched += size
+                try:
+                    records.append((ref.key, self.cache.encode(ref.key, payload)))
+                except SampleRejected as exc:
+                    self.quarantine(ref.key, str(exc))
+        return records, fetched
+
+    # -- shared with the committer thread ---------------------------------------------------------
+
+    def quarantine(self, key: str, reason: str) -> None:
+        """Count, log (with its URL) and record a sample that cannot be cached; it is not
+        fetched again by this process."""
+        url = self.source.object_url(key)
+        self.quarantined.add(key)
+        self.health.quarantined += 1
+        log.warning("quarantined %s: %s", url, reason)
+        self.cache.tables.quarantine(key, reason, url=url)
+
+    def _is_in_flight(self, key: str) -> bool:
+        with self._in_flight_lock:
+            return key in self._in_flight
+
+    def _done(self, batch: Batch) -> None:
+        """A batch is finished with: its keys may be fetched again, its bytes are free."""
+        with self._in_flight_lock:
+            self._in_flight.difference_update(batch.keys)
+        self.budget.release(batch.nbytes)
+
+    # -- ending -----------------------------------------------------------------------------------
 
     def close(self) -> None:
         """Stop fetching, let the committer finish, save the health document, close the cache.
 
         Raises:
-            BaseException: the committer's error, if it failed.
+            CommitterDied: the committer failed.
         """
         self.pool.shutdown(wait=True, cancel_futures=True)
-        self.committer.batches.put(None)
-        if self.committer.is_alive():
-            self.committer.join()
+        self.committer.finish()
         self.health.heartbeat = time.time()
         self.cache.tables.put_state(state_name(self.index), asdict(self.health))
         self.cache.close()
-        if self.committer.error is not None:
-            raise self.committer.error
+
+    def abort(self, error: BaseException) -> None:
+        """After a fatal error: record it in the health document, best effort, and return
+        without waiting for fetches or the committer (the process exits next)."""
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.health.last_error = f"sampler exited: {type(error).__name__}: {error}"[:300]
+        self.health.heartbeat = time.time()
+        try:
+            self.cache.tables.put_state(state_name(self.index), asdict(self.health))
+        except Exception as exc:  # noqa: BLE001 - the cache may be what failed
+            log.warning("sampler %d: could not save its health: %s", self.index, exc)
 
 
-def _key_order(config: EpochcacheConfig, num_keys: int, refs: list[SampleRef], index: int,
+def _key_order(config: EpochcacheConfig, refs: list[SampleRef], index: int,
                position: dict[str, int] | None) -> KeyOrder:
     node_rank, num_nodes = config.sampler.node()
     weights = None
     if config.sampler.strategy == "weighted":
         weights = [r.weight if r.weight is not None else 1.0 for r in refs]
     return KeyOrder(
-        num_keys,
+        len(refs),
         seed=config.sampler.seed,
         node_rank=node_rank,
         num_nodes=num_nodes,
@@ -338,20 +437,34 @@ def run_sampler(config_data: dict[str, Any], index: int, stop: Any,
                 parent_pid: int | None = None) -> None:
     """Entry point of a sampler process (started with ``spawn`` by the daemon).
 
+    Returns when stopped. On a fatal error (the committer died, the cache failed) it logs the
+    error and ends the process with exit status 1 at once, without waiting for fetches in
+    flight: the daemon restarts it. Committed samples are durable either way.
+
     Args:
-        config_data: the validated config, as ``EpochcacheConfig.model_dump()``.
+        config_data: the validated config, as ``EpochcacheConfig.to_transfer()``.
         index: this sampler's index among ``sampler.processes``.
         stop: the daemon's :class:`StopFlag`; set, the sampler stops after committing what it
             has fetched.
         parent_pid: the daemon; if it disappears, the sampler stops too (no orphans).
     """
+    if parent_pid is not None:
+        kill_with_parent()
+        if os.getppid() != parent_pid:  # the daemon died before the kernel was told
+            return
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the daemon, which stops us in order
     # SIGTERM to the whole process group (systemd, timeout): stop after the batch in flight.
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    config = EpochcacheConfig.model_validate(config_data)
+    config = EpochcacheConfig.from_transfer(config_data)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s sampler {index}: %(message)s")
+    install_log_redaction(secrets=set(config.secrets))  # URLs in any library's log lines
     sampler = Sampler(config, index, stop, parent_pid)
     try:
         sampler.run()
-    finally:
         sampler.close()
+    except BaseException as exc:  # any failure: exit now, the daemon restarts us
+        log.error("sampler %d is exiting on %s: %s (the daemon restarts it)", index,
+                  type(exc).__name__, exc, exc_info=exc)
+        sampler.abort(exc)
+        logging.shutdown()
+        os._exit(1)  # not sys.exit: it would wait for fetch threads stuck on the remote

@@ -11,6 +11,7 @@ class, so that this layer never imports torch.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -22,16 +23,27 @@ import numpy as np
 
 from ..units import format_size, parse_size
 from . import codec
-from .capacity import Capacity, resolve_limits
+from .capacity import Capacity, resolve_limits, stored_limits
 from .codec import Value
 from .counters import Counters
 from .env import Store, map_bound
 from .eviction import Eviction
 from .leases import DEFAULT_LEASE_TIMEOUT_S, Lease, delete_lease, read_leases, write_lease
-from .schema import DB_KEYS, DB_LEASES, DB_META, DB_SAMPLES, seq_key, seq_keys, unpack_u64
+from .schema import (
+    DB_KEYS,
+    DB_LEASES,
+    DB_META,
+    DB_SAMPLES,
+    index_key,
+    seq_key,
+    seq_keys,
+    unpack_u64,
+)
 from .snapshot import Snapshot, select_snapshot
 from .tables import SideTables
-from .writer import PutResult, Writer
+from .writer import OnReject, PutResult, Writer
+
+log = logging.getLogger("epochcache.cache")  # one logger for everything a cache does
 
 
 class SampleStore:
@@ -44,7 +56,10 @@ class SampleStore:
     Args:
         path: the cache directory (created private to the user).
         capacity: stored bytes to keep, e.g. ``"200GiB"`` or ``10**9``. Required when creating
-            a cache; when opening an existing one, None keeps its stored capacity.
+            a cache; when opening an existing one, None keeps its stored capacity. A different
+            capacity (or headroom) replaces the stored one only when no other process has the
+            cache open for writing, and the log says ``old -> new``; otherwise the stored
+            limits are kept, with a warning, so that every process works to the same ones.
         headroom: extra bytes writers may use while leases pin the oldest samples: a fraction
             of capacity (default 0.1) or a size. At capacity + headroom writers wait.
         compression: ``"zstd"`` or ``"none"``; incompressible samples are stored raw anyway.
@@ -82,20 +97,54 @@ class SampleStore:
         cap = None if capacity is None else parse_size(capacity, name="capacity")
         if cap is not None and cap <= 0:
             raise ValueError(f"capacity: must be positive, got {capacity!r}")
-        capacity_bytes, headroom_bytes, changed = resolve_limits(self.path, cap, headroom)
-        limit = capacity_bytes + headroom_bytes
         max_map = parse_size(max_map_size, name="max_map_size") if max_map_size else None
-        bound = max_map if max_map is not None else map_bound(limit)
-        self.store = Store(self.path, map_size=min(bound, map_bound(limit)), max_map_size=bound,
-                         readonly=readonly, sync=sync)
+
+        def map_limits(capacity_bytes: int, headroom_bytes: int) -> tuple[int, int]:
+            limit = capacity_bytes + headroom_bytes
+            bound = max_map if max_map is not None else map_bound(limit)
+            return min(bound, map_bound(limit)), bound
+
+        # No cache and no capacity: this raises before anything is created.
+        capacity_bytes, headroom_bytes, _ = resolve_limits(self.path, cap, headroom)
+        map_size, bound = map_limits(capacity_bytes, headroom_bytes)
+        self.store = Store(self.path, map_size=map_size, max_map_size=bound, readonly=readonly,
+                           sync=sync)
+        # Read the limits again now that this process holds the cache (see Store.alone).
+        capacity_bytes, headroom_bytes, changed = resolve_limits(self.path, cap, headroom)
+        if changed and not readonly:
+            capacity_bytes, headroom_bytes = self._settle_limits(cap, headroom)
+        self.store.set_map_limits(*map_limits(capacity_bytes, headroom_bytes))
         self.capacity = Capacity(self.store, capacity_bytes, headroom_bytes)
         self.writer = Writer(self.store, self.capacity, compress=self.compress, level=level,
                              lease_timeout_s=lease_timeout_s)
         self.tables = SideTables(self.store)
         if not readonly:
-            if changed:
-                self.store.write(self.capacity.save)
             self.capacity.fit_to_disk()
+
+    def _settle_limits(self, capacity: int | None, headroom: float | int | str) -> tuple[int, int]:
+        """Store the limits asked for if no other process holds the cache, else keep the
+        stored ones (every process must work to the same limits); log either way."""
+        with self.store.alone() as sole:
+            cap, head, changed = resolve_limits(self.path, capacity, headroom)
+            old_cap, old_head = stored_limits(self.path)
+            if not changed:
+                return cap, head
+            if old_cap is None or sole:
+                self.store.write(Capacity(self.store, cap, head).save)
+                if old_cap is not None:
+                    log.info("%s: capacity %s -> %s, headroom %s -> %s", self.path,
+                             format_size(old_cap), format_size(cap),
+                             format_size(old_head or 0), format_size(head))
+                return cap, head
+        kept_cap, kept_head, _ = resolve_limits(self.path, None, headroom)
+        log.warning(
+            "%s: keeping capacity %s (headroom %s) instead of %s (headroom %s): other processes "
+            "have this cache open (a daemon, its samplers or trainers), and all must work to the "
+            "same limits; stop them, then open it with the new capacity",
+            self.path, format_size(kept_cap), format_size(kept_head), format_size(cap),
+            format_size(head),
+        )
+        return kept_cap, kept_head
 
     @property
     def dbs(self) -> dict[bytes, lmdb._Database]:
@@ -115,8 +164,25 @@ class SampleStore:
 
     @property
     def effective_capacity(self) -> int:
-        """Capacity in force: the configured one, lowered after a full disk."""
-        return self.capacity.effective
+        """Capacity in force: the configured one, unless this process or another live writer
+        runs lowered while the disk (or the LMDB map) is full; see :meth:`capacity_lowered`."""
+        lowered = self.capacity.lowered()
+        own = self.capacity.effective
+        return own if lowered is None else min(own, int(lowered["limit"]))
+
+    def capacity_lowered(self) -> dict[str, Any] | None:
+        """The lowest capacity in force in a live process, when lower than the configured one:
+        ``limit``, ``capacity``, ``reason``, ``since``, ``pid``; None otherwise. A lowered
+        capacity is a runtime back-off that recovers by itself and is never stored
+        (:mod:`epochcache.store.backoff`)."""
+        return self.capacity.lowered()
+
+    @property
+    def effective_headroom(self) -> int:
+        """Headroom in force (scaled down with a lowered capacity). While epochs hold
+        snapshots of the newest capacity's worth of samples, a sample larger than this cannot
+        get in: the writer would wait for it forever."""
+        return self.capacity.headroom_for(self.capacity.effective)
 
     def reset_effective_capacity(self) -> None:
         """Forget a capacity lowered after a full disk (after space was freed)."""
@@ -139,6 +205,7 @@ class SampleStore:
         wait: bool = True,
         timeout_s: float | None = None,
         stop: threading.Event | None = None,
+        on_reject: OnReject | None = None,
     ) -> PutResult:
         """Store samples; samples whose key is already cached are skipped.
 
@@ -149,15 +216,20 @@ class SampleStore:
         sample is committed. A :class:`CacheFull` carries ``.result``, what was committed.
 
         Args:
-            items: ``(source key, value)`` pairs; a value is ``bytes`` or a dict of fields.
+            items: ``(source key, value)`` pairs; a value is ``bytes`` or a dict of fields. A
+                key may be any length: keys LMDB cannot hold are indexed under a digest.
             encoded: the values are records already made by :meth:`encode`.
+            on_reject: ``on_reject(key, error)`` for each sample that can never be stored
+                (:class:`SampleRejected`); the others are committed. Without it, such a sample
+                raises before anything is committed.
 
         Raises:
             CacheFull: no room and ``wait`` is False, the timeout passed, or ``stop`` was set.
-            SampleTooLarge: a sample could never fit the capacity.
+            SampleTooLarge: a sample could never fit the capacity (and no ``on_reject``).
+            SampleRejected: a sample can never be stored otherwise (and no ``on_reject``).
         """
         return self.writer.put_many(items, encoded=encoded, wait=wait, timeout_s=timeout_s,
-                                    stop=stop)
+                                    stop=stop, on_reject=on_reject)
 
     def evict(self, limit_bytes: int | None = None) -> Eviction:
         """Evict oldest unleased samples until at most ``limit_bytes`` (default capacity) remain."""
@@ -172,10 +244,14 @@ class SampleStore:
         if not isinstance(key, str):
             return False
         with self.store.read() as txn:
-            return txn.get(key.encode("utf-8"), db=self.dbs[DB_KEYS]) is not None
+            return txn.get(index_key(key.encode("utf-8")), db=self.dbs[DB_KEYS]) is not None
 
     def has_key_prefix(self, prefix: str) -> bool:
-        """Whether any cached source key starts with ``prefix`` (a tar shard's samples)."""
+        """Whether any cached source key starts with ``prefix`` (a tar shard's samples).
+
+        Keys indexed under a digest (longer than 511 bytes) are found for prefixes of up to
+        478 bytes; past that a shard may be fetched again, and its samples skipped as cached.
+        """
         raw = prefix.encode("utf-8")
         with self.store.read() as txn:
             cursor = txn.cursor(db=self.dbs[DB_KEYS])
@@ -216,7 +292,7 @@ class SampleStore:
     def seq_of(self, key: str) -> int | None:
         """The sequence number under which source ``key`` is cached, or None."""
         with self.store.read() as txn:
-            raw = txn.get(key.encode("utf-8"), db=self.dbs[DB_KEYS])
+            raw = txn.get(index_key(key.encode("utf-8")), db=self.dbs[DB_KEYS])
             return None if raw is None else unpack_u64(raw)
 
     def counters(self) -> Counters:
@@ -300,6 +376,7 @@ class SampleStore:
         return self.store.file_bytes()
 
     def close(self) -> None:
+        self.capacity.close()
         self.store.close()
 
     def __enter__(self) -> SampleStore:

@@ -2,31 +2,28 @@
 
 Capacity and headroom are stored in the cache's ``meta`` table, so every process that opens
 the cache (samplers, trainers, ``status``) works to the same limits. The limit in force, the
-*effective capacity*, is the configured capacity lowered when the disk cannot hold it: at open
-time to what the free disk allows, and after a full disk or LMDB map to a little below what is
-stored. Headroom shrinks in proportion with it.
+*effective capacity*, is the configured capacity unless the disk cannot hold it: then it is a
+runtime back-off of the process that found out (at open, or after a full disk or LMDB map),
+which recovers by itself and is never stored as a limit (:mod:`epochcache.store.backoff`).
+Headroom shrinks in proportion with it.
 """
 
 from __future__ import annotations
 
-import logging
 import os
-import shutil
+from typing import Any
 
 import lmdb
 
 from ..errors import CacheError
-from ..units import format_size, headroom_bytes, parse_headroom
+from ..units import headroom_bytes, parse_headroom
+from .backoff import BackOff, published
 from .counters import Counters
 from .env import Store
-from .schema import C_EFFECTIVE_CAPACITY, C_FORMAT, DB_META, FORMAT_VERSION, pack_u64, unpack_u64
-
-log = logging.getLogger("epochcache.cache")  # one logger for everything a cache does
+from .schema import C_FORMAT, DB_META, FORMAT_VERSION, pack_u64, unpack_u64
 
 _M_CAPACITY = b"capacity"
 _M_HEADROOM = b"headroom"
-#: Keep this fraction of the disk's free space unused when sizing the cache to the disk.
-_DISK_RESERVE = 0.05
 
 
 def stored_limits(path: str) -> tuple[int | None, int | None]:
@@ -87,7 +84,7 @@ class Capacity:
         self.store = store
         self.capacity_bytes = capacity_bytes
         self.headroom_bytes = headroom_bytes
-        self._disk_limit: int | None = None
+        self.backoff = BackOff(store, capacity_bytes, headroom_bytes)
 
     def save(self, txn: lmdb.Transaction) -> None:
         """Store the format version, capacity and headroom (refusing another format)."""
@@ -103,34 +100,25 @@ class Capacity:
         txn.put(_M_HEADROOM, pack_u64(self.headroom_bytes), db=meta)
 
     def fit_to_disk(self) -> None:
-        """Lower the effective capacity when the disk cannot hold capacity + headroom."""
-        usage = shutil.disk_usage(self.store.path)
-        room = int((usage.free + self.store.file_bytes()) * (1 - _DISK_RESERVE))
-        need = self.capacity_bytes + self.headroom_bytes
-        if need > room:
-            fit = int(room * self.capacity_bytes / need)
-            log.warning(
-                "%s: capacity %s + headroom %s does not fit the %s free on this disk; "
-                "using an effective capacity of %s (free space or lower cache.capacity)",
-                self.store.path,
-                format_size(self.capacity_bytes),
-                format_size(self.headroom_bytes),
-                format_size(usage.free),
-                format_size(fit),
-            )
-            self._disk_limit = fit
+        """At open: lower the limit in force when the disk cannot hold capacity + headroom
+        (and drop back-off state that earlier processes or versions left in the cache)."""
+        self.backoff.fit_to_disk()
 
     @property
     def effective(self) -> int:
-        """Capacity in force: the configured one, lowered after a full disk."""
-        limits = [self.capacity_bytes]
-        if self._disk_limit is not None:
-            limits.append(self._disk_limit)
-        with self.store.read() as txn:
-            lowered = txn.get(C_EFFECTIVE_CAPACITY, db=self.store.dbs[DB_META])
-            if lowered is not None and unpack_u64(lowered) > 0:
-                limits.append(unpack_u64(lowered))
-        return min(limits)
+        """Capacity in force in this process: the configured one, lowered while the disk (or
+        the LMDB map) is full."""
+        return self.backoff.limit
+
+    def lowered(self) -> dict[str, Any] | None:
+        """The lowest limit in force in any live process (this one included), with its reason,
+        as published for ``status``; None when no process runs lowered."""
+        own = self.backoff.document()
+        docs = [doc for doc in published(self.store) if own is None or doc["name"] != own["name"]]
+        docs = sorted(docs + ([own] if own is not None else []), key=lambda d: int(d["limit"]))
+        if not docs or int(docs[0]["limit"]) >= self.capacity_bytes:
+            return None
+        return docs[0]
 
     def headroom_for(self, limit: int) -> int:
         """Headroom scaled down with the capacity when the disk forced a lower one."""
@@ -139,28 +127,25 @@ class Capacity:
         return int(self.headroom_bytes * limit / self.capacity_bytes)
 
     def lower(self, exc: Exception, incoming: int) -> None:
-        """A write failed on a full disk or map: lower the limit below what is stored."""
+        """A write failed on a full disk or map, with nothing left to evict: lower the limit
+        in force below what is stored (a back-off that :meth:`probe` lifts)."""
         with self.store.read() as txn:
             stored = Counters.load(txn, self.store.dbs[DB_META]).bytes
-        new_limit = max(0, min(self.effective, stored) - max(incoming, stored // 10))
-        log.warning(
-            "%s: the disk or LMDB map is full (%s) with %s stored; lowering the effective "
-            "capacity to %s. Free disk space, or lower cache.capacity, then restart.",
-            self.store.path,
-            type(exc).__name__,
-            format_size(stored),
-            format_size(new_limit),
-        )
-        self._disk_limit = new_limit
-        meta = self.store.dbs[DB_META]
-        try:
-            self.store.write(lambda txn: txn.put(C_EFFECTIVE_CAPACITY, pack_u64(new_limit), db=meta))
-        except (lmdb.MapFullError, lmdb.DiskError):
-            pass  # kept in memory for this process; the next full write lowers it again
+        self.backoff.lower(exc, stored, incoming)
+
+    def probe(self) -> None:
+        """Called before each write: raise a lowered limit when the disk has room again."""
+        if self.backoff.state is not None:
+            self.backoff.probe()
+
+    def settle(self) -> None:
+        """Called after each successful write: publish a lowered limit not published yet."""
+        self.backoff.settle()
 
     def reset(self) -> None:
         """Forget a capacity lowered after a full disk (after space was freed)."""
-        self._disk_limit = None
-        meta = self.store.dbs[DB_META]
-        self.store.write(lambda txn: txn.delete(C_EFFECTIVE_CAPACITY, db=meta))
-        self.fit_to_disk()
+        self.backoff.reset()
+
+    def close(self) -> None:
+        """Withdraw this process's published lowered limit, if any."""
+        self.backoff.close()

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import zstandard
 
-from ..errors import CacheCorrupted
-from .schema import FORMAT_VERSION, HEADER, Codec, RecordFlags
+from ..errors import CacheCorrupted, SampleRejected
+from .schema import FORMAT_VERSION, HEADER, Codec, RecordFlags, index_key
 
 #: A sample's value: the object's bytes, or a tar sample's fields by extension.
 Value = bytes | Mapping[str, bytes]
@@ -69,8 +69,13 @@ def pack_fields(fields: Mapping[str, bytes]) -> bytes:
     return b"".join(parts)
 
 
-def unpack_fields(payload: bytes | memoryview) -> dict[str, bytes]:
-    """Inverse of :func:`pack_fields`."""
+def field_spans(payload: bytes | memoryview) -> tuple[list[tuple[str, int, int]], int]:
+    """Where each field of a :func:`pack_fields` payload lies: ``([(name, start, length)],
+    end of the table)``, offsets into ``payload``.
+
+    Raises:
+        CacheCorrupted: the container's magic number or lengths are wrong.
+    """
     view = memoryview(payload)
     if bytes(view[:4]) != _FIELDS_MAGIC:
         raise CacheCorrupted("field container has a bad magic number")
@@ -82,13 +87,21 @@ def unpack_fields(payload: bytes | memoryview) -> dict[str, bytes]:
         offset += _FIELD_ENTRY.size
         entries.append((bytes(view[offset : offset + name_len]).decode("utf-8"), value_len))
         offset += name_len
-    fields: dict[str, bytes] = {}
+    table_end = offset
+    spans: list[tuple[str, int, int]] = []
     for name, value_len in entries:
-        fields[name] = bytes(view[offset : offset + value_len])
+        spans.append((name, offset, value_len))
         offset += value_len
     if offset != len(view):
         raise CacheCorrupted("field container length does not match its entries")
-    return fields
+    return spans, table_end
+
+
+def unpack_fields(payload: bytes | memoryview) -> dict[str, bytes]:
+    """Inverse of :func:`pack_fields`."""
+    view = memoryview(payload)
+    return {name: bytes(view[start : start + length])
+            for name, start, length in field_spans(view)[0]}
 
 
 def encode_record(key: str, value: Value, *, level: int = 3, compress: bool = True) -> bytes:
@@ -118,7 +131,10 @@ def encode_record(key: str, value: Value, *, level: int = 3, compress: bool = Tr
                 codec, payload = _ZSTD, packed
     key_bytes = key.encode("utf-8")
     if len(key_bytes) > 0xFFFF:
-        raise ValueError(f"sample key is longer than 65535 bytes: {key[:80]!r}...")
+        raise SampleRejected(
+            f"sample key {key[:80]!r}... is {len(key_bytes)} bytes long; a record holds keys of "
+            "up to 65535 bytes (shorten the object's path)", key=key,
+        )
     header = _pack_header(
         FORMAT_VERSION,
         codec,
@@ -145,8 +161,8 @@ class RecordInfo:
 
 
 def record_key(record: bytes | memoryview) -> bytes:
-    """The source key stored in a record, as the bytes the key index is keyed by."""
-    return bytes(record[_HEADER_SIZE : _HEADER_SIZE + (record[24] | record[25] << 8)])
+    """The key index entry of a record's source key (see :func:`~.schema.index_key`)."""
+    return index_key(bytes(record[_HEADER_SIZE : _HEADER_SIZE + (record[24] | record[25] << 8)]))
 
 
 def source_key(record: bytes | memoryview) -> str:
@@ -197,7 +213,7 @@ def check_record(record: bytes | memoryview) -> RecordInfo:
     if len(record) < HEADER.size:
         raise CacheCorrupted("record is shorter than its header")
     info = read_info(record)
-    body = memoryview(record)[HEADER.size + len(record_key(record)) :]
+    body = memoryview(record)[HEADER.size + (record[24] | record[25] << 8) :]
     if zlib.crc32(body) != info.crc32:
         raise CacheCorrupted(f"record {info.key!r}: checksum mismatch")
     try:

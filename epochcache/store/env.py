@@ -9,21 +9,27 @@ All process-level LMDB concerns live here:
   processes are started with ``spawn`` and open their own;
 * map size: set from the capacity, grown on ``MapFullError`` up to a bound, and re-read
   after another process grew it (``MapResizedError``);
-* a private directory (0700) and private files (0600), since samples may be sensitive.
+* a private directory (0700) and private files (0600), since samples may be sensitive;
+* who holds the cache: every process with a writable handle holds a shared ``flock`` on
+  ``holders.lock`` (released by the kernel when it dies), so that a process may change the
+  stored capacity only when it is alone (:meth:`Store.alone`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
+import shutil
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 import lmdb
 
-from ..errors import CacheError
+from ..errors import CacheError, CacheIOError
 from .schema import ALL_DBS
 
 log = logging.getLogger(__name__)
@@ -35,10 +41,21 @@ MIN_MAP_SIZE = 64 * 1024 * 1024
 #: readers still see freed pages, and large values round up to whole pages.
 MAP_SLACK = 1.0
 MAX_READERS = 1024
+#: An EIO from a write with less free space than this is the short write of a full disk.
+NEARLY_FULL_BYTES = 16 * 1024 * 1024
+
+#: Held shared by every process with a writable handle on the cache (see :meth:`Store.alone`).
+HOLDERS_FILE = "holders.lock"
+#: Serialises the processes that want to change a cache's limits.
+LIMITS_FILE = "limits.lock"
+#: How long :meth:`Store.alone` waits for another process changing the limits.
+LIMITS_WAIT_S = 30.0
 
 _lock = threading.Lock()
 _envs: dict[str, tuple[lmdb.Environment, dict[bytes, lmdb._Database], int]] = {}
 _refcounts: dict[str, int] = {}
+#: path -> (fd of holders.lock with a shared flock, handles using it) in this process
+_holders: dict[str, tuple[int, int]] = {}
 
 
 #: ``PROCESS[0]`` is a new object in every forked child: a cheaper "is this still the process
@@ -61,6 +78,10 @@ def _after_fork_in_child() -> None:
     _refcounts.clear()
     for path in _envs:
         _refcounts[path] = 1 << 30  # never closed in the child
+    # The child shares the parent's holders.lock file description (and so its lock): it holds
+    # the cache as long as it lives, and never closes the descriptor.
+    for path, (fd, _count) in list(_holders.items()):
+        _holders[path] = (fd, 1 << 30)
     _lock = threading.Lock()
 
 
@@ -83,6 +104,46 @@ def begin_read(env: lmdb.Environment) -> lmdb.Transaction:
 def map_bound(limit_bytes: int) -> int:
     """The largest LMDB map (and so the largest data file) for a cache of ``limit_bytes``."""
     return max(MIN_MAP_SIZE, int(limit_bytes * (1 + MAP_SLACK)) + MIN_MAP_SIZE)
+
+
+def _is_io_error(exc: lmdb.Error) -> bool:
+    return "Input/output error" in str(exc)
+
+
+def _free_text(path: str) -> str:
+    try:
+        free = shutil.disk_usage(path).free
+    except OSError as exc:
+        return f"free space unknown: {exc.strerror or exc}"
+    return f"{free / 1024**2:.0f} MiB free on the disk"
+
+
+def _open_lock_file(path: str) -> int:
+    return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+
+
+def _hold(path: str) -> None:
+    """Count one more writable handle on ``path`` in this process (shared flock on the first)."""
+    with _lock:
+        entry = _holders.get(path)
+        if entry is None:
+            fd = _open_lock_file(os.path.join(path, HOLDERS_FILE))
+            fcntl.flock(fd, fcntl.LOCK_SH)  # waits only while another process changes limits
+            entry = (fd, 0)
+        _holders[path] = (entry[0], entry[1] + 1)
+
+
+def _unhold(path: str) -> None:
+    with _lock:
+        entry = _holders.get(path)
+        if entry is None:
+            return
+        fd, count = entry
+        if count > 1:
+            _holders[path] = (fd, count - 1)
+            return
+        del _holders[path]
+        os.close(fd)  # releases the shared lock
 
 
 def make_private_dir(path: str) -> None:
@@ -126,6 +187,7 @@ class Store:
         self._env: lmdb.Environment | None = None
         self.dbs: dict[bytes, lmdb._Database] = {}
         self._closed = False
+        self._holding = False
         self._ensure_open()
 
     # -- process-level handle management ---------------------------------------------------
@@ -145,8 +207,12 @@ class Store:
             _refcounts[self.path] += 1
         env, self.dbs, self._pid = entry
         self._env = env
-        if env.info()["map_size"] < self._map_size and not self.readonly:
-            self._set_map_size(self._map_size)
+        if not self.readonly:
+            if not self._holding:
+                _hold(self.path)
+                self._holding = True
+            if env.info()["map_size"] < self._map_size:
+                self._set_map_size(self._map_size)
         return env
 
     def _open_env(self, pid: int) -> tuple[lmdb.Environment, dict[bytes, lmdb._Database], int]:
@@ -204,6 +270,9 @@ class Store:
         if self._pid != os.getpid():
             self._env = None
             return
+        if self._holding:
+            self._holding = False
+            _unhold(self.path)
         with _lock:
             _refcounts[self.path] = _refcounts.get(self.path, 1) - 1
             if _refcounts[self.path] <= 0:
@@ -213,11 +282,63 @@ class Store:
                     entry[0].close()
         self._env = None
 
+    # -- holders --------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def alone(self) -> Iterator[bool]:
+        """Whether this process is the only one holding the cache, kept true for the block.
+
+        Processes that want to change the cache's limits take turns (``limits.lock``); inside
+        the block no other process can open the cache for writing (it waits at open).
+
+        Raises:
+            CacheError: another process has been changing the limits for ``LIMITS_WAIT_S``.
+        """
+        if self.readonly:
+            raise CacheError(f"{self.path}: opened read-only")
+        self._ensure_open()
+        limits_fd = _open_lock_file(os.path.join(self.path, LIMITS_FILE))
+        try:
+            deadline = time.monotonic() + LIMITS_WAIT_S
+            while True:
+                try:
+                    fcntl.flock(limits_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        raise CacheError(
+                            f"{self.path}: another process has been changing the cache's limits "
+                            f"for {LIMITS_WAIT_S:.0f}s ({LIMITS_FILE} is locked)"
+                        ) from None
+                    time.sleep(0.05)
+            with _lock:
+                fd = _holders[self.path][0]
+            # Linux converts a flock by dropping the shared lock first: a failed conversion
+            # leaves none, so the shared lock is taken again in any case below.
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                sole = True
+            except BlockingIOError:
+                sole = False
+            try:
+                yield sole
+            finally:
+                fcntl.flock(fd, fcntl.LOCK_SH)
+        finally:
+            os.close(limits_fd)
+
     # -- map size ---------------------------------------------------------------------------
 
     @property
     def map_size(self) -> int:
         return int(self.env.info()["map_size"])
+
+    def set_map_limits(self, map_size: int, max_map_size: int) -> None:
+        """Set the initial map size (growing the map now if it is smaller) and its bound."""
+        self._map_size = map_size
+        self.max_map_size = max(map_size, max_map_size)
+        if not self.readonly and self.map_size < map_size:
+            self._set_map_size(map_size)
 
     def _set_map_size(self, size: int) -> None:
         # Only valid with no transaction of this process open (py-lmdb, "Handling growth").
@@ -262,7 +383,11 @@ class Store:
 
         ``fn`` may run more than once (after a map growth), so it must not have side effects
         outside the transaction. ``lmdb.MapFullError`` escapes once the map is at its bound,
-        and ``lmdb.DiskError`` when the disk is full: callers lower the capacity.
+        and ``lmdb.DiskError`` (or the EIO of a short write) when the disk is full: callers
+        lower the capacity.
+
+        Raises:
+            CacheIOError: the disk failed the write with EIO while it has room: a failing disk.
         """
         if self.readonly:
             raise CacheError(f"{self.path}: opened read-only")
@@ -276,6 +401,23 @@ class Store:
             except lmdb.MapFullError:
                 if not self._grow_map():
                     raise
+            except lmdb.Error as exc:
+                if _is_io_error(exc) and not self._disk_nearly_full():
+                    raise CacheIOError(
+                        f"{self.path}: the disk failed a write with an I/O error ({exc}; "
+                        f"{_free_text(self.path)}): this is not a full disk but a failing one, so "
+                        "the writer stops. Nothing committed was lost (the transaction was not "
+                        "committed); check the disk and filesystem (dmesg, SMART), then restart"
+                    ) from exc
+                raise
+
+    def _disk_nearly_full(self) -> bool:
+        # LMDB reports a short write (a full disk) as EIO too: tell the two apart by the room.
+        try:
+            free = shutil.disk_usage(self.path).free
+        except OSError:
+            return False
+        return free < NEARLY_FULL_BYTES
 
     def file_bytes(self) -> int:
         """Size of the data file on disk (allocated blocks, since LMDB files can be sparse)."""

@@ -10,11 +10,16 @@ Record layout (little-endian header, then the source key, then the payload)::
     u32 crc32 of the payload  u64 raw (uncompressed) size
     u64 time added, ns        u16 length of the source key
     source key (utf-8)        payload (stored bytes)
+
+The ``keys`` index maps a source key to its sequence number. LMDB keys are at most 511 bytes
+and never empty, while S3 keys go to 1024 bytes: such keys are indexed under
+:func:`index_key`, a fixed-length digest key; the record itself keeps the full source key.
 """
 
 from __future__ import annotations
 
 import enum
+import hashlib
 import struct
 
 FORMAT_VERSION = 1
@@ -41,11 +46,20 @@ C_EVICTED_BYTES = b"evicted_bytes"
 C_INSERTED = b"inserted"
 C_QUARANTINED = b"quarantined"
 C_FORMAT = b"format_version"
+#: A lowered capacity stored by earlier versions; now a runtime back-off, so this key is ignored
+#: and deleted when a cache is opened for writing (:mod:`epochcache.store.backoff`).
 C_EFFECTIVE_CAPACITY = b"effective_capacity"
 COUNTERS = (C_SAMPLES, C_BYTES, C_NEXT_SEQ, C_EVICTED, C_EVICTED_BYTES, C_INSERTED, C_QUARANTINED)
 
 HISTORY_MAX_ROWS = 20_000
 QUARANTINE_MAX_ROWS = 10_000
+
+#: LMDB's longest key (MDB_MAXKEYSIZE of the library py-lmdb bundles).
+MAX_KEY_BYTES = 511
+#: Marks a digest key. 0xFF never occurs in UTF-8, so a digest key cannot equal a plain one.
+_DIGEST_MARK = b"\xff"
+#: Bytes of the source key kept in front of its digest (so prefix scans still find most).
+_DIGEST_HEAD = MAX_KEY_BYTES - len(_DIGEST_MARK) - hashlib.sha256().digest_size
 
 _SEQ = struct.Struct(">Q")
 _U64 = struct.Struct(">Q")
@@ -65,6 +79,19 @@ class RecordFlags(enum.IntFlag):
     NONE = 0
     #: The raw payload is a field container (a tar sample: ``{"jpg": ..., "cls": ...}``).
     FIELDS = 1
+
+
+def index_key(key: bytes) -> bytes:
+    """The ``keys`` index entry of a source key given as UTF-8 bytes.
+
+    A key LMDB can store is its own entry. One it cannot (empty, or longer than
+    :data:`MAX_KEY_BYTES`) becomes its first 478 bytes, 0xFF and its SHA-256: 511 bytes,
+    unique, and still found by a prefix scan for a prefix of up to 478 bytes (the empty key
+    is 0xFF and its digest).
+    """
+    if 0 < len(key) <= MAX_KEY_BYTES:
+        return key
+    return key[:_DIGEST_HEAD] + _DIGEST_MARK + hashlib.sha256(key).digest()
 
 
 def seq_key(seq: int) -> bytes:

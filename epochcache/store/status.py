@@ -6,8 +6,9 @@ import socket
 import time
 from typing import TYPE_CHECKING, Any
 
-from .leases import pid_alive
+from ..redact import redact_tree
 from ..units import format_size
+from .leases import pid_alive
 
 if TYPE_CHECKING:
     from rich.console import RenderableType
@@ -48,17 +49,28 @@ def ingest_rate(history: list[dict[str, Any]], window_s: float = 60.0) -> dict[s
 
 
 def collect_stats(cache: SampleStore) -> dict[str, Any]:
+    """Everything ``status`` shows, with URL credentials masked (state documents written by
+    older versions may hold them)."""
+    return redact_tree(_collect(cache))  # type: ignore[no-any-return]
+
+
+def _collect(cache: SampleStore) -> dict[str, Any]:
     counters = cache.counters()
     now = time.time()
     leases = cache.leases()
     history = cache.history(limit=200)
-    capacity = cache.effective_capacity
+    lowered = cache.capacity_lowered()
+    capacity = cache.capacity.effective if lowered is None else min(
+        cache.capacity.effective, int(lowered["limit"]))
     return {
         "path": cache.path,
         "samples": counters.samples,
         "bytes": counters.bytes,
         "capacity": cache.capacity_bytes,
         "effective_capacity": capacity,
+        "capacity_lowered": None if lowered is None else {
+            name: lowered.get(name) for name in ("limit", "reason", "since", "pid")
+        },
         "headroom": cache.headroom_bytes,
         "fill": round(counters.bytes / capacity, 4) if capacity else 0.0,
         "inserted": counters.inserted,
@@ -88,14 +100,18 @@ def collect_stats(cache: SampleStore) -> dict[str, Any]:
 def render(stats: dict[str, Any]) -> RenderableType:
     """A human table of :func:`collect_stats` output."""
     from rich.console import Group
+    from rich.markup import escape
     from rich.table import Table
 
     table = Table(title=f"epochcache  {stats['path']}", show_header=False, title_justify="left")
     table.add_column(style="bold")
     table.add_column()
     fill = f"{format_size(stats['bytes'])} / {format_size(stats['effective_capacity'])} ({stats['fill']:.0%})"
-    if stats["effective_capacity"] < stats["capacity"]:
-        fill += f"  [yellow]lowered from {format_size(stats['capacity'])} (disk full)[/]"
+    lowered = stats.get("capacity_lowered")
+    if lowered:
+        since = time.strftime("%H:%M:%S", time.localtime(lowered["since"]))
+        fill += (f"  [yellow]lowered from {format_size(stats['capacity'])} since {since} by pid "
+                 f"{lowered['pid']}: {escape(str(lowered['reason']))}[/]")
     table.add_row("samples", f"{stats['samples']:,}")
     table.add_row("stored", fill)
     table.add_row("headroom", format_size(stats["headroom"]))
@@ -137,8 +153,14 @@ def _sampler_line(sampler: dict[str, Any]) -> str:
     bits = [state, f"pid {sampler.get('pid')}", f"fetched {sampler.get('fetched', 0):,}"]
     if sampler.get("errors"):
         bits.append(f"[yellow]errors {sampler['errors']}[/]")
+    if sampler.get("quarantined"):
+        bits.append(f"quarantined {sampler['quarantined']}")
+    if sampler.get("deferred"):
+        bits.append(f"[yellow]deferred {sampler['deferred']} (larger than the headroom)[/]")
+    if sampler.get("waiting_for_space"):
+        bits.append("waiting for space")
     if sampler.get("restarts"):
-        bits.append(f"restarts {sampler['restarts']}")
+        bits.append(f"[yellow]restarts {sampler['restarts']}[/]")
     if sampler.get("last_error"):
         bits.append(f"last error: {sampler['last_error']}")
     return ", ".join(bits)

@@ -1,29 +1,61 @@
-"""Check every stored record and the counters; repair only when asked.
+"""Check every stored record, the key index and the counters; repair only when asked.
 
-``verify`` reads the whole cache in one read transaction, so it sees one consistent state even
-while samplers keep writing (at the price of pinning that state's pages until it finishes).
+A read transaction pins every page freed while it is open, so one transaction over a whole
+cache of a live daemon would let the LMDB map fill up. ``verify`` therefore reads the samples
+in chunks, each in a short transaction of its own (at most :data:`CHUNK_RECORDS` records,
+:data:`CHUNK_BYTES` bytes or :data:`CHUNK_S` seconds), while samplers keep writing:
+
+* each record's checksum, decompression and key index entry are checked in its chunk's
+  transaction (records never change once written);
+* the counters are checked in one last short transaction, against the sizes gathered by the
+  chunks. That is exact while samplers write and evict, because eviction only ever removes the
+  oldest samples (a prefix of the sequence numbers) and new samples get higher ones: the
+  samples present at the end are the scanned ones from the first present sequence number on,
+  plus the few inserted since the scan passed (read in that last transaction). When that
+  does not add up (something else deleted samples), the sizes are recounted in one
+  transaction that reads only record lengths.
+
+``--repair`` removes corrupt records, fixes the key index (missing or wrong entries, entries
+of no sample, duplicate samples of one key) and rewrites the counters from the records, in
+short write transactions (see :mod:`epochcache.store.repair`), then verifies again: the report
+says what was found, what was repaired, and whether the cache is consistent now.
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import lmdb
+import numpy as np
 
 from ..errors import CacheCorrupted
 from .cache import SampleStore
-from .codec import check_record, record_key
+from .codec import check_record, record_key, source_key
 from .counters import Counters
 from .schema import DB_KEYS, DB_META, DB_SAMPLES, seq_key, seq_of, unpack_u64
 
 log = logging.getLogger(__name__)
 
+#: Bounds of one read transaction of the scan.
+CHUNK_RECORDS = 1024
+CHUNK_BYTES = 16 * 1024 * 1024
+CHUNK_S = 0.2
+#: Passes over samples inserted during the scan before the last (counting) transaction.
+_TAIL_PASSES = 8
+
 
 @dataclass
 class VerifyReport:
-    """The outcome of :func:`verify_cache`. ``ok`` is True when nothing was found."""
+    """The outcome of :func:`verify_cache`.
+
+    ``corrupt``, ``counter_mismatches`` and ``index_problems`` are what the scan found;
+    ``repairs`` what ``--repair`` did (``repaired`` counts them); ``ok`` is True when the cache
+    is consistent at the end (after the repair, if one ran).
+    """
 
     path: str
     checked: int = 0
@@ -31,11 +63,25 @@ class VerifyReport:
     corrupt: list[dict[str, Any]] = field(default_factory=list)
     counter_mismatches: dict[str, tuple[int, int]] = field(default_factory=dict)
     index_problems: list[str] = field(default_factory=list)
-    repaired: int = 0
+    repairs: dict[str, int] = field(default_factory=dict)
+    transactions: int = 0
+    consistent_after_repair: bool | None = None
+    #: seqs whose key index entry is missing or wrong (for the repair)
+    unindexed: list[int] = field(default_factory=list, repr=False)
+
+    @property
+    def found_problems(self) -> bool:
+        return bool(self.corrupt or self.counter_mismatches or self.index_problems)
+
+    @property
+    def repaired(self) -> int:
+        return sum(self.repairs.values())
 
     @property
     def ok(self) -> bool:
-        return not (self.corrupt or self.counter_mismatches or self.index_problems)
+        if self.consistent_after_repair is not None:
+            return self.consistent_after_repair
+        return not self.found_problems
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -43,85 +89,155 @@ class VerifyReport:
             "ok": self.ok,
             "checked": self.checked,
             "checked_bytes": self.checked_bytes,
+            "transactions": self.transactions,
             "corrupt": self.corrupt,
             "counter_mismatches": {k: {"stored": a, "actual": b} for k, (a, b) in self.counter_mismatches.items()},
             "index_problems": self.index_problems,
             "repaired": self.repaired,
+            "repairs": self.repairs,
         }
 
 
-def _scan(txn: lmdb.Transaction, dbs: dict[bytes, lmdb._Database], report: VerifyReport) -> Counters:
-    actual = Counters()
-    last_seq = -1
-    keys_db = dbs[DB_KEYS]
-    for raw_key, record in txn.cursor(db=dbs[DB_SAMPLES]):
-        seq = seq_of(bytes(raw_key))
-        last_seq = seq
+class _Scan:
+    """The chunked scan of one cache: what it checked and the sizes it saw."""
+
+    def __init__(self, cache: SampleStore, report: VerifyReport,
+                 progress: Callable[[int], None] | None) -> None:
+        self.cache, self.report, self.progress = cache, report, progress
+        self.seqs: list[np.ndarray] = []
+        self.sizes: list[np.ndarray] = []
+        self.next_seq = 0  # scan from here on
+
+    def chunk(self) -> int:
+        """Check the next chunk of records in one read transaction; return how many."""
+        seqs: list[int] = []
+        sizes: list[int] = []
+        started = time.monotonic()
+        read = 0
+        with self.cache.store.read() as txn:
+            self.report.transactions += 1
+            dbs = self.cache.dbs
+            cursor = txn.cursor(db=dbs[DB_SAMPLES])
+            if not cursor.set_range(seq_key(self.next_seq)):
+                return 0
+            for raw_key, record in cursor:
+                seq = seq_of(bytes(raw_key))
+                self.check(txn, dbs, seq, record)
+                seqs.append(seq)
+                sizes.append(len(record))
+                read += len(record)
+                if (len(seqs) >= CHUNK_RECORDS or read >= CHUNK_BYTES
+                        or time.monotonic() - started >= CHUNK_S):
+                    break
+        if seqs:
+            self.seqs.append(np.asarray(seqs, dtype=np.int64))
+            self.sizes.append(np.asarray(sizes, dtype=np.int64))
+            self.next_seq = seqs[-1] + 1
+            if self.progress is not None:
+                self.progress(len(seqs))
+        return len(seqs)
+
+    def check(self, txn: lmdb.Transaction, dbs: dict[bytes, lmdb._Database], seq: int,
+              record: bytes | memoryview) -> None:
+        """Check one record (checksum, decompression, key index entry) in ``txn``."""
+        report = self.report
         report.checked += 1
         report.checked_bytes += len(record)
-        actual.samples += 1
-        actual.bytes += len(record)
         try:
             info = check_record(record)
         except (CacheCorrupted, UnicodeDecodeError, ValueError) as exc:
-            report.corrupt.append({"seq": seq, "error": str(exc)})
-            continue
-        indexed = txn.get(record_key(record), db=keys_db)
+            report.corrupt.append({"seq": seq, "key": _key_of(record), "error": str(exc)})
+            return
+        indexed = txn.get(record_key(record), db=dbs[DB_KEYS])
         if indexed is None or unpack_u64(indexed) != seq:
-            report.index_problems.append(f"sample {seq} ({info.key!r}) is missing from the key index")
-    key_count = txn.stat(keys_db)["entries"]
-    if key_count != actual.samples:
-        report.index_problems.append(f"key index has {key_count} entries for {actual.samples} samples")
-    actual.next_seq = last_seq + 1
-    return actual
+            where = "missing from" if indexed is None else "not the entry of"
+            report.index_problems.append(f"sample {seq} ({info.key!r}) is {where} the key index")
+            report.unindexed.append(seq)
+
+    def scanned_bytes_from(self, first: int) -> tuple[int, int]:
+        """``(count, bytes)`` of the scanned records with seq >= ``first``."""
+        if not self.seqs:
+            return 0, 0
+        seqs, sizes = np.concatenate(self.seqs), np.concatenate(self.sizes)
+        keep = seqs >= first
+        return int(keep.sum()), int(sizes[keep].sum())
 
 
-def verify_cache(path: str, *, repair: bool = False) -> VerifyReport:
+def _key_of(record: bytes | memoryview) -> str:
+    try:
+        return source_key(record)
+    except (IndexError, ValueError):
+        return "?"
+
+
+def _check_counters(cache: SampleStore, scan: _Scan, report: VerifyReport) -> None:
+    """Compare the counters with the records, in one short read transaction (module doc)."""
+    dbs = cache.dbs
+    with cache.store.read() as txn:
+        report.transactions += 1
+        stored = Counters.load(txn, dbs[DB_META])
+        entries = int(txn.stat(dbs[DB_SAMPLES])["entries"])
+        key_entries = int(txn.stat(dbs[DB_KEYS])["entries"])
+        cursor = txn.cursor(db=dbs[DB_SAMPLES])
+        first = seq_of(bytes(cursor.key())) if cursor.first() else scan.next_seq
+        last = seq_of(bytes(cursor.key())) if cursor.last() else -1
+        count, total = scan.scanned_bytes_from(first)
+        if cursor.set_range(seq_key(scan.next_seq)):
+            for raw_key, record in cursor:  # inserted since the scan passed: a few at most
+                scan.check(txn, dbs, seq_of(bytes(raw_key)), record)
+                count += 1
+                total += len(record)
+        if count != entries:
+            # Samples went missing other than oldest first: count the sizes here instead.
+            total = sum(len(record) for _key, record in txn.cursor(db=dbs[DB_SAMPLES]))
+    actual = {"samples": entries, "bytes": total}
+    for name, value in actual.items():
+        if getattr(stored, name) != value:
+            report.counter_mismatches[name] = (getattr(stored, name), value)
+    if stored.next_seq < last + 1:
+        report.counter_mismatches["next_seq"] = (stored.next_seq, last + 1)
+    if key_entries != entries:
+        report.index_problems.append(f"key index has {key_entries} entries for {entries} samples")
+
+
+def scan_cache(cache: SampleStore, progress: Callable[[int], None] | None = None) -> VerifyReport:
+    """Check ``cache`` in chunks of short read transactions; modify nothing."""
+    report = VerifyReport(path=cache.path)
+    scan = _Scan(cache, report, progress)
+    while scan.chunk():
+        pass
+    for _ in range(_TAIL_PASSES):  # samples inserted meanwhile: catch up in chunks
+        if scan.chunk() < CHUNK_RECORDS // 2:
+            break
+        while scan.chunk():
+            pass
+    _check_counters(cache, scan, report)
+    return report
+
+
+def verify_cache(path: str, *, repair: bool = False,
+                 progress: Callable[[int], None] | None = None) -> VerifyReport:
     """Check every record's checksum and decodability, the key index and the counters.
 
-    With ``repair``, corrupt records are deleted and the counters rewritten from the records;
-    without it nothing is modified.
+    Without ``repair`` nothing is modified. With it, problems found are repaired and the cache
+    is checked again (``report.ok`` then says whether it is consistent now).
+
+    Args:
+        path: the cache directory.
+        repair: remove corrupt records, fix the key index, rewrite the counters.
+        progress: called with the number of records checked by each chunk.
     """
     cache = SampleStore(path, readonly=not repair)
     try:
-        report = VerifyReport(path=cache.path)
-        with cache.store.read() as txn:
-            actual = _scan(txn, cache.dbs, report)
-            stored = Counters.load(txn, cache.dbs[DB_META])
-        for name in ("samples", "bytes"):
-            if getattr(stored, name) != getattr(actual, name):
-                report.counter_mismatches[name] = (getattr(stored, name), getattr(actual, name))
-        if stored.next_seq < actual.next_seq:
-            report.counter_mismatches["next_seq"] = (stored.next_seq, actual.next_seq)
-        if repair and not report.ok:
-            report.repaired = _repair(cache, report)
+        report = scan_cache(cache, progress)
+        if repair and report.found_problems:
+            from .repair import repair_cache
+
+            report.repairs = repair_cache(cache, report)
+            report.consistent_after_repair = not scan_cache(cache).found_problems
+            log.warning("%s: repaired %s; the cache is %s", cache.path,
+                        ", ".join(f"{n} {what}" for what, n in report.repairs.items() if n)
+                        or "nothing", "consistent" if report.ok else "still inconsistent")
         return report
     finally:
         cache.close()
-
-
-def _repair(cache: SampleStore, report: VerifyReport) -> int:
-    bad = [item["seq"] for item in report.corrupt]
-
-    def run(txn: lmdb.Transaction) -> int:
-        samples_db, keys_db = cache.dbs[DB_SAMPLES], cache.dbs[DB_KEYS]
-        for seq in bad:
-            record = txn.get(seq_key(seq), db=samples_db)
-            if record is not None:
-                txn.delete(record_key(record), db=keys_db)
-                txn.delete(seq_key(seq), db=samples_db)
-        # Rebuild the key index and counters from what remains.
-        txn.drop(keys_db, delete=False)
-        counters = Counters.load(txn, cache.dbs[DB_META])
-        counters.samples = counters.bytes = 0
-        for raw_key, record in txn.cursor(db=samples_db):
-            txn.put(record_key(record), bytes(raw_key), db=keys_db)
-            counters.samples += 1
-            counters.bytes += len(record)
-            counters.next_seq = max(counters.next_seq, seq_of(bytes(raw_key)) + 1)
-        counters.save(txn, cache.dbs[DB_META])
-        return len(bad)
-
-    repaired = cache.store.write(run)
-    log.warning("%s: repaired: removed %d corrupt records, rebuilt index and counters", cache.path, repaired)
-    return repaired

@@ -3,7 +3,9 @@
 :meth:`Writer.put_many` commits as many samples per transaction as fit within capacity +
 headroom, evicting the oldest unleased samples first; when leases pin the rest it waits
 (back-pressure) instead of failing or overfilling. A full disk or LMDB map is met by evicting in
-a transaction of its own and then lowering the effective capacity, never by corrupting the cache.
+a transaction of its own and then lowering the effective capacity for a while (a back-off that
+recovers by itself, see :mod:`epochcache.store.backoff`), never by corrupting the cache. A disk
+that fails a write with EIO stops the writer (:class:`~epochcache.errors.CacheIOError`).
 """
 
 from __future__ import annotations
@@ -11,12 +13,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import lmdb
 
-from ..errors import CacheError, CacheFull, SampleTooLarge
+from ..errors import CacheError, CacheFull, SampleRejected, SampleTooLarge
 from ..units import format_size
 from . import codec
 from .capacity import Capacity
@@ -25,12 +27,19 @@ from .counters import Counters
 from .env import Store
 from .eviction import Eviction, evict_oldest
 from .leases import Lease, read_leases, reclaim_dead
-from .schema import DB_KEYS, DB_LEASES, DB_META, DB_SAMPLES, seq_key
+from .schema import DB_KEYS, DB_LEASES, DB_META, DB_SAMPLES, index_key, pack_u64, seq_key
 
 log = logging.getLogger("epochcache.cache")  # one logger for everything a cache does
 
 #: Rounds of "disk full, evict or lower the capacity, try again" before giving up.
 _MAX_DISK_FULL_ROUNDS = 16
+#: Label of the blocker when not even eviction can commit (the writer waits for readers).
+_STUCK = "(none: too full to evict)"
+#: ``meta`` key written to advance LMDB's transaction id on a full disk (:meth:`Writer._advance`).
+_M_FULL_MARK = b"last_full_disk_ns"
+
+#: Called with each sample :meth:`Writer.put_many` leaves out instead of raising.
+OnReject = Callable[[str, SampleRejected], None]
 
 
 @dataclass
@@ -50,7 +59,8 @@ class PutResult:
 
 
 def is_disk_full(exc: lmdb.Error) -> bool:
-    """MapFullError, ENOSPC, or the EIO LMDB reports for a short write on a full disk."""
+    """MapFullError, ENOSPC, or the EIO LMDB reports for a short write on a full disk (any
+    other EIO is raised by :meth:`Store.write` as :class:`~epochcache.errors.CacheIOError`)."""
     if isinstance(exc, (lmdb.MapFullError, lmdb.DiskError)):
         return True
     text = str(exc)
@@ -112,13 +122,15 @@ class Writer:
         wait: bool = True,
         timeout_s: float | None = None,
         stop: threading.Event | None = None,
+        on_reject: OnReject | None = None,
     ) -> PutResult:
         """See :meth:`epochcache.store.SampleStore.put_many`."""
-        pending = self._frame(items, encoded)
+        pending = self._frame(items, encoded, on_reject)
         total = PutResult()
         backoff = _Backoff(timeout_s)
         disk_full_rounds = 0
         while pending:
+            self.capacity.probe()  # a capacity lowered after a full disk recovers by itself
             limit = self.capacity.effective
             try:
                 result, pending, blocked = self.store.write(
@@ -132,6 +144,8 @@ class Writer:
                 if blocked is None:
                     continue
                 result = PutResult()
+            else:
+                self.capacity.settle()  # a write succeeded: publish a changed limit now
             total.add(result)
             if blocked is None or not pending:
                 continue
@@ -143,24 +157,33 @@ class Writer:
                 raise error
             self._log_waiting(blocked)
             backoff.sleep(stop)
+            disk_full_rounds = 0  # waiting, not lowering: the rounds start again
         return total
 
-    def _frame(self, items: Iterable[tuple[str, Value]], encoded: bool) -> list[tuple[bytes, bytes]]:
-        """``(key bytes, record)`` of each item, the first of each key only.
+    def _frame(self, items: Iterable[tuple[str, Value]], encoded: bool,
+               on_reject: OnReject | None) -> list[tuple[bytes, bytes]]:
+        """``(key index entry, record)`` of each item, the first of each key only.
 
         Raises:
-            SampleTooLarge: a sample could never fit the capacity.
+            SampleRejected: a sample can never be stored (``SampleTooLarge``: it could never
+                fit the capacity), and there is no ``on_reject`` to hand it to.
         """
         batch: dict[bytes, bytes] = {}
         for key, value in items:
-            record = value if encoded else self.encode(key, value)
-            if len(record) > self.capacity.capacity_bytes:
-                raise SampleTooLarge(
-                    f"{self.path}: sample {key!r} is {format_size(len(record))}, larger than the "
-                    f"cache capacity {format_size(self.capacity.capacity_bytes)}; raise "
-                    "cache.capacity"
-                )
-            batch.setdefault(key.encode("utf-8"), record)  # type: ignore[arg-type]
+            try:
+                record = value if encoded else self.encode(key, value)
+                if len(record) > self.capacity.capacity_bytes:
+                    raise SampleTooLarge(
+                        f"{self.path}: sample {key!r} is {format_size(len(record))}, larger than "
+                        f"the cache capacity {format_size(self.capacity.capacity_bytes)}; raise "
+                        "cache.capacity", key=key,
+                    )
+            except SampleRejected as exc:
+                if on_reject is None:
+                    raise
+                on_reject(key, exc)
+                continue
+            batch.setdefault(index_key(key.encode("utf-8")), record)  # type: ignore[arg-type]
         return list(batch.items())
 
     def _make_room(self, exc: lmdb.Error, pending: list[tuple[bytes, bytes]], limit: int,
@@ -176,21 +199,43 @@ class Writer:
         incoming = sum(len(r) for _, r in pending)
         # LMDB reuses freed pages only after the freeing transaction commits, so evict in a
         # transaction of its own before trying the insert again.
-        freed = self._evict_quietly(limit - incoming)
+        self._advance()
+        freed, stuck = self._evict_quietly(limit - incoming)
         if freed.count:
+            self._advance()
             return None
+        # Pages freed while a reader is open are not reused until it ends; a reader slot left
+        # by a killed process would hold them forever, so clear those first.
+        if self.store.env.reader_check():
+            return None
+        if stuck:
+            # Not even a delete commits: pages are held by a long read transaction. Lowering
+            # the capacity would only evict more once they come back, so wait instead.
+            return Lease.new(0, 0, 0, label=_STUCK)
         if freed.blocked_by is None:
             self.capacity.lower(exc, incoming)
             return None
         return freed.blocked_by
 
-    def _evict_quietly(self, limit: int) -> Eviction:
+    def _advance(self) -> None:
+        """Commit a tiny write on a full disk or map: LMDB reuses the pages a commit frees only
+        from the second commit after it, and failed attempts commit nothing, so without it
+        neither eviction nor the retry could use the pages the last commits freed."""
+        meta = self.store.dbs[DB_META]
         try:
-            return self.evict(max(0, limit))
+            self.store.write(lambda txn: txn.put(_M_FULL_MARK, pack_u64(time.time_ns()), db=meta))
         except lmdb.Error as exc:
             if not is_disk_full(exc):
                 raise
-            return Eviction()
+
+    def _evict_quietly(self, limit: int) -> tuple[Eviction, bool]:
+        """Evict down to ``limit``; also whether the disk or map was too full even for that."""
+        try:
+            return self.evict(max(0, limit)), False
+        except lmdb.Error as exc:
+            if not is_disk_full(exc):
+                raise
+            return Eviction(), True
 
     def _put_txn(
         self, txn: lmdb.Transaction, pending: list[tuple[bytes, bytes]], limit: int
@@ -248,6 +293,10 @@ class Writer:
         return reclaim_dead(txn, self.store.dbs[DB_LEASES], self.lease_timeout_s, path=self.path)
 
     def _full_message(self, blocker: Lease) -> str:
+        if blocker.label == _STUCK:
+            return (f"{self.path}: the disk or LMDB map is too full even to evict: pages are held "
+                    "by a long read transaction (a verify, a stuck reader); writers wait until "
+                    "it ends")
         return (
             f"{self.path}: cache is at capacity + headroom and the oldest samples are held by "
             f"lease {blocker.lease_id[:8]} ({blocker.label or 'snapshot'}) of pid {blocker.pid} "

@@ -18,7 +18,15 @@ from epochcache.store.codec import check_record, decode_payload, pack_fields
 from epochcache.store.counters import Counters
 from epochcache.errors import CacheCorrupted
 from epochcache.store.leases import read_leases
-from epochcache.store.schema import DB_KEYS, DB_LEASES, DB_META, DB_SAMPLES, seq_of, unpack_u64
+from epochcache.store.schema import (
+    DB_KEYS,
+    DB_LEASES,
+    DB_META,
+    DB_SAMPLES,
+    index_key,
+    seq_of,
+    unpack_u64,
+)
 
 
 def content_for(key: str, size: int | None = None, *, compressible: bool | None = None) -> bytes:
@@ -87,7 +95,7 @@ def scan(cache: Cache) -> CacheState:
             state.keys.append(info.key)
             state.sizes.append(len(record))
             state.bytes += len(record)
-            indexed = txn.get(info.key.encode("utf-8"), db=dbs[DB_KEYS])
+            indexed = txn.get(index_key(info.key.encode("utf-8")), db=dbs[DB_KEYS])
             if indexed is None:
                 state.problems.append(f"sample {seq} ({info.key!r}) missing from the key index")
             elif unpack_u64(indexed) != seq:

@@ -234,6 +234,88 @@ class SourceContract:
         monkeypatch.setattr(source, "list_keys", fail)
         assert list_keys_cached(source, tmp_path) == first
 
+    # -- untrusted input is bounded (issue 10, item 7) ---------------------------------------
+
+    def test_keys_that_leave_the_root_are_refused_never_read(self, backend: Backend) -> None:
+        backend.put("inside/ok.npy", npy_bytes(1.0))
+        backend.put("outside/secret.npy", npy_bytes(7.0))  # next to the root, not under it
+        absolute = backend.url("outside/secret.npy").split("://", 1)[-1]
+        if not absolute.startswith("/"):
+            absolute = "/" + absolute
+        keys = ["ok.npy", "../outside/secret.npy", "a/../../outside/secret.npy", absolute]
+        backend.put("inside/keys.txt", "\n".join(keys).encode())
+        source = open_source(backend.source("inside", manifest="keys.txt"))
+        results = {r.key: p for r, p in source.fetch_many(source.list_keys())}
+        assert isinstance(results["ok.npy"], bytes)
+        for key in keys[1:]:
+            refused = results[key]
+            assert isinstance(refused, CorruptSample), (key, refused)
+            assert refused.key == key and key in str(refused)
+            assert "leaves the source root" in str(refused)
+
+    def test_an_object_listed_larger_than_the_limit_is_refused_before_download(
+        self, backend: Backend
+    ) -> None:
+        backend.put("big/small.npy", npy_bytes())
+        backend.put("big/large.npy", npy_bytes(shape=(512, 512)))  # 1 MiB
+        backend.put("big/manifest.csv", b"key,size\nsmall.npy,\nlarge.npy,1048704\n"
+                                        b"huge.npy,68719476736\n")  # listed, never written
+        source = open_source(backend.source("big", manifest="manifest.csv",
+                                            max_sample_bytes=64 * 1024))
+        results = {r.key: p for r, p in source.fetch_many(source.list_keys())}
+        assert isinstance(results["small.npy"], bytes)
+        for key, size in (("large.npy", "1.0 MiB"), ("huge.npy", "64.0 GiB")):
+            assert isinstance(results[key], CorruptSample), results[key]
+            assert f"listed as {size}" in str(results[key]) and "64.0 KiB" in str(results[key])
+        # huge.npy does not exist: refused from its listed size, never requested
+
+    def test_an_object_of_unknown_size_is_read_only_up_to_the_limit(
+        self, backend: Backend
+    ) -> None:
+        from epochcache.ingest.remote import fetch_many
+
+        backend.put("u/large.bin", bytes(range(256)) * 4096)  # 1 MiB
+        backend.put("u/empty.bin", b"")
+        backend.put("u/keys.txt", b"large.bin\nempty.bin\n")
+        source = open_source(backend.source("u", manifest="keys.txt", max_sample_bytes=4096))
+        results = {r.key: p for r, p in source.fetch_many(source.list_keys())}
+        assert isinstance(results["large.bin"], CorruptSample)
+        assert "is more than 4.0 KiB" in str(results["large.bin"])
+        assert results["empty.bin"] == b""  # a ranged read of an empty object is not an error
+        # what the fetch reads: the limit plus one byte, however large the object
+        read = fetch_many(source.fs, [source.object_path("large.bin"),
+                                      source.object_path("empty.bin")], limits=[4097, 4097])
+        assert [len(r) for r in read] == [4097, 0]  # type: ignore[arg-type]
+
+    def test_a_gzip_bomb_is_refused_after_the_limit(self, backend: Backend) -> None:
+        from common.bombs import gzip_bomb
+
+        backend.put("z/bomb.npy.gz", gzip_bomb(64))  # 65 KiB that expand to 64 MiB
+        backend.put("z/ok.json.gz", __import__("gzip").compress(b'{"a": 1}'))
+        members = [("000.npy.gz", gzip_bomb(64)), ("000.cls", b"1"), ("001.cls", b"2")]
+        backend.put("z/shard.tar", tar_bytes(members))
+        files = open_source(backend.source("z", pattern="*.gz", max_sample_bytes=8 * 1024**2))
+        results = {r.key: p for r, p in files.fetch_many(files.list_keys())}
+        assert isinstance(results["ok.json.gz"], bytes)
+        bomb = results["bomb.npy.gz"]
+        assert isinstance(bomb, CorruptSample) and bomb.key == "bomb.npy.gz"
+        assert "expands past 8.0 MiB" in str(bomb)
+        tar = open_source(backend.source("z", layout="tar", max_sample_bytes=8 * 1024**2))
+        samples = {r.key: p for r, p in tar.fetch_many(tar.list_keys())}
+        assert isinstance(samples["shard.tar/001"], dict)
+        assert isinstance(samples["shard.tar/000"], CorruptSample)
+        assert "expands past 8.0 MiB" in str(samples["shard.tar/000"])
+
+    def test_a_tar_member_larger_than_the_limit_is_refused(self, backend: Backend) -> None:
+        members = [("000.bin", bytes(200_000)), ("000.cls", b"0"), ("001.bin", b"x"),
+                   ("001.cls", b"1")]
+        backend.put("m/shard.tar", tar_bytes(members))
+        source = open_source(backend.source("m", layout="tar", max_sample_bytes=100_000))
+        samples = {r.key: p for r, p in source.fetch_many(source.list_keys())}
+        assert isinstance(samples["shard.tar/001"], dict)
+        refused = samples["shard.tar/000"]
+        assert isinstance(refused, CorruptSample) and "'000.bin' is 195.3 KiB" in str(refused)
+
 
 def _secret_strings(options: dict[str, Any]) -> list[str]:
     return [v for k, v in options.items() if k in ("key", "secret") and isinstance(v, str)]

@@ -1,7 +1,8 @@
 """Remote sources: enumerate and fetch the samples of a dataset on any fsspec URL.
 
 ``open_source(spec)`` returns a :class:`Source` for the spec's layout; ``list_keys_cached``
-lists through the listing cache in the cache directory. Sources take a :class:`SourceSpec`,
+lists through the listing cache in the cache directory, and ``relist`` lists again and appends
+what is new to it (``source.listing_ttl_s``). Sources take a :class:`SourceSpec`,
 never the run config: :mod:`epochcache.ingest.from_config` converts at the edge.
 """
 
@@ -9,25 +10,40 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Sequence
 
 from .base import CHECKS, FetchResult, Payload, SampleRef, Source, SourceSpec
 from .files import FilesSource
-from .listing import load_listing, save_listing, source_fingerprint
+from .listing import (
+    Listing,
+    listing_path,
+    load_listing,
+    merge_listing,
+    read_listing,
+    save_listing,
+    source_fingerprint,
+)
 from .tar import TarSource
 
 __all__ = [
     "CHECKS",
     "FetchResult",
     "FilesSource",
+    "Listing",
     "Payload",
     "SampleRef",
     "Source",
     "SourceSpec",
     "TarSource",
     "list_keys_cached",
+    "listing_cached",
+    "listing_path",
     "load_listing",
+    "merge_listing",
     "open_source",
+    "read_listing",
+    "relist",
     "save_listing",
     "source_fingerprint",
 ]
@@ -61,11 +77,38 @@ def list_keys_cached(
     source: Source, cache_dir: str | os.PathLike[str], *, max_age_s: float | None = None
 ) -> list[SampleRef]:
     """``source.list_keys()``, reusing the listing saved in ``cache_dir`` when it is still valid."""
+    return listing_cached(source, cache_dir, max_age_s=max_age_s).refs
+
+
+def listing_cached(
+    source: Source, cache_dir: str | os.PathLike[str], *, max_age_s: float | None = None
+) -> Listing:
+    """The :class:`Listing` saved in ``cache_dir`` when it is still valid, else a new one."""
     fingerprint = source_fingerprint(source.spec)
-    refs = load_listing(cache_dir, fingerprint, max_age_s=max_age_s)
-    if refs is not None:
-        log.info("%s: reusing the saved listing of %d refs", source.url, len(refs))
-        return refs
+    listing = read_listing(cache_dir, fingerprint, max_age_s=max_age_s)
+    if listing is not None:
+        log.info("%s: reusing the saved listing of %d refs", source.url, len(listing.refs))
+        return listing
     refs = source.list_keys()
     save_listing(cache_dir, fingerprint, refs)
-    return refs
+    return Listing(refs, created=time.time())
+
+
+def relist(source: Source, cache_dir: str | os.PathLike[str]) -> tuple[Listing, int]:
+    """List ``source`` again and merge it into its saved listing (see :func:`merge_listing`);
+    return the saved listing and how many keys are new.
+
+    Raises:
+        SourceUnavailable: the source cannot be listed (the saved listing is left as it was).
+    """
+    fingerprint = source_fingerprint(source.spec)
+    fresh = source.list_keys()
+    old = read_listing(cache_dir, fingerprint)
+    if old is None:
+        listing, added = Listing(fresh, created=time.time()), len(fresh)
+    else:
+        listing, added = merge_listing(old, fresh)
+        if listing.refs == old.refs and listing.gone == old.gone:
+            return old, 0  # unchanged: samplers have nothing to reload
+    save_listing(cache_dir, fingerprint, listing.refs, blocks=listing.blocks, gone=listing.gone)
+    return listing, added

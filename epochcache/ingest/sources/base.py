@@ -13,19 +13,34 @@ The *unit of fetching* differs by layout: a ``files`` source lists one ref per o
 source lists one ref per shard (listing every member would mean reading every shard), and fetching a
 shard ref yields one result per sample in it, each with its own ref (``shard`` and ``members`` set).
 Sampling without replacement over shards still covers every sample once per pass.
+
+A source is someone else's bucket, so what it lists is not trusted (:meth:`Source.refusal`):
+
+* a key that leaves the source root (an absolute path, a ``..`` segment, or on a local
+  filesystem a path that resolves outside the root, through a symlink) is never read: it
+  becomes a ``CorruptSample`` that says why, which the sampler quarantines (counted, logged with
+  its key) while the daemon goes on with the other keys;
+* a ``files`` object listed larger than ``spec.max_sample_bytes`` is refused the same way before
+  it is downloaded, and of an object whose size is not listed at most that many bytes (plus
+  one) are read, so that one larger is refused without being held whole. Tar shards are not
+  bounded as a whole (a shard holds many samples); their members are (see ``tar``).
 """
 
 from __future__ import annotations
 
 import abc
 import logging
+import os
+import posixpath
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ...errors import SourceError, SourceUnavailable
-from ...redact import redact_options
+from ...errors import CorruptSample, SourceError, SourceUnavailable
+from ...limits import DEFAULT_MAX_SAMPLE_BYTES
+from ...redact import redact_options, redact_url
+from ...units import format_size
 from ..remote import (
     TRANSIENT_ERRORS,
     BandwidthLimiter,
@@ -64,6 +79,8 @@ class SourceSpec:
         list_deadline_s: listing at start fails within this (an unreachable remote fails fast).
         retries: attempts per object for transient errors.
         checks: content checks on ingest, a subset of :data:`CHECKS`.
+        max_sample_bytes: the largest object (``files``) or tar member accepted, and the most a
+            gzip check decompresses; larger ones are quarantined, not downloaded.
     """
 
     url: str
@@ -78,6 +95,7 @@ class SourceSpec:
     list_deadline_s: float = 6.0
     retries: int = 5
     checks: Sequence[str] = CHECKS
+    max_sample_bytes: int = DEFAULT_MAX_SAMPLE_BYTES
 
     @property
     def effective_pattern(self) -> str:
@@ -87,7 +105,7 @@ class SourceSpec:
         return "**/*.tar" if self.layout == "tar" else "**"
 
     def __repr__(self) -> str:
-        return (f"SourceSpec(url={self.url!r}, layout={self.layout!r}, "
+        return (f"SourceSpec(url={redact_url(self.url)!r}, layout={self.layout!r}, "
                 f"storage_options={redact_options(self.storage_options)!r})")
 
 
@@ -155,13 +173,21 @@ class Source(abc.ABC):
         self.concurrency = concurrency
         self.checks = frozenset(spec.checks if checks is None else checks)
         self.limiter = BandwidthLimiter(bandwidth_limit) if bandwidth_limit else None
-        self.url = spec.url
+        # What messages, logs and the cache show: credentials in the URL masked. fsspec gets
+        # the real one (spec.url) below.
+        self.url = redact_url(spec.url)
         self.fs, self.root = open_fs(
             spec.url,
             spec.storage_options,
             timeout_s=spec.timeout_s,
             connect_timeout_s=spec.connect_timeout_s,
         )
+        self.max_sample_bytes = spec.max_sample_bytes
+        protocol = self.fs.protocol
+        protocols = (protocol,) if isinstance(protocol, str) else tuple(protocol)
+        # Local paths are resolved (symlinks) before reading: a link may lead out of the root.
+        self._local_root = (os.path.realpath(self.root or "/") if "file" in protocols
+                            or "local" in protocols else None)
 
     # -- listing ---------------------------------------------------------------------------------
 
@@ -178,15 +204,54 @@ class Source(abc.ABC):
 
     def fetch_grouped(self, refs: Sequence[SampleRef]) -> list[list[FetchResult]]:
         """Like :meth:`fetch_many`, but one list of results per input ref (a shard gives many)."""
-        paths = [self.object_path(ref.key) for ref in refs]
-        urls = [self.object_url(ref.key) for ref in refs]
+        refused = {i: error for i, ref in enumerate(refs) if (error := self.refusal(ref))}
+        todo = [ref for i, ref in enumerate(refs) if i not in refused]
+        paths = [self.object_path(ref.key) for ref in todo]
+        urls = [self.object_url(ref.key) for ref in todo]
+        # files: one byte more than accepted when the size is not listed (see the module doc)
+        limits = [self.max_sample_bytes + 1 if self.unit == "sample" and ref.size is None
+                  else None for ref in todo]
         fetched = fetch_many(self.fs, paths, concurrency=self.concurrency,
-                             timeout_s=self.spec.timeout_s, url_of=dict(zip(paths, urls)).__getitem__)
+                             timeout_s=self.spec.timeout_s, url_of=dict(zip(paths, urls)).__getitem__,
+                             limits=limits)
         self._throttle(sum(len(value) for value in fetched if isinstance(value, bytes)))
-        return [
+        done: Iterator[list[FetchResult]] = iter([
             [(ref, value)] if isinstance(value, SourceError) else self._unpack(ref, url, value)
-            for ref, url, value in zip(refs, urls, fetched)
-        ]
+            for ref, url, value in zip(todo, urls, fetched)
+        ])
+        return [[(ref, refused[i])] if i in refused else next(done) for i, ref in enumerate(refs)]
+
+    def refusal(self, ref: SampleRef) -> CorruptSample | None:
+        """Why ``ref`` must not be read (None: it may): a key that leaves the source root, or a
+        ``files`` object listed larger than ``max_sample_bytes``."""
+        key, url = ref.key, self.object_url(ref.key)
+        escape = self._escape(key)
+        if escape:
+            return CorruptSample(
+                f"{key}: refused: the key leaves the source root {self.url} ({escape}); it is "
+                "never read (fix the manifest or listing that names it)", url, key)
+        if self.unit == "sample" and ref.size is not None and ref.size > self.max_sample_bytes:
+            return self.too_large(key, ref.size, url, "listed as")
+        return None
+
+    def too_large(self, key: str, size: int, url: str, how: str = "is") -> CorruptSample:
+        """The refusal of a sample larger than ``max_sample_bytes``."""
+        return CorruptSample(
+            f"{key}: refused: {how} {format_size(size)}, larger than the "
+            f"{format_size(self.max_sample_bytes)} a sample may be (loader.max_sample_bytes, or "
+            "cache.capacity when smaller); not downloaded or cached", url, key)
+
+    def _escape(self, key: str) -> str:
+        """How ``key`` leaves the root ("" when it does not)."""
+        if key.startswith(("/", "\\")) or posixpath.isabs(key):
+            return "an absolute path"
+        if ".." in key.replace("\\", "/").split("/"):
+            return "a '..' segment"
+        if self._local_root is not None:
+            real = os.path.realpath(self.object_path(key))
+            if real != self._local_root and not real.startswith(self._local_root.rstrip("/") + "/"):
+                return f"it resolves to {real}"
+        return ""
 
     @abc.abstractmethod
     def _unpack(self, ref: SampleRef, url: str, data: bytes) -> list[FetchResult]:
@@ -314,7 +379,7 @@ class Source(abc.ABC):
                 timeout_s=self.spec.timeout_s,
                 connect_timeout_s=self.spec.connect_timeout_s,
             )
-            url = manifest
+            url = redact_url(manifest)
         else:
             fs, path, url = self.fs, self.object_path(manifest), self.object_url(manifest)
         refs = read_manifest(

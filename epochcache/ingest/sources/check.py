@@ -1,7 +1,8 @@
 """Cheap content checks run on ingest, so a truncated or damaged object is quarantined, not cached.
 
 * ``size`` and ``checksum``: against the listing or manifest, when it gives them;
-* ``format``, by extension: gzip (full decompression, which verifies the CRC and length), ``.npy``
+* ``format``, by extension: gzip (full decompression, which verifies the CRC and length, bounded
+  by ``max_bytes``: a decompression bomb is refused past it), ``.npy``
   (header parse and data length), ``.json`` (parse), ``.npz``/``.zip`` (member CRCs), ``.tar`` (member
   integrity). Unknown extensions pass.
 
@@ -10,7 +11,7 @@ Every failure raises :class:`~epochcache.errors.CorruptSample` naming the key an
 
 from __future__ import annotations
 
-import gzip
+import functools
 import hashlib
 import io
 import json
@@ -23,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from ...errors import CorruptSample
+from ...limits import DEFAULT_MAX_SAMPLE_BYTES, gunzip
 from .base import CHECKS
 
 _ALGO_BY_LENGTH = {8: "crc32", 32: "md5", 40: "sha1", 64: "sha256"}
@@ -77,8 +79,8 @@ def check_checksum(key: str, data: bytes, checksum: str | None, url: str = "") -
         )
 
 
-def _check_gzip(data: bytes) -> None:
-    gzip.decompress(data)  # verifies the CRC32 and ISIZE trailer of every member
+def _check_gzip(data: bytes, max_bytes: int = DEFAULT_MAX_SAMPLE_BYTES) -> None:
+    gunzip(data, max_bytes)  # verifies the CRC32 and ISIZE trailer of every member
 
 
 def _check_npy(data: bytes) -> None:
@@ -132,16 +134,20 @@ def format_checkable(name: str) -> bool:
     return name.rsplit(".", 1)[-1].lower() in _FORMAT_CHECKS
 
 
-def check_format(key: str, name: str, data: bytes, url: str = "") -> None:
+def check_format(key: str, name: str, data: bytes, url: str = "",
+                 max_bytes: int = DEFAULT_MAX_SAMPLE_BYTES) -> None:
     """Run the cheap check for the last extension of ``name`` (a key or a tar field).
 
     Raises:
-        CorruptSample: the content does not parse as its extension says.
+        CorruptSample: the content does not parse as its extension says (or a gzip member
+            expands past ``max_bytes``).
     """
     ext = name.rsplit(".", 1)[-1].lower()
     check = _FORMAT_CHECKS.get(ext)
     if check is None:
         return
+    if check is _check_gzip:
+        check = functools.partial(_check_gzip, max_bytes=max_bytes)
     try:
         check(data)
     except Exception as exc:  # any parse failure of untrusted bytes means corrupt, never a crash
@@ -158,12 +164,14 @@ def check_object(
     checksum: str | None = None,
     checks: Iterable[str] = CHECKS,
     url: str = "",
+    max_bytes: int = DEFAULT_MAX_SAMPLE_BYTES,
 ) -> None:
-    """Run the enabled checks (``size``, ``checksum``, ``format``) on one fetched object."""
+    """Run the enabled checks (``size``, ``checksum``, ``format``) on one fetched object;
+    ``max_bytes`` bounds what a gzip check may decompress."""
     enabled = set(checks)
     if "size" in enabled:
         check_size(key, data, size, url)
     if "checksum" in enabled:
         check_checksum(key, data, checksum, url)
     if "format" in enabled:
-        check_format(key, key, data, url)
+        check_format(key, key, data, url, max_bytes)

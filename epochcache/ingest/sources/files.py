@@ -27,9 +27,13 @@ class FilesSource(Source):
         return self._list_files(self.spec.effective_pattern)
 
     def _unpack(self, ref: SampleRef, url: str, data: bytes) -> list[FetchResult]:
+        if len(data) > self.max_sample_bytes:  # not listed, or larger than listed
+            exc = self.too_large(ref.key, len(data), url, "is more than")
+            log.warning("%s: %s", url, exc)
+            return [(ref, exc)]
         try:
             check_object(ref.key, data, size=ref.size, checksum=ref.checksum, checks=self.checks,
-                         url=url)
+                         url=url, max_bytes=self.max_sample_bytes)
         except CorruptSample as exc:
             log.warning("%s: corrupt: %s", url, exc)
             return [(ref, exc)]

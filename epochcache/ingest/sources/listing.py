@@ -1,9 +1,15 @@
 """The listing cache: a source's refs saved in the cache directory so a restart does not re-list.
 
 One gzip'd JSON-lines file per source fingerprint under ``<cache_dir>/listings/``: a header line
-(format version, fingerprint, count, creation time), then one compact row per ref
+(format version, fingerprint, count, creation time, blocks, gone), then one compact row per ref
 (``[key, size, weight, checksum]``). Files are written atomically (temp file in the same directory,
 then ``os.replace``), so a crash leaves the old listing or the new one, never half of one.
+
+A listing only grows: re-listing a source (``source.listing_ttl_s``) appends the keys it did not
+hold as a new *block* (sorted within it) and keeps every earlier ref at its index, so that
+positions in the key order stay valid. ``blocks`` are the cumulative counts at the end of each
+block (the first is the original listing); ``gone`` the indices of keys the last re-list did
+not find (samplers skip them; they come back if the key does).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import os
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -52,10 +59,57 @@ def listing_path(cache_dir: str | os.PathLike[str], fingerprint: str) -> Path:
     return Path(cache_dir) / LISTING_DIR / f"{fingerprint}.jsonl.gz"
 
 
+@dataclass
+class Listing:
+    """A saved listing: its refs in block order, where each block ends, which keys are gone.
+
+    Attributes:
+        refs: every ref ever listed, earlier blocks first.
+        blocks: cumulative ref counts at the end of each block (``blocks[-1] == len(refs)``).
+        gone: indices of refs the last listing did not find.
+        created: when the source was last listed (seconds since the epoch).
+    """
+
+    refs: list[SampleRef]
+    blocks: list[int] = field(default_factory=list)
+    gone: set[int] = field(default_factory=set)
+    created: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.blocks:
+            self.blocks = [len(self.refs)]
+
+
+def merge_listing(old: Listing, fresh: Sequence[SampleRef]) -> tuple[Listing, int]:
+    """``old`` extended by a new listing of the same source, and how many keys are new.
+
+    Refs already listed keep their index (their size and checksum are updated); new keys are
+    appended as one block, sorted; keys missing from ``fresh`` are marked gone.
+    """
+    index = {ref.key: i for i, ref in enumerate(old.refs)}
+    refs = list(old.refs)
+    seen: set[int] = set()
+    added = sorted((ref for ref in fresh if ref.key not in index), key=lambda r: r.key)
+    for ref in fresh:
+        i = index.get(ref.key)
+        if i is not None:
+            refs[i] = ref
+            seen.add(i)
+    refs.extend(added)
+    blocks = list(old.blocks) + ([len(refs)] if added else [])
+    gone = set(range(len(old.refs))) - seen
+    return Listing(refs, blocks, gone, time.time()), len(added)
+
+
 def save_listing(
-    cache_dir: str | os.PathLike[str], fingerprint: str, refs: Sequence[SampleRef]
+    cache_dir: str | os.PathLike[str],
+    fingerprint: str,
+    refs: Sequence[SampleRef],
+    *,
+    blocks: Sequence[int] | None = None,
+    gone: set[int] | None = None,
 ) -> Path:
-    """Write ``refs`` atomically; return the file written."""
+    """Write ``refs`` (with their blocks and gone keys) atomically; return the file written."""
     path = listing_path(cache_dir, fingerprint)
     path.parent.mkdir(parents=True, exist_ok=True)
     header = {
@@ -63,6 +117,8 @@ def save_listing(
         "fingerprint": fingerprint,
         "count": len(refs),
         "created": time.time(),
+        "blocks": list(blocks) if blocks else [len(refs)],
+        "gone": sorted(gone or ()),
     }
     fd, tmp = tempfile.mkstemp(prefix=".listing-", suffix=".tmp", dir=path.parent)
     try:
@@ -86,6 +142,14 @@ def load_listing(
     cache_dir: str | os.PathLike[str], fingerprint: str, *, max_age_s: float | None = None
 ) -> list[SampleRef] | None:
     """Return the saved refs, or None when there is no usable listing (missing, stale, damaged)."""
+    listing = read_listing(cache_dir, fingerprint, max_age_s=max_age_s)
+    return None if listing is None else listing.refs
+
+
+def read_listing(
+    cache_dir: str | os.PathLike[str], fingerprint: str, *, max_age_s: float | None = None
+) -> Listing | None:
+    """The saved :class:`Listing`, or None when there is none usable (missing, stale, damaged)."""
     path = listing_path(cache_dir, fingerprint)
     try:
         with gzip.open(path, "rb") as handle:
@@ -107,4 +171,10 @@ def load_listing(
             "%s: listing holds %d of %s refs; re-listing", path, len(refs), header.get("count")
         )
         return None
-    return refs
+    blocks = [int(b) for b in header.get("blocks") or [len(refs)]]
+    if not blocks or blocks[-1] != len(refs) or blocks != sorted(blocks):
+        log.warning("%s: listing blocks %s do not match its %d refs; re-listing", path, blocks,
+                    len(refs))
+        return None
+    gone = {int(i) for i in header.get("gone") or ()}
+    return Listing(refs, blocks, gone, float(header.get("created", 0)))

@@ -19,6 +19,8 @@ import tarfile
 from collections.abc import Iterator
 
 from ...errors import CorruptSample, SourceError, SourceUnavailable
+from ...limits import DEFAULT_MAX_SAMPLE_BYTES
+from ...units import format_size
 from ..remote import call, retry
 from .base import FetchResult, Payload, SampleRef, Source
 from .check import check_checksum, check_format, check_size
@@ -60,7 +62,8 @@ class _Sample:
     def fail(self, reason: str) -> None:
         self.error = self.error or reason  # the first problem is the one worth reporting
 
-    def result(self, check_formats: bool, url: str) -> tuple[SampleRef, Payload | CorruptSample]:
+    def result(self, check_formats: bool, url: str,
+               max_bytes: int = DEFAULT_MAX_SAMPLE_BYTES) -> tuple[SampleRef, Payload | CorruptSample]:
         ref = SampleRef(self.key, shard=self.shard_key, members=tuple(self.members))
         if self.error is not None:
             return ref, CorruptSample(f"{self.key}: {self.error} (in shard {self.shard_key})", url,
@@ -68,7 +71,7 @@ class _Sample:
         if check_formats:
             try:
                 for name, value in self.fields.items():
-                    check_format(self.key, name, value, url)
+                    check_format(self.key, name, value, url, max_bytes)
             except CorruptSample as exc:
                 return ref, exc
         return ref, self.fields
@@ -95,9 +98,13 @@ def _ends_cleanly(data: bytes, offset: int) -> bool:
 
 
 def iter_shard(
-    shard_key: str, data: bytes, *, check_formats: bool = True, url: str = ""
+    shard_key: str, data: bytes, *, check_formats: bool = True, url: str = "",
+    max_bytes: int = DEFAULT_MAX_SAMPLE_BYTES,
 ) -> Iterator[tuple[SampleRef, Payload | CorruptSample]]:
-    """Yield ``(ref, fields or CorruptSample)`` for every sample of an in-memory tar shard."""
+    """Yield ``(ref, fields or CorruptSample)`` for every sample of an in-memory tar shard.
+
+    A member larger than ``max_bytes`` is not read: its sample becomes a CorruptSample.
+    """
     try:
         # Not a `with`: the generator yields between open and close; `finally` below closes it.
         archive = tarfile.open(fileobj=io.BytesIO(data), mode="r:")  # noqa: SIM115
@@ -111,8 +118,14 @@ def iter_shard(
             if sample is None or prefix != sample.prefix:
                 if sample is not None:
                     count += 1
-                    yield sample.result(check_formats, url)  # before reading on: it is whole
+                    yield sample.result(check_formats, url, max_bytes)  # it is whole
                 sample = _Sample(shard_key, prefix)
+            if member.size > max_bytes:
+                sample.members.append(member.name)
+                sample.fail(f"member {member.name!r} is {format_size(member.size)}, larger than "
+                            f"the {format_size(max_bytes)} a sample may be "
+                            "(loader.max_sample_bytes, or cache.capacity when smaller)")
+                continue
             handle = archive.extractfile(member)
             sample.add(member, field, handle.read() if handle is not None else b"")
     except (tarfile.TarError, EOFError, OSError) as exc:
@@ -123,7 +136,7 @@ def iter_shard(
             yield _shard_failure(shard_key, reason, url)
         else:
             sample.fail(reason)
-            yield sample.result(check_formats, url)
+            yield sample.result(check_formats, url, max_bytes)
         return
     finally:
         archive.close()
@@ -135,7 +148,7 @@ def iter_shard(
             return
         sample.fail(reason)
     if sample is not None:
-        yield sample.result(check_formats, url)
+        yield sample.result(check_formats, url, max_bytes)
 
 
 class TarSource(Source):
@@ -187,7 +200,7 @@ class TarSource(Source):
             return [(ref, exc)]
         group: list[FetchResult] = []
         for sample_ref, payload in iter_shard(ref.key, data, check_formats="format" in self.checks,
-                                              url=url):
+                                              url=url, max_bytes=self.max_sample_bytes):
             if isinstance(payload, CorruptSample):
                 log.warning("%s: corrupt sample: %s", url, payload)
             group.append((sample_ref, payload))

@@ -1,0 +1,248 @@
+"""The committer thread of a sampler: writes fetched batches to the cache, one behind the fetcher.
+
+What it must never do is stall its sampler silently:
+
+* a sample the cache can never hold (larger than the capacity, a key no record can hold) is
+  handed back by the store (``on_reject``) and quarantined; the rest of its batch commits;
+* any other error on a batch is retried record by record: records that fail alone while the
+  others commit are quarantined (the cache works, the record does not); when every record
+  fails, the cache itself is failing and the committer dies with that error;
+* a dead committer is seen by the fetch loop at its next hand-over (:meth:`Committer.hand_over`
+  never blocks on a full queue for long), and the sampler process exits non-zero so that the
+  daemon restarts it;
+* while the cache is full behind a lease it waits in rounds of :data:`HEALTH_INTERVAL_S`,
+  writing its health each round and checking ``should_stop`` (stop asked, or daemon gone);
+* a sample larger than the headroom is set aside when leases hold the cache full: while
+  epochs train, snapshots pin the newest capacity's worth of samples, so it could never get in
+  and would hold up every batch behind it. It is counted (``deferred``), logged once with its
+  key, and fetched again on a later pass, when it may fit.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ..errors import CacheFull, SampleRejected
+from ..store import SampleStore
+from ..units import format_size
+
+log = logging.getLogger(__name__)
+
+#: Seconds between sampler health documents when nothing is committed (idle, stalled remote).
+HEALTH_INTERVAL_S = 2.0
+#: Seconds between health/position writes while commits flow.
+STATE_INTERVAL_S = 0.5
+#: How long one attempt to queue a batch (or to wait for one) lasts before checking again.
+_POLL_S = 0.25
+
+
+def state_name(index: int) -> str:
+    return f"sampler/{index}"
+
+
+class CommitterDied(RuntimeError):
+    """The committer thread stopped on an error; the sampler process must exit (and be
+    restarted by its daemon). The original error is chained."""
+
+
+@dataclass
+class Batch:
+    """One fetched batch on its way to the cache.
+
+    Attributes:
+        records: ``(source key, encoded record)`` pairs.
+        position: the key order position to save once the batch is committed.
+        keys: every key the batch was fetched for (committed or not): no longer in flight.
+        nbytes: bytes this batch holds against the sampler's in-flight budget.
+    """
+
+    records: list[tuple[str, bytes]]
+    position: dict[str, int]
+    keys: list[str]
+    nbytes: int = 0
+
+
+class Committer(threading.Thread):
+    """Writes batches to ``cache`` in the order they are handed over.
+
+    Args:
+        cache: the sampler's store.
+        health: the sampler's health document (a ``SamplerHealth``), updated in place.
+        stop: passed to ``put_many`` so that a stop ends a wait for space at once.
+        should_stop: stop asked, or the daemon is gone: end waits for space.
+        quarantine: ``quarantine(key, reason)`` for a sample that cannot be stored.
+        done: ``done(batch)`` once a batch is finished with (committed, quarantined or
+            dropped at a stop): releases its keys and bytes.
+    """
+
+    def __init__(
+        self,
+        cache: SampleStore,
+        health: Any,
+        *,
+        stop: Any,
+        should_stop: Callable[[], bool],
+        quarantine: Callable[[str, str], None],
+        done: Callable[[Batch], None],
+    ) -> None:
+        super().__init__(name="epochcache-committer", daemon=True)
+        self.cache, self.health, self.stop_flag = cache, health, stop
+        self.should_stop, self.quarantine, self.done = should_stop, quarantine, done
+        self._batches: queue.Queue[Batch | None] = queue.Queue(maxsize=1)
+        self.error: BaseException | None = None
+        self._rejected: set[str] = set()
+        self._deferred_logged: set[str] = set()
+
+    # -- the fetch loop's side ------------------------------------------------------------------
+
+    def hand_over(self, batch: Batch | None) -> None:
+        """Queue ``batch`` (None: no more) for commit, waiting while the previous one commits.
+
+        Raises:
+            CommitterDied: the committer is dead (its error chained); nothing more commits.
+        """
+        while True:
+            self.check()
+            try:
+                self._batches.put(batch, timeout=_POLL_S)
+                return
+            except queue.Full:
+                continue  # the committer is busy (or waiting for space): check it again
+
+    def check(self) -> None:
+        """Raise :class:`CommitterDied` if the committer has died."""
+        if self.error is not None:
+            raise CommitterDied(f"sampler {self.health.index}: the committer failed: "
+                                f"{type(self.error).__name__}: {self.error}") from self.error
+        if self.ident is not None and not self.is_alive():
+            raise CommitterDied(f"sampler {self.health.index}: the committer exited")
+
+    def finish(self) -> None:
+        """Let the committer write what is queued, then end it.
+
+        Raises:
+            CommitterDied: it failed, before or while finishing.
+        """
+        if self.is_alive():
+            self.hand_over(None)
+            while self.is_alive():
+                self.join(_POLL_S)
+        if self.error is not None:
+            self.check()
+
+    # -- the committer thread -----------------------------------------------------------------
+
+    def run(self) -> None:
+        try:
+            while True:
+                try:
+                    batch = self._batches.get(timeout=HEALTH_INTERVAL_S)
+                except queue.Empty:
+                    # Nothing to commit (idle, or the remote is failing): the health document
+                    # still shows the counters and errors of the last seconds.
+                    self._save_health()
+                    continue
+                if batch is None:
+                    break
+                try:
+                    self._commit(batch.records)
+                finally:
+                    self.done(batch)
+                self.health.position = batch.position
+                now = time.time()
+                # At most one health/position write per STATE_INTERVAL_S: each is a commit with
+                # an fsync of its own. A position that lags is harmless: on restart, keys already
+                # cached are skipped before fetching.
+                if now - self.health.heartbeat >= STATE_INTERVAL_S:
+                    self._save_health(now)
+        except BaseException as exc:  # surfaced by the fetch loop (check / hand_over)
+            self.error = exc
+            log.error("sampler %d: committer failed: %s: %s", self.health.index,
+                      type(exc).__name__, exc, exc_info=exc)
+
+    def _save_health(self, now: float | None = None) -> None:
+        self.health.heartbeat = time.time() if now is None else now
+        self.cache.tables.put_state(state_name(self.health.index), asdict(self.health))
+
+    def _commit(self, records: list[tuple[str, bytes]]) -> None:
+        self._rejected.clear()
+        try:
+            self._put(records)
+        except Exception as exc:  # per-record or systemic: _commit_each decides
+            if len(records) < 2:
+                raise
+            self._commit_each(records, exc)
+
+    def _commit_each(self, records: list[tuple[str, bytes]], batch_error: Exception) -> None:
+        """Commit one record at a time; quarantine those that fail while others succeed."""
+        log.info("sampler %d: a batch of %d failed to commit (%s: %s); committing its samples "
+                 "one at a time", self.health.index, len(records), type(batch_error).__name__,
+                 batch_error)
+        failed: list[tuple[str, Exception]] = []
+        inserted = 0
+        for key, record in records:
+            try:
+                inserted += self._put([(key, record)])
+            except Exception as exc:  # noqa: BLE001 - judged below
+                failed.append((key, exc))
+        if failed and not inserted:
+            raise batch_error  # not one sample could be written: the cache is failing
+        for key, error in failed:
+            self.quarantine(key, f"cannot be written to the cache: {type(error).__name__}: {error}")
+
+    def _set_aside_too_large(self, records: list[tuple[str, bytes]]) -> list[tuple[str, bytes]]:
+        """The records that can fit once leases move on; the others are deferred (see the
+        module doc)."""
+        headroom = self.cache.effective_headroom
+        keep = []
+        for key, record in records:
+            if len(record) <= headroom:
+                keep.append((key, record))
+                continue
+            self.health.deferred += 1
+            if key not in self._deferred_logged:
+                self._deferred_logged.add(key)
+                log.warning(
+                    "sampler %d: %r is %s, more than the cache's headroom (%s): it cannot be "
+                    "cached while epochs hold snapshots of the rest; skipped until a later pass "
+                    "(raise cache.headroom to cache samples this large during training)",
+                    self.health.index, key, format_size(len(record)), format_size(headroom))
+        return keep
+
+    def _on_reject(self, key: str, exc: SampleRejected) -> None:
+        if key not in self._rejected:
+            self._rejected.add(key)
+            self.quarantine(key, str(exc))
+
+    def _put(self, records: list[tuple[str, bytes]]) -> int:
+        """``put_many`` until committed, waiting for space in rounds (see the module doc);
+        returns how many samples were inserted."""
+        inserted = 0
+        while records:
+            try:
+                result = self.cache.put_many(records, encoded=True, stop=self.stop_flag,
+                                             timeout_s=HEALTH_INTERVAL_S, on_reject=self._on_reject)
+                self.health.committed += result.inserted
+                self.health.skipped += result.skipped
+                self.health.waiting_for_space = False
+                return inserted + result.inserted
+            except CacheFull as full:
+                # Whatever part was committed is skipped as a duplicate on the next attempt.
+                if full.result is not None:
+                    inserted += full.result.inserted  # type: ignore[attr-defined]
+                    self.health.committed += full.result.inserted  # type: ignore[attr-defined]
+                records = self._set_aside_too_large(
+                    [(key, record) for key, record in records if key not in self._rejected])
+                self.health.waiting_for_space = True
+                self._save_health()
+                if self.should_stop():
+                    log.info("sampler %d: stopping with %d samples not committed",
+                             self.health.index, len(records))
+                    return inserted
+        return inserted

@@ -1,0 +1,96 @@
+"""``source.listing_ttl_s``: a growing bucket is re-listed in the background and its new keys are
+sampled without restarting anything (issue 10, item 5).
+
+The listing only grows (new keys appended as a block, earlier refs keep their index), so the
+key order's saved positions stay valid; the daemon lists, samplers follow the saved file.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import s3fs
+from common.cachecheck import full_check
+from common.daemonproc import (
+    daemon_state,
+    sampler_states,
+    upload,
+    wait_cached,
+    wait_running,
+    write_config,
+)
+from conftest import S3Env
+
+from epochcache.ingest.sources import (
+    Listing,
+    SampleRef,
+    merge_listing,
+    read_listing,
+    save_listing,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _refs(*keys: str, size: int = 10) -> list[SampleRef]:
+    return [SampleRef(key, size) for key in keys]
+
+
+def test_merge_appends_new_keys_as_a_block_and_marks_the_gone(tmp_path: Path) -> None:
+    old = Listing(_refs("a", "c", "e"))
+    assert old.blocks == [3]
+    fresh = [SampleRef("e", 99), *_refs("d", "a", "b")]  # c is gone, e was rewritten
+    merged, added = merge_listing(old, fresh)
+    assert added == 2
+    assert [r.key for r in merged.refs] == ["a", "c", "e", "b", "d"]  # old indices kept
+    assert merged.blocks == [3, 5]
+    assert merged.gone == {1}
+    assert merged.refs[2].size == 99
+    again, added = merge_listing(merged, _refs("a", "b", "c", "d", "e"))
+    assert added == 0 and again.blocks == [3, 5] and again.gone == set()
+
+    save_listing(tmp_path, "fp", merged.refs, blocks=merged.blocks, gone=merged.gone)
+    loaded = read_listing(tmp_path, "fp")
+    assert loaded is not None
+    assert loaded.refs == merged.refs and loaded.blocks == [3, 5] and loaded.gone == {1}
+    assert loaded.created > 0
+
+
+def test_a_growing_bucket_is_relisted_and_its_new_keys_cached(
+    s3: S3Env, tmp_path: Path, start_daemon: Any
+) -> None:
+    first = upload(s3.url, s3.storage_options, "ds", 60, "files")
+    cache_dir = tmp_path / "cache"
+    config = write_config(
+        tmp_path / "cfg.yaml", url=s3.url("ds"), cache_dir=cache_dir,
+        storage_options=s3.storage_options, source={"listing_ttl_s": "1s"},
+    )
+    daemon = start_daemon(config)
+    state = wait_running(daemon, cache_dir)
+    pids = {name: s["pid"] for name, s in state["samplers"].items()}
+    wait_cached(daemon, cache_dir, 60)
+    # The bucket grows: 40 more objects (the demo writer's keys continue the numbering).
+    fs = s3fs.S3FileSystem(**s3.storage_options)
+    more = upload(s3.url, s3.storage_options, "more", 100, "files")[60:]
+    for key in more:
+        fs.copy(f"{s3.bucket}/more/{key}", f"{s3.bucket}/ds/{key}")
+    added_at = time.monotonic()
+    wait_cached(daemon, cache_dir, 100, timeout_s=30)
+    took = time.monotonic() - added_at
+    doc = daemon_state(cache_dir)
+    assert doc is not None
+    assert {name: s["pid"] for name, s in doc["samplers"].items()} == pids  # nothing restarted
+    assert all(s["restarts"] == 0 for s in doc["samplers"].values())
+    assert daemon.terminate() == 0
+    assert sorted(full_check(str(cache_dir)).keys) == sorted(first + more)
+    healths = sampler_states(cache_dir)
+    assert sum(h["fetched"] for h in healths.values()) == 100  # nothing fetched twice
+    logs = daemon.logs()
+    new_keys = [int(line.split(" new keys")[0].rsplit(" ", 1)[1])
+                for line in logs.splitlines() if " new keys, " in line]
+    assert sum(new_keys) == 40, logs[-3000:]  # one re-list or more, as the copy went on
+    assert "the listing grew to 100 keys" in logs
+    assert took < 20
