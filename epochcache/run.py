@@ -175,11 +175,11 @@ def _loader_kwargs(config: EpochcacheConfig) -> dict[str, Any]:
         "seed": config.train.seed,
         "min_samples": config.train.min_samples,
         "samples_per_epoch": config.train.samples_per_epoch,
+        # None leaves the choice to epochs(), whose defaults are the API's (one default each).
+        "persistent_workers": loader.persistent_workers,
     }
-    if loader.num_workers > 0:
-        kwargs["persistent_workers"] = loader.persistent_workers or None
-        if loader.prefetch_factor is not None:
-            kwargs["prefetch_factor"] = loader.prefetch_factor
+    if loader.prefetch_factor is not None:
+        kwargs["prefetch_factor"] = loader.prefetch_factor  # dropped by epochs() without workers
     return kwargs
 
 

@@ -159,13 +159,13 @@ class _Epochs:
                  shuffle: bool, drop_last: bool, samples_per_epoch: int | None,
                  persistent: bool, reader: SampleReader, collate_fn: Callable[[Any], Any] | None,
                  worker_init_fn: Callable[[int], None] | None, stall_s: float | None,
-                 stall_file: str | None, loader_kwargs: dict[str, Any]) -> None:
+                 stall_file: str | None, loader_kwargs: dict[str, Any], world: World) -> None:
         self.cache, self.batch_size, self.num_workers = cache, batch_size, num_workers
         self.seed, self.shuffle, self.drop_last = seed, shuffle, drop_last
         self.samples_per_epoch, self.persistent, self.reader = samples_per_epoch, persistent, reader
         self.collate_fn, self.worker_init_fn = collate_fn, worker_init_fn
         self.stall_s, self.stall_file, self.loader_kwargs = stall_s, stall_file, loader_kwargs
-        self.world: World = detect_world()
+        self.world = world
         self.sync = NodeSync(self.world) if dist_initialized() and self.world.distributed else None
         # In process and without DDP collectives, the next epoch is planned in the training
         # thread when triggered (~0.3 ms, once per epoch): on a background thread the same work
@@ -421,14 +421,16 @@ def epochs(
             from the training process's own random state.
         stall_s: report batches slower than this with stacks and the sample key; None disables.
         batch_size: samples per batch.
-        num_workers: DataLoader workers. Defaults to 0 without a transform (reading in the
-            training process is fastest) and to ``os.cpu_count()`` with one.
+        num_workers: DataLoader workers. None (the default): 0 without a transform (reading
+            in the training process is fastest) and with one the cores this process may use
+            divided by the ranks of its node (see :func:`default_num_workers`).
         transform: applied to each decoded sample (in the workers).
         max_sample_bytes: the most a sample may decompress to (a gzip bomb raises a
             ``DecodeError`` naming its key); ``loader.max_sample_bytes``, default 256 MiB.
         collate_fn: replaces the built-in batch assembly; it receives a list of samples.
         persistent_workers: keep workers across epochs (two loaders alternate, so the next
-            epoch's workers prefetch while this one finishes). Defaults to True with workers.
+            epoch's workers prefetch while this one finishes). None (the default): True with
+            workers; False starts fresh workers every epoch.
         start_epoch: the first epoch's number (for resuming).
         wait_timeout_s: give up waiting for ``min_samples`` after this long.
         stall_file: where stall reports go (default stderr).
@@ -445,8 +447,9 @@ def epochs(
     """
     _check_counts(num_epochs=num_epochs, batch_size=batch_size,
                   samples_per_epoch=samples_per_epoch, min_samples=min_samples)
+    world = detect_world()
     num_workers, persistent = _worker_settings(num_workers, transform, persistent_workers,
-                                               dataloader_kwargs)
+                                               dataloader_kwargs, world.local_world_size)
     reader = SampleReader(cache.path, decode=decode, transform=transform,
                           allow_pickle=allow_pickle, max_sample_bytes=max_sample_bytes,
                           on_error=on_error, stall_s=stall_s, stall_file=stall_file,
@@ -456,7 +459,7 @@ def epochs(
                     shuffle=shuffle, drop_last=drop_last, samples_per_epoch=samples_per_epoch,
                     persistent=persistent, reader=reader, collate_fn=collate_fn,
                     worker_init_fn=worker_init_fn, stall_s=stall_s, stall_file=stall_file,
-                    loader_kwargs=dataloader_kwargs)
+                    loader_kwargs=dataloader_kwargs, world=world)
     return _generate(state, cache, min_samples, wait_timeout_s, start_epoch, num_epochs)
 
 
@@ -474,16 +477,31 @@ def _check_counts(*, num_epochs: int, batch_size: int, samples_per_epoch: int | 
         raise ValueError(f"min_samples: expected an int >= 0, got {min_samples!r}")
 
 
+def default_num_workers(transform: Callable[[Any], Any] | None, local_world_size: int) -> int:
+    """epochs()' ``num_workers`` when none is given (also ``loader.num_workers: null`` of runs).
+
+    0 without a transform: decoding reads the map in the training process, and shipping batches
+    from workers through shared memory only costs (``scripts/bench_loader.py --workers``: 1 or
+    2 workers run at a fraction of in-process reading). With a transform, the cores this
+    process may use split between the ranks of its node (every rank starts its own workers: a
+    core count per rank would oversubscribe the node under DDP), at least 1.
+    """
+    if transform is None:
+        return 0
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // max(1, local_world_size))
+
+
 def _worker_settings(num_workers: int | None, transform: Callable[[Any], Any] | None,
-                     persistent_workers: bool | None,
-                     dataloader_kwargs: dict[str, Any]) -> tuple[int, bool]:
+                     persistent_workers: bool | None, dataloader_kwargs: dict[str, Any],
+                     local_world_size: int = 1) -> tuple[int, bool]:
     """``(num_workers, persistent)`` with their defaults; completes ``dataloader_kwargs``."""
     bad = [name for name in _RESERVED if name in dataloader_kwargs]
     if bad:
         raise ValueError(f"epochs() sets {', '.join(bad)} itself; use shuffle=/seed= of "
                          "epochs() instead")
     if num_workers is None:
-        num_workers = 0 if transform is None else (os.cpu_count() or 1)
+        num_workers = default_num_workers(transform, local_world_size)
     if not isinstance(num_workers, int) or num_workers < 0:
         raise ValueError(f"num_workers: expected an int >= 0, got {num_workers!r}")
     persistent = num_workers > 0 if persistent_workers is None else bool(persistent_workers)
