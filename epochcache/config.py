@@ -214,7 +214,8 @@ class SamplerConfig(_Section):
         """``(node_rank, num_nodes)``: the configured values, else torchrun's environment, else (0, 1).
 
         Read at call time from ``EPOCHCACHE_NODE_RANK``/``EPOCHCACHE_NUM_NODES``, then ``GROUP_RANK``
-        and ``GROUP_WORLD_SIZE`` (or ``WORLD_SIZE // LOCAL_WORLD_SIZE``, or ``NNODES``).
+        and ``GROUP_WORLD_SIZE`` (or ``WORLD_SIZE // LOCAL_WORLD_SIZE``), then, in a distributed
+        launch, Slurm's ``SLURM_NODEID``/``SLURM_NNODES``; never guessed.
 
         Raises:
             ConfigError: the environment gives an invalid pair.

@@ -5,6 +5,8 @@ callers can catch either::
 
     EpochcacheError
     ├─ ConfigError(EpochcacheError, ValueError)       field path + reason; CLI exit 2
+    ├─ NodeLayoutError(EpochcacheError, ValueError)   which ranks share a node is unknown or
+    │                                                 contradictory; names the variables to set
     ├─ SourceError                                    always carries the URL
     │  ├─ SourceUnavailable                           unreachable endpoint, missing bucket, empty prefix
     │  ├─ RemoteTimeout(SourceError, TimeoutError)    a remote call exceeded its timeout
@@ -31,6 +33,12 @@ class EpochcacheError(Exception):
 
 class ConfigError(EpochcacheError, ValueError):
     """A configuration value is invalid; the message names the field path."""
+
+
+class NodeLayoutError(EpochcacheError, ValueError):
+    """Which ranks of a distributed job share a node (and its cache) cannot be known from the
+    launcher's environment, or the ranks contradict each other. Never guessed: ranks treated as
+    one node that are not would read one node's snapshot from another node's cache."""
 
 
 class SourceError(EpochcacheError):

@@ -122,3 +122,78 @@ def test_exception_while_the_next_epoch_is_being_agreed_ends_the_job(tmp_path: P
     assert procs[0].exitcode != 0 and procs[1].exitcode != 0, [p.exitcode for p in procs]
     assert "rank 0 fails" in (tmp_path / "rank0.err").read_text()
     assert took < 60
+
+
+# -- 3. the node layout is read from the launcher, never guessed -----------------------------
+
+def _read_epoch(rank: int, port: int, env: dict[str, str], path: str, out: str) -> None:
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), **env})
+    from epochcache import Cache
+
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=COLLECTIVE_TIMEOUT)
+    try:
+        cache = Cache(path, sync=False)
+        ids = []
+        for _epoch, loader in cache.epochs(1, batch_size=8):
+            ids += [int(v) for batch in loader for v in batch[:, 0]]
+        Path(out, f"rank{rank}.ids").write_text(" ".join(map(str, ids)))
+    except Exception as exc:
+        Path(out, f"rank{rank}.err").write_text(f"{type(exc).__name__}: {exc}")
+    finally:
+        dist.destroy_process_group()
+
+
+def _two_ranks(tmp_path: Path, envs: list[dict[str, str]], paths: list[str]) -> list[str]:
+    """Run :func:`_read_epoch` on two ranks; each one's ids (as text) or error."""
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=_read_epoch, args=(r, port, envs[r], paths[r], str(tmp_path)))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    _wait_all(procs, 90)
+    results = []
+    for r in range(2):
+        err = tmp_path / f"rank{r}.err"
+        results.append(err.read_text() if err.exists() else
+                       "ids " + (tmp_path / f"rank{r}.ids").read_text())
+    return results
+
+
+def _nodes_with_own_caches(tmp_path: Path) -> list[str]:
+    paths = [str(tmp_path / "node0"), str(tmp_path / "node1")]
+    fill(paths[0], 0, 40)
+    fill(paths[1], 1000, 40)  # other samples under the same sequence numbers 0..39
+    return paths
+
+
+def test_a_launch_without_node_variables_is_refused_not_guessed(tmp_path: Path) -> None:
+    """Two nodes started by a launcher that sets only RANK/WORLD_SIZE: taken for one node,
+    rank 1 read its half of rank 0's snapshot out of its own cache -- other samples."""
+    paths = _nodes_with_own_caches(tmp_path)
+    envs = [{"RANK": str(r), "WORLD_SIZE": "2"} for r in range(2)]
+    for result in _two_ranks(tmp_path, envs, paths):
+        assert result.startswith("NodeLayoutError"), result
+        for name in ("LOCAL_WORLD_SIZE", "GROUP_RANK", "SLURM_NODEID", "torchrun"):
+            assert name in result, result
+
+
+def test_slurm_variables_place_ranks_on_their_nodes(tmp_path: Path) -> None:
+    paths = _nodes_with_own_caches(tmp_path)
+    envs = [{"RANK": str(r), "WORLD_SIZE": "2", "SLURM_PROCID": str(r), "SLURM_NTASKS": "2",
+             "SLURM_NODEID": str(r), "SLURM_LOCALID": "0", "SLURM_TASKS_PER_NODE": "1(x2)",
+             "SLURM_NNODES": "2"} for r in range(2)]
+    results = _two_ranks(tmp_path, envs, paths)
+    ids = [sorted(map(int, result.removeprefix("ids ").split())) for result in results]
+    assert ids == [list(range(40)), list(range(1000, 1040))], results  # each node, whole cache
+
+
+def test_ranks_of_one_node_with_different_caches_are_refused(tmp_path: Path) -> None:
+    """Ranks declared on one node (GROUP_RANK 0) that open different caches: rank 1 read the
+    leader's snapshot out of another cache."""
+    paths = _nodes_with_own_caches(tmp_path)
+    envs = [{"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": "2",
+             "GROUP_RANK": "0"} for r in range(2)]
+    for result in _two_ranks(tmp_path, envs, paths):
+        assert result.startswith("NodeLayoutError"), result
+        assert "do not share one cache" in result and paths[0] in result and paths[1] in result

@@ -1,5 +1,5 @@
-"""The collectives that keep the ranks of a torchrun job in step (where a process sits in
-the job is :mod:`epochcache.world`, which needs no torch).
+"""The collectives that keep the ranks of a distributed job in step (where a process sits in
+the job is :mod:`epochcache.data.world`, which needs no torch).
 
 Invariant 8 (DDP never deadlocks on unequal data): ranks sharing a node's cache train on one
 snapshot per epoch, taken by local rank 0 (which holds its lease) and broadcast to the node's
@@ -30,9 +30,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..errors import NodeLayoutError
 from .world import World, detect_world, dist_initialized
 
-__all__ = ["NodeSync", "World", "barrier", "detect_world", "dist_initialized",
+__all__ = ["NodeSync", "World", "barrier", "check_layout", "detect_world", "dist_initialized",
            "init_run_distributed", "mean_across_ranks", "split_for_rank"]
 
 log = logging.getLogger(__name__)
@@ -50,20 +51,31 @@ class NodeSync:
 
     Args:
         world: this process's place (from :func:`detect_world`).
+        cache_id: which cache this rank reads (:func:`~epochcache.store.env.cache_identity`).
+        cache_path: its directory, for messages.
+
+    Raises:
+        NodeLayoutError: ranks of one node read different caches, or a node has no single
+            local rank 0 (raised on every rank alike: nobody is left waiting).
     """
 
-    def __init__(self, world: World) -> None:
+    def __init__(self, world: World, cache_id: str = "", cache_path: str = "") -> None:
         dist = torch.distributed
         self.world = world
         self.prep_group = dist.new_group(backend="gloo")
         self.main_group = dist.new_group(backend="gloo")
         places: list[Any] = [None] * world.world_size
-        dist.all_gather_object(places, (world.node_rank, world.local_rank, uuid.uuid4().hex),
-                               group=self.prep_group)
+        dist.all_gather_object(places, (world.node_rank, world.local_rank, uuid.uuid4().hex,
+                                        cache_id, cache_path), group=self.prep_group)
+        self.node_group: Any = None
+        try:
+            check_layout(places)
+        except NodeLayoutError:
+            self.close()
+            raise
         # Keys of this NodeSync in the job's store, named by rank 0's token (every rank sees it).
         self.store: Any = dist.PrefixStore(f"epochcache/{places[0][2]}/",
                                            dist.distributed_c10d._get_default_store())
-        self.node_group: Any = None
         self.leader = world.rank
         # new_group is itself collective: every rank creates every node's group, in one order.
         for node in sorted({p[0] for p in places}):
@@ -71,11 +83,7 @@ class NodeSync:
             group = dist.new_group(ranks=ranks, backend="gloo")
             if node == world.node_rank:
                 self.node_group = group
-                leaders = [r for r in ranks if places[r][1] == 0]
-                if len(leaders) != 1:
-                    raise ValueError(f"node {node} has {len(leaders)} ranks with LOCAL_RANK=0 "
-                                     f"(global ranks {ranks}); check GROUP_RANK/LOCAL_RANK")
-                self.leader = leaders[0]
+                self.leader = next(r for r in ranks if places[r][1] == 0)
         log.debug("NodeSync: rank %d on node %d, leader %d", world.rank, world.node_rank,
                   self.leader)
 
@@ -155,6 +163,32 @@ class NodeSync:
             except (RuntimeError, ValueError):
                 log.debug("could not destroy a NodeSync group", exc_info=True)
         groups.clear()
+
+
+def check_layout(places: list[Any]) -> None:
+    """Every node has one local rank 0, and all its ranks read one cache.
+
+    ``places[rank]`` is ``(node, local rank, token, cache id, cache path)``; every rank checks
+    the same gathered list, so every rank raises alike.
+
+    Raises:
+        NodeLayoutError: the launcher's layout contradicts itself or the caches.
+    """
+    for node in sorted({p[0] for p in places}):
+        ranks = [r for r, p in enumerate(places) if p[0] == node]
+        leaders = [r for r in ranks if places[r][1] == 0]
+        if len(leaders) != 1:
+            raise NodeLayoutError(
+                f"node {node} has {len(leaders)} ranks with local rank 0 (global ranks {ranks}); "
+                "check GROUP_RANK/LOCAL_RANK (or SLURM_NODEID/SLURM_LOCALID)")
+        caches = {places[r][3] for r in ranks}
+        if len(caches) > 1:
+            seen = "; ".join(f"rank {r}: {places[r][4]} ({places[r][3]})" for r in ranks)
+            raise NodeLayoutError(
+                f"the ranks of node {node} do not share one cache ({seen}): the node's snapshot "
+                "would be read from other caches. Ranks of one node must run on one machine and "
+                "open the same cache.dir; check GROUP_RANK and LOCAL_WORLD_SIZE (or the Slurm "
+                "variables) and the cache directory of every rank")
 
 
 def init_run_distributed(world: World) -> bool:

@@ -43,6 +43,7 @@ from torch.utils.data import DataLoader
 
 from ..errors import EpochcacheError
 from ..limits import DEFAULT_MAX_SAMPLE_BYTES
+from ..store.env import cache_identity
 from .dataset import EpochDataset
 from .distributed import NodeSync, World, detect_world, dist_initialized, split_for_rank
 from .epoch_loader import EpochLoader
@@ -166,7 +167,8 @@ class _Epochs:
         self.collate_fn, self.worker_init_fn = collate_fn, worker_init_fn
         self.stall_s, self.stall_file, self.loader_kwargs = stall_s, stall_file, loader_kwargs
         self.world = world
-        self.sync = NodeSync(self.world) if dist_initialized() and self.world.distributed else None
+        self.sync = (NodeSync(self.world, cache_identity(cache.path), cache.path)
+                     if dist_initialized() and self.world.distributed else None)
         # In process and without DDP collectives, the next epoch is planned in the training
         # thread when triggered (~0.3 ms, once per epoch): on a background thread the same work
         # cost the training thread ~5x that in GIL hand-offs.

@@ -101,6 +101,23 @@ def begin_read(env: lmdb.Environment) -> lmdb.Transaction:
         return env.begin(buffers=True)
 
 
+def cache_identity(path: str) -> str:
+    """Which cache ``path`` holds, machine-wide: the kernel's boot id and the data file's device
+    and inode. Processes that print the same identity open the same LMDB environment (on one
+    machine, from any container or mount point); a copy of the cache on another machine, or
+    another directory, differs."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "unknown-boot"
+    try:
+        st = os.stat(os.path.join(path, "data.mdb"))
+    except OSError:
+        return f"{boot}:missing:{os.path.realpath(path)}"
+    return f"{boot}:{st.st_dev}:{st.st_ino}"
+
+
 def map_bound(limit_bytes: int) -> int:
     """The largest LMDB map (and so the largest data file) for a cache of ``limit_bytes``."""
     return max(MIN_MAP_SIZE, int(limit_bytes * (1 + MAP_SLACK)) + MIN_MAP_SIZE)
