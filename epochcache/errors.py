@@ -7,6 +7,7 @@ callers can catch either::
     ├─ ConfigError(EpochcacheError, ValueError)       field path + reason; CLI exit 2
     ├─ NodeLayoutError(EpochcacheError, ValueError)   which ranks share a node is unknown or
     │                                                 contradictory; names the variables to set
+    ├─ CheckpointError(EpochcacheError, RuntimeError) a run's checkpoint cannot be resumed from
     ├─ SourceError                                    always carries the URL
     │  ├─ SourceUnavailable                           unreachable endpoint, missing bucket, empty prefix
     │  ├─ RemoteTimeout(SourceError, TimeoutError)    a remote call exceeded its timeout
@@ -39,6 +40,10 @@ class NodeLayoutError(EpochcacheError, ValueError):
     """Which ranks of a distributed job share a node (and its cache) cannot be known from the
     launcher's environment, or the ranks contradict each other. Never guessed: ranks treated as
     one node that are not would read one node's snapshot from another node's cache."""
+
+
+class CheckpointError(EpochcacheError, RuntimeError):
+    """A run's checkpoint cannot be read (``--resume``); the message names the file."""
 
 
 class SourceError(EpochcacheError):

@@ -17,7 +17,6 @@ import importlib
 import importlib.util
 import json
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -25,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from .cache import Cache
+from .checkpoint import resume_checkpoint, save_checkpoint
 from .redact import redact_url
 from .config import EpochcacheConfig, load_config
 from .ingest.daemon import Daemon, DaemonLock
@@ -33,7 +33,6 @@ from .units import format_size
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT = "checkpoint.pt"
 METRICS = "metrics.jsonl"
 TrainFn = Callable[["RunContext", int, Any], Mapping[str, Any]]
 
@@ -66,18 +65,11 @@ class RunContext:
         return obj
 
     def save_checkpoint(self, epoch: int, metrics: Mapping[str, Any]) -> Path:
-        import torch
-
-        payload = {
+        return save_checkpoint(self.run_dir, {
             "epoch": epoch,
             "metrics": dict(metrics),
             "state": {name: self.state[name].state_dict() for name in sorted(self._checkpointed)},
-        }
-        path = self.run_dir / CHECKPOINT
-        tmp = path.with_suffix(".tmp")
-        torch.save(payload, tmp)
-        os.replace(tmp, path)  # a crash mid-save leaves the previous checkpoint whole
-        return path
+        })
 
 
 class _TimedLoader:
@@ -183,22 +175,15 @@ def _loader_kwargs(config: EpochcacheConfig) -> dict[str, Any]:
     return kwargs
 
 
-def load_checkpoint(run_dir: Path) -> dict[str, Any] | None:
-    path = run_dir / CHECKPOINT
-    if not path.exists():
-        return None
-    import torch
-
-    return dict(torch.load(path, weights_only=True))
-
-
 class Run:
     """One training run: daemon (started or attached), epochs, metrics, checkpoints, plots."""
 
-    def __init__(self, config: EpochcacheConfig, *, resume: bool = False, is_main: bool = True) -> None:
+    def __init__(self, config: EpochcacheConfig, *, resume: bool = False, is_main: bool = True,
+                 node_rank: int = 0) -> None:
         self.config = config
         self.resume = resume
         self.is_main = is_main  # global rank 0: the one that writes the run directory
+        self.node_rank = node_rank
         self.run_dir = Path(config.train.run_dir)
         check_entrypoint(config.train.entrypoint)
         self._train_fn: TrainFn | None = None  # imported once the source is known to be there
@@ -238,12 +223,14 @@ class Run:
             self.daemon = None
 
     def train(self) -> int:
-        checkpoint = load_checkpoint(self.run_dir) if self.resume else None
+        # Under DDP every rank resumes from rank 0's checkpoint: ranks that computed their own
+        # start epoch (run directories not shared) waited for each other's epochs forever.
+        checkpoint = resume_checkpoint(self.run_dir, self.node_rank) if self.resume else None
         start = 0 if checkpoint is None else int(checkpoint["epoch"]) + 1
         total = self.config.train.epochs
         if self.resume:
             self.metrics = _read_metrics(self.run_dir / METRICS, before=start, rewrite=self.is_main)
-            if checkpoint is None:
+            if checkpoint is None and self.is_main:
                 log.warning("--resume: no checkpoint in %s; starting at epoch 0", self.run_dir)
         if start >= total:
             log.info("all %d epochs are done (checkpoint of epoch %d)", total, start - 1)
@@ -334,7 +321,7 @@ def run_training(config: EpochcacheConfig, *, resume: bool = False) -> int:
     from .data.world import detect_world
 
     world = detect_world()
-    run = Run(config, resume=resume, is_main=world.rank == 0)
+    run = Run(config, resume=resume, is_main=world.rank == 0, node_rank=world.node_rank)
     created_group = False
     try:
         if world.rank == 0:

@@ -197,3 +197,64 @@ def test_ranks_of_one_node_with_different_caches_are_refused(tmp_path: Path) -> 
     for result in _two_ranks(tmp_path, envs, paths):
         assert result.startswith("NodeLayoutError"), result
         assert "do not share one cache" in result and paths[0] in result and paths[1] in result
+
+
+# -- 4. --resume: every rank resumes from rank 0's checkpoint -----------------------------------
+
+def _resume(rank: int, port: int, run_dirs: list[str], out: str) -> None:
+    _join_env(rank, 2, port, local_world_size=1)  # two nodes, each with its own run directory
+    from epochcache.checkpoint import resume_checkpoint
+
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=COLLECTIVE_TIMEOUT)
+    try:
+        checkpoint = resume_checkpoint(Path(run_dirs[rank]), node_rank=rank)
+        torch.save(checkpoint, Path(out, f"rank{rank}.resumed"))
+    except Exception as exc:
+        Path(out, f"rank{rank}.err").write_text(f"{type(exc).__name__}: {exc}")
+    finally:
+        dist.destroy_process_group()
+
+
+def _resume_on_two_nodes(tmp_path: Path, files: list[bytes | None]) -> list[Any]:
+    run_dirs = [tmp_path / "node0", tmp_path / "node1"]
+    for run_dir, data in zip(run_dirs, files):
+        run_dir.mkdir()
+        if data is not None:
+            (run_dir / "checkpoint.pt").write_bytes(data)
+    procs = _start_ranks(_resume, 2, free_port(), [str(d) for d in run_dirs], str(tmp_path))
+    _wait_all(procs, 60)
+    results = []
+    for rank in range(2):
+        err = tmp_path / f"rank{rank}.err"
+        results.append(err.read_text() if err.exists() else
+                       torch.load(tmp_path / f"rank{rank}.resumed", weights_only=True))
+    return results
+
+
+def _checkpoint(epoch: int, value: float) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    torch.save({"epoch": epoch, "metrics": {}, "state": {"model": {"w": torch.full((3,), value)}}},
+               buf)
+    return buf.getvalue()
+
+
+def test_resume_takes_rank_0s_checkpoint_on_every_rank(tmp_path: Path) -> None:
+    """Node 1's run directory holds an older checkpoint: it resumed from that one (another epoch,
+    other weights) while node 0 resumed from its own."""
+    results = _resume_on_two_nodes(tmp_path, [_checkpoint(5, 1.0), _checkpoint(2, 9.0)])
+    for result in results:
+        assert isinstance(result, dict), result
+        assert result["epoch"] == 5 and result["state"]["model"]["w"].tolist() == [1.0] * 3
+
+
+def test_resume_starts_fresh_everywhere_when_rank_0_has_no_checkpoint(tmp_path: Path) -> None:
+    assert _resume_on_two_nodes(tmp_path, [None, _checkpoint(2, 9.0)]) == [None, None]
+
+
+def test_an_unreadable_checkpoint_on_rank_0_fails_every_rank(tmp_path: Path) -> None:
+    results = _resume_on_two_nodes(tmp_path, [b"not a checkpoint", _checkpoint(2, 9.0)])
+    for result in results:
+        assert isinstance(result, str) and result.startswith("CheckpointError"), result
+        assert str(tmp_path / "node0" / "checkpoint.pt") in result
