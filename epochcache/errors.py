@@ -8,6 +8,8 @@ callers can catch either::
     ├─ NodeLayoutError(EpochcacheError, ValueError)   which ranks share a node is unknown or
     │                                                 contradictory; names the variables to set
     ├─ CheckpointError(EpochcacheError, RuntimeError) a run's checkpoint cannot be resumed from
+    ├─ MinSamplesUnreachable(EpochcacheError, ValueError)  the cache cannot reach min_samples:
+    │                                                 names the setting and the cause
     ├─ SourceError                                    always carries the URL
     │  ├─ SourceUnavailable                           unreachable endpoint, missing bucket, empty prefix
     │  ├─ RemoteTimeout(SourceError, TimeoutError)    a remote call exceeded its timeout
@@ -44,6 +46,11 @@ class NodeLayoutError(EpochcacheError, ValueError):
 
 class CheckpointError(EpochcacheError, RuntimeError):
     """A run's checkpoint cannot be read (``--resume``); the message names the file."""
+
+
+class MinSamplesUnreachable(EpochcacheError, ValueError):
+    """Waiting for ``min_samples`` cannot end: the cache is full, the daemon is gone, or every
+    fetch fails. The message names the setting and the cause."""
 
 
 class SourceError(EpochcacheError):

@@ -189,6 +189,8 @@ class Run:
         self._train_fn: TrainFn | None = None  # imported once the source is known to be there
         self.daemon: Daemon | None = None
         self._daemon_thread: threading.Thread | None = None
+        self._daemon_status: int | None = None
+        self._daemon_error: BaseException | None = None
         self.metrics: list[dict[str, Any]] = []
 
     @property
@@ -213,8 +215,29 @@ class Run:
             log.info("attaching to the daemon that just started filling %s", cache_dir)
             return
         self.daemon = daemon
-        self._daemon_thread = threading.Thread(target=daemon.run, name="epochcache-daemon", daemon=True)
+        self._daemon_thread = threading.Thread(target=self._run_daemon, name="epochcache-daemon",
+                                               daemon=True)
         self._daemon_thread.start()
+
+    def _run_daemon(self) -> None:
+        daemon = self.daemon
+        if daemon is None:
+            return
+        try:
+            self._daemon_status = daemon.run()
+        except BaseException as exc:  # reported by daemon_exit() and logged here
+            self._daemon_error = exc
+            log.error("the daemon stopped on %s: %s", type(exc).__name__, exc, exc_info=exc)
+
+    def daemon_exit(self) -> str | None:
+        """None while the daemon this run started runs; else how it ended, with its cause."""
+        thread = self._daemon_thread
+        if thread is None or thread.is_alive():
+            return None
+        if self._daemon_error is not None:
+            return f"{type(self._daemon_error).__name__}: {self._daemon_error}"
+        failure = self.daemon.failure if self.daemon is not None else None
+        return f"exit status {self._daemon_status}" + (f" ({failure})" if failure else "")
 
     def stop_daemon(self) -> None:
         if self.daemon is not None and self._daemon_thread is not None:
@@ -238,7 +261,21 @@ class Run:
         context = RunContext(self.config, checkpoint)
         cfg = self.config.cache
         cache = Cache(cfg.dir, capacity=cfg.capacity_bytes, headroom=cfg.headroom_bytes)
-        epochs = cache.epochs(total - start, start_epoch=start, **_loader_kwargs(self.config))
+        kwargs = _loader_kwargs(self.config)
+        try:
+            # The wait ends with an error naming train.min_samples (or starts on a smaller,
+            # wholly cached source) as soon as the number is known to be out of reach.
+            from .data.wait import wait_for_samples
+            from .fill_watch import FillWatch
+
+            watch = FillWatch(cache, kwargs["min_samples"],
+                              self.daemon_exit if self._daemon_thread is not None else None)
+            kwargs["min_samples"] = min(kwargs["min_samples"],
+                                        wait_for_samples(cache, kwargs["min_samples"], judge=watch))
+        except BaseException:
+            cache.close()
+            raise
+        epochs = cache.epochs(total - start, start_epoch=start, **kwargs)
         try:
             for epoch, loader in epochs:
                 self._run_epoch(cache, context, epoch, loader)

@@ -80,6 +80,11 @@ class SamplerHealth:
     quarantined: int = 0
     deferred: int = 0  # samples larger than the headroom, skipped while leases pin the cache
     last_error: str = ""
+    last_ok: float = 0.0  # time of the last successful fetch
+    last_failed: float = 0.0  # time of the last failed fetch
+    # "complete": a whole pass over this sampler's keys brought nothing new and no fetch failed
+    # (each key is cached or quarantined); "failing": nothing new, and fetches failed; "": busy.
+    idle: str = ""
     waiting_for_space: bool = False
     position: dict[str, int] = field(default_factory=dict)
     started: float = field(default_factory=time.time)
@@ -199,6 +204,7 @@ class Sampler:
         self.carry: collections.deque[SampleRef] = collections.deque()
         self._carry_position: dict[str, int] = self.order.state()
         self.fruitless = 0  # offsets taken since the last batch that brought anything new
+        self._errors_before = self.health.errors  # when the current fruitless stretch began
         self.fetching: collections.deque[_Fetching] = collections.deque()
         self.pool = ThreadPoolExecutor(max_workers=FETCH_DEPTH, thread_name_prefix="epochcache-fetch")
 
@@ -228,9 +234,12 @@ class Sampler:
                 pass_keys = self.order.pass_length + self.order.num_added
                 if self.fruitless >= pass_keys and not self.fetching and not self.carry:
                     # A whole pass brought nothing new (everything cached, corrupt or failing):
-                    # wait instead of spinning on the cache and the remote.
+                    # wait instead of spinning on the cache and the remote. Runs waiting for
+                    # train.min_samples read which it was from the health document.
+                    failed = self.health.errors > self._errors_before
+                    self.health.idle = "failing" if failed else "complete"
                     self.stop.wait(IDLE_WAIT_S)
-                    self.fruitless = 0
+                    self._new_stretch()
                     continue
                 picked, position = self._pick()
                 if picked and not self._reserve_and_submit(picked, position):
@@ -339,8 +348,13 @@ class Sampler:
         nbytes = sum(len(record) for _, record in records)
         self.budget.adjust(fetching.reserved, nbytes)
         if records:
-            self.fruitless = 0
+            self.health.idle = ""
+            self._new_stretch()
         self.committer.hand_over(Batch(records, fetching.position, keys, nbytes))
+
+    def _new_stretch(self) -> None:
+        self.fruitless = 0
+        self._errors_before = self.health.errors
 
     def _encode_results(self, results: list[tuple[SampleRef, Any]]) -> tuple[list[tuple[str, bytes]], int]:
         """Records of the fetched samples (errors counted, corrupt ones quarantined), and the
@@ -353,12 +367,14 @@ class Sampler:
                 self.quarantine(ref.key, str(payload))
             elif isinstance(payload, BaseException):
                 health.errors += 1
+                health.last_failed = time.time()
                 health.last_error = f"{ref.key}: {payload}"[:300]
                 level = logging.WARNING if isinstance(payload, PermanentRemoteError) else logging.INFO
                 log.log(level, "fetch failed for %s (retried next pass): %s", ref.key, payload)
             else:
                 size = _payload_bytes(payload)
                 health.fetched += 1
+                health.last_ok = time.time()
                 health.fetched_bytes += size
                 fetched += size
                 try:
