@@ -38,6 +38,8 @@ __all__ = ["NodeSync", "World", "barrier", "check_layout", "detect_world", "dist
 
 log = logging.getLogger(__name__)
 
+_LEASE_ID_BYTES = 32  # a lease id is 32 hex digits
+
 
 def split_for_rank(order: np.ndarray, world: World) -> np.ndarray:
     """This rank's disjoint share of the node's epoch order (a strided slice, no copy)."""
@@ -112,25 +114,30 @@ class NodeSync:
             delay = min(poll_s[1], delay * 2)
         return True
 
-    def share_seqs(self, take: Callable[[], np.ndarray] | None) -> np.ndarray:
-        """Local rank 0 calls ``take()`` (a snapshot); every rank of the node gets its seqs."""
+    def share_seqs(self, take: Callable[[], tuple[np.ndarray, str]] | None
+                   ) -> tuple[np.ndarray, str]:
+        """Local rank 0 calls ``take()`` (a snapshot: its seqs and lease id); every rank of the
+        node gets both (the lease id names the lease in the others' read errors)."""
         dist = torch.distributed
         is_leader = self.world.rank == self.leader
+        head = torch.zeros(1 + _LEASE_ID_BYTES, dtype=torch.int64)  # count, then the lease id
         if is_leader:
             if take is None:
                 raise ValueError("share_seqs: the node leader must pass take")
-            seqs = np.ascontiguousarray(take(), dtype=np.uint64)
-            size = torch.tensor([seqs.shape[0]], dtype=torch.int64)
-        else:
-            size = torch.zeros(1, dtype=torch.int64)
-        dist.broadcast(size, src=self.leader, group=self.node_group)
+            taken, lease_id = take()
+            seqs = np.ascontiguousarray(taken, dtype=np.uint64)
+            head[0] = seqs.shape[0]
+            raw = lease_id.encode("ascii")[:_LEASE_ID_BYTES]
+            head[1 : 1 + len(raw)] = torch.tensor(list(raw), dtype=torch.int64)
+        dist.broadcast(head, src=self.leader, group=self.node_group)
         if not is_leader:
-            seqs = np.empty(int(size.item()), dtype=np.uint64)
+            seqs = np.empty(int(head[0].item()), dtype=np.uint64)
+            lease_id = bytes(int(b) for b in head[1:].tolist() if b).decode("ascii")
         if seqs.shape[0]:
             # gloo has no uint64: the same bytes travel as int64.
             dist.broadcast(torch.from_numpy(seqs.view(np.int64)), src=self.leader,
                            group=self.node_group)
-        return seqs
+        return seqs, lease_id
 
     def agree_batches(self, n_batches: int) -> int:
         """The MIN of ``n_batches`` over all ranks (on the background thread's group)."""

@@ -212,16 +212,16 @@ class _Epochs:
         started = time.monotonic()
         epoch, snapshot = pending.epoch, None
 
-        def take() -> np.ndarray:
+        def take() -> tuple[np.ndarray, str]:
             nonlocal snapshot
             snapshot = self.cache.snapshot(epoch=epoch, label=f"epochs() epoch {epoch}")
-            return snapshot.seqs
+            return snapshot.seqs, snapshot.lease_id
 
         if self.sync is not None and not self.sync.rendezvous(epoch, self.abort.is_set):
             raise _Cancelled
-        seqs = self.sync.share_seqs(take if self.world.local_rank == 0 else None) \
+        seqs, lease_id = self.sync.share_seqs(take if self.world.local_rank == 0 else None) \
             if self.sync is not None else take()
-        dataset = EpochDataset(self.reader, seqs, epoch, snapshot)
+        dataset = EpochDataset(self.reader, seqs, epoch, snapshot, lease_id)
         try:
             order = epoch_order(seqs, epoch, self.seed, self.shuffle, self.samples_per_epoch)
             order = split_for_rank(order, self.world)
