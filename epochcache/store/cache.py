@@ -307,21 +307,42 @@ class SampleStore:
         The snapshot's samples stay readable, unchanged, until it is released, however much
         is written meanwhile (invariant 1).
         """
-        limit = self.effective_capacity
-
-        def run(txn: lmdb.Transaction) -> tuple[np.ndarray, str]:
-            self.writer.reclaim(txn)
-            counters = Counters.load(txn, self.dbs[DB_META])
-            seqs = select_snapshot(txn, self.dbs[DB_SAMPLES], counters, limit)
-            lo = int(seqs[0]) if len(seqs) else counters.next_seq
-            hi = int(seqs[-1]) + 1 if len(seqs) else counters.next_seq
-            name = label or (f"epoch {epoch}" if epoch is not None else "snapshot")
-            lease = Lease.new(lo, hi, len(seqs), label=name)
-            write_lease(txn, self.dbs[DB_LEASES], lease)
-            return seqs, lease.lease_id
-
-        seqs, lease_id = self.store.write(run)
+        name = label or (f"epoch {epoch}" if epoch is not None else "snapshot")
+        seqs, lease_id = self.store.write(lambda txn: self.take_snapshot(txn, name))
         return Snapshot(self, seqs, lease_id, epoch)
+
+    def take_snapshot(self, txn: lmdb.Transaction, label: str,
+                      pid: int | None = None) -> tuple[np.ndarray, str]:
+        """In ``txn``: select the snapshot and write its lease, held by ``pid`` (default: this
+        process); returns ``(seqs, lease_id)``. The caller owns the lease's release."""
+        limit = self.effective_capacity
+        self.writer.reclaim(txn)
+        counters = Counters.load(txn, self.dbs[DB_META])
+        seqs = select_snapshot(txn, self.dbs[DB_SAMPLES], counters, limit)
+        lo = int(seqs[0]) if len(seqs) else counters.next_seq
+        hi = int(seqs[-1]) + 1 if len(seqs) else counters.next_seq
+        lease = Lease.new(lo, hi, len(seqs), label=label, pid=pid)
+        write_lease(txn, self.dbs[DB_LEASES], lease)
+        return seqs, lease.lease_id
+
+    def leased_seqs(self, lo: int, hi: int, count: int) -> np.ndarray:
+        """The sequence numbers of a snapshot known by its lease's range and count.
+
+        A snapshot is every sample in ``[lo, hi)`` (the newest that fit, see
+        :func:`select_snapshot`) and its lease keeps them there, so any process can rebuild it
+        from these three numbers: a range when it has no gaps, else the stored keys in it.
+        """
+        if hi - lo == count:
+            return np.arange(lo, hi, dtype=np.uint64)
+        with self.store.read() as txn:
+            cursor = txn.cursor(db=self.dbs[DB_SAMPLES])
+            keys: list[bytes] = []
+            if cursor.set_range(seq_key(lo)):
+                for key in cursor.iternext(keys=True, values=False):
+                    if bytes(key) >= seq_key(hi):
+                        break
+                    keys.append(bytes(key))
+        return np.frombuffer(b"".join(keys), dtype=">u8").astype(np.uint64)
 
     def leases(self) -> list[Lease]:
         with self.store.read() as txn:

@@ -85,9 +85,10 @@ class Lease:
     label: str = ""
 
     @classmethod
-    def new(cls, lo: int, hi: int, count: int, label: str = "") -> Lease:
+    def new(cls, lo: int, hi: int, count: int, label: str = "", pid: int | None = None) -> Lease:
+        """A lease held by ``pid`` (default: this process), alive as long as that process is."""
         now = time.time_ns()
-        pid = os.getpid()
+        pid = os.getpid() if pid is None else pid
         return cls(
             lease_id=uuid.uuid4().hex,
             lo=lo,
