@@ -117,6 +117,9 @@ class SourceConfig(_Section):
         default=None, ge=1,
         description="write a synthetic demo dataset of this many samples at url when none is there",
     )
+    demo_kind: Literal["npy", "jpg"] = Field(
+        default="npy", description="the demo dataset's samples: npy arrays or jpg images of shapes"
+    )
 
     _secret_values: set[str] = PrivateAttr(default_factory=set)
 
@@ -238,6 +241,29 @@ class LoaderConfig(_Section):
     persistent_workers: bool = False
     stall_s: Duration = 300.0
     timeout: Annotated[float, BeforeValidator(_duration), Field(ge=0)] = 0.0
+    fields: list[str] | None = Field(
+        default=None,
+        description='samples as tuples of these fields, e.g. ["jpg;png", "cls"] (WebDataset to_tuple)',
+    )
+    image: Literal["numpy", "torch", "pil"] = "numpy"
+
+    @field_validator("fields", mode="before")
+    @classmethod
+    def _split_fields(cls, value: Any) -> Any:
+        if isinstance(value, str):  # "jpg;png cls", as WebDataset's to_tuple takes it
+            value = value.split()
+        return value
+
+    @field_validator("fields")
+    @classmethod
+    def _check_fields(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None:
+            if not value:
+                raise ValueError("expected at least one field name, or null for whole samples")
+            for item in value:
+                if not [name for name in item.split(";") if name.strip()]:
+                    raise ValueError(f"empty field name in {item!r}; use names like 'jpg;png'")
+        return value
 
 
 class TrainConfig(_Section):

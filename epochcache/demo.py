@@ -10,6 +10,10 @@ pattern plus unit Gaussian noise, so a tiny model learns to tell them apart. Sam
 * ``tar``: WebDataset shards ``shard-000000.tar`` holding ``000000.npy`` + ``000000.cls`` (the class as
   ASCII digits) per sample, plus manifests whose rows are shards (``key,size,checksum``).
 
+With ``kind="jpg"`` the samples are instead 64x64 JPEG images of ten procedurally drawn
+shapes (see :mod:`epochcache.demo_images`): ``sample-000000.jpg`` (files) or ``000000.jpg`` +
+``000000.cls`` (tar); this is what ``configs/demo.yaml`` trains a CNN on.
+
 Checksums are SHA-256, bare lowercase hex (64 digits; the manifest reader infers the algorithm).
 With ``layout="both"`` the two layouts go to ``<url>/files/`` and ``<url>/tar/``.
 """
@@ -64,38 +68,38 @@ def make_samples(
     return payloads, labels
 
 
-def _tar_shard(items: list[tuple[str, bytes, int]]) -> bytes:
+def _tar_shard(items: list[tuple[str, bytes, int]], ext: str = "npy") -> bytes:
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w", format=tarfile.USTAR_FORMAT) as archive:
         for stem, payload, label in items:
-            for name, data in ((f"{stem}.npy", payload), (f"{stem}.cls", str(label).encode())):
+            for name, data in ((f"{stem}.{ext}", payload), (f"{stem}.cls", str(label).encode())):
                 info = tarfile.TarInfo(name)
                 info.size, info.mode, info.mtime = len(data), 0o644, 0
                 archive.addfile(info, io.BytesIO(data))
     return buffer.getvalue()
 
 
-def _files_objects(payloads: list[bytes], labels: list[int]
+def _files_objects(payloads: list[bytes], labels: list[int], ext: str = "npy"
                    ) -> tuple[dict[str, bytes], list[dict[str, Any]]]:
-    """One ``.npy`` object per sample, and its manifest rows (key, size, checksum, label)."""
+    """One object per sample, and its manifest rows (key, size, checksum, label)."""
     objects: dict[str, bytes] = {}
     rows: list[dict[str, Any]] = []
     for index, (payload, label) in enumerate(zip(payloads, labels)):
-        key = f"sample-{index:06d}.npy"
+        key = f"sample-{index:06d}.{ext}"
         objects[key] = payload
         rows.append({"key": key, "size": len(payload),
                      "checksum": hashlib.sha256(payload).hexdigest(), "label": label})
     return objects, rows
 
 
-def _tar_objects(payloads: list[bytes], labels: list[int], samples_per_shard: int
-                 ) -> tuple[dict[str, bytes], list[dict[str, Any]]]:
+def _tar_objects(payloads: list[bytes], labels: list[int], samples_per_shard: int,
+                 ext: str = "npy") -> tuple[dict[str, bytes], list[dict[str, Any]]]:
     """WebDataset shards of ``samples_per_shard`` samples, and their manifest rows."""
     objects: dict[str, bytes] = {}
     rows: list[dict[str, Any]] = []
     for shard, start in enumerate(range(0, len(payloads), samples_per_shard)):
         stop = min(len(payloads), start + samples_per_shard)
-        data = _tar_shard([(f"{i:06d}", payloads[i], labels[i]) for i in range(start, stop)])
+        data = _tar_shard([(f"{i:06d}", payloads[i], labels[i]) for i in range(start, stop)], ext)
         key = f"shard-{shard:06d}.tar"
         objects[key] = data
         rows.append({"key": key, "size": len(data), "checksum": hashlib.sha256(data).hexdigest()})
@@ -120,8 +124,9 @@ def write_demo_data(
     *,
     sample_bytes: int | None = None,
     samples_per_shard: int = 100,
-    num_classes: int = 4,
+    num_classes: int | None = None,
     seed: int = 0,
+    kind: Literal["npy", "jpg"] = "npy",
 ) -> dict[str, Any]:
     """Write the demo dataset under ``url`` and return a summary.
 
@@ -132,8 +137,9 @@ def write_demo_data(
         storage_options: passed to fsspec (credentials are never logged).
         sample_bytes: approximate ``.npy`` size per sample; default 16x16 float32 (1152 bytes).
         samples_per_shard: samples per tar shard.
-        num_classes: classes of the synthetic images.
+        num_classes: classes of the synthetic images; default 4 (npy) or 10 (jpg).
         seed: makes the data reproducible.
+        kind: ``npy`` float arrays, or ``jpg`` images of shapes (needs the ``images`` extra).
 
     Returns:
         ``{"url", "samples", "num_classes", "layouts": {name: {"url", "objects", "bytes", "keys"}}}``;
@@ -147,11 +153,20 @@ def write_demo_data(
         raise ValueError(f"samples: must be at least 1, got {samples}")
     if layout not in ("files", "tar", "both"):
         raise ValueError(f"layout: expected files, tar or both, got {layout!r}")
+    if kind not in ("npy", "jpg"):
+        raise ValueError(f"kind: expected npy or jpg, got {kind!r}")
+    if num_classes is None:
+        num_classes = 10 if kind == "jpg" else 4
     if samples_per_shard < 1 or num_classes < 1:
         raise ValueError("samples_per_shard and num_classes: must be at least 1")
-    payloads, labels = make_samples(
-        samples, num_classes=num_classes, sample_bytes=sample_bytes, seed=seed
-    )
+    if kind == "jpg":
+        from .demo_images import make_images
+
+        payloads, labels = make_images(samples, num_classes=num_classes, seed=seed)
+    else:
+        payloads, labels = make_samples(
+            samples, num_classes=num_classes, sample_bytes=sample_bytes, seed=seed
+        )
     fs, root = open_fs(url, storage_options)
     summary: dict[str, Any] = {
         "url": url,
@@ -164,9 +179,9 @@ def write_demo_data(
         sub_url = join_url(url, name) if layout == "both" else url
         sub_root = join_url(root, name) if layout == "both" else root
         if name == "files":
-            objects, rows = _files_objects(payloads, labels)
+            objects, rows = _files_objects(payloads, labels, kind)
         else:
-            objects, rows = _tar_objects(payloads, labels, samples_per_shard)
+            objects, rows = _tar_objects(payloads, labels, samples_per_shard, kind)
         objects.update(_manifests(rows))
         _write_objects(fs, sub_root, sub_url, objects)
         summary["layouts"][name] = {
@@ -190,7 +205,7 @@ def _write_objects(fs: Any, root: str, url: str, objects: dict[str, bytes]) -> N
 
 
 def add_demo_data_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Register ``demo-data URL [--samples N] [--layout L] [--sample-bytes B] [--seed S]``.
+    """Register ``demo-data URL [--samples N] [--layout L] [--kind K] [--sample-bytes B]``.
 
     The parser's ``func`` default runs it and returns exit status 0.
     """
@@ -206,6 +221,8 @@ def add_demo_data_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--sample-bytes", type=int, default=None, help="approximate bytes per sample"
     )
     parser.add_argument("--samples-per-shard", type=int, default=100)
+    parser.add_argument("--kind", choices=["npy", "jpg"], default="npy",
+                        help="npy arrays (default) or jpg images of shapes")
     parser.add_argument("--seed", type=int, default=0)
     parser.set_defaults(func=_run_demo_data)
     return parser
@@ -219,6 +236,7 @@ def _run_demo_data(args: argparse.Namespace) -> int:
         sample_bytes=args.sample_bytes,
         samples_per_shard=args.samples_per_shard,
         seed=args.seed,
+        kind=args.kind,
     )
     for name, info in summary["layouts"].items():
         print(

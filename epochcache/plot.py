@@ -56,14 +56,24 @@ def _time_unit(history: Sequence[dict[str, Any]]) -> tuple[float, str]:
 def _rates(
     history: Sequence[dict[str, Any]], t0: float, unit_s: float
 ) -> tuple[list[float], list[float], list[float]]:
-    times, ingest, evictions = [], [], []
-    for prev, row in zip(history, history[1:]):
+    times: list[float] = []
+    ingest: list[float] = []
+    evictions: list[float] = []
+    if not history:
+        return times, ingest, evictions
+    # Rates over windows of at least 1/100 of the span (and 1 s): a run adds a row at each
+    # epoch's end, often moments after the daemon's, and a burst over such a sliver of time
+    # would read as thousands per second.
+    min_dt = max(1.0, (history[-1]["time"] - history[0]["time"]) / 100)
+    prev = history[0]
+    for row in history[1:]:
         dt = row["time"] - prev["time"]
-        if dt <= 0:
+        if dt < min_dt:
             continue
         times.append((row["time"] - t0) / unit_s)
         ingest.append((row["inserted"] - prev["inserted"]) / dt)
         evictions.append((row["evicted"] - prev["evicted"]) / dt)
+        prev = row
     return times, ingest, evictions
 
 
@@ -94,7 +104,7 @@ def _fill_axes(
     ax_rate.set_title("ingest and eviction rate")
     rate_times, ingest, evictions = _rates(history, t0, unit_s)
     ax_rate.plot(rate_times, ingest, ".-", label="ingested")
-    ax_rate.plot(rate_times, evictions, ".-", label="evicted")
+    ax_rate.plot(rate_times, evictions, ".--", label="evicted")
     ax_rate.set_ylim(bottom=0)
     for ax in (ax_fill, ax_rate):
         for index, (epoch, end) in enumerate(epoch_ends):
@@ -158,6 +168,11 @@ def plot_run(
         axes[0][0].text(0.5, 0.5, "no finished epoch", ha="center", va="center",
                         transform=axes[0][0].transAxes)
     ends = [(int(row["epoch"]), float(row["time"])) for row in metrics if "time" in row]
+    if ends:
+        # What the cache did after the last epoch (the run releasing its lease, the daemon
+        # stopping) is not part of the run.
+        last = max(end for _epoch, end in ends)
+        history = [row for row in history if row["time"] <= last + 0.2]
     _fill_axes(axes[1][0], axes[1][1], history, ends)
     if title:
         fig.suptitle(title)

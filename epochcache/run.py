@@ -155,7 +155,8 @@ def ensure_demo_data(config: EpochcacheConfig) -> None:
             return
     log.info("writing the demo dataset (%d samples) to %s", samples, url)
     layout = "tar" if config.source.layout == "tar" else "files"
-    write_demo_data(config.source.url, samples, layout, config.source.storage_options)  # type: ignore[arg-type]
+    write_demo_data(config.source.url, samples, layout, config.source.storage_options,  # type: ignore[arg-type]
+                    kind=config.source.demo_kind)
 
 
 def _loader_kwargs(config: EpochcacheConfig) -> dict[str, Any]:
@@ -166,6 +167,8 @@ def _loader_kwargs(config: EpochcacheConfig) -> dict[str, Any]:
         "decode": loader.decode,
         "allow_pickle": loader.allow_pickle,
         "max_sample_bytes": loader.max_sample_bytes,
+        "fields": loader.fields,
+        "image": loader.image,
         "pin_memory": loader.pin_memory,
         "stall_s": loader.stall_s,
         "timeout": loader.timeout,

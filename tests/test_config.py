@@ -259,3 +259,15 @@ def test_cache_sync_defaults_on_and_is_validated(tmp_path: Path) -> None:
     assert off.cache.sync is False
     with pytest.raises(ConfigError, match="cache.sync"):
         parse_config({**base, "cache": {**base["cache"], "sync": "sometimes"}})
+
+
+def test_loader_fields_and_image() -> None:
+    config = parse_config({**MINIMAL, "loader": {"fields": ["jpg;png", "cls"], "image": "torch"}})
+    assert config.loader.fields == ["jpg;png", "cls"] and config.loader.image == "torch"
+    assert parse_config({**MINIMAL, "loader": {"fields": "jpg;png cls"}}).loader.fields == [
+        "jpg;png", "cls"]
+    assert parse_config(MINIMAL).loader.fields is None
+    for loader, field in (({"image": "tensor"}, "loader.image"), ({"fields": []}, "loader.fields"),
+                          ({"fields": ["jpg", ";"]}, "loader.fields")):
+        with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+            parse_config({**MINIMAL, "loader": loader})

@@ -117,3 +117,21 @@ def test_cli_parser_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     )
     assert args.func(args) == 0
     assert "files: 4 keys" in capsys.readouterr().out
+
+
+def test_jpg_kind_writes_images_of_ten_shapes(tmp_path: Path) -> None:
+    from epochcache.data.decode import AutoDecoder, decode_sample
+
+    summary = write_demo_data(f"file://{tmp_path}", samples=23, layout="both", kind="jpg",
+                              samples_per_shard=10)
+    assert summary["num_classes"] == 10 and summary["layouts"]["tar"]["keys"] == 3
+    with tarfile.open(tmp_path / "tar" / "shard-000002.tar") as archive:
+        assert archive.getnames()[:2] == ["000020.jpg", "000020.cls"]
+        assert archive.extractfile("000020.cls").read() == b"0"  # type: ignore[union-attr]
+    image = decode_sample(AutoDecoder(), "sample-000007.jpg",
+                          (tmp_path / "files" / "sample-000007.jpg").read_bytes())
+    assert image.shape == (64, 64, 3) and image.dtype == np.uint8 and image.std() > 10
+    rows = list(csv.DictReader((tmp_path / "files" / "manifest.csv").open()))
+    assert rows[7]["key"] == "sample-000007.jpg" and rows[7]["label"] == "7"
+    with pytest.raises(ValueError, match="kind"):
+        write_demo_data(f"file://{tmp_path}/x", samples=1, kind="png")  # type: ignore[arg-type]

@@ -191,3 +191,21 @@ def test_min_samples_beyond_capacity_fails_instead_of_waiting_forever(tmp_path: 
         stop.set()
         thread.join()
         cache.close()
+
+
+def test_next_snapshot_is_taken_near_the_end_of_an_epoch_with_prefetching_workers(
+        tmp_path: Path) -> None:
+    """With workers, an epoch's first batches wait in the prefetch queue: the time to the first
+    one is no batch gap. Taken as one, it made the next epoch's snapshot (and its lease) start
+    at the beginning of the epoch, so a full cache turned over only every other epoch."""
+    path = str(tmp_path / "c")
+    fill(path, 0, 400)
+    cache = Cache(path, sync=False)
+    seen: dict[int, list[str]] = {}
+    for epoch, loader in cache.epochs(3, batch_size=10, num_workers=1):
+        for i, _batch in enumerate(loader):
+            time.sleep(0.03)  # a training step
+            if i == 20:  # half-way through the epoch's 40 batches (~1.2 s)
+                seen[epoch] = sorted(lease.label for lease in cache.leases())
+    for epoch in (1, 2):
+        assert seen[epoch] == [f"epochs() epoch {epoch}"], seen

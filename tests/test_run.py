@@ -637,8 +637,10 @@ def test_config_command_on_the_demo_config() -> None:
     result = cli("config", str(repo / "configs" / "demo.yaml"), cwd=repo, timeout_s=60)
     assert result.returncode == 0, result
     shown = yaml.safe_load(result.stdout)
-    assert shown["cache"]["capacity"] == 8 * 1024**2
-    assert shown["train"]["entrypoint"] == "epochcache.examples:train_epoch"
+    assert shown["cache"]["capacity"] == 6 * 1024**2
+    assert shown["train"]["entrypoint"] == "epochcache.examples:train_image_classifier"
+    assert shown["loader"]["fields"] == ["jpg;png", "cls"] and shown["loader"]["image"] == "torch"
+    assert shown["source"]["demo_kind"] == "jpg" and shown["sampler"]["bandwidth_limit"] == 600_000
 
 
 def test_cli_starts_without_importing_torch_or_pyplot(tmp_path: Path) -> None:

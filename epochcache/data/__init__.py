@@ -1,6 +1,7 @@
 """The data layer: what the training process and its DataLoader workers run.
 
-Decoding by extension (``decode``, ``rawnpy`` for the raw ``.npy`` fast path, ``collate``), the
+Decoding by extension (``decode``, ``images`` for image formats, ``fields`` for field selection,
+``rawnpy`` and ``rawfields`` for the raw ``.npy`` and multi-field fast paths, ``collate``), the
 per-epoch map-style dataset (``reader``, ``dataset``), epoch planning and the ``epochs()``
 loader (``plan``, ``epoch_loader``, ``epochs``), DDP (``world``, ``distributed``), the stall
 watchdog (``stall``) and waiting for the cache to fill (``wait``). This layer reads the cache

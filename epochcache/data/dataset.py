@@ -56,16 +56,21 @@ class EpochDataset(Dataset[Any]):
         stall_s: float | None = None,
         stall_file: str | None = None,
         snapshot: Snapshot | None = None,
+        fields: str | Sequence[str] | None = None,
+        image: str = "numpy",
     ) -> EpochDataset:
         """Take a snapshot of ``cache`` under a lease (or adopt ``snapshot``) and wrap it.
+
+        The options are :class:`~epochcache.data.reader.SampleReader`'s: ``fields=("jpg;png",
+        "cls")`` makes each sample a tuple, ``image`` picks numpy, torch or pil images.
 
         Raises:
             ValueError: an invalid option (the message names it).
         """
         reader = SampleReader(cache.path, decode=decode, transform=transform,
                               allow_pickle=allow_pickle, max_sample_bytes=max_sample_bytes,
-                              on_error=on_error, stall_s=stall_s,
-                              stall_file=stall_file)
+                              on_error=on_error, stall_s=stall_s, stall_file=stall_file,
+                              fields=fields, image=image)
         reader.bind(cache)
         snap = snapshot if snapshot is not None else cache.snapshot(epoch=epoch)
         return cls(reader, snap.seqs, epoch, snap)

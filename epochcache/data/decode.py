@@ -8,6 +8,8 @@ for tar samples stored as a dict of fields, from each field's name (``{"npy": ..
 ``pt``/``pth`` ``torch.load(..., weights_only=True)``
 ``json``       the parsed document
 ``txt``        ``str``; ``cls``/``cls2``/``index`` an ``int`` when the text is one
+``jpg`` ...    images (``jpg/jpeg/png/webp/bmp/tif/tiff``): an HWC ``uint8`` array, a CHW
+               tensor or a PIL image by ``image=`` (see :mod:`epochcache.data.images`)
 ``gz``         gunzip (at most ``max_sample_bytes``), then decode what is inside by the next
                extension
 ``pkl``        ``pickle.loads`` -- only with ``allow_pickle=True`` (it runs code)
@@ -43,6 +45,7 @@ import numpy as np
 from ..errors import DecodeError, PickleNotAllowed
 from ..limits import DEFAULT_MAX_SAMPLE_BYTES, NPY_MAX_HEADER_BYTES, gunzip
 from ..store.codec import Value
+from .images import IMAGE_EXTS, MissingImageLibrary, check_form, decode_image
 
 log = logging.getLogger(__name__)
 
@@ -162,10 +165,11 @@ def extensions(name: str, is_field: bool) -> list[str]:
 
 
 def decode_bytes(name: str, data: Buffer, *, is_field: bool = False,
-                 allow_pickle: bool = False,
+                 allow_pickle: bool = False, image: str = "numpy",
                  max_sample_bytes: int = DEFAULT_MAX_SAMPLE_BYTES) -> Any:
     """Decode one blob by the extensions of ``name`` (a key, or a field name when ``is_field``).
 
+    ``image`` is the form images decode to: ``"numpy"``, ``"torch"`` or ``"pil"``;
     ``max_sample_bytes`` bounds what decompression may produce (a gzip bomb raises).
 
     Raises:
@@ -186,6 +190,8 @@ def decode_bytes(name: str, data: Buffer, *, is_field: bool = False,
             return json.loads(bytes(data))
         if ext in _TEXT_EXTS:
             return decode_text(data, ext)
+        if ext in IMAGE_EXTS:
+            return decode_image(data, ext, image)
         if ext in _PICKLE_EXTS:
             if not allow_pickle:
                 raise PickleNotAllowed("pickle can run arbitrary code")
@@ -199,22 +205,24 @@ class AutoDecoder:
 
     Args:
         allow_pickle: decode ``.pkl``/``.pickle`` samples and object ``.npy`` arrays.
+        image: the form images decode to: ``"numpy"``, ``"torch"`` or ``"pil"``.
         max_sample_bytes: the most a sample may decompress to.
     """
 
-    def __init__(self, allow_pickle: bool = False,
+    def __init__(self, allow_pickle: bool = False, image: str = "numpy",
                  max_sample_bytes: int = DEFAULT_MAX_SAMPLE_BYTES) -> None:
         self.allow_pickle = allow_pickle
+        self.image = check_form(image)
         self.max_sample_bytes = check_max_sample_bytes(max_sample_bytes)
 
     def __call__(self, key: str, value: Value | memoryview) -> Any:
         if isinstance(value, Mapping):
             return {
                 name: decode_bytes(name, data, is_field=True, allow_pickle=self.allow_pickle,
-                                   max_sample_bytes=self.max_sample_bytes)
+                                   image=self.image, max_sample_bytes=self.max_sample_bytes)
                 for name, data in value.items()
             }
-        return decode_bytes(key, value, allow_pickle=self.allow_pickle,
+        return decode_bytes(key, value, allow_pickle=self.allow_pickle, image=self.image,
                             max_sample_bytes=self.max_sample_bytes)
 
 
@@ -237,15 +245,17 @@ def check_max_sample_bytes(value: int) -> int:
 
 
 def make_decoder(decode: str | DecodeFn | None, allow_pickle: bool = False,
+                 image: str = "numpy",
                  max_sample_bytes: int = DEFAULT_MAX_SAMPLE_BYTES) -> DecodeFn:
     """Resolve the ``decode`` argument: ``"auto"``, ``"raw"``/None, or ``fn(key, value)``.
 
     Raises:
-        ValueError: an unknown decoder name, or a bad ``max_sample_bytes``.
+        ValueError: an unknown decoder name or image form, or a bad ``max_sample_bytes``.
     """
+    check_form(image)
     check_max_sample_bytes(max_sample_bytes)
     if decode == "auto":
-        return AutoDecoder(allow_pickle, max_sample_bytes)
+        return AutoDecoder(allow_pickle, image, max_sample_bytes)
     if decode in ("raw", None):
         return raw_decoder
     if callable(decode):
@@ -264,6 +274,10 @@ def decode_sample(fn: DecodeFn, key: str, value: Value | memoryview) -> Any:
         return fn(key, value)
     except PickleNotAllowed as exc:
         raise PickleNotAllowed(f"sample {key!r}: {exc}; {_OPT_IN}", key=key) from exc
+    except MissingImageLibrary as exc:
+        if exc.key:
+            raise
+        raise MissingImageLibrary(f"sample {key!r}: {exc}", key=key) from exc
     except DecodeError as exc:
         if exc.key:
             raise

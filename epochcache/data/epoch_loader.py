@@ -67,8 +67,13 @@ class EpochLoader:
                 batch = next(it)
             now = time.monotonic()
             self.batch_times.append(now)
-            # An EMA of the gap between batches: the planner's lead time in batches.
-            gap = now - last if i == 0 else 0.8 * gap + 0.2 * (now - last)
+            # An EMA of the gap between batches: the planner's lead time in batches. It starts
+            # at the second batch: the first one often waited in the workers' prefetch queue,
+            # and that near-zero wait taken as a gap triggered the next snapshot at once.
+            if i == 1:
+                gap = now - last
+            elif i > 1:
+                gap = 0.8 * gap + 0.2 * (now - last)
             last = now
             if i == 2:
                 self._start_next()

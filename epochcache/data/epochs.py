@@ -34,7 +34,7 @@ import queue
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -376,6 +376,8 @@ def epochs(
     start_epoch: int = 0,
     wait_timeout_s: float | None = None,
     stall_file: str | None = None,
+    fields: str | Sequence[str] | None = None,
+    image: str = "numpy",
     **dataloader_kwargs: Any,
 ) -> Iterator[tuple[int, EpochLoader]]:
     """Yield ``(epoch, loader)`` for ``num_epochs`` epochs, each over a fresh snapshot.
@@ -404,6 +406,9 @@ def epochs(
         start_epoch: the first epoch's number (for resuming).
         wait_timeout_s: give up waiting for ``min_samples`` after this long.
         stall_file: where stall reports go (default stderr).
+        fields: yield each sample as a tuple of these fields, WebDataset's ``to_tuple``
+            (``("jpg;png", "cls")``; see :mod:`epochcache.data.fields`).
+        image: images decode to ``"numpy"`` HWC arrays, ``"torch"`` CHW tensors or ``"pil"``.
         **dataloader_kwargs: passed to DataLoader (``pin_memory``, ``prefetch_factor``,
             ``timeout``, ``multiprocessing_context``, ...).
 
@@ -418,8 +423,8 @@ def epochs(
                                                dataloader_kwargs)
     reader = SampleReader(cache.path, decode=decode, transform=transform,
                           allow_pickle=allow_pickle, max_sample_bytes=max_sample_bytes,
-                          on_error=on_error, stall_s=stall_s,
-                          stall_file=stall_file)
+                          on_error=on_error, stall_s=stall_s, stall_file=stall_file,
+                          fields=fields, image=image)
     reader.bind(cache)
     state = _Epochs(cache, batch_size=batch_size, num_workers=num_workers, seed=seed,
                     shuffle=shuffle, drop_last=drop_last, samples_per_epoch=samples_per_epoch,

@@ -4,8 +4,12 @@ The read path is built for batches. :meth:`SampleReader.read_batch` reads a whol
 LMDB read transaction and, when the samples are fixed-shape ``.npy`` arrays stored raw, copies
 each one straight from the memory map into one preallocated batch tensor: one ``memcpy`` per
 sample, no per-sample tensor, no ``default_collate`` stacking, no header parsing (records are
-recognised by a template, see :mod:`epochcache.rawnpy`). In a DataLoader worker that
+recognised by a template, see :mod:`epochcache.data.rawnpy`). In a DataLoader worker that
 tensor is allocated in shared memory, so handing it to the trainer costs no further copy.
+WebDataset-style records of ``.npy`` arrays with ``.cls`` labels or ``.json`` documents get the
+same treatment field by field (:mod:`epochcache.data.rawfields`): one batch tensor per array
+field, the labels of a batch converted at once. ``fields=`` selects and orders fields into
+tuples (:mod:`epochcache.data.fields`) on either path.
 
 A reader pickles as the cache path and its options -- never an LMDB handle: each process opens
 (or, in a forked worker, adopts) the environment on first read.
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import struct
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -31,6 +36,9 @@ from ..store.schema import DB_SAMPLES, HEADER, Codec, RecordFlags, seq_keys
 from ..store.schema import seq_key as _pack_seq
 from .collate import alloc_batch, collate_samples
 from .decode import DecodeFn, decode_sample, make_decoder
+from .images import MissingImageLibrary
+from .fields import FieldSelector, parse_fields
+from .rawfields import FieldsBatch, FieldsTemplate, Mismatch
 from .rawnpy import NpyTemplate, fields_of
 from .stall import watching
 
@@ -60,6 +68,10 @@ class SampleReader:
             (logged with its key and counted in :attr:`skipped`, per process).
         stall_s: report a batch slower than this (see :mod:`epochcache.stall`); None disables.
         stall_file: where stall reports go (default stderr).
+        fields: return each sample as a tuple of these fields (``("jpg;png", "cls")``, see
+            :mod:`epochcache.data.fields`); None keeps samples as they are.
+        image: the form images decode to: ``"numpy"`` (HWC uint8), ``"torch"`` (CHW) or
+            ``"pil"``.
     """
 
     def __init__(
@@ -73,6 +85,8 @@ class SampleReader:
         on_error: str = "raise",
         stall_s: float | None = None,
         stall_file: str | None = None,
+        fields: str | Sequence[str] | None = None,
+        image: str = "numpy",
     ) -> None:
         if on_error not in ON_ERROR:
             raise ValueError(f"on_error: expected 'raise' or 'skip', got {on_error!r}")
@@ -80,8 +94,12 @@ class SampleReader:
             raise TypeError(f"transform: expected a callable, got {transform!r}")
         self.path = path
         self.decode = decode
-        self.decoder = make_decoder(decode, allow_pickle, max_sample_bytes)
+        self.fields = None if fields is None else parse_fields(fields)
+        self.image = image
         self.max_sample_bytes = max_sample_bytes
+        self.decoder = (make_decoder(decode, allow_pickle, image, max_sample_bytes)
+                        if fields is None
+                        else FieldSelector(fields, decode, allow_pickle, image, max_sample_bytes))
         self.transform = transform
         self.allow_pickle = allow_pickle
         self.on_error = on_error
@@ -89,7 +107,8 @@ class SampleReader:
         self.stall_file = stall_file
         self.skipped = 0
         self._fast = decode == "auto" and transform is None
-        self._fast_one = self._fast and stall_s is None  # dataset[i] without a watchdog
+        # dataset[i] without a watchdog or a selection
+        self._fast_one = self._fast and stall_s is None and fields is None
         self._cache: SampleStore | None = None
         self._pid = -1
         self._env_db: tuple[Any, Any, object] = (None, None, None)
@@ -97,6 +116,8 @@ class SampleReader:
         # last one used: later samples that match one need no parsing.
         self._templates: dict[tuple[int, int, int], NpyTemplate] = {}
         self._template: NpyTemplate | None = None
+        # Templates of raw multi-field records, most recently matched first.
+        self._field_templates: list[FieldsTemplate] = []
 
     # -- process-local state ----------------------------------------------------------------
 
@@ -105,6 +126,7 @@ class SampleReader:
         state["_cache"], state["_pid"], state["skipped"] = None, -1, 0
         state["_env_db"] = (None, None, None)
         state["_templates"], state["_template"] = {}, None
+        state["_field_templates"] = []
         return state
 
     def bind(self, cache: SampleStore) -> None:
@@ -124,7 +146,7 @@ class SampleReader:
                         "epoch's snapshot released before reading it?)")
 
     def _skip(self, exc: DecodeError) -> None:
-        if self.on_error == "raise" or isinstance(exc, PickleNotAllowed):
+        if self.on_error == "raise" or isinstance(exc, (PickleNotAllowed, MissingImageLibrary)):
             raise exc
         self.skipped += 1
         log.warning("skipping sample %r (%s); %d skipped in this process", exc.key, exc,
@@ -229,11 +251,88 @@ class SampleReader:
     def read_batch(self, seqs: Sequence[int] | np.ndarray) -> Any:
         """One collated batch: a tensor ``(B, ...)`` for fixed-shape arrays, else collated fields."""
         if self._fast:
+            seqs = np.asarray(seqs, dtype=np.uint64)
             try:
-                return self._read_npy_batch(np.asarray(seqs, dtype=np.uint64))
-            except _Fallback:
+                if self._field_templates:  # the last batch was multi-field: try that first
+                    return self._read_fields_batch(seqs)
+                return self._npy_selected(self._read_npy_batch(seqs))
+            except (_Fallback, Mismatch):
+                pass
+            try:
+                if self._field_templates:
+                    return self._npy_selected(self._read_npy_batch(seqs))
+                return self._read_fields_batch(seqs)
+            except (_Fallback, Mismatch):
                 pass
         return collate_samples(self.read_samples(seqs))
+
+    def _npy_selected(self, batch: torch.Tensor) -> Any:
+        """A raw .npy batch as the selection asks (each position must name the .npy field)."""
+        if self.fields is None:
+            return batch
+        for alternatives in self.fields:
+            # The template pins the key's ".npy" suffix: the blob answers to "npy".
+            if not any(alt.lower() == "npy" for alt in alternatives):
+                raise _Fallback  # e.g. __key__, or a field the sample lacks: general path
+        return tuple(batch for _ in self.fields)
+
+    def _field_template_of(self, record: memoryview) -> FieldsTemplate | None:
+        """The template ``record`` matches (made on first sight), or None."""
+        for template in self._field_templates:
+            if template.lengths(record) is not None:
+                return template
+        try:
+            template = FieldsTemplate(record, self.fields)
+        except (Mismatch, DecodeError, ValueError, struct.error):
+            return None  # not a raw multi-field record of known kinds: the general path
+        if len(self._field_templates) >= 16:  # odd data must not grow it without bound
+            self._field_templates.pop()
+        self._field_templates.insert(0, template)
+        return template
+
+    def _read_fields_batch(self, seqs: np.ndarray) -> Any:
+        """Decode raw multi-field records into per-field batch tensors (see rawfields).
+
+        Raises:
+            Mismatch: a record does not fit the first one's template signature.
+        """
+        keys = seq_keys(seqs)
+        if not keys:
+            raise Mismatch
+        store, db = self.cache.store, self.cache.dbs[DB_SAMPLES]
+        with watching(self.stall_s, f"batch of {len(keys)} samples", self.stall_file) as act:
+            with store.read() as txn:
+                get = txn.get
+                first = get(keys[0], None, db)
+                if first is None:
+                    raise self._missing(int(seqs[0]))
+                template = self._field_template_of(first)
+                if template is None:
+                    raise Mismatch
+                out = FieldsBatch(template, len(keys))
+                signature = template.signature
+                if act is not None:
+                    act.resolve = self.key_of
+                records: list[memoryview | None] = []
+                done = out.fill(get, db, keys, records, act) if template.simple else 0
+                for i in range(done, len(keys)):  # other layouts, or not a simple template
+                    lmdb_key = keys[i]
+                    if act is not None:
+                        act.key = lmdb_key
+                    record = records[i] if i < len(records) else get(lmdb_key, None, db)
+                    if record is None:
+                        raise self._missing(int.from_bytes(lmdb_key, "big"))
+                    lengths = template.lengths(record)
+                    if lengths is None:  # another layout (key length, field lengths)?
+                        other = self._field_template_of(record)
+                        if other is None or other.signature != signature:
+                            raise Mismatch
+                        template = other
+                        lengths = template.lengths(record)
+                        if lengths is None:
+                            raise Mismatch
+                    out.add(i, record, template, lengths, source_key)
+                return out.finish()
 
     def _read_npy_batch(self, seqs: np.ndarray) -> torch.Tensor:
         """Copy raw fixed-shape ``.npy`` arrays straight from the map into one batch tensor.

@@ -35,6 +35,7 @@ from ..redact import install_log_redaction
 from ..store import SampleStore
 from .committer import Batch, Committer, state_name
 from .from_config import open_configured_source
+from .heap import reuse_freed_buffers
 from .inflight import ByteBudget, SizeEstimate
 from .keyorder import KeyOrder, key_hashes
 from .lifeline import Lifeline, kill_with_parent
@@ -56,10 +57,11 @@ BATCH_BYTES = 8 * 1024 * 1024
 _POLL_S = 0.25
 
 
-def _is_cached(cache: SampleStore, source: Source, ref: SampleRef) -> bool:
+def _cached(cache: SampleStore, source: Source, refs: list[SampleRef]) -> list[bool]:
+    """Whether each ref is cached (a shard: whether any of its samples is)."""
     if source.unit == "sample":
-        return ref.key in cache
-    return cache.has_key_prefix(ref.key.rstrip("/") + "/")
+        return cache.contains_many([ref.key for ref in refs])
+    return [cache.has_key_prefix(ref.key.rstrip("/") + "/") for ref in refs]
 
 
 def _payload_bytes(payload: Any) -> int:
@@ -253,12 +255,11 @@ class Sampler:
                      if i not in self.gone]
             self.fruitless += self.per_batch
             unique = {ref.key: ref for ref in taken}  # a small dataset can wrap within one batch
-            self.carry.extend(
-                ref for ref in unique.values()
-                if ref.key not in self.quarantined
-                and not self._is_in_flight(ref.key)
-                and not _is_cached(self.cache, self.source, ref)  # the whole dataset may fit
-            )
+            wanted = [ref for ref in unique.values()
+                      if ref.key not in self.quarantined and not self._is_in_flight(ref.key)]
+            # the whole dataset may fit: skip what is cached
+            self.carry.extend(ref for ref, cached in zip(wanted, _cached(self.cache, self.source,
+                                                                          wanted)) if not cached)
         batch: list[SampleRef] = []
         total = 0
         while self.carry:
@@ -455,6 +456,7 @@ def run_sampler(config_data: dict[str, Any], index: int, stop: Any,
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the daemon, which stops us in order
     # SIGTERM to the whole process group (systemd, timeout): stop after the batch in flight.
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    reuse_freed_buffers()
     config = EpochcacheConfig.from_transfer(config_data)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s sampler {index}: %(message)s")
     install_log_redaction(secrets=set(config.secrets))  # URLs in any library's log lines

@@ -246,6 +246,14 @@ class SampleStore:
         with self.store.read() as txn:
             return txn.get(index_key(key.encode("utf-8")), db=self.dbs[DB_KEYS]) is not None
 
+    def contains_many(self, keys: Sequence[str]) -> list[bool]:
+        """``key in cache`` for each key, in one read transaction (samplers check every batch
+        they pick)."""
+        db = self.dbs[DB_KEYS]
+        with self.store.read() as txn:
+            get = txn.get
+            return [get(index_key(key.encode("utf-8")), db=db) is not None for key in keys]
+
     def has_key_prefix(self, prefix: str) -> bool:
         """Whether any cached source key starts with ``prefix`` (a tar shard's samples).
 

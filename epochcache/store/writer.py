@@ -105,6 +105,7 @@ class Writer:
         self.store, self.capacity = store, capacity
         self.compress, self.level, self.lease_timeout_s = compress, level, lease_timeout_s
         self._full_logged = 0.0
+        self._gate = codec.CompressGate()
 
     @property
     def path(self) -> str:
@@ -112,7 +113,8 @@ class Writer:
 
     def encode(self, key: str, value: Value) -> bytes:
         """Frame one sample as a record (done by samplers before they take the write lock)."""
-        return codec.encode_record(key, value, level=self.level, compress=self.compress)
+        return codec.encode_record(key, value, level=self.level, compress=self.compress,
+                                   gate=self._gate)
 
     def put_many(
         self,

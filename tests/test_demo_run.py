@@ -1,0 +1,95 @@
+"""The image demo end to end: ``epochcache run configs/demo.yaml`` as a subprocess on a fresh
+directory writes JPEG shards, the rate-limited sampler grows the cache, which then fills and turns
+over, and the CNN learns without reaching 100%.
+
+The default test runs the real configs/demo.yaml made smaller (1,500 images, an 800 KiB cache,
+24 short epochs: ~30 s); the slow one runs it exactly as shipped (about a minute), and checks
+the data wait too.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from test_run import Result, assert_no_traceback, assert_png, cli, write_yaml
+
+REPO = Path(__file__).resolve().parents[1]
+EPOCH_LINE = re.compile(
+    r"epoch (\d+): loss ([\d.]+), .* data wait ([\d.]+)%, cache [^(]+\((\d+) samples\), "
+    r"evicted (\d+)")
+
+
+def _demo_config(**changes: dict[str, Any]) -> dict[str, Any]:
+    config: dict[str, Any] = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
+    for section, values in changes.items():
+        config[section].update(values)
+    return config
+
+
+def _epoch_lines(result: Result) -> list[tuple[int, float, float, int, int]]:
+    rows = []
+    for line in (result.stderr + result.stdout).splitlines():
+        match = EPOCH_LINE.search(line)
+        if match:
+            epoch, loss, wait, samples, evicted = match.groups()
+            rows.append((int(epoch), float(loss), float(wait), int(samples), int(evicted)))
+    return rows
+
+
+def _check_run(workdir: Path, result: Result, epochs: int) -> list[dict[str, Any]]:
+    assert result.returncode == 0, result
+    assert_no_traceback(result)
+    assert sorted((workdir / "demo-data" / "shapes").glob("shard-*.tar")), "no shards written"
+    lines = _epoch_lines(result)
+    assert [row[0] for row in lines] == list(range(epochs)), result
+    samples = [row[3] for row in lines]
+    evicted = [row[4] for row in lines]
+    # The cache grows over the first epoch(s), then is capped and evicts: never in epoch 0,
+    # then in later epochs (how many depends on how fast the machine trains).
+    assert samples[0] < max(samples), lines
+    first_eviction = next((i for i, count in enumerate(evicted) if count), None)
+    assert first_eviction is not None and first_eviction >= 1, lines
+    capped = samples[first_eviction:]  # full: within a shard's commit of capacity + headroom
+    assert max(capped) == max(samples) and min(capped) >= 0.9 * max(capped), lines
+    metrics = [json.loads(line) for line in
+               (workdir / "runs" / "demo" / "metrics.jsonl").read_text().splitlines()]
+    accuracy = [row["accuracy"] for row in metrics]
+    losses = [row["loss"] for row in metrics]
+    assert 0.3 <= accuracy[-1] and all(a <= 0.999 for a in accuracy), accuracy
+    assert accuracy[-1] > accuracy[0] and losses[-1] < losses[0], metrics
+    assert_png(workdir / "runs" / "demo" / "run.png")
+    return metrics
+
+
+def test_image_demo_grows_then_turns_over_and_learns(tmp_path: Path) -> None:
+    # Made small: short epochs (~0.5 s, up to 3x that on a busy machine; no worker to start)
+    # and a sampler bringing ~25 images/s, so capacity + headroom (~400 images) fill ~16 s
+    # after it starts: later than training starts even on a busy machine (up to ~12 s), a few
+    # epochs after that there, ~25 on an idle one; 48 epochs leave room to see eviction after
+    # that (24 were too few on an idle machine: no eviction before the end).
+    config = _demo_config(
+        source={"demo_samples": 1500},
+        cache={"capacity": "800KiB"},  # ~360 images
+        sampler={"bandwidth_limit": "100KB"},  # one shard of 100 images every ~4 s
+        loader={"num_workers": 0},
+        train={"epochs": 48, "min_samples": 100, "samples_per_epoch": 1000,
+               "options": {"lr": 0.005, "size": 32, "width": 12, "min_scale": 0.5}},
+    )
+    write_yaml(tmp_path / "demo.yaml", config)
+    result = cli("run", "demo.yaml", cwd=tmp_path, timeout_s=240)
+    _check_run(tmp_path, result, 48)
+
+
+@pytest.mark.slow
+def test_shipped_demo_config(tmp_path: Path) -> None:
+    write_yaml(tmp_path / "demo.yaml", (REPO / "configs" / "demo.yaml").read_text())
+    result = cli("run", "demo.yaml", cwd=tmp_path, timeout_s=300)
+    metrics = _check_run(tmp_path, result, 6)
+    # The loader keeps up once the first epoch has started its workers.
+    assert all(row["data_wait_fraction"] < 0.10 for row in metrics[1:]), metrics
