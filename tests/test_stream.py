@@ -195,6 +195,20 @@ def test_samples_per_epoch_resamples_a_small_cache(tmp_path: Path) -> None:
     assert max(np.bincount(ids)) - min(np.bincount(ids)) <= 1
 
 
+def test_fields_make_tuples_that_the_default_collate_batches(tmp_path: Path) -> None:
+    from common.writer import npy_bytes
+
+    cache = Cache(tmp_path / "c", "16MiB", sync=False)
+    cache.put_many([(f"shard/{i:04d}", {"npy": npy_bytes(np.full(3, i, dtype=np.int16)),
+                                         "cls": str(i % 7).encode()}) for i in range(40)])
+    stream = cache.stream(fields=("npy", "cls"), seed=1)
+    got = []
+    for arrays, labels in DataLoader(stream, batch_size=8, num_workers=2):
+        assert arrays.shape[1:] == (3,)
+        got.extend(zip(arrays[:, 0].tolist(), labels.tolist()))
+    assert sorted(got) == [(i, i % 7) for i in range(40)]
+
+
 def test_options_are_checked_and_the_stream_pickles(tmp_path: Path) -> None:
     fill(str(tmp_path / "c"), 0, 10)
     cache = Cache(tmp_path / "c", sync=False)
@@ -202,6 +216,8 @@ def test_options_are_checked_and_the_stream_pickles(tmp_path: Path) -> None:
         cache.stream(samples_per_epoch=0)
     with pytest.raises(ValueError, match="on_error"):
         cache.stream(on_error="ignore")
+    with pytest.raises(ValueError, match="fields"):
+        cache.stream(fields=())
     with pytest.raises(ValueError, match="set_epoch"):
         cache.stream().set_epoch(-1)
     with pytest.raises(TypeError):

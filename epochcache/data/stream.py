@@ -25,7 +25,7 @@ import logging
 import os
 import uuid
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -73,8 +73,9 @@ class CacheStream(IterableDataset[Any]):
         split_ranks: split each epoch across the ranks of a DDP node. Pass False when the
             framework splits the data itself (accelerate's ``prepare``, the HF Trainer): every
             rank then yields the node's whole epoch, in the same order.
-        decode, transform, allow_pickle, max_sample_bytes, on_error, stall_s, stall_file: as
-            for :meth:`epochcache.Cache.dataset`.
+        decode, transform, allow_pickle, max_sample_bytes, on_error, stall_s, stall_file,
+            fields, image: as for :meth:`epochcache.Cache.dataset` (``fields=("jpg;png",
+            "cls")`` yields tuples, ``image`` picks numpy, torch or pil images).
 
     Raises:
         ValueError: an invalid argument (named in the message).
@@ -95,6 +96,8 @@ class CacheStream(IterableDataset[Any]):
         on_error: str = "raise",
         stall_s: float | None = None,
         stall_file: str | None = None,
+        fields: str | Sequence[str] | None = None,
+        image: str = "numpy",
     ) -> None:
         if not isinstance(seed, int):
             raise ValueError(f"seed: expected an int, got {seed!r}")
@@ -104,7 +107,8 @@ class CacheStream(IterableDataset[Any]):
                              f"got {samples_per_epoch!r}")
         self.reader = SampleReader(cache.path, decode=decode, transform=transform,
                                    allow_pickle=allow_pickle, max_sample_bytes=max_sample_bytes,
-                                   on_error=on_error, stall_s=stall_s, stall_file=stall_file)
+                                   on_error=on_error, stall_s=stall_s, stall_file=stall_file,
+                                   fields=fields, image=image)
         self.reader.bind(cache)
         self.seed, self.shuffle = seed, bool(shuffle)
         self.samples_per_epoch, self.split_ranks = samples_per_epoch, bool(split_ranks)
@@ -267,6 +271,9 @@ class CacheStream(IterableDataset[Any]):
                 self._release_snapshot()
 
     def _iter_worker(self, worker: int, workers: int, base_seed: int) -> Iterator[Any]:
+        """Claim the epoch now, as the worker starts (DataLoader calls iter() on the dataset
+        then, even in a worker that is shut down before it reads anything), so that every
+        worker of the group counts towards the release of the lease."""
         cache = self.reader.cache
         group = f"{base_seed}:{self._worker_iters}"
         self._worker_iters += 1
@@ -284,19 +291,21 @@ class CacheStream(IterableDataset[Any]):
                 "epoch's iteration (the HF Trainer and accelerate do; in Lightning call it in "
                 "train_dataloader() with reload_dataloaders_every_n_epochs=1), or use "
                 "num_workers=0")
-        if prepared is not None and share.token == prepared.share.token:
-            slot, slots, samples = prepared.slot, prepared.slots, prepared.samples
-        else:
-            slot, slots, samples = 0, 1, -1
+        done = _Once(lambda: finish_share(cache, name, group, workers))
         try:
+            if prepared is not None and share.token == prepared.share.token:
+                slot, slots, samples = prepared.slot, prepared.slots, prepared.samples
+            else:
+                slot, slots, samples = 0, 1, -1
             seqs = cache.leased_seqs(share.lo, share.hi, share.count)
             order = epoch_order(seqs, share.epoch, self.seed, self.shuffle,
                                 self.samples_per_epoch)[slot::slots]
             if samples >= 0:
                 order = order[:samples]
-            yield from self._samples(order[worker::workers], distributed)
-        finally:
-            finish_share(cache, name, group, workers)
+        except BaseException:
+            done()
+            raise
+        return _Reporting(self._samples(order[worker::workers], distributed), done)
 
     def _samples(self, order: np.ndarray, equal_counts: bool) -> Iterator[Any]:
         """Read ``order`` in chunks; under DDP a skipped sample is replaced by a repeat of an
@@ -340,6 +349,45 @@ class CacheStream(IterableDataset[Any]):
     def __repr__(self) -> str:
         return (f"CacheStream(cache={self.reader.path!r}, seed={self.seed}, "
                 f"epoch={self.epoch}, split_ranks={self.split_ranks})")
+
+
+class _Once:
+    """Calls ``fn`` the first time it is called, never again."""
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self._fn: Callable[[], None] | None = fn
+
+    def __call__(self) -> None:
+        fn, self._fn = self._fn, None
+        if fn is not None:
+            fn()
+
+
+class _Reporting(Iterator[Any]):
+    """A worker's samples that report their end once: exhausted, closed, or collected (the
+    worker exits, read or not)."""
+
+    def __init__(self, samples: Iterator[Any], done: _Once) -> None:
+        self._samples, self._done = samples, done
+
+    def __next__(self) -> Any:
+        try:
+            return next(self._samples)
+        except StopIteration:
+            self._done()
+            raise
+
+    def close(self) -> None:
+        close = getattr(self._samples, "close", None)
+        if close is not None:
+            close()
+        self._done()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # a worker exiting at shutdown: the home process cleans up
+            log.debug("stream: could not report a worker's end", exc_info=True)
 
 
 def _drop_quietly(cache: SampleStore, name: str, home_pid: int) -> None:
