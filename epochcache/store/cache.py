@@ -40,6 +40,7 @@ from .schema import (
     unpack_u64,
 )
 from .snapshot import Snapshot, select_snapshot
+from .source_counters import SourceCounters, register_sources
 from .tables import SideTables
 from .writer import OnReject, PutResult, Writer
 
@@ -305,7 +306,24 @@ class SampleStore:
 
     def counters(self) -> Counters:
         with self.store.read() as txn:
-            return Counters.load(txn, self.dbs[DB_META])
+            counters = Counters.load(txn, self.dbs[DB_META])
+        counters.sources = None  # read lazily in its transaction: see source_stats()
+        return counters
+
+    # -- several sources --------------------------------------------------------------------
+
+    def register_sources(self, names: Iterable[str]) -> list[str]:
+        """Count samples per source from now on (keys ``<name>/...``; see
+        :mod:`epochcache.store.source_counters`); return the names that were new."""
+        return self.store.write(
+            lambda txn: register_sources(txn, self.dbs, self.dbs[DB_META], list(names)))
+
+    def source_stats(self) -> dict[str, dict[str, int]]:
+        """``{name: {samples, bytes, ingested, quarantined, ...}}`` of the registered sources
+        (empty for a cache fed by one ``source``)."""
+        with self.store.read() as txn:
+            sources = SourceCounters.load(txn, self.dbs[DB_META])
+            return {} if sources is None else sources.as_dict()
 
     # -- snapshots and leases ---------------------------------------------------------------
 
