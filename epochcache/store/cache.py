@@ -334,14 +334,15 @@ class SampleStore:
         is written meanwhile (invariant 1).
         """
         name = label or (f"epoch {epoch}" if epoch is not None else "snapshot")
-        seqs, lease_id = self.store.write(lambda txn: self.take_snapshot(txn, name))
+        limit = self.effective_capacity  # outside the write transaction: it may read the cache
+        seqs, lease_id = self.store.write(lambda txn: self.take_snapshot(txn, name, limit))
         return Snapshot(self, seqs, lease_id, epoch)
 
-    def take_snapshot(self, txn: lmdb.Transaction, label: str,
+    def take_snapshot(self, txn: lmdb.Transaction, label: str, limit: int,
                       pid: int | None = None) -> tuple[np.ndarray, str]:
-        """In ``txn``: select the snapshot and write its lease, held by ``pid`` (default: this
-        process); returns ``(seqs, lease_id)``. The caller owns the lease's release."""
-        limit = self.effective_capacity
+        """In ``txn``: select the newest samples that fit ``limit`` bytes (the effective
+        capacity, read before the transaction) and write their lease, held by ``pid`` (default:
+        this process); returns ``(seqs, lease_id)``. The caller owns the lease's release."""
         self.writer.reclaim(txn)
         counters = Counters.load(txn, self.dbs[DB_META])
         seqs = select_snapshot(txn, self.dbs[DB_SAMPLES], counters, limit)

@@ -88,6 +88,8 @@ def claim_share(cache: SampleStore, name: str, group: str, *, prepared: Share | 
     process may agree on one).
     """
 
+    limit = cache.effective_capacity  # read before the write transaction, as snapshot() does
+
     def run(txn: lmdb.Transaction) -> Share | None:
         doc = _load(txn, cache, name)
         if doc is not None and doc.get("group") == group:
@@ -101,7 +103,7 @@ def claim_share(cache: SampleStore, name: str, group: str, *, prepared: Share | 
             return None
         _release_old(txn, cache, doc)
         epoch = first_epoch if doc is None else max(first_epoch, int(doc["epoch"]) + 1)
-        seqs, lease_id = cache.take_snapshot(txn, f"{label} epoch {epoch}", pid=home_pid)
+        seqs, lease_id = cache.take_snapshot(txn, f"{label} epoch {epoch}", limit, pid=home_pid)
         lo = int(seqs[0]) if len(seqs) else 0
         hi = int(seqs[-1]) + 1 if len(seqs) else 0
         share = Share(epoch, lo, hi, len(seqs), lease_id)
