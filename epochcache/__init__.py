@@ -48,11 +48,15 @@ def load_config(path: str) -> Config:
 
 
 def __getattr__(name: str) -> Any:
-    # EpochDataset imports torch: load it only when asked for.
+    # EpochDataset and CacheStream import torch: load them only when asked for.
     if name == "EpochDataset":
         from .data.dataset import EpochDataset
 
         return EpochDataset
+    if name == "CacheStream":
+        from .data.stream import CacheStream
+
+        return CacheStream
     raise AttributeError(f"module 'epochcache' has no attribute {name!r}")
 
 
@@ -62,6 +66,7 @@ __all__ = [
     "CacheError",
     "CacheFull",
     "CacheIOError",
+    "CacheStream",
     "CheckpointError",
     "ConfigError",
     "CorruptSample",

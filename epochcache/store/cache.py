@@ -335,23 +335,12 @@ class SampleStore:
         The snapshot's samples stay readable, unchanged, until it is released, however much
         is written meanwhile (invariant 1).
         """
-        limit = self.effective_capacity
+        name = label or (f"epoch {epoch}" if epoch is not None else "snapshot")
+        limit = self.effective_capacity  # outside the write transaction: it may read the cache
         owner = begin_lease(self.path)  # locked by this process while it holds leases here
-
-        def run(txn: lmdb.Transaction) -> tuple[np.ndarray, str]:
-            self.writer.reclaim(txn)
-            counters = Counters.load(txn, self.dbs[DB_META])
-            seqs = select_snapshot(txn, self.dbs[DB_SAMPLES], counters, limit)
-            lo = int(seqs[0]) if len(seqs) else counters.next_seq
-            hi = int(seqs[-1]) + 1 if len(seqs) else counters.next_seq
-            name = label or (f"epoch {epoch}" if epoch is not None else "snapshot")
-            lease = Lease.new(lo, hi, len(seqs), label=name, owner=owner,
-                              timeout_s=self.lease_timeout_s)
-            write_lease(txn, self.dbs[DB_LEASES], lease)
-            return seqs, lease.lease_id
-
         try:
-            seqs, lease_id = self.store.write(run)
+            seqs, lease_id = self.store.write(
+                lambda txn: self.take_snapshot(txn, name, limit, owner=owner))
         except BaseException:
             end_lease(self.path)
             raise
@@ -360,6 +349,41 @@ class SampleStore:
         # heartbeat is what keeps the lease (see epochcache.store.owners).
         heartbeats().add(self.path, lease_id, self.heartbeat_leases, self.lease_timeout_s / 4)
         return snap
+
+    def take_snapshot(self, txn: lmdb.Transaction, label: str, limit: int, *,
+                      owner: str = "", pid: int | None = None) -> tuple[np.ndarray, str]:
+        """In ``txn``: select the newest samples that fit ``limit`` bytes (the effective
+        capacity, read before the transaction) and write their lease, held by ``owner`` (this
+        process's owner lock, see :func:`~.owners.begin_lease`) or else by ``pid`` on this host
+        (default: this process); returns ``(seqs, lease_id)``. The caller owns the release."""
+        self.writer.reclaim(txn)
+        counters = Counters.load(txn, self.dbs[DB_META])
+        seqs = select_snapshot(txn, self.dbs[DB_SAMPLES], counters, limit)
+        lo = int(seqs[0]) if len(seqs) else counters.next_seq
+        hi = int(seqs[-1]) + 1 if len(seqs) else counters.next_seq
+        lease = Lease.new(lo, hi, len(seqs), label=label, owner=owner,
+                          timeout_s=self.lease_timeout_s if owner else 0.0, pid=pid)
+        write_lease(txn, self.dbs[DB_LEASES], lease)
+        return seqs, lease.lease_id
+
+    def leased_seqs(self, lo: int, hi: int, count: int) -> np.ndarray:
+        """The sequence numbers of a snapshot known by its lease's range and count.
+
+        A snapshot is every sample in ``[lo, hi)`` (the newest that fit, see
+        :func:`select_snapshot`) and its lease keeps them there, so any process can rebuild it
+        from these three numbers: a range when it has no gaps, else the stored keys in it.
+        """
+        if hi - lo == count:
+            return np.arange(lo, hi, dtype=np.uint64)
+        with self.store.read() as txn:
+            cursor = txn.cursor(db=self.dbs[DB_SAMPLES])
+            keys: list[bytes] = []
+            if cursor.set_range(seq_key(lo)):
+                for key in cursor.iternext(keys=True, values=False):
+                    if bytes(key) >= seq_key(hi):
+                        break
+                    keys.append(bytes(key))
+        return np.frombuffer(b"".join(keys), dtype=">u8").astype(np.uint64)
 
     def leases(self) -> list[Lease]:
         with self.store.read() as txn:

@@ -1,0 +1,399 @@
+"""CacheStream: a torch IterableDataset over the cache that takes a fresh snapshot per epoch.
+
+For training code that builds its own DataLoader (PyTorch Lightning, the Hugging Face Trainer,
+accelerate, a plain loop): ``DataLoader(cache.stream(...), batch_size=..., num_workers=...)``.
+Each ``iter()`` is one epoch over a snapshot taken when it starts, so later epochs see what the
+cache gained; the snapshot is split disjointly across DDP ranks and DataLoader workers, and each
+sample of the share is yielded once, in an order fixed by ``(seed, epoch)``.
+
+Where the epoch is prepared (snapshot, shuffle, and under DDP the collectives):
+
+* in the main process, by :meth:`CacheStream.set_epoch` (the HF Trainer and accelerate call it
+  before every epoch; so can a Lightning hook), or by ``iter()`` itself without workers. Workers
+  started afterwards receive the prepared share with the dataset (pickled or forked) and claim
+  it (see :mod:`epochcache.store.shares`);
+* otherwise inside the workers: the first worker of a loader iteration takes the next epoch's
+  snapshot and the others adopt it, agreed through the cache. The main process of a DataLoader
+  with workers never runs ``iter()`` on the dataset, so this is how a plain loop or Lightning
+  without ``set_epoch`` advances. Under DDP this is refused: the ranks must agree on a sample
+  count, which takes a collective in the main process (call ``set_epoch``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from torch.utils.data import IterableDataset, get_worker_info
+
+from ..limits import DEFAULT_MAX_SAMPLE_BYTES
+from ..store.shares import Share, claim_share, drop_shares, finish_share, last_epoch, publish_share
+from .distributed import NodeSync, detect_world, dist_initialized
+from .plan import epoch_order
+from .reader import SampleReader
+
+if TYPE_CHECKING:
+    from ..store import SampleStore, Snapshot
+    from .decode import DecodeFn
+
+log = logging.getLogger(__name__)
+
+#: Samples read per LMDB read transaction.
+_CHUNK = 32
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """An epoch the main process prepared: the share and this rank's part of it."""
+
+    share: Share
+    slot: int  # this rank's slot among ``slots`` (the node's ranks, or 1 slot)
+    slots: int
+    samples: int  # this rank's sample count (the MIN over ranks under DDP)
+    distributed: bool
+
+
+class CacheStream(IterableDataset[Any]):
+    """A torch ``IterableDataset`` over the cache: a fresh snapshot on every ``iter()``.
+
+    Made by :meth:`epochcache.Cache.stream`. Use it as the dataset of your own DataLoader.
+
+    Args:
+        cache: the cache to read.
+        seed: seeds the per-epoch order (same seed, epoch and snapshot: same order).
+        shuffle: shuffle each epoch (else the snapshot's insertion order).
+        samples_per_epoch: samples per epoch per node; None means the whole snapshot (a
+            larger number resamples a small cache, as in ``epochs()``).
+        split_ranks: split each epoch across the ranks of a DDP node. Pass False when the
+            framework splits the data itself (accelerate's ``prepare``, the HF Trainer): every
+            rank then yields the node's whole epoch, in the same order.
+        decode, transform, allow_pickle, max_sample_bytes, on_error, stall_s, stall_file,
+            fields, image: as for :meth:`epochcache.Cache.dataset` (``fields=("jpg;png",
+            "cls")`` yields tuples, ``image`` picks numpy, torch or pil images).
+
+    Raises:
+        ValueError: an invalid argument (named in the message).
+    """
+
+    def __init__(
+        self,
+        cache: SampleStore,
+        *,
+        seed: int = 0,
+        shuffle: bool = True,
+        samples_per_epoch: int | None = None,
+        split_ranks: bool = True,
+        decode: str | DecodeFn | None = "auto",
+        transform: Callable[[Any], Any] | None = None,
+        allow_pickle: bool = False,
+        max_sample_bytes: int = DEFAULT_MAX_SAMPLE_BYTES,
+        on_error: str = "raise",
+        stall_s: float | None = None,
+        stall_file: str | None = None,
+        fields: str | Sequence[str] | None = None,
+        image: str = "numpy",
+    ) -> None:
+        if not isinstance(seed, int):
+            raise ValueError(f"seed: expected an int, got {seed!r}")
+        if samples_per_epoch is not None and (not isinstance(samples_per_epoch, int)
+                                              or samples_per_epoch < 1):
+            raise ValueError(f"samples_per_epoch: expected None or an int >= 1, "
+                             f"got {samples_per_epoch!r}")
+        self.reader = SampleReader(cache.path, decode=decode, transform=transform,
+                                   allow_pickle=allow_pickle, max_sample_bytes=max_sample_bytes,
+                                   on_error=on_error, stall_s=stall_s, stall_file=stall_file,
+                                   fields=fields, image=image)
+        self.reader.bind(cache)
+        self.seed, self.shuffle = seed, bool(shuffle)
+        self.samples_per_epoch, self.split_ranks = samples_per_epoch, bool(split_ranks)
+        self._next_epoch = 0
+        self._epoch_given = False  # set_epoch() named the next epoch
+        self._prepared: _Prepared | None = None  # the main process's latest epoch
+        self._consumed = False  # ... already iterated in the main process
+        self._active = 0  # iterations running in the main process
+        self._worker_iters = 0  # iterations of this copy inside one (persistent) worker
+        self._init_home()
+
+    # -- the main process ("home") ----------------------------------------------------------
+
+    def _init_home(self) -> None:
+        """Make this process the one that holds leases and runs the collectives.
+
+        The stream's id names its document in the cache (see :mod:`epochcache.store.shares`):
+        a new one per home, so copies unpickled in several DDP ranks never share one.
+        """
+        self.stream_id = uuid.uuid4().hex[:12]
+        self._home_pid = os.getpid()
+        self._snapshot: Snapshot | None = None
+        self._order: np.ndarray | None = None  # the prepared epoch's order on this rank
+        self._sync: NodeSync | None = None
+        self._finalizer = self._new_finalizer()
+
+    def _new_finalizer(self) -> weakref.finalize[Any, Any]:
+        # Drops the document (and a worker-taken lease) when the stream is collected.
+        return weakref.finalize(self, _drop_quietly, self.reader.cache, self._doc_name(),
+                                self._home_pid)
+
+    def _doc_name(self) -> str:
+        return f"stream/{self.stream_id}"
+
+    def _adopt_home(self) -> None:
+        # A copy unpickled outside a worker (a spawned DDP rank, a deep copy) becomes a stream
+        # of its own: its own id, document and leases.
+        if self._finalizer is None or self._home_pid != os.getpid():
+            self._init_home()
+            self._prepared, self._consumed = None, False
+
+    @property
+    def epoch(self) -> int | None:
+        """The epoch last prepared in this process (None before the first)."""
+        return None if self._prepared is None else self._prepared.share.epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make ``epoch`` the next one, and prepare it now: snapshot, order and, under DDP,
+        the agreement of the ranks (every rank must call it, as DDP frameworks do).
+
+        Called again with the epoch already prepared (or being iterated), it does nothing.
+        """
+        if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
+            raise ValueError(f"set_epoch: expected an int >= 0, got {epoch!r}")
+        if get_worker_info() is not None:  # a framework calling it inside a worker
+            self._next_epoch, self._epoch_given = epoch, True
+            return
+        self._adopt_home()
+        prepared = self._prepared
+        if (prepared is not None and prepared.share.epoch == epoch
+                and (not self._consumed or self._active)):
+            return
+        self._next_epoch, self._epoch_given = epoch, True
+        self._prepare(epoch)
+
+    def _prepare(self, epoch: int) -> _Prepared:
+        """Take the epoch's snapshot (the node's leader under DDP) and this rank's part."""
+        cache = self.reader.cache
+        if not self._finalizer.alive:  # closed before: documents are dropped again at GC
+            self._finalizer = self._new_finalizer()
+        world = detect_world()
+        distributed = world.distributed and dist_initialized()
+        if distributed and self._sync is None:
+            self._sync = NodeSync(world)  # collective: every rank prepares in step
+        label = f"stream {self.stream_id} epoch {epoch}"
+        taken: list[Snapshot] = []
+
+        def take() -> np.ndarray:
+            taken.append(cache.snapshot(epoch=epoch, label=label))
+            return taken[0].seqs
+
+        if not distributed:
+            self._release_snapshot()  # no other rank can still be reading it
+        seqs = (self._sync.share_seqs(take if world.local_rank == 0 else None)
+                if self._sync is not None else take())
+        # Under DDP every rank is past the previous epoch once the snapshot was shared.
+        self._release_snapshot()
+        self._snapshot = taken[0] if taken else None
+        try:
+            order = epoch_order(seqs, epoch, self.seed, self.shuffle, self.samples_per_epoch)
+            slot, slots = ((world.local_rank, world.local_world_size) if self.split_ranks
+                           else (0, 1))
+            order = order[slot::slots]
+            samples = len(order)
+            if self._sync is not None:
+                samples = self._sync.agree_batches(samples)  # MIN over all ranks
+            lo = int(seqs[0]) if len(seqs) else 0
+            hi = int(seqs[-1]) + 1 if len(seqs) else 0
+            share = Share(epoch, lo, hi, len(seqs),
+                          self._snapshot.lease_id if self._snapshot is not None else None,
+                          uuid.uuid4().hex)
+            publish_share(cache, self._doc_name(), share, release=not distributed)
+        except BaseException:
+            self._release_snapshot()
+            raise
+        if len(seqs) == 0:
+            log.warning("stream epoch %d: the cache at %s holds no samples", epoch, cache.path)
+        self._prepared = _Prepared(share, slot, slots, samples, distributed)
+        self._order, self._consumed = order[:samples], False
+        self._next_epoch, self._epoch_given = epoch + 1, False
+        return self._prepared
+
+    def _release_snapshot(self) -> None:
+        snapshot, self._snapshot = self._snapshot, None
+        if snapshot is not None:
+            snapshot.release()
+
+    def close(self) -> None:
+        """Release the leases this stream holds and leave DDP's groups. Idempotent."""
+        if self._finalizer is None or self._home_pid != os.getpid():
+            return  # a copy in a worker, or never used outside one: holds nothing
+        self._release_snapshot()
+        self._finalizer()
+        if self._sync is not None:
+            self._sync.close()
+            self._sync = None
+
+    def __enter__(self) -> CacheStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- iteration --------------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[Any]:
+        info = get_worker_info()
+        if info is None:
+            return self._iter_main()
+        return self._iter_worker(info.id, info.num_workers, info.seed - info.id)
+
+    def _iter_main(self) -> Iterator[Any]:
+        self._adopt_home()
+        prepared = self._prepared
+        if prepared is None or self._consumed or self._epoch_given:
+            epoch = self._next_epoch
+            if not self._epoch_given:  # workers may have advanced past our count
+                recorded = last_epoch(self.reader.cache, self._doc_name())
+                if recorded is not None and recorded >= epoch:
+                    epoch = recorded + 1
+            prepared = self._prepare(epoch)
+        self._consumed = True
+        order = self._order if self._order is not None else np.empty(0, dtype=np.uint64)
+        self._active += 1
+        try:
+            yield from self._samples(order, prepared.distributed)
+        finally:
+            self._active -= 1
+            if not prepared.distributed and self._prepared is prepared:
+                self._release_snapshot()
+
+    def _iter_worker(self, worker: int, workers: int, base_seed: int) -> Iterator[Any]:
+        """Claim the epoch now, as the worker starts (DataLoader calls iter() on the dataset
+        then, even in a worker that is shut down before it reads anything), so that every
+        worker of the group counts towards the release of the lease."""
+        cache = self.reader.cache
+        group = f"{base_seed}:{self._worker_iters}"
+        self._worker_iters += 1
+        prepared = self._prepared if not self._consumed else None
+        distributed = prepared.distributed if prepared is not None else detect_world().distributed
+        name = self._doc_name()
+        share = claim_share(cache, name, group,
+                            prepared=prepared.share if prepared is not None else None,
+                            first_epoch=self._next_epoch, home_pid=self._home_pid,
+                            label=f"stream {self.stream_id}", take=not distributed)
+        if share is None:
+            raise RuntimeError(
+                "cache.stream(): under torch.distributed the ranks must agree on each epoch in "
+                "the main process: call dataset.set_epoch(epoch) on every rank before each "
+                "epoch's iteration (the HF Trainer and accelerate do; in Lightning call it in "
+                "train_dataloader() with reload_dataloaders_every_n_epochs=1), or use "
+                "num_workers=0")
+        done = _Once(lambda: finish_share(cache, name, group, workers))
+        try:
+            if prepared is not None and share.token == prepared.share.token:
+                slot, slots, samples = prepared.slot, prepared.slots, prepared.samples
+            else:
+                slot, slots, samples = 0, 1, -1
+            seqs = cache.leased_seqs(share.lo, share.hi, share.count)
+            order = epoch_order(seqs, share.epoch, self.seed, self.shuffle,
+                                self.samples_per_epoch)[slot::slots]
+            if samples >= 0:
+                order = order[:samples]
+        except BaseException:
+            done()
+            raise
+        return _Reporting(self._samples(order[worker::workers], distributed), done)
+
+    def _samples(self, order: np.ndarray, equal_counts: bool) -> Iterator[Any]:
+        """Read ``order`` in chunks; under DDP a skipped sample is replaced by a repeat of an
+        earlier good one, so that every rank still yields the agreed count."""
+        reader = self.reader
+        missing = 0
+        for start in range(0, len(order), _CHUNK):
+            chunk = order[start : start + _CHUNK]
+            before = reader.skipped
+            samples = reader.read_samples(chunk)
+            missing += reader.skipped - before
+            yield from samples
+        if equal_counts and missing:
+            yield from self._refill(order, missing)
+
+    def _refill(self, order: np.ndarray, missing: int) -> Iterator[Any]:
+        reader = self.reader
+        for seq in order:
+            if missing == 0:
+                return
+            got = reader.read_samples([seq])
+            if got:
+                missing -= 1
+                yield got[0]
+        if missing:
+            log.warning("stream: %d samples of this rank's share could not be decoded and none "
+                        "could replace them: this rank yields fewer samples", missing)
+
+    # -- pickling into workers and other processes ------------------------------------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = {k: v for k, v in self.__dict__.items()
+                 if k not in ("_snapshot", "_order", "_sync", "_finalizer")}
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._snapshot, self._order, self._sync = None, None, None
+        self._finalizer = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return (f"CacheStream(cache={self.reader.path!r}, seed={self.seed}, "
+                f"epoch={self.epoch}, split_ranks={self.split_ranks})")
+
+
+class _Once:
+    """Calls ``fn`` the first time it is called, never again."""
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self._fn: Callable[[], None] | None = fn
+
+    def __call__(self) -> None:
+        fn, self._fn = self._fn, None
+        if fn is not None:
+            fn()
+
+
+class _Reporting(Iterator[Any]):
+    """A worker's samples that report their end once: exhausted, closed, or collected (the
+    worker exits, read or not)."""
+
+    def __init__(self, samples: Iterator[Any], done: _Once) -> None:
+        self._samples, self._done = samples, done
+
+    def __next__(self) -> Any:
+        try:
+            return next(self._samples)
+        except StopIteration:
+            self._done()
+            raise
+
+    def close(self) -> None:
+        close = getattr(self._samples, "close", None)
+        if close is not None:
+            close()
+        self._done()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # a worker exiting at shutdown: the home process cleans up
+            log.debug("stream: could not report a worker's end", exc_info=True)
+
+
+def _drop_quietly(cache: SampleStore, name: str, home_pid: int) -> None:
+    if os.getpid() != home_pid:
+        return
+    try:
+        drop_shares(cache, name)
+    except Exception:  # interpreter shutdown: a dead holder's lease is reclaimed anyway
+        log.debug("could not drop stream document %s", name, exc_info=True)

@@ -1,0 +1,147 @@
+"""Epoch shares: one snapshot that several processes (a loader's workers) agree on.
+
+A torch ``IterableDataset`` is iterated inside each DataLoader worker, and the workers of one
+``iter(loader)`` must read one snapshot, split between them, however the cache grows while they
+start. The agreement lives in the cache itself: a state document per stream and rank
+(``stream/<id>/<rank>``) names the epoch's snapshot by its lease's range, and one write
+transaction decides, for the first worker of a group, whether it adopts the snapshot the main
+process prepared, adopts the one another worker of its group took, or takes the next epoch's.
+
+The lease is held in the name of the main process (the *home*), so it outlives workers that
+finish early and is reclaimed if the main process dies; the last worker of a group to finish
+releases it. A document::
+
+    {"epoch": 3, "lo": 100, "hi": 900, "count": 800, "lease": "ab12...", "token": "...",
+     "group": "1234:0", "done": 1, "release": true}
+
+``token`` names a share the main process prepared (``set_epoch``), ``group`` the loader
+iteration that claimed it (None until one does), ``release`` whether the workers release the
+lease (not under DDP: there the node's leader releases it once every rank is past the epoch).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+import lmdb
+
+from .leases import delete_lease
+from .schema import DB_LEASES, DB_STATE
+
+if TYPE_CHECKING:
+    from .cache import SampleStore
+
+
+@dataclass(frozen=True)
+class Share:
+    """One epoch's snapshot as processes pass it around: its lease's range and count."""
+
+    epoch: int
+    lo: int
+    hi: int
+    count: int
+    lease: str | None  # None on DDP ranks that are not their node's leader
+    token: str = ""
+
+
+def _load(txn: lmdb.Transaction, cache: SampleStore, name: str) -> dict[str, Any] | None:
+    raw = txn.get(name.encode(), db=cache.dbs[DB_STATE])
+    return None if raw is None else dict(json.loads(bytes(raw)))
+
+
+def _save(txn: lmdb.Transaction, cache: SampleStore, name: str, doc: dict[str, Any]) -> None:
+    txn.put(name.encode(), json.dumps(doc, separators=(",", ":")).encode(), db=cache.dbs[DB_STATE])
+
+
+def _share_of(doc: dict[str, Any]) -> Share:
+    return Share(doc["epoch"], doc["lo"], doc["hi"], doc["count"], doc["lease"], doc["token"])
+
+
+def _release_old(txn: lmdb.Transaction, cache: SampleStore, doc: dict[str, Any] | None) -> None:
+    if doc is not None and doc.get("lease") and doc.get("release") and not doc.get("released"):
+        delete_lease(txn, cache.dbs[DB_LEASES], doc["lease"])
+
+
+def publish_share(cache: SampleStore, name: str, share: Share, release: bool) -> None:
+    """Record a share the main process prepared, for its workers to claim."""
+    doc = {**asdict(share), "group": None, "done": 0, "release": release, "released": False}
+
+    def run(txn: lmdb.Transaction) -> None:
+        old = _load(txn, cache, name)
+        if old is not None and old.get("lease") != share.lease:
+            _release_old(txn, cache, old)  # a worker-taken lease of an earlier epoch
+        _save(txn, cache, name, doc)
+
+    cache.store.write(run)
+
+
+def claim_share(cache: SampleStore, name: str, group: str, *, prepared: Share | None,
+                first_epoch: int, home_pid: int, label: str, take: bool) -> Share | None:
+    """The share the loader iteration ``group`` reads, agreed in one write transaction.
+
+    In order: the share another worker of ``group`` already claimed; the ``prepared`` share,
+    if no iteration claimed it yet; else, when ``take``, a new snapshot for the epoch after the
+    last one recorded (or ``first_epoch``), leased in the name of ``home_pid``. Returns None
+    when a new snapshot is needed but ``take`` is false (under DDP, where only the main
+    process may agree on one).
+    """
+
+    limit = cache.effective_capacity  # read before the write transaction, as snapshot() does
+
+    def run(txn: lmdb.Transaction) -> Share | None:
+        doc = _load(txn, cache, name)
+        if doc is not None and doc.get("group") == group:
+            return _share_of(doc)
+        if (prepared is not None and doc is not None and doc.get("group") is None
+                and doc.get("token") == prepared.token):
+            doc["group"] = group
+            _save(txn, cache, name, doc)
+            return _share_of(doc)
+        if not take:
+            return None
+        _release_old(txn, cache, doc)
+        epoch = first_epoch if doc is None else max(first_epoch, int(doc["epoch"]) + 1)
+        seqs, lease_id = cache.take_snapshot(txn, f"{label} epoch {epoch}", limit, pid=home_pid)
+        lo = int(seqs[0]) if len(seqs) else 0
+        hi = int(seqs[-1]) + 1 if len(seqs) else 0
+        share = Share(epoch, lo, hi, len(seqs), lease_id)
+        _save(txn, cache, name, {**asdict(share), "group": group, "done": 0, "release": True,
+                                 "released": False})
+        return share
+
+    return cache.store.write(run)
+
+
+def finish_share(cache: SampleStore, name: str, group: str, workers: int) -> None:
+    """One worker of ``group`` is done; the last of ``workers`` releases the lease."""
+
+    def run(txn: lmdb.Transaction) -> None:
+        doc = _load(txn, cache, name)
+        if doc is None or doc.get("group") != group:
+            return  # a newer iteration took over; it released this one's lease
+        doc["done"] = int(doc.get("done", 0)) + 1
+        if doc["done"] >= workers and doc.get("release") and not doc.get("released"):
+            _release_old(txn, cache, doc)
+            doc["released"] = True
+        _save(txn, cache, name, doc)
+
+    cache.store.write(run)
+
+
+def last_epoch(cache: SampleStore, name: str) -> int | None:
+    """The epoch last recorded under ``name`` (by the main process or its workers)."""
+    with cache.store.read() as txn:
+        doc = _load(txn, cache, name)
+    return None if doc is None else int(doc["epoch"])
+
+
+def drop_shares(cache: SampleStore, name: str) -> None:
+    """Release a worker-taken lease still recorded under ``name`` and forget the document."""
+
+    def run(txn: lmdb.Transaction) -> None:
+        _release_old(txn, cache, _load(txn, cache, name))
+        txn.delete(name.encode(), db=cache.dbs[DB_STATE])
+
+    cache.store.write(run)
