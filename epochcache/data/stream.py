@@ -186,14 +186,14 @@ class CacheStream(IterableDataset[Any]):
         label = f"stream {self.stream_id} epoch {epoch}"
         taken: list[Snapshot] = []
 
-        def take() -> np.ndarray:
+        def take() -> tuple[np.ndarray, str]:
             taken.append(cache.snapshot(epoch=epoch, label=label))
-            return taken[0].seqs
+            return taken[0].seqs, taken[0].lease_id
 
         if not distributed:
             self._release_snapshot()  # no other rank can still be reading it
-        seqs = (self._sync.share_seqs(take if world.local_rank == 0 else None)
-                if self._sync is not None else take())
+        seqs, _lease = (self._sync.share_seqs(take if world.local_rank == 0 else None)
+                        if self._sync is not None else take())
         # Under DDP every rank is past the previous epoch once the snapshot was shared.
         self._release_snapshot()
         self._snapshot = taken[0] if taken else None

@@ -193,9 +193,10 @@ class SampleStore:
 
     # -- writing ----------------------------------------------------------------------------
 
-    def encode(self, key: str, value: Value) -> bytes:
-        """Frame one sample as a record (samplers do it before they take the write lock)."""
-        return self.writer.encode(key, value)
+    def encode(self, key: str, value: Value, *, adaptive: bool = False) -> bytes:
+        """Frame one sample as a record (samplers do it before they take the write lock, with
+        ``adaptive``: see :meth:`~.writer.Writer.encode`)."""
+        return self.writer.encode(key, value, adaptive=adaptive)
 
     def put(self, key: str, value: Value, **kwargs: Any) -> PutResult:
         return self.put_many([(key, value)], **kwargs)
@@ -338,9 +339,11 @@ class SampleStore:
         name = label or (f"epoch {epoch}" if epoch is not None else "snapshot")
         limit = self.effective_capacity  # outside the write transaction: it may read the cache
         owner = begin_lease(self.path)  # locked by this process while it holds leases here
+        def run(txn: lmdb.Transaction) -> tuple[np.ndarray, str]:
+            return self.take_snapshot(txn, name, limit, owner=owner)
+
         try:
-            seqs, lease_id = self.store.write(
-                lambda txn: self.take_snapshot(txn, name, limit, owner=owner))
+            seqs, lease_id = self.store.write(run)
         except BaseException:
             end_lease(self.path)
             raise
