@@ -74,8 +74,12 @@ def _after_fork_in_child() -> None:
 
 
 def _remove_own_files() -> None:
-    for path, (owner, fd, _count) in list(_owners.items()):
-        if fd >= 0:
+    # Only owners that still hold leases are left at exit (the last end_lease removes an
+    # entry), and their files must stay: an unlocked file is what tells the next judge that
+    # the leases are dead (it reclaims them and removes the file). Without the file the judge
+    # cannot tell and keeps the lease for its heartbeat timeout (seen after Ctrl-C of a run).
+    for path, (owner, fd, count) in list(_owners.items()):
+        if fd >= 0 and count <= 0:
             try:
                 os.unlink(_owner_path(path, owner))
             except OSError:

@@ -91,7 +91,10 @@ def _collect(cache: SampleStore) -> dict[str, Any]:
         "quarantined": counters.quarantined,
         "sources": cache.source_stats(),
         "file_bytes": cache.file_bytes(),
-        "leases": len(leases),
+        # held leases: a dead holder's lease (listed with alive false) holds nothing, the next
+        # writer reclaims it
+        "leases": sum(lease.is_alive(time.time_ns(), cache.lease_timeout_s, cache.path)
+                      for lease in leases),
         "lease_details": [
             {
                 "id": lease.lease_id[:8],
