@@ -1,6 +1,7 @@
 """epochcache: a growing local sample cache for remote training datasets, for PyTorch.
 
-Importing the package does not import torch; ``Cache.dataset`` and ``Cache.epochs`` do.
+Importing the package does not import torch (``Cache.dataset`` and ``Cache.epochs`` do) nor the
+config model (``Daemon`` and ``load_config`` do).
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .cache import Cache
+from .daemon import Daemon
 from .errors import (
     CacheCorrupted,
     CacheError,
@@ -63,6 +65,7 @@ __all__ = [
     "CheckpointError",
     "ConfigError",
     "CorruptSample",
+    "Daemon",
     "DaemonAlreadyRunning",
     "DecodeError",
     "EpochDataset",

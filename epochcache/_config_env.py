@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import typing
 from collections.abc import Mapping
 from typing import Any
 
@@ -134,12 +135,25 @@ def _allowed_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str] | N
     """The field names of the model that holds ``loc[-1]``."""
     current: Any = model
     for part in loc[:-1]:
-        fields = getattr(current, "model_fields", None)
+        if isinstance(part, int):
+            continue  # an index into a list of sections (sources.0.url)
+        fields = getattr(_section_model(current), "model_fields", None)
         if fields is None or part not in fields:
             return None
         current = fields[part].annotation
-    fields = getattr(current, "model_fields", None)
+    fields = getattr(_section_model(current), "model_fields", None)
     return sorted(fields) if fields is not None else None
+
+
+def _section_model(annotation: Any) -> Any:
+    """The model inside ``X | None`` or ``list[X]`` (else the annotation itself)."""
+    if hasattr(annotation, "model_fields"):
+        return annotation
+    for arg in typing.get_args(annotation):
+        found = _section_model(arg)
+        if hasattr(found, "model_fields"):
+            return found
+    return annotation
 
 
 def _show(value: Any) -> str:

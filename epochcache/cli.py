@@ -80,7 +80,10 @@ def _cmd_daemon(args: argparse.Namespace) -> int:
     from .config import load_config
     from .ingest.daemon import run_daemon
 
-    return run_daemon(load_config(args.config))
+    config = load_config(args.config)
+    if args.metrics_port is not None:
+        config.daemon.metrics_port = args.metrics_port
+    return run_daemon(config)
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
@@ -112,6 +115,16 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     return EXIT_OK if report.ok else EXIT_FAILURE
 
 
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number 0-65535, got {text!r}")
+    return port
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="epochcache",
@@ -131,6 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
         "daemon", help="run the sampler processes that fill the cache, until SIGTERM/SIGINT"
     )
     daemon.add_argument("config", help="YAML config with source, cache and sampler sections")
+    daemon.add_argument("--metrics-port", type=_port, default=None, metavar="N",
+                        help="serve Prometheus /metrics on port N (daemon.metrics_host, "
+                             "default 127.0.0.1)")
     daemon.set_defaults(func=_cmd_daemon)
 
     verify = sub.add_parser("verify", help="check every stored sample and the counters")

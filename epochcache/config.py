@@ -1,13 +1,17 @@
 """The run configuration: one validated model for ``epochcache daemon`` and ``epochcache run``.
 
-A YAML file with five sections; only ``source.url``, ``cache.dir`` and ``cache.capacity`` are
-required::
+A YAML file with five sections (and an optional sixth, ``daemon``); only ``source.url``,
+``cache.dir`` and ``cache.capacity`` are required::
 
     source:  {url: "s3://bucket/train/", layout: files, pattern: "*.npy", storage_options: {}}
     cache:   {dir: /nvme/epochcache, capacity: 200GiB}
     sampler: {processes: 2, concurrency: 16, strategy: uniform, seed: 0}
     loader:  {batch_size: 64, num_workers: null, decode: auto, allow_pickle: false}
     train:   {epochs: 10, min_samples: 1000, entrypoint: "epochcache.examples:train_epoch"}
+
+Instead of ``source`` (one), ``sources`` lists several, each with the fields of ``source`` plus
+``name``, ``weight`` and ``optional``: the daemon samples them in proportion to their weights, and
+their samples are cached under ``<name>/<key>``.
 
 ``${VAR}`` and ``${VAR:-default}`` in any string value are replaced from the environment before
 validation (``$${`` writes a literal ``${``), so secrets stay out of files. Values interpolated from a
@@ -31,7 +35,7 @@ import os
 import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NamedTuple
 
 import yaml
 from pydantic import (
@@ -54,6 +58,8 @@ from .units import headroom_bytes, parse_duration, parse_headroom, parse_size
 log = logging.getLogger(__name__)
 
 _ENTRYPOINT = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+#: A source name is the first component of its samples' cache keys: no "/", short.
+_SOURCE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
 def _size(value: Any) -> Any:
@@ -155,6 +161,44 @@ class SourceConfig(_Section):
             if name == "storage_options":
                 value = self.redacted_options()
             yield name, redact_tree(value, self._secret_values)
+
+
+class NamedSourceConfig(SourceConfig):
+    """One entry of ``sources``: the fields of ``source``, plus its name, weight and whether
+    the daemon may start without it."""
+
+    name: str = Field(description="the source's samples are cached under '<name>/<key>'")
+    weight: float = Field(default=1.0, gt=0, description="share of the samples ingested")
+    optional: bool = Field(
+        default=False,
+        description="an unreachable source at start is left out (with a warning) instead of "
+                    "failing the start",
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, value: str) -> str:
+        if not _SOURCE_NAME.match(value):
+            raise ValueError(
+                f"expected 1-64 letters, digits, '_', '-' or '.' (no '/': it prefixes the cache "
+                f"keys), got {value!r}"
+            )
+        return value
+
+
+class SourceEntry(NamedTuple):
+    """A source the daemon samples: ``name`` is "" for a single ``source`` (keys are not
+    namespaced), else the entry's name (keys are ``<name>/<key>``)."""
+
+    name: str
+    config: SourceConfig
+    weight: float = 1.0
+    optional: bool = False
+
+    @property
+    def key_prefix(self) -> str:
+        """What this source's cache keys start with."""
+        return f"{self.name}/" if self.name else ""
 
 
 class CacheConfig(_Section):
@@ -272,6 +316,18 @@ class LoaderConfig(_Section):
         return value
 
 
+Port = Annotated[int, Field(ge=0, le=65535)]
+
+
+class DaemonConfig(_Section):
+    """The daemon process (section ``daemon``): its Prometheus ``/metrics`` endpoint."""
+
+    metrics_port: Port | None = Field(
+        default=None, description="serve Prometheus /metrics on this port (0: any free port)")
+    metrics_host: str = Field(default="127.0.0.1", min_length=1,
+                              description="address /metrics listens on")
+
+
 class TrainConfig(_Section):
     """A YAML-configured training run (section ``train``); ``options`` go to the entrypoint."""
 
@@ -282,6 +338,9 @@ class TrainConfig(_Section):
     run_dir: Path = Path("runs/default")
     seed: int = Field(default=0, ge=0)
     options: dict[str, Any] = Field(default_factory=dict)
+    metrics_port: Port | None = Field(
+        default=None, description="serve the training side's Prometheus /metrics on this port")
+    metrics_host: str = Field(default="127.0.0.1", min_length=1)
 
     @field_validator("entrypoint")
     @classmethod
@@ -296,24 +355,53 @@ class TrainConfig(_Section):
 class EpochcacheConfig(_Section):
     """The whole configuration; see the module docstring."""
 
-    source: SourceConfig
+    source: SourceConfig | None = None
+    sources: list[NamedSourceConfig] | None = Field(default=None, min_length=1)
     cache: CacheConfig
     sampler: SamplerConfig = Field(default_factory=lambda: SamplerConfig())
     loader: LoaderConfig = Field(default_factory=lambda: LoaderConfig())
     train: TrainConfig = Field(default_factory=lambda: TrainConfig())
+    daemon: DaemonConfig = Field(default_factory=lambda: DaemonConfig())
 
     _secret_paths: set[str] = PrivateAttr(default_factory=set)
     _secret_values: set[str] = PrivateAttr(default_factory=set)
     _origin: str = PrivateAttr(default="<dict>")
 
     @model_validator(mode="after")
-    def _check_relisting(self) -> EpochcacheConfig:
-        if self.source.listing_ttl_s is not None and self.sampler.strategy == "weighted":
+    def _check_sources(self) -> EpochcacheConfig:
+        if (self.source is None) == (self.sources is None):
             raise ValueError(
-                "source.listing_ttl_s: re-listing adds keys without weights, so it cannot be "
-                "used with sampler.strategy: weighted (remove one of them)"
+                "give exactly one of source (one source) and sources (a list of sources, each "
+                "with a name and a weight), not " + ("both" if self.source else "neither")
             )
+        names = [entry.name for entry in self.sources or ()]
+        twice = sorted({name for name in names if names.count(name) > 1})
+        if twice:
+            raise ValueError(f"sources: names must be unique, {', '.join(twice)} appear twice")
         return self
+
+    @model_validator(mode="after")
+    def _check_relisting(self) -> EpochcacheConfig:
+        for entry in self.source_entries():
+            if entry.config.listing_ttl_s is not None and self.sampler.strategy == "weighted":
+                field = f"sources.{entry.name}" if entry.name else "source"
+                raise ValueError(
+                    f"{field}.listing_ttl_s: re-listing adds keys without weights, so it cannot "
+                    "be used with sampler.strategy: weighted (remove one of them)"
+                )
+        return self
+
+    def source_entries(self) -> list[SourceEntry]:
+        """Every source the daemon samples: ``source`` as one un-namespaced entry, or the
+        entries of ``sources``."""
+        if self.sources is not None:
+            return [SourceEntry(s.name, s, s.weight, s.optional) for s in self.sources]
+        return [] if self.source is None else [SourceEntry("", self.source)]
+
+    @property
+    def first_source(self) -> SourceConfig:
+        """``source``, or the first entry of ``sources`` (the demo data is written there)."""
+        return self.source_entries()[0].config
 
     @property
     def origin(self) -> str:
@@ -323,7 +411,11 @@ class EpochcacheConfig(_Section):
     def redacted(self) -> dict[str, Any]:
         """The resolved config as plain data, with every secret replaced by ``***``."""
         data = self.model_dump(mode="json")
-        data["source"]["storage_options"] = redact_options(data["source"]["storage_options"])
+        for name in ("source", "sources"):
+            if data[name] is None:
+                del data[name]
+        for section in [data["source"]] if "source" in data else data["sources"]:
+            section["storage_options"] = redact_options(section["storage_options"])
         for path in self._secret_paths:
             _set_path(data, path.split("."), REDACTED)
         return redact_tree(data, self._secret_values)  # type: ignore[no-any-return]
@@ -337,7 +429,7 @@ class EpochcacheConfig(_Section):
         """This config as plain data for another process (a sampler), with what must be masked
         there too. It holds the real secrets, like ``model_dump()``: never log it."""
         return {
-            "config": self.model_dump(mode="python"),
+            "config": self.model_dump(mode="json"),  # JSON-able: it may go through a pipe
             "secret_paths": sorted(self._secret_paths),
             "secret_values": sorted(self._secret_values),
             "origin": self._origin,
@@ -350,10 +442,9 @@ class EpochcacheConfig(_Section):
         if "config" not in data:
             data = {"config": data}
         config = cls.model_validate(data["config"])
-        config._secret_paths = set(data.get("secret_paths", ()))
-        config._secret_values = set(data.get("secret_values", ())) | _found_secrets(data["config"])
-        config._origin = str(data.get("origin", "<dict>"))
-        config.source._secret_values = config._secret_values
+        _set_secrets(config, set(data.get("secret_paths", ())),
+                     set(data.get("secret_values", ())) | _found_secrets(data["config"]),
+                     str(data.get("origin", "<dict>")))
         return config
 
     def redacted_yaml(self) -> str:
@@ -387,6 +478,10 @@ def _found_secrets(data: Any) -> set[str]:
     """Secrets a resolved config carries in plain sight: credential-like storage options and
     the credentials inside every URL-like string."""
     found = secret_values(_get(data, ("source", "storage_options")))
+    entries = _get(data, ("sources",))
+    for entry in entries if isinstance(entries, list) else []:
+        options = _get(entry, ("storage_options",))
+        found |= secret_values(options if isinstance(options, Mapping) else None)
 
     def visit(value: Any) -> None:
         if isinstance(value, str):
@@ -418,18 +513,26 @@ def parse_config(
     environ = os.environ if environ is None else environ
     resolved, secret_paths, secrets = env.interpolate(data, environ, origin)
     secrets |= _found_secrets(resolved)
+    entries = _get(resolved, ("sources",))
+    entries = entries if isinstance(entries, list) else []
     try:
         config = EpochcacheConfig.model_validate(resolved)
     except ValidationError as exc:
         hidden = {p for p in secret_paths} | {"source.storage_options"}
+        hidden |= {f"sources.{i}.storage_options" for i in range(len(entries))}
         raise ConfigError(
             env.describe_errors(exc, origin, hidden, secrets, EpochcacheConfig)
         ) from None
-    config._secret_paths = secret_paths
-    config._secret_values = secrets
-    config._origin = origin
-    config.source._secret_values = secrets
+    _set_secrets(config, secret_paths, secrets, origin)
     return config
+
+
+def _set_secrets(config: EpochcacheConfig, paths: set[str], values: set[str], origin: str) -> None:
+    config._secret_paths = paths
+    config._secret_values = values
+    config._origin = origin
+    for entry in config.source_entries():
+        entry.config._secret_values = values
 
 
 def load_config(

@@ -23,12 +23,16 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from .cache import Cache
 from .checkpoint import resume_checkpoint, save_checkpoint
 from .redact import redact_url
 from .config import EpochcacheConfig, load_config
 from .ingest.daemon import Daemon, DaemonLock
 from .errors import ConfigError, DaemonAlreadyRunning
+from .ingest.metrics import MetricsServer, require_prometheus
+from .run_metrics import TrainProgress, Turnover, batch_len, train_metrics
 from .units import format_size
 
 log = logging.getLogger(__name__)
@@ -75,10 +79,11 @@ class RunContext:
 class _TimedLoader:
     """Wraps a loader to measure how long the training loop waits for each batch."""
 
-    def __init__(self, loader: Any) -> None:
+    def __init__(self, loader: Any, progress: TrainProgress | None = None) -> None:
         self.loader = loader
         self.wait_s = 0.0
         self.batches = 0
+        self.progress = progress
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -92,8 +97,14 @@ class _TimedLoader:
             except StopIteration:
                 self.wait_s += time.perf_counter() - start
                 return
-            self.wait_s += time.perf_counter() - start
+            waited = time.perf_counter() - start
+            self.wait_s += waited
             self.batches += 1
+            progress = self.progress
+            if progress is not None:  # plain fields, read by /metrics at scrape time
+                progress.data_wait_s += waited
+                progress.batches += 1
+                progress.samples += batch_len(batch)
             yield batch
 
     def __getattr__(self, name: str) -> Any:
@@ -132,23 +143,26 @@ def resolve_entrypoint(spec: str) -> TrainFn:
 
 
 def ensure_demo_data(config: EpochcacheConfig) -> None:
-    """Write the demo dataset at ``source.url`` when ``demo_samples`` is set and nothing is there."""
-    samples = config.source.demo_samples
-    if samples is None:
-        return
+    """Write the demo dataset at each source's url whose ``demo_samples`` is set and where
+    nothing is there."""
     from .demo import write_demo_data
     from .ingest.remote import open_fs, translate_errors
 
-    url = redact_url(config.source.url)
-    with translate_errors(url):  # an unreachable remote is SourceUnavailable (exit 2), not a traceback
-        fs, root = open_fs(url, config.source.storage_options, timeout_s=config.source.timeout_s,
-                           connect_timeout_s=config.source.connect_timeout_s)
-        if fs.exists(root) and fs.ls(root):
-            return
-    log.info("writing the demo dataset (%d samples) to %s", samples, url)
-    layout = "tar" if config.source.layout == "tar" else "files"
-    write_demo_data(config.source.url, samples, layout, config.source.storage_options,  # type: ignore[arg-type]
-                    kind=config.source.demo_kind)
+    for entry in config.source_entries():
+        source = entry.config
+        samples = source.demo_samples
+        if samples is None:
+            continue
+        shown = redact_url(source.url)
+        with translate_errors(shown):  # unreachable: SourceUnavailable (exit 2), not a traceback
+            fs, root = open_fs(source.url, source.storage_options, timeout_s=source.timeout_s,
+                               connect_timeout_s=source.connect_timeout_s)
+            if fs.exists(root) and fs.ls(root):
+                continue
+        log.info("writing the demo dataset (%d samples) to %s", samples, shown)
+        layout = "tar" if source.layout == "tar" else "files"
+        write_demo_data(source.url, samples, layout, source.storage_options,  # type: ignore[arg-type]
+                        kind=source.demo_kind)
 
 
 def _loader_kwargs(config: EpochcacheConfig) -> dict[str, Any]:
@@ -192,6 +206,20 @@ class Run:
         self._daemon_status: int | None = None
         self._daemon_error: BaseException | None = None
         self.metrics: list[dict[str, Any]] = []
+        self.progress = TrainProgress()
+        self.turnover = Turnover(hint=is_main)
+        self.metrics_server: MetricsServer | None = None
+
+    def serve_metrics(self, local_rank: int = 0) -> None:
+        """Serve the training side's /metrics when ``train.metrics_port`` is set (the port
+        plus the local rank: each rank of a node serves its own)."""
+        train = self.config.train
+        if train.metrics_port is None:
+            return
+        port = train.metrics_port + local_rank if train.metrics_port else 0
+        progress = self.progress
+        self.metrics_server = MetricsServer(lambda: train_metrics(progress), train.metrics_host,
+                                            port, "train.metrics_port")
 
     @property
     def train_fn(self) -> TrainFn:
@@ -244,6 +272,9 @@ class Run:
             self.daemon.stop()
             self._daemon_thread.join()
             self.daemon = None
+        if self.metrics_server is not None:
+            self.metrics_server.close()
+            self.metrics_server = None
 
     def train(self) -> int:
         # Under DDP every rank resumes from rank 0's checkpoint: ranks that computed their own
@@ -288,13 +319,20 @@ class Run:
 
     def _run_epoch(self, cache: Cache, context: RunContext, epoch: int, loader: Any) -> None:
         before = cache.counters()
-        timed = _TimedLoader(loader)
+        mark = self.turnover.mark(cache)
+        self.progress.epoch = epoch
+        timed = _TimedLoader(loader, self.progress)
         started = time.perf_counter()
         from .data.distributed import mean_across_ranks
 
         result = mean_across_ranks(dict(self.train_fn(context, epoch, timed) or {}))
         elapsed = time.perf_counter() - started
         after = cache.counters()
+        dataset = getattr(loader, "dataset", None)
+        turnover = self.turnover.measure(cache, mark, getattr(dataset, "seqs", np.empty(0)))
+        self.progress.new_samples = turnover["new_samples"]
+        self.progress.snapshot_samples = turnover["snapshot_samples"]
+        self.progress.writer_wait_fraction = turnover["writer_wait_fraction"] or 0.0
         row = {
             "epoch": epoch,
             **result,
@@ -305,21 +343,24 @@ class Run:
             "cache_samples": after.samples,
             "cache_bytes": after.bytes,
             "evicted": after.evicted - before.evicted,
+            **turnover,
             "time": time.time(),
         }
         self.metrics.append(row)
         if not self.is_main:
             return
-        cache.append_history({"epoch": epoch})
+        cache.append_history({"epoch": epoch, **turnover})
         with open(self.run_dir / METRICS, "a") as f:
             f.write(json.dumps(row) + "\n")
         context.save_checkpoint(epoch, row)
         loss = row.get("loss")
+        wait = turnover["writer_wait_fraction"]
         log.info(
-            "epoch %d: loss %s, %d samples in %d batches, %.1fs, data wait %.1f%%, cache %s (%d samples), evicted %d",
+            "epoch %d: loss %s, %d samples in %d batches, %.1fs, data wait %.1f%%, cache %s (%d samples), evicted %d, "
+            "new to the snapshot %d, writers waited %s",
             epoch, f"{loss:.4f}" if isinstance(loss, float) else loss, row.get("samples", row["snapshot_samples"]),
             timed.batches, elapsed, 100 * row["data_wait_fraction"], format_size(after.bytes), after.samples,
-            row["evicted"],
+            row["evicted"], turnover["new_samples"], "n/a" if wait is None else f"{100 * wait:.0f}%",
         )
 
     def write_plots(self) -> Path | None:
@@ -358,9 +399,12 @@ def run_training(config: EpochcacheConfig, *, resume: bool = False) -> int:
     from .data.world import detect_world
 
     world = detect_world()
+    if config.train.metrics_port is not None:
+        require_prometheus("train.metrics_port")  # before anything starts
     run = Run(config, resume=resume, is_main=world.rank == 0, node_rank=world.node_rank)
     created_group = False
     try:
+        run.serve_metrics(world.local_rank)
         if world.rank == 0:
             ensure_demo_data(config)
         if world.local_rank == 0:

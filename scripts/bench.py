@@ -10,8 +10,9 @@ Sections:
   loader   scripts/bench_loader.py: cache.epochs() vs file-per-sample and plain-LMDB Datasets,
            heavy transform vs a no-I/O DataLoader, dataset[i] vs raw get, epoch boundary with
            fork and spawn, worker RSS over 10 epochs, snapshot of 1M samples.
-  ingest   scripts/bench_ingest.py: the daemon's fill rate vs a bare concurrent s3fs fetch of
-           the same objects from the same moto S3 server, 16 KiB and 1 MiB objects.
+  ingest   scripts/bench_ingest.py: the daemon's fill rate from file:// vs a raw LMDB write of
+           the same bytes (64 KiB, 1 MiB), and from HTTP and S3 (moto) vs a bare concurrent
+           fetch of the same objects (16 KiB, 1 MiB), with cache.sync true and false.
   images   scripts/bench_images.py: JPEG decode + augmentation through cache.epochs() vs
            WebDataset on local tar shards, 0 and 2 workers; Pillow vs simplejpeg decoding
            (needs the bench extra: webdataset).
@@ -259,7 +260,8 @@ def _printed(_: dict[str, Any]) -> None:
 SECTIONS: dict[str, tuple[Callable[[bool], dict[str, Any]], Callable[[dict[str, Any]], None]]] = {
     "cache": (section_cache, print_cache),
     "loader": (_script_section("bench_loader.py", [], ["--samples", "1500", "--tiny", "200000"], "--json"), _printed),
-    "ingest": (_script_section("bench_ingest.py", [], ["--small", "500", "--large", "60", "--repeat", "1"], "--out"), _printed),
+    "ingest": (_script_section("bench_ingest.py", [], ["--file-64k", "2000", "--file-1m", "200", "--small", "500", "--large", "60",
+                                           "--repeat", "1"], "--out"), _printed),
     "images": (_script_section("bench_images.py", [], ["--images", "2000", "--samples", "500", "--rounds", "1"], "--json"), _printed),
 }
 

@@ -129,8 +129,10 @@ def start_daemon(tmp_path: Any) -> Iterator[Callable[..., Any]]:
 
     started: list[DaemonProc] = []
 
-    def start(config: Any, name: str = "daemon", args: tuple[str, ...] = ()) -> DaemonProc:
-        proc = DaemonProc(tmp_path, config, name=f"{name}{len(started)}", args=args)
+    def start(config: Any, name: str = "daemon", args: tuple[str, ...] = (),
+              daemon_args: tuple[str, ...] = ()) -> DaemonProc:
+        proc = DaemonProc(tmp_path, config, name=f"{name}{len(started)}", args=args,
+                          daemon_args=daemon_args)
         started.append(proc)
         return proc
 

@@ -87,7 +87,7 @@ def test_sizes_durations_and_headroom_forms() -> None:
             "package.module:function",
         ),
         ({**MINIMAL, "sampler": {"node_rank": 2, "num_nodes": 2}}, "sampler", "node_rank 2"),
-        ({**MINIMAL, "bogus": {}}, "bogus", "allowed: cache, loader, sampler, source, train"),
+        ({**MINIMAL, "bogus": {}}, "bogus", "allowed: cache, daemon, loader, sampler, source, sources, train"),
     ],
 )
 def test_errors_name_field_value_and_what_is_allowed(data: dict, path: str, fragment: str) -> None:
@@ -259,6 +259,62 @@ def test_cache_sync_defaults_on_and_is_validated(tmp_path: Path) -> None:
     assert off.cache.sync is False
     with pytest.raises(ConfigError, match="cache.sync"):
         parse_config({**base, "cache": {**base["cache"], "sync": "sometimes"}})
+
+
+SOURCES = {
+    "sources": [
+        {"name": "web", "url": "s3://b/web/", "weight": 3, "storage_options": {"secret": "s3cr3t-web"}},
+        {"name": "books", "url": "file:///data/books", "optional": True},
+    ],
+    "cache": {"dir": "/tmp/cache", "capacity": "1GiB"},
+}
+
+
+def test_sources_list_with_names_weights_and_optional() -> None:
+    config = parse_config(SOURCES)
+    assert config.source is None
+    entries = config.source_entries()
+    assert [(e.name, e.weight, e.optional, e.key_prefix) for e in entries] == [
+        ("web", 3.0, False, "web/"), ("books", 1.0, True, "books/")]
+    assert entries[1].config.timeout_s == 30.0  # the fields of source, with their defaults
+    single = parse_config(MINIMAL).source_entries()
+    assert [(e.name, e.key_prefix) for e in single] == [("", "")]  # keys stay un-namespaced
+    assert "s3cr3t-web" not in repr(config) and "s3cr3t-web" not in config.redacted_yaml()
+    assert "sources" in config.redacted() and "source" not in config.redacted()
+
+
+@pytest.mark.parametrize(
+    "change, fragment",
+    [
+        ({"source": {"url": "s3://x/"}}, "exactly one of source"),  # both
+        ({"sources": None}, "exactly one of source"),  # neither
+        ({"sources": []}, "sources: List should have at least 1 item"),
+        ({"sources": [{"name": "a/b", "url": "s3://x/"}]}, "sources.0.name: expected 1-64"),
+        ({"sources": [{"url": "s3://x/"}]}, "sources.0.name: required but missing"),
+        ({"sources": [{"name": "a", "url": "s3://x/", "weight": 0}]}, "sources.0.weight"),
+        ({"sources": [{"name": "a", "url": "s3://x/"}, {"name": "a", "url": "s3://y/"}]},
+         "names must be unique, a appear"),
+        ({"sources": [{"name": "a", "url": "s3://x/", "bogus": 1}]},
+         "sources.0.bogus: unknown key (allowed: checks,"),
+    ],
+)
+def test_sources_errors_name_the_field(change: dict, fragment: str) -> None:
+    data = {**SOURCES, **change}
+    data = {k: v for k, v in data.items() if v is not None}
+    with pytest.raises(ConfigError) as info:
+        parse_config(data)
+    assert fragment in str(info.value)
+    assert "s3cr3t-web" not in str(info.value)
+
+
+def test_config_travels_to_another_process_with_its_secrets_masked() -> None:
+    from epochcache.config import EpochcacheConfig
+
+    config = parse_config(SOURCES)
+    clone = EpochcacheConfig.from_transfer(config.to_transfer())
+    assert clone == config
+    assert clone.sources is not None and clone.sources[0].storage_options["secret"] == "s3cr3t-web"
+    assert "s3cr3t-web" not in repr(clone) and "s3cr3t-web" not in repr(clone.sources[0])
 
 
 def test_loader_fields_and_image() -> None:

@@ -131,6 +131,25 @@ def test_fetch_many_thread_path_for_sync_filesystems(tmp_path: Any) -> None:
     assert results[0] == b"A" and isinstance(results[1], PermanentRemoteError)
 
 
+def test_a_read_that_hangs_does_not_hold_up_later_fetches(tmp_path: Any) -> None:
+    """A FIFO without a writer blocks its reader for good, as a dead NFS mount does: it is
+    reported as a timeout, and the fetch threads kept between calls are not left stuck behind
+    it."""
+    import os
+
+    (tmp_path / "a").write_bytes(b"A")
+    os.mkfifo(tmp_path / "hang")
+    fs, root = open_fs(f"file://{tmp_path}")
+    try:
+        first = fetch_many(fs, [f"{root}/hang", f"{root}/a"], concurrency=1, timeout_s=0.5)
+        assert isinstance(first[0], RemoteTimeout) and "hang" in str(first[0])
+        for _ in range(3):
+            assert fetch_many(fs, [f"{root}/a"], concurrency=1, timeout_s=5) == [b"A"]
+    finally:
+        with open(tmp_path / "hang", "wb"):  # lets the hung thread finish
+            pass
+
+
 def _start_moto(port: int) -> Any:
     from moto.server import ThreadedMotoServer
 

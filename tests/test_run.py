@@ -628,7 +628,7 @@ def test_config_command_shows_resolved_values_redacted(tmp_path: Path) -> None:
     assert shown["train"]["options"] == {"wandb_token": "***", "lr": 0.1}
     # defaults are filled in: the printed config is the whole resolved config
     assert shown["sampler"]["batch_size"] == 64 and shown["source"]["timeout_s"] == 30.0
-    assert set(shown) == {"source", "cache", "sampler", "loader", "train"}
+    assert set(shown) == {"source", "cache", "sampler", "loader", "train", "daemon"}
     assert not list(tmp_path.glob("**/data.mdb"))  # printing a config starts nothing
 
 

@@ -57,7 +57,7 @@ def _peak_held(tmp_path: Path, name: str, limit: str | None) -> int:
     stop = threading.Event()
     sampler = Sampler(config, 0, stop)
     held, peak, lock = 0, 0, threading.Lock()
-    fetch, done = sampler.source.fetch_with_retries, sampler._done
+    fetch, done = sampler.feeds[0].source.fetch_with_retries, sampler._done
 
     def counting_fetch(refs: Any, **kwargs: Any) -> Any:
         nonlocal held, peak
@@ -73,7 +73,7 @@ def _peak_held(tmp_path: Path, name: str, limit: str | None) -> int:
             held -= len(batch.keys) * MiB
         done(batch)
 
-    sampler.source.fetch_with_retries = counting_fetch  # type: ignore[method-assign]
+    sampler.feeds[0].source.fetch_with_retries = counting_fetch  # type: ignore[method-assign]
     sampler._done = counting_done  # type: ignore[method-assign]
     sampler.committer.done = counting_done
     _run_until_cached(sampler, stop, 24)

@@ -60,12 +60,14 @@ class Batch:
         position: the key order position to save once the batch is committed.
         keys: every key the batch was fetched for (committed or not): no longer in flight.
         nbytes: bytes this batch holds against the sampler's in-flight budget.
+        source: the ``sources:`` entry it was fetched from ("" for a single ``source:``).
     """
 
     records: list[tuple[str, bytes]]
     position: dict[str, int]
     keys: list[str]
     nbytes: int = 0
+    source: str = ""
 
 
 class Committer(threading.Thread):
@@ -98,6 +100,8 @@ class Committer(threading.Thread):
         self.error: BaseException | None = None
         self._rejected: set[str] = set()
         self._deferred_logged: set[str] = set()
+        # Lease waits of earlier processes (the health document's) plus this one's writer's.
+        self._lease_wait_base = float(getattr(health, "lease_wait_s", 0.0))
 
     # -- the fetch loop's side ------------------------------------------------------------------
 
@@ -154,7 +158,10 @@ class Committer(threading.Thread):
                     self._commit(batch.records)
                 finally:
                     self.done(batch)
-                self.health.position = batch.position
+                if batch.source:  # one position per source (see feed.py)
+                    self.health.position = {**self.health.position, batch.source: batch.position}
+                else:
+                    self.health.position = batch.position
                 now = time.time()
                 # At most one health/position write per STATE_INTERVAL_S: each is a commit with
                 # an fsync of its own. A position that lags is harmless: on restart, keys already
@@ -168,6 +175,8 @@ class Committer(threading.Thread):
 
     def _save_health(self, now: float | None = None) -> None:
         self.health.heartbeat = time.time() if now is None else now
+        self.health.lease_wait_s = round(
+            self._lease_wait_base + self.cache.writer.lease_wait_s, 3)
         self.cache.tables.put_state(state_name(self.health.index), asdict(self.health))
 
     def _commit(self, records: list[tuple[str, bytes]]) -> None:

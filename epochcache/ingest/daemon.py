@@ -23,6 +23,7 @@ import select
 import signal
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,10 +34,10 @@ from ..store import SampleStore
 from ..store.env import make_private_dir
 from ..store.leases import process_start_ticks
 from ..units import format_size
-from .from_config import open_configured_source
-from .relist import Relister
+from .daemon_sources import DaemonSources
+from .metrics import MetricsServer, daemon_metrics, require_prometheus
+from .lifeline import Lifeline
 from .sampler import StopFlag, run_sampler, state_name
-from .sources import Source, listing_cached
 
 log = logging.getLogger(__name__)
 
@@ -163,11 +164,14 @@ class Daemon:
     """Supervises the samplers of one config. :meth:`run` blocks until :meth:`stop`.
 
     Args:
-        config: a validated config (``source``, ``cache`` and ``sampler`` are used).
+        config: a validated config (``source`` or ``sources``, ``cache``, ``sampler``).
+        parent_pid: stop in order once this process is gone (None: run until stopped).
     """
 
-    def __init__(self, config: EpochcacheConfig) -> None:
+    def __init__(self, config: EpochcacheConfig, *, parent_pid: int | None = None) -> None:
         self.config = config
+        # Run for a Python program (epochcache.Daemon): stop in order when it is gone.
+        self._parent = Lifeline(parent_pid)
         self.cache_dir = str(config.cache.dir)
         self._stop = StopRequest()
         self._ctx = multiprocessing.get_context("spawn")
@@ -175,19 +179,21 @@ class Daemon:
         self._slots = [_Slot(i) for i in range(config.sampler.processes)]
         self._lock = DaemonLock(self.cache_dir)
         self.cache: SampleStore | None = None
-        self._source: Source | None = None
-        self._listed_at = 0.0
+        self.sources = DaemonSources(config)
+        self.metrics: MetricsServer | None = None
         #: Why :meth:`run` gave up (exit status 1), also in the daemon's state document.
         self.failure: str | None = None
 
     def prepare(self) -> int:
-        """Take the lock, open the cache, list the source. Raises before anything is started.
+        """Take the lock, open the cache, list the sources. Raises before anything is started.
 
         Raises:
             DaemonAlreadyRunning: another daemon fills this cache (nothing was changed).
-            SourceUnavailable: the source cannot be listed.
+            SourceUnavailable: a source that is not optional cannot be listed (named).
         """
         cfg = self.config.cache
+        if self.config.daemon.metrics_port is not None:
+            require_prometheus("daemon.metrics_port")  # before anything is touched
         make_private_dir(self.cache_dir)
         # The lock first: a daemon that is refused must not have rewritten the stored capacity.
         self._lock.acquire()
@@ -196,17 +202,23 @@ class Daemon:
                 cfg.dir, capacity=cfg.capacity_bytes, headroom=cfg.headroom_bytes,
                 compression=cfg.compression, level=cfg.level, sync=cfg.sync,
             )
-            source = open_configured_source(self.config)
-            listing = listing_cached(source, self.cache_dir)
+            keys = self.sources.list_all()
+            names = [entry.name for entry in self.config.source_entries() if entry.name]
+            if names:  # per-source counters, kept by the store from now on
+                self.cache.register_sources(names)
+            port = self.config.daemon.metrics_port
+            if port is not None:
+                cache = self.cache
+                self.metrics = MetricsServer(lambda: daemon_metrics(cache),
+                                             self.config.daemon.metrics_host, port,
+                                             "daemon.metrics_port")
         except BaseException:
             if self.cache is not None:
                 self.cache.close()
                 self.cache = None
             self._lock.release()
             raise
-        self._source, self._listed_at = source, listing.created
-        log.info("%s: %d %ss to sample from", source.url, len(listing.refs), source.unit)
-        return len(listing.refs)
+        return keys
 
     def stop(self, *_: Any) -> None:
         self._stop.set()
@@ -218,21 +230,21 @@ class Daemon:
         assert self.cache is not None  # for mypy: prepare() sets it
         started = time.time()
         status = 0
-        relister = None
-        ttl = self.config.source.listing_ttl_s
-        if ttl and self._source is not None:
-            relister = Relister(self._source, self.cache_dir, ttl, self._listed_at)
         try:
-            if relister is not None:
-                relister.start()
+            self.sources.start()
             for slot in self._slots:
                 self._start(slot)
             last_history = last_log = 0.0
             while not self._stop.is_set():
                 now = time.monotonic()
+                if self._parent.parent_gone():
+                    break
                 if not self._supervise():
                     status = 1
                     break
+                if self.sources.joined.is_set():
+                    self.sources.joined.clear()
+                    self._restart_samplers()
                 self._heartbeat(started)
                 if now - last_history >= HISTORY_S:
                     self.cache.append_history()
@@ -246,8 +258,9 @@ class Daemon:
             self.failure = f"{type(exc).__name__}: {exc}"  # published by the last heartbeat
             raise
         finally:
-            if relister is not None:
-                relister.stop()  # a daemon thread: a listing under way is abandoned
+            self.sources.stop()
+            if self.metrics is not None:
+                self.metrics.close()
             self._shutdown()
             self._heartbeat(started, stopped=True)
             self.cache.append_history()
@@ -258,9 +271,10 @@ class Daemon:
 
     def _start(self, slot: _Slot) -> None:
         data = self.config.to_transfer()  # keeps what the samplers must mask
+        names = self.sources.names if self.config.sources is not None else None
         slot.process = self._ctx.Process(
             target=run_sampler,
-            args=(data, slot.index, self._sampler_stop, os.getpid()),
+            args=(data, slot.index, self._sampler_stop, os.getpid(), names),
             name=f"epochcache-sampler-{slot.index}",
             daemon=False,
         )
@@ -309,6 +323,7 @@ class Daemon:
             doc.update(pid=slot.process.pid if slot.process else None, alive=alive, restarts=slot.restarts)
             samplers[str(slot.index)] = doc
         pid = os.getpid()
+        active = set(self.sources.names)
         self.cache.tables.put_state(
             "daemon",
             {
@@ -319,7 +334,13 @@ class Daemon:
                 "heartbeat": time.time(),
                 "stopped": stopped,
                 "failure": self.failure,
-                "source": redact_url(self.config.source.url),
+                "source": redact_url(self.config.first_source.url),
+                "metrics": self.metrics.url if self.metrics is not None else None,
+                "sources": {
+                    entry.name: {"url": redact_url(entry.config.url), "weight": entry.weight,
+                                 "active": entry.name in active}
+                    for entry in self.config.source_entries() if entry.name
+                },
                 "samplers": samplers,
             },
         )
@@ -333,6 +354,14 @@ class Daemon:
             stats["samples"], stats["ingest"]["samples_per_s"], format_size(stats["ingest"]["bytes_per_s"]),
             stats["evicted"], stats["quarantined"],
         )
+
+    def _restart_samplers(self) -> None:
+        """Stop the samplers in order and start them again (a source joined)."""
+        self._shutdown()
+        self._sampler_stop = StopFlag(self._ctx)
+        for slot in self._slots:
+            slot.restart_at = None
+            self._start(slot)
 
     def _shutdown(self) -> None:
         self._sampler_stop.set()
@@ -350,13 +379,22 @@ class Daemon:
                     slot.process.join()
 
 
-def run_daemon(config: EpochcacheConfig) -> int:
-    """Run a daemon in this process until SIGTERM/SIGINT; returns the exit status."""
-    daemon = Daemon(config)
+def run_daemon(config: EpochcacheConfig, *, parent_pid: int | None = None,
+               ready: Callable[[Daemon], None] | None = None) -> int:
+    """Run a daemon in this process until SIGTERM/SIGINT; returns the exit status.
+
+    Args:
+        config: the validated config.
+        parent_pid: stop (in order) once this process is gone (see :mod:`epochcache.daemon`).
+        ready: called once the lock is held and the source listed, before samplers start.
+    """
+    daemon = Daemon(config, parent_pid=parent_pid)
     daemon.prepare()
     # The handler is safe to run at any point of the main thread: see StopRequest.
     previous = {sig: signal.signal(sig, daemon.stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
+        if ready is not None:
+            ready(daemon)  # after the handlers: a stop asked from now on is an orderly one
         return daemon.run()
     finally:
         for sig, handler in previous.items():

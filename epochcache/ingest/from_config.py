@@ -36,14 +36,17 @@ def max_sample_bytes(config: EpochcacheConfig) -> int:
     return min(config.loader.max_sample_bytes, config.cache.capacity_bytes)
 
 
-def open_configured_source(config: EpochcacheConfig) -> Source:
-    """The source of a whole config, as one sampler process opens it: ``sampler.concurrency``,
-    checks off when ``sampler.check`` is false, and ``sampler.bandwidth_limit`` split evenly among
-    ``sampler.processes``."""
+def open_configured_source(config: EpochcacheConfig,
+                           section: SourceConfig | None = None) -> Source:
+    """A source of a whole config (``section``, default the first), as one sampler process
+    opens it: ``sampler.concurrency``, checks off when ``sampler.check`` is false, and
+    ``sampler.bandwidth_limit`` split evenly among ``sampler.processes`` (a sampler shares its
+    limiter among its sources: see ``Sampler``)."""
     sampler = config.sampler
     limit = sampler.bandwidth_limit / sampler.processes if sampler.bandwidth_limit else None
+    spec = source_spec(section if section is not None else config.first_source)
     return open_source(
-        dataclasses.replace(source_spec(config.source), max_sample_bytes=max_sample_bytes(config)),
+        dataclasses.replace(spec, max_sample_bytes=max_sample_bytes(config)),
         concurrency=sampler.concurrency,
         checks=None if sampler.check else (),
         bandwidth_limit=limit,

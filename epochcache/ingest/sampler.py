@@ -5,7 +5,9 @@ overlap: the next batches are fetched while a committer thread (:mod:`.committer
 previous one, so the cache's write lock and fsync never leave the network idle; what it holds
 in flight is bounded in bytes (:mod:`.inflight`). Its position in the key order is saved in the
 cache after each commit, so a restarted sampler goes on where it stopped instead of fetching the
-same first samples again. Per-sample faults never stop it: corrupt objects and samples the cache
+same first samples again. With several sources (``sources:``) it holds a :class:`~.feed.Feed`
+per source and takes batches from each in proportion to its weight; a source that is down
+rests while the others go on (see :mod:`.feed`). Per-sample faults never stop it: corrupt objects and samples the cache
 cannot hold are quarantined, failed fetches counted and logged with their key and retried on a
 later pass. A fault that is not per-sample (the committer dies) ends the process with exit
 status 1 within seconds, so that the daemon restarts it; the death of the daemon ends it at
@@ -22,31 +24,26 @@ import os
 import signal
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
+from collections.abc import Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from typing import Any
-
-import numpy as np
 
 from ..config import EpochcacheConfig
 from ..errors import CorruptSample, PermanentRemoteError, SampleRejected, SourceError
 from ..redact import install_log_redaction
 from ..store import SampleStore
 from .committer import Batch, Committer, state_name
-from .from_config import open_configured_source
-from .inflight import ByteBudget, SizeEstimate
-from .keyorder import KeyOrder, key_hashes
+from .feed import IDLE_WAIT_S, Feed, error_kind, next_feed
+from .heap import reuse_freed_buffers
+from .inflight import ByteBudget
 from .lifeline import Lifeline, kill_with_parent
-from .relist import ListingFollower
-from .sources import Listing, SampleRef, Source, listing_cached
+from .sources import SampleRef
 
 __all__ = ["Sampler", "SamplerHealth", "StopFlag", "run_sampler", "state_name"]
 
 log = logging.getLogger(__name__)
 
-#: Pause after a whole pass found every sample already cached (the dataset fits the cache).
-IDLE_WAIT_S = 1.0
 #: Batches fetched at the same time (``sampler.concurrency`` is split among them).
 FETCH_DEPTH = 2
 #: Aim for commits of about this many bytes: 64 samples of 1 MiB would hold the pipeline for a
@@ -54,12 +51,6 @@ FETCH_DEPTH = 2
 BATCH_BYTES = 8 * 1024 * 1024
 #: How often a wait for a fetch looks at the committer and the daemon.
 _POLL_S = 0.25
-
-
-def _is_cached(cache: SampleStore, source: Source, ref: SampleRef) -> bool:
-    if source.unit == "sample":
-        return ref.key in cache
-    return cache.has_key_prefix(ref.key.rstrip("/") + "/")
 
 
 def _payload_bytes(payload: Any) -> int:
@@ -86,7 +77,11 @@ class SamplerHealth:
     # (each key is cached or quarantined); "failing": nothing new, and fetches failed; "": busy.
     idle: str = ""
     waiting_for_space: bool = False
-    position: dict[str, int] = field(default_factory=dict)
+    # The key order position: of the source, or {name: position} of each of ``sources:``.
+    position: dict[str, Any] = field(default_factory=dict)
+    error_kinds: dict[str, int] = field(default_factory=dict)  # failed fetches by error_kind()
+    lease_wait_s: float = 0.0  # seconds its commits waited for leases to free space
+    sources: dict[str, dict[str, Any]] = field(default_factory=dict)  # {name: {errors, down}}
     started: float = field(default_factory=time.time)
     heartbeat: float = field(default_factory=time.time)
 
@@ -119,25 +114,17 @@ class StopFlag:
         return True
 
 
-def _samples_per_batch(configured: int, refs: list[SampleRef], unit: str, concurrency: int) -> int:
-    """Samples per fetch/commit round: ``sampler.batch_size``, fewer for large objects."""
-    if unit != "sample":
-        return max(1, min(4, concurrency))  # whole shards
-    sizes = [ref.size for ref in refs[:1000] if ref.size]
-    if not sizes:
-        return configured
-    mean = sum(sizes) / len(sizes)
-    return max(1, min(configured, int(BATCH_BYTES // max(1.0, mean))))
-
-
 @dataclass
 class _Fetching:
-    """A batch being fetched: its future, where the key order stands after it, its bytes."""
+    """A batch being fetched: its future, its feed, where that feed's key order stands after
+    it, its bytes."""
 
     future: Future[list[Any]]
+    feed: Feed
     refs: list[SampleRef]
     position: dict[str, int]
     reserved: int
+    started: float
 
 
 class Sampler:
@@ -148,10 +135,12 @@ class Sampler:
         index: this sampler's index among ``sampler.processes``.
         stop: the daemon's :class:`StopFlag` (anything with ``is_set``/``wait``/``set``).
         parent_pid: the daemon; if it disappears, the sampler stops too (no orphans).
+        sources: names of the ``sources:`` entries to sample (default all; the daemon leaves
+            out optional ones it could not reach).
     """
 
     def __init__(self, config: EpochcacheConfig, index: int, stop: Any,
-                 parent_pid: int | None = None) -> None:
+                 parent_pid: int | None = None, sources: Sequence[str] | None = None) -> None:
         self.index, self.stop = index, stop
         self.lifeline = Lifeline(parent_pid)
         # sync: false skips the fsync per commit. A killed process still loses nothing committed
@@ -160,38 +149,35 @@ class Sampler:
         # ingest at link speed on a busy node (docs/benchmarks.md).
         self.cache = SampleStore(config.cache.dir, compression=config.cache.compression,
                                  level=config.cache.level, sync=config.cache.sync)
-        self.source = open_configured_source(config)
-        listing = listing_cached(self.source, config.cache.dir)
-        self.refs = listing.refs
-        # The original listing is the key order's base; blocks a re-list added join it by key
-        # hash. Weighted sampling draws from the whole listing (no re-listing: see config).
-        weighted = config.sampler.strategy == "weighted"
-        self.blocks = list(listing.blocks) if weighted else [listing.blocks[0]]
-        self.gone = listing.gone  # keys a re-list no longer found: skipped
         saved = self.cache.tables.get_state(state_name(index)) or {}
-        self.order = _key_order(config, self.refs[: self.blocks[-1]], index, saved.get("position"))
-        self._add_blocks(listing)  # keys added by earlier re-lists, before the saved position
-        self.follower = (ListingFollower(self.source, str(config.cache.dir))
-                         if config.source.listing_ttl_s else None)
-        self.health = SamplerHealth(index=index)
-        for name in ("fetched", "fetched_bytes", "committed", "skipped", "errors", "quarantined",
-                     "deferred"):
-            setattr(self.health, name, int(saved.get(name, 0)))
-        self.committer = Committer(self.cache, self.health, stop=stop,
-                                   should_stop=self.should_stop, quarantine=self.quarantine,
-                                   done=self._done)
-        self.per_batch = _samples_per_batch(config.sampler.batch_size, self.refs, self.source.unit,
-                                            config.sampler.concurrency)
         limit = config.sampler.max_bytes_in_flight
         self.budget = ByteBudget(limit)
         # FETCH_DEPTH batches in fetch, one queued and one committing: each gets a share.
         self.batch_bytes = max(1, min(BATCH_BYTES, limit // (FETCH_DEPTH + 2)))
-        self.sizes = SizeEstimate(self.refs, self.batch_bytes)
         # FETCH_DEPTH batches are fetched at once, each with its share of `concurrency`: while
         # one drains its slowest requests, the other keeps the link busy (one batch at a time
         # left the link idle at every batch boundary: 0.6x a bare fetch, 0.9x+ with two).
-        self.source.concurrency = max(1, -(-config.sampler.concurrency // FETCH_DEPTH))
-        self.deadline_s = config.source.timeout_s * 4
+        per_fetch = max(1, -(-config.sampler.concurrency // FETCH_DEPTH))
+        entries = [e for e in config.source_entries() if sources is None or e.name in sources]
+        self.feeds = [Feed(entry, config, index, _saved_position(saved, entry.name),
+                           self.batch_bytes, per_fetch) for entry in entries]
+        self._by_prefix = {feed.name: feed for feed in self.feeds}
+        # One bandwidth budget per process, whatever the source: a source that is down leaves
+        # its share of the link to the others.
+        for feed in self.feeds[1:]:
+            feed.source.limiter = self.feeds[0].source.limiter
+        self.health = SamplerHealth(index=index)
+        for name in ("fetched", "fetched_bytes", "committed", "skipped", "errors", "quarantined",
+                     "deferred"):
+            setattr(self.health, name, int(saved.get(name, 0)))
+        self.health.lease_wait_s = float(saved.get("lease_wait_s", 0.0))
+        self.health.error_kinds = {str(k): int(v)
+                                   for k, v in (saved.get("error_kinds") or {}).items()}
+        self.health.sources = {feed.name: {"errors": 0, "down": False}
+                               for feed in self.feeds if feed.name}
+        self.committer = Committer(self.cache, self.health, stop=stop,
+                                   should_stop=self.should_stop, quarantine=self.quarantine,
+                                   done=self._done)
         # Keys quarantined by this process: corrupt objects are not fetched (and counted) again
         # every pass; a restarted daemon tries them once more.
         self.quarantined: set[str] = set()
@@ -199,14 +185,12 @@ class Sampler:
         # (a small pass wraps around while its last batches are still being committed).
         self._in_flight: set[str] = set()
         self._in_flight_lock = threading.Lock()
-        # Refs taken from the key order but not fetched yet (a batch is cut to batch_bytes),
-        # and the position before they were taken (saved until they are all fetched).
-        self.carry: collections.deque[SampleRef] = collections.deque()
-        self._carry_position: dict[str, int] = self.order.state()
-        self.fruitless = 0  # offsets taken since the last batch that brought anything new
         self._errors_before = self.health.errors  # when the current fruitless stretch began
         self.fetching: collections.deque[_Fetching] = collections.deque()
-        self.pool = ThreadPoolExecutor(max_workers=FETCH_DEPTH, thread_name_prefix="epochcache-fetch")
+        # FETCH_DEPTH batches per source: a source that stopped answering holds its own
+        # threads, never the others' (with sources:, sampler.concurrency is per source).
+        self.pool = ThreadPoolExecutor(max_workers=FETCH_DEPTH * len(self.feeds),
+                                       thread_name_prefix="epochcache-fetch")
 
     # -- stopping ---------------------------------------------------------------------------------
 
@@ -225,26 +209,38 @@ class Sampler:
             CommitterDied: the committer failed (the process must exit and be restarted).
         """
         self.committer.start()
-        log.info("%d %ss, starting at %s", len(self.refs), self.source.unit, self.order.position)
+        for feed in self.feeds:
+            log.info("%s: %d %ss, starting at %s", feed.source.url, len(feed.refs),
+                     feed.source.unit, feed.order.position)
         try:
             while not self.should_stop():
                 self.committer.check()
-                if self.follower is not None:
-                    self._follow_listing()
-                pass_keys = self.order.pass_length + self.order.num_added
-                if self.fruitless >= pass_keys and not self.fetching and not self.carry:
-                    # A whole pass brought nothing new (everything cached, corrupt or failing):
-                    # wait instead of spinning on the cache and the remote. Runs waiting for
-                    # train.min_samples read which it was from the health document.
-                    failed = self.health.errors > self._errors_before
-                    self.health.idle = "failing" if failed else "complete"
-                    self.stop.wait(IDLE_WAIT_S)
-                    self._new_stretch()
+                now = time.monotonic()
+                for feed in self.feeds:
+                    if feed.follower is not None:
+                        feed.follow_listing()
+                    if feed.exhausted and feed.rest_until <= now:
+                        # A whole pass brought nothing new (everything cached, corrupt or
+                        # failing): rest instead of spinning on the cache and the remote.
+                        feed.fruitless = 0
+                        feed.rest(IDLE_WAIT_S, now)
+                        self._note_idle()
+                due = next_feed(self.feeds, now)
+                if due is None:  # every source rests, or waits for a remote
+                    if self.fetching:
+                        self._hand_over()
+                    else:
+                        wake = min(f.rest_until for f in self.feeds)
+                        self.stop.wait(min(IDLE_WAIT_S, max(0.01, wake - now)))
                     continue
-                picked, position = self._pick()
-                if picked and not self._reserve_and_submit(picked, position):
+                feed = due
+                if feed.in_fetch >= FETCH_DEPTH:  # the source due is busy: wait for a batch
+                    self._hand_over()
+                    continue
+                picked, position = feed.pick(self.cache, self.batch_bytes, self._skip)
+                if picked and not self._reserve_and_submit(feed, picked, position):
                     break
-                if len(self.fetching) >= FETCH_DEPTH or (self.fetching and not picked):
+                if feed.in_fetch >= FETCH_DEPTH or (self.fetching and not picked):
                     self._hand_over()
             # Stopping: what is being fetched is committed too (graceful stop loses nothing).
             while self.fetching:
@@ -253,124 +249,112 @@ class Sampler:
             self.health.last_error = str(exc)[:300]
             raise
 
-    def _pick(self) -> tuple[list[SampleRef], dict[str, int]]:
-        """The next batch of refs in key order that are neither cached nor on their way, cut
-        to :attr:`batch_bytes`, and the key order position to save once it is committed."""
-        if not self.carry:
-            self._carry_position = self.order.state()
-            taken = [self.refs[i] for i in map(int, self.order.take(self.per_batch))
-                     if i not in self.gone]
-            self.fruitless += self.per_batch
-            unique = {ref.key: ref for ref in taken}  # a small dataset can wrap within one batch
-            self.carry.extend(
-                ref for ref in unique.values()
-                if ref.key not in self.quarantined
-                and not self._is_in_flight(ref.key)
-                and not _is_cached(self.cache, self.source, ref)  # the whole dataset may fit
-            )
-        batch: list[SampleRef] = []
-        total = 0
-        while self.carry:
-            size = self.sizes.of(self.carry[0])
-            if batch and total + size > self.batch_bytes:
-                break
-            batch.append(self.carry.popleft())
-            total += size
-        # Until the rest of what was taken is fetched, a restart must take it again (what is
-        # committed by then is skipped as cached): save the position from before the take.
-        position = self._carry_position if self.carry else self.order.state()
-        return batch, position
+    def _skip(self, cache_key: str) -> bool:
+        return cache_key in self.quarantined or self._is_in_flight(cache_key)
 
-    def _follow_listing(self) -> None:
-        """Take the keys of a listing the daemon re-listed into the key order (this pass)."""
-        listing = self.follower.poll() if self.follower is not None else None
-        if listing is None:
-            return
-        if listing.blocks[: len(self.blocks)] != self.blocks:
-            log.warning("the saved listing was rebuilt rather than grown; this sampler goes on "
-                        "with its %d keys until it is restarted", len(self.refs))
-            return
-        before = self.order.num_added
-        self.refs, self.gone = listing.refs, listing.gone
-        self._add_blocks(listing)
-        log.info("the listing grew to %d keys (%d gone); %d more for this sampler",
-                 len(self.refs), len(self.gone), self.order.num_added - before)
-
-    def _add_blocks(self, listing: Listing) -> None:
-        for b in range(len(self.blocks), len(listing.blocks)):
-            lo, hi = listing.blocks[b - 1], listing.blocks[b]
-            keys = [ref.key for ref in listing.refs[lo:hi]]
-            self.order.add_block(np.arange(lo, hi), key_hashes(keys))
-            self.blocks.append(hi)
-
-    def _reserve_and_submit(self, picked: list[SampleRef], position: dict[str, int]) -> bool:
+    def _reserve_and_submit(self, feed: Feed, picked: list[SampleRef],
+                            position: dict[str, int]) -> bool:
         """Reserve the batch's bytes (handing over fetched batches meanwhile) and start
         fetching it; False if the sampler is stopping instead."""
-        need = sum(self.sizes.of(ref) for ref in picked)
+        need = sum(feed.sizes.of(ref) for ref in picked)
         while self.fetching and not self.budget.fits(need):
             self._hand_over()
         if not self.budget.wait(need, self._stop_or_committer_dead):
             self.committer.check()
             return False
         self.budget.take(need)
-        keys = [ref.key for ref in picked]
+        keys = [feed.cache_key(ref.key) for ref in picked]
         with self._in_flight_lock:
             self._in_flight.update(keys)
-        future = self.pool.submit(self.source.fetch_with_retries, picked,
-                                  deadline_s=self.deadline_s)
-        self.fetching.append(_Fetching(future, picked, position, need))
+        future = self.pool.submit(feed.source.fetch_with_retries, picked,
+                                  deadline_s=feed.deadline_s)
+        started = time.monotonic()
+        feed.fetch_started.append(started)
+        self.fetching.append(_Fetching(future, feed, picked, position, need, started))
         return True
 
     def _stop_or_committer_dead(self) -> bool:
         return self.should_stop() or self.committer.error is not None or not self.committer.is_alive()
 
+    def _next_fetched(self) -> _Fetching | None:
+        """The oldest batch that is fetched and has no older batch of its feed still being
+        fetched (so each feed's positions are saved in order, while a source that is down
+        holds up no other); None if there is none yet."""
+        waiting: set[int] = set()
+        for i, fetching in enumerate(self.fetching):
+            if fetching.future.done() and id(fetching.feed) not in waiting:
+                del self.fetching[i]
+                return fetching
+            waiting.add(id(fetching.feed))
+        return None
+
     def _hand_over(self) -> None:
-        """Wait for the oldest batch in flight and queue it for commit (in order)."""
-        fetching = self.fetching.popleft()
-        keys = [ref.key for ref in fetching.refs]
+        """Wait for a fetched batch (see :meth:`_next_fetched`) and queue it for commit."""
         while True:
-            try:
-                results = fetching.future.result(timeout=_POLL_S)
+            fetching = self._next_fetched()
+            if fetching is not None:
                 break
-            except FutureTimeout:
-                self.committer.check()
-                if self.lifeline.parent_gone():  # nobody will read what we would commit
-                    self.stop.set()
-                    self._done(Batch([], fetching.position, keys, fetching.reserved))
-                    return
+            wait([f.future for f in self.fetching], timeout=_POLL_S, return_when=FIRST_COMPLETED)
+            self.committer.check()
+            if self.lifeline.parent_gone():  # nobody will read what we would commit
+                self.stop.set()
+                dropped = self.fetching.popleft()
+                dropped.feed.fetch_started.remove(dropped.started)
+                keys = [dropped.feed.cache_key(ref.key) for ref in dropped.refs]
+                self._done(Batch([], dropped.position, keys, dropped.reserved))
+                return
+        feed = fetching.feed
+        feed.fetch_started.remove(fetching.started)
+        results = fetching.future.result()
+        keys = [feed.cache_key(ref.key) for ref in fetching.refs]
         self.quarantined.update(
-            ref.key for ref, payload in results if isinstance(payload, CorruptSample))
-        records, fetched = self._encode_results(results)
+            feed.cache_key(ref.key) for ref, payload in results if isinstance(payload, CorruptSample))
+        records, fetched = self._encode_results(feed, results)
+        feed.batch_done(results, len(records))
+        if feed.name:
+            self.health.sources[feed.name]["down"] = feed.down
         unknown = [ref for ref in fetching.refs if not ref.size]
         if unknown and fetched:
-            self.sizes.observe(fetched * len(unknown) // max(1, len(fetching.refs)), len(unknown))
+            feed.sizes.observe(fetched * len(unknown) // max(1, len(fetching.refs)), len(unknown))
         # From here on the batch holds its records (the fetched payloads are dropped).
         nbytes = sum(len(record) for _, record in records)
         self.budget.adjust(fetching.reserved, nbytes)
         if records:
+            feed.fruitless = 0
             self.health.idle = ""
-            self._new_stretch()
-        self.committer.hand_over(Batch(records, fetching.position, keys, nbytes))
+            self._errors_before = self.health.errors
+        self.committer.hand_over(Batch(records, fetching.position, keys, nbytes, feed.name))
 
-    def _new_stretch(self) -> None:
-        self.fruitless = 0
-        self._errors_before = self.health.errors
+    def _note_idle(self) -> None:
+        """A source finished a pass that brought nothing new: with every source there, the
+        sampler is idle, ``complete`` (all cached or quarantined) or ``failing`` (fetches
+        failed meanwhile). Runs waiting for train.min_samples read it from the health."""
+        if all(feed.exhausted or feed.rest_until > time.monotonic() for feed in self.feeds):
+            failed = self.health.errors > self._errors_before
+            self.health.idle = "failing" if failed else "complete"
+            self._errors_before = self.health.errors
 
-    def _encode_results(self, results: list[tuple[SampleRef, Any]]) -> tuple[list[tuple[str, bytes]], int]:
+    def _encode_results(self, feed: Feed, results: list[tuple[SampleRef, Any]]
+                        ) -> tuple[list[tuple[str, bytes]], int]:
         """Records of the fetched samples (errors counted, corrupt ones quarantined), and the
         bytes fetched."""
         records: list[tuple[str, bytes]] = []
         fetched = 0
         health = self.health
         for ref, payload in results:
+            key = feed.cache_key(ref.key)
             if isinstance(payload, CorruptSample):
-                self.quarantine(ref.key, str(payload))
+                self.quarantine(key, str(payload))
             elif isinstance(payload, BaseException):
                 health.errors += 1
+                kind = error_kind(payload)
+                health.error_kinds[kind] = health.error_kinds.get(kind, 0) + 1
+                if feed.name:
+                    health.sources[feed.name]["errors"] += 1
                 health.last_failed = time.time()
-                health.last_error = f"{ref.key}: {payload}"[:300]
+                health.last_error = f"{key}: {payload}"[:300]
                 level = logging.WARNING if isinstance(payload, PermanentRemoteError) else logging.INFO
-                log.log(level, "fetch failed for %s (retried next pass): %s", ref.key, payload)
+                log.log(level, "fetch failed for %s (retried next pass): %s", key, payload)
             else:
                 size = _payload_bytes(payload)
                 health.fetched += 1
@@ -378,17 +362,23 @@ class Sampler:
                 health.fetched_bytes += size
                 fetched += size
                 try:
-                    records.append((ref.key, self.cache.encode(ref.key, payload)))
+                    records.append((key, self.cache.encode(key, payload)))
                 except SampleRejected as exc:
-                    self.quarantine(ref.key, str(exc))
+                    self.quarantine(key, str(exc))
         return records, fetched
 
     # -- shared with the committer thread ---------------------------------------------------------
 
+    def _feed_of(self, cache_key: str) -> Feed:
+        if len(self.feeds) == 1:
+            return self.feeds[0]
+        return self._by_prefix.get(cache_key.split("/", 1)[0], self.feeds[0])
+
     def quarantine(self, key: str, reason: str) -> None:
-        """Count, log (with its URL) and record a sample that cannot be cached; it is not
-        fetched again by this process."""
-        url = self.source.object_url(key)
+        """Count, log (with its URL) and record a sample that cannot be cached (``key``: its
+        cache key); it is not fetched again by this process."""
+        feed = self._feed_of(key)
+        url = feed.source.object_url(key[len(feed.prefix):])
         self.quarantined.add(key)
         self.health.quarantined += 1
         log.warning("quarantined %s: %s", url, reason)
@@ -430,27 +420,16 @@ class Sampler:
             log.warning("sampler %d: could not save its health: %s", self.index, exc)
 
 
-def _key_order(config: EpochcacheConfig, refs: list[SampleRef], index: int,
-               position: dict[str, int] | None) -> KeyOrder:
-    node_rank, num_nodes = config.sampler.node()
-    weights = None
-    if config.sampler.strategy == "weighted":
-        weights = [r.weight if r.weight is not None else 1.0 for r in refs]
-    return KeyOrder(
-        len(refs),
-        seed=config.sampler.seed,
-        node_rank=node_rank,
-        num_nodes=num_nodes,
-        strategy=config.sampler.strategy,
-        weights=weights,
-        process_index=index,
-        num_processes=config.sampler.processes,
-        position=position or None,
-    )
+def _saved_position(saved: dict[str, Any], name: str) -> Any:
+    """Where a feed stopped: the whole saved position for a single source, else its entry."""
+    position = saved.get("position")
+    if not name or not isinstance(position, dict):
+        return position
+    return position.get(name)
 
 
 def run_sampler(config_data: dict[str, Any], index: int, stop: Any,
-                parent_pid: int | None = None) -> None:
+                parent_pid: int | None = None, sources: Sequence[str] | None = None) -> None:
     """Entry point of a sampler process (started with ``spawn`` by the daemon).
 
     Returns when stopped. On a fatal error (the committer died, the cache failed) it logs the
@@ -463,6 +442,7 @@ def run_sampler(config_data: dict[str, Any], index: int, stop: Any,
         stop: the daemon's :class:`StopFlag`; set, the sampler stops after committing what it
             has fetched.
         parent_pid: the daemon; if it disappears, the sampler stops too (no orphans).
+        sources: the ``sources:`` entries to sample (default all).
     """
     if parent_pid is not None:
         kill_with_parent()
@@ -471,10 +451,11 @@ def run_sampler(config_data: dict[str, Any], index: int, stop: Any,
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the daemon, which stops us in order
     # SIGTERM to the whole process group (systemd, timeout): stop after the batch in flight.
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    reuse_freed_buffers()
     config = EpochcacheConfig.from_transfer(config_data)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s sampler {index}: %(message)s")
     install_log_redaction(secrets=set(config.secrets))  # URLs in any library's log lines
-    sampler = Sampler(config, index, stop, parent_pid)
+    sampler = Sampler(config, index, stop, parent_pid, sources)
     try:
         sampler.run()
         sampler.close()

@@ -41,6 +41,7 @@ from .schema import (
     unpack_u64,
 )
 from .snapshot import Snapshot, select_snapshot
+from .source_counters import SourceCounters, register_sources
 from .tables import SideTables
 from .writer import OnReject, PutResult, Writer
 
@@ -248,6 +249,14 @@ class SampleStore:
         with self.store.read() as txn:
             return txn.get(index_key(key.encode("utf-8")), db=self.dbs[DB_KEYS]) is not None
 
+    def contains_many(self, keys: Sequence[str]) -> list[bool]:
+        """``key in cache`` for each key, in one read transaction (samplers check every batch
+        they pick)."""
+        db = self.dbs[DB_KEYS]
+        with self.store.read() as txn:
+            get = txn.get
+            return [get(index_key(key.encode("utf-8")), db=db) is not None for key in keys]
+
     def has_key_prefix(self, prefix: str) -> bool:
         """Whether any cached source key starts with ``prefix`` (a tar shard's samples).
 
@@ -299,7 +308,24 @@ class SampleStore:
 
     def counters(self) -> Counters:
         with self.store.read() as txn:
-            return Counters.load(txn, self.dbs[DB_META])
+            counters = Counters.load(txn, self.dbs[DB_META])
+        counters.sources = None  # read lazily in its transaction: see source_stats()
+        return counters
+
+    # -- several sources --------------------------------------------------------------------
+
+    def register_sources(self, names: Iterable[str]) -> list[str]:
+        """Count samples per source from now on (keys ``<name>/...``; see
+        :mod:`epochcache.store.source_counters`); return the names that were new."""
+        return self.store.write(
+            lambda txn: register_sources(txn, self.dbs, self.dbs[DB_META], list(names)))
+
+    def source_stats(self) -> dict[str, dict[str, int]]:
+        """``{name: {samples, bytes, ingested, quarantined, ...}}`` of the registered sources
+        (empty for a cache fed by one ``source``)."""
+        with self.store.read() as txn:
+            sources = SourceCounters.load(txn, self.dbs[DB_META])
+            return {} if sources is None else sources.as_dict()
 
     # -- snapshots and leases ---------------------------------------------------------------
 

@@ -11,11 +11,17 @@ from __future__ import annotations
 import struct
 import threading
 import time
-import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import zstandard
+
+try:
+    # ISA-L computes zlib's CRC-32 with carry-less multiplication: the same checksums, ~15x
+    # faster (1 MiB: 0.08 ms vs 1.2 ms), which was the largest cost of framing a large sample.
+    from isal.isal_zlib import crc32
+except ImportError:  # no isal wheel for this platform
+    from zlib import crc32
 
 from ..errors import CacheCorrupted, SampleRejected
 from .schema import FORMAT_VERSION, HEADER, Codec, RecordFlags, index_key
@@ -104,8 +110,59 @@ def unpack_fields(payload: bytes | memoryview) -> dict[str, bytes]:
             for name, start, length in field_spans(view)[0]}
 
 
-def encode_record(key: str, value: Value, *, level: int = 3, compress: bool = True) -> bytes:
-    """Frame one sample as a record: header, source key, payload (zstd or raw)."""
+class CompressGate:
+    """Remembers, per kind of sample (the key's extension), whether compression pays.
+
+    Incompressible samples (images, float noise from instruments) are common; probing each
+    one costs a compression pass over 64 KiB (~13% of a sampler's main thread at 1 MiB per
+    sample). After :data:`GATE_MISSES` incompressible samples of a kind in a row, only one in
+    :data:`GATE_EVERY` of that kind is probed, so a change of content is still noticed; one
+    that compresses opens the gate again. One gate per writer (per sampler process).
+    """
+
+    __slots__ = ("_misses", "_skipped")
+
+    def __init__(self) -> None:
+        self._misses: dict[str, int] = {}
+        self._skipped: dict[str, int] = {}
+
+    @staticmethod
+    def kind(key: str) -> str:
+        """The extension of the key's last path segment (``""`` without one)."""
+        base = key[key.rfind("/") + 1:]
+        dot = base.rfind(".")
+        return base[dot + 1:][:16] if dot >= 0 else ""
+
+    def should_try(self, kind: str) -> bool:
+        if self._misses.get(kind, 0) < GATE_MISSES:
+            return True
+        skipped = self._skipped.get(kind, 0) + 1
+        if skipped >= GATE_EVERY:
+            self._skipped[kind] = 0
+            return True
+        self._skipped[kind] = skipped
+        return False
+
+    def saw(self, kind: str, compressed: bool) -> None:
+        if compressed:
+            self._misses.pop(kind, None)
+        elif len(self._misses) < 256 or kind in self._misses:  # bounded: keys without a kind
+            self._misses[kind] = self._misses.get(kind, 0) + 1
+
+
+#: Incompressible samples of a kind in a row before the gate closes, and how often it then
+#: probes anyway.
+GATE_MISSES = 8
+GATE_EVERY = 32
+
+
+def encode_record(key: str, value: Value, *, level: int = 3, compress: bool = True,
+                  gate: CompressGate | None = None) -> bytes:
+    """Frame one sample as a record: header, source key, payload (zstd or raw).
+
+    ``gate`` (optional) skips the compression attempt for kinds of samples that have not
+    compressed lately (see :class:`CompressGate`).
+    """
     # Plain ints and a bytes check first: ABC isinstance checks and enum arithmetic cost
     # microseconds, as much as compressing a small sample.
     flags = 0
@@ -117,18 +174,21 @@ def encode_record(key: str, value: Value, *, level: int = 3, compress: bool = Tr
     else:
         raw = bytes(value)
     codec, payload = _RAW, raw
-    if compress and len(raw) >= 128:
+    kind = "" if gate is None else CompressGate.kind(key)
+    if compress and len(raw) >= 128 and (gate is None or gate.should_try(kind)):
         cctx = _compressor(level)
-        # Trial-compress a prefix first: incompressible data is common and a full pass over
-        # it would cost the sampler most of its CPU for nothing.
+        # Trial-compress a prefix first (a view: no copy): incompressible data is common and a
+        # full pass over it would cost the sampler most of its CPU for nothing.
         worth_trying = True
         if len(raw) > 2 * _PROBE_BYTES:
-            probe = cctx.compress(raw[:_PROBE_BYTES])
+            probe = cctx.compress(memoryview(raw)[:_PROBE_BYTES])
             worth_trying = len(probe) <= _PROBE_BYTES * (1 - MIN_SAVING)
         if worth_trying:
             packed = cctx.compress(raw)
             if len(packed) <= len(raw) * (1 - MIN_SAVING):
                 codec, payload = _ZSTD, packed
+        if gate is not None:
+            gate.saw(kind, codec == _ZSTD)
     key_bytes = key.encode("utf-8")
     if len(key_bytes) > 0xFFFF:
         raise SampleRejected(
@@ -139,7 +199,7 @@ def encode_record(key: str, value: Value, *, level: int = 3, compress: bool = Tr
         FORMAT_VERSION,
         codec,
         flags,
-        zlib.crc32(payload),
+        crc32(payload),
         len(raw),
         time.time_ns(),
         len(key_bytes),
@@ -214,7 +274,7 @@ def check_record(record: bytes | memoryview) -> RecordInfo:
         raise CacheCorrupted("record is shorter than its header")
     info = read_info(record)
     body = memoryview(record)[HEADER.size + (record[24] | record[25] << 8) :]
-    if zlib.crc32(body) != info.crc32:
+    if crc32(body) != info.crc32:
         raise CacheCorrupted(f"record {info.key!r}: checksum mismatch")
     try:
         raw = decode_payload(record)

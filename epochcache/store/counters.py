@@ -6,7 +6,7 @@ recomputes them from the records and any difference is a bug, not a crash artefa
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import lmdb
 
@@ -21,7 +21,7 @@ from .schema import (
     pack_u64,
     unpack_u64,
 )
-
+from .source_counters import SourceCounters
 
 #: Field name -> key in ``meta``.
 _KEYS = {
@@ -46,14 +46,22 @@ class Counters:
     evicted_bytes: int = 0
     inserted: int = 0
     quarantined: int = 0
+    #: The per-source counters (None: no source registered), saved with these.
+    sources: SourceCounters | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def load(cls, txn: lmdb.Transaction, db: lmdb._Database) -> Counters:
-        return cls(**{name: unpack_u64(txn.get(key, db=db)) for name, key in _KEYS.items()})
+        counters = cls()
+        for name, key in _KEYS.items():
+            setattr(counters, name, unpack_u64(txn.get(key, db=db)))
+        counters.sources = SourceCounters.load(txn, db)
+        return counters
 
     def save(self, txn: lmdb.Transaction, db: lmdb._Database) -> None:
         for name, key in _KEYS.items():
             txn.put(key, pack_u64(getattr(self, name)), db=db)
+        if self.sources is not None:
+            self.sources.save(txn)
 
     def as_dict(self) -> dict[str, int]:
-        return {field.name: getattr(self, field.name) for field in fields(self)}
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name in _KEYS}

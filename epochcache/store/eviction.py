@@ -54,7 +54,10 @@ def evict_oldest(
             break
         record = cursor.value()
         size = len(record)
-        txn.delete(record_key(record), db=keys_db)
+        key = record_key(record)
+        txn.delete(key, db=keys_db)
+        if counters.sources is not None:
+            counters.sources.evicted(key, size)
         counters.samples -= 1
         counters.bytes -= size
         counters.evicted += 1

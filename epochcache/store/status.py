@@ -48,6 +48,18 @@ def ingest_rate(history: list[dict[str, Any]], window_s: float = 60.0) -> dict[s
     }
 
 
+#: History rows ``status`` looks through for the epochs of a run (5 s apart: ~7 hours).
+TURNOVER_SCAN_ROWS = 5000
+
+
+def recent_epochs(cache: SampleStore, count: int = 5) -> list[dict[str, Any]]:
+    """The turnover of the last ``count`` epochs ``epochcache run`` recorded: epoch, samples
+    new to its snapshot, snapshot size, fraction of the epoch writers waited on leases."""
+    rows = [row for row in cache.history(limit=TURNOVER_SCAN_ROWS) if "new_samples" in row]
+    keys = ("epoch", "new_samples", "snapshot_samples", "writer_wait_fraction", "time")
+    return [{key: row.get(key) for key in keys} for row in rows[-count:]]
+
+
 def collect_stats(cache: SampleStore) -> dict[str, Any]:
     """Everything ``status`` shows, with URL credentials masked (state documents written by
     older versions may hold them)."""
@@ -77,6 +89,7 @@ def _collect(cache: SampleStore) -> dict[str, Any]:
         "evicted": counters.evicted,
         "evicted_bytes": counters.evicted_bytes,
         "quarantined": counters.quarantined,
+        "sources": cache.source_stats(),
         "file_bytes": cache.file_bytes(),
         "leases": len(leases),
         "lease_details": [
@@ -94,6 +107,7 @@ def _collect(cache: SampleStore) -> dict[str, Any]:
         "ingest": ingest_rate(history),
         "daemon": daemon_health(cache.tables.get_state("daemon"), now),
         "recent_quarantine": cache.quarantined(limit=5),
+        "turnover": recent_epochs(cache),
     }
 
 
@@ -121,6 +135,10 @@ def render(stats: dict[str, Any]) -> RenderableType:
     table.add_row("ingest", f"{ingest['samples_per_s']:.1f} samples/s, {format_size(ingest['bytes_per_s'])}/s")
     quarantined = stats["quarantined"]
     table.add_row("quarantined", f"[red]{quarantined:,}[/]" if quarantined else "0")
+    for name, source in sorted(stats.get("sources", {}).items()):
+        table.add_row(f"  source {name}", f"{source['samples']:,} samples, "
+                      f"{format_size(source['bytes'])}, ingested {source['ingested']:,}, "
+                      f"quarantined {source['quarantined']:,}")
     daemon = stats["daemon"]
     if daemon is None:
         table.add_row("daemon", "none")
@@ -128,6 +146,8 @@ def render(stats: dict[str, Any]) -> RenderableType:
         state = "[green]alive[/]" if daemon["alive"] else "[red]not running[/]"
         table.add_row("daemon", f"{state} pid {daemon.get('pid')} on {daemon.get('host')}, "
                       f"heartbeat {daemon['heartbeat_age_s']:.0f}s ago")
+        if daemon.get("metrics"):
+            table.add_row("  metrics", str(daemon["metrics"]))
         for name, sampler in sorted((daemon.get("samplers") or {}).items()):
             table.add_row(f"  {name}", _sampler_line(sampler))
     parts: list[RenderableType] = [table]
@@ -138,6 +158,16 @@ def render(stats: dict[str, Any]) -> RenderableType:
         for lease in stats["lease_details"]:
             leases.add_row(*(str(lease[c]) for c in ("id", "label", "pid", "host", "samples", "age_s", "alive")))
         parts.append(leases)
+    if stats.get("turnover"):
+        turnover = Table(title="turnover (epochs of epochcache run)", title_justify="left")
+        for column in ("epoch", "new samples", "snapshot", "writers waited"):
+            turnover.add_column(column)
+        for row in stats["turnover"]:
+            wait = row["writer_wait_fraction"]
+            turnover.add_row(str(row["epoch"]), f"{row['new_samples']:,}",
+                             f"{row['snapshot_samples']:,}",
+                             "n/a" if wait is None else f"{wait:.0%}")
+        parts.append(turnover)
     if stats["recent_quarantine"]:
         quarantine = Table(title="recent quarantine", title_justify="left")
         quarantine.add_column("key")
@@ -157,6 +187,9 @@ def _sampler_line(sampler: dict[str, Any]) -> str:
         bits.append(f"quarantined {sampler['quarantined']}")
     if sampler.get("deferred"):
         bits.append(f"[yellow]deferred {sampler['deferred']} (larger than the headroom)[/]")
+    down = sorted(name for name, src in (sampler.get("sources") or {}).items() if src.get("down"))
+    if down:
+        bits.append(f"[yellow]source {', '.join(down)} down (retried)[/]")
     if sampler.get("waiting_for_space"):
         bits.append("waiting for space")
     if sampler.get("restarts"):

@@ -44,12 +44,15 @@ class SideTables:
         return self._store.dbs
 
     def quarantine(self, key: str, reason: str, **extra: Any) -> None:
-        """Count a rejected remote object and remember why (the newest rows are kept)."""
+        """Count a rejected remote object (and for its source, if ``key`` is ``<name>/...`` of
+        a registered source) and remember why (the newest rows are kept)."""
         row = json.dumps({"key": key, "reason": reason, "time": time.time(), **extra}).encode()
 
         def run(txn: lmdb.Transaction) -> None:
             counters = Counters.load(txn, self.dbs[DB_META])
             counters.quarantined += 1
+            if counters.sources is not None:
+                counters.sources.quarantined(key)
             counters.save(txn, self.dbs[DB_META])
             _append_bounded(txn, self.dbs[DB_QUARANTINE], row, QUARANTINE_MAX_ROWS)
 

@@ -105,6 +105,9 @@ class Writer:
         self.store, self.capacity = store, capacity
         self.compress, self.level, self.lease_timeout_s = compress, level, lease_timeout_s
         self._full_logged = 0.0
+        #: Seconds put_many has waited for leases to free space (back-pressure), in total.
+        self.lease_wait_s = 0.0
+        self._gate = codec.CompressGate()
 
     @property
     def path(self) -> str:
@@ -112,7 +115,8 @@ class Writer:
 
     def encode(self, key: str, value: Value) -> bytes:
         """Frame one sample as a record (done by samplers before they take the write lock)."""
-        return codec.encode_record(key, value, level=self.level, compress=self.compress)
+        return codec.encode_record(key, value, level=self.level, compress=self.compress,
+                                   gate=self._gate)
 
     def put_many(
         self,
@@ -156,7 +160,9 @@ class Writer:
                 error.result = total
                 raise error
             self._log_waiting(blocked)
+            started = time.monotonic()
             backoff.sleep(stop)
+            self.lease_wait_s += time.monotonic() - started
             disk_full_rounds = 0  # waiting, not lowering: the rounds start again
         return total
 
@@ -265,6 +271,9 @@ class Writer:
             cursor.putmulti([(seq_key(s), r) for s, (_, r) in zip(result.seqs, fresh)], append=True)
             for seq, (key, _) in zip(result.seqs, fresh):
                 txn.put(key, seq_key(seq), db=dbs[DB_KEYS])
+        if counters.sources is not None:
+            for key, record in fresh:
+                counters.sources.inserted(key, len(record))
         counters.next_seq += len(fresh)
         counters.samples += len(fresh)
         counters.inserted += len(fresh)

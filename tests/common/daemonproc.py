@@ -134,7 +134,8 @@ def pid_running(pid: int) -> bool:
 class DaemonProc:
     """One ``epochcache daemon`` process; stdout and stderr go to files in ``workdir``."""
 
-    def __init__(self, workdir: Path, config: Path, *, name: str = "daemon", args: tuple[str, ...] = ()) -> None:
+    def __init__(self, workdir: Path, config: Path, *, name: str = "daemon", args: tuple[str, ...] = (),
+                 daemon_args: tuple[str, ...] = ()) -> None:
         self.name = name
         self.out_path = workdir / f"{name}.stdout"
         self.err_path = workdir / f"{name}.stderr"
@@ -144,7 +145,7 @@ class DaemonProc:
         env["COLUMNS"] = "200"  # rich wraps log lines at 80 columns otherwise (and splits URLs)
         with open(self.out_path, "wb") as out, open(self.err_path, "wb") as err:
             self.popen = subprocess.Popen(
-                [sys.executable, "-m", "epochcache", *args, "daemon", str(config)],
+                [sys.executable, "-m", "epochcache", *args, "daemon", str(config), *daemon_args],
                 stdout=out,
                 stderr=err,
                 stdin=subprocess.DEVNULL,

@@ -1,0 +1,188 @@
+"""Prometheus ``/metrics`` for a daemon (``daemon.metrics_port``, ``--metrics-port``).
+
+Nothing is counted in the hot paths for this: every value is read at scrape time from what the
+cache already keeps (counters, per-source counters, leases) and from the documents the daemon
+and its samplers write (restarts, remote errors by kind, time writers waited on leases). So a
+scrape costs a few read transactions, and a daemon without ``metrics_port`` pays nothing.
+
+Names follow Prometheus conventions: an ``epochcache_`` prefix, base units in the name
+(``_bytes``, ``_seconds``), ``_total`` on counters. Counters come from the cache and the health
+documents, so they go on across daemon and sampler restarts.
+
+prometheus-client is an optional dependency (``pip install 'epochcache[metrics]'``): it is
+imported only when metrics are asked for, and its absence is a config error naming the field.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from ..errors import ConfigError
+from ..store import SampleStore
+
+if TYPE_CHECKING:
+    from prometheus_client.registry import CollectorRegistry
+
+log = logging.getLogger(__name__)
+
+INSTALL_HINT = "pip install 'epochcache[metrics]' (or prometheus-client)"
+#: The kinds of failed remote fetches (see ``ingest.feed.error_kind``), always exported.
+ERROR_KINDS = ("timeout", "unavailable", "permanent", "other")
+
+
+def require_prometheus(field: str) -> None:
+    """Raise a :class:`ConfigError` naming ``field`` if prometheus-client is missing."""
+    try:
+        import prometheus_client  # noqa: F401
+    except ImportError:
+        raise ConfigError(f"{field}: serving /metrics needs prometheus-client: {INSTALL_HINT}, "
+                          f"or remove {field}") from None
+
+
+class MetricsServer:
+    """``/metrics`` served from a background thread for one registry's collectors.
+
+    Args:
+        collect: yields the metric families of one scrape.
+        host: the address to listen on.
+        port: the port (0: any free one; see :attr:`port`).
+        field: the config field that asked for it (named in errors).
+
+    Raises:
+        ConfigError: prometheus-client is missing, or the address cannot be bound.
+    """
+
+    def __init__(self, collect: Callable[[], Iterator[Any]], host: str, port: int,
+                 field: str) -> None:
+        require_prometheus(field)
+        from prometheus_client import start_http_server
+        from prometheus_client.registry import CollectorRegistry
+
+        class _Collector:
+            def collect(self) -> Iterator[Any]:
+                return collect()
+
+        self.registry: CollectorRegistry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_Collector())
+        try:
+            self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as exc:
+            reason = exc.strerror or str(exc)
+            raise ConfigError(f"{field}: cannot serve /metrics on {host}:{port} ({reason}); "
+                              "pick another port") from exc
+        self.host, self.port = host, int(self._server.server_port)
+        log.info("serving Prometheus metrics on %s", self.url)
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/metrics"
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(5)
+
+
+def _counter(name: str, doc: str, value: float, labels: dict[str, str] | None = None) -> Any:
+    from prometheus_client.core import CounterMetricFamily
+
+    family = CounterMetricFamily(name, doc, labels=list(labels or {}))
+    family.add_metric(list((labels or {}).values()), value)
+    return family
+
+
+def _gauge(name: str, doc: str, value: float) -> Any:
+    from prometheus_client.core import GaugeMetricFamily
+
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+def daemon_metrics(cache: SampleStore) -> Iterator[Any]:
+    """The metric families of one scrape of a daemon's cache (see the module docstring)."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    counters = cache.counters()
+    yield _gauge("epochcache_cache_samples", "Samples in the cache.", counters.samples)
+    yield _gauge("epochcache_cache_bytes", "Stored bytes in the cache.", counters.bytes)
+    yield _gauge("epochcache_cache_capacity_bytes", "Configured capacity.", cache.capacity_bytes)
+    yield _gauge("epochcache_cache_effective_capacity_bytes",
+                 "Capacity in force (lowered after a full disk).", cache.effective_capacity)
+    yield _gauge("epochcache_cache_headroom_bytes",
+                 "Bytes writers may use beyond capacity while leases pin samples.",
+                 cache.headroom_bytes)
+    yield _counter("epochcache_ingested_samples", "Samples inserted into the cache.",
+                   counters.inserted)
+    yield _counter("epochcache_ingested_bytes", "Stored bytes inserted into the cache.",
+                   counters.bytes + counters.evicted_bytes)
+    yield _counter("epochcache_evicted_samples", "Samples evicted (oldest first).",
+                   counters.evicted)
+    yield _counter("epochcache_evicted_bytes", "Stored bytes evicted.", counters.evicted_bytes)
+    yield _counter("epochcache_quarantined_samples",
+                   "Remote objects quarantined (corrupt, or never storable).", counters.quarantined)
+
+    leases = cache.leases()
+    now_ns = time.time_ns()
+    oldest = max(((now_ns - lease.created_ns) / 1e9 for lease in leases), default=0.0)
+    yield _gauge("epochcache_leases", "Snapshot leases held (epochs training).", len(leases))
+    yield _gauge("epochcache_oldest_lease_age_seconds",
+                 "Age of the oldest lease (0 without leases).", oldest)
+
+    daemon = cache.tables.get_state("daemon") or {}
+    healths = cache.tables.states("sampler/")
+    restarts = CounterMetricFamily("epochcache_sampler_restarts",
+                                   "Times the daemon restarted a sampler that died.",
+                                   labels=["sampler"])
+    up = GaugeMetricFamily("epochcache_sampler_up", "1 while the sampler process runs.",
+                           labels=["sampler"])
+    for index, sampler in sorted((daemon.get("samplers") or {}).items()):
+        restarts.add_metric([str(index)], float(sampler.get("restarts", 0)))
+        up.add_metric([str(index)], 1.0 if sampler.get("alive") else 0.0)
+    yield restarts
+    yield up
+    errors = CounterMetricFamily("epochcache_remote_errors",
+                                 "Failed remote fetches by kind (after retries).",
+                                 labels=["kind"])
+    kinds: dict[str, float] = dict.fromkeys(ERROR_KINDS, 0.0)
+    wait_s = 0.0
+    for health in healths.values():
+        for kind, count in (health.get("error_kinds") or {}).items():
+            kinds[kind] = kinds.get(kind, 0.0) + count
+        wait_s += float(health.get("lease_wait_s", 0.0))
+    for kind, count in sorted(kinds.items()):
+        errors.add_metric([kind], count)
+    yield errors
+    yield _counter("epochcache_writer_lease_wait_seconds",
+                   "Seconds samplers waited for leases to free space, summed over samplers "
+                   "(its rate over the sampler count is the fraction of time writers wait: "
+                   "low turnover, see cache.headroom).", wait_s)
+    yield from _source_metrics(cache)
+
+
+def _source_metrics(cache: SampleStore) -> Iterator[Any]:
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    stats = cache.source_stats()
+    if not stats:
+        return
+    families: dict[str, Any] = {
+        "samples": GaugeMetricFamily("epochcache_source_samples", "Samples in the cache, per "
+                                     "source.", labels=["source"]),
+        "bytes": GaugeMetricFamily("epochcache_source_bytes", "Stored bytes in the cache, per "
+                                   "source.", labels=["source"]),
+        "inserted": CounterMetricFamily("epochcache_source_ingested_samples", "Samples inserted, "
+                                        "per source.", labels=["source"]),
+        "inserted_bytes": CounterMetricFamily("epochcache_source_ingested_bytes", "Stored bytes "
+                                              "inserted, per source.", labels=["source"]),
+        "evicted": CounterMetricFamily("epochcache_source_evicted_samples", "Samples evicted, "
+                                       "per source.", labels=["source"]),
+        "quarantined": CounterMetricFamily("epochcache_source_quarantined_samples", "Remote "
+                                           "objects quarantined, per source.", labels=["source"]),
+    }
+    for name, values in sorted(stats.items()):
+        for field, family in families.items():
+            family.add_metric([name], float(values[field]))
+    yield from families.values()

@@ -1,0 +1,154 @@
+"""What ``epochcache run`` measures per epoch besides the loss: turnover, and its /metrics.
+
+**Turnover.** While epoch k trains on its snapshot, the next epoch's snapshot is taken near its
+end, and both leases pin the newest capacity's worth of samples: writers can add at most the
+headroom's worth before they wait for a lease to be released (back-pressure). So the new data
+per epoch is bounded by ``cache.headroom``. :class:`Turnover` reports, per epoch, the samples new
+to the epoch's snapshot (sequence numbers above the previous snapshot's) and the fraction of the
+epoch the samplers spent waiting on leases (from their health documents, which lag by up to
+2 s); when they waited more than half of an epoch, it says once which setting raises turnover
+and what it costs in disk.
+
+**Metrics.** With ``train.metrics_port`` the training process serves ``/metrics``
+(prometheus-client) with the data-wait seconds, batches, samples and epoch, plus the last
+epoch's turnover; values are plain fields updated once per batch and read at scrape time.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .store import SampleStore
+from .units import format_size
+
+log = logging.getLogger("epochcache.run")
+
+#: Above this fraction of an epoch spent waiting on leases, the run log says how to raise it.
+WAIT_HINT_FRACTION = 0.5
+
+
+def batch_len(batch: Any) -> int:
+    """Samples in a batch: the leading dimension of a tensor/array, of the first value of a
+    dict or of the first field of a tuple; the length of a list (of samples)."""
+    for _ in range(4):  # nested dicts/tuples of fields
+        if isinstance(batch, dict) and batch:
+            batch = next(iter(batch.values()))
+        elif isinstance(batch, tuple) and batch:
+            batch = batch[0]
+        else:
+            break
+    shape = getattr(batch, "shape", None)
+    if shape:
+        return int(shape[0])
+    return len(batch) if isinstance(batch, list) else 1
+
+
+@dataclass
+class TrainProgress:
+    """Counters of the training loop, read by :func:`train_metrics` at scrape time."""
+
+    data_wait_s: float = 0.0
+    batches: int = 0
+    samples: int = 0
+    epoch: int = -1
+    new_samples: int = 0
+    snapshot_samples: int = 0
+    writer_wait_fraction: float = 0.0
+
+
+def train_metrics(progress: TrainProgress) -> Iterator[Any]:
+    """The metric families of one scrape of the training side."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    yield CounterMetricFamily("epochcache_train_data_wait_seconds",
+                              "Seconds the training loop waited for batches.",
+                              value=progress.data_wait_s)
+    yield CounterMetricFamily("epochcache_train_batches", "Batches the training loop took.",
+                              value=progress.batches)
+    yield CounterMetricFamily("epochcache_train_samples", "Samples the training loop took.",
+                              value=progress.samples)
+    yield GaugeMetricFamily("epochcache_train_epoch", "The epoch training now (-1 before "
+                            "the first).", value=progress.epoch)
+    yield GaugeMetricFamily("epochcache_train_epoch_new_samples", "Samples of the last "
+                            "finished epoch's snapshot that the one before did not have.",
+                            value=progress.new_samples)
+    yield GaugeMetricFamily("epochcache_train_epoch_snapshot_samples", "Samples in the last "
+                            "finished epoch's snapshot.", value=progress.snapshot_samples)
+    yield GaugeMetricFamily("epochcache_train_epoch_writer_wait_ratio", "Fraction of the last "
+                            "finished epoch the samplers waited on leases (0-1).",
+                            value=progress.writer_wait_fraction)
+
+
+@dataclass
+class _Mark:
+    time: float
+    waits: dict[str, float]
+    ingested_bytes: int
+
+
+class Turnover:
+    """Per-epoch turnover of one run (see the module docstring).
+
+    Args:
+        hint: log the hint when writers waited most of an epoch (one rank of a run does).
+    """
+
+    def __init__(self, hint: bool = True) -> None:
+        self._last_seq: int | None = None
+        self._hinted = not hint
+
+    @staticmethod
+    def mark(cache: SampleStore) -> _Mark:
+        """What the samplers have waited so far, and what the cache has ingested."""
+        waits = {name: float(doc.get("lease_wait_s", 0.0))
+                 for name, doc in cache.tables.states("sampler/").items()}
+        counters = cache.counters()
+        return _Mark(time.monotonic(), waits, counters.bytes + counters.evicted_bytes)
+
+    def measure(self, cache: SampleStore, start: _Mark, seqs: np.ndarray) -> dict[str, Any]:
+        """``new_samples``, ``snapshot_samples`` and ``writer_wait_fraction`` (None without
+        samplers) of the epoch that began at ``start`` and trained on ``seqs``."""
+        end = self.mark(cache)
+        elapsed = max(1e-9, end.time - start.time)
+        waited = [end.waits[name] - start.waits[name] for name in end.waits if name in start.waits]
+        fraction = None
+        if waited:
+            fraction = round(min(1.0, max(0.0, sum(waited) / len(waited) / elapsed)), 4)
+        if len(seqs):
+            newest = int(seqs.max())
+            new = len(seqs) if self._last_seq is None else int(np.count_nonzero(seqs > self._last_seq))
+            self._last_seq = newest
+        else:
+            new = 0
+        row = {"new_samples": new, "snapshot_samples": int(len(seqs)),
+               "writer_wait_fraction": fraction}
+        self._hint(cache, row, end.ingested_bytes - start.ingested_bytes, elapsed)
+        return row
+
+    def _hint(self, cache: SampleStore, row: dict[str, Any], ingested: int, elapsed: float) -> None:
+        fraction = row["writer_wait_fraction"]
+        if self._hinted or fraction is None or fraction <= WAIT_HINT_FRACTION:
+            return
+        self._hinted = True
+        headroom, capacity = cache.headroom_bytes, cache.capacity_bytes
+        # What the samplers would have ingested had they not waited: their rate while
+        # running, over the whole epoch (the waiting share capped, so the estimate stays finite).
+        could = int(ingested / max(0.1, 1.0 - fraction))
+        suggested = max(2 * headroom, could)
+        log.warning(
+            "the samplers waited %.0f%% of the epoch (%.0fs) for leases to free space: each epoch "
+            "can bring at most cache.headroom of new data (now %s, %.0f%% of capacity; this "
+            "epoch's snapshot had %d new samples of %d). Raising cache.headroom to about %s "
+            "(%.0f%% of capacity) would let them keep ingesting through the epoch, at a cost of "
+            "%s more disk (stored bytes stay within capacity + headroom; the data file within "
+            "twice that). See README \"Turnover\".",
+            100 * fraction, elapsed, format_size(headroom), 100 * headroom / capacity,
+            row["new_samples"], row["snapshot_samples"], format_size(suggested),
+            100 * suggested / capacity, format_size(suggested - headroom),
+        )

@@ -1,0 +1,179 @@
+"""The pieces of scripts/bench_ingest.py: remotes, baselines and the daemon's fill.
+
+* remotes in their own processes on 127.0.0.1: moto's S3 server, and a static HTTP file server
+  (scripts/http_files.py, aiohttp with sendfile); ``file://`` needs none;
+* baselines: a bare concurrent fetch of the same objects with the same fsspec client in one
+  process (HTTP, S3), and for ``file://`` a raw LMDB write of the same bytes: ``putmulti`` in
+  batches of the daemon's ``batch_size``, one transaction each, with the cache's sync settings;
+* :func:`daemon_fill`: ``epochcache daemon`` filling an empty cache from the remote: its
+  running rate, from the moment a tenth of the objects is cached until all are (start-up,
+  listing and first connections are not ingest; the time from the first sampler's start is
+  reported too).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def start_moto() -> tuple[subprocess.Popen[bytes], str]:
+    """moto's S3 server in its own process; returns it and its endpoint URL."""
+    port = _free_port()
+    exe = shutil.which("moto_server", path=os.path.dirname(sys.executable)) or "moto_server"
+    proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    endpoint = f"http://127.0.0.1:{port}"
+    for _ in range(200):
+        try:
+            with urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=1) as response:
+                response.read()
+            return proc, endpoint
+        except OSError:
+            time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError("moto_server did not start")
+
+
+def start_http(root: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """The static file server over ``root`` in its own process; returns it and its base URL."""
+    proc = subprocess.Popen([sys.executable, str(REPO / "scripts" / "http_files.py"), str(root)],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    assert proc.stdout is not None
+    line = proc.stdout.readline().decode()
+    if not line.startswith("PORT "):
+        proc.kill()
+        raise RuntimeError(f"the HTTP file server did not start ({line!r})")
+    return proc, f"http://127.0.0.1:{int(line.split()[1])}"
+
+
+def bare_fetch(fs: Any, paths: list[str], concurrency: int) -> float:
+    """Seconds to fetch every path once: ``asyncio.gather`` over ``fs._cat_file`` with at most
+    ``concurrency`` in flight, nothing else done with the bytes (the second of two passes: the
+    first warms the connection pool)."""
+    from fsspec.asyn import sync
+
+    async def run() -> int:
+        semaphore = asyncio.Semaphore(concurrency)
+
+        async def one(path: str) -> int:
+            async with semaphore:
+                return len(await fs._cat_file(path))
+
+        return sum(await asyncio.gather(*(one(p) for p in paths)))
+
+    sync(fs.loop, run)
+    start = time.perf_counter()
+    sync(fs.loop, run)
+    return time.perf_counter() - start
+
+
+def raw_lmdb_write(payloads: list[bytes], batch_size: int, sync: bool, workdir: Path) -> float:
+    """Seconds to write ``payloads`` into a fresh LMDB environment with ``putmulti``, one
+    transaction per ``batch_size`` samples, opened as the cache opens its own (sync or not,
+    metasync off, no readahead, no meminit)."""
+    import lmdb
+
+    path = workdir / "raw-lmdb"
+    shutil.rmtree(path, ignore_errors=True)
+    total = sum(len(p) for p in payloads)
+    env = lmdb.open(str(path), map_size=2 * total + (64 << 20), sync=sync, metasync=False,
+                    readahead=False, meminit=False)
+    try:
+        start = time.perf_counter()
+        for first in range(0, len(payloads), batch_size):
+            items = [(first.to_bytes(8, "big") + i.to_bytes(4, "big"), payload)
+                     for i, payload in enumerate(payloads[first:first + batch_size])]
+            with env.begin(write=True) as txn:
+                txn.cursor().putmulti(items)
+        return time.perf_counter() - start
+    finally:
+        env.close()
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def daemon_fill(source: dict[str, Any], count: int, workdir: Path, *, processes: int,
+                concurrency: int, batch_size: int, sync: bool, capacity: int,
+                timeout_s: float = 300) -> dict[str, Any]:
+    """Run ``epochcache daemon`` on an empty cache until ``count`` samples are cached.
+
+    Returns ``seconds`` (all ``count`` samples at the running rate, see the module doc),
+    ``from_start_seconds`` and the samplers' fetched and error counts.
+    """
+    import lmdb
+    import yaml
+
+    from epochcache import Cache
+    from epochcache.errors import CacheError
+
+    cache_dir = workdir / "cache"
+    shutil.rmtree(cache_dir, ignore_errors=True)
+    config = {
+        "source": source,
+        "cache": {"dir": str(cache_dir), "capacity": capacity, "sync": sync},
+        "sampler": {"processes": processes, "concurrency": concurrency, "batch_size": batch_size},
+    }
+    config_path = workdir / "bench.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    log = open(workdir / "daemon.log", "wb")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen([sys.executable, "-m", "epochcache", "daemon", str(config_path)],
+                            stdout=log, stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout_s
+        done_at = tenth_at = None
+        first = max(1, count // 10)
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"daemon exited {proc.returncode}; see {log.name}")
+            try:
+                with Cache(cache_dir, readonly=True) as cache:
+                    cached = len(cache)
+                now = time.time()
+                if tenth_at is None and cached >= first:
+                    tenth_at, tenth = now, cached
+                if cached >= count:
+                    done_at = now
+                    break
+            except (CacheError, lmdb.Error):
+                pass  # not created yet
+            time.sleep(0.01)
+        if done_at is None:
+            raise RuntimeError(f"daemon did not cache {count} samples in {timeout_s}s")
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+        with Cache(cache_dir, readonly=True) as cache:
+            healths = cache.tables.states("sampler/")
+        assert tenth_at is not None
+        return {
+            # the rate once running: the samples after the first tenth over their time, as
+            # seconds for all of them (start-up, listing and connecting are not ingest)
+            "seconds": (done_at - tenth_at) * count / max(1, count - tenth),
+            "from_start_seconds": done_at - min(h["started"] for h in healths.values()),
+            "fetched": sum(h["fetched"] for h in healths.values()),
+            "errors": sum(h["errors"] for h in healths.values()),
+        }
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+        shutil.rmtree(cache_dir, ignore_errors=True)
