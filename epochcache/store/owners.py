@@ -16,7 +16,8 @@ shared lock: refused means alive; granted means the owner is gone (the file is r
 leases). A process opening a second descriptor on its own file is refused too, so it never
 judges itself dead. A forked child (a DataLoader worker) forgets the parent's owner and makes
 its own if it ever takes a snapshot. The file is removed with the process's last lease on the
-cache, or when it exits normally; files left by dead processes are swept by
+cache; a process that exits holding leases leaves it (unlocked: its leases are then reclaimed,
+and the file with them), and files left by dead processes are swept by
 :func:`sweep_dead_owners`.
 
 Where the lock cannot serve -- the owner file could not be created or locked (a read-only or
@@ -29,7 +30,6 @@ holder's promise is what every judge uses.
 
 from __future__ import annotations
 
-import atexit
 import fcntl
 import json
 import logging
@@ -71,15 +71,6 @@ def _after_fork_in_child() -> None:
     _owners.clear()
     _lock = threading.Lock()
     _heartbeats.clear()
-
-
-def _remove_own_files() -> None:
-    for path, (owner, fd, _count) in list(_owners.items()):
-        if fd >= 0:
-            try:
-                os.unlink(_owner_path(path, owner))
-            except OSError:
-                pass
 
 
 def _create(cache_path: str) -> tuple[str, int]:
@@ -270,4 +261,3 @@ def heartbeats() -> Heartbeats:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
-atexit.register(_remove_own_files)
