@@ -184,7 +184,7 @@ def test_demo_run_end_to_end(demo_run: DemoRun) -> None:
     assert stats["samples"] > 0 and stats["bytes"] > 0
     assert stats["evicted"] > 0, stats
     assert stats["bytes"] <= stats["capacity"] + stats["headroom"]
-    assert stats["leases"] == 0, stats["lease_details"]
+    assert stats["leases"] == 0, (stats["lease_details"], re.sub(r" {3,}", " ", err)[-3000:])
     assert stats["daemon"] is not None and stats["daemon"]["alive"] is False  # stopped with the run
     # three epochs with a falling loss and a data-wait fraction
     rows = read_metrics(demo_run.run_dir)
@@ -512,7 +512,7 @@ def test_ctrl_c_mid_epoch_stops_cleanly(tmp_path: Path, target: str, workers: in
     assert load_checkpoint(run_dir / "checkpoint.pt")["epoch"] == 0
     assert [row["epoch"] for row in read_metrics(run_dir)] == [0]
     stats = status_json(cache_dir, tmp_path)
-    assert stats["leases"] == 0, stats["lease_details"]
+    assert stats["leases"] == 0, (stats["lease_details"], re.sub(r" {3,}", " ", err)[-3000:])
     daemon = stats["daemon"]
     assert daemon["stopped"] is True and daemon["alive"] is False, daemon
     sampler_pids = [doc["pid"] for doc in daemon["samplers"].values()]

@@ -178,6 +178,7 @@ class _Epochs:
         self.last_plan_s = 0.05
         self.abort = threading.Event()
         self.next: _Pending | None = None
+        self.unreleased: EpochDataset | None = None  # the last epoch's, until started()
         self.want_next = False
         self.lanes: dict[str, _Lane] = {}
 
@@ -325,9 +326,15 @@ class _Epochs:
                     raise PrepareFailed(f"epoch {epoch}: preparing its snapshot and DataLoader "
                                         f"failed: {type(exc).__name__}: {exc}") from exc
 
-                def started(epoch: int = epoch, done: EpochDataset | None = previous) -> None:
+                # The previous epoch's lease goes once this epoch's first batches are out;
+                # until then the finally below owns it (an interrupt before that must not
+                # leave it held).
+                self.unreleased = previous
+
+                def started(epoch: int = epoch) -> None:
                     # Deferred until this epoch's first batches are out: starting threads and
                     # building a DataLoader holds the GIL, which would show at the boundary.
+                    done, self.unreleased = self.unreleased, None
                     if done is not None:
                         self.release_later(done)
                     if epoch + 1 < end:
@@ -362,8 +369,10 @@ class _Epochs:
                         self.sync.epoch_end()
                     previous = plan.dataset
         finally:
-            if previous is not None:
-                previous.close()
+            for done in (previous, self.unreleased):
+                if done is not None:
+                    done.close()
+            self.unreleased = None
             if self.next is not None:
                 self.cancel(self.next)
             for loader_, _sampler in self.slots:

@@ -16,7 +16,8 @@ shared lock: refused means alive; granted means the owner is gone (the file is r
 leases). A process opening a second descriptor on its own file is refused too, so it never
 judges itself dead. A forked child (a DataLoader worker) forgets the parent's owner and makes
 its own if it ever takes a snapshot. The file is removed with the process's last lease on the
-cache, or when it exits normally; files left by dead processes are swept by
+cache, or at exit when it holds none; a process that exits holding leases leaves it (unlocked: its leases are then reclaimed,
+and the file with them), and files left by dead processes are swept by
 :func:`sweep_dead_owners`.
 
 Where the lock cannot serve -- the owner file could not be created or locked (a read-only or
