@@ -11,7 +11,8 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from .errors import ConfigError
+from .errors import ConfigError, NodeLayoutError
+from .launcher import env_int, read_placement
 from .redact import REDACTED, scrub, scrub_urls
 
 _VAR = re.compile(r"\$\$\{|\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
@@ -73,33 +74,61 @@ def interpolate(
 def resolve_node(
     node_rank: int | None, num_nodes: int | None, environ: Mapping[str, str]
 ) -> tuple[int, int]:
-    """``(node_rank, num_nodes)`` from the config, else the environment, else ``(0, 1)``."""
+    """``(node_rank, num_nodes)`` of the samplers: the config's, else ``EPOCHCACHE_NODE_RANK``/
+    ``EPOCHCACHE_NUM_NODES``, else torchrun's ``GROUP_RANK`` and ``GROUP_WORLD_SIZE`` (or
+    ``WORLD_SIZE // LOCAL_WORLD_SIZE``), else, in a distributed launch, Slurm's (see
+    :mod:`epochcache.launcher`); ``(0, 1)`` outside a distributed launch.
 
-    def read(*names: str) -> int | None:
-        for name in names:
-            raw = environ.get(name)
-            if raw not in (None, ""):
-                try:
-                    return int(raw)
-                except ValueError:
-                    raise ConfigError(
-                        f"sampler: environment variable {name}={raw!r} is not an integer"
-                    ) from None
-        return None
+    Raises:
+        ConfigError: a value is not an integer, out of range, or a distributed launch does not
+            say which node this is (never guessed: nodes would pull the same partition).
+    """
 
-    rank = node_rank if node_rank is not None else read("EPOCHCACHE_NODE_RANK", "GROUP_RANK")
-    count = num_nodes if num_nodes is not None else read("EPOCHCACHE_NUM_NODES", "GROUP_WORLD_SIZE")
-    if count is None:
-        world, local = read("WORLD_SIZE"), read("LOCAL_WORLD_SIZE")
-        count = world // local if world and local else read("NNODES")
-    rank = 0 if rank is None else rank
-    count = 1 if count is None else count
+    def read(name: str) -> int | None:
+        try:
+            return env_int(environ, name)
+        except NodeLayoutError as exc:
+            raise ConfigError(f"sampler: {exc}") from None
+
+    rank = node_rank if node_rank is not None else read("EPOCHCACHE_NODE_RANK")
+    count = num_nodes if num_nodes is not None else read("EPOCHCACHE_NUM_NODES")
+    if rank is None or count is None:
+        launched = _launched_node(environ)
+        rank = launched[0] if rank is None else rank
+        count = launched[1] if count is None else count
     if count < 1 or not 0 <= rank < count:
         raise ConfigError(
             f"sampler.node_rank/num_nodes: node_rank {rank} must be in [0, num_nodes={count}); "
             "check sampler.node_rank, sampler.num_nodes or GROUP_RANK/GROUP_WORLD_SIZE"
         )
     return rank, count
+
+
+def _launched_node(environ: Mapping[str, str]) -> tuple[int, int]:
+    """``(node, nodes)`` from the launcher's variables; ``(0, 1)`` outside a distributed launch."""
+    try:
+        node, nodes = env_int(environ, "GROUP_RANK"), env_int(environ, "GROUP_WORLD_SIZE")
+        world, local = env_int(environ, "WORLD_SIZE") or 1, env_int(environ, "LOCAL_WORLD_SIZE")
+        if nodes is None and local and world % local == 0:
+            nodes = world // local  # torchrun: every node runs LOCAL_WORLD_SIZE ranks
+        if node is not None or nodes is not None:
+            if node is None or nodes is None:
+                raise NodeLayoutError(
+                    f"{'GROUP_RANK' if node is None else 'the number of nodes'} is unknown: set "
+                    "GROUP_RANK and GROUP_WORLD_SIZE (or EPOCHCACHE_NODE_RANK and "
+                    "EPOCHCACHE_NUM_NODES)")
+            return node, nodes
+        if world <= 1:
+            return 0, 1  # a daemon on its own: one node unless told otherwise
+        place = read_placement(environ)  # a distributed launch says where it is, or raises
+        if place.num_nodes is None:
+            raise NodeLayoutError(
+                f"the number of nodes is unknown ({place.launcher}: node {place.node_rank}, "
+                f"{place.world_size} ranks); set GROUP_WORLD_SIZE or EPOCHCACHE_NUM_NODES")
+        return place.node_rank, place.num_nodes
+    except NodeLayoutError as exc:
+        raise ConfigError(f"sampler.node_rank/num_nodes: {exc}; or set sampler.node_rank and "
+                          "sampler.num_nodes in the config") from None
 
 
 def _allowed_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str] | None:

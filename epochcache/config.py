@@ -6,7 +6,7 @@ A YAML file with five sections (and an optional sixth, ``daemon``); only ``sourc
     source:  {url: "s3://bucket/train/", layout: files, pattern: "*.npy", storage_options: {}}
     cache:   {dir: /nvme/epochcache, capacity: 200GiB}
     sampler: {processes: 2, concurrency: 16, strategy: uniform, seed: 0}
-    loader:  {batch_size: 64, num_workers: 4, decode: auto, allow_pickle: false}
+    loader:  {batch_size: 64, num_workers: null, decode: auto, allow_pickle: false}
     train:   {epochs: 10, min_samples: 1000, entrypoint: "epochcache.examples:train_epoch"}
 
 Instead of ``source`` (one), ``sources`` lists several, each with the fields of ``source`` plus
@@ -258,7 +258,8 @@ class SamplerConfig(_Section):
         """``(node_rank, num_nodes)``: the configured values, else torchrun's environment, else (0, 1).
 
         Read at call time from ``EPOCHCACHE_NODE_RANK``/``EPOCHCACHE_NUM_NODES``, then ``GROUP_RANK``
-        and ``GROUP_WORLD_SIZE`` (or ``WORLD_SIZE // LOCAL_WORLD_SIZE``, or ``NNODES``).
+        and ``GROUP_WORLD_SIZE`` (or ``WORLD_SIZE // LOCAL_WORLD_SIZE``), then, in a distributed
+        launch, Slurm's ``SLURM_NODEID``/``SLURM_NNODES``; never guessed.
 
         Raises:
             ConfigError: the environment gives an invalid pair.
@@ -272,7 +273,10 @@ class LoaderConfig(_Section):
     """The per-epoch DataLoader (section ``loader``)."""
 
     batch_size: int = Field(default=64, ge=1)
-    num_workers: int = Field(default=2, ge=0)
+    num_workers: int | None = Field(
+        default=None, ge=0,
+        description="DataLoader workers; null: epochs()' default (0 without a transform)",
+    )
     decode: str = "auto"
     allow_pickle: bool = False
     max_sample_bytes: Annotated[int, BeforeValidator(_size), Field(gt=0)] = Field(
@@ -282,7 +286,9 @@ class LoaderConfig(_Section):
     )
     pin_memory: bool = False
     prefetch_factor: int | None = Field(default=2, ge=1)
-    persistent_workers: bool = False
+    persistent_workers: bool | None = Field(
+        default=None, description="keep workers across epochs; null: true with workers",
+    )
     stall_s: Duration = 300.0
     timeout: Annotated[float, BeforeValidator(_duration), Field(ge=0)] = 0.0
     fields: list[str] | None = Field(

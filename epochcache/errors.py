@@ -5,6 +5,11 @@ callers can catch either::
 
     EpochcacheError
     ├─ ConfigError(EpochcacheError, ValueError)       field path + reason; CLI exit 2
+    ├─ NodeLayoutError(EpochcacheError, ValueError)   which ranks share a node is unknown or
+    │                                                 contradictory; names the variables to set
+    ├─ CheckpointError(EpochcacheError, RuntimeError) a run's checkpoint cannot be resumed from
+    ├─ MinSamplesUnreachable(EpochcacheError, ValueError)  the cache cannot reach min_samples:
+    │                                                 names the setting and the cause
     ├─ SourceError                                    always carries the URL
     │  ├─ SourceUnavailable                           unreachable endpoint, missing bucket, empty prefix
     │  ├─ RemoteTimeout(SourceError, TimeoutError)    a remote call exceeded its timeout
@@ -31,6 +36,21 @@ class EpochcacheError(Exception):
 
 class ConfigError(EpochcacheError, ValueError):
     """A configuration value is invalid; the message names the field path."""
+
+
+class NodeLayoutError(EpochcacheError, ValueError):
+    """Which ranks of a distributed job share a node (and its cache) cannot be known from the
+    launcher's environment, or the ranks contradict each other. Never guessed: ranks treated as
+    one node that are not would read one node's snapshot from another node's cache."""
+
+
+class CheckpointError(EpochcacheError, RuntimeError):
+    """A run's checkpoint cannot be read (``--resume``); the message names the file."""
+
+
+class MinSamplesUnreachable(EpochcacheError, ValueError):
+    """Waiting for ``min_samples`` cannot end: the cache is full, the daemon is gone, or every
+    fetch fails. The message names the setting and the cause."""
 
 
 class SourceError(EpochcacheError):

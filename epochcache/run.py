@@ -17,7 +17,6 @@ import importlib
 import importlib.util
 import json
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -27,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from .cache import Cache
+from .checkpoint import resume_checkpoint, save_checkpoint
 from .redact import redact_url
 from .config import EpochcacheConfig, load_config
 from .ingest.daemon import Daemon, DaemonLock
@@ -37,7 +37,6 @@ from .units import format_size
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT = "checkpoint.pt"
 METRICS = "metrics.jsonl"
 TrainFn = Callable[["RunContext", int, Any], Mapping[str, Any]]
 
@@ -70,18 +69,11 @@ class RunContext:
         return obj
 
     def save_checkpoint(self, epoch: int, metrics: Mapping[str, Any]) -> Path:
-        import torch
-
-        payload = {
+        return save_checkpoint(self.run_dir, {
             "epoch": epoch,
             "metrics": dict(metrics),
             "state": {name: self.state[name].state_dict() for name in sorted(self._checkpointed)},
-        }
-        path = self.run_dir / CHECKPOINT
-        tmp = path.with_suffix(".tmp")
-        torch.save(payload, tmp)
-        os.replace(tmp, path)  # a crash mid-save leaves the previous checkpoint whole
-        return path
+        })
 
 
 class _TimedLoader:
@@ -189,35 +181,30 @@ def _loader_kwargs(config: EpochcacheConfig) -> dict[str, Any]:
         "seed": config.train.seed,
         "min_samples": config.train.min_samples,
         "samples_per_epoch": config.train.samples_per_epoch,
+        # None leaves the choice to epochs(), whose defaults are the API's (one default each).
+        "persistent_workers": loader.persistent_workers,
     }
-    if loader.num_workers > 0:
-        kwargs["persistent_workers"] = loader.persistent_workers or None
-        if loader.prefetch_factor is not None:
-            kwargs["prefetch_factor"] = loader.prefetch_factor
+    if loader.prefetch_factor is not None:
+        kwargs["prefetch_factor"] = loader.prefetch_factor  # dropped by epochs() without workers
     return kwargs
-
-
-def load_checkpoint(run_dir: Path) -> dict[str, Any] | None:
-    path = run_dir / CHECKPOINT
-    if not path.exists():
-        return None
-    import torch
-
-    return dict(torch.load(path, weights_only=True))
 
 
 class Run:
     """One training run: daemon (started or attached), epochs, metrics, checkpoints, plots."""
 
-    def __init__(self, config: EpochcacheConfig, *, resume: bool = False, is_main: bool = True) -> None:
+    def __init__(self, config: EpochcacheConfig, *, resume: bool = False, is_main: bool = True,
+                 node_rank: int = 0) -> None:
         self.config = config
         self.resume = resume
         self.is_main = is_main  # global rank 0: the one that writes the run directory
+        self.node_rank = node_rank
         self.run_dir = Path(config.train.run_dir)
         check_entrypoint(config.train.entrypoint)
         self._train_fn: TrainFn | None = None  # imported once the source is known to be there
         self.daemon: Daemon | None = None
         self._daemon_thread: threading.Thread | None = None
+        self._daemon_status: int | None = None
+        self._daemon_error: BaseException | None = None
         self.metrics: list[dict[str, Any]] = []
         self.progress = TrainProgress()
         self.turnover = Turnover(hint=is_main)
@@ -256,8 +243,29 @@ class Run:
             log.info("attaching to the daemon that just started filling %s", cache_dir)
             return
         self.daemon = daemon
-        self._daemon_thread = threading.Thread(target=daemon.run, name="epochcache-daemon", daemon=True)
+        self._daemon_thread = threading.Thread(target=self._run_daemon, name="epochcache-daemon",
+                                               daemon=True)
         self._daemon_thread.start()
+
+    def _run_daemon(self) -> None:
+        daemon = self.daemon
+        if daemon is None:
+            return
+        try:
+            self._daemon_status = daemon.run()
+        except BaseException as exc:  # reported by daemon_exit() and logged here
+            self._daemon_error = exc
+            log.error("the daemon stopped on %s: %s", type(exc).__name__, exc, exc_info=exc)
+
+    def daemon_exit(self) -> str | None:
+        """None while the daemon this run started runs; else how it ended, with its cause."""
+        thread = self._daemon_thread
+        if thread is None or thread.is_alive():
+            return None
+        if self._daemon_error is not None:
+            return f"{type(self._daemon_error).__name__}: {self._daemon_error}"
+        failure = self.daemon.failure if self.daemon is not None else None
+        return f"exit status {self._daemon_status}" + (f" ({failure})" if failure else "")
 
     def stop_daemon(self) -> None:
         if self.daemon is not None and self._daemon_thread is not None:
@@ -269,12 +277,14 @@ class Run:
             self.metrics_server = None
 
     def train(self) -> int:
-        checkpoint = load_checkpoint(self.run_dir) if self.resume else None
+        # Under DDP every rank resumes from rank 0's checkpoint: ranks that computed their own
+        # start epoch (run directories not shared) waited for each other's epochs forever.
+        checkpoint = resume_checkpoint(self.run_dir, self.node_rank) if self.resume else None
         start = 0 if checkpoint is None else int(checkpoint["epoch"]) + 1
         total = self.config.train.epochs
         if self.resume:
             self.metrics = _read_metrics(self.run_dir / METRICS, before=start, rewrite=self.is_main)
-            if checkpoint is None:
+            if checkpoint is None and self.is_main:
                 log.warning("--resume: no checkpoint in %s; starting at epoch 0", self.run_dir)
         if start >= total:
             log.info("all %d epochs are done (checkpoint of epoch %d)", total, start - 1)
@@ -282,7 +292,21 @@ class Run:
         context = RunContext(self.config, checkpoint)
         cfg = self.config.cache
         cache = Cache(cfg.dir, capacity=cfg.capacity_bytes, headroom=cfg.headroom_bytes)
-        epochs = cache.epochs(total - start, start_epoch=start, **_loader_kwargs(self.config))
+        kwargs = _loader_kwargs(self.config)
+        try:
+            # The wait ends with an error naming train.min_samples (or starts on a smaller,
+            # wholly cached source) as soon as the number is known to be out of reach.
+            from .data.wait import wait_for_samples
+            from .fill_watch import FillWatch
+
+            watch = FillWatch(cache, kwargs["min_samples"],
+                              self.daemon_exit if self._daemon_thread is not None else None)
+            kwargs["min_samples"] = min(kwargs["min_samples"],
+                                        wait_for_samples(cache, kwargs["min_samples"], judge=watch))
+        except BaseException:
+            cache.close()
+            raise
+        epochs = cache.epochs(total - start, start_epoch=start, **kwargs)
         try:
             for epoch, loader in epochs:
                 self._run_epoch(cache, context, epoch, loader)
@@ -377,7 +401,7 @@ def run_training(config: EpochcacheConfig, *, resume: bool = False) -> int:
     world = detect_world()
     if config.train.metrics_port is not None:
         require_prometheus("train.metrics_port")  # before anything starts
-    run = Run(config, resume=resume, is_main=world.rank == 0)
+    run = Run(config, resume=resume, is_main=world.rank == 0, node_rank=world.node_rank)
     created_group = False
     try:
         run.serve_metrics(world.local_rank)

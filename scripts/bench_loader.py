@@ -15,7 +15,12 @@
 The first three run as back-to-back pairs for five rounds; each ratio is the median of its
 per-round ratios (these shared 2-core machines drift by up to 2x within minutes).
 
+`--workers` runs only the num_workers sweep that chose epochs()' default (``num_workers=None``):
+epochs() with 0, 1 and 2 workers, without a transform and with the heavy one, three rounds in
+alternating order.
+
 Usage: .venv/bin/python scripts/bench_loader.py [--samples 3000] [--json bench_loader.json]
+       .venv/bin/python scripts/bench_loader.py --workers
 """
 
 from __future__ import annotations
@@ -267,12 +272,60 @@ def snapshot_1m(root: str, n: int) -> float:
     return best
 
 
+def workers_sweep(samples: int) -> dict[str, Any]:
+    """epochs() samples/s by num_workers, without and with a CPU-heavy transform."""
+    root = tempfile.mkdtemp(prefix="bench-workers-")
+    try:
+        rng = np.random.default_rng(0)
+        cache = Cache(os.path.join(root, "cache"), "2GiB", sync=False)
+        cache.put_many([(f"train/{i:07d}.npy",
+                         npy(rng.integers(0, 2**32, FLOATS, dtype=np.uint32).view(np.float32)))
+                        for i in range(samples)])
+        runs = {f"{kind}_w{w}": (w, transform) for kind, transform in (("plain", None),
+                                                                        ("heavy", heavy))
+                for w in (0, 1, 2)}
+        rounds: dict[str, list[float]] = {}
+        for rnd in range(3):
+            print(f"num_workers sweep: round {rnd + 1}/3 ...", flush=True)
+            items = list(runs.items())
+            if rnd % 2:
+                items.reverse()
+            for name, (w, transform) in items:
+                heavy_kw = {"samples_per_epoch": HEAVY} if transform is not None else {}
+                rounds.setdefault(name, []).append(ours_rate(
+                    cache, epochs=1 if transform is not None else 3, num_workers=w,
+                    transform=transform, **heavy_kw))
+        cache.close()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    result: dict[str, Any] = {"cpus": len(os.sched_getaffinity(0)), "rounds": rounds}
+    for name, values in rounds.items():
+        result[name] = float(np.median(values))
+    for kind in ("plain", "heavy"):
+        for w in (1, 2):
+            ratios = [a / b for a, b in zip(rounds[f"{kind}_w{w}"], rounds[f"{kind}_w0"])]
+            result[f"{kind}_w{w}_vs_w0"] = float(np.median(ratios))
+    print(f"{'contender':<34}{'median':>12}  vs 0 workers")
+    for kind, label in (("plain", "no transform"), ("heavy", "heavy transform")):
+        for w in (0, 1, 2):
+            ratio = "" if w == 0 else f"{result[f'{kind}_w{w}_vs_w0']:.2f}x"
+            print(f"{label + f', {w} workers':<34}{result[f'{kind}_w{w}']:>10,.0f}/s  {ratio}")
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=3000)
     parser.add_argument("--tiny", type=int, default=1_000_000)
     parser.add_argument("--json", default="bench_loader.json")
+    parser.add_argument("--workers", action="store_true",
+                        help="only the num_workers sweep behind epochs()' default")
     args = parser.parse_args()
+    if args.workers:
+        result = workers_sweep(args.samples)
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+        return
     root = tempfile.mkdtemp(prefix="bench-loader-")
     r: dict[str, Any] = {"samples": args.samples, "sample_bytes": FLOATS * 4, "batch": BATCH,
                          "cpus": os.cpu_count()}

@@ -15,17 +15,18 @@ from typing import Any
 
 import pytest
 
-_LEAKY_ENV_PREFIXES = ("AWS_",)
+_LEAKY_ENV_PREFIXES = ("AWS_", "SLURM_")
 # Node identity is read from the environment at call time: a value leaking from the machine (or
-# from torchrun) would change which keys a test's node samples.
+# from torchrun, or a Slurm job running the suite) would change which keys a test's node samples.
 _LEAKY_ENV_NAMES = (
     "EPOCHCACHE_NODE_RANK",
     "EPOCHCACHE_NUM_NODES",
     "GROUP_RANK",
     "GROUP_WORLD_SIZE",
+    "RANK",
     "WORLD_SIZE",
+    "LOCAL_RANK",
     "LOCAL_WORLD_SIZE",
-    "NNODES",
 )
 
 

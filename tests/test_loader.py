@@ -193,6 +193,40 @@ def test_min_samples_beyond_capacity_fails_instead_of_waiting_forever(tmp_path: 
         cache.close()
 
 
+def _draws(_x: np.ndarray) -> tuple[int, int, int]:
+    import random
+
+    return (int(np.random.randint(2**62)), random.getrandbits(62),
+            int(torch.randint(2**62, (1,))))
+
+
+def _rank_draws(cache: Cache, monkeypatch: pytest.MonkeyPatch, rank: int) -> list[tuple[int, ...]]:
+    # Where a rank sits is read from torchrun's variables (no process group is needed to
+    # seed the workers): two ranks of one node, each reading its half of the snapshot.
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setenv("LOCAL_RANK", str(rank))
+    for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.setenv(name, "2")
+    monkeypatch.setenv("GROUP_RANK", "0")
+    draws = []
+    for _epoch, loader in cache.epochs(2, batch_size=4, num_workers=2, transform=_draws,
+                                       collate_fn=list, seed=7, timeout=60):
+        draws += [d for batch in loader for d in batch]
+    return draws
+
+
+def test_worker_seeds_differ_across_ranks_and_repeat_for_a_rank(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fill(str(tmp_path / "c"), 0, 32)
+    cache = Cache(tmp_path / "c", sync=False)
+    rank0, rank1 = (_rank_draws(cache, monkeypatch, r) for r in (0, 1))
+    assert len(rank0) == len(rank1) == 32  # 16 samples per rank and epoch
+    for name, i in (("numpy", 0), ("random", 1), ("torch", 2)):
+        # Identical draws on every rank would give every rank the same augmentations.
+        assert not {d[i] for d in rank0} & {d[i] for d in rank1}, name
+    assert _rank_draws(cache, monkeypatch, 0) == rank0  # same seed and rank: same draws
+
+
 def test_next_snapshot_is_taken_near_the_end_of_an_epoch_with_prefetching_workers(
         tmp_path: Path) -> None:
     """With workers, an epoch's first batches wait in the prefetch queue: the time to the first
@@ -209,3 +243,58 @@ def test_next_snapshot_is_taken_near_the_end_of_an_epoch_with_prefetching_worker
                 seen[epoch] = sorted(lease.label for lease in cache.leases())
     for epoch in (1, 2):
         assert seen[epoch] == [f"epochs() epoch {epoch}"], seen
+
+
+def _run_config(path: str, **loader: object) -> dict[str, object]:
+    from epochcache.config import parse_config
+    from epochcache.run import _loader_kwargs
+
+    config = parse_config({"source": {"url": "file:///nowhere"},
+                           "cache": {"dir": path, "capacity": "1GiB"},
+                           "loader": {"batch_size": 8, **loader},
+                           "train": {"min_samples": 0}})
+    return _loader_kwargs(config)
+
+
+def _pid(_x: np.ndarray) -> int:
+    return os.getpid()
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_persistent_workers_of_a_run_config_mean_what_they_say(tmp_path: Path,
+                                                               persistent: bool) -> None:
+    """``loader.persistent_workers: false`` reached epochs() as None, its default: True."""
+    path = str(tmp_path / "c")
+    fill(path, 0, 32)
+    cache = Cache(path, sync=False)
+    kwargs = _run_config(path, num_workers=1, persistent_workers=persistent)
+    pids = []
+    for _epoch, loader in cache.epochs(3 if persistent else 2, transform=_pid, collate_fn=list,
+                                       **kwargs):
+        assert loader.loader.persistent_workers is persistent
+        pids.append({pid for batch in loader for pid in batch})
+    if persistent:  # two loaders alternate: epochs 0 and 2 share their worker
+        assert pids[0] == pids[2], pids
+    else:  # a fresh worker every epoch
+        assert not pids[0] & pids[1], pids
+
+
+def test_one_num_workers_default_for_runs_and_the_api(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The run config's default was 2 workers, epochs()' 0 (without a transform): one default,
+    resolved by epochs() in both cases."""
+    from epochcache.data.epochs import default_num_workers
+
+    path = str(tmp_path / "c")
+    fill(path, 0, 16)
+    cache = Cache(path, sync=False)
+    kwargs = _run_config(path)
+    assert kwargs["num_workers"] is None  # the run leaves the choice to epochs()
+    for _epoch, loader in cache.epochs(1, **kwargs):
+        assert loader.loader.num_workers == 0 == default_num_workers(None, 1)
+        list(loader)
+    cores = len(os.sched_getaffinity(0))
+    assert default_num_workers(_pid, 1) == cores
+    # Under DDP the ranks of a node share its cores: cores // local world size each, at least 1.
+    assert default_num_workers(_pid, 2) == max(1, cores // 2)
+    assert default_num_workers(_pid, 4 * cores) == 1

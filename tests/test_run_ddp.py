@@ -8,6 +8,8 @@ rank trains the same number of batches, and the loss still falls.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -41,3 +43,38 @@ def test_run_under_torchrun_two_ranks_share_one_daemon(tmp_path: Path) -> None:
     assert daemon is not None and daemon["stopped"], json.dumps(daemon)
     assert len(daemon["samplers"]) == 1  # one daemon for the node (sampler.processes: 1)
     assert stats["leases"] == 0 and stats["samples"] > 0
+
+
+def _torchrun(cfg: Path, *args: str, cwd: Path, timeout_s: float) -> tuple[int, str]:
+    """``(exit status, stdout + stderr)`` of a 2-rank torchrun of ``epochcache run``; on a
+    timeout its whole process group is killed and AssertionError raised."""
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            "-m", "epochcache", "run", str(cfg), *args]
+    proc = subprocess.Popen(argv, cwd=cwd, env=cli_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"torchrun {' '.join(args)} hung for {timeout_s:.0f} s:\n"
+                             f"{out[-4000:]}") from None
+    return proc.returncode, out
+
+
+def test_resume_without_a_shared_run_dir_agrees_on_rank_0s_checkpoint(tmp_path: Path) -> None:
+    """Each rank has its own run directory (as on nodes without a shared filesystem): only rank
+    0's holds the checkpoint. Rank 1 started again at epoch 0 while rank 0 resumed at 1, and
+    the two waited for each other's epochs forever."""
+    config = demo_config(tmp_path, train={"epochs": 2, "min_samples": 300,
+                                          "run_dir": "runs/r${LOCAL_RANK}"})
+    cfg = write_yaml(tmp_path / "ddp.yaml", config)
+    status, logs = _torchrun(cfg, "--epochs", "1", cwd=tmp_path, timeout_s=RUN_TIMEOUT_S)
+    assert status == 0, logs[-4000:]
+    assert not (tmp_path / "runs/r1/checkpoint.pt").exists()  # rank 1 writes nothing
+    status, logs = _torchrun(cfg, "--resume", cwd=tmp_path, timeout_s=90)
+    assert status == 0, logs[-6000:]
+    assert [row["epoch"] for row in read_metrics(tmp_path / "runs/r0")] == [0, 1]
+    # Which checkpoint each node used is in the log: rank 1 received rank 0's.
+    assert "--resume: epoch 1 from rank 0's checkpoint" in logs, logs[-6000:]
+    assert "rank 0 (node 0) read it; rank 1 (node 0) received it from rank 0" in logs, logs[-6000:]

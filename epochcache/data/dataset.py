@@ -21,6 +21,21 @@ from .decode import DecodeFn
 from .reader import SampleReader
 
 
+def lost_lease(reader: SampleReader, lease_id: str, epoch: int | None,
+               error: KeyError) -> Exception:
+    """What a read that found a snapshot sample gone raises: :class:`SnapshotClosed` naming
+    the lease when the lease no longer exists (released, or reclaimed by a process that took
+    its holder for dead), else ``error`` itself."""
+    if not lease_id or any(lease.lease_id == lease_id for lease in reader.cache.leases()):
+        return error
+    return SnapshotClosed(
+        f"{reader.path}: the snapshot of epoch {epoch} lost its lease {lease_id[:8]} and its "
+        f"samples are being evicted ({error.args[0] if error.args else error}): the lease was "
+        "released, or reclaimed by another process that judged its holder dead (owner lock "
+        "not held and no heartbeat within the lease timeout: a frozen or killed holder, or a "
+        "cache shared across machines); take a new snapshot (a new dataset or epoch)")
+
+
 class EpochDataset(Dataset[Any]):
     """Map-style Dataset over one epoch's snapshot: ``ds[i]`` is the i-th snapshot sample.
 
@@ -36,11 +51,14 @@ class EpochDataset(Dataset[Any]):
     """
 
     def __init__(self, reader: SampleReader, seqs: np.ndarray, epoch: int | None = None,
-                 snapshot: Snapshot | None = None) -> None:
+                 snapshot: Snapshot | None = None, lease_id: str = "") -> None:
         self.reader = reader
         self.seqs = np.ascontiguousarray(seqs, dtype=np.uint64)
         self.epoch = epoch
         self._snapshot = snapshot
+        # The lease that protects these samples (held here or by the node's leader): a read
+        # that finds a sample gone says so, naming it, when the lease no longer exists.
+        self.lease_id = snapshot.lease_id if snapshot is not None else lease_id
 
     @classmethod
     def from_cache(
@@ -90,21 +108,35 @@ class EpochDataset(Dataset[Any]):
         return self.seqs[idx]
 
     def __getitem__(self, index: int) -> Any:
-        """The decoded sample (None if it was skipped under ``on_error='skip'``)."""
+        """The decoded sample (None if it was skipped under ``on_error='skip'``).
+
+        Raises:
+            SnapshotClosed: the dataset was closed, or its lease was reclaimed and the sample
+                evicted (the message names the lease).
+        """
         snapshot = self._snapshot
         if snapshot is not None and snapshot.released:
             self._check()
-        return self.reader.read(self.seqs.item(index))  # numpy raises IndexError when out of range
+        try:
+            return self.reader.read(self.seqs.item(index))  # IndexError when out of range
+        except KeyError as exc:
+            raise lost_lease(self.reader, self.lease_id, self.epoch, exc) from exc
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
         """Many samples in one read transaction (DataLoader's batched fetch)."""
         self._check()
-        return self.reader.read_samples(self._seqs_at(indices))
+        try:
+            return self.reader.read_samples(self._seqs_at(indices))
+        except KeyError as exc:
+            raise lost_lease(self.reader, self.lease_id, self.epoch, exc) from exc
 
     def get_batch(self, indices: Sequence[int] | np.ndarray) -> Any:
         """A collated batch, decoded straight into one tensor when samples are fixed-shape."""
         self._check()
-        return self.reader.read_batch(self._seqs_at(indices))
+        try:
+            return self.reader.read_batch(self._seqs_at(indices))
+        except KeyError as exc:
+            raise lost_lease(self.reader, self.lease_id, self.epoch, exc) from exc
 
     def key(self, index: int) -> str:
         """The source key of sample ``index``."""
@@ -131,7 +163,8 @@ class EpochDataset(Dataset[Any]):
 
     def __getstate__(self) -> dict[str, Any]:
         # The lease stays with the process that took it; copies only read.
-        return {"reader": self.reader, "seqs": self.seqs, "epoch": self.epoch, "_snapshot": None}
+        return {"reader": self.reader, "seqs": self.seqs, "epoch": self.epoch, "_snapshot": None,
+                "lease_id": self.lease_id}
 
     def __repr__(self) -> str:
         return (f"EpochDataset(epoch={self.epoch}, samples={len(self)}, cache={self.reader.path!r},"

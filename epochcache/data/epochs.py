@@ -43,6 +43,7 @@ from torch.utils.data import DataLoader
 
 from ..errors import EpochcacheError
 from ..limits import DEFAULT_MAX_SAMPLE_BYTES
+from ..store.env import cache_identity
 from .dataset import EpochDataset
 from .distributed import NodeSync, World, detect_world, dist_initialized, split_for_rank
 from .epoch_loader import EpochLoader
@@ -76,11 +77,22 @@ class _Cancelled(Exception):
     pass
 
 
+def loader_seed(seed: int, epoch: int, rank: int) -> int:
+    """The seed of an epoch's DataLoader generator on global rank ``rank``.
+
+    DataLoader seeds worker ``w`` with ``base + w``, ``base`` drawn from this generator, so the
+    workers' seeds depend on (seed, epoch, rank, worker id): the same on a rerun, different on
+    every rank (identical augmentations on every rank would shrink the effective batch).
+    """
+    state = np.random.SeedSequence([seed, epoch, rank]).generate_state(2, np.uint32)
+    return int(state[0]) << 31 | int(state[1]) >> 1  # 63 bits: manual_seed takes it as is
+
+
 def _seed_worker(user_init: Callable[[int], None] | None, worker_id: int) -> None:
-    # torch seeds each worker from the loader's generator; numpy and random follow it, so a
-    # transform's randomness is reproducible from epochs(seed=...).
-    seed = torch.initial_seed() % 2**32
-    np.random.seed(seed)
+    # torch seeds each worker from the loader's generator (see loader_seed); numpy and random
+    # follow it, so a transform's randomness is reproducible from epochs(seed=...).
+    seed = torch.initial_seed()
+    np.random.seed(np.random.SeedSequence(seed).generate_state(4))
     random.seed(seed)
     if user_init is not None:
         user_init(worker_id)
@@ -148,14 +160,15 @@ class _Epochs:
                  shuffle: bool, drop_last: bool, samples_per_epoch: int | None,
                  persistent: bool, reader: SampleReader, collate_fn: Callable[[Any], Any] | None,
                  worker_init_fn: Callable[[int], None] | None, stall_s: float | None,
-                 stall_file: str | None, loader_kwargs: dict[str, Any]) -> None:
+                 stall_file: str | None, loader_kwargs: dict[str, Any], world: World) -> None:
         self.cache, self.batch_size, self.num_workers = cache, batch_size, num_workers
         self.seed, self.shuffle, self.drop_last = seed, shuffle, drop_last
         self.samples_per_epoch, self.persistent, self.reader = samples_per_epoch, persistent, reader
         self.collate_fn, self.worker_init_fn = collate_fn, worker_init_fn
         self.stall_s, self.stall_file, self.loader_kwargs = stall_s, stall_file, loader_kwargs
-        self.world: World = detect_world()
-        self.sync = NodeSync(self.world) if dist_initialized() and self.world.distributed else None
+        self.world = world
+        self.sync = (NodeSync(self.world, cache_identity(cache.path), cache.path)
+                     if dist_initialized() and self.world.distributed else None)
         # In process and without DDP collectives, the next epoch is planned in the training
         # thread when triggered (~0.3 ms, once per epoch): on a background thread the same work
         # cost the training thread ~5x that in GIL hand-offs.
@@ -176,7 +189,7 @@ class _Epochs:
         if self.persistent and slot < len(self.slots):
             return self.slots[slot]  # alternate two loaders: one finishes while one prefetches
         sampler = PlanSampler()
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        generator = torch.Generator().manual_seed(loader_seed(self.seed, epoch, self.world.rank))
         kwargs = dict(self.loader_kwargs)
         if self.num_workers > 0:
             kwargs["worker_init_fn"] = functools.partial(_seed_worker, self.worker_init_fn)
@@ -199,14 +212,16 @@ class _Epochs:
         started = time.monotonic()
         epoch, snapshot = pending.epoch, None
 
-        def take() -> np.ndarray:
+        def take() -> tuple[np.ndarray, str]:
             nonlocal snapshot
             snapshot = self.cache.snapshot(epoch=epoch, label=f"epochs() epoch {epoch}")
-            return snapshot.seqs
+            return snapshot.seqs, snapshot.lease_id
 
-        seqs = self.sync.share_seqs(take if self.world.local_rank == 0 else None) \
+        if self.sync is not None and not self.sync.rendezvous(epoch, self.abort.is_set):
+            raise _Cancelled
+        seqs, lease_id = self.sync.share_seqs(take if self.world.local_rank == 0 else None) \
             if self.sync is not None else take()
-        dataset = EpochDataset(self.reader, seqs, epoch, snapshot)
+        dataset = EpochDataset(self.reader, seqs, epoch, snapshot, lease_id)
         try:
             order = epoch_order(seqs, epoch, self.seed, self.shuffle, self.samples_per_epoch)
             order = split_for_rank(order, self.world)
@@ -295,6 +310,7 @@ class _Epochs:
         end = start + num_epochs
         self.next = self.prepare(start) if num_epochs > 0 else None
         previous: EpochDataset | None = None
+        closing = False
         try:
             for epoch in range(start, end):
                 current, self.next, self.want_next = self.next, None, False
@@ -329,11 +345,20 @@ class _Epochs:
                     loader._start_next()
                 try:
                     yield epoch, loader
+                except BaseException:
+                    # Closed by an error in the training loop (or close()): the other ranks
+                    # may be waiting in a collective this rank will never join, so nothing
+                    # here may wait for them -- no barrier, no next epoch; the lease is
+                    # released locally and the planner, if it waits for the others, gives up.
+                    closing = True
+                    self.abort.set()
+                    raise
                 finally:
-                    loader.finish()
+                    if not closing:
+                        loader.finish()
                     if not self.persistent and hasattr(iterator, "_shutdown_workers"):
                         iterator._shutdown_workers()
-                    if self.sync is not None:
+                    if self.sync is not None and not closing:
                         self.sync.epoch_end()
                     previous = plan.dataset
         finally:
@@ -392,17 +417,22 @@ def epochs(
         num_epochs: how many epochs to yield.
         samples_per_epoch: samples per epoch per node; None means the whole snapshot.
         min_samples: wait (with a progress bar) until the cache holds this many samples.
-        seed: seeds the per-epoch shuffle and the workers (same seed and snapshot, same order).
+        seed: seeds the per-epoch shuffle (same seed and snapshot, same order) and the
+            workers' torch, numpy and ``random`` state, from (seed, epoch, global rank, worker
+            id): reproducible, and different on every rank. Without workers a transform draws
+            from the training process's own random state.
         stall_s: report batches slower than this with stacks and the sample key; None disables.
         batch_size: samples per batch.
-        num_workers: DataLoader workers. Defaults to 0 without a transform (reading in the
-            training process is fastest) and to ``os.cpu_count()`` with one.
+        num_workers: DataLoader workers. None (the default): 0 without a transform (reading
+            in the training process is fastest) and with one the cores this process may use
+            divided by the ranks of its node (see :func:`default_num_workers`).
         transform: applied to each decoded sample (in the workers).
         max_sample_bytes: the most a sample may decompress to (a gzip bomb raises a
             ``DecodeError`` naming its key); ``loader.max_sample_bytes``, default 256 MiB.
         collate_fn: replaces the built-in batch assembly; it receives a list of samples.
         persistent_workers: keep workers across epochs (two loaders alternate, so the next
-            epoch's workers prefetch while this one finishes). Defaults to True with workers.
+            epoch's workers prefetch while this one finishes). None (the default): True with
+            workers; False starts fresh workers every epoch.
         start_epoch: the first epoch's number (for resuming).
         wait_timeout_s: give up waiting for ``min_samples`` after this long.
         stall_file: where stall reports go (default stderr).
@@ -419,8 +449,9 @@ def epochs(
     """
     _check_counts(num_epochs=num_epochs, batch_size=batch_size,
                   samples_per_epoch=samples_per_epoch, min_samples=min_samples)
+    world = detect_world()
     num_workers, persistent = _worker_settings(num_workers, transform, persistent_workers,
-                                               dataloader_kwargs)
+                                               dataloader_kwargs, world.local_world_size)
     reader = SampleReader(cache.path, decode=decode, transform=transform,
                           allow_pickle=allow_pickle, max_sample_bytes=max_sample_bytes,
                           on_error=on_error, stall_s=stall_s, stall_file=stall_file,
@@ -430,7 +461,7 @@ def epochs(
                     shuffle=shuffle, drop_last=drop_last, samples_per_epoch=samples_per_epoch,
                     persistent=persistent, reader=reader, collate_fn=collate_fn,
                     worker_init_fn=worker_init_fn, stall_s=stall_s, stall_file=stall_file,
-                    loader_kwargs=dataloader_kwargs)
+                    loader_kwargs=dataloader_kwargs, world=world)
     return _generate(state, cache, min_samples, wait_timeout_s, start_epoch, num_epochs)
 
 
@@ -448,16 +479,31 @@ def _check_counts(*, num_epochs: int, batch_size: int, samples_per_epoch: int | 
         raise ValueError(f"min_samples: expected an int >= 0, got {min_samples!r}")
 
 
+def default_num_workers(transform: Callable[[Any], Any] | None, local_world_size: int) -> int:
+    """epochs()' ``num_workers`` when none is given (also ``loader.num_workers: null`` of runs).
+
+    0 without a transform: decoding reads the map in the training process, and shipping batches
+    from workers through shared memory only costs (``scripts/bench_loader.py --workers``: 1 or
+    2 workers run at a fraction of in-process reading). With a transform, the cores this
+    process may use split between the ranks of its node (every rank starts its own workers: a
+    core count per rank would oversubscribe the node under DDP), at least 1.
+    """
+    if transform is None:
+        return 0
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // max(1, local_world_size))
+
+
 def _worker_settings(num_workers: int | None, transform: Callable[[Any], Any] | None,
-                     persistent_workers: bool | None,
-                     dataloader_kwargs: dict[str, Any]) -> tuple[int, bool]:
+                     persistent_workers: bool | None, dataloader_kwargs: dict[str, Any],
+                     local_world_size: int = 1) -> tuple[int, bool]:
     """``(num_workers, persistent)`` with their defaults; completes ``dataloader_kwargs``."""
     bad = [name for name in _RESERVED if name in dataloader_kwargs]
     if bad:
         raise ValueError(f"epochs() sets {', '.join(bad)} itself; use shuffle=/seed= of "
                          "epochs() instead")
     if num_workers is None:
-        num_workers = 0 if transform is None else (os.cpu_count() or 1)
+        num_workers = default_num_workers(transform, local_world_size)
     if not isinstance(num_workers, int) or num_workers < 0:
         raise ValueError(f"num_workers: expected an int >= 0, got {num_workers!r}")
     persistent = num_workers > 0 if persistent_workers is None else bool(persistent_workers)

@@ -11,12 +11,12 @@ from __future__ import annotations
 import concurrent.futures as cf
 import math
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from .dataset import EpochDataset
+from .dataset import EpochDataset, lost_lease
 from .reader import SampleReader
 
 
@@ -51,18 +51,28 @@ class EpochPlan:
         return self.order[i * self.batch_size : (i + 1) * self.batch_size]
 
 
-class PlanSampler(Sampler[np.ndarray]):
+class SeqBatch(NamedTuple):
+    """One batch to read: its sequence numbers, and the epoch and lease they belong to (a
+    sample found gone is reported as its lease's loss, see :func:`lost_lease`)."""
+
+    seqs: np.ndarray
+    epoch: int
+    lease_id: str
+
+
+class PlanSampler(Sampler[SeqBatch]):
     """Yields the current plan's batches of sequence numbers; waits for the plan first."""
 
     def __init__(self) -> None:
         self.plan: cf.Future[EpochPlan] | None = None
 
-    def __iter__(self) -> Iterator[np.ndarray]:
+    def __iter__(self) -> Iterator[SeqBatch]:
         if self.plan is None:
             raise RuntimeError("epochcache: loader used before its epoch was planned")
         plan = self.plan.result()  # raises the planner's error in the builder thread
+        epoch, lease_id = plan.epoch, plan.dataset.lease_id
         for i in range(plan.n_batches):
-            yield plan.batch(i)
+            yield SeqBatch(plan.batch(i), epoch, lease_id)
 
     def __len__(self) -> int:
         return self.plan.result().n_batches if self.plan is not None else 0
@@ -74,10 +84,13 @@ class SeqBatches(Dataset[Any]):
     def __init__(self, reader: SampleReader, collated: bool) -> None:
         self.reader, self.collated = reader, collated
 
-    def __getitem__(self, seqs: np.ndarray) -> Any:
-        if self.collated:
-            return self.reader.read_batch(seqs)
-        return self.reader.read_samples(seqs)
+    def __getitem__(self, batch: SeqBatch) -> Any:
+        try:
+            if self.collated:
+                return self.reader.read_batch(batch.seqs)
+            return self.reader.read_samples(batch.seqs)
+        except KeyError as exc:
+            raise lost_lease(self.reader, batch.lease_id, batch.epoch, exc) from exc
 
 
 def identity(batch: Any) -> Any:
@@ -92,7 +105,7 @@ def in_process_batches(loader: DataLoader[Any], sampler: PlanSampler) -> Iterato
     Same fetch and collate as ``_SingleProcessDataLoaderIter``; callers use the DataLoader's
     own iterator when it pins memory.
     """
-    fetch: Callable[[np.ndarray], Any] = loader.dataset.__getitem__
+    fetch: Callable[[SeqBatch], Any] = loader.dataset.__getitem__
     collate = loader.collate_fn
-    for seqs in sampler:
-        yield collate(fetch(seqs))
+    for batch in sampler:
+        yield collate(fetch(batch))

@@ -31,7 +31,7 @@ from ..errors import DecodeError, PickleNotAllowed
 from ..limits import DEFAULT_MAX_SAMPLE_BYTES
 from ..store import SampleStore
 from ..store.codec import decode_payload, source_key
-from ..store.env import PROCESS, begin_read
+from ..store.env import PROCESS, begin_read, end_read
 from ..store.schema import DB_SAMPLES, HEADER, Codec, RecordFlags, seq_keys
 from ..store.schema import seq_key as _pack_seq
 from .collate import alloc_batch, collate_samples
@@ -224,7 +224,7 @@ class SampleReader:
                 self._skip(exc)
                 return None
         finally:
-            txn.abort()
+            end_read(txn)
 
     def key_of(self, lmdb_key: bytes) -> str:
         """The source key of the sample stored under ``lmdb_key`` (for stall reports)."""

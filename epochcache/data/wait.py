@@ -5,7 +5,10 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
+
+from ..errors import MinSamplesUnreachable
 
 if TYPE_CHECKING:
     from ..store import SampleStore
@@ -14,11 +17,17 @@ log = logging.getLogger(__name__)
 
 
 def wait_for_samples(cache: SampleStore, min_samples: int, timeout_s: float | None = None,
-                     poll_s: float = 0.5) -> int:
+                     poll_s: float = 0.5, judge: Callable[[int], bool] | None = None) -> int:
     """Block until ``cache`` holds ``min_samples`` samples; return how many it holds.
+
+    Args:
+        judge: called with the count at every poll: True ends the wait early (with fewer
+            samples), an exception ends it with that error (``epochcache run`` passes
+            :class:`epochcache.fill_watch.FillWatch`).
 
     Raises:
         TimeoutError: not enough samples after ``timeout_s`` (the message says how many).
+        MinSamplesUnreachable: the cache is at its capacity and evicting below min_samples.
     """
     count = cache.counters().samples
     if count >= min_samples:
@@ -47,11 +56,13 @@ def wait_for_samples(cache: SampleStore, min_samples: int, timeout_s: float | No
             if count < min_samples and counters.evicted > 0 and counters.bytes >= 0.9 * cache.effective_capacity:
                 # Eviction has started: the cache is as full as its capacity lets it get, and
                 # waiting longer would wait forever.
-                raise ValueError(
+                raise MinSamplesUnreachable(
                     f"{cache.path}: min_samples={min_samples} cannot be reached: the cache holds "
                     f"{count} samples at its capacity and has started evicting; lower "
                     "train.min_samples or raise cache.capacity"
                 )
+            if count < min_samples and judge is not None and judge(count):
+                return count
             progress.update(task, completed=min(count, min_samples))
             if time.monotonic() - last_log > 10:
                 last_log = time.monotonic()

@@ -1,9 +1,11 @@
-"""Where this process sits in a torchrun job: global rank, node, and rank within the node.
+"""Where this process sits in a distributed job: global rank, node, and rank within the node.
 
-A node is identified the way torchrun does it -- ``GROUP_RANK``, ``LOCAL_RANK``,
-``LOCAL_WORLD_SIZE``, ``RANK``, ``WORLD_SIZE`` -- never by hostname, so two simulated nodes on
-one machine behave like two real ones. The variables are read when :func:`detect_world` is
-called, never at import. This module does not import torch.
+A node is identified the way the launcher says -- torchrun's ``GROUP_RANK``, ``LOCAL_RANK``,
+``LOCAL_WORLD_SIZE``, or Slurm's ``SLURM_NODEID``/``SLURM_LOCALID`` -- never by hostname, so two
+simulated nodes on one machine behave like two real ones; with neither, a distributed job
+raises :class:`~epochcache.errors.NodeLayoutError` (see :mod:`epochcache.launcher`). The
+variables are read when :func:`detect_world` is called, never at import. This module does not
+import torch.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass
+
+from ..launcher import read_placement
 
 
 @dataclass(frozen=True)
@@ -28,17 +32,6 @@ class World:
         return self.world_size > 1
 
 
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"environment variable {name}={raw!r} is not an integer "
-                         "(set by torchrun; unset it or fix it)") from None
-
-
 def dist_initialized() -> bool:
     # Not imported: nothing can have initialised it. `epochcache run` checks its config and
     # lists the source before paying ~1.5 s for importing torch.
@@ -48,22 +41,17 @@ def dist_initialized() -> bool:
 
 
 def detect_world() -> World:
-    """Read the torchrun variables now; with torch.distributed initialised its rank wins.
+    """Read the launcher's variables now; with torch.distributed initialised its rank wins.
 
     Raises:
-        ValueError: a variable is not an integer, or they contradict each other.
+        NodeLayoutError: a distributed job whose node layout the environment does not give, or
+            a variable that is not an integer or contradicts the others.
     """
-    rank, world_size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+    rank = world_size = None
     if dist_initialized():
         import torch.distributed
 
         rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)
-    local_rank = _env_int("LOCAL_RANK", rank % max(local_world_size, 1))
-    node_rank = _env_int("GROUP_RANK", rank // max(local_world_size, 1))
-    if not 0 <= local_rank < local_world_size or not 0 <= rank < world_size:
-        raise ValueError(
-            f"inconsistent torchrun environment: RANK={rank} WORLD_SIZE={world_size} "
-            f"LOCAL_RANK={local_rank} LOCAL_WORLD_SIZE={local_world_size}"
-        )
-    return World(rank, world_size, local_rank, local_world_size, node_rank)
+    place = read_placement(os.environ, rank, world_size)
+    return World(place.rank, place.world_size, place.local_rank, place.local_world_size,
+                 place.node_rank)

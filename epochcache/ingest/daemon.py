@@ -181,6 +181,8 @@ class Daemon:
         self.cache: SampleStore | None = None
         self.sources = DaemonSources(config)
         self.metrics: MetricsServer | None = None
+        #: Why :meth:`run` gave up (exit status 1), also in the daemon's state document.
+        self.failure: str | None = None
 
     def prepare(self) -> int:
         """Take the lock, open the cache, list the sources. Raises before anything is started.
@@ -252,6 +254,9 @@ class Daemon:
                     self._log_progress()
                     last_log = now
                 self._stop.wait(HEARTBEAT_S)
+        except Exception as exc:
+            self.failure = f"{type(exc).__name__}: {exc}"  # published by the last heartbeat
+            raise
         finally:
             self.sources.stop()
             if self.metrics is not None:
@@ -294,8 +299,13 @@ class Daemon:
             slot.restarts += 1
             slot.deaths_in_a_row += 1
             if slot.deaths_in_a_row > MAX_RESTARTS_IN_A_ROW:
-                log.error("sampler %d (pid %s) exited with %s and keeps dying; giving up (see "
-                          "the errors above)", slot.index, proc.pid, proc.exitcode)
+                assert self.cache is not None  # for mypy: run() opened it
+                last = (self.cache.tables.get_state(state_name(slot.index)) or {}).get(
+                    "last_error") or "none recorded"
+                self.failure = (f"sampler {slot.index} (pid {proc.pid}) exited with "
+                                f"{proc.exitcode} {slot.deaths_in_a_row} times in a row; its last "
+                                f"error: {last}")
+                log.error("%s; giving up (see the errors above)", self.failure)
                 return False
             delay = min(30.0, 0.5 * 2 ** (slot.deaths_in_a_row - 1))
             log.warning("sampler %d (pid %s) exited with %s; restarting it in %.1fs", slot.index,
@@ -323,6 +333,7 @@ class Daemon:
                 "started": started,
                 "heartbeat": time.time(),
                 "stopped": stopped,
+                "failure": self.failure,
                 "source": redact_url(self.config.first_source.url),
                 "metrics": self.metrics.url if self.metrics is not None else None,
                 "sources": {

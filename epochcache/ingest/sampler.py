@@ -71,6 +71,11 @@ class SamplerHealth:
     quarantined: int = 0
     deferred: int = 0  # samples larger than the headroom, skipped while leases pin the cache
     last_error: str = ""
+    last_ok: float = 0.0  # time of the last successful fetch
+    last_failed: float = 0.0  # time of the last failed fetch
+    # "complete": a whole pass over this sampler's keys brought nothing new and no fetch failed
+    # (each key is cached or quarantined); "failing": nothing new, and fetches failed; "": busy.
+    idle: str = ""
     waiting_for_space: bool = False
     # The key order position: of the source, or {name: position} of each of ``sources:``.
     position: dict[str, Any] = field(default_factory=dict)
@@ -180,6 +185,7 @@ class Sampler:
         # (a small pass wraps around while its last batches are still being committed).
         self._in_flight: set[str] = set()
         self._in_flight_lock = threading.Lock()
+        self._errors_before = self.health.errors  # when the current fruitless stretch began
         self.fetching: collections.deque[_Fetching] = collections.deque()
         # FETCH_DEPTH batches per source: a source that stopped answering holds its own
         # threads, never the others' (with sources:, sampler.concurrency is per source).
@@ -218,6 +224,7 @@ class Sampler:
                         # failing): rest instead of spinning on the cache and the remote.
                         feed.fruitless = 0
                         feed.rest(IDLE_WAIT_S, now)
+                        self._note_idle()
                 due = next_feed(self.feeds, now)
                 if due is None:  # every source rests, or waits for a remote
                     if self.fetching:
@@ -314,7 +321,18 @@ class Sampler:
         self.budget.adjust(fetching.reserved, nbytes)
         if records:
             feed.fruitless = 0
+            self.health.idle = ""
+            self._errors_before = self.health.errors
         self.committer.hand_over(Batch(records, fetching.position, keys, nbytes, feed.name))
+
+    def _note_idle(self) -> None:
+        """A source finished a pass that brought nothing new: with every source there, the
+        sampler is idle, ``complete`` (all cached or quarantined) or ``failing`` (fetches
+        failed meanwhile). Runs waiting for train.min_samples read it from the health."""
+        if all(feed.exhausted or feed.rest_until > time.monotonic() for feed in self.feeds):
+            failed = self.health.errors > self._errors_before
+            self.health.idle = "failing" if failed else "complete"
+            self._errors_before = self.health.errors
 
     def _encode_results(self, feed: Feed, results: list[tuple[SampleRef, Any]]
                         ) -> tuple[list[tuple[str, bytes]], int]:
@@ -333,12 +351,14 @@ class Sampler:
                 health.error_kinds[kind] = health.error_kinds.get(kind, 0) + 1
                 if feed.name:
                     health.sources[feed.name]["errors"] += 1
+                health.last_failed = time.time()
                 health.last_error = f"{key}: {payload}"[:300]
                 level = logging.WARNING if isinstance(payload, PermanentRemoteError) else logging.INFO
                 log.log(level, "fetch failed for %s (retried next pass): %s", key, payload)
             else:
                 size = _payload_bytes(payload)
                 health.fetched += 1
+                health.last_ok = time.time()
                 health.fetched_bytes += size
                 fetched += size
                 try:

@@ -29,6 +29,7 @@ from .counters import Counters
 from .env import Store, map_bound
 from .eviction import Eviction
 from .leases import DEFAULT_LEASE_TIMEOUT_S, Lease, delete_lease, read_leases, write_lease
+from .owners import begin_lease, end_lease, heartbeats, sweep_dead_owners
 from .schema import (
     DB_KEYS,
     DB_LEASES,
@@ -68,8 +69,9 @@ class SampleStore:
         sync: fsync each commit (survives power loss as well as process crashes).
         readonly: open for reading only (status, verify).
         max_map_size: cap on the LMDB map (defaults to a bound derived from capacity).
-        lease_timeout_s: a lease holder on another host is presumed dead after this long
-            without a heartbeat.
+        lease_timeout_s: a lease holder whose owner lock cannot be tested is presumed dead
+            after this long without a heartbeat; this process's open snapshots refresh theirs
+            every quarter of it (see :mod:`epochcache.store.owners`).
 
     Raises:
         CacheError: the directory holds no cache and no capacity was given, or it cannot be
@@ -335,20 +337,32 @@ class SampleStore:
         """
         name = label or (f"epoch {epoch}" if epoch is not None else "snapshot")
         limit = self.effective_capacity  # outside the write transaction: it may read the cache
-        seqs, lease_id = self.store.write(lambda txn: self.take_snapshot(txn, name, limit))
-        return Snapshot(self, seqs, lease_id, epoch)
+        owner = begin_lease(self.path)  # locked by this process while it holds leases here
+        try:
+            seqs, lease_id = self.store.write(
+                lambda txn: self.take_snapshot(txn, name, limit, owner))
+        except BaseException:
+            end_lease(self.path)
+            raise
+        snap = Snapshot(self, seqs, lease_id, epoch)
+        # Refreshed while the snapshot is open: where the owner lock cannot serve, the
+        # heartbeat is what keeps the lease (see epochcache.store.owners).
+        heartbeats().add(self.path, lease_id, self.heartbeat_leases, self.lease_timeout_s / 4)
+        return snap
 
-    def take_snapshot(self, txn: lmdb.Transaction, label: str, limit: int,
+    def take_snapshot(self, txn: lmdb.Transaction, label: str, limit: int, owner: str,
                       pid: int | None = None) -> tuple[np.ndarray, str]:
         """In ``txn``: select the newest samples that fit ``limit`` bytes (the effective
-        capacity, read before the transaction) and write their lease, held by ``pid`` (default:
-        this process); returns ``(seqs, lease_id)``. The caller owns the lease's release."""
+        capacity, read before the transaction) and write their lease, alive while ``owner``'s
+        lock is held (see :mod:`epochcache.store.owners`), held by ``pid`` (default: this
+        process); returns ``(seqs, lease_id)``. The caller owns the lease's release."""
         self.writer.reclaim(txn)
         counters = Counters.load(txn, self.dbs[DB_META])
         seqs = select_snapshot(txn, self.dbs[DB_SAMPLES], counters, limit)
         lo = int(seqs[0]) if len(seqs) else counters.next_seq
         hi = int(seqs[-1]) + 1 if len(seqs) else counters.next_seq
-        lease = Lease.new(lo, hi, len(seqs), label=label, pid=pid)
+        lease = Lease.new(lo, hi, len(seqs), label=label, owner=owner,
+                          timeout_s=self.lease_timeout_s, pid=pid)
         write_lease(txn, self.dbs[DB_LEASES], lease)
         return seqs, lease.lease_id
 
@@ -376,23 +390,46 @@ class SampleStore:
             return read_leases(txn, self.dbs[DB_LEASES])
 
     def release_lease(self, lease_id: str) -> bool:
-        return self.store.write(lambda txn: delete_lease(txn, self.dbs[DB_LEASES], lease_id))
+        ours = heartbeats().remove(self.path, lease_id)
+        deleted = self.store.write(lambda txn: delete_lease(txn, self.dbs[DB_LEASES], lease_id))
+        if ours:
+            end_lease(self.path)  # after the lease is gone: it is never judged by a lost lock
+        return deleted
 
     def heartbeat_lease(self, lease_id: str) -> None:
-        def run(txn: lmdb.Transaction) -> None:
-            raw = txn.get(lease_id.encode(), db=self.dbs[DB_LEASES])
-            if raw is not None:
-                lease = Lease.from_bytes(raw)
-                lease.heartbeat_ns = time.time_ns()
-                write_lease(txn, self.dbs[DB_LEASES], lease)
+        self.heartbeat_leases([lease_id])
 
-        self.store.write(run)
+    def heartbeat_leases(self, lease_ids: list[str]) -> None:
+        """Refresh the heartbeat of these leases (one transaction); a lease that is no longer
+        there was reclaimed: logged, and left to its snapshot's readers to report."""
+        def run(txn: lmdb.Transaction) -> list[str]:
+            gone = []
+            now = time.time_ns()
+            for lease_id in lease_ids:
+                raw = txn.get(lease_id.encode(), db=self.dbs[DB_LEASES])
+                if raw is None:
+                    gone.append(lease_id)
+                    continue
+                lease = Lease.from_bytes(raw)
+                lease.heartbeat_ns = now
+                write_lease(txn, self.dbs[DB_LEASES], lease)
+            return gone
+
+        for lease_id in self.store.write(run):
+            if heartbeats().remove(self.path, lease_id):
+                end_lease(self.path)
+            log.error("%s: lease %s of this process was reclaimed by another process (it took "
+                      "the holder for dead); reads of its snapshot fail once its samples are "
+                      "evicted", self.path, lease_id[:8])
 
     def reclaim_leases(self) -> list[Lease]:
-        """Delete leases whose holder died, then evict what they pinned beyond capacity."""
+        """Delete leases whose holder died, then evict what they pinned beyond capacity; also
+        delete the owner files of dead processes that no lease names."""
         dead = self.store.write(self.writer.reclaim)
         if dead:
             self.evict()
+        if not self.store.readonly:
+            sweep_dead_owners(self.path, {lease.owner for lease in self.leases()})
         return dead
 
     # -- side tables and reporting ----------------------------------------------------------

@@ -30,6 +30,7 @@ from typing import TypeVar
 import lmdb
 
 from ..errors import CacheError, CacheIOError
+from . import mapgate
 from .schema import ALL_DBS
 
 log = logging.getLogger(__name__)
@@ -92,13 +93,51 @@ if hasattr(os, "register_at_fork"):
 def begin_read(env: lmdb.Environment) -> lmdb.Transaction:
     """A read transaction (buffers into the map); survives another process growing the map.
 
-    The caller aborts it. Hot paths call this directly instead of :meth:`Store.read`.
+    The caller ends it with :func:`end_read`. Hot paths call this directly instead of
+    :meth:`Store.read`. Adopting a map another process grew waits until no other thread of
+    this process has a transaction open (:mod:`epochcache.store.mapgate`).
     """
+    gate = mapgate.GATE
+    gate.enter()
     try:
         return env.begin(buffers=True)
     except lmdb.MapResizedError:
-        env.set_mapsize(0)  # adopt the size another process set
-        return env.begin(buffers=True)
+        gate.leave()
+        gate.remap(lambda: env.set_mapsize(0))  # adopt the size another process set
+        gate.enter()
+        try:
+            return env.begin(buffers=True)
+        except BaseException:
+            gate.leave()
+            raise
+    except BaseException:
+        gate.leave()
+        raise
+
+
+def end_read(txn: lmdb.Transaction) -> None:
+    """End a transaction of :func:`begin_read` (its buffers are invalid from here on)."""
+    try:
+        txn.abort()
+    finally:
+        mapgate.GATE.leave()
+
+
+def cache_identity(path: str) -> str:
+    """Which cache ``path`` holds, machine-wide: the kernel's boot id and the data file's device
+    and inode. Processes that print the same identity open the same LMDB environment (on one
+    machine, from any container or mount point); a copy of the cache on another machine, or
+    another directory, differs."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "unknown-boot"
+    try:
+        st = os.stat(os.path.join(path, "data.mdb"))
+    except OSError:
+        return f"{boot}:missing:{os.path.realpath(path)}"
+    return f"{boot}:{st.st_dev}:{st.st_ino}"
 
 
 def map_bound(limit_bytes: int) -> int:
@@ -341,8 +380,10 @@ class Store:
             self._set_map_size(map_size)
 
     def _set_map_size(self, size: int) -> None:
-        # Only valid with no transaction of this process open (py-lmdb, "Handling growth").
-        self.env.set_mapsize(size)
+        # Only valid with no transaction of this process open (py-lmdb, "Handling growth"):
+        # other threads may be reading from the map this replaces.
+        env = self.env
+        mapgate.GATE.remap(lambda: env.set_mapsize(size))
         log.debug("%s: LMDB map size set to %d bytes", self.path, size)
 
     def _grow_map(self) -> bool:
@@ -361,7 +402,7 @@ class Store:
         try:
             yield txn
         finally:
-            txn.abort()
+            end_read(txn)
 
     def read_many(
         self, db: lmdb._Database, keys: list[bytes], fn: Callable[[memoryview], T]
@@ -376,7 +417,7 @@ class Store:
             get = txn.get
             return [None if (value := get(key, None, db)) is None else fn(value) for key in keys]
         finally:
-            txn.abort()
+            end_read(txn)
 
     def write(self, fn: Callable[[lmdb.Transaction], T]) -> T:
         """Run ``fn`` in one write transaction and commit it; grow the map when it is full.
@@ -393,14 +434,15 @@ class Store:
             raise CacheError(f"{self.path}: opened read-only")
         while True:
             env = self.env
+            gate = mapgate.GATE
+            gate.enter()  # a write transaction holds buffers into the map too
             try:
                 with env.begin(write=True, buffers=True) as txn:
                     return fn(txn)
             except lmdb.MapResizedError:
-                env.set_mapsize(0)
-            except lmdb.MapFullError:
-                if not self._grow_map():
-                    raise
+                resize: lmdb.Error | None = None
+            except lmdb.MapFullError as exc:
+                resize = exc
             except lmdb.Error as exc:
                 if _is_io_error(exc) and not self._disk_nearly_full():
                     raise CacheIOError(
@@ -410,6 +452,13 @@ class Store:
                         "committed); check the disk and filesystem (dmesg, SMART), then restart"
                     ) from exc
                 raise
+            finally:
+                gate.leave()
+            # Outside the transaction: replacing the map waits for other threads' to end.
+            if resize is None:
+                gate.remap(lambda: env.set_mapsize(0))  # adopt the size another process set
+            elif not self._grow_map():
+                raise resize
 
     def _disk_nearly_full(self) -> bool:
         # LMDB reports a short write (a full disk) as EIO too: tell the two apart by the room.

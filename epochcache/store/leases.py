@@ -1,10 +1,16 @@
 """Snapshot leases: who holds which samples, and reclaiming the leases of dead holders.
 
-A lease protects the sequence range ``[lo, hi)`` of one snapshot from eviction. It records its
-owner (pid, host, the process start time so a recycled pid is not mistaken for the owner) and
-a heartbeat. A lease whose owner process is gone is reclaimed, so a crashed trainer cannot pin
-the cache forever (invariant 1). Owners on another host (a cache on a shared filesystem) are
-judged by their heartbeat instead.
+A lease protects the sequence range ``[lo, hi)`` of one snapshot from eviction. It names its
+owner (a lock file the holding process keeps locked while it lives, see
+:mod:`epochcache.store.owners`), the holder's pid, host and start time (for ``status``), its
+heartbeat and the timeout after which a holder whose lock cannot be tested is presumed dead. A
+lease whose holder is gone is reclaimed, so a crashed trainer cannot pin the cache forever
+(invariant 1), while a live one is kept however long its epoch runs, whatever PID namespace or
+hostname its holder has. Leases written by versions without owners are judged as they were:
+by pid on the same host, by heartbeat elsewhere.
+
+Lease records are JSON; fields this version does not know (a newer version's) are ignored and
+fields it misses (an older version's) take their defaults, so versions can share a cache.
 """
 
 from __future__ import annotations
@@ -16,13 +22,16 @@ import socket
 import time
 import uuid
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 import lmdb
 
+from .owners import owner_alive, remove_owner
+
 log = logging.getLogger("epochcache.cache")  # one logger for everything a cache does
 
-#: Holders on other hosts are presumed dead after this long without a heartbeat.
+#: A holder whose owner lock cannot be tested is presumed dead after this long without a
+#: heartbeat (its heartbeat thread refreshes it every quarter of that).
 DEFAULT_LEASE_TIMEOUT_S = 600.0
 
 
@@ -83,10 +92,13 @@ class Lease:
     created_ns: int
     heartbeat_ns: int
     label: str = ""
+    owner: str = ""  # the holder's owner lock (owners/<owner>.lock); "" from older versions
+    timeout_s: float = 0.0  # the holder's heartbeat timeout; 0: the judge's own
 
     @classmethod
-    def new(cls, lo: int, hi: int, count: int, label: str = "", pid: int | None = None) -> Lease:
-        """A lease held by ``pid`` (default: this process), alive as long as that process is."""
+    def new(cls, lo: int, hi: int, count: int, label: str = "", owner: str = "",
+            timeout_s: float = 0.0, pid: int | None = None) -> Lease:
+        """A lease of ``owner``'s, held by ``pid`` (default: this process; shown by status)."""
         now = time.time_ns()
         pid = os.getpid() if pid is None else pid
         return cls(
@@ -100,6 +112,8 @@ class Lease:
             created_ns=now,
             heartbeat_ns=now,
             label=label,
+            owner=owner,
+            timeout_s=timeout_s,
         )
 
     def to_bytes(self) -> bytes:
@@ -107,15 +121,27 @@ class Lease:
 
     @classmethod
     def from_bytes(cls, raw: bytes | memoryview) -> Lease:
-        return cls(**json.loads(bytes(raw)))
+        doc = json.loads(bytes(raw))
+        return cls(**{k: v for k, v in doc.items() if k in _FIELDS})
 
     def holds(self, seq: int) -> bool:
         return self.lo <= seq < self.hi
 
-    def is_alive(self, now_ns: int, timeout_s: float = DEFAULT_LEASE_TIMEOUT_S) -> bool:
-        if self.host == socket.gethostname():
+    def is_alive(self, now_ns: int, timeout_s: float = DEFAULT_LEASE_TIMEOUT_S,
+                 cache_path: str = "") -> bool:
+        """Whether the holder lives: its owner lock is held; where that cannot be tested, a
+        heartbeat within the lease's timeout (an older version's lease: its pid on this host).
+        """
+        if self.owner and cache_path:
+            alive = owner_alive(cache_path, self.owner)
+            if alive is not None:
+                return alive
+        elif not self.owner and self.host == socket.gethostname():
             return pid_alive(self.pid, self.start_ticks)
-        return (now_ns - self.heartbeat_ns) < timeout_s * 1e9
+        return (now_ns - self.heartbeat_ns) < (self.timeout_s or timeout_s) * 1e9
+
+
+_FIELDS = frozenset(f.name for f in fields(Lease))
 
 
 def read_leases(txn: lmdb.Transaction, db: lmdb._Database) -> list[Lease]:
@@ -136,11 +162,17 @@ def reclaim_dead(
 ) -> list[Lease]:
     """Delete the leases whose holders are gone, log each with ``path``; return them."""
     now = time.time_ns()
-    dead = [lease for lease in read_leases(txn, db) if not lease.is_alive(now, timeout_s)]
+    leases = read_leases(txn, db)
+    dead = [lease for lease in leases if not lease.is_alive(now, timeout_s, path)]
     for lease in dead:
         delete_lease(txn, db, lease.lease_id)
-        log.info("%s: reclaimed lease %s of dead process %d on %s (%d samples)",
-                 path, lease.lease_id[:8], lease.pid, lease.host, lease.count)
+        log.info("%s: reclaimed lease %s (%s) of dead process %d on %s (%d samples)",
+                 path, lease.lease_id[:8], lease.label or "snapshot", lease.pid, lease.host,
+                 lease.count)
+    dead_ids = {lease.lease_id for lease in dead}
+    live_owners = {lease.owner for lease in leases if lease.lease_id not in dead_ids}
+    for owner in {lease.owner for lease in dead if lease.owner} - live_owners:
+        remove_owner(path, owner)
     return dead
 
 

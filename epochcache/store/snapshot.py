@@ -63,7 +63,9 @@ class Snapshot:
 
     Obtained from :meth:`SampleStore.snapshot`. Use it as a context manager, or call
     :meth:`release`; a snapshot dropped without release is released when garbage collected
-    (in the process that took it only), and its lease is reclaimed if that process dies.
+    (in the process that took it only), and its lease is reclaimed if that process dies. While
+    it is open its lease lives, however long: this process holds the lease's owner lock, and
+    a thread refreshes its heartbeat (:mod:`epochcache.store.owners`).
     """
 
     def __init__(self, cache: SampleStore, seqs: np.ndarray, lease_id: str, epoch: int | None) -> None:
@@ -95,7 +97,8 @@ class Snapshot:
             )
 
     def heartbeat(self) -> None:
-        """Refresh the lease's heartbeat (only needed for caches on shared filesystems)."""
+        """Refresh the lease's heartbeat now (a thread of this process already does it while
+        the snapshot is open; see :mod:`epochcache.store.owners`)."""
         self.check_open()
         self.cache.heartbeat_lease(self.lease_id)
 

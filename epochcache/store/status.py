@@ -100,7 +100,7 @@ def _collect(cache: SampleStore) -> dict[str, Any]:
                 "host": lease.host,
                 "samples": lease.count,
                 "age_s": round(now - lease.created_ns / 1e9, 1),
-                "alive": lease.is_alive(time.time_ns(), cache.lease_timeout_s),
+                "alive": lease.is_alive(time.time_ns(), cache.lease_timeout_s, cache.path),
             }
             for lease in leases
         ],

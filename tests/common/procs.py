@@ -105,12 +105,14 @@ class Proc:
 
 
 def spawn_script(
-    workdir: Path, name: str, code: str, *args: str, env: dict[str, str] | None = None
+    workdir: Path, name: str, code: str, *args: str, env: dict[str, str] | None = None,
+    prefix: tuple[str, ...] = (),
 ) -> Proc:
     """Write ``code`` to ``workdir/name.py`` and run it with this interpreter.
 
     The script gets ``sys.argv[1:] == args``; ``tests/`` is on its ``sys.path`` so it can
     import ``common``. stdout is a pipe (markers), stdin a pipe (commands), stderr a file.
+    ``prefix`` runs it under another command (``unshare --pid --fork --kill-child ...``).
     """
     script = workdir / f"{name}.py"
     script.write_text(textwrap.dedent(code))
@@ -123,7 +125,7 @@ def spawn_script(
     child_env.update(env or {})
     with open(stderr_path, "wb") as err:
         popen = subprocess.Popen(
-            [sys.executable, str(script), *args],
+            [*prefix, sys.executable, str(script), *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=err,
