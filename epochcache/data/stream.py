@@ -33,6 +33,7 @@ import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 
 from ..limits import DEFAULT_MAX_SAMPLE_BYTES
+from ..store.env import cache_identity
 from ..store.shares import (
     Share,
     claim_share,
@@ -195,19 +196,20 @@ class CacheStream(IterableDataset[Any]):
         world = detect_world()
         distributed = world.distributed and dist_initialized()
         if distributed and self._sync is None:
-            self._sync = NodeSync(world)  # collective: every rank prepares in step
+            # collective: every rank prepares in step (and checks the node layout)
+            self._sync = NodeSync(world, cache_identity(cache.path), cache.path)
         label = f"stream {self.stream_id} epoch {epoch}"
         taken: list[Snapshot] = []
 
-        def take() -> np.ndarray:
+        def take() -> tuple[np.ndarray, str]:
             taken.append(cache.snapshot(epoch=epoch, label=label))
             unwatch(cache, taken[0].lease_id)  # the share manages it; our owner lock keeps it
-            return taken[0].seqs
+            return taken[0].seqs, taken[0].lease_id
 
         if not distributed:
             self._release_snapshot()  # no other rank can still be reading it
-        seqs = (self._sync.share_seqs(take if world.local_rank == 0 else None)
-                if self._sync is not None else take())
+        seqs, _lease = (self._sync.share_seqs(take if world.local_rank == 0 else None)
+                        if self._sync is not None else take())
         # Under DDP every rank is past the previous epoch once the snapshot was shared.
         self._release_snapshot()
         self._snapshot = taken[0] if taken else None
