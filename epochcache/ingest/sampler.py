@@ -362,7 +362,7 @@ class Sampler:
                 health.fetched_bytes += size
                 fetched += size
                 try:
-                    records.append((key, self.cache.encode(key, payload)))
+                    records.append((key, self.cache.encode(key, payload, adaptive=True)))
                 except SampleRejected as exc:
                     self.quarantine(key, str(exc))
         return records, fetched

@@ -193,9 +193,10 @@ class SampleStore:
 
     # -- writing ----------------------------------------------------------------------------
 
-    def encode(self, key: str, value: Value) -> bytes:
-        """Frame one sample as a record (samplers do it before they take the write lock)."""
-        return self.writer.encode(key, value)
+    def encode(self, key: str, value: Value, *, adaptive: bool = False) -> bytes:
+        """Frame one sample as a record (samplers do it before they take the write lock, with
+        ``adaptive``: see :meth:`~.writer.Writer.encode`)."""
+        return self.writer.encode(key, value, adaptive=adaptive)
 
     def put(self, key: str, value: Value, **kwargs: Any) -> PutResult:
         return self.put_many([(key, value)], **kwargs)
@@ -338,9 +339,11 @@ class SampleStore:
         name = label or (f"epoch {epoch}" if epoch is not None else "snapshot")
         limit = self.effective_capacity  # outside the write transaction: it may read the cache
         owner = begin_lease(self.path)  # locked by this process while it holds leases here
+        def run(txn: lmdb.Transaction) -> tuple[np.ndarray, str]:
+            return self.take_snapshot(txn, name, limit, owner=owner)
+
         try:
-            seqs, lease_id = self.store.write(
-                lambda txn: self.take_snapshot(txn, name, limit, owner))
+            seqs, lease_id = self.store.write(run)
         except BaseException:
             end_lease(self.path)
             raise
@@ -350,19 +353,19 @@ class SampleStore:
         heartbeats().add(self.path, lease_id, self.heartbeat_leases, self.lease_timeout_s / 4)
         return snap
 
-    def take_snapshot(self, txn: lmdb.Transaction, label: str, limit: int, owner: str,
-                      pid: int | None = None) -> tuple[np.ndarray, str]:
+    def take_snapshot(self, txn: lmdb.Transaction, label: str, limit: int, *,
+                      owner: str = "", pid: int | None = None) -> tuple[np.ndarray, str]:
         """In ``txn``: select the newest samples that fit ``limit`` bytes (the effective
-        capacity, read before the transaction) and write their lease, alive while ``owner``'s
-        lock is held (see :mod:`epochcache.store.owners`), held by ``pid`` (default: this
-        process); returns ``(seqs, lease_id)``. The caller owns the lease's release."""
+        capacity, read before the transaction) and write their lease, held by ``owner`` (this
+        process's owner lock, see :func:`~.owners.begin_lease`) or else by ``pid`` on this host
+        (default: this process); returns ``(seqs, lease_id)``. The caller owns the release."""
         self.writer.reclaim(txn)
         counters = Counters.load(txn, self.dbs[DB_META])
         seqs = select_snapshot(txn, self.dbs[DB_SAMPLES], counters, limit)
         lo = int(seqs[0]) if len(seqs) else counters.next_seq
         hi = int(seqs[-1]) + 1 if len(seqs) else counters.next_seq
         lease = Lease.new(lo, hi, len(seqs), label=label, owner=owner,
-                          timeout_s=self.lease_timeout_s, pid=pid)
+                          timeout_s=self.lease_timeout_s if owner else 0.0, pid=pid)
         write_lease(txn, self.dbs[DB_LEASES], lease)
         return seqs, lease.lease_id
 

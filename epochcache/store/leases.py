@@ -98,7 +98,8 @@ class Lease:
     @classmethod
     def new(cls, lo: int, hi: int, count: int, label: str = "", owner: str = "",
             timeout_s: float = 0.0, pid: int | None = None) -> Lease:
-        """A lease of ``owner``'s, held by ``pid`` (default: this process; shown by status)."""
+        """A lease held by ``owner`` (an owner lock of this process) or, without one, by
+        ``pid`` (default: this process) on this host, alive as long as that process is."""
         now = time.time_ns()
         pid = os.getpid() if pid is None else pid
         return cls(

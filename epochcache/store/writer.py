@@ -113,10 +113,15 @@ class Writer:
     def path(self) -> str:
         return self.store.path
 
-    def encode(self, key: str, value: Value) -> bytes:
-        """Frame one sample as a record (done by samplers before they take the write lock)."""
+    def encode(self, key: str, value: Value, *, adaptive: bool = False) -> bytes:
+        """Frame one sample as a record (done by samplers before they take the write lock).
+
+        ``adaptive`` (samplers) skips compression attempts for kinds of samples that have not
+        compressed lately (:class:`~.codec.CompressGate`); then a record's size depends on what
+        was framed before, so it is off for everything else (a record is a function of its
+        sample)."""
         return codec.encode_record(key, value, level=self.level, compress=self.compress,
-                                   gate=self._gate)
+                                   gate=self._gate if adaptive else None)
 
     def put_many(
         self,
