@@ -231,3 +231,47 @@ def test_options_are_checked_and_the_stream_pickles(tmp_path: Path) -> None:
     stream.close()
     copy.close()
     assert cache.leases() == []
+
+
+def _hold_with_workers(path: str, ready: Any) -> None:
+    """A trainer whose workers took the epoch's lease (no set_epoch), stopped mid-epoch."""
+    import os
+
+    from epochcache import Cache as _Cache
+
+    os.setpgrp()  # its forked workers join its process group: killed with it, at once
+
+    # A long heartbeat timeout: only the owner lock can tell the lease's holder died.
+    stream = _Cache(path, sync=False, lease_timeout_s=600).stream()
+    batches = iter(DataLoader(stream, batch_size=4, num_workers=2, prefetch_factor=1))
+    next(batches)
+    ready.set()
+    time.sleep(600)
+
+
+def test_a_lease_taken_by_workers_lives_with_the_trainer_and_dies_with_it(tmp_path: Path) -> None:
+    import multiprocessing as mp
+    import os
+    import signal
+
+    path = str(tmp_path / "c")
+    fill(path, 0, 200)
+    cache = Cache(path, sync=False)
+    ctx = mp.get_context("spawn")
+    ready = ctx.Event()
+    trainer = ctx.Process(target=_hold_with_workers, args=(path, ready))
+    trainer.start()
+    try:
+        assert ready.wait(60)
+        (lease,) = cache.leases()
+        assert lease.pid == trainer.pid and lease.owner  # the trainer's name and owner lock
+        assert lease.timeout_s == 600
+        assert cache.reclaim_leases() == []  # alive: the trainer holds the lock
+    finally:
+        os.killpg(trainer.pid, signal.SIGKILL)  # trainer and workers: no cleanup runs
+        trainer.join(30)
+    deadline = time.monotonic() + 20  # the kernel drops the trainer's owner lock
+    while cache.leases() and time.monotonic() < deadline:
+        cache.reclaim_leases()
+        time.sleep(0.1)
+    assert cache.leases() == []

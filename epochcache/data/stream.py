@@ -33,7 +33,18 @@ import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 
 from ..limits import DEFAULT_MAX_SAMPLE_BYTES
-from ..store.shares import Share, claim_share, drop_shares, finish_share, last_epoch, publish_share
+from ..store.env import cache_identity
+from ..store.shares import (
+    Share,
+    claim_share,
+    drop_shares,
+    finish_share,
+    hold_owner,
+    last_epoch,
+    publish_share,
+    release_owner,
+    unwatch,
+)
 from .distributed import NodeSync, detect_world, dist_initialized
 from .plan import epoch_order
 from .reader import SampleReader
@@ -136,7 +147,10 @@ class CacheStream(IterableDataset[Any]):
         self._finalizer = self._new_finalizer()
 
     def _new_finalizer(self) -> weakref.finalize[Any, Any]:
-        # Drops the document (and a worker-taken lease) when the stream is collected.
+        # Holds this process's owner lock while the stream lives (the leases its workers take
+        # name it); drops the document, a worker-taken lease and the lock when the stream is
+        # closed or collected.
+        self._owner = hold_owner(self.reader.cache)
         return weakref.finalize(self, _drop_quietly, self.reader.cache, self._doc_name(),
                                 self._home_pid)
 
@@ -182,12 +196,14 @@ class CacheStream(IterableDataset[Any]):
         world = detect_world()
         distributed = world.distributed and dist_initialized()
         if distributed and self._sync is None:
-            self._sync = NodeSync(world)  # collective: every rank prepares in step
+            # collective: every rank prepares in step (and checks the node layout)
+            self._sync = NodeSync(world, cache_identity(cache.path), cache.path)
         label = f"stream {self.stream_id} epoch {epoch}"
         taken: list[Snapshot] = []
 
         def take() -> tuple[np.ndarray, str]:
             taken.append(cache.snapshot(epoch=epoch, label=label))
+            unwatch(cache, taken[0].lease_id)  # the share manages it; our owner lock keeps it
             return taken[0].seqs, taken[0].lease_id
 
         if not distributed:
@@ -283,6 +299,7 @@ class CacheStream(IterableDataset[Any]):
         share = claim_share(cache, name, group,
                             prepared=prepared.share if prepared is not None else None,
                             first_epoch=self._next_epoch, home_pid=self._home_pid,
+                            home_owner=self._owner,
                             label=f"stream {self.stream_id}", take=not distributed)
         if share is None:
             raise RuntimeError(
@@ -397,3 +414,5 @@ def _drop_quietly(cache: SampleStore, name: str, home_pid: int) -> None:
         drop_shares(cache, name)
     except Exception:  # interpreter shutdown: a dead holder's lease is reclaimed anyway
         log.debug("could not drop stream document %s", name, exc_info=True)
+    finally:
+        release_owner(cache)

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import lmdb
 
 from .leases import delete_lease
+from .owners import begin_lease, end_lease, heartbeats
 from .schema import DB_LEASES, DB_STATE
 
 if TYPE_CHECKING:
@@ -78,12 +79,14 @@ def publish_share(cache: SampleStore, name: str, share: Share, release: bool) ->
 
 
 def claim_share(cache: SampleStore, name: str, group: str, *, prepared: Share | None,
-                first_epoch: int, home_pid: int, label: str, take: bool) -> Share | None:
+                first_epoch: int, home_pid: int, home_owner: str, label: str,
+                take: bool) -> Share | None:
     """The share the loader iteration ``group`` reads, agreed in one write transaction.
 
     In order: the share another worker of ``group`` already claimed; the ``prepared`` share,
     if no iteration claimed it yet; else, when ``take``, a new snapshot for the epoch after the
-    last one recorded (or ``first_epoch``), leased in the name of ``home_pid``. Returns None
+    last one recorded (or ``first_epoch``), leased in the name of ``home_pid`` and its owner
+    lock ``home_owner`` (see :func:`hold_owner`). Returns None
     when a new snapshot is needed but ``take`` is false (under DDP, where only the main
     process may agree on one).
     """
@@ -103,7 +106,8 @@ def claim_share(cache: SampleStore, name: str, group: str, *, prepared: Share | 
             return None
         _release_old(txn, cache, doc)
         epoch = first_epoch if doc is None else max(first_epoch, int(doc["epoch"]) + 1)
-        seqs, lease_id = cache.take_snapshot(txn, f"{label} epoch {epoch}", limit, pid=home_pid)
+        seqs, lease_id = cache.take_snapshot(txn, f"{label} epoch {epoch}", limit,
+                                             owner=home_owner, pid=home_pid)
         lo = int(seqs[0]) if len(seqs) else 0
         hi = int(seqs[-1]) + 1 if len(seqs) else 0
         share = Share(epoch, lo, hi, len(seqs), lease_id)
@@ -145,3 +149,22 @@ def drop_shares(cache: SampleStore, name: str) -> None:
         txn.delete(name.encode(), db=cache.dbs[DB_STATE])
 
     cache.store.write(run)
+
+
+def hold_owner(cache: SampleStore) -> str:
+    """Take this process's owner lock on ``cache`` for a stream's lifetime (pair with
+    :func:`release_owner`): the leases its workers take name it, so they live while this
+    process does and are reclaimed when it dies (workers have owner locks of their own)."""
+    return begin_lease(cache.path)
+
+
+def release_owner(cache: SampleStore) -> None:
+    end_lease(cache.path)
+
+
+def unwatch(cache: SampleStore, lease_id: str) -> None:
+    """Stop heartbeating a snapshot whose lease a share now manages: its workers may release
+    it, which the heartbeat would report as a reclaim. The stream's owner lock
+    (:func:`hold_owner`) keeps the lease alive instead, so the snapshot's count is returned."""
+    if heartbeats().remove(cache.path, lease_id):
+        end_lease(cache.path)
