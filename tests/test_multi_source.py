@@ -17,10 +17,10 @@ import pytest
 import yaml
 from common.cachecheck import full_check
 from common.daemonproc import (
+    all_samplers,
     REPO,
     daemon_state,
     read_cache,
-    sampler_states,
     wait_for,
     wait_running,
 )
@@ -161,8 +161,8 @@ def test_an_outage_of_one_source_leaves_the_others_ingesting(
                  "both sources ingesting")
         server.kill()  # every connection to the S3 source dies
         # The samplers notice (a whole batch fails): the S3 source rests, books takes its share.
-        wait_for(lambda: all(h.get("sources", {}).get("web", {}).get("down")
-                             for h in sampler_states(cache_dir).values()), 30,
+        wait_for(lambda: all_samplers(cache_dir, 2,
+                                      lambda h: h.get("sources", {}).get("web", {}).get("down")), 30,
                  "both samplers to report the S3 source down")
         before = source_stats(cache_dir)
         # A web batch that was fetching when the server died is retried until its deadline,

@@ -20,6 +20,7 @@ import pytest
 import s3fs
 from common.cachecheck import full_check
 from common.daemonproc import (
+    all_samplers,
     SAMPLE_BYTES,
     cache_len,
     daemon_state,
@@ -132,7 +133,7 @@ def test_samplers_die_with_their_daemon_while_waiting_for_space(
     try:
         snap = cache.snapshot(epoch=0)  # pins the oldest samples: writers fill the headroom, then wait
         wait_for(
-            lambda: all(h.get("waiting_for_space") for h in sampler_states(cache_dir).values()),
+            lambda: all_samplers(cache_dir, 2, lambda h: h.get("waiting_for_space")),
             30, "both samplers to wait for space",
         )
         assert cache.stats()["bytes"] <= capacity + capacity // 10

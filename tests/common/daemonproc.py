@@ -114,6 +114,13 @@ def sampler_states(cache_dir: Path) -> dict[str, dict[str, Any]]:
     return read_cache(cache_dir, lambda c: c.tables.states("sampler/")) or {}
 
 
+def all_samplers(cache_dir: Path, count: int, predicate: Callable[[dict[str, Any]], Any]) -> bool:
+    """``count`` samplers have written their health and ``predicate`` holds for each (no
+    documents yet is not "all of them": ``all()`` of nothing would be true)."""
+    states = sampler_states(cache_dir)
+    return len(states) >= count and all(predicate(h) for h in states.values())
+
+
 def _proc_stat(pid: int) -> tuple[str, int, int] | None:
     """(state, ppid, session id) of a process, or None if it is gone."""
     try:
