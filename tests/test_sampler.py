@@ -198,3 +198,41 @@ def test_without_prctl_a_sampler_waiting_for_space_stops_when_its_daemon_is_gone
         runner.join(30)
         sampler.close()
         cache.close()
+
+
+class _CountingCommitter:
+    def __init__(self) -> None:
+        self.checks = 0
+
+    def check(self) -> None:
+        self.checks += 1
+
+
+def test_waiting_for_a_slow_batch_does_not_spin_on_a_later_one_that_is_done() -> None:
+    # Batches of one source commit in order, so with the oldest still fetching and a later one
+    # done there is nothing to do but wait. Waiting on every batch returned at once each time
+    # (the later one is done): the loop spun, holding the GIL the fetch threads and fsspec's IO
+    # loop need (found profiling ingest over HTTP, issue 14).
+    from collections import deque
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    from epochcache.ingest.lifeline import Lifeline
+    from epochcache.ingest.sampler import _Fetching
+
+    feed = SimpleNamespace(name="")
+    slow: Future[list[Any]] = Future()
+    done: Future[list[Any]] = Future()
+    done.set_result([])
+    first = _Fetching(slow, feed, [], {}, 0, 0.0)  # type: ignore[arg-type]
+    second = _Fetching(done, feed, [], {}, 0, 0.0)  # type: ignore[arg-type]
+    sampler = object.__new__(Sampler)  # only the fields the wait uses
+    sampler.fetching = deque([first, second])
+    sampler.committer = committer = _CountingCommitter()  # type: ignore[assignment]
+    sampler.lifeline = Lifeline(None)
+    threading.Timer(0.6, slow.set_result, ([],)).start()
+
+    assert sampler._wait_fetched() is first
+    # one committer check per poll round (0.25 s) while waiting, not one per spin
+    assert committer.checks <= 4, committer.checks
+    assert list(sampler.fetching) == [second]

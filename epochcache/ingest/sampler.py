@@ -288,21 +288,38 @@ class Sampler:
             waiting.add(id(fetching.feed))
         return None
 
-    def _hand_over(self) -> None:
-        """Wait for a fetched batch (see :meth:`_next_fetched`) and queue it for commit."""
+    def _wait_fetched(self) -> _Fetching | None:
+        """The next batch to commit (see :meth:`_next_fetched`), once it is fetched; None if
+        the daemon is gone meanwhile. A dead committer raises (:meth:`Committer.check`)."""
         while True:
             fetching = self._next_fetched()
             if fetching is not None:
-                break
-            wait([f.future for f in self.fetching], timeout=_POLL_S, return_when=FIRST_COMPLETED)
+                return fetching
+            wait(self._awaited(), timeout=_POLL_S, return_when=FIRST_COMPLETED)
             self.committer.check()
-            if self.lifeline.parent_gone():  # nobody will read what we would commit
-                self.stop.set()
-                dropped = self.fetching.popleft()
-                dropped.feed.fetch_started.remove(dropped.started)
-                keys = [dropped.feed.cache_key(ref.key) for ref in dropped.refs]
-                self._done(Batch([], dropped.position, keys, dropped.reserved))
-                return
+            if self.lifeline.parent_gone():
+                return None
+
+    def _awaited(self) -> list[Future[Any]]:
+        """The futures :meth:`_next_fetched` waits for: each feed's oldest batch. A later batch
+        that is done already must not be waited on: ``wait(FIRST_COMPLETED)`` would return at
+        once, and the hand-over would spin holding the GIL that the fetch threads and the IO
+        loop need (batches of one source often finish out of order)."""
+        heads: dict[int, Future[Any]] = {}
+        for fetching in self.fetching:
+            heads.setdefault(id(fetching.feed), fetching.future)
+        return list(heads.values())
+
+    def _hand_over(self) -> None:
+        """Wait for a fetched batch (see :meth:`_next_fetched`) and queue it for commit."""
+        fetching = self._wait_fetched()
+        if fetching is None:  # the daemon is gone: nobody will read what we would commit
+            self.stop.set()
+            dropped = self.fetching.popleft()
+            dropped.feed.fetch_started.remove(dropped.started)
+            keys = [dropped.feed.cache_key(ref.key) for ref in dropped.refs]
+            self._done(Batch([], dropped.position, keys, dropped.reserved))
+            return
         feed = fetching.feed
         feed.fetch_started.remove(fetching.started)
         results = fetching.future.result()
