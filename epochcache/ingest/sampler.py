@@ -276,42 +276,31 @@ class Sampler:
     def _stop_or_committer_dead(self) -> bool:
         return self.should_stop() or self.committer.error is not None or not self.committer.is_alive()
 
-    def _next_fetched(self) -> _Fetching | None:
-        """The oldest batch that is fetched and has no older batch of its feed still being
-        fetched (so each feed's positions are saved in order, while a source that is down
-        holds up no other); None if there is none yet."""
-        waiting: set[int] = set()
-        for i, fetching in enumerate(self.fetching):
-            if fetching.future.done() and id(fetching.feed) not in waiting:
-                del self.fetching[i]
-                return fetching
-            waiting.add(id(fetching.feed))
-        return None
-
     def _wait_fetched(self) -> _Fetching | None:
-        """The next batch to commit (see :meth:`_next_fetched`), once it is fetched; None if
-        the daemon is gone meanwhile. A dead committer raises (:meth:`Committer.check`)."""
+        """The oldest batch that is fetched and has no older batch of its feed still being
+        fetched (so each feed's positions are saved in order, while a source that is down holds
+        up no other), once there is one; None if the daemon is gone meanwhile. A dead committer
+        raises (:meth:`Committer.check`).
+
+        Only each feed's oldest batch is waited on: a later batch that is done already would
+        make ``wait(FIRST_COMPLETED)`` return at once, and the loop would spin holding the GIL
+        that the fetch threads and the IO loop need (batches of one source often finish out of
+        order)."""
         while True:
-            fetching = self._next_fetched()
-            if fetching is not None:
-                return fetching
-            wait(self._awaited(), timeout=_POLL_S, return_when=FIRST_COMPLETED)
+            heads: dict[int, _Fetching] = {}
+            for fetching in self.fetching:
+                heads.setdefault(id(fetching.feed), fetching)
+            for fetching in heads.values():
+                if fetching.future.done():
+                    self.fetching.remove(fetching)
+                    return fetching
+            wait([f.future for f in heads.values()], timeout=_POLL_S, return_when=FIRST_COMPLETED)
             self.committer.check()
             if self.lifeline.parent_gone():
                 return None
 
-    def _awaited(self) -> list[Future[Any]]:
-        """The futures :meth:`_next_fetched` waits for: each feed's oldest batch. A later batch
-        that is done already must not be waited on: ``wait(FIRST_COMPLETED)`` would return at
-        once, and the hand-over would spin holding the GIL that the fetch threads and the IO
-        loop need (batches of one source often finish out of order)."""
-        heads: dict[int, Future[Any]] = {}
-        for fetching in self.fetching:
-            heads.setdefault(id(fetching.feed), fetching.future)
-        return list(heads.values())
-
     def _hand_over(self) -> None:
-        """Wait for a fetched batch (see :meth:`_next_fetched`) and queue it for commit."""
+        """Wait for a fetched batch (see :meth:`_wait_fetched`) and queue it for commit."""
         fetching = self._wait_fetched()
         if fetching is None:  # the daemon is gone: nobody will read what we would commit
             self.stop.set()
