@@ -4,7 +4,8 @@
   (scripts/http_files.py, aiohttp with sendfile); ``file://`` needs none;
 * baselines: a bare concurrent fetch of the same objects with the same fsspec client in one
   process (HTTP, S3), and for ``file://`` a raw LMDB write of the same bytes: ``putmulti`` in
-  batches of the daemon's ``batch_size``, one transaction each, with the cache's sync settings;
+  batches of the daemon's commit size, one transaction each, with the cache's sync settings;
+  and the disk's sustained write rate, for context;
 * :func:`daemon_fill`: ``epochcache daemon`` filling an empty cache from the remote: its
   running rate, from the moment a tenth of the objects is cached until all are (start-up,
   listing and first connections are not ingest; the time from the first sampler's start is
@@ -85,6 +86,21 @@ def bare_fetch(fs: Any, paths: list[str], concurrency: int) -> float:
     return time.perf_counter() - start
 
 
+def disk_write(workdir: Path, total: int = 1 << 30) -> float:
+    """MB/s of a sequential 1 GiB write in 8 MiB chunks, fdatasync'ed, in ``workdir``."""
+    path = workdir / "disk-probe"
+    chunk = os.urandom(8 << 20)
+    os.sync()
+    start = time.perf_counter()
+    with open(path, "wb", buffering=0) as out:
+        for _ in range(total // len(chunk)):
+            out.write(chunk)
+        os.fdatasync(out.fileno())
+    seconds = time.perf_counter() - start
+    path.unlink()
+    return total / seconds / 1e6
+
+
 def raw_lmdb_write(payloads: list[bytes], batch_size: int, sync: bool, workdir: Path) -> float:
     """Seconds to write ``payloads`` into a fresh LMDB environment with ``putmulti``, one
     transaction per ``batch_size`` samples, opened as the cache opens its own (sync or not,
@@ -137,6 +153,7 @@ def daemon_fill(source: dict[str, Any], count: int, workdir: Path, *, processes:
     proc = subprocess.Popen([sys.executable, "-m", "epochcache", "daemon", str(config_path)],
                             stdout=log, stderr=subprocess.STDOUT, env=env,
                             start_new_session=True)
+    watcher = None  # opened once the daemon has created the cache (reopening costs ~0.4 ms)
     try:
         deadline = time.monotonic() + timeout_s
         done_at = tenth_at = None
@@ -145,8 +162,9 @@ def daemon_fill(source: dict[str, Any], count: int, workdir: Path, *, processes:
             if proc.poll() is not None:
                 raise RuntimeError(f"daemon exited {proc.returncode}; see {log.name}")
             try:
-                with Cache(cache_dir, readonly=True) as cache:
-                    cached = len(cache)
+                if watcher is None:  # not `watcher or ...`: an empty cache is falsy
+                    watcher = Cache(cache_dir, readonly=True)
+                cached = len(watcher)
                 now = time.time()
                 if tenth_at is None and cached >= first:
                     tenth_at, tenth = now, cached
@@ -158,6 +176,8 @@ def daemon_fill(source: dict[str, Any], count: int, workdir: Path, *, processes:
             time.sleep(0.01)
         if done_at is None:
             raise RuntimeError(f"daemon did not cache {count} samples in {timeout_s}s")
+        watcher.close()
+        watcher = None
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
         with Cache(cache_dir, readonly=True) as cache:
@@ -172,6 +192,8 @@ def daemon_fill(source: dict[str, Any], count: int, workdir: Path, *, processes:
             "errors": sum(h["errors"] for h in healths.values()),
         }
     finally:
+        if watcher is not None:
+            watcher.close()
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()

@@ -41,6 +41,7 @@ from ...errors import CorruptSample, SourceError, SourceUnavailable
 from ...limits import DEFAULT_MAX_SAMPLE_BYTES
 from ...redact import redact_options, redact_url
 from ...units import format_size
+from ..localfiles import LocalFiles
 from ..remote import (
     TRANSIENT_ERRORS,
     BandwidthLimiter,
@@ -49,6 +50,7 @@ from ..remote import (
     fetch_many,
     open_fs,
     retry,
+    translate_error,
 )
 
 log = logging.getLogger(__name__)
@@ -186,8 +188,10 @@ class Source(abc.ABC):
         protocol = self.fs.protocol
         protocols = (protocol,) if isinstance(protocol, str) else tuple(protocol)
         # Local paths are resolved (symlinks) before reading: a link may lead out of the root.
-        self._local_root = (os.path.realpath(self.root or "/") if "file" in protocols
-                            or "local" in protocols else None)
+        local = "file" in protocols or "local" in protocols
+        self._local_root = os.path.realpath(self.root or "/") if local else None
+        # ...and read with the OS's calls, not through fsspec and a thread per file (see there).
+        self._local_files = LocalFiles(concurrency) if local else None
 
     # -- listing ---------------------------------------------------------------------------------
 
@@ -204,16 +208,27 @@ class Source(abc.ABC):
 
     def fetch_grouped(self, refs: Sequence[SampleRef]) -> list[list[FetchResult]]:
         """Like :meth:`fetch_many`, but one list of results per input ref (a shard gives many)."""
-        refused = {i: error for i, ref in enumerate(refs) if (error := self.refusal(ref))}
+        resolved: dict[str, str] = {}  # per call: most keys of a batch share a directory
+        refused = {i: error for i, ref in enumerate(refs)
+                   if (error := self.refusal(ref, resolved))}
         todo = [ref for i, ref in enumerate(refs) if i not in refused]
         paths = [self.object_path(ref.key) for ref in todo]
         urls = [self.object_url(ref.key) for ref in todo]
         # files: one byte more than accepted when the size is not listed (see the module doc)
         limits = [self.max_sample_bytes + 1 if self.unit == "sample" and ref.size is None
                   else None for ref in todo]
-        fetched = fetch_many(self.fs, paths, concurrency=self.concurrency,
-                             timeout_s=self.spec.timeout_s, url_of=dict(zip(paths, urls)).__getitem__,
-                             limits=limits)
+        fetched: list[bytes | SourceError]
+        if self._local_files is not None:
+            # Read where the check looked (a link inside the root: at its target; the read
+            # itself follows no link).
+            real = [resolved.get(path, path) for path in paths]
+            fetched = [translate_error(value, url) if isinstance(value, BaseException) else value
+                       for value, url in zip(self._local_files.read_many(
+                           real, limits, self.spec.timeout_s), urls)]
+        else:
+            fetched = fetch_many(self.fs, paths, concurrency=self.concurrency,
+                                 timeout_s=self.spec.timeout_s,
+                                 url_of=dict(zip(paths, urls)).__getitem__, limits=limits)
         self._throttle(sum(len(value) for value in fetched if isinstance(value, bytes)))
         done: Iterator[list[FetchResult]] = iter([
             [(ref, value)] if isinstance(value, SourceError) else self._unpack(ref, url, value)
@@ -221,11 +236,14 @@ class Source(abc.ABC):
         ])
         return [[(ref, refused[i])] if i in refused else next(done) for i, ref in enumerate(refs)]
 
-    def refusal(self, ref: SampleRef) -> CorruptSample | None:
+    def refusal(self, ref: SampleRef,
+                resolved: dict[str, str] | None = None) -> CorruptSample | None:
         """Why ``ref`` must not be read (None: it may): a key that leaves the source root, or a
-        ``files`` object listed larger than ``max_sample_bytes``."""
+        ``files`` object listed larger than ``max_sample_bytes``. On a local filesystem,
+        ``resolved`` collects the real paths of the directories and links met (kept for one
+        batch, so that a link swapped in later is not missed for long)."""
         key, url = ref.key, self.object_url(ref.key)
-        escape = self._escape(key)
+        escape = self._escape(key, {} if resolved is None else resolved)
         if escape:
             return CorruptSample(
                 f"{key}: refused: the key leaves the source root {self.url} ({escape}); it is "
@@ -241,14 +259,25 @@ class Source(abc.ABC):
             f"{format_size(self.max_sample_bytes)} a sample may be (loader.max_sample_bytes, or "
             "cache.capacity when smaller); not downloaded or cached", url, key)
 
-    def _escape(self, key: str) -> str:
-        """How ``key`` leaves the root ("" when it does not)."""
+    def _escape(self, key: str, resolved: dict[str, str]) -> str:
+        """How ``key`` leaves the root ("" when it does not); see :meth:`refusal`."""
         if key.startswith(("/", "\\")) or posixpath.isabs(key):
             return "an absolute path"
         if ".." in key.replace("\\", "/").split("/"):
             return "a '..' segment"
         if self._local_root is not None:
-            real = os.path.realpath(self.object_path(key))
+            # realpath walks every component (~20 us): resolve the directory once per batch,
+            # then only look at the file itself (an lstat); the read does not follow a link
+            # created after this check (localfiles).
+            path = self.object_path(key)
+            directory, name = os.path.split(path)
+            real_dir = resolved.get(directory)
+            if real_dir is None:
+                real_dir = resolved[directory] = os.path.realpath(directory)
+            real = os.path.join(real_dir, name)
+            if os.path.islink(real):
+                real = os.path.realpath(real)
+            resolved[path] = real  # what is read: the path checked, not one swapped in since
             if real != self._local_root and not real.startswith(self._local_root.rstrip("/") + "/"):
                 return f"it resolves to {real}"
         return ""

@@ -1,0 +1,151 @@
+"""Reading a local source (``file://`` or a plain path): whole files straight from the OS.
+
+fsspec's local ``cat_file`` from a pool of ``concurrency`` threads is the right way to wait on
+many remote objects at once and the wrong way to read files that are in the page cache: such a
+read takes microseconds, and 16 threads taking turns at the GIL for each one cost far more than
+the reads (measured on 2 cores, 64 KiB files: 250 us per file that way, 19 us with ``os.read``
+one after the other in one thread; docs/benchmarks.md). A slow filesystem (NFS, Lustre, a cold
+disk) is the opposite case, where reads in parallel hide the latency. So :class:`LocalFiles`
+reads a batch in one thread while its files come back quickly, and spreads the next batches
+over ``concurrency`` threads once a file takes :data:`SLOW_READ_S` or more on average (back to
+one thread as soon as one read of a batch is quick again).
+
+Every read stays bounded in time as a remote call is (invariant 6): the reads run in threads the
+caller waits on, and a thread that makes no progress for ``timeout_s`` (a hung NFS mount, a FIFO
+without a writer) has its unread files reported as timed out;
+the caller goes on without it (the errors are the OS's; the caller translates them).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+
+#: Mean seconds per file, read one after the other, from which the next batches are read in
+#: parallel...
+SLOW_READ_S = 0.001
+#: ... until one file of a batch takes less than this.
+QUICK_READ_S = 0.00025
+#: A file's final component is opened without following a link: links are resolved, and their
+#: target checked against the root, before the read (Source.refusal); one created in between
+#: fails the read instead of being followed.
+_OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+Result = bytes | BaseException
+
+
+def read_file(path: str, end: int | None = None) -> bytes:
+    """The bytes of a local file (at most ``end`` of them), as ``cat_file`` would return.
+
+    Raises:
+        OSError: as the OS reports it (``FileNotFoundError``, ``PermissionError``, ``ELOOP``
+            for a final component that became a link).
+    """
+    fd = os.open(path, _OPEN_FLAGS)
+    try:
+        size = os.fstat(fd).st_size
+        want = size if end is None else min(size, end)
+        data = os.read(fd, want) if want else b""
+        if len(data) < want:  # a short read (network filesystems) or a file that shrank
+            parts = [data]
+            while want > 0:
+                chunk = os.read(fd, want)
+                if not chunk:
+                    break
+                parts.append(chunk)
+                want -= len(chunk)
+            data = b"".join(parts)
+        return data
+    finally:
+        os.close(fd)
+
+
+class LocalFiles:
+    """Reads batches of local files; remembers whether this filesystem reads quickly.
+
+    Args:
+        concurrency: threads a batch may use once reads are slow.
+    """
+
+    def __init__(self, concurrency: int = 16) -> None:
+        self.concurrency = max(1, concurrency)
+        #: reads are slow (network filesystem, cold disk): spread batches over threads
+        self.slow = False
+        # Kept between batches (a thread started per batch cost ~4% of a sampler at 64 KiB);
+        # replaced once a read in it hangs, so that later batches never queue behind one.
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+
+    def _threads(self) -> ThreadPoolExecutor:
+        with self._pool_lock:
+            if self._pool is None:
+                # A sampler reads FETCH_DEPTH (2) batches of a source at once: room for both.
+                self._pool = ThreadPoolExecutor(max_workers=2 * self.concurrency,
+                                                thread_name_prefix="epochcache-read")
+            return self._pool
+
+    def _abandon(self, pool: ThreadPoolExecutor) -> None:
+        with self._pool_lock:
+            if self._pool is pool:
+                self._pool = None
+        # Never wait for a hung read; lanes of other batches queued on it still run.
+        pool.shutdown(wait=False)
+
+    def read_many(self, paths: Sequence[str], ends: Sequence[int | None],
+                  timeout_s: float) -> list[Result]:
+        """Each file's bytes or the exception its read raised, in order (never raised).
+
+        A file not read within ``timeout_s`` of the last read that completed in its thread is a
+        ``TimeoutError``; that thread is left behind.
+        """
+        if not paths:
+            return []
+        lanes = min(len(paths), self.concurrency if self.slow else 1)
+        results: list[Result | None] = [None] * len(paths)
+        progress = [time.monotonic()] * lanes
+        lock = threading.Lock()  # a lane abandoned by the caller must not write results late
+        abandoned = [False] * lanes
+        spent = [0.0] * lanes
+        quickest = [float("inf")] * lanes
+
+        def lane(index: int) -> None:
+            for i in range(index, len(paths), lanes):
+                started = time.monotonic()
+                try:
+                    value: Result = read_file(paths[i], ends[i])
+                except Exception as exc:  # noqa: BLE001 - returned per file, translated by caller
+                    value = exc
+                now = time.monotonic()
+                with lock:
+                    if abandoned[index]:
+                        return
+                    results[i] = value
+                    progress[index] = now
+                    spent[index] += now - started
+                    quickest[index] = min(quickest[index], now - started)
+
+        pool = self._threads()
+        running: dict[Future[None], int] = {pool.submit(lane, i): i for i in range(lanes)}
+        while running:
+            done, _ = wait(running, timeout=timeout_s, return_when=FIRST_COMPLETED)
+            for future in done:
+                del running[future]
+            now = time.monotonic()
+            with lock:
+                for future, index in list(running.items()):
+                    if now - progress[index] >= timeout_s:
+                        abandoned[index] = True
+                        del running[future]
+                        self._abandon(pool)
+        read = sum(1 for value in results if value is not None)
+        if read and lanes == 1:
+            self.slow = sum(spent) / read >= SLOW_READ_S
+        elif read and min(quickest) < QUICK_READ_S:
+            # Threads reading at once wait for each other's turns at the GIL, so their mean
+            # says little; one quick read does: try one thread again (its mean decides).
+            self.slow = False
+        return [TimeoutError(f"no answer from the filesystem within {timeout_s:g}s (a hung "
+                             "network mount?)") if value is None else value for value in results]
