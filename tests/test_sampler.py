@@ -236,3 +236,61 @@ def test_waiting_for_a_slow_batch_does_not_spin_on_a_later_one_that_is_done() ->
     # one committer check per poll round (0.25 s) while waiting, not one per spin
     assert committer.checks <= 4, committer.checks
     assert list(sampler.fetching) == [second]
+
+
+def test_batches_queued_behind_a_slow_commit_are_committed_in_one_transaction(
+    tmp_path: Path
+) -> None:
+    """Another process holds the cache's write lock (as a commit with a slow fsync does): the
+    batches handed over meanwhile are committed together, in one transaction, in order."""
+    import subprocess
+    import sys
+
+    from epochcache.ingest.committer import Batch, Committer
+    from epochcache.ingest.sampler import SamplerHealth
+    from epochcache.store import SampleStore
+
+    config = _config(tmp_path, "group")
+    store = SampleStore(config.cache.dir, sync=False)
+    health = SamplerHealth(index=0)
+    done: list[Batch] = []
+    committer = Committer(store, health, stop=threading.Event(), should_stop=lambda: False,
+                          quarantine=lambda key, why: None, done=done.append)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import lmdb, sys\n"
+         f"env = lmdb.open({str(config.cache.dir)!r}, max_dbs=16, map_size=1 << 30)\n"
+         "txn = env.begin(write=True)\nprint('held', flush=True)\nsys.stdin.readline()\n"
+         "txn.abort()\n"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        committer.start()
+        batches = []
+        for b in range(4):
+            keys = [f"b{b}/k{i}" for i in range(3)]
+            records = [(key, store.encode(key, f"{key} payload".encode())) for key in keys]
+            batches.append(Batch(records, {"pass": b}, keys, sum(len(r) for _, r in records)))
+        committer.hand_over(batches[0])
+        deadline = time.monotonic() + 10
+        while committer._batches.qsize() and time.monotonic() < deadline:
+            time.sleep(0.01)  # the committer took the first one and waits for the lock
+        handing = threading.Thread(target=lambda: [committer.hand_over(b) for b in batches[1:]])
+        handing.start()
+        while committer._batches.qsize() < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)  # (a queue of one would hold them back one by one)
+        before = store.store.env.info()["last_txnid"]
+        assert holder.stdin is not None
+        holder.stdin.write("\n")
+        holder.stdin.flush()
+        handing.join(10)
+        committer.finish()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert done == batches  # each released once committed, in order
+    assert health.committed == 12 and health.position == {"pass": 3}
+    assert all(key in store for batch in batches for key in batch.keys)
+    # the first batch's commit, the group's, and at most one health document
+    assert store.store.env.info()["last_txnid"] - before <= 3
+    assert committer.grouped == 2  # batches 2-4 rode in one transaction after the first
+    store.close()

@@ -12,6 +12,8 @@ What it must never do is stall its sampler silently:
   daemon restarts it;
 * while the cache is full behind a lease it waits in rounds of :data:`HEALTH_INTERVAL_S`,
   writing its health each round and checking ``should_stop`` (stop asked, or daemon gone);
+* batches that queued up behind a slow commit are committed together (one transaction and
+  one fsync for all, up to :data:`GROUP_BYTES`);
 * a sample larger than the headroom is set aside when leases hold the cache full: while
   epochs train, snapshots pin the newest capacity's worth of samples, so it could never get in
   and would hold up every batch behind it. It is counted (``deferred``), logged once with its
@@ -40,6 +42,10 @@ HEALTH_INTERVAL_S = 2.0
 STATE_INTERVAL_S = 0.5
 #: How long one attempt to queue a batch (or to wait for one) lasts before checking again.
 _POLL_S = 0.25
+#: Batches that may wait for the committer...
+QUEUED_BATCHES = 8
+#: ... and the most bytes of them committed in one transaction (one fsync with cache.sync).
+GROUP_BYTES = 64 * 1024 * 1024
 
 
 def state_name(index: int) -> str:
@@ -96,7 +102,11 @@ class Committer(threading.Thread):
         super().__init__(name="epochcache-committer", daemon=True)
         self.cache, self.health, self.stop_flag = cache, health, stop
         self.should_stop, self.quarantine, self.done = should_stop, quarantine, done
-        self._batches: queue.Queue[Batch | None] = queue.Queue(maxsize=1)
+        # Room for batches to pile up behind a slow commit (grouped, see _group); what they
+        # hold is bounded by the sampler's in-flight byte budget, not by this queue.
+        self._batches: queue.Queue[Batch | None] = queue.Queue(maxsize=QUEUED_BATCHES)
+        #: batches committed in the transaction of an earlier one (see _group)
+        self.grouped = 0
         self.error: BaseException | None = None
         self._rejected: set[str] = set()
         self._deferred_logged: set[str] = set()
@@ -154,14 +164,19 @@ class Committer(threading.Thread):
                     continue
                 if batch is None:
                     break
+                group, ending = self._group(batch)
                 try:
-                    self._commit(batch.records)
+                    self._commit([record for one in group for record in one.records])
                 finally:
-                    self.done(batch)
-                if batch.source:  # one position per source (see feed.py)
-                    self.health.position = {**self.health.position, batch.source: batch.position}
-                else:
-                    self.health.position = batch.position
+                    for one in group:
+                        self.done(one)
+                for one in group:
+                    if one.source:  # one position per source (see feed.py)
+                        self.health.position = {**self.health.position, one.source: one.position}
+                    else:
+                        self.health.position = one.position
+                if ending:
+                    break
                 now = time.time()
                 # At most one health/position write per STATE_INTERVAL_S: each is a commit with
                 # an fsync of its own. A position that lags is harmless: on restart, keys already
@@ -172,6 +187,27 @@ class Committer(threading.Thread):
             self.error = exc
             log.error("sampler %d: committer failed: %s: %s", self.health.index,
                       type(exc).__name__, exc, exc_info=exc)
+
+    def _group(self, batch: Batch) -> tuple[list[Batch], bool]:
+        """``batch`` and the batches queued behind it, up to :data:`GROUP_BYTES`, to commit in
+        one transaction; and whether the end (None) was queued among them.
+
+        Batches queue up while a commit is slow (an fsync on a busy disk, a wait for a lease):
+        committing them together pays one fsync and one transaction for all, so the slower the
+        disk, the larger the commits, with no timer and no added latency when it is fast."""
+        group, size, ending = [batch], batch.nbytes, False
+        while size < GROUP_BYTES and not ending:
+            try:
+                more = self._batches.get_nowait()
+            except queue.Empty:
+                break
+            if more is None:
+                ending = True
+            else:
+                group.append(more)
+                size += more.nbytes
+        self.grouped += len(group) - 1
+        return group, ending
 
     def _save_health(self, now: float | None = None) -> None:
         self.health.heartbeat = time.time() if now is None else now
