@@ -256,12 +256,11 @@ def test_batches_queued_behind_a_slow_commit_are_committed_in_one_transaction(
     done: list[Batch] = []
     committer = Committer(store, health, stop=threading.Event(), should_stop=lambda: False,
                           quarantine=lambda key, why: None, done=done.append)
-    holder = subprocess.Popen(
-        [sys.executable, "-c", "import lmdb, sys\n"
-         f"env = lmdb.open({str(config.cache.dir)!r}, max_dbs=16, map_size=1 << 30)\n"
-         "txn = env.begin(write=True)\nprint('held', flush=True)\nsys.stdin.readline()\n"
-         "txn.abort()\n"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    hold = (f"import lmdb, sys\nenv = lmdb.open({str(config.cache.dir)!r}, max_dbs=16, "
+            "map_size=1 << 30)\ntxn = env.begin(write=True)\nprint('held', flush=True)\n"
+            "sys.stdin.readline()\ntxn.abort()\n")
+    holder = subprocess.Popen([sys.executable, "-c", hold], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
         committer.start()
