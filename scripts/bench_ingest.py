@@ -17,7 +17,9 @@ The daemon is ``epochcache daemon`` (a subprocess, ``--processes`` samplers of
 ``--concurrency`` each), at its running rate: from a tenth of the objects cached until all are.
 Each run starts with no dirty pages (``os.sync()``). The runs write less than the page cache
 holds dirty, so they measure the CPU side; the disk's own sustained write rate is printed
-first, as the ceiling of any longer fill.
+first, as the ceiling of any longer fill. Each side's CPU use (servers included) is printed
+as cores busy and CPU seconds per GB: on 2 cores, a baseline that keeps both busy leaves
+no room for a daemon that does more per byte.
 Usage::
 
     .venv/bin/python scripts/bench_ingest.py [--remotes file,http,s3] [--repeat 2] [--out F]
@@ -66,36 +68,44 @@ def write_objects(root: Path, label: str, size: int, count: int) -> list[Path]:
     return paths
 
 
-def best_bare(clients: list[Any], paths: list[str], concurrency: int) -> float:
-    """The faster of the clients' bare fetches."""
-    return min(bare_fetch(client, paths, concurrency) for client in clients)
+def best_bare(clients: list[Any], paths: list[str], concurrency: int,
+              server_pid: int) -> tuple[float, float]:
+    """The faster of the clients' bare fetches (seconds, CPU seconds)."""
+    return min(bare_fetch(client, paths, concurrency, server_pid) for client in clients)
 
 
-def rounds(contenders: dict[str, Any], repeat: int) -> dict[str, float]:
-    """Best seconds of each contender over ``repeat`` rounds, alternating the order.
+def rounds(contenders: dict[str, Any], repeat: int) -> dict[str, tuple[float, float]]:
+    """Best (seconds, CPU seconds) of each contender over ``repeat`` rounds, alternating the
+    order.
 
     Every run starts with no dirty pages (``os.sync()`` first): the kernel throttles a writer
     while it flushes what the previous run left, which moved single results 3x."""
-    best: dict[str, float] = {}
+    best: dict[str, tuple[float, float]] = {}
     names = list(contenders)
     for i in range(repeat):
         for name in names if i % 2 == 0 else names[::-1]:
             os.sync()
-            seconds = contenders[name]()
-            best[name] = min(best.get(name, float("inf")), seconds)
+            best[name] = min(best.get(name, (float("inf"), 0.0)), contenders[name]())
     return best
 
 
 def row(remote: str, label: str, size: int, count: int, sync: bool, baseline: str,
-        times: dict[str, float], target: float, min_mb_s: float | None = None) -> dict[str, Any]:
+        times: dict[str, tuple[float, float]], target: float,
+        min_mb_s: float | None = None) -> dict[str, Any]:
     mb = count * size / 1e6
-    ratio = times[baseline] / times["daemon"]
-    daemon_mb_s = mb / times["daemon"]
+    (base_s, base_cpu), (daemon_s, daemon_cpu) = times[baseline], times["daemon"]
+    ratio = base_s / daemon_s
+    daemon_mb_s = mb / daemon_s
     met = ratio >= target and (min_mb_s is None or daemon_mb_s >= min_mb_s)
     return {"remote": remote, "size": label, "objects": count, "sync": sync,
-            "baseline": baseline, "baseline_MB_s": round(mb / times[baseline], 1),
+            "baseline": baseline, "baseline_MB_s": round(mb / base_s, 1),
             "daemon_MB_s": round(daemon_mb_s, 1),
-            "daemon_samples_s": round(count / times["daemon"], 1),
+            "daemon_samples_s": round(count / daemon_s, 1),
+            # cores busy while each ran (servers included), and CPU seconds per GB moved
+            "baseline_cores": round(base_cpu / base_s, 2),
+            "daemon_cores": round(daemon_cpu / daemon_s, 2),
+            "baseline_cpu_s_per_GB": round(base_cpu / (mb / 1e3), 3),
+            "daemon_cpu_s_per_GB": round(daemon_cpu / (mb / 1e3), 3),
             "ratio": round(ratio, 3), "target": target, "min_MB_s": min_mb_s, "met": met}
 
 
@@ -128,10 +138,12 @@ def main() -> int:
     print(f"disk: {disk_mb_s:.0f} MB/s sustained write (1 GiB, fdatasync): what any cache on "
           "it can keep up once the page cache's dirty limit is reached", flush=True)
 
-    def fill_seconds(source: dict[str, Any], count: int, size: int, sync: bool) -> float:
-        return float(daemon_fill(source, count, workdir, sync=sync, capacity=3 * count * size,
-                                 processes=args.processes, concurrency=args.concurrency,
-                                 batch_size=args.batch_size)["seconds"])
+    def fill_seconds(source: dict[str, Any], count: int, size: int, sync: bool,
+                     server_pid: int | None = None) -> tuple[float, float]:
+        result = daemon_fill(source, count, workdir, sync=sync, capacity=3 * count * size,
+                             processes=args.processes, concurrency=args.concurrency,
+                             batch_size=args.batch_size, server_pid=server_pid)
+        return float(result["seconds"]), float(result["cpu_seconds"])
 
     try:
         if "file" in remotes:
@@ -169,8 +181,8 @@ def main() -> int:
                 source = {"url": f"{base}/r{label}/", "layout": "files", "pattern": "*.bin"}
                 for sync in syncs:
                     times = rounds({
-                        "bare fetch": partial(bare_fetch, fs, urls, args.concurrency),
-                        "daemon": partial(fill_seconds, source, count, size, sync),
+                        "bare fetch": partial(bare_fetch, fs, urls, args.concurrency, proc.pid),
+                        "daemon": partial(fill_seconds, source, count, size, sync, proc.pid),
                     }, args.repeat)
                     rows.append(row("http", label, size, count, sync, "bare fetch", times, 0.9))
                     print(json.dumps(rows[-1]), flush=True)
@@ -193,8 +205,8 @@ def main() -> int:
                           "storage_options": options}
                 for sync in syncs:
                     times = rounds({
-                        "bare fetch": partial(best_bare, bare, paths, args.concurrency),
-                        "daemon": partial(fill_seconds, source, count, size, sync),
+                        "bare fetch": partial(best_bare, bare, paths, args.concurrency, proc.pid),
+                        "daemon": partial(fill_seconds, source, count, size, sync, proc.pid),
                     }, args.repeat)
                     rows.append(row("s3", label, size, count, sync, "bare fetch", times, 0.9))
                     print(json.dumps(rows[-1]), flush=True)
@@ -206,12 +218,14 @@ def main() -> int:
 
     print()
     print(f"{'remote':6} {'size':6} {'sync':5} {'objects':>7} {'baseline':>15} {'MB/s':>8} "
-          f"{'daemon MB/s':>11} {'ratio':>6} {'target':>14}")
+          f"{'daemon MB/s':>11} {'ratio':>6} {'target':>14}   cores (CPU s/GB) base | daemon")
     for r in rows:
         target = f">= {r['target']}" + (f", {r['min_MB_s']:.0f} MB/s" if r["min_MB_s"] else "")
         print(f"{r['remote']:6} {r['size']:6} {str(r['sync']).lower():5} {r['objects']:7d} "
               f"{r['baseline']:>15} {r['baseline_MB_s']:8.1f} {r['daemon_MB_s']:11.1f} "
-              f"{r['ratio']:6.2f} {target:>14}{'' if r['met'] else '  NOT MET'}")
+              f"{r['ratio']:6.2f} {target:>14}   {r['baseline_cores']:4.2f} "
+              f"({r['baseline_cpu_s_per_GB']:.2f}) | {r['daemon_cores']:4.2f} "
+              f"({r['daemon_cpu_s_per_GB']:.2f}){'' if r['met'] else '  NOT MET'}")
     print(f"disk: {disk_mb_s:.0f} MB/s sustained write")
     Path(args.out).write_text(json.dumps({"bench": "ingest", "time": time.time(),
                                           "disk_MB_s": round(disk_mb_s, 1), "rows": rows},

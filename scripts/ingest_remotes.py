@@ -24,6 +24,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
@@ -65,10 +66,31 @@ def start_http(root: Path) -> tuple[subprocess.Popen[bytes], str]:
     return proc, f"http://127.0.0.1:{int(line.split()[1])}"
 
 
-def bare_fetch(fs: Any, paths: list[str], concurrency: int) -> float:
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pids: Sequence[int] = (), session: int | None = None) -> float:
+    """CPU seconds (user + system) used so far by ``pids`` and by every live process of
+    ``session``, read from /proc."""
+    total = 0.0
+    candidates = [int(e.name) for e in os.scandir("/proc") if e.name.isdigit()] if session \
+        else list(pids)
+    for pid in candidates:
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone
+        if pid in pids or (session is not None and int(fields[3]) == session):
+            total += (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+    return total
+
+
+def bare_fetch(fs: Any, paths: list[str], concurrency: int,
+               server_pid: int | None = None) -> tuple[float, float]:
     """Seconds to fetch every path once: ``asyncio.gather`` over ``fs._cat_file`` with at most
     ``concurrency`` in flight, nothing else done with the bytes (the second of two passes: the
-    first warms the connection pool)."""
+    first warms the connection pool); and the CPU seconds it took, the server's included."""
     from fsspec.asyn import sync
 
     async def run() -> int:
@@ -81,9 +103,12 @@ def bare_fetch(fs: Any, paths: list[str], concurrency: int) -> float:
         return sum(await asyncio.gather(*(one(p) for p in paths)))
 
     sync(fs.loop, run)
+    server = [server_pid] if server_pid else []
+    cpu = time.process_time() + cpu_seconds(server)
     start = time.perf_counter()
     sync(fs.loop, run)
-    return time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    return seconds, time.process_time() + cpu_seconds(server) - cpu
 
 
 def disk_write(workdir: Path, total: int = 1 << 30) -> float:
@@ -101,10 +126,11 @@ def disk_write(workdir: Path, total: int = 1 << 30) -> float:
     return total / seconds / 1e6
 
 
-def raw_lmdb_write(payloads: list[bytes], batch_size: int, sync: bool, workdir: Path) -> float:
+def raw_lmdb_write(payloads: list[bytes], batch_size: int, sync: bool,
+                   workdir: Path) -> tuple[float, float]:
     """Seconds to write ``payloads`` into a fresh LMDB environment with ``putmulti``, one
     transaction per ``batch_size`` samples, opened as the cache opens its own (sync or not,
-    metasync off, no readahead, no meminit)."""
+    metasync off, no readahead, no meminit); and the CPU seconds it took."""
     import lmdb
 
     path = workdir / "raw-lmdb"
@@ -113,13 +139,14 @@ def raw_lmdb_write(payloads: list[bytes], batch_size: int, sync: bool, workdir: 
     env = lmdb.open(str(path), map_size=2 * total + (64 << 20), sync=sync, metasync=False,
                     readahead=False, meminit=False)
     try:
+        cpu = time.process_time()
         start = time.perf_counter()
         for first in range(0, len(payloads), batch_size):
             items = [(first.to_bytes(8, "big") + i.to_bytes(4, "big"), payload)
                      for i, payload in enumerate(payloads[first:first + batch_size])]
             with env.begin(write=True) as txn:
                 txn.cursor().putmulti(items)
-        return time.perf_counter() - start
+        return time.perf_counter() - start, time.process_time() - cpu
     finally:
         env.close()
         shutil.rmtree(path, ignore_errors=True)
@@ -127,12 +154,14 @@ def raw_lmdb_write(payloads: list[bytes], batch_size: int, sync: bool, workdir: 
 
 def daemon_fill(source: dict[str, Any], count: int, workdir: Path, *, processes: int,
                 concurrency: int, batch_size: int, sync: bool, capacity: int,
-                timeout_s: float = 300) -> dict[str, Any]:
+                timeout_s: float = 300, server_pid: int | None = None) -> dict[str, Any]:
     """Run ``epochcache daemon`` on an empty cache until ``count`` samples are cached.
 
     Returns ``seconds`` (all ``count`` samples at the running rate, see the module doc),
-    ``from_start_seconds`` and the samplers' fetched and error counts.
+    ``cpu_seconds`` (the daemon's and its samplers', and the server's, over the same stretch,
+    scaled the same way), ``from_start_seconds`` and the samplers' fetched and error counts.
     """
+    server = [server_pid] if server_pid else []
     import lmdb
     import yaml
 
@@ -168,8 +197,10 @@ def daemon_fill(source: dict[str, Any], count: int, workdir: Path, *, processes:
                 now = time.time()
                 if tenth_at is None and cached >= first:
                     tenth_at, tenth = now, cached
+                    tenth_cpu = cpu_seconds(server, session=proc.pid)
                 if cached >= count:
                     done_at = now
+                    done_cpu = cpu_seconds(server, session=proc.pid)
                     break
             except (CacheError, lmdb.Error):
                 pass  # not created yet
@@ -187,6 +218,7 @@ def daemon_fill(source: dict[str, Any], count: int, workdir: Path, *, processes:
             # the rate once running: the samples after the first tenth over their time, as
             # seconds for all of them (start-up, listing and connecting are not ingest)
             "seconds": (done_at - tenth_at) * count / max(1, count - tenth),
+            "cpu_seconds": (done_cpu - tenth_cpu) * count / max(1, count - tenth),
             "from_start_seconds": done_at - min(h["started"] for h in healths.values()),
             "fetched": sum(h["fetched"] for h in healths.values()),
             "errors": sum(h["errors"] for h in healths.values()),
