@@ -111,6 +111,25 @@ def bare_fetch(fs: Any, paths: list[str], concurrency: int,
     return seconds, time.process_time() + cpu_seconds(server) - cpu
 
 
+def warm_memory(nbytes: int) -> None:
+    """Write ``nbytes`` of memory and free it, so that the next run's page cache and heap
+    come from memory the hypervisor has backed.
+
+    Virtual machines with free page reporting (this one is a Firecracker VM: "Free page
+    reporting enabled" at boot) hand freed guest memory back to the host about two seconds
+    after it is freed; the next process to touch it pays a host fault per page. A run that
+    started after a pause wrote 5-10x slower than one that started right after a free (a raw
+    LMDB write of 2 GB: 11k-19k samples/s after a 6 s pause, 57k-61k right after this), so
+    each run of the benchmark starts with the same warm memory.
+    """
+    import numpy as np
+
+    available = next(int(line.split()[1]) * 1024 for line in open("/proc/meminfo")
+                     if line.startswith("MemAvailable:"))
+    block = np.ones(min(nbytes, available // 2), dtype=np.uint8)  # ones: every page written
+    del block
+
+
 def disk_write(workdir: Path, total: int = 1 << 30) -> float:
     """MB/s of a sequential 1 GiB write in 8 MiB chunks, fdatasync'ed, in ``workdir``."""
     path = workdir / "disk-probe"
