@@ -23,8 +23,8 @@ import subprocess
 import sys
 import time
 import urllib.request
-from pathlib import Path
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
@@ -124,8 +124,9 @@ def warm_memory(nbytes: int) -> None:
     """
     import numpy as np
 
-    available = next(int(line.split()[1]) * 1024 for line in open("/proc/meminfo")
-                     if line.startswith("MemAvailable:"))
+    with open("/proc/meminfo") as meminfo:
+        available = next(int(line.split()[1]) * 1024 for line in meminfo
+                         if line.startswith("MemAvailable:"))
     block = np.ones(min(nbytes, available // 2), dtype=np.uint8)  # ones: every page written
     del block
 
@@ -137,8 +138,7 @@ def disk_write(workdir: Path, total: int = 1 << 30) -> float:
     os.sync()
     start = time.perf_counter()
     with open(path, "wb", buffering=0) as out:
-        for _ in range(total // len(chunk)):
-            out.write(chunk)
+        out.writelines(chunk for _ in range(total // len(chunk)))
         os.fdatasync(out.fileno())
     seconds = time.perf_counter() - start
     path.unlink()
