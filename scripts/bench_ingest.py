@@ -6,7 +6,8 @@ All in one run, on incompressible samples (``os.urandom``), every ratio measured
 * **file://** (no server: fetch + checks + framing + LMDB commit alone) at 64 KiB and 1 MiB,
   against a **raw LMDB write** of the same bytes (``putmulti``, one transaction per commit of
   the daemon's size: ``--batch-size`` samples, at most the sampler's BATCH_BYTES; the cache's
-  sync setting), with ``cache.sync`` true and false.
+  sync setting), with ``cache.sync`` true and false. For context, not as a target: the same
+  writes with each batch's files read first, in one thread (what the raw side does not do).
   Targets: 1 MiB >= 600 MB/s and >= 0.8 of raw; 64 KiB >= 0.7 of raw.
 * **HTTP** (scripts/http_files.py: aiohttp serving the same files with sendfile, its own
   process) and **S3** (moto's server, its own process) at 16 KiB and 1 MiB, against a **bare
@@ -166,10 +167,18 @@ def main() -> int:
                     times = rounds({
                         "raw LMDB write": partial(raw_lmdb_write, payloads, per_commit,
                                                   sync, workdir),
+                        "read + write": partial(raw_lmdb_write, paths, per_commit, sync,
+                                                workdir),
                         "daemon": partial(fill_seconds, source, count, size, sync),
                     }, args.repeat, 3 * count * size + (1 << 30))
                     rows.append(row("file", label, size, count, sync, "raw LMDB write", times,
                                     target, floor))
+                    # context, not the target: one thread that reads the files and writes them
+                    read_write_s, read_write_cpu = times["read + write"]
+                    rows[-1].update(
+                        read_write_MB_s=round(count * size / 1e6 / read_write_s, 1),
+                        read_write_cpu_s_per_GB=round(read_write_cpu / (count * size / 1e9), 3),
+                        ratio_to_read_write=round(read_write_s / times["daemon"][0], 3))
                     print(json.dumps(rows[-1]), flush=True)
                 del payloads
         remote_sets = [("16KiB", 16 * KiB, args.small), ("1MiB", MiB, args.large)]
@@ -231,6 +240,11 @@ def main() -> int:
               f"{r['ratio']:6.2f} {target:>14}   {r['baseline_cores']:4.2f} "
               f"({r['baseline_cpu_s_per_GB']:.2f}) | {r['daemon_cores']:4.2f} "
               f"({r['daemon_cpu_s_per_GB']:.2f}){'' if r['met'] else '  NOT MET'}")
+    for r in rows:
+        if "read_write_MB_s" in r:
+            print(f"{r['remote']:6} {r['size']:6} {str(r['sync']).lower():5} read + write in one "
+                  f"thread: {r['read_write_MB_s']:.1f} MB/s ({r['read_write_cpu_s_per_GB']:.2f} "
+                  f"CPU s/GB); daemon / that: {r['ratio_to_read_write']:.2f}")
     print(f"disk: {disk_mb_s:.0f} MB/s sustained write")
     Path(args.out).write_text(json.dumps({"bench": "ingest", "time": time.time(),
                                           "disk_MB_s": round(disk_mb_s, 1), "rows": rows},

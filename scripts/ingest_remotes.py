@@ -4,7 +4,8 @@
   (scripts/http_files.py, aiohttp with sendfile); ``file://`` needs none;
 * baselines: a bare concurrent fetch of the same objects with the same fsspec client in one
   process (HTTP, S3), and for ``file://`` a raw LMDB write of the same bytes: ``putmulti`` in
-  batches of the daemon's commit size, one transaction each, with the cache's sync settings;
+  batches of the daemon's commit size, one transaction each, with the cache's sync settings
+  (and the same reading each batch's files first, for context);
   and the disk's sustained write rate, for context;
 * :func:`daemon_fill`: ``epochcache daemon`` filling an empty cache from the remote: its
   running rate, from the moment a tenth of the objects is cached until all are (start-up,
@@ -145,30 +146,42 @@ def disk_write(workdir: Path, total: int = 1 << 30) -> float:
     return total / seconds / 1e6
 
 
-def raw_lmdb_write(payloads: list[bytes], batch_size: int, sync: bool,
+def raw_lmdb_write(payloads: list[bytes] | list[Path], batch_size: int, sync: bool,
                    workdir: Path) -> tuple[float, float]:
     """Seconds to write ``payloads`` into a fresh LMDB environment with ``putmulti``, one
     transaction per ``batch_size`` samples, opened as the cache opens its own (sync or not,
-    metasync off, no readahead, no meminit); and the CPU seconds it took."""
+    metasync off, no readahead, no meminit); and the CPU seconds it took. Given paths, each
+    batch's files are read first, in the timed loop (``os.read``, one after the other): the
+    least a cache fed from local files must do."""
     import lmdb
 
     path = workdir / "raw-lmdb"
     shutil.rmtree(path, ignore_errors=True)
-    total = sum(len(p) for p in payloads)
+    total = sum(p.stat().st_size if isinstance(p, Path) else len(p) for p in payloads)
     env = lmdb.open(str(path), map_size=2 * total + (64 << 20), sync=sync, metasync=False,
                     readahead=False, meminit=False)
     try:
         cpu = time.process_time()
         start = time.perf_counter()
         for first in range(0, len(payloads), batch_size):
+            batch = [_read(p) if isinstance(p, Path) else p
+                     for p in payloads[first:first + batch_size]]
             items = [(first.to_bytes(8, "big") + i.to_bytes(4, "big"), payload)
-                     for i, payload in enumerate(payloads[first:first + batch_size])]
+                     for i, payload in enumerate(batch)]
             with env.begin(write=True) as txn:
                 txn.cursor().putmulti(items)
         return time.perf_counter() - start, time.process_time() - cpu
     finally:
         env.close()
         shutil.rmtree(path, ignore_errors=True)
+
+
+def _read(path: Path) -> bytes:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return os.read(fd, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
 
 
 def daemon_fill(source: dict[str, Any], count: int, workdir: Path, *, processes: int,
