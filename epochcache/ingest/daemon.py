@@ -35,8 +35,8 @@ from ..store.env import make_private_dir
 from ..store.leases import process_start_ticks
 from ..units import format_size
 from .daemon_sources import DaemonSources
-from .metrics import MetricsServer, daemon_metrics, require_prometheus
 from .lifeline import Lifeline
+from .metrics import MetricsServer, daemon_metrics, require_prometheus
 from .sampler import StopFlag, run_sampler, state_name
 
 log = logging.getLogger(__name__)
