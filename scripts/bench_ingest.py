@@ -157,6 +157,8 @@ def main() -> int:
                 ("64KiB", 64 * KiB, args.file_64k, 0.7, None),
                 ("1MiB", MiB, args.file_1m, 0.8, 600.0),
             ):
+                if not count:
+                    continue
                 paths = write_objects(data, label, size, count)
                 payloads = [p.read_bytes() for p in paths]
                 # the daemon's commits: batch_size samples, at most BATCH_BYTES of them
