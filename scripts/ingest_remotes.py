@@ -151,9 +151,11 @@ def raw_lmdb_write(payloads: list[bytes] | list[Path], batch_size: int, sync: bo
     """Seconds to write ``payloads`` into a fresh LMDB environment with ``putmulti``, one
     transaction per ``batch_size`` samples, opened as the cache opens its own (sync or not,
     metasync off, no readahead, no meminit); and the CPU seconds it took. Given paths, each
-    batch's files are read first, in the timed loop (``os.read``, one after the other): the
-    least a cache fed from local files must do."""
+    batch's files are read first, in the timed loop (one after the other, as samplers read
+    them): the least a cache fed from local files must do."""
     import lmdb
+
+    from epochcache.ingest.localfiles import read_file  # what the samplers read files with
 
     path = workdir / "raw-lmdb"
     shutil.rmtree(path, ignore_errors=True)
@@ -164,7 +166,7 @@ def raw_lmdb_write(payloads: list[bytes] | list[Path], batch_size: int, sync: bo
         cpu = time.process_time()
         start = time.perf_counter()
         for first in range(0, len(payloads), batch_size):
-            batch = [_read(p) if isinstance(p, Path) else p
+            batch = [read_file(str(p)) if isinstance(p, Path) else p
                      for p in payloads[first:first + batch_size]]
             items = [(first.to_bytes(8, "big") + i.to_bytes(4, "big"), payload)
                      for i, payload in enumerate(batch)]
@@ -174,14 +176,6 @@ def raw_lmdb_write(payloads: list[bytes] | list[Path], batch_size: int, sync: bo
     finally:
         env.close()
         shutil.rmtree(path, ignore_errors=True)
-
-
-def _read(path: Path) -> bytes:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        return os.read(fd, os.fstat(fd).st_size)
-    finally:
-        os.close(fd)
 
 
 def daemon_fill(source: dict[str, Any], count: int, workdir: Path, *, processes: int,

@@ -29,9 +29,8 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 SLOW_READ_S = 0.001
 #: ... until one file of a batch takes less than this.
 QUICK_READ_S = 0.00025
-#: A file's final component is opened without following a link: links are resolved, and their
-#: target checked against the root, before the read (Source.refusal); one created in between
-#: fails the read instead of being followed.
+#: A file's final component is opened without following a link: a link fails the read with
+#: ELOOP, and the caller resolves it and checks its target against the root (Source._read_local).
 _OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
 Result = bytes | BaseException
@@ -48,17 +47,14 @@ def read_file(path: str, end: int | None = None) -> bytes:
     try:
         size = os.fstat(fd).st_size
         want = size if end is None else min(size, end)
-        data = os.read(fd, want) if want else b""
-        if len(data) < want:  # a short read (network filesystems) or a file that shrank
-            parts = [data]
-            while want > 0:
-                chunk = os.read(fd, want)
-                if not chunk:
-                    break
-                parts.append(chunk)
-                want -= len(chunk)
-            data = b"".join(parts)
-        return data
+        parts = []
+        while want > 0:  # one read, unless it comes back short (network filesystems)
+            chunk = os.read(fd, want)
+            if not chunk:  # the file shrank
+                break
+            parts.append(chunk)
+            want -= len(chunk)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
     finally:
         os.close(fd)
 
@@ -108,8 +104,7 @@ class LocalFiles:
         progress = [time.monotonic()] * lanes
         lock = threading.Lock()  # a lane abandoned by the caller must not write results late
         abandoned = [False] * lanes
-        spent = [0.0] * lanes
-        quickest = [float("inf")] * lanes
+        took = [0.0] * len(paths)  # seconds each read took
 
         def lane(index: int) -> None:
             for i in range(index, len(paths), lanes):
@@ -124,8 +119,7 @@ class LocalFiles:
                         return
                     results[i] = value
                     progress[index] = now
-                    spent[index] += now - started
-                    quickest[index] = min(quickest[index], now - started)
+                    took[i] = now - started
 
         pool = self._threads()
         running: dict[Future[None], int] = {pool.submit(lane, i): i for i in range(lanes)}
@@ -140,10 +134,10 @@ class LocalFiles:
                         abandoned[index] = True
                         del running[future]
                         self._abandon(pool)
-        read = sum(1 for value in results if value is not None)
-        if read and lanes == 1:
-            self.slow = sum(spent) / read >= SLOW_READ_S
-        elif read and min(quickest) < QUICK_READ_S:
+        times = [t for t, value in zip(took, results) if value is not None]
+        if times and lanes == 1:
+            self.slow = sum(times) / len(times) >= SLOW_READ_S
+        elif times and min(times) < QUICK_READ_S:
             # Threads reading at once wait for each other's turns at the GIL, so their mean
             # says little; one quick read does: try one thread again (its mean decides).
             self.slow = False

@@ -272,8 +272,7 @@ class Source(abc.ABC):
             "read (fix the manifest or listing that names it)", self.object_url(key), key)
 
     def _outside_root(self, real: str) -> bool:
-        root = self._local_root or "/"
-        return real != root and not real.startswith(self._root_prefix)
+        return real != self._local_root and not real.startswith(self._root_prefix)
 
     def too_large(self, key: str, size: int, url: str, how: str = "is") -> CorruptSample:
         """The refusal of a sample larger than ``max_sample_bytes``."""
