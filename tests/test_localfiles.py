@@ -126,6 +126,19 @@ def test_reads_spread_over_threads_while_files_are_slow_and_back_when_quick(
     assert not reader.slow
 
 
+def test_large_files_in_the_page_cache_are_not_slow(tmp_path: Path) -> None:
+    """A 32 MiB file takes milliseconds to copy even from the page cache; that is its size,
+    not a slow filesystem, so reads stay in one thread (they went to many threads, for good,
+    when the time per file alone decided)."""
+    big = tmp_path / "big.bin"
+    big.write_bytes(os.urandom(32 << 20))
+    reader = LocalFiles(concurrency=8)
+    for _ in range(3):
+        values = reader.read_many([str(big)] * 4, [None] * 4, timeout_s=30)
+        assert all(len(v) == 32 << 20 for v in values if isinstance(v, bytes))
+        assert not reader.slow
+
+
 def test_a_files_source_reads_a_link_inside_its_root_at_its_target_and_refuses_others(
     tmp_path: Path
 ) -> None:

@@ -7,8 +7,9 @@ the reads (measured on 2 cores, 64 KiB files: 250 us per file that way, 19 us wi
 one after the other in one thread; docs/benchmarks.md). A slow filesystem (NFS, Lustre, a cold
 disk) is the opposite case, where reads in parallel hide the latency. So :class:`LocalFiles`
 reads a batch in one thread while its files come back quickly, and spreads the next batches
-over ``concurrency`` threads once a file takes :data:`SLOW_READ_S` or more on average (back to
-one thread as soon as one read of a batch is quick again).
+over ``concurrency`` threads once a file waits :data:`SLOW_READ_S` or more on average (back to
+one thread as soon as one read of a batch is quick again). A read's wait is its time less what
+its size explains (:data:`COPY_BYTES_PER_S`): a large file in the page cache is not slow.
 
 Every read stays bounded in time as a remote call is (invariant 6): the reads run in threads the
 caller waits on, and a thread that makes no progress for ``timeout_s`` (a hung NFS mount, a FIFO
@@ -24,11 +25,16 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
-#: Mean seconds per file, read one after the other, from which the next batches are read in
-#: parallel...
+#: Mean seconds a file waited, read one after the other, from which the next batches are read
+#: in parallel...
 SLOW_READ_S = 0.001
-#: ... until one file of a batch takes less than this.
+#: ... until one file of a batch waits less than this.
 QUICK_READ_S = 0.00025
+#: The slowest a file's bytes are copied out of the page cache (2 contended cores): a read's
+#: time less its size at this rate is what it waited. Without it a 1 MiB file took ~1 ms when
+#: samplers were busy and switched reads to many threads for good, which cost the daemon ~20%
+#: more CPU per byte (docs/benchmarks.md).
+COPY_BYTES_PER_S = 1e9
 #: A file's final component is opened without following a link: a link fails the read with
 #: ELOOP, and the caller resolves it and checks its target against the root (Source._read_local).
 _OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
@@ -104,7 +110,7 @@ class LocalFiles:
         progress = [time.monotonic()] * lanes
         lock = threading.Lock()  # a lane abandoned by the caller must not write results late
         abandoned = [False] * lanes
-        took = [0.0] * len(paths)  # seconds each read took
+        waited = [0.0] * len(paths)  # seconds each read took beyond copying its bytes
 
         def lane(index: int) -> None:
             for i in range(index, len(paths), lanes):
@@ -119,7 +125,8 @@ class LocalFiles:
                         return
                     results[i] = value
                     progress[index] = now
-                    took[i] = now - started
+                    copy = len(value) / COPY_BYTES_PER_S if isinstance(value, bytes) else 0.0
+                    waited[i] = now - started - copy
 
         pool = self._threads()
         running: dict[Future[None], int] = {pool.submit(lane, i): i for i in range(lanes)}
@@ -134,7 +141,7 @@ class LocalFiles:
                         abandoned[index] = True
                         del running[future]
                         self._abandon(pool)
-        times = [t for t, value in zip(took, results) if value is not None]
+        times = [t for t, value in zip(waited, results) if value is not None]
         if times and lanes == 1:
             self.slow = sum(times) / len(times) >= SLOW_READ_S
         elif times and min(times) < QUICK_READ_S:
