@@ -16,8 +16,9 @@ All in one run, on incompressible samples (``os.urandom``), every ratio measured
 For context, not as a target, every row also runs the **least pipeline**: the same raw LMDB
 write fed by the same reads or fetches, two batches fetched at a time in threads ahead of the
 writer (as two samplers would), with no checks, framing or bookkeeping: "read + write" for
-file://, "fetch + write" for HTTP and S3. What the daemon cannot beat with this stack on this
-machine; the daemon's ratio to it is printed.
+file:// (in the raw write's batches), "fetch + write" for HTTP and S3 (``--batch-size`` objects
+per batch: at 1 MiB larger transactions than the daemon's 8 MiB, which only favours it). What
+the daemon cannot beat with this stack on this machine; the daemon's ratio to it is printed.
 
 The daemon is ``epochcache daemon`` (a subprocess, ``--processes`` samplers of
 ``--concurrency`` each), at its running rate: from a tenth of the objects cached until all are
