@@ -195,8 +195,8 @@ def main() -> int:
                 payloads = [p.read_bytes() for p in paths]
                 # the daemon's commits: batch_size samples, at most BATCH_BYTES of them
                 per_commit = max(1, min(args.batch_size, BATCH_BYTES // size))
-                source = {"url": f"file://{data / label}", "layout": "files",
-                          "pattern": "*.bin"}
+                source: dict[str, Any] = {"url": f"file://{data / label}", "layout": "files",
+                                          "pattern": "*.bin"}
                 for sync in syncs:
                     times = rounds({
                         "raw LMDB write": partial(raw_lmdb_write, payloads, per_commit,
@@ -238,13 +238,13 @@ def main() -> int:
 
             proc, endpoint = start_moto()
             servers.append(proc)
-            options = {**S3_OPTIONS, "endpoint_url": endpoint}
+            options: dict[str, Any] = {**S3_OPTIONS, "endpoint_url": endpoint}
             fs = s3fs.S3FileSystem(**options, skip_instance_cache=True)
             fs.mkdir("bench")
             for label, size, count in remote_sets:
-                paths = [f"bench/{label}/obj-{i:06d}.bin" for i in range(count)]
+                keys = [f"bench/{label}/obj-{i:06d}.bin" for i in range(count)]
                 for first in range(0, count, 128):
-                    fs.pipe({p: os.urandom(size) for p in paths[first:first + 128]})
+                    fs.pipe({k: os.urandom(size) for k in keys[first:first + 128]})
                 # s3fs's default max_concurrency=10 sends a HEAD before each GET; 1 sends GETs
                 bare = [s3fs.S3FileSystem(**options, max_concurrency=mc, skip_instance_cache=True)
                         for mc in (10, 1)]
@@ -252,10 +252,10 @@ def main() -> int:
                           "storage_options": options}
                 for sync in syncs:
                     times = rounds({
-                        "bare fetch": partial(best_bare, bare, paths, args.concurrency, proc.pid),
+                        "bare fetch": partial(best_bare, bare, keys, args.concurrency, proc.pid),
                         "fetch + write": partial(
                             fetch_and_write, partial(fetch_batch, bare[1], args.concurrency),
-                            paths, args.batch_size, sync, workdir, proc.pid),
+                            keys, args.batch_size, sync, workdir, proc.pid),
                         "daemon": partial(fill_seconds, source, count, size, sync, proc.pid),
                     }, args.repeat, 3 * count * size + (1 << 30))
                     rows.append(row("s3", label, size, count, sync, "bare fetch", times, 0.9))
@@ -271,10 +271,10 @@ def main() -> int:
     print(f"{'remote':6} {'size':6} {'sync':5} {'objects':>7} {'baseline':>15} {'MB/s':>8} "
           f"{'daemon MB/s':>11} {'ratio':>6} {'target':>14}   cores (CPU s/GB) base | daemon")
     for r in rows:
-        target = f">= {r['target']}" + (f", {r['min_MB_s']:.0f} MB/s" if r["min_MB_s"] else "")
+        goal = f">= {r['target']}" + (f", {r['min_MB_s']:.0f} MB/s" if r["min_MB_s"] else "")
         print(f"{r['remote']:6} {r['size']:6} {str(r['sync']).lower():5} {r['objects']:7d} "
               f"{r['baseline']:>15} {r['baseline_MB_s']:8.1f} {r['daemon_MB_s']:11.1f} "
-              f"{r['ratio']:6.2f} {target:>14}   {r['baseline_cores']:4.2f} "
+              f"{r['ratio']:6.2f} {goal:>14}   {r['baseline_cores']:4.2f} "
               f"({r['baseline_cpu_s_per_GB']:.2f}) | {r['daemon_cores']:4.2f} "
               f"({r['daemon_cpu_s_per_GB']:.2f}){'' if r['met'] else '  NOT MET'}")
     print("\nthe least pipeline (the same reads or fetches feeding the raw write, no checks or "

@@ -285,7 +285,7 @@ def daemon_fill(source: dict[str, Any], count: int, workdir: Path, *, processes:
             except (CacheError, lmdb.Error):
                 pass  # not created yet
             time.sleep(0.01)
-        if done_at is None:
+        if done_at is None or watcher is None:
             raise RuntimeError(f"daemon did not cache {count} samples in {timeout_s}s")
         watcher.close()
         watcher = None
