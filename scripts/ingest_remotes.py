@@ -70,7 +70,8 @@ def start_http(root: Path) -> tuple[subprocess.Popen[bytes], str]:
     return proc, f"http://127.0.0.1:{int(line.split()[1])}"
 
 
-#: Batches fetched at once ahead of the raw writer: the daemon's default sampler processes.
+#: Batches read at once ahead of the raw writer from local files: the daemon's default
+#: sampler processes (each reads a batch in one thread).
 FETCH_LANES = 2
 
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -154,16 +155,16 @@ def disk_write(workdir: Path, total: int = 1 << 30) -> float:
 
 def raw_lmdb_write(payloads: Sequence[Any], batch_size: int, sync: bool, workdir: Path,
                    fetch: Callable[[list[Any]], list[bytes]] | None = None,
-                   ) -> tuple[float, float]:
+                   lanes: int = FETCH_LANES) -> tuple[float, float]:
     """Seconds to write ``payloads`` into a fresh LMDB environment with ``putmulti``, one
     transaction per ``batch_size`` samples, opened as the cache opens its own (sync or not,
     metasync off, no readahead, no meminit); and the CPU seconds it took (this process's).
 
     Given ``fetch``, ``payloads`` are what it takes (paths, URLs) and each batch is fetched
-    with it, :data:`FETCH_LANES` batches at a time in threads ahead of the writer: the least
-    any cache fed from that remote must do (get the bytes, write them), pipelined the way the
-    daemon's samplers are, without checks, framing or bookkeeping. A server's CPU is not
-    counted here; the caller adds it.
+    with it, ``lanes`` batches at a time in threads ahead of the writer: the least any cache
+    fed from that remote must do (get the bytes, write them), pipelined as the daemon's
+    samplers are, without checks, framing or bookkeeping. A server's CPU is not counted here;
+    the caller adds it.
     """
     import lmdb
 
@@ -173,14 +174,14 @@ def raw_lmdb_write(payloads: Sequence[Any], batch_size: int, sync: bool, workdir
     # The map only reserves address space (no writemap): room for any run of this benchmark.
     env = lmdb.open(str(path), map_size=1 << 38, sync=sync, metasync=False, readahead=False,
                     meminit=False)
-    pool = ThreadPoolExecutor(FETCH_LANES)
+    pool = ThreadPoolExecutor(lanes)
     try:
         cpu = time.process_time()
         start = time.perf_counter()
         ahead: deque[Future[list[bytes]]] = deque()
         for number, batch in enumerate(batches):
             if fetch is not None:
-                while len(ahead) < FETCH_LANES and number + len(ahead) < len(batches):
+                while len(ahead) < lanes and number + len(ahead) < len(batches):
                     ahead.append(pool.submit(fetch, batches[number + len(ahead)]))
                 batch = ahead.popleft().result()
             items = [(number.to_bytes(8, "big") + i.to_bytes(4, "big"), value)
