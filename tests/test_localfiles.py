@@ -133,10 +133,14 @@ def test_large_files_in_the_page_cache_are_not_slow(tmp_path: Path) -> None:
     big = tmp_path / "big.bin"
     big.write_bytes(os.urandom(32 << 20))
     reader = LocalFiles(concurrency=8)
-    for _ in range(3):
+    slow_after = []
+    for _ in range(4):
         values = reader.read_many([str(big)] * 4, [None] * 4, timeout_s=30)
-        assert all(len(v) == 32 << 20 for v in values if isinstance(v, bytes))
-        assert not reader.slow
+        assert [len(v) for v in values if isinstance(v, bytes)] == [32 << 20] * 4
+        slow_after.append(reader.slow)
+    # The old rule was slow after every round (a 32 MiB read never takes under 0.25 ms). One
+    # round is allowed to look slow: on a loaded machine a thread can be preempted mid-read.
+    assert sum(slow_after) <= 1, slow_after
 
 
 def test_a_files_source_reads_a_link_inside_its_root_at_its_target_and_refuses_others(
