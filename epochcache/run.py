@@ -17,6 +17,7 @@ import importlib
 import importlib.util
 import json
 import logging
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -389,6 +390,27 @@ def _read_metrics(path: Path, before: int, rewrite: bool = True) -> list[dict[st
     return kept
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM reached the run: a scheduler preempting or ending the job (Slurm, Kubernetes),
+    or torchrun passing it on. The run stops as on Ctrl-C, and exits 143."""
+
+
+def _stop_on_sigterm() -> Callable[[], object]:
+    """Make SIGTERM raise :class:`Terminated` in the main thread, so that the epoch in progress
+    is abandoned, the daemon stopped in order and the last checkpoint kept, where the default
+    action ends the process on the spot (a second SIGTERM still does). Returns what puts the
+    previous handler back."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None  # handlers belong to the main thread: the default action stays
+
+    def stop(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGTERM, previous)
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    return lambda: signal.signal(signal.SIGTERM, previous)
+
+
 def run_training(config: EpochcacheConfig, *, resume: bool = False) -> int:
     """Run the whole job of ``epochcache run``; returns the exit status.
 
@@ -403,6 +425,7 @@ def run_training(config: EpochcacheConfig, *, resume: bool = False) -> int:
         require_prometheus("train.metrics_port")  # before anything starts
     run = Run(config, resume=resume, is_main=world.rank == 0, node_rank=world.node_rank)
     created_group = False
+    restore_sigterm = _stop_on_sigterm()
     try:
         run.serve_metrics(world.local_rank)
         if world.rank == 0:
@@ -420,15 +443,20 @@ def run_training(config: EpochcacheConfig, *, resume: bool = False) -> int:
             run.run_dir.mkdir(parents=True, exist_ok=True)
             (run.run_dir / "config.yaml").write_text(config.redacted_yaml())
         status = run.train()
-    except KeyboardInterrupt:
-        log.warning("interrupted: stopping (the last checkpoint is kept; continue with --resume)")
-        status = 130
+    except KeyboardInterrupt as exc:
+        terminated = isinstance(exc, Terminated)
+        log.warning("%s: stopping (the last checkpoint is kept; continue with --resume)",
+                    "terminated (SIGTERM)" if terminated else "interrupted")
+        status = 143 if terminated else 130
     finally:
-        run.stop_daemon()
-        if created_group:
-            import torch.distributed
+        try:
+            run.stop_daemon()
+            if created_group:
+                import torch.distributed
 
-            torch.distributed.destroy_process_group()
+                torch.distributed.destroy_process_group()
+        finally:
+            restore_sigterm()
     plot = run.write_plots() if run.is_main else None
     if plot is not None:
         log.info("wrote %s", plot)
