@@ -209,8 +209,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except EpochcacheError as exc:
         print(f"epochcache {args.command}: {scrub_urls(str(exc))}", file=sys.stderr)
         return EXIT_FAILURE
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt as exc:  # 143 for a run's SIGTERM that came during its clean-up
+        return int(getattr(exc, "exit_status", 130))
 
 
 if __name__ == "__main__":

@@ -394,6 +394,8 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM reached the run: a scheduler preempting or ending the job (Slurm, Kubernetes),
     or torchrun passing it on. The run stops as on Ctrl-C, and exits 143."""
 
+    exit_status = 143
+
 
 def _stop_on_sigterm() -> Callable[[], object]:
     """Make SIGTERM raise :class:`Terminated` in the main thread, so that the epoch in progress
@@ -444,10 +446,9 @@ def run_training(config: EpochcacheConfig, *, resume: bool = False) -> int:
             (run.run_dir / "config.yaml").write_text(config.redacted_yaml())
         status = run.train()
     except KeyboardInterrupt as exc:
-        terminated = isinstance(exc, Terminated)
         log.warning("%s: stopping (the last checkpoint is kept; continue with --resume)",
-                    "terminated (SIGTERM)" if terminated else "interrupted")
-        status = 143 if terminated else 130
+                    "terminated (SIGTERM)" if isinstance(exc, Terminated) else "interrupted")
+        status = getattr(exc, "exit_status", 130)
     finally:
         try:
             run.stop_daemon()

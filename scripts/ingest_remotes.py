@@ -101,20 +101,11 @@ def bare_fetch(fs: Any, paths: list[str], concurrency: int,
     first warms the connection pool); and the CPU seconds it took, the server's included."""
     from fsspec.asyn import sync
 
-    async def run() -> int:
-        semaphore = asyncio.Semaphore(concurrency)
-
-        async def one(path: str) -> int:
-            async with semaphore:
-                return len(await fs._cat_file(path))
-
-        return sum(await asyncio.gather(*(one(p) for p in paths)))
-
-    sync(fs.loop, run)
+    sync(fs.loop, _fetch_all, fs, paths, concurrency, len)
     server = [server_pid] if server_pid else []
     cpu = time.process_time() + cpu_seconds(server)
     start = time.perf_counter()
-    sync(fs.loop, run)
+    sync(fs.loop, _fetch_all, fs, paths, concurrency, len)
     seconds = time.perf_counter() - start
     return seconds, time.process_time() + cpu_seconds(server) - cpu
 
@@ -174,7 +165,7 @@ def raw_lmdb_write(payloads: Sequence[Any], batch_size: int, sync: bool, workdir
     # The map only reserves address space (no writemap): room for any run of this benchmark.
     env = lmdb.open(str(path), map_size=1 << 38, sync=sync, metasync=False, readahead=False,
                     meminit=False)
-    pool = ThreadPoolExecutor(lanes)
+    pool = ThreadPoolExecutor(lanes)  # starts no thread until given a fetch
     try:
         cpu = time.process_time()
         start = time.perf_counter()
@@ -202,20 +193,23 @@ def read_batch(paths: list[Path]) -> list[bytes]:
     return [read_file(str(p)) for p in paths]
 
 
+async def _fetch_all(fs: Any, paths: list[str], concurrency: int,
+                     keep: Callable[[bytes], Any]) -> list[Any]:
+    """``keep`` of each object's bytes, fetched with ``_cat_file``, ``concurrency`` at a time."""
+    semaphore = asyncio.Semaphore(concurrency)
+
+    async def one(path: str) -> Any:
+        async with semaphore:
+            return keep(await fs._cat_file(path))
+
+    return list(await asyncio.gather(*(one(p) for p in paths)))
+
+
 def fetch_batch(fs: Any, concurrency: int, paths: list[str]) -> list[bytes]:
     """A batch of objects through the fsspec client, ``concurrency`` at a time."""
     from fsspec.asyn import sync
 
-    async def run() -> list[bytes]:
-        semaphore = asyncio.Semaphore(concurrency)
-
-        async def one(path: str) -> bytes:
-            async with semaphore:
-                return bytes(await fs._cat_file(path))
-
-        return list(await asyncio.gather(*(one(p) for p in paths)))
-
-    return list(sync(fs.loop, run))
+    return list(sync(fs.loop, _fetch_all, fs, paths, concurrency, bytes))
 
 
 def daemon_fill(source: dict[str, Any], count: int, workdir: Path, *, processes: int,
