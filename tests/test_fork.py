@@ -1,7 +1,7 @@
 """A Cache opened and used in the parent works in forked children, and the parent keeps
-working afterwards. LMDB is fork-hostile: a child must not open the same files a second time nor
-close the inherited environment (that would clear the parent's reader slots), so the child adopts
-the environment it inherited (``epochcache.store.env._after_fork_in_child``) and never closes it.
+working afterwards. LMDB is fork-hostile: a child must neither use nor close the inherited environment (closing
+would clear the parent's reader slots), so the child leaves it alone and opens its own
+(``epochcache.store.env._after_fork_in_child``; tests/test_fork_volume.py reads at volume).
 """
 
 from __future__ import annotations

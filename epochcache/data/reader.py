@@ -12,7 +12,7 @@ field, the labels of a batch converted at once. ``fields=`` selects and orders f
 tuples (:mod:`epochcache.data.fields`) on either path.
 
 A reader pickles as the cache path and its options -- never an LMDB handle: each process opens
-(or, in a forked worker, adopts) the environment on first read.
+an environment of its own on first read (a forked worker too: it never uses the inherited one).
 """
 
 from __future__ import annotations

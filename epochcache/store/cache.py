@@ -51,9 +51,9 @@ log = logging.getLogger("epochcache.cache")  # one logger for everything a cache
 class SampleStore:
     """A local sample cache bounded by ``capacity`` bytes, evicting oldest samples first.
 
-    Opening is cheap and safe in any process. A forked child (a DataLoader worker) adopts the
-    LMDB environment it inherited (see :mod:`epochcache.store.env`), so a store opened in the
-    parent can be read in workers; pickled, it travels as its path and reopens on the other side.
+    Opening is cheap and safe in any process. A forked child (a DataLoader worker) opens an
+    LMDB environment of its own on first use (see :mod:`epochcache.store.env`), so a store
+    opened in the parent can be read in workers; pickled, it travels as its path and reopens on the other side.
 
     Args:
         path: the cache directory (created private to the user).

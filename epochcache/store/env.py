@@ -4,9 +4,9 @@ All process-level LMDB concerns live here:
 
 * one ``lmdb.Environment`` per cache directory per process (LMDB forbids opening the same
   file twice in one process), shared by every :class:`Store` on that path;
-* fork: a forked child (a DataLoader worker) adopts the environment it inherited instead of
-  opening the files a second time, and never closes it (see ``_after_fork_in_child``); sampler
-  processes are started with ``spawn`` and open their own;
+* fork: a forked child (a DataLoader worker) opens an environment of its own on first use and
+  never touches the one it inherited (see ``_after_fork_in_child``); sampler processes are
+  started with ``spawn`` and open their own;
 * map size: set from the capacity, grown on ``MapFullError`` up to a bound, and re-read
   after another process grew it (``MapResizedError``);
 * a private directory (0700) and private files (0600), since samples may be sensitive;
@@ -18,6 +18,7 @@ All process-level LMDB concerns live here:
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import logging
 import os
@@ -25,7 +26,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import lmdb
 
@@ -64,26 +65,66 @@ _holders: dict[str, tuple[int, int]] = {}
 PROCESS: list[object] = [object()]
 
 
+#: Environments this process inherited through fork(): never used, closed or freed here.
+_inherited: list[lmdb.Environment] = []
+#: Cache paths whose environment this process inherited (opened afresh on first use).
+_inherited_paths: set[str] = set()
+
+
 def _after_fork_in_child() -> None:
+    """Set a forked child up to open environments of its own.
+
+    LMDB forbids using an environment across fork(), and py-lmdb never frees a read
+    transaction a child begins on an inherited one: each read would keep one of the table's
+    reader slots, under the parent's pid, for as long as the parent lives, until no process can
+    read the cache. Closing the inherited environment is no way out either: it aborts the
+    parent's transactions that were open at fork() (clearing their reader slots in the shared
+    table, so the parent's snapshots would no longer be protected from page reuse) and may wait
+    forever on state of the parent's other threads. So the child leaves the inherited handles
+    alone for good (pinned: not even interpreter exit may free them) and opens its own on first
+    use (:func:`_open_lmdb`). That is safe: fcntl locks, the reason LMDB forbids a second open
+    in one process, are not inherited by fork(), so only the child's own environment holds any.
+    """
     global _lock
     PROCESS[0] = object()
-    # The child adopts the environments it inherited instead of closing and reopening them:
-    # py-lmdb refuses to open the same files twice in one process, and closing them in the
-    # child would abort the inherited copies of the parent's read transactions, clearing the
-    # parent's reader slots in the shared lock table (its snapshots would no longer be
-    # protected from page reuse). The child's readers are registered under the parent's pid,
-    # which only delays the cleanup of a slot the child leaks by dying mid-read.
-    pid = os.getpid()
-    for path, (env, dbs, _old_pid) in list(_envs.items()):
-        _envs[path] = (env, dbs, pid)
+    for path, (env, _dbs, _pid) in _envs.items():
+        _pin(env)
+        _inherited_paths.add(path)
+    _envs.clear()
     _refcounts.clear()
-    for path in _envs:
-        _refcounts[path] = 1 << 30  # never closed in the child
     # The child shares the parent's holders.lock file description (and so its lock): it holds
     # the cache as long as it lives, and never closes the descriptor.
     for path, (fd, _count) in list(_holders.items()):
         _holders[path] = (fd, 1 << 30)
     _lock = threading.Lock()
+
+
+def _pin(env: lmdb.Environment) -> None:
+    # py-lmdb closes an environment when it is freed, in any process: keep one reference that
+    # nothing ever drops, interpreter shutdown included.
+    _inherited.append(env)
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(env))
+
+
+def _open_lmdb(path: str, **kwargs: Any) -> lmdb.Environment:
+    """``lmdb.open``, also where this process inherited an environment on ``path``.
+
+    py-lmdb refuses a second open of the same files in one process (it would share and then
+    drop LMDB's fcntl locks) and identifies files by ``lmdb._envid.env_keys``. A forked child's
+    inherited environment holds no locks in the child (see :func:`_after_fork_in_child`), so
+    for it the child's own open is told apart from the inherited one by the child's pid.
+    """
+    if path not in _inherited_paths:
+        return lmdb.open(path, **kwargs)
+    from lmdb import _envid  # py-lmdb 3 (pyproject pins it)
+
+    file_keys: Callable[..., tuple[Any, ...]] = _envid.env_keys
+    pid = os.getpid()
+    _envid.env_keys = lambda *args: tuple(("forked", pid, key) for key in file_keys(*args))
+    try:
+        return lmdb.open(path, **kwargs)
+    finally:
+        _envid.env_keys = file_keys
 
 
 if hasattr(os, "register_at_fork"):
@@ -264,7 +305,7 @@ class Store:
         # opened writable whenever the directory allows it; `readonly` Stores just never write.
         lmdb_readonly = self.readonly and not os.access(self.path, os.W_OK)
         try:
-            env = lmdb.open(
+            env = _open_lmdb(
                 self.path,
                 map_size=self._map_size,
                 subdir=True,
