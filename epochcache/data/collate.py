@@ -9,6 +9,7 @@ in ``default_collate`` for types this module has no faster path for.
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from collections.abc import Mapping, Sequence
@@ -26,6 +27,18 @@ _POOL_SIZE = 4
 _pool: list[torch.Tensor] = []
 _pool_lock = threading.Lock()
 _storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _after_fork_in_child() -> None:
+    # A fork from a background thread (epochs() builds loaders there) may catch another thread
+    # holding the lock; the parent's buffers are of no use to the child either.
+    global _pool_lock
+    _pool_lock = threading.Lock()
+    _pool.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _refs(tensor: torch.Tensor) -> tuple[int, int]:

@@ -519,13 +519,10 @@ def _worker_settings(num_workers: int | None, transform: Callable[[Any], Any] | 
     persistent = persistent and num_workers > 0
     if num_workers == 0:
         dataloader_kwargs.pop("prefetch_factor", None)
-    elif dataloader_kwargs.get("multiprocessing_context") is None:
-        # Loaders are built by a background thread while others run (the next epoch's
-        # preparation, the stall watchdog, an in-process daemon): fork() there can hand
-        # workers locks held by other threads, and `epochcache run` hung that way. Workers
-        # start from a forkserver unless the caller asks otherwise; transforms and
-        # collate_fn must then be picklable (no lambdas).
-        dataloader_kwargs["multiprocessing_context"] = "forkserver"
+    # Workers start the platform's way unless the caller names a multiprocessing_context (fork
+    # on Linux before Python 3.14: no pickling, no re-import of __main__). Loaders are built on
+    # a background thread, so every lock of ours a forked worker could meet is renewed in the
+    # child, and the child opens its own LMDB environment (see epochcache.store.env).
     return num_workers, persistent
 
 
