@@ -21,13 +21,18 @@ from .decode import DecodeFn
 from .reader import SampleReader
 
 
-def lost_lease(reader: SampleReader, lease_id: str, epoch: int | None,
-               error: KeyError) -> Exception:
-    """What a read that found a snapshot sample gone raises: :class:`SnapshotClosed` naming
-    the lease when the lease no longer exists (released, or reclaimed by a process that took
-    its holder for dead), else ``error`` itself."""
+def snapshot_gone(reader: SampleReader, lease_id: str, epoch: int | None,
+                  error: KeyError) -> SnapshotClosed:
+    """What a read that found a snapshot sample gone raises, naming the epoch: the lease no
+    longer exists (released, or reclaimed by a process that took its holder for dead), or,
+    with the lease still there (or unknown to this rank), the cache lost the sample."""
     if not lease_id or any(lease.lease_id == lease_id for lease in reader.cache.leases()):
-        return error
+        return SnapshotClosed(
+            f"{reader.path}: a sample of the snapshot of epoch {epoch} is gone "
+            f"({error.args[0] if error.args else error}) although "
+            + ("its lease is held" if lease_id else "the node's leader holds its lease")
+            + ": was the lease reclaimed and a new one taken, or the cache repaired? Run "
+            "`epochcache verify` and take a new snapshot (a new dataset or epoch)")
     return SnapshotClosed(
         f"{reader.path}: the snapshot of epoch {epoch} lost its lease {lease_id[:8]} and its "
         f"samples are being evicted ({error.args[0] if error.args else error}): the lease was "
@@ -120,7 +125,7 @@ class EpochDataset(Dataset[Any]):
         try:
             return self.reader.read(self.seqs.item(index))  # IndexError when out of range
         except KeyError as exc:
-            raise lost_lease(self.reader, self.lease_id, self.epoch, exc) from exc
+            raise snapshot_gone(self.reader, self.lease_id, self.epoch, exc) from exc
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
         """Many samples in one read transaction (DataLoader's batched fetch)."""
@@ -128,7 +133,7 @@ class EpochDataset(Dataset[Any]):
         try:
             return self.reader.read_samples(self._seqs_at(indices))
         except KeyError as exc:
-            raise lost_lease(self.reader, self.lease_id, self.epoch, exc) from exc
+            raise snapshot_gone(self.reader, self.lease_id, self.epoch, exc) from exc
 
     def get_batch(self, indices: Sequence[int] | np.ndarray) -> Any:
         """A collated batch, decoded straight into one tensor when samples are fixed-shape."""
@@ -136,7 +141,7 @@ class EpochDataset(Dataset[Any]):
         try:
             return self.reader.read_batch(self._seqs_at(indices))
         except KeyError as exc:
-            raise lost_lease(self.reader, self.lease_id, self.epoch, exc) from exc
+            raise snapshot_gone(self.reader, self.lease_id, self.epoch, exc) from exc
 
     def key(self, index: int) -> str:
         """The source key of sample ``index``."""

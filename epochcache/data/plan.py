@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import numpy as np
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from .dataset import EpochDataset, lost_lease
+from .dataset import EpochDataset, snapshot_gone
 from .reader import SampleReader
 
 
@@ -53,7 +53,7 @@ class EpochPlan:
 
 class SeqBatch(NamedTuple):
     """One batch to read: its sequence numbers, and the epoch and lease they belong to (a
-    sample found gone is reported as its lease's loss, see :func:`lost_lease`)."""
+    sample found gone is reported as its lease's loss, see :func:`snapshot_gone`)."""
 
     seqs: np.ndarray
     epoch: int
@@ -90,7 +90,7 @@ class SeqBatches(Dataset[Any]):
                 return self.reader.read_batch(batch.seqs)
             return self.reader.read_samples(batch.seqs)
         except KeyError as exc:
-            raise lost_lease(self.reader, batch.lease_id, batch.epoch, exc) from exc
+            raise snapshot_gone(self.reader, batch.lease_id, batch.epoch, exc) from exc
 
 
 def identity(batch: Any) -> Any:

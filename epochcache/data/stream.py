@@ -46,6 +46,7 @@ from ..store.shares import (
     unwatch,
 )
 from .distributed import NodeSync, detect_world, dist_initialized
+from .dataset import snapshot_gone
 from .plan import epoch_order
 from .reader import SampleReader
 
@@ -280,7 +281,7 @@ class CacheStream(IterableDataset[Any]):
         order = self._order if self._order is not None else np.empty(0, dtype=np.uint64)
         self._active += 1
         try:
-            yield from self._samples(order, prepared.distributed)
+            yield from self._samples(order, prepared.distributed, prepared.share)
         finally:
             self._active -= 1
             if not prepared.distributed and self._prepared is prepared:
@@ -296,7 +297,7 @@ class CacheStream(IterableDataset[Any]):
         prepared = self._prepared if not self._consumed else None
         distributed = prepared.distributed if prepared is not None else detect_world().distributed
         name = self._doc_name()
-        share = claim_share(cache, name, group,
+        share = claim_share(cache, name, group, worker,
                             prepared=prepared.share if prepared is not None else None,
                             first_epoch=self._next_epoch, home_pid=self._home_pid,
                             home_owner=self._owner,
@@ -322,21 +323,29 @@ class CacheStream(IterableDataset[Any]):
         except BaseException:
             done()
             raise
-        return _Reporting(self._samples(order[worker::workers], distributed), done)
+        return _Reporting(self._samples(order[worker::workers], distributed, share), done)
 
-    def _samples(self, order: np.ndarray, equal_counts: bool) -> Iterator[Any]:
+    def _samples(self, order: np.ndarray, equal_counts: bool, share: Share) -> Iterator[Any]:
         """Read ``order`` in chunks; under DDP a skipped sample is replaced by a repeat of an
-        earlier good one, so that every rank still yields the agreed count."""
+        earlier good one, so that every rank still yields the agreed count.
+
+        Raises:
+            SnapshotClosed: a sample of the share is gone (its lease was released or
+                reclaimed under it); the message names the epoch.
+        """
         reader = self.reader
         missing = 0
-        for start in range(0, len(order), _CHUNK):
-            chunk = order[start : start + _CHUNK]
-            before = reader.skipped
-            samples = reader.read_samples(chunk)
-            missing += reader.skipped - before
-            yield from samples
-        if equal_counts and missing:
-            yield from self._refill(order, missing)
+        try:
+            for start in range(0, len(order), _CHUNK):
+                chunk = order[start : start + _CHUNK]
+                before = reader.skipped
+                samples = reader.read_samples(chunk)
+                missing += reader.skipped - before
+                yield from samples
+            if equal_counts and missing:
+                yield from self._refill(order, missing)
+        except KeyError as exc:
+            raise snapshot_gone(reader, share.lease or "", share.epoch, exc) from exc
 
     def _refill(self, order: np.ndarray, missing: int) -> Iterator[Any]:
         reader = self.reader

@@ -12,11 +12,17 @@ finish early and is reclaimed if the main process dies; the last worker of a gro
 releases it. A document::
 
     {"epoch": 3, "lo": 100, "hi": 900, "count": 800, "lease": "ab12...", "token": "...",
-     "group": "1234:0", "done": 1, "release": true}
+     "group": "1234:0", "claimed": [0, 1], "done": 1, "release": true}
 
 ``token`` names a share the main process prepared (``set_epoch``), ``group`` the loader
-iteration that claimed it (None until one does), ``release`` whether the workers release the
-lease (not under DDP: there the node's leader releases it once every rank is past the epoch).
+iteration that claimed it (None until one does), ``claimed`` the workers of that iteration that
+did, ``release`` whether the workers release the lease (not under DDP: there the node's leader
+releases it once every rank is past the epoch).
+
+A group is the loader's base seed, which repeats when every loader gets a generator seeded
+alike (``generator=torch.Generator().manual_seed(0)``, a common habit): a worker whose group
+matches but who already claimed the share, or whose share was released, belongs to a new
+iteration, which is a new epoch. A share is never handed out again once its lease is released.
 """
 
 from __future__ import annotations
@@ -78,12 +84,14 @@ def publish_share(cache: SampleStore, name: str, share: Share, release: bool) ->
     cache.store.write(run)
 
 
-def claim_share(cache: SampleStore, name: str, group: str, *, prepared: Share | None,
-                first_epoch: int, home_pid: int, home_owner: str, label: str,
-                take: bool) -> Share | None:
-    """The share the loader iteration ``group`` reads, agreed in one write transaction.
+def claim_share(cache: SampleStore, name: str, group: str, worker: int, *,
+                prepared: Share | None, first_epoch: int, home_pid: int, home_owner: str,
+                label: str, take: bool) -> Share | None:
+    """The share worker ``worker`` of the loader iteration ``group`` reads, agreed in one
+    write transaction.
 
-    In order: the share another worker of ``group`` already claimed; the ``prepared`` share,
+    In order: the share another worker of ``group`` already claimed (unless this worker did
+    too, or the share was released: then this is a new iteration); the ``prepared`` share,
     if no iteration claimed it yet; else, when ``take``, a new snapshot for the epoch after the
     last one recorded (or ``first_epoch``), leased in the name of ``home_pid`` and its owner
     lock ``home_owner`` (see :func:`hold_owner`). Returns None
@@ -95,11 +103,14 @@ def claim_share(cache: SampleStore, name: str, group: str, *, prepared: Share | 
 
     def run(txn: lmdb.Transaction) -> Share | None:
         doc = _load(txn, cache, name)
-        if doc is not None and doc.get("group") == group:
+        if (doc is not None and doc.get("group") == group and not doc.get("released")
+                and worker not in doc.get("claimed", ())):
+            doc["claimed"] = [*doc.get("claimed", ()), worker]
+            _save(txn, cache, name, doc)
             return _share_of(doc)
         if (prepared is not None and doc is not None and doc.get("group") is None
                 and doc.get("token") == prepared.token):
-            doc["group"] = group
+            doc["group"], doc["claimed"] = group, [worker]
             _save(txn, cache, name, doc)
             return _share_of(doc)
         if not take:
@@ -111,8 +122,8 @@ def claim_share(cache: SampleStore, name: str, group: str, *, prepared: Share | 
         lo = int(seqs[0]) if len(seqs) else 0
         hi = int(seqs[-1]) + 1 if len(seqs) else 0
         share = Share(epoch, lo, hi, len(seqs), lease_id)
-        _save(txn, cache, name, {**asdict(share), "group": group, "done": 0, "release": True,
-                                 "released": False})
+        _save(txn, cache, name, {**asdict(share), "group": group, "claimed": [worker],
+                                 "done": 0, "release": True, "released": False})
         return share
 
     return cache.store.write(run)
