@@ -61,7 +61,7 @@ def bench_cache_reads(workdir: str, size: int, count: int) -> dict[str, Any]:
     cache = Cache(os.path.join(workdir, f"cache-{size}"), capacity=count * (size + 256) * 2)
     raw_env = lmdb.open(
         os.path.join(workdir, f"raw-{size}"), map_size=count * (size + 256) * 4,
-        sync=True, metasync=False, readahead=False, max_dbs=2,
+        sync=True, metasync=True, readahead=False, max_dbs=2,
     )
     files_dir = os.path.join(workdir, f"files-{size}")
     os.makedirs(files_dir)

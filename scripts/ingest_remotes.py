@@ -149,7 +149,7 @@ def raw_lmdb_write(payloads: Sequence[Any], batch_size: int, sync: bool, workdir
                    lanes: int = FETCH_LANES) -> tuple[float, float]:
     """Seconds to write ``payloads`` into a fresh LMDB environment with ``putmulti``, one
     transaction per ``batch_size`` samples, opened as the cache opens its own (sync or not,
-    metasync off, no readahead, no meminit); and the CPU seconds it took (this process's).
+    metasync as sync, no readahead, no meminit); and the CPU seconds it took (this process's).
 
     Given ``fetch``, ``payloads`` are what it takes (paths, URLs) and each batch is fetched
     with it, ``lanes`` batches at a time in threads ahead of the writer: the least any cache
@@ -163,7 +163,7 @@ def raw_lmdb_write(payloads: Sequence[Any], batch_size: int, sync: bool, workdir
     shutil.rmtree(path, ignore_errors=True)
     batches = [list(payloads[i:i + batch_size]) for i in range(0, len(payloads), batch_size)]
     # The map only reserves address space (no writemap): room for any run of this benchmark.
-    env = lmdb.open(str(path), map_size=1 << 38, sync=sync, metasync=False, readahead=False,
+    env = lmdb.open(str(path), map_size=1 << 38, sync=sync, metasync=sync, readahead=False,
                     meminit=False)
     pool = ThreadPoolExecutor(lanes)  # starts no thread until given a fetch
     try:

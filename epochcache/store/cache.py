@@ -94,6 +94,12 @@ class SampleStore:
         if compression not in ("zstd", "none"):
             raise ValueError(f"compression: expected 'zstd' or 'none', got {compression!r}")
         self.path = os.path.realpath(os.fspath(path))
+        # What a copy in another process opens with (see __getstate__); the limits live in
+        # the cache itself, so a copy keeps the ones in force.
+        self._settings: dict[str, Any] = {
+            "compression": compression, "level": level, "sync": sync, "readonly": readonly,
+            "max_map_size": max_map_size, "lease_timeout_s": lease_timeout_s,
+        }
         self.compress = compression == "zstd"
         self.level = level
         self.lease_timeout_s = lease_timeout_s
@@ -477,10 +483,10 @@ class SampleStore:
         return f"{type(self).__name__}({self.path!r}, capacity={format_size(self.capacity_bytes)!r})"
 
     def __getstate__(self) -> dict[str, Any]:
-        # Pickle as a path: the receiving process opens its own environment.
-        return {"path": self.path, "compression": "zstd" if self.compress else "none",
-                "level": self.level}
+        # Pickle as a path and the settings: the receiving process opens its own environment,
+        # read-only if this one is, with the same sync, lease timeout and compression.
+        return {"path": self.path, **self._settings}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["path"], compression=state["compression"],  # type: ignore[misc]
-                      level=state["level"])
+        settings = dict(state)
+        self.__init__(settings.pop("path"), **settings)  # type: ignore[misc]

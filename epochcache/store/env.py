@@ -245,8 +245,10 @@ class Store:
         max_map_size: how far the map may grow on ``MapFullError``; past it, writes raise
             ``lmdb.MapFullError`` for the caller to treat as a full disk.
         readonly: open without write access (``verify``/``status`` on another user's cache).
-        sync: fsync each commit. Process crashes never lose a returned commit either way;
-            ``sync`` also keeps commits across power loss.
+        sync: flush each commit (data, then the meta page) before it returns: a returned
+            commit survives power loss and kernel crashes. Without it a commit survives the
+            crash of any process (``kill -9``), and the cache stays consistent after a power
+            loss but may lose the commits of the last seconds.
     """
 
     def __init__(
@@ -311,9 +313,10 @@ class Store:
                 subdir=True,
                 readonly=lmdb_readonly,
                 sync=self.sync,
-                # One fsync per commit, not two: a crash may undo the last commit but never
-                # corrupts the environment.
-                metasync=False,
+                # With sync, the meta page is flushed too (a second fdatasync per commit):
+                # without it LMDB keeps atomicity but a power loss may undo the last commit
+                # that returned (lmdb.h, MDB_NOMETASYNC). Without sync neither is flushed.
+                metasync=self.sync,
                 readahead=False,  # random reads over a cache larger than RAM
                 meminit=False,
                 max_readers=MAX_READERS,
