@@ -45,8 +45,8 @@ from ..store.shares import (
     release_owner,
     unwatch,
 )
-from .distributed import NodeSync, detect_world, dist_initialized
 from .dataset import snapshot_gone
+from .distributed import NodeSync, detect_world, dist_initialized
 from .plan import epoch_order
 from .reader import SampleReader
 

@@ -42,6 +42,24 @@ _OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXE
 Result = bytes | BaseException
 
 
+def read_wait(seconds: float, nbytes: int) -> float:
+    """How long a read of ``nbytes`` waited: its time less what copying its bytes takes, so a
+    large file in the page cache does not look like a slow filesystem."""
+    return seconds - nbytes / COPY_BYTES_PER_S
+
+
+def judge_reads(slow: bool, lanes: int, waits: Sequence[float]) -> bool:
+    """Whether the next batch should read in many threads, after a batch read in ``lanes``
+    threads whose reads waited ``waits`` seconds each (see :func:`read_wait`)."""
+    if waits and lanes == 1:
+        return sum(waits) / len(waits) >= SLOW_READ_S
+    if waits and min(waits) < QUICK_READ_S:
+        # Threads reading at once wait for each other's turns at the GIL, so their mean
+        # says little; one quick read does: try one thread again (its mean decides).
+        return False
+    return slow
+
+
 def read_file(path: str, end: int | None = None) -> bytes:
     """The bytes of a local file (at most ``end`` of them), as ``cat_file`` would return.
 
@@ -125,8 +143,8 @@ class LocalFiles:
                         return
                     results[i] = value
                     progress[index] = now
-                    copy = len(value) / COPY_BYTES_PER_S if isinstance(value, bytes) else 0.0
-                    waited[i] = now - started - copy
+                    waited[i] = read_wait(now - started,
+                                          len(value) if isinstance(value, bytes) else 0)
 
         pool = self._threads()
         running: dict[Future[None], int] = {pool.submit(lane, i): i for i in range(lanes)}
@@ -141,12 +159,7 @@ class LocalFiles:
                         abandoned[index] = True
                         del running[future]
                         self._abandon(pool)
-        times = [t for t, value in zip(waited, results) if value is not None]
-        if times and lanes == 1:
-            self.slow = sum(times) / len(times) >= SLOW_READ_S
-        elif times and min(times) < QUICK_READ_S:
-            # Threads reading at once wait for each other's turns at the GIL, so their mean
-            # says little; one quick read does: try one thread again (its mean decides).
-            self.slow = False
+        self.slow = judge_reads(self.slow, lanes,
+                                [t for t, value in zip(waited, results) if value is not None])
         return [TimeoutError(f"no answer from the filesystem within {timeout_s:g}s (a hung "
                              "network mount?)") if value is None else value for value in results]
