@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -113,6 +114,28 @@ def test_a_live_holder_elsewhere_keeps_its_lease_for_a_long_epoch(tmp_path: Path
         cache.close()
 
 
+def _signal_tree(pid: int, sig: int) -> None:
+    os.kill(pid, sig)
+    for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
+        os.kill(int(child), sig)
+
+
+def _freeze_outside_a_commit(pid: int, cache: Cache) -> None:
+    """SIGSTOP the holder (and unshare's child), but not in the middle of a commit: a process
+    frozen holding LMDB's write lock would block every writer, this test's too. So stop it,
+    try a write, and if that waits, let the holder finish its commit and stop it again."""
+    for _attempt in range(50):
+        _signal_tree(pid, signal.SIGSTOP)
+        writer = threading.Thread(target=cache.store.write, args=(lambda txn: None,))
+        writer.start()
+        writer.join(2.0)
+        if not writer.is_alive():
+            return
+        _signal_tree(pid, signal.SIGCONT)
+        writer.join(30)
+    raise AssertionError("could not freeze the holder outside a commit")
+
+
 def test_without_owner_locks_a_heartbeat_keeps_the_lease(tmp_path: Path) -> None:
     """Where the owner lock cannot serve (here: the cache's owners directory is unusable), the
     holder's heartbeat thread refreshes its lease while the snapshot is open."""
@@ -127,9 +150,7 @@ def test_without_owner_locks_a_heartbeat_keeps_the_lease(tmp_path: Path) -> None
         holder.send("read")
         assert holder.wait_line("READ", 30).split()[1:] == ["18", "0"]
         # A frozen holder (no heartbeat) loses its lease after the timeout.
-        os.kill(holder.pid, signal.SIGSTOP)
-        for child in Path(f"/proc/{holder.pid}/task/{holder.pid}/children").read_text().split():
-            os.kill(int(child), signal.SIGSTOP)
+        _freeze_outside_a_commit(holder.pid, cache)
         time.sleep(1.5)
         assert [dead.lease_id for dead in cache.reclaim_leases()] == [lease_id]
     finally:
