@@ -22,7 +22,7 @@ import lmdb
 import numpy as np
 
 from ..units import format_size, parse_size
-from . import codec
+from . import codec, plans
 from .capacity import Capacity, resolve_limits, stored_limits
 from .codec import Value
 from .counters import Counters
@@ -336,17 +336,20 @@ class SampleStore:
 
     # -- snapshots and leases ---------------------------------------------------------------
 
-    def snapshot(self, epoch: int | None = None, label: str = "") -> Snapshot:
+    def snapshot(self, epoch: int | None = None, label: str = "", *,
+                 plan_parts: int = 0) -> Snapshot:
         """Freeze the newest samples that fit the capacity, under a lease.
 
         The snapshot's samples stay readable, unchanged, until it is released, however much
-        is written meanwhile (invariant 1).
+        is written meanwhile (invariant 1). With ``plan_parts``, its readers will release
+        what they have read before that, progressively, through a plan of that many parts
+        (:meth:`write_plan_part`; until every part is written the whole snapshot is protected).
         """
         name = label or (f"epoch {epoch}" if epoch is not None else "snapshot")
         limit = self.effective_capacity  # outside the write transaction: it may read the cache
         owner = begin_lease(self.path)  # locked by this process while it holds leases here
         def run(txn: lmdb.Transaction) -> tuple[np.ndarray, str]:
-            return self.take_snapshot(txn, name, limit, owner=owner)
+            return self.take_snapshot(txn, name, limit, owner=owner, plan_parts=plan_parts)
 
         try:
             seqs, lease_id = self.store.write(run)
@@ -360,20 +363,31 @@ class SampleStore:
         return snap
 
     def take_snapshot(self, txn: lmdb.Transaction, label: str, limit: int, *,
-                      owner: str = "", pid: int | None = None) -> tuple[np.ndarray, str]:
+                      owner: str = "", pid: int | None = None,
+                      plan_parts: int = 0) -> tuple[np.ndarray, str]:
         """In ``txn``: select the newest samples that fit ``limit`` bytes (the effective
         capacity, read before the transaction) and write their lease, held by ``owner`` (this
         process's owner lock, see :func:`~.owners.begin_lease`) or else by ``pid`` on this host
-        (default: this process); returns ``(seqs, lease_id)``. The caller owns the release."""
+        (default: this process); returns ``(seqs, lease_id)``. The caller owns the release.
+        With ``plan_parts``, the snapshot's samples are saved for its release plan."""
         self.writer.reclaim(txn)
         counters = Counters.load(txn, self.dbs[DB_META])
         seqs = select_snapshot(txn, self.dbs[DB_SAMPLES], counters, limit)
         lo = int(seqs[0]) if len(seqs) else counters.next_seq
         hi = int(seqs[-1]) + 1 if len(seqs) else counters.next_seq
         lease = Lease.new(lo, hi, len(seqs), label=label, owner=owner,
-                          timeout_s=self.lease_timeout_s if owner else 0.0, pid=pid)
+                          timeout_s=self.lease_timeout_s if owner else 0.0, pid=pid,
+                          plan_parts=plan_parts if len(seqs) else 0)
+        if lease.plan_parts:
+            plans.write_seqs(self.path, lease.lease_id, seqs)  # before the lease names it
         write_lease(txn, self.dbs[DB_LEASES], lease)
         return seqs, lease.lease_id
+
+    def write_plan_part(self, lease_id: str, part: int, lanes: Sequence[np.ndarray]) -> None:
+        """Save part ``part`` of a lease's release plan: ``lanes[i]`` is the order in which
+        reader ``i`` of the part reads its samples (see :mod:`~.plans`). Each reader then
+        releases what it has read with a :class:`~.plans.Releaser`."""
+        plans.write_part(self.path, lease_id, part, lanes)
 
     def leased_seqs(self, lo: int, hi: int, count: int) -> np.ndarray:
         """The sequence numbers of a snapshot known by its lease's range and count.
@@ -385,6 +399,8 @@ class SampleStore:
         if hi - lo == count:
             return np.arange(lo, hi, dtype=np.uint64)
         with self.store.read() as txn:
+            # (A lease with a plan saved its samples: see plan_seqs; progressive release may
+            # have evicted some of those in the range since.)
             cursor = txn.cursor(db=self.dbs[DB_SAMPLES])
             keys: list[bytes] = []
             if cursor.set_range(seq_key(lo)):
@@ -394,6 +410,11 @@ class SampleStore:
                     keys.append(bytes(key))
         return np.frombuffer(b"".join(keys), dtype=">u8").astype(np.uint64)
 
+    def plan_seqs(self, lease_id: str) -> np.ndarray | None:
+        """The samples of a snapshot whose lease has a release plan (read-only, mapped), or
+        None: the snapshot as taken, whatever was evicted from it since."""
+        return plans.read_seqs(self.path, lease_id)
+
     def leases(self) -> list[Lease]:
         with self.store.read() as txn:
             return read_leases(txn, self.dbs[DB_LEASES])
@@ -401,6 +422,7 @@ class SampleStore:
     def release_lease(self, lease_id: str) -> bool:
         ours = heartbeats().remove(self.path, lease_id)
         deleted = self.store.write(lambda txn: delete_lease(txn, self.dbs[DB_LEASES], lease_id))
+        plans.remove_plan(self.path, lease_id)
         if ours:
             end_lease(self.path)  # after the lease is gone: it is never judged by a lost lock
         return deleted
@@ -438,7 +460,9 @@ class SampleStore:
         if dead:
             self.evict()
         if not self.store.readonly:
-            sweep_dead_owners(self.path, {lease.owner for lease in self.leases()})
+            leases = self.leases()
+            sweep_dead_owners(self.path, {lease.owner for lease in leases})
+            plans.sweep_plans(self.path, {lease.lease_id for lease in leases})
         return dead
 
     # -- side tables and reporting ----------------------------------------------------------

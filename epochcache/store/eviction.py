@@ -1,9 +1,16 @@
-"""Oldest-first eviction that never touches a leased sample.
+"""Oldest-first eviction of the samples no live lease protects.
 
-Eviction only ever removes the cache's oldest sample (the first key of ``samples``) and stops
-at the first sample a live lease holds. So at every moment the evicted samples are exactly the
-oldest ones (invariant 3), and the samples present form a contiguous run of sequence numbers,
-which is what makes a snapshot O(1) to take.
+Eviction takes the cache's oldest sample that no lease protects (invariant 3), and never one
+newer than every snapshot (those have not been trained on: evicting them for newer ones would
+only waste the remote's bandwidth; writers wait instead). A lease without a plan protects its
+whole range; a lease with a plan only its samples not yet read (progressive release, see
+:mod:`epochcache.store.release`). So the samples present are no longer one contiguous run: a
+snapshot reads the keys when there are gaps (:func:`~.snapshot.select_snapshot`).
+
+Each victim is the older of two candidates: the first sample outside every lease's range
+(found by a cursor seek per gap between ranges), and the oldest released sample of the plan
+leases (found from per-block counts). The common cases stay a cursor walk: no lease at all, or
+old samples below every lease.
 """
 
 from __future__ import annotations
@@ -15,8 +22,9 @@ import lmdb
 
 from .codec import record_key
 from .counters import Counters
-from .leases import Lease, protected
-from .schema import DB_KEYS, DB_SAMPLES
+from .leases import Lease
+from .release import Protection
+from .schema import DB_KEYS, DB_SAMPLES, seq_key, seq_of
 
 
 @dataclass
@@ -34,24 +42,37 @@ def evict_oldest(
     counters: Counters,
     limit_bytes: int,
     leases: Sequence[Lease],
+    protection: Protection | None = None,
 ) -> Eviction:
-    """Evict oldest samples until ``counters.bytes <= limit_bytes`` or a lease blocks.
+    """Evict oldest unprotected samples until ``counters.bytes <= limit_bytes``, or until
+    everything left is protected (then ``blocked_by`` names a lease in the way).
 
     ``counters`` is updated in place; the caller saves it in the same transaction.
+    ``protection`` is the calling process's tracker of plan leases; without one every lease
+    protects its whole range.
     """
     result = Eviction()
     if counters.bytes <= limit_bytes:
         return result
+    if protection is None:
+        protection = Protection("")
+    protection.sync(leases)
     samples_db, keys_db = dbs[DB_SAMPLES], dbs[DB_KEYS]
     cursor = txn.cursor(db=samples_db)
-    if not cursor.first():
-        return result
+    gap_from = 0  # no unranged sample below this is left
     while counters.bytes > limit_bytes:
-        seq_bytes = bytes(cursor.key())
-        holder = protected(leases, int.from_bytes(seq_bytes, "big"))
-        if holder is not None:
-            result.blocked_by = holder
+        unranged = _first_unranged(cursor, protection, gap_from)
+        released = protection.released_candidate()
+        if unranged is None and released is None:
+            result.blocked_by = _blocker(cursor, protection)
             break
+        if unranged is not None and (released is None or unranged < released[0]):
+            gap_from = unranged
+        else:
+            assert released is not None
+            if not cursor.set_key(seq_key(released[0])):
+                protection.evicted(released[0])  # another process evicted it
+                continue
         record = cursor.value()
         size = len(record)
         key = record_key(record)
@@ -64,9 +85,31 @@ def evict_oldest(
         counters.evicted_bytes += size
         result.count += 1
         result.bytes += size
-        # delete() moves the cursor to the next record; False means the store is now empty.
-        if not cursor.delete():
-            break
-        if not cursor.key():
-            break
+        protection.evicted(seq_of(bytes(cursor.key())))
+        cursor.delete()
     return result
+
+
+def _first_unranged(cursor: lmdb.Cursor, protection: Protection, start: int) -> int | None:
+    """The oldest sample at or after ``start`` outside every lease's range and before the
+    frontier (the cursor is left on it), or None."""
+    gap = protection.unranged_after(start)
+    while gap is not None:
+        if not cursor.set_range(seq_key(gap[0])):
+            return None  # no sample at or after the gap
+        seq = seq_of(bytes(cursor.key()))
+        if seq < gap[1]:
+            return seq
+        gap = protection.unranged_after(seq)  # the gap at or after the next sample
+    return None
+
+
+def _blocker(cursor: lmdb.Cursor, protection: Protection) -> Lease | None:
+    """The lease that keeps the oldest sample, for the writers' message."""
+    if not cursor.first():
+        return None
+    seq = seq_of(bytes(cursor.key()))
+    holder = protection.protector(seq)
+    if holder is not None:
+        return holder
+    return max(protection.leases, key=lambda lease: lease.hi, default=None)

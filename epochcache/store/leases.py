@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, fields
 import lmdb
 
 from .owners import owner_alive, remove_owner
+from .plans import remove_plan
 
 log = logging.getLogger("epochcache.cache")  # one logger for everything a cache does
 
@@ -94,10 +95,13 @@ class Lease:
     label: str = ""
     owner: str = ""  # the holder's owner lock (owners/<owner>.lock); "" from older versions
     timeout_s: float = 0.0  # the holder's heartbeat timeout; 0: the judge's own
+    #: Parts of its release plan (see :mod:`epochcache.store.plans`); 0: no plan, the whole
+    #: range is protected until the lease ends.
+    plan_parts: int = 0
 
     @classmethod
     def new(cls, lo: int, hi: int, count: int, label: str = "", owner: str = "",
-            timeout_s: float = 0.0, pid: int | None = None) -> Lease:
+            timeout_s: float = 0.0, pid: int | None = None, plan_parts: int = 0) -> Lease:
         """A lease held by ``owner`` (an owner lock of this process) or, without one, by
         ``pid`` (default: this process) on this host, alive as long as that process is."""
         now = time.time_ns()
@@ -115,6 +119,7 @@ class Lease:
             label=label,
             owner=owner,
             timeout_s=timeout_s,
+            plan_parts=plan_parts,
         )
 
     def to_bytes(self) -> bytes:
@@ -167,6 +172,8 @@ def reclaim_dead(
     dead = [lease for lease in leases if not lease.is_alive(now, timeout_s, path)]
     for lease in dead:
         delete_lease(txn, db, lease.lease_id)
+        if path:
+            remove_plan(path, lease.lease_id)
         log.info("%s: reclaimed lease %s (%s) of dead process %d on %s (%d samples)",
                  path, lease.lease_id[:8], lease.label or "snapshot", lease.pid, lease.host,
                  lease.count)

@@ -27,6 +27,7 @@ from .counters import Counters
 from .env import Store
 from .eviction import Eviction, evict_oldest
 from .leases import Lease, read_leases, reclaim_dead
+from .release import Protection
 from .schema import DB_KEYS, DB_LEASES, DB_META, DB_SAMPLES, index_key, pack_u64, seq_key
 
 log = logging.getLogger("epochcache.cache")  # one logger for everything a cache does
@@ -108,6 +109,8 @@ class Writer:
         #: Seconds put_many has waited for leases to free space (back-pressure), in total.
         self.lease_wait_s = 0.0
         self._gate = codec.CompressGate()
+        #: What the live leases protect, as this process evicts (plan leases tracked here).
+        self.protection = Protection(store.path)
 
     @property
     def path(self) -> str:
@@ -294,10 +297,12 @@ class Writer:
         first. ``counters`` is updated in place."""
         dbs = self.store.dbs
         target = max(0, limit - incoming)
-        evicted = evict_oldest(txn, dbs, counters, target, read_leases(txn, dbs[DB_LEASES]))
+        evicted = evict_oldest(txn, dbs, counters, target, read_leases(txn, dbs[DB_LEASES]),
+                               self.protection)
         over_headroom = counters.bytes + incoming > limit + self.capacity.headroom_for(limit)
         if over_headroom and self.reclaim(txn):
-            more = evict_oldest(txn, dbs, counters, target, read_leases(txn, dbs[DB_LEASES]))
+            more = evict_oldest(txn, dbs, counters, target, read_leases(txn, dbs[DB_LEASES]),
+                               self.protection)
             evicted = Eviction(evicted.count + more.count, evicted.bytes + more.bytes,
                                more.blocked_by)
         return evicted
@@ -330,7 +335,8 @@ class Writer:
 
         def run(txn: lmdb.Transaction) -> Eviction:
             counters = Counters.load(txn, dbs[DB_META])
-            result = evict_oldest(txn, dbs, counters, limit, read_leases(txn, dbs[DB_LEASES]))
+            result = evict_oldest(txn, dbs, counters, limit, read_leases(txn, dbs[DB_LEASES]),
+                               self.protection)
             counters.save(txn, dbs[DB_META])
             return result
 
