@@ -37,6 +37,11 @@ class EpochLoader:
         self._stall = stall
         self._used = False
         self.batch_times: list[float] = []
+        #: Release each batch's samples once the loop asks for the next batch (progressive
+        #: release). A run that checkpoints mid-epoch turns this off and calls
+        #: :meth:`release` with what its last checkpoint covers, so that a resumed epoch
+        #: finds every sample after that checkpoint.
+        self.release_as_consumed = True
 
     def __len__(self) -> int:
         return self._plan.n_batches
@@ -79,7 +84,14 @@ class EpochLoader:
                 self._start_next()
             self._maybe_trigger(i + 1, gap)
             yield batch
+            if self.release_as_consumed:
+                self._plan.release(i + 1)
         self.finish()
+
+    def release(self, batches: int) -> None:
+        """The first ``batches`` batches are done with for good: their samples may be
+        evicted from now on (those no later snapshot protects)."""
+        self._plan.release(batches)
 
     def _start_next(self) -> None:
         hook, self._on_started = self._on_started, None

@@ -44,6 +44,7 @@ from torch.utils.data import DataLoader
 from ..errors import EpochcacheError
 from ..limits import DEFAULT_MAX_SAMPLE_BYTES
 from ..store.env import cache_identity
+from ..store.plans import Releaser
 from .dataset import EpochDataset
 from .distributed import NodeSync, World, detect_world, dist_initialized, split_for_rank
 from .epoch_loader import EpochLoader
@@ -213,9 +214,13 @@ class _Epochs:
         started = time.monotonic()
         epoch, snapshot = pending.epoch, None
 
+        # One plan part per rank of the node: each releases what its loop has trained on.
+        parts = self.world.local_world_size if self.sync is not None else 1
+
         def take() -> tuple[np.ndarray, str]:
             nonlocal snapshot
-            snapshot = self.cache.snapshot(epoch=epoch, label=f"epochs() epoch {epoch}")
+            snapshot = self.cache.snapshot(epoch=epoch, label=f"epochs() epoch {epoch}",
+                                           plan_parts=parts)
             return snapshot.seqs, snapshot.lease_id
 
         if self.sync is not None and not self.sync.rendezvous(epoch, self.abort.is_set):
@@ -233,12 +238,27 @@ class _Epochs:
             if n_batches == 0:
                 log.warning("epoch %d has no batches: the snapshot holds %d samples (batch_size "
                             "%d); is the cache empty?", epoch, len(seqs), self.batch_size)
+            releaser = self._release_plan(lease_id, order[: n_batches * self.batch_size])
         except BaseException:
             dataset.close()
             raise
         seconds = time.monotonic() - started
         self.last_plan_s = seconds
-        return EpochPlan(epoch, dataset, order, self.batch_size, n_batches, seconds)
+        return EpochPlan(epoch, dataset, order, self.batch_size, n_batches, seconds, releaser)
+
+    def _release_plan(self, lease_id: str, lane: np.ndarray) -> Releaser | None:
+        """Write this rank's part of the epoch's release plan: the samples its loop trains on,
+        in order (one lane); the loop releases them batch by batch."""
+        if not lease_id or not len(lane):
+            return None
+        part = self.world.local_rank if self.sync is not None else 0
+        try:
+            self.cache.write_plan_part(lease_id, part, [lane])
+        except OSError as exc:  # a full or read-only disk: the snapshot stays protected whole
+            log.warning("%s: could not write the epoch's release plan (%s): its samples stay "
+                        "protected until it ends", self.cache.path, exc)
+            return None
+        return Releaser(self.cache.path, lease_id, part, 0)
 
     def _build(self, pending: _Pending) -> Any:
         loader, sampler = self._make_loader(pending.epoch)

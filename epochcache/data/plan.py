@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import numpy as np
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from ..store.plans import Releaser
 from .dataset import EpochDataset, snapshot_gone
 from .reader import SampleReader
 
@@ -43,9 +44,17 @@ class EpochPlan:
     """One epoch on this rank: its dataset (holding the lease on the leader) and batch order."""
 
     def __init__(self, epoch: int, dataset: EpochDataset, order: np.ndarray, batch_size: int,
-                 n_batches: int, seconds: float) -> None:
+                 n_batches: int, seconds: float, releaser: Releaser | None = None) -> None:
         self.epoch, self.dataset, self.order = epoch, dataset, order
         self.batch_size, self.n_batches, self.seconds = batch_size, n_batches, seconds
+        #: Releases the samples of the batches trained on (progressive release), if planned.
+        self.releaser = releaser
+
+    def release(self, batches: int) -> None:
+        """The loop is done with the first ``batches`` batches: eviction may take their
+        samples (those no later epoch's snapshot protects)."""
+        if self.releaser is not None:
+            self.releaser.release(batches * self.batch_size)
 
     def batch(self, i: int) -> np.ndarray:
         return self.order[i * self.batch_size : (i + 1) * self.batch_size]

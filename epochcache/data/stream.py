@@ -34,6 +34,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from ..limits import DEFAULT_MAX_SAMPLE_BYTES
 from ..store.env import cache_identity
+from ..store.plans import Releaser
 from ..store.shares import (
     Share,
     claim_share,
@@ -69,6 +70,7 @@ class _Prepared:
     slots: int
     samples: int  # this rank's sample count (the MIN over ranks under DDP)
     distributed: bool
+    part: int  # this rank's part of the epoch's release plan
 
 
 class CacheStream(IterableDataset[Any]):
@@ -201,16 +203,18 @@ class CacheStream(IterableDataset[Any]):
             self._sync = NodeSync(world, cache_identity(cache.path), cache.path)
         label = f"stream {self.stream_id} epoch {epoch}"
         taken: list[Snapshot] = []
+        # One plan part per rank of the node; its lanes are written by whoever reads it.
+        parts = world.local_world_size if distributed else 1
 
         def take() -> tuple[np.ndarray, str]:
-            taken.append(cache.snapshot(epoch=epoch, label=label))
+            taken.append(cache.snapshot(epoch=epoch, label=label, plan_parts=parts))
             unwatch(cache, taken[0].lease_id)  # the share manages it; our owner lock keeps it
             return taken[0].seqs, taken[0].lease_id
 
         if not distributed:
             self._release_snapshot()  # no other rank can still be reading it
-        seqs, _lease = (self._sync.share_seqs(take if world.local_rank == 0 else None)
-                        if self._sync is not None else take())
+        seqs, lease_id = (self._sync.share_seqs(take if world.local_rank == 0 else None)
+                          if self._sync is not None else take())
         # Under DDP every rank is past the previous epoch once the snapshot was shared.
         self._release_snapshot()
         self._snapshot = taken[0] if taken else None
@@ -224,16 +228,15 @@ class CacheStream(IterableDataset[Any]):
                 samples = self._sync.agree_batches(samples)  # MIN over all ranks
             lo = int(seqs[0]) if len(seqs) else 0
             hi = int(seqs[-1]) + 1 if len(seqs) else 0
-            share = Share(epoch, lo, hi, len(seqs),
-                          self._snapshot.lease_id if self._snapshot is not None else None,
-                          uuid.uuid4().hex)
+            share = Share(epoch, lo, hi, len(seqs), lease_id or None, uuid.uuid4().hex)
             publish_share(cache, self._doc_name(), share, release=not distributed)
         except BaseException:
             self._release_snapshot()
             raise
         if len(seqs) == 0:
             log.warning("stream epoch %d: the cache at %s holds no samples", epoch, cache.path)
-        self._prepared = _Prepared(share, slot, slots, samples, distributed)
+        self._prepared = _Prepared(share, slot, slots, samples, distributed,
+                                   world.local_rank if distributed else 0)
         self._order, self._consumed = order[:samples], False
         self._next_epoch, self._epoch_given = epoch + 1, False
         return self._prepared
@@ -279,9 +282,10 @@ class CacheStream(IterableDataset[Any]):
             prepared = self._prepare(epoch)
         self._consumed = True
         order = self._order if self._order is not None else np.empty(0, dtype=np.uint64)
+        releaser = _plan_lanes(self.reader.cache, prepared.share, prepared.part, [order], 0)
         self._active += 1
         try:
-            yield from self._samples(order, prepared.distributed, prepared.share)
+            yield from self._samples(order, prepared.distributed, prepared.share, releaser)
         finally:
             self._active -= 1
             if not prepared.distributed and self._prepared is prepared:
@@ -313,21 +317,29 @@ class CacheStream(IterableDataset[Any]):
         try:
             if prepared is not None and share.token == prepared.share.token:
                 slot, slots, samples = prepared.slot, prepared.slots, prepared.samples
+                part = prepared.part
             else:
-                slot, slots, samples = 0, 1, -1
-            seqs = cache.leased_seqs(share.lo, share.hi, share.count)
+                slot, slots, samples, part = 0, 1, -1, 0
+            seqs = cache.plan_seqs(share.lease) if share.lease else None
+            if seqs is None:
+                seqs = cache.leased_seqs(share.lo, share.hi, share.count)
             order = epoch_order(seqs, share.epoch, self.seed, self.shuffle,
                                 self.samples_per_epoch)[slot::slots]
             if samples >= 0:
                 order = order[:samples]
+            lanes = [order[w::workers] for w in range(workers)]
+            releaser = _plan_lanes(cache, share, part, lanes, worker)
         except BaseException:
             done()
             raise
-        return _Reporting(self._samples(order[worker::workers], distributed, share), done)
+        return _Reporting(self._samples(lanes[worker], distributed, share, releaser), done)
 
-    def _samples(self, order: np.ndarray, equal_counts: bool, share: Share) -> Iterator[Any]:
-        """Read ``order`` in chunks; under DDP a skipped sample is replaced by a repeat of an
-        earlier good one, so that every rank still yields the agreed count.
+    def _samples(self, order: np.ndarray, equal_counts: bool, share: Share,
+                 releaser: Releaser | None) -> Iterator[Any]:
+        """Read ``order`` in chunks, releasing each chunk once read (progressive release: its
+        samples are copied out, eviction may take them); under DDP a skipped sample is
+        replaced by a repeat of an earlier good one, so that every rank still yields the
+        agreed count.
 
         Raises:
             SnapshotClosed: a sample of the share is gone (its lease was released or
@@ -341,6 +353,8 @@ class CacheStream(IterableDataset[Any]):
                 before = reader.skipped
                 samples = reader.read_samples(chunk)
                 missing += reader.skipped - before
+                if releaser is not None:
+                    releaser.release(start + len(chunk))
                 yield from samples
             if equal_counts and missing:
                 yield from self._refill(order, missing)
@@ -375,6 +389,21 @@ class CacheStream(IterableDataset[Any]):
     def __repr__(self) -> str:
         return (f"CacheStream(cache={self.reader.path!r}, seed={self.seed}, "
                 f"epoch={self.epoch}, split_ranks={self.split_ranks})")
+
+
+def _plan_lanes(cache: SampleStore, share: Share, part: int, lanes: list[np.ndarray],
+                lane: int) -> Releaser | None:
+    """Write this rank's part of the share's release plan (the first reader to get here does;
+    the lanes are the same for all), and return the releaser of ``lane``."""
+    if not share.lease or not any(len(one) for one in lanes):
+        return None
+    try:
+        cache.write_plan_part(share.lease, part, lanes)
+    except OSError as exc:  # a full or read-only disk: the snapshot stays protected whole
+        log.warning("%s: could not write the epoch's release plan (%s): its samples stay "
+                    "protected until it ends", cache.path, exc)
+        return None
+    return Releaser(cache.path, share.lease, part, lane)
 
 
 class _Once:

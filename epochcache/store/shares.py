@@ -118,7 +118,7 @@ def claim_share(cache: SampleStore, name: str, group: str, worker: int, *,
         _release_old(txn, cache, doc)
         epoch = first_epoch if doc is None else max(first_epoch, int(doc["epoch"]) + 1)
         seqs, lease_id = cache.take_snapshot(txn, f"{label} epoch {epoch}", limit,
-                                             owner=home_owner, pid=home_pid)
+                                             owner=home_owner, pid=home_pid, plan_parts=1)
         lo = int(seqs[0]) if len(seqs) else 0
         hi = int(seqs[-1]) + 1 if len(seqs) else 0
         share = Share(epoch, lo, hi, len(seqs), lease_id)
