@@ -87,3 +87,18 @@ def test_a_dataset_keeps_its_whole_snapshot(tmp_path: Path) -> None:
         assert full.value.result.inserted < 40  # the headroom's worth, no more
         assert all(ds[i] is not None for i in range(len(ds)))
     cache.put_many(items, wait=False)  # once closed, its samples make room
+
+
+def test_release_epoch_keeps_the_whole_snapshot_until_the_epoch_ends(tmp_path: Path) -> None:
+    """``release="epoch"``: the behaviour before progressive release, for who wants it."""
+    path = str(tmp_path / "c")
+    fill(path, 0, 600, capacity=CAPACITY, headroom=HEADROOM)
+    cache = Cache(path, sync=False)
+    items = [(f"s/{i:07d}.npy", npy_bytes(sample_array(i))) for i in range(600, 700)]
+    for _epoch, loader in cache.epochs(1, batch_size=20, release="epoch"):
+        for i, _batch in enumerate(loader):
+            if i == len(loader) - 2:  # nearly all delivered, nothing released
+                with pytest.raises(CacheFull):
+                    cache.put_many(items, wait=False)
+    with pytest.raises(ValueError, match="release"):
+        cache.epochs(1, release="sometimes")

@@ -161,13 +161,14 @@ class _Epochs:
                  shuffle: bool, drop_last: bool, samples_per_epoch: int | None,
                  persistent: bool, reader: SampleReader, collate_fn: Callable[[Any], Any] | None,
                  worker_init_fn: Callable[[int], None] | None, stall_s: float | None,
-                 stall_file: str | None, loader_kwargs: dict[str, Any], world: World) -> None:
+                 stall_file: str | None, loader_kwargs: dict[str, Any], world: World,
+                 progressive: bool = True) -> None:
         self.cache, self.batch_size, self.num_workers = cache, batch_size, num_workers
         self.seed, self.shuffle, self.drop_last = seed, shuffle, drop_last
         self.samples_per_epoch, self.persistent, self.reader = samples_per_epoch, persistent, reader
         self.collate_fn, self.worker_init_fn = collate_fn, worker_init_fn
         self.stall_s, self.stall_file, self.loader_kwargs = stall_s, stall_file, loader_kwargs
-        self.world = world
+        self.world, self.progressive = world, progressive
         self.sync = (NodeSync(self.world, cache_identity(cache.path), cache.path)
                      if dist_initialized() and self.world.distributed else None)
         # In process and without DDP collectives, the next epoch is planned in the training
@@ -215,7 +216,8 @@ class _Epochs:
         epoch, snapshot = pending.epoch, None
 
         # One plan part per rank of the node: each releases what its loop has trained on.
-        parts = self.world.local_world_size if self.sync is not None else 1
+        parts = ((self.world.local_world_size if self.sync is not None else 1)
+                 if self.progressive else 0)
 
         def take() -> tuple[np.ndarray, str]:
             nonlocal snapshot
@@ -249,7 +251,7 @@ class _Epochs:
     def _release_plan(self, lease_id: str, lane: np.ndarray) -> Releaser | None:
         """Write this rank's part of the epoch's release plan: the samples its loop trains on,
         in order (one lane); the loop releases them batch by batch."""
-        if not lease_id or not len(lane):
+        if not lease_id or not len(lane) or not self.progressive:
             return None
         part = self.world.local_rank if self.sync is not None else 0
         try:
@@ -432,6 +434,7 @@ def epochs(
     stall_file: str | None = None,
     fields: str | Sequence[str] | None = None,
     image: str = "numpy",
+    release: str = "progressive",
     **dataloader_kwargs: Any,
 ) -> Iterator[tuple[int, EpochLoader]]:
     """Yield ``(epoch, loader)`` for ``num_epochs`` epochs, each over a fresh snapshot.
@@ -468,6 +471,9 @@ def epochs(
         fields: yield each sample as a tuple of these fields, WebDataset's ``to_tuple``
             (``("jpg;png", "cls")``; see :mod:`epochcache.data.fields`).
         image: images decode to ``"numpy"`` HWC arrays, ``"torch"`` CHW tensors or ``"pil"``.
+        release: ``"progressive"``: a batch's samples may be evicted once the loop is done
+            with it, so a full cache keeps turning over during the epoch (README
+            "Turnover"); ``"epoch"``: the whole snapshot stays until the epoch ends.
         **dataloader_kwargs: passed to DataLoader (``pin_memory``, ``prefetch_factor``,
             ``timeout``, ``multiprocessing_context``, ...).
 
@@ -478,6 +484,7 @@ def epochs(
     """
     _check_counts(num_epochs=num_epochs, batch_size=batch_size,
                   samples_per_epoch=samples_per_epoch, min_samples=min_samples)
+    check_release(release)
     world = detect_world()
     num_workers, persistent = _worker_settings(num_workers, transform, persistent_workers,
                                                dataloader_kwargs, world.local_world_size)
@@ -490,8 +497,17 @@ def epochs(
                     shuffle=shuffle, drop_last=drop_last, samples_per_epoch=samples_per_epoch,
                     persistent=persistent, reader=reader, collate_fn=collate_fn,
                     worker_init_fn=worker_init_fn, stall_s=stall_s, stall_file=stall_file,
-                    loader_kwargs=dataloader_kwargs, world=world)
+                    loader_kwargs=dataloader_kwargs, world=world,
+                    progressive=release == "progressive")
     return _generate(state, cache, min_samples, wait_timeout_s, start_epoch, num_epochs)
+
+
+RELEASE = ("progressive", "epoch")
+
+
+def check_release(release: str) -> None:
+    if release not in RELEASE:
+        raise ValueError(f"release: expected 'progressive' or 'epoch', got {release!r}")
 
 
 def _check_counts(*, num_epochs: int, batch_size: int, samples_per_epoch: int | None,

@@ -47,6 +47,7 @@ from ..store.shares import (
     unwatch,
 )
 from .dataset import snapshot_gone
+from .epochs import check_release
 from .distributed import NodeSync, detect_world, dist_initialized
 from .plan import epoch_order
 from .reader import SampleReader
@@ -90,6 +91,9 @@ class CacheStream(IterableDataset[Any]):
         decode, transform, allow_pickle, max_sample_bytes, on_error, stall_s, stall_file,
             fields, image: as for :meth:`epochcache.Cache.dataset` (``fields=("jpg;png",
             "cls")`` yields tuples, ``image`` picks numpy, torch or pil images).
+        release: ``"progressive"`` (each worker releases what it has read, so a full cache
+            keeps turning over during the epoch) or ``"epoch"`` (the whole snapshot stays
+            until the epoch ends); see :func:`epochcache.data.epochs.epochs`.
 
     Raises:
         ValueError: an invalid argument (named in the message).
@@ -112,6 +116,7 @@ class CacheStream(IterableDataset[Any]):
         stall_file: str | None = None,
         fields: str | Sequence[str] | None = None,
         image: str = "numpy",
+        release: str = "progressive",
     ) -> None:
         if not isinstance(seed, int):
             raise ValueError(f"seed: expected an int, got {seed!r}")
@@ -123,7 +128,9 @@ class CacheStream(IterableDataset[Any]):
                                    allow_pickle=allow_pickle, max_sample_bytes=max_sample_bytes,
                                    on_error=on_error, stall_s=stall_s, stall_file=stall_file,
                                    fields=fields, image=image)
+        check_release(release)
         self.reader.bind(cache)
+        self.progressive = release == "progressive"
         self.seed, self.shuffle = seed, bool(shuffle)
         self.samples_per_epoch, self.split_ranks = samples_per_epoch, bool(split_ranks)
         self._next_epoch = 0
@@ -204,7 +211,7 @@ class CacheStream(IterableDataset[Any]):
         label = f"stream {self.stream_id} epoch {epoch}"
         taken: list[Snapshot] = []
         # One plan part per rank of the node; its lanes are written by whoever reads it.
-        parts = world.local_world_size if distributed else 1
+        parts = (world.local_world_size if distributed else 1) if self.progressive else 0
 
         def take() -> tuple[np.ndarray, str]:
             taken.append(cache.snapshot(epoch=epoch, label=label, plan_parts=parts))
@@ -282,7 +289,8 @@ class CacheStream(IterableDataset[Any]):
             prepared = self._prepare(epoch)
         self._consumed = True
         order = self._order if self._order is not None else np.empty(0, dtype=np.uint64)
-        releaser = _plan_lanes(self.reader.cache, prepared.share, prepared.part, [order], 0)
+        releaser = (_plan_lanes(self.reader.cache, prepared.share, prepared.part, [order], 0)
+                    if self.progressive else None)
         self._active += 1
         try:
             yield from self._samples(order, prepared.distributed, prepared.share, releaser)
@@ -301,7 +309,7 @@ class CacheStream(IterableDataset[Any]):
         prepared = self._prepared if not self._consumed else None
         distributed = prepared.distributed if prepared is not None else detect_world().distributed
         name = self._doc_name()
-        share = claim_share(cache, name, group, worker,
+        share = claim_share(cache, name, group, worker, progressive=self.progressive,
                             prepared=prepared.share if prepared is not None else None,
                             first_epoch=self._next_epoch, home_pid=self._home_pid,
                             home_owner=self._owner,
@@ -328,7 +336,8 @@ class CacheStream(IterableDataset[Any]):
             if samples >= 0:
                 order = order[:samples]
             lanes = [order[w::workers] for w in range(workers)]
-            releaser = _plan_lanes(cache, share, part, lanes, worker)
+            releaser = (_plan_lanes(cache, share, part, lanes, worker)
+                        if self.progressive else None)
         except BaseException:
             done()
             raise

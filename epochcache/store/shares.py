@@ -85,7 +85,7 @@ def publish_share(cache: SampleStore, name: str, share: Share, release: bool) ->
 
 
 def claim_share(cache: SampleStore, name: str, group: str, worker: int, *,
-                prepared: Share | None, first_epoch: int, home_pid: int, home_owner: str,
+                progressive: bool = True, prepared: Share | None, first_epoch: int, home_pid: int, home_owner: str,
                 label: str, take: bool) -> Share | None:
     """The share worker ``worker`` of the loader iteration ``group`` reads, agreed in one
     write transaction.
@@ -118,7 +118,8 @@ def claim_share(cache: SampleStore, name: str, group: str, worker: int, *,
         _release_old(txn, cache, doc)
         epoch = first_epoch if doc is None else max(first_epoch, int(doc["epoch"]) + 1)
         seqs, lease_id = cache.take_snapshot(txn, f"{label} epoch {epoch}", limit,
-                                             owner=home_owner, pid=home_pid, plan_parts=1)
+                                             owner=home_owner, pid=home_pid,
+                                             plan_parts=1 if progressive else 0)
         lo = int(seqs[0]) if len(seqs) else 0
         hi = int(seqs[-1]) + 1 if len(seqs) else 0
         share = Share(epoch, lo, hi, len(seqs), lease_id)
