@@ -28,7 +28,14 @@ from .codec import Value
 from .counters import Counters
 from .env import Store, map_bound
 from .eviction import Eviction
-from .leases import DEFAULT_LEASE_TIMEOUT_S, Lease, delete_lease, read_leases, write_lease
+from .leases import (
+    DEFAULT_LEASE_TIMEOUT_S,
+    Lease,
+    adopt,
+    delete_lease,
+    read_leases,
+    write_lease,
+)
 from .owners import begin_lease, end_lease, heartbeats, sweep_dead_owners
 from .schema import (
     DB_KEYS,
@@ -393,14 +400,14 @@ class SampleStore:
         """The sequence numbers of a snapshot known by its lease's range and count.
 
         A snapshot is every sample in ``[lo, hi)`` (the newest that fit, see
-        :func:`select_snapshot`) and its lease keeps them there, so any process can rebuild it
-        from these three numbers: a range when it has no gaps, else the stored keys in it.
+        :func:`select_snapshot`) and a lease without a plan keeps them there, so any process
+        can rebuild it from these three numbers: a range when it has no gaps, else the stored
+        keys in it. (A lease with a plan may have lost released samples: see
+        :meth:`plan_seqs`.)
         """
         if hi - lo == count:
             return np.arange(lo, hi, dtype=np.uint64)
         with self.store.read() as txn:
-            # (A lease with a plan saved its samples: see plan_seqs; progressive release may
-            # have evicted some of those in the range since.)
             cursor = txn.cursor(db=self.dbs[DB_SAMPLES])
             keys: list[bytes] = []
             if cursor.set_range(seq_key(lo)):
@@ -426,6 +433,51 @@ class SampleStore:
         if ours:
             end_lease(self.path)  # after the lease is gone: it is never judged by a lost lock
         return deleted
+
+    def keep_for_resume(self, lease_id: str, grace_s: float) -> bool:
+        """A checkpoint names this lease: if its holder dies, keep it ``grace_s`` seconds past
+        its last heartbeat for a resumed run to adopt (0: reclaim it as soon as it is dead).
+        Returns False if the lease is gone."""
+        db = self.dbs[DB_LEASES]
+
+        def run(txn: lmdb.Transaction) -> bool:
+            raw = txn.get(lease_id.encode(), db=db)
+            if raw is None:
+                return False
+            lease = Lease.from_bytes(raw)
+            if lease.resume_grace_s != grace_s:
+                lease.resume_grace_s = grace_s
+                write_lease(txn, db, lease)
+            return True
+
+        return self.store.write(run)
+
+    def adopt_lease(self, lease_id: str) -> Lease | None:
+        """Hold the lease of an interrupted epoch from now on (a resumed run): this process's
+        owner lock keeps it, and its heartbeat is refreshed while the returned lease is not
+        released (:meth:`release_lease`). None when it is gone (reclaimed: its holder died
+        longer than its grace ago, or no checkpoint named it)."""
+        owner = begin_lease(self.path)
+        db = self.dbs[DB_LEASES]
+
+        def run(txn: lmdb.Transaction) -> Lease | None:
+            raw = txn.get(lease_id.encode(), db=db)
+            if raw is None:
+                return None
+            lease = adopt(Lease.from_bytes(raw), owner=owner)
+            write_lease(txn, db, lease)
+            return lease
+
+        try:
+            lease = self.store.write(run)
+        except BaseException:
+            end_lease(self.path)
+            raise
+        if lease is None:
+            end_lease(self.path)
+            return None
+        heartbeats().add(self.path, lease_id, self.heartbeat_leases, self.lease_timeout_s / 4)
+        return lease
 
     def heartbeat_lease(self, lease_id: str) -> None:
         self.heartbeat_leases([lease_id])

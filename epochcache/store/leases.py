@@ -98,6 +98,10 @@ class Lease:
     #: Parts of its release plan (see :mod:`epochcache.store.plans`); 0: no plan, the whole
     #: range is protected until the lease ends.
     plan_parts: int = 0
+    #: Set when a checkpoint names this lease (a run that can resume mid-epoch): after its
+    #: holder dies the lease is kept this long past its last heartbeat, for the resumed run to
+    #: adopt (:func:`adopt`), then reclaimed as any other. 0: reclaimed as soon as it is dead.
+    resume_grace_s: float = 0.0
 
     @classmethod
     def new(cls, lo: int, hi: int, count: int, label: str = "", owner: str = "",
@@ -132,6 +136,12 @@ class Lease:
 
     def holds(self, seq: int) -> bool:
         return self.lo <= seq < self.hi
+
+    def awaits_resume(self, now_ns: int) -> bool:
+        """Whether a checkpoint names this lease and its grace after the last heartbeat
+        (:attr:`resume_grace_s`) has not run out: kept even if its holder is dead."""
+        return (self.resume_grace_s > 0
+                and now_ns - self.heartbeat_ns < self.resume_grace_s * 1e9)
 
     def is_alive(self, now_ns: int, timeout_s: float = DEFAULT_LEASE_TIMEOUT_S,
                  cache_path: str = "") -> bool:
@@ -169,7 +179,8 @@ def reclaim_dead(
     """Delete the leases whose holders are gone, log each with ``path``; return them."""
     now = time.time_ns()
     leases = read_leases(txn, db)
-    dead = [lease for lease in leases if not lease.is_alive(now, timeout_s, path)]
+    dead = [lease for lease in leases if not lease.is_alive(now, timeout_s, path)
+            and not lease.awaits_resume(now)]
     for lease in dead:
         delete_lease(txn, db, lease.lease_id)
         if path:
@@ -182,6 +193,16 @@ def reclaim_dead(
     for owner in {lease.owner for lease in dead if lease.owner} - live_owners:
         remove_owner(path, owner)
     return dead
+
+
+def adopt(lease: Lease, *, owner: str, pid: int | None = None) -> Lease:
+    """``lease`` held from now on by ``owner`` (an owner lock of this process) or ``pid``, as a
+    resumed run does with the lease of the interrupted epoch. Its heartbeat starts afresh."""
+    fresh = Lease.new(lease.lo, lease.hi, lease.count, label=lease.label, owner=owner,
+                      timeout_s=lease.timeout_s, pid=pid, plan_parts=lease.plan_parts)
+    fresh.lease_id, fresh.created_ns = lease.lease_id, lease.created_ns
+    fresh.resume_grace_s = lease.resume_grace_s
+    return fresh
 
 
 def protected(leases: Iterable[Lease], seq: int) -> Lease | None:

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import lmdb
 
 from .leases import delete_lease
+from .plans import remove_plan
 from .owners import begin_lease, end_lease, heartbeats
 from .schema import DB_LEASES, DB_STATE
 
@@ -69,6 +70,7 @@ def _share_of(doc: dict[str, Any]) -> Share:
 def _release_old(txn: lmdb.Transaction, cache: SampleStore, doc: dict[str, Any] | None) -> None:
     if doc is not None and doc.get("lease") and doc.get("release") and not doc.get("released"):
         delete_lease(txn, cache.dbs[DB_LEASES], doc["lease"])
+        remove_plan(cache.path, doc["lease"])  # (a file, outside the transaction's undo)
 
 
 def publish_share(cache: SampleStore, name: str, share: Share, release: bool) -> None:
