@@ -42,6 +42,8 @@ class EpochLoader:
         #: :meth:`release` with what its last checkpoint covers, so that a resumed epoch
         #: finds every sample after that checkpoint.
         self.release_as_consumed = True
+        #: Batches handed to the loop so far.
+        self.yielded = 0
 
     def __len__(self) -> int:
         return self._plan.n_batches
@@ -83,10 +85,28 @@ class EpochLoader:
             if i == 2:
                 self._start_next()
             self._maybe_trigger(i + 1, gap)
+            self.yielded = i + 1
             yield batch
             if self.release_as_consumed:
                 self._plan.release(i + 1)
         self.finish()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the epoch is: enough to resume it exactly after the batches yielded so far
+        (``epochs(resume=state)``), on the same snapshot in the same order. A checkpoint that
+        saves it should also keep the epoch's lease for a resume
+        (:meth:`keep_for_resume`)."""
+        plan = self._plan
+        return {"kind": "epochcache.epochs", "version": 1, "epoch": self.epoch,
+                "lease": plan.dataset.lease_id, "position": plan.position(self.yielded),
+                "lane": plan.lane_length, "batches": self.yielded, **plan.identity}
+
+    def keep_for_resume(self, grace_s: float) -> None:
+        """Keep the epoch's lease ``grace_s`` seconds after this process dies (a checkpoint
+        names it), so that a resumed run finds its samples."""
+        lease_id = self._plan.dataset.lease_id
+        if lease_id and self._plan.dataset.snapshot is not None:  # this node's leader holds it
+            self._plan.dataset.reader.cache.keep_for_resume(lease_id, grace_s)
 
     def release(self, batches: int) -> None:
         """The first ``batches`` batches are done with for good: their samples may be

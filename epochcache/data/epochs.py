@@ -48,6 +48,7 @@ from ..store.plans import Releaser
 from .dataset import EpochDataset
 from .distributed import NodeSync, World, detect_world, dist_initialized, split_for_rank
 from .epoch_loader import EpochLoader
+from .resume import remaining_after, resumed_snapshot
 from .plan import (
     EpochPlan,
     PlanSampler,
@@ -162,13 +163,14 @@ class _Epochs:
                  persistent: bool, reader: SampleReader, collate_fn: Callable[[Any], Any] | None,
                  worker_init_fn: Callable[[int], None] | None, stall_s: float | None,
                  stall_file: str | None, loader_kwargs: dict[str, Any], world: World,
-                 progressive: bool = True) -> None:
+                 progressive: bool = True, resume: dict[str, Any] | None = None) -> None:
         self.cache, self.batch_size, self.num_workers = cache, batch_size, num_workers
         self.seed, self.shuffle, self.drop_last = seed, shuffle, drop_last
         self.samples_per_epoch, self.persistent, self.reader = samples_per_epoch, persistent, reader
         self.collate_fn, self.worker_init_fn = collate_fn, worker_init_fn
         self.stall_s, self.stall_file, self.loader_kwargs = stall_s, stall_file, loader_kwargs
         self.world, self.progressive = world, progressive
+        self.resume = resume  # consumed by the first epoch's plan
         self.sync = (NodeSync(self.world, cache_identity(cache.path), cache.path)
                      if dist_initialized() and self.world.distributed else None)
         # In process and without DDP collectives, the next epoch is planned in the training
@@ -219,8 +221,17 @@ class _Epochs:
         parts = ((self.world.local_world_size if self.sync is not None else 1)
                  if self.progressive else 0)
 
+        resume, self.resume = self.resume, None
+        if resume is not None and int(resume["epoch"]) != epoch:
+            resume = None
+
         def take() -> tuple[np.ndarray, str]:
-            nonlocal snapshot
+            nonlocal snapshot, resume
+            if resume is not None:
+                snapshot = resumed_snapshot(self.cache, resume, epoch)
+                if snapshot is not None:
+                    return snapshot.seqs, snapshot.lease_id
+                resume = None  # the epoch's lease is gone: this epoch starts afresh
             snapshot = self.cache.snapshot(epoch=epoch, label=f"epochs() epoch {epoch}",
                                            plan_parts=parts)
             return snapshot.seqs, snapshot.lease_id
@@ -229,24 +240,42 @@ class _Epochs:
             raise _Cancelled
         seqs, lease_id = self.sync.share_seqs(take if self.world.local_rank == 0 else None) \
             if self.sync is not None else take()
+        if resume is not None and lease_id != resume["lease"]:
+            resume = None  # (non-leaders learn it here) the leader took a new snapshot
         dataset = EpochDataset(self.reader, seqs, epoch, snapshot, lease_id)
         try:
             order = epoch_order(seqs, epoch, self.seed, self.shuffle, self.samples_per_epoch)
             order = split_for_rank(order, self.world)
             full, rest = divmod(len(order), self.batch_size)
             n_batches = full + (1 if rest and not self.drop_last else 0)
+            lane = order[: n_batches * self.batch_size]
+            offsets = None
+            if resume is not None:
+                lane = order[: int(resume["lane"])]  # the lane as planned before
+                order, offsets = remaining_after(self.cache, lane, int(resume["position"]),
+                                                 epoch)
+                full, rest = divmod(len(order), self.batch_size)
+                n_batches = full + (1 if rest and not self.drop_last else 0)
             if self.sync is not None:
                 n_batches = self.sync.agree_batches(n_batches)
-            if n_batches == 0:
+            if n_batches == 0 and resume is None:
                 log.warning("epoch %d has no batches: the snapshot holds %d samples (batch_size "
                             "%d); is the cache empty?", epoch, len(seqs), self.batch_size)
-            releaser = self._release_plan(lease_id, order[: n_batches * self.batch_size])
+            releaser = self._release_plan(lease_id, lane)
         except BaseException:
             dataset.close()
             raise
         seconds = time.monotonic() - started
         self.last_plan_s = seconds
-        return EpochPlan(epoch, dataset, order, self.batch_size, n_batches, seconds, releaser)
+        plan = EpochPlan(epoch, dataset, order, self.batch_size, n_batches, seconds, releaser)
+        plan.lane_length, plan.offsets = len(lane), offsets
+        plan.identity = {"seed": self.seed, "shuffle": self.shuffle,
+                         "samples_per_epoch": self.samples_per_epoch,
+                         "local_rank": self.world.local_rank,
+                         "local_world_size": self.world.local_world_size}
+        if resume is not None:
+            plan.resumed_from = int(resume["position"])
+        return plan
 
     def _release_plan(self, lease_id: str, lane: np.ndarray) -> Releaser | None:
         """Write this rank's part of the epoch's release plan: the samples its loop trains on,
@@ -435,6 +464,7 @@ def epochs(
     fields: str | Sequence[str] | None = None,
     image: str = "numpy",
     release: str = "progressive",
+    resume: dict[str, Any] | None = None,
     **dataloader_kwargs: Any,
 ) -> Iterator[tuple[int, EpochLoader]]:
     """Yield ``(epoch, loader)`` for ``num_epochs`` epochs, each over a fresh snapshot.
@@ -474,6 +504,10 @@ def epochs(
         release: ``"progressive"``: a batch's samples may be evicted once the loop is done
             with it, so a full cache keeps turning over during the epoch (README
             "Turnover"); ``"epoch"``: the whole snapshot stays until the epoch ends.
+        resume: an :meth:`EpochLoader.state_dict` of an interrupted epoch (from a checkpoint):
+            the first epoch is that one, on the same snapshot in the same order, from the
+            sample after the state's position; ``start_epoch`` is ignored. Samples evicted
+            since are skipped and counted in the log.
         **dataloader_kwargs: passed to DataLoader (``pin_memory``, ``prefetch_factor``,
             ``timeout``, ``multiprocessing_context``, ...).
 
@@ -486,6 +520,10 @@ def epochs(
                   samples_per_epoch=samples_per_epoch, min_samples=min_samples)
     check_release(release)
     world = detect_world()
+    if resume is not None:
+        check_resume(resume, seed=seed, shuffle=shuffle, samples_per_epoch=samples_per_epoch,
+                     world=world)
+        start_epoch = int(resume["epoch"])
     num_workers, persistent = _worker_settings(num_workers, transform, persistent_workers,
                                                dataloader_kwargs, world.local_world_size)
     reader = SampleReader(cache.path, decode=decode, transform=transform,
@@ -498,8 +536,24 @@ def epochs(
                     persistent=persistent, reader=reader, collate_fn=collate_fn,
                     worker_init_fn=worker_init_fn, stall_s=stall_s, stall_file=stall_file,
                     loader_kwargs=dataloader_kwargs, world=world,
-                    progressive=release == "progressive")
+                    progressive=release == "progressive", resume=resume)
     return _generate(state, cache, min_samples, wait_timeout_s, start_epoch, num_epochs)
+
+
+def check_resume(state: dict[str, Any], *, seed: int, shuffle: bool,
+                 samples_per_epoch: int | None, world: World) -> None:
+    """Refuse a resume state the epoch's order cannot be rebuilt from, naming what differs."""
+    if not isinstance(state, dict) or state.get("kind") != "epochcache.epochs":
+        raise ValueError("resume: expected an EpochLoader.state_dict() (from a checkpoint), "
+                         f"got {type(state).__name__}")
+    wanted = {"seed": seed, "shuffle": bool(shuffle), "samples_per_epoch": samples_per_epoch,
+              "local_rank": world.local_rank, "local_world_size": world.local_world_size}
+    for name, value in wanted.items():
+        if state.get(name) != value:
+            raise ValueError(
+                f"resume: the interrupted epoch ran with {name}={state.get(name)!r}, this "
+                f"epochs() call has {name}={value!r}: its order cannot be continued; resume "
+                f"with the same {name}, or start the next epoch instead (start_epoch)")
 
 
 RELEASE = ("progressive", "epoch")

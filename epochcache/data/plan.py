@@ -49,12 +49,26 @@ class EpochPlan:
         self.batch_size, self.n_batches, self.seconds = batch_size, n_batches, seconds
         #: Releases the samples of the batches trained on (progressive release), if planned.
         self.releaser = releaser
+        #: The rank's lane: the epoch's order as planned (``order`` is what is left of it in
+        #: a resumed epoch), its length, and for a resumed epoch each sample's place in it.
+        self.lane_length = n_batches * batch_size
+        self.offsets: np.ndarray | None = None
+        self.resumed_from = 0
+        #: What a resume must match (seed, shuffle, ...), for :meth:`position_state`.
+        self.identity: dict[str, Any] = {}
+
+    def position(self, batches: int) -> int:
+        """How far along the lane the first ``batches`` batches of ``order`` reach."""
+        n = min(batches * self.batch_size, len(self.order), self.n_batches * self.batch_size)
+        if self.offsets is None:
+            return self.resumed_from + n
+        return int(self.offsets[n - 1]) + 1 if n else self.resumed_from
 
     def release(self, batches: int) -> None:
         """The loop is done with the first ``batches`` batches: eviction may take their
         samples (those no later epoch's snapshot protects)."""
         if self.releaser is not None:
-            self.releaser.release(batches * self.batch_size)
+            self.releaser.release(self.position(batches))
 
     def batch(self, i: int) -> np.ndarray:
         return self.order[i * self.batch_size : (i + 1) * self.batch_size]
