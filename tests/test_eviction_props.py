@@ -220,7 +220,9 @@ class EvictionMachine(RuleBasedStateMachine):
     def read(self, data: st.DataObject) -> None:
         """A reader of a plan lease releases the next samples of its lane."""
         assert self.model is not None
-        planned = sorted(lease_id for lease_id in self.model.plans if lease_id in self.held)
+        # In the order they were taken (lease ids are random: sorting them would make the
+        # draws differ from one replay to the next).
+        planned = [lease_id for lease_id in self.model.plans if lease_id in self.held]
         if not planned:
             return
         lease_id = data.draw(st.sampled_from(planned))

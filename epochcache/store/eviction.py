@@ -17,8 +17,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import lmdb
+import numpy as np
 
 from .codec import record_key
 from .counters import Counters
@@ -57,22 +59,32 @@ def evict_oldest(
     if protection is None:
         protection = Protection("")
     protection.sync(leases)
-    samples_db, keys_db = dbs[DB_SAMPLES], dbs[DB_KEYS]
-    cursor = txn.cursor(db=samples_db)
-    gap_from = 0  # no unranged sample below this is left
+    keys_db = dbs[DB_KEYS]
+    walk = _Gaps(txn.cursor(db=dbs[DB_SAMPLES]), protection.gaps())
+    samples = txn.cursor(db=dbs[DB_SAMPLES])  # for released samples, anywhere
+    released, owners = protection.released()
+    taken = 0  # released candidates used up (evicted, or found gone)
+    evicted: list[int] = []
     while counters.bytes > limit_bytes:
-        unranged = _first_unranged(cursor, protection, gap_from)
-        released = protection.released_candidate()
-        if unranged is None and released is None:
-            result.blocked_by = _blocker(cursor, protection)
+        if taken == len(released) and len(released):
+            _used(protection, released, owners, taken, evicted)
+            released, owners = protection.released()
+            taken = 0
+            evicted = []
+        gap_seq = walk.head()
+        next_released = int(released[taken]) if taken < len(released) else None
+        if gap_seq is None and next_released is None:
+            result.blocked_by = _blocker(samples, protection)
             break
-        if unranged is not None and (released is None or unranged < released[0]):
-            gap_from = unranged
+        if gap_seq is not None and (next_released is None or gap_seq < next_released):
+            cursor = walk.cursor
         else:
-            assert released is not None
-            if not cursor.set_key(seq_key(released[0])):
-                protection.evicted(released[0])  # another process evicted it
-                continue
+            taken += 1
+            cursor = samples
+            if not cursor.set_key(seq_key(next_released)):
+                continue  # another process evicted it
+            evicted.append(next_released)
+            walk.moved()
         record = cursor.value()
         size = len(record)
         key = record_key(record)
@@ -85,23 +97,55 @@ def evict_oldest(
         counters.evicted_bytes += size
         result.count += 1
         result.bytes += size
-        protection.evicted(seq_of(bytes(cursor.key())))
         cursor.delete()
+    _used(protection, released, owners, taken, evicted)
     return result
 
 
-def _first_unranged(cursor: lmdb.Cursor, protection: Protection, start: int) -> int | None:
-    """The oldest sample at or after ``start`` outside every lease's range and before the
-    frontier (the cursor is left on it), or None."""
-    gap = protection.unranged_after(start)
-    while gap is not None:
-        if not cursor.set_range(seq_key(gap[0])):
-            return None  # no sample at or after the gap
-        seq = seq_of(bytes(cursor.key()))
-        if seq < gap[1]:
-            return seq
-        gap = protection.unranged_after(seq)  # the gap at or after the next sample
-    return None
+def _used(protection: Protection, released: np.ndarray, owners: list[tuple[Any, int]],
+          taken: int, evicted: list[int]) -> None:
+    """The first ``taken`` released candidates are gone (``evicted`` by us, the others by
+    another process): no candidates of any plan lease any more."""
+    if taken:
+        protection.evicted(np.asarray(released[:taken], dtype=np.uint64))
+
+
+class _Gaps:
+    """Walks the samples outside every lease's range, below the frontier, oldest first."""
+
+    def __init__(self, cursor: lmdb.Cursor, gaps: list[tuple[int, int]]) -> None:
+        self.cursor, self._gaps, self._gap = cursor, gaps, 0
+        self._seq: int | None = None
+        self._stale = True  # the cursor must be positioned (again)
+
+    def moved(self) -> None:
+        """Another cursor deleted a record: position again before trusting this one."""
+        self._stale = True
+
+    def head(self) -> int | None:
+        """The oldest such sample (the cursor is left on it), or None."""
+        cursor = self.cursor
+        while self._gap < len(self._gaps):
+            start, end = self._gaps[self._gap]
+            if self._stale:
+                found = cursor.set_range(seq_key(max(start, self._seq or 0)))
+                self._stale = False
+            else:
+                found = bool(cursor.key())  # after a delete the cursor is on the next record
+            if not found:
+                self._gap = len(self._gaps)
+                return None
+            seq = seq_of(bytes(cursor.key()))
+            if seq < end:
+                self._seq = seq
+                return seq
+            # Past this gap: the next gap holding ``seq`` or after it.
+            while self._gap < len(self._gaps) and self._gaps[self._gap][1] <= seq:
+                self._gap += 1
+            if self._gap < len(self._gaps) and self._gaps[self._gap][0] > seq:
+                self._stale = True
+                self._seq = self._gaps[self._gap][0]
+        return None
 
 
 def _blocker(cursor: lmdb.Cursor, protection: Protection) -> Lease | None:

@@ -88,22 +88,42 @@ class _Planned:
             np.add.at(self.nfree, idx >> _SHIFT, 1)
             self.low = min(self.low, int(idx.min()) >> _SHIFT)
 
-    def first_free(self) -> int:
-        """The lowest free position, or -1."""
-        blocks = np.flatnonzero(self.nfree[self.low :])
+    def free_positions(self, want: int) -> np.ndarray:
+        """The lowest free positions, sorted: at least ``want`` of them if there are."""
+        blocks = np.flatnonzero(self.nfree[self.low :]) + self.low
         if not len(blocks):
             self.low = len(self.nfree)
-            return -1
-        self.low += int(blocks[0])
-        start = self.low << _SHIFT
-        return start + int(np.argmax(self.state[start : start + (1 << _SHIFT)] == _FREE))
+            return np.empty(0, dtype=np.int64)
+        self.low = int(blocks[0])
+        found: list[np.ndarray] = []
+        total = 0
+        for block in blocks:
+            start = int(block) << _SHIFT
+            found.append(np.flatnonzero(self.state[start : start + (1 << _SHIFT)] == _FREE)
+                         + start)
+            total += len(found[-1])
+            if total >= want:
+                break
+        return np.concatenate(found)
 
-    def mark(self, i: int, state: int) -> None:
-        """Position ``i`` is no candidate any more: ``_GONE`` (evicted) or ``_PROTECTED``
-        (another lease still protects it)."""
-        if self.state[i] == _FREE:
-            self.nfree[i >> _SHIFT] -= 1
-        self.state[i] = state
+    def mark(self, idx: np.ndarray, state: int) -> None:
+        """Positions ``idx`` are no candidates any more: ``_GONE`` (evicted) or
+        ``_PROTECTED`` (another lease still protects them)."""
+        if len(idx):
+            idx = np.unique(idx)
+            was_free = idx[self.state[idx] == _FREE]
+            np.subtract.at(self.nfree, was_free >> _SHIFT, 1)
+            self.state[idx] = state
+
+    def unread(self, seqs: np.ndarray) -> np.ndarray:
+        """Which of ``seqs`` (sorted or not) this plan still protects."""
+        idx = np.minimum(np.searchsorted(self.seqs, seqs), len(self.seqs) - 1)
+        return (self.seqs[idx] == seqs) & (self.remaining[idx] > 0)
+
+    def positions_of(self, seqs: np.ndarray) -> np.ndarray:
+        """The positions of those of ``seqs`` that are in the snapshot."""
+        idx = np.minimum(np.searchsorted(self.seqs, seqs), len(self.seqs) - 1)
+        return idx[self.seqs[idx] == seqs]
 
     def refree(self) -> None:
         """Another lease ended: what it alone kept from eviction is free again."""
@@ -165,65 +185,62 @@ class Protection:
         (None: no snapshot holds a sample, no limit)."""
         return max((lease.hi for lease in self.leases if lease.count), default=None)
 
-    def in_ranges(self, seq: int) -> Lease | None:
-        """The first lease whose range holds ``seq``, if any."""
-        for lease in self.leases:
-            if lease.lo <= seq < lease.hi:
-                return lease
-        return None
+    def gaps(self) -> list[tuple[int, int]]:
+        """The intervals ``[start, end)`` no lease's range covers, below the frontier, oldest
+        first."""
+        frontier = self.frontier
+        out: list[tuple[int, int]] = []
+        start = 0
+        for lease in sorted(self.leases, key=lambda lease: lease.lo):
+            if lease.lo > start:
+                out.append((start, lease.lo))
+            start = max(start, lease.hi)
+        end = (1 << 64) if frontier is None else frontier
+        if start < end:
+            out.append((start, end))
+        return [(lo, min(hi, end)) for lo, hi in out if lo < end]
 
     def protector(self, seq: int) -> Lease | None:
         """The lease that keeps ``seq`` from eviction, if any."""
         for lease in self._whole:
             if lease.lo <= seq < lease.hi:
                 return lease
+        one = np.array([seq], dtype=np.uint64)
         for planned in self._planned.values():
-            if planned.lease.lo <= seq < planned.lease.hi and planned.protects(seq):
+            if planned.lease.lo <= seq < planned.lease.hi and planned.unread(one)[0]:
                 return planned.lease
         return None
 
-    def unranged_after(self, seq: int) -> tuple[int, int] | None:
-        """The first interval ``[start, end)`` at or after ``seq`` that no lease's range
-        covers and that lies before the frontier, or None."""
-        frontier = self.frontier
-        start = seq
-        for lease in sorted(self.leases, key=lambda lease: lease.lo):
-            if lease.hi <= start:
-                continue
-            if lease.lo > start:
-                return start, lease.lo
-            start = lease.hi
-        if frontier is None:
-            return start, 1 << 64
-        return (start, frontier) if start < frontier else None
-
-    def released_candidate(self) -> tuple[int, _Planned, int] | None:
-        """The oldest released sample of any plan lease (``seq, lease, position``) that no
-        other lease protects; candidates found protected are set aside until a lease ends."""
-        while True:
-            best: tuple[int, _Planned, int] | None = None
-            for planned in self._planned.values():
-                i = planned.first_free()
-                if i >= 0 and (best is None or int(planned.seqs[i]) < best[0]):
-                    best = (int(planned.seqs[i]), planned, i)
-            if best is None:
-                return None
-            seq, owner, i = best
-            if self._protected_elsewhere(seq, owner):
-                owner.mark(i, _PROTECTED)
-                continue
-            return best
-
-    def _protected_elsewhere(self, seq: int, owner: _Planned) -> bool:
-        for lease in self._whole:
-            if lease.lo <= seq < lease.hi:
-                return True
-        return any(planned is not owner and planned.protects(seq)
-                   for planned in self._planned.values())
-
-    def evicted(self, seq: int) -> None:
-        """``seq`` left the cache: it is no candidate of any plan lease any more."""
+    def released(self, want: int = 256) -> tuple[np.ndarray, list[tuple[_Planned, int]]]:
+        """The oldest released samples of the plan leases that no other lease protects, at
+        least ``want`` if there are: their sequence numbers, sorted, and for each its lease
+        and position. Candidates found protected by another lease are set aside until a lease
+        ends (:meth:`_Planned.refree`)."""
+        seqs: list[np.ndarray] = []
+        owners: list[tuple[_Planned, np.ndarray]] = []
         for planned in self._planned.values():
-            i = planned.index(seq)
-            if i >= 0:
-                planned.mark(i, _GONE)
+            pos = planned.free_positions(want)
+            if not len(pos):
+                continue
+            cand = planned.seqs[pos]
+            kept = np.ones(len(pos), dtype=bool)
+            for lease in self._whole:
+                kept &= (cand < lease.lo) | (cand >= lease.hi)
+            for other in self._planned.values():
+                if other is not planned:
+                    kept &= ~other.unread(cand)
+            planned.mark(pos[~kept], _PROTECTED)
+            seqs.append(cand[kept])
+            owners.append((planned, pos[kept]))
+        if not seqs:
+            return np.empty(0, dtype=np.uint64), []
+        merged = np.concatenate(seqs)
+        which = [(planned, int(p)) for planned, pos in owners for p in pos]
+        order = np.argsort(merged, kind="stable")
+        return merged[order], [which[i] for i in order]
+
+    def evicted(self, seqs: np.ndarray) -> None:
+        """``seqs`` left the cache: they are no candidates of any plan lease any more."""
+        if len(seqs):
+            for planned in self._planned.values():
+                planned.mark(planned.positions_of(seqs), _GONE)
