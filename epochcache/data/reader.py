@@ -165,15 +165,17 @@ class SampleReader:
                               "`epochcache verify`)", key=key) from exc
         return key, decode_sample(self.decoder, key, value)
 
-    def read_samples(self, seqs: Sequence[int] | np.ndarray) -> list[Any]:
-        """Decoded (and transformed) samples; skipped ones are left out under on_error='skip'."""
+    def read_samples(self, seqs: Sequence[int] | np.ndarray,
+                     kept: list[int] | None = None) -> list[Any]:
+        """Decoded (and transformed) samples; skipped ones are left out under on_error='skip'
+        (``kept``, if given, receives the index in ``seqs`` of each sample returned)."""
         keys = seq_keys(np.asarray(seqs, dtype=np.uint64))
         out: list[Any] = []
         store, db = self.cache.store, self.cache.dbs[DB_SAMPLES]
         with watching(self.stall_s, f"batch of {len(keys)} samples", self.stall_file) as act:
             with store.read() as txn:
                 get = txn.get
-                for lmdb_key in keys:
+                for index, lmdb_key in enumerate(keys):
                     record = get(lmdb_key, None, db)
                     if record is None:
                         raise self._missing(int.from_bytes(lmdb_key, "big"))
@@ -184,6 +186,8 @@ class SampleReader:
                     except DecodeError as exc:
                         self._skip(exc)
                         continue
+                    if kept is not None:
+                        kept.append(index)
                     out.append(sample)
             if self.transform is not None:
                 out = [self.transform(sample) for sample in out]

@@ -51,6 +51,7 @@ from .epochs import check_release
 from .distributed import NodeSync, detect_world, dist_initialized
 from .plan import epoch_order
 from .reader import SampleReader
+from .stream_state import KIND, ORDER_KEYS, merge, resume_split, worker_states
 
 if TYPE_CHECKING:
     from ..store import SampleStore, Snapshot
@@ -94,6 +95,8 @@ class CacheStream(IterableDataset[Any]):
         release: ``"progressive"`` (each worker releases what it has read, so a full cache
             keeps turning over during the epoch) or ``"epoch"`` (the whole snapshot stays
             until the epoch ends); see :func:`epochcache.data.epochs.epochs`.
+        resume_grace_s: once :meth:`state_dict` was taken in an epoch, its lease outlives
+            this process by this long, for a resumed run (see :meth:`load_state_dict`).
 
     Raises:
         ValueError: an invalid argument (named in the message).
@@ -117,6 +120,7 @@ class CacheStream(IterableDataset[Any]):
         fields: str | Sequence[str] | None = None,
         image: str = "numpy",
         release: str = "progressive",
+        resume_grace_s: float = 1800.0,
     ) -> None:
         if not isinstance(seed, int):
             raise ValueError(f"seed: expected an int, got {seed!r}")
@@ -139,6 +143,11 @@ class CacheStream(IterableDataset[Any]):
         self._consumed = False  # ... already iterated in the main process
         self._active = 0  # iterations running in the main process
         self._worker_iters = 0  # iterations of this copy inside one (persistent) worker
+        self.resume_grace_s = resume_grace_s
+        self._resume: dict[str, Any] | None = None  # a loaded state, for the next iteration
+        self._at: dict[str, Any] | None = None  # this reader's epoch, split and lane
+        self._pos = 0  # samples of the lane yielded so far
+        self._kept = ""  # the lease last kept for a resume
         self._init_home()
 
     # -- the main process ("home") ----------------------------------------------------------
@@ -269,6 +278,76 @@ class CacheStream(IterableDataset[Any]):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    # -- state (StatefulDataLoader, Lightning, resumed runs) --------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this reader is in its epoch (a few numbers, see
+        :mod:`~epochcache.data.stream_state`): a StatefulDataLoader takes it in each worker
+        with every batch. The first one taken in an epoch keeps the epoch's lease for
+        ``resume_grace_s`` after this process dies, so a resumed run finds its samples."""
+        at = self._at
+        if at is None:
+            return {"kind": KIND, "version": 1, "next_epoch": self._next_epoch}
+        lease = at["spec"]["lease"]
+        if lease and self._kept != lease:
+            self._kept = lease
+            try:
+                self.reader.cache.keep_for_resume(lease, self.resume_grace_s)
+            except Exception as exc:  # noqa: BLE001 - a state must not fail a training step
+                log.warning("stream: could not keep the lease of epoch %d for a resume: %s",
+                            at["spec"]["epoch"], exc)
+        return {"kind": KIND, "version": 1, **at["spec"], **at["split"],
+                "positions": {str(at["worker"]): self._pos},
+                "next_epoch": int(at["spec"]["epoch"]) + 1}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state``: this stream's :meth:`state_dict` (what a StatefulDataLoader
+        gives back to each worker) or a whole StatefulDataLoader ``state_dict()`` (its
+        workers' states merged, to resume with any ``num_workers``). The next iteration yields
+        the rest of that epoch, on the same snapshot in the same order (samples evicted since
+        are skipped and counted); the one after it, the next epoch.
+
+        Raises:
+            ValueError: not such a state, or one that cannot be resumed as asked (named).
+        """
+        merged = merge(worker_states(state))
+        self._next_epoch = int(merged["next_epoch"]) if "epoch" not in merged else (
+            int(merged["epoch"]) + 1)
+        self._epoch_given = False
+        self._resume = merged if "epoch" in merged else None
+
+    def _resumed_order(self, state: dict[str, Any]) -> np.ndarray:
+        """The order of the epoch ``state`` was taken in, rebuilt from its snapshot."""
+        cache = self.reader.cache
+        seqs = cache.plan_seqs(state["lease"]) if state.get("lease") else None
+        if seqs is None:
+            seqs = cache.leased_seqs(int(state["lo"]), int(state["hi"]), int(state["count"]))
+        order = epoch_order(seqs, int(state["epoch"]), int(state["seed"]),
+                            bool(state["shuffle"]), state["samples_per_epoch"])
+        order = order[int(state["slot"]) :: int(state["slots"])]
+        return order if int(state["samples"]) < 0 else order[: int(state["samples"])]
+
+    def _check_resumable(self, state: dict[str, Any]) -> Share:
+        mine = {"seed": self.seed, "shuffle": self.shuffle,
+                "samples_per_epoch": self.samples_per_epoch}
+        for key, value in mine.items():
+            if state.get(key) != value:
+                raise ValueError(
+                    f"load_state_dict: the interrupted epoch ran with {key}={state.get(key)!r}, "
+                    f"this stream has {key}={value!r}: its order cannot be continued")
+        if detect_world().distributed:
+            raise ValueError("load_state_dict: resuming a stream's epoch under "
+                             "torch.distributed is not supported; start the next epoch with "
+                             "set_epoch() instead")
+        return Share(int(state["epoch"]), int(state["lo"]), int(state["hi"]),
+                     int(state["count"]), state.get("lease") or None, "resumed")
+
+    def _spec(self, share: Share, slot: int, slots: int, samples: int) -> dict[str, Any]:
+        return {"epoch": share.epoch, "lease": share.lease or "", "lo": share.lo,
+                "hi": share.hi, "count": share.count, "seed": self.seed,
+                "shuffle": self.shuffle, "samples_per_epoch": self.samples_per_epoch,
+                "slot": slot, "slots": slots, "samples": samples}
+
     # -- iteration --------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Any]:
@@ -279,6 +358,25 @@ class CacheStream(IterableDataset[Any]):
 
     def _iter_main(self) -> Iterator[Any]:
         self._adopt_home()
+        if self._resume is not None:
+            state, self._resume = self._resume, None
+            share = self._check_resumable(state)
+            cache = self.reader.cache
+            if share.lease and cache.adopt_lease(share.lease, whole=True) is None:
+                log.warning("stream: epoch %d cannot continue where the state left it: its "
+                            "lease is gone (down longer than resume_grace_s?); the next "
+                            "epoch starts instead", share.epoch)
+            else:
+                try:
+                    split, lane, start = resume_split(self._resumed_order(state), state, 1, 0)
+                    self._at = {"spec": {k: state[k] for k in ORDER_KEYS},
+                                "split": split, "worker": 0}
+                    yield from self._samples(lane[start:], False, share, None, base=start,
+                                             resumed=True)
+                finally:
+                    if share.lease:
+                        cache.release_lease(share.lease)
+                return
         prepared = self._prepared
         if prepared is None or self._consumed or self._epoch_given:
             epoch = self._next_epoch
@@ -291,6 +389,9 @@ class CacheStream(IterableDataset[Any]):
         order = self._order if self._order is not None else np.empty(0, dtype=np.uint64)
         releaser = (_plan_lanes(self.reader.cache, prepared.share, prepared.part, [order], 0)
                     if self.progressive else None)
+        self._at = {"spec": self._spec(prepared.share, prepared.slot, prepared.slots,
+                                       prepared.samples),
+                    "split": {"workers": 1}, "worker": 0}
         self._active += 1
         try:
             yield from self._samples(order, prepared.distributed, prepared.share, releaser)
@@ -306,6 +407,12 @@ class CacheStream(IterableDataset[Any]):
         cache = self.reader.cache
         group = f"{base_seed}:{self._worker_iters}"
         self._worker_iters += 1
+        if self._resume is not None:
+            state, self._resume = self._resume, None
+            resumed = self._resume_worker(state, worker, workers, group)
+            if resumed is not None:
+                return resumed
+            # (A copy of a stream whose state an earlier loader already resumed.)
         prepared = self._prepared if not self._consumed else None
         distributed = prepared.distributed if prepared is not None else detect_world().distributed
         name = self._doc_name()
@@ -341,34 +448,100 @@ class CacheStream(IterableDataset[Any]):
         except BaseException:
             done()
             raise
+        self._at = {"spec": self._spec(share, slot, slots, samples),
+                    "split": {"workers": workers}, "worker": worker}
         return _Reporting(self._samples(lanes[worker], distributed, share, releaser), done)
 
+    def _resume_worker(self, state: dict[str, Any], worker: int, workers: int,
+                       group: str) -> Iterator[Any] | None:
+        """This worker's part of the rest of a resumed epoch (None if an earlier loader's
+        workers resumed it). The lease is adopted in the main process's name (whole: the
+        readers are not those its plan was written for) and released by the group's last
+        worker, as a share's."""
+        cache = self.reader.cache
+        share = self._check_resumable(state)
+        name = self._doc_name()
+        if claim_share(cache, name, group, worker, prepared=None, first_epoch=share.epoch,
+                       home_pid=self._home_pid, home_owner=self._owner, label="", take=False,
+                       resumed=share) is None:
+            self._next_epoch = max(self._next_epoch, share.epoch + 1)
+            return None
+        if share.lease:
+            cache.adopt_lease(share.lease, owner=self._owner, pid=self._home_pid, whole=True)
+        done = _Once(lambda: finish_share(cache, name, group, workers))
+        try:
+            split, lane, start = resume_split(self._resumed_order(state), state, workers,
+                                              worker)
+        except BaseException:
+            done()
+            raise
+        self._at = {"spec": {k: state[k] for k in ORDER_KEYS}, "split": split,
+                    "worker": worker}
+        return _Reporting(self._samples(lane[start:], False, share, None, base=start,
+                                        resumed=True), done)
+
     def _samples(self, order: np.ndarray, equal_counts: bool, share: Share,
-                 releaser: Releaser | None) -> Iterator[Any]:
+                 releaser: Releaser | None, *, base: int = 0,
+                 resumed: bool = False) -> Iterator[Any]:
         """Read ``order`` in chunks, releasing each chunk once read (progressive release: its
         samples are copied out, eviction may take them); under DDP a skipped sample is
         replaced by a repeat of an earlier good one, so that every rank still yields the
         agreed count.
+
+        ``base`` is where ``order`` starts in this reader's lane (a resumed epoch), for the
+        position :meth:`state_dict` reports; in a ``resumed`` epoch samples evicted before the
+        resume are skipped and counted.
 
         Raises:
             SnapshotClosed: a sample of the share is gone (its lease was released or
                 reclaimed under it); the message names the epoch.
         """
         reader = self.reader
-        missing = 0
+        missing = evicted = 0
+        self._pos = base
         try:
             for start in range(0, len(order), _CHUNK):
                 chunk = order[start : start + _CHUNK]
                 before = reader.skipped
-                samples = reader.read_samples(chunk)
+                kept: list[int] = []
+                if resumed:
+                    samples, gone = self._read_present(chunk, kept)
+                    evicted += gone
+                else:
+                    samples = reader.read_samples(chunk, kept=kept)
                 missing += reader.skipped - before
                 if releaser is not None:
                     releaser.release(start + len(chunk))
-                yield from samples
+                for index, sample in zip(kept, samples):
+                    self._pos = base + start + index + 1
+                    yield sample
+                self._pos = base + start + len(chunk)
             if equal_counts and missing:
                 yield from self._refill(order, missing)
         except KeyError as exc:
             raise snapshot_gone(reader, share.lease or "", share.epoch, exc) from exc
+        if evicted:
+            log.warning("stream epoch %d: %d samples of the interrupted epoch were evicted "
+                        "before the resume and were skipped", share.epoch, evicted)
+
+    def _read_present(self, chunk: np.ndarray, kept: list[int]) -> tuple[list[Any], int]:
+        """Read ``chunk``, skipping the samples no longer cached; also how many those were."""
+        try:
+            return self.reader.read_samples(chunk, kept=kept), 0
+        except KeyError:
+            samples: list[Any] = []
+            gone = 0
+            for index, seq in enumerate(chunk):
+                one: list[int] = []
+                try:
+                    got = self.reader.read_samples(chunk[index : index + 1], kept=one)
+                except KeyError:
+                    gone += 1
+                    continue
+                if one:
+                    kept.append(index)
+                    samples.extend(got)
+            return samples, gone
 
     def _refill(self, order: np.ndarray, missing: int) -> Iterator[Any]:
         reader = self.reader

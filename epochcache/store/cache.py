@@ -452,31 +452,48 @@ class SampleStore:
 
         return self.store.write(run)
 
-    def adopt_lease(self, lease_id: str) -> Lease | None:
+    def adopt_lease(self, lease_id: str, *, owner: str | None = None, pid: int | None = None,
+                    whole: bool = False) -> Lease | None:
         """Hold the lease of an interrupted epoch from now on (a resumed run): this process's
         owner lock keeps it, and its heartbeat is refreshed while the returned lease is not
         released (:meth:`release_lease`). None when it is gone (reclaimed: its holder died
-        longer than its grace ago, or no checkpoint named it)."""
-        owner = begin_lease(self.path)
+        longer than its grace ago, or no checkpoint named it).
+
+        Args:
+            lease_id: the lease.
+            owner, pid: hold it in the name of another process of this host instead (a
+                stream's workers adopt for their main process, whose owner lock is ``owner``);
+                this process then refreshes nothing.
+            whole: protect its whole range from now on, not only its unread samples (a resumed
+                epoch whose readers are not those its plan was written for).
+        """
+        mine = owner is None
+        if mine:
+            owner = begin_lease(self.path)
+        assert owner is not None
         db = self.dbs[DB_LEASES]
 
         def run(txn: lmdb.Transaction) -> Lease | None:
             raw = txn.get(lease_id.encode(), db=db)
             if raw is None:
                 return None
-            lease = adopt(Lease.from_bytes(raw), owner=owner)
+            lease = adopt(Lease.from_bytes(raw), owner=owner, pid=pid)
+            if whole:
+                lease.plan_parts = 0
             write_lease(txn, db, lease)
             return lease
 
         try:
             lease = self.store.write(run)
         except BaseException:
-            end_lease(self.path)
+            if mine:
+                end_lease(self.path)
             raise
-        if lease is None:
-            end_lease(self.path)
-            return None
-        heartbeats().add(self.path, lease_id, self.heartbeat_leases, self.lease_timeout_s / 4)
+        if mine:
+            if lease is None:
+                end_lease(self.path)
+                return None
+            heartbeats().add(self.path, lease_id, self.heartbeat_leases, self.lease_timeout_s / 4)
         return lease
 
     def heartbeat_lease(self, lease_id: str) -> None:

@@ -147,7 +147,8 @@ class Protection:
     def sync(self, leases: Sequence[Lease]) -> None:
         """Adopt the lease table read in the current transaction; take in new reads."""
         self.leases = list(leases)
-        live = {lease.lease_id for lease in leases}
+        # A lease that lost its plan (adopted whole by a resumed run) is protected whole again.
+        live = {lease.lease_id for lease in leases if lease.plan_parts}
         ended = [lease_id for lease_id in self._planned if lease_id not in live]
         for lease_id in ended:
             del self._planned[lease_id]

@@ -87,8 +87,9 @@ def publish_share(cache: SampleStore, name: str, share: Share, release: bool) ->
 
 
 def claim_share(cache: SampleStore, name: str, group: str, worker: int, *,
-                progressive: bool = True, prepared: Share | None, first_epoch: int, home_pid: int, home_owner: str,
-                label: str, take: bool) -> Share | None:
+                progressive: bool = True, prepared: Share | None, first_epoch: int,
+                home_pid: int, home_owner: str, label: str, take: bool,
+                resumed: Share | None = None) -> Share | None:
     """The share worker ``worker`` of the loader iteration ``group`` reads, agreed in one
     write transaction.
 
@@ -98,13 +99,26 @@ def claim_share(cache: SampleStore, name: str, group: str, worker: int, *,
     last one recorded (or ``first_epoch``), leased in the name of ``home_pid`` and its owner
     lock ``home_owner`` (see :func:`hold_owner`). Returns None
     when a new snapshot is needed but ``take`` is false (under DDP, where only the main
-    process may agree on one).
+    process may agree on one). With ``resumed`` (the rest of an interrupted epoch, its lease
+    adopted), the iteration reads that share and its last worker releases its lease; None
+    then means an earlier iteration resumed it already.
     """
 
     limit = cache.effective_capacity  # read before the write transaction, as snapshot() does
 
     def run(txn: lmdb.Transaction) -> Share | None:
         doc = _load(txn, cache, name)
+        if resumed is not None:
+            if doc is None or doc.get("lease") != resumed.lease:
+                _save(txn, cache, name, {**asdict(resumed), "group": group, "claimed": [worker],
+                                         "done": 0, "release": True, "released": False})
+                return resumed
+            if (doc.get("group") == group and not doc.get("released")
+                    and worker not in doc.get("claimed", ())):
+                doc["claimed"] = [*doc.get("claimed", ()), worker]
+                _save(txn, cache, name, doc)
+                return resumed
+            return None  # resumed by an earlier iteration already: the next epoch follows
         if (doc is not None and doc.get("group") == group and not doc.get("released")
                 and worker not in doc.get("claimed", ())):
             doc["claimed"] = [*doc.get("claimed", ()), worker]
