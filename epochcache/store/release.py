@@ -163,6 +163,14 @@ class Protection:
         for planned in self._planned.values():
             planned.advance()
 
+    def preload(self, leases: Sequence[Lease]) -> None:
+        """Load the plans of new leases now, outside any transaction: a plan of a million
+        samples takes a fraction of a second to index, which the write lock should not wait
+        for (:meth:`sync`, inside the writer's transaction, then finds them loaded)."""
+        for lease in leases:
+            if lease.plan_parts and lease.lease_id not in self._planned:
+                self._load(lease)
+
     def _load(self, lease: Lease) -> None:
         if lease.lease_id in self._failed:
             return

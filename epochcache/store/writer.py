@@ -144,6 +144,8 @@ class Writer:
         while pending:
             self.capacity.probe()  # a capacity lowered after a full disk recovers by itself
             limit = self.capacity.effective
+            with self.store.read() as txn:
+                self.protection.preload(read_leases(txn, self.store.dbs[DB_LEASES]))
             try:
                 result, pending, blocked = self.store.write(
                     lambda txn: self._put_txn(txn, pending, limit)
