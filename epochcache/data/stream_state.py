@@ -107,10 +107,10 @@ def resume_split(order: np.ndarray, state: dict[str, Any], workers: int, worker:
     as a StatefulDataLoader hands each worker its own state); with another number, what is
     left of every lane is dealt anew (every position is needed).
     """
-    split = {key: state[key] for key in ("workers", "resumed") if key in state}
+    split: dict[str, Any] = {key: state[key] for key in ("workers", "resumed") if key in state}
     positions = state["positions"]
     if int(state["workers"]) == workers and str(worker) in positions:
         return split, _lanes(order, split)[worker], int(positions[str(worker)])
     rest = leftovers(order, {**split, "positions": positions})
-    fresh = {"workers": workers, "resumed": {**split, "positions": positions}}
+    fresh: dict[str, Any] = {"workers": workers, "resumed": {**split, "positions": positions}}
     return fresh, rest[worker::workers], 0

@@ -79,6 +79,7 @@ def evict_oldest(
         if gap_seq is not None and (next_released is None or gap_seq < next_released):
             cursor = walk.cursor
         else:
+            assert next_released is not None
             taken += 1
             cursor = samples
             if not cursor.set_key(seq_key(next_released)):

@@ -86,9 +86,10 @@ def write_seqs(cache_path: str, lease_id: str, seqs: np.ndarray) -> None:
 def read_seqs(cache_path: str, lease_id: str) -> np.ndarray | None:
     """A snapshot's sorted sequence numbers (memory-mapped), or None without a plan."""
     try:
-        return np.load(seqs_path(cache_path, lease_id), mmap_mode="r")
+        seqs: np.ndarray = np.load(seqs_path(cache_path, lease_id), mmap_mode="r")
     except (OSError, ValueError):
         return None
+    return seqs
 
 
 def write_part(cache_path: str, lease_id: str, part: int, lanes: Sequence[np.ndarray]) -> None:
@@ -103,7 +104,7 @@ def write_part(cache_path: str, lease_id: str, part: int, lanes: Sequence[np.nda
     positions = np.zeros(len(lanes), dtype="<u8")
     data = [np.ascontiguousarray(lane, dtype="<u8") for lane in lanes]
     _write_atomically(path, [head.tobytes(), offsets.tobytes(), positions.tobytes(),
-                             *(memoryview(lane).cast("B") for lane in data)])
+                             *(lane.tobytes() for lane in data)])
 
 
 class Part:

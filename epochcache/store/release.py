@@ -118,12 +118,14 @@ class _Planned:
     def unread(self, seqs: np.ndarray) -> np.ndarray:
         """Which of ``seqs`` (sorted or not) this plan still protects."""
         idx = np.minimum(np.searchsorted(self.seqs, seqs), len(self.seqs) - 1)
-        return (self.seqs[idx] == seqs) & (self.remaining[idx] > 0)
+        found: np.ndarray = (self.seqs[idx] == seqs) & (self.remaining[idx] > 0)
+        return found
 
     def positions_of(self, seqs: np.ndarray) -> np.ndarray:
         """The positions of those of ``seqs`` that are in the snapshot."""
         idx = np.minimum(np.searchsorted(self.seqs, seqs), len(self.seqs) - 1)
-        return idx[self.seqs[idx] == seqs]
+        found: np.ndarray = idx[self.seqs[idx] == seqs]
+        return found
 
     def refree(self) -> None:
         """Another lease ended: what it alone kept from eviction is free again."""
