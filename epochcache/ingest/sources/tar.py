@@ -24,6 +24,7 @@ from ...units import format_size
 from ..remote import call, retry
 from .base import FetchResult, Payload, SampleRef, Source
 from .check import check_checksum, check_format, check_size
+from .keytable import KeyTable, KeyTableBuilder
 from .manifest import expand_braces
 
 log = logging.getLogger(__name__)
@@ -163,12 +164,12 @@ class TarSource(Source):
     layout = "tar"
     unit = "shard"
 
-    def list_keys(self) -> list[SampleRef]:
+    def list_table(self) -> KeyTable:
         cfg = self.spec
         if cfg.manifest is not None:
             return self._read_manifest()
         if cfg.shards is None:
-            return self._list_files(cfg.effective_pattern)
+            return self._list_files()
         keys = sorted(set(expand_braces(cfg.shards)))
         first = self.object_path(keys[0])
         try:
@@ -185,7 +186,10 @@ class TarSource(Source):
                 "source.url, source.shards and the endpoint",
                 self.url,
             ) from exc
-        return [SampleRef(key) for key in keys]
+        builder = KeyTableBuilder()
+        for key in keys:
+            builder.add(key)
+        return builder.build()
 
     def _unpack(self, ref: SampleRef, url: str, data: bytes) -> list[FetchResult]:
         """Every sample of one shard. Shards are read whole: ``timeout_s`` bounds one shard's
