@@ -380,6 +380,12 @@ class Sampler:
                     records.append((key, self.cache.encode(key, payload, adaptive=True)))
                 except SampleRejected as exc:
                     self.quarantine(key, str(exc))
+                except Exception as exc:  # noqa: BLE001 - one sample's bytes, never the process
+                    # Untrusted names or bytes the record format cannot frame: this sample is
+                    # quarantined and the rest of its batch commits (a crash here restarted
+                    # the sampler on the same batch until the daemon gave up).
+                    self.quarantine(key, f"cannot be encoded: {type(exc).__name__}: "
+                                         f"{str(exc)[:300]}")
         return records, fetched
 
     # -- shared with the committer thread ---------------------------------------------------------

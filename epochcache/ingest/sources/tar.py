@@ -29,6 +29,18 @@ from .manifest import expand_braces
 
 log = logging.getLogger(__name__)
 
+#: The longest field name a record holds (its length is stored in 16 bits): a member whose
+#: name would need more is quarantined with its sample, never handed to the encoder.
+MAX_FIELD_BYTES = 0xFFFF
+#: Member names are cut to this many characters in messages (a name may be megabytes long).
+_NAME_SHOWN = 120
+
+
+def _shown(name: str) -> str:
+    if len(name) <= _NAME_SHOWN:
+        return repr(name)
+    return f"{name[:_NAME_SHOWN]!r}... ({len(name):,} characters)"
+
 
 def split_member(name: str) -> tuple[str, str] | None:
     """``(prefix, field)`` of a member name as webdataset splits it, or None for names without a
@@ -54,9 +66,10 @@ class _Sample:
     def add(self, member: tarfile.TarInfo, field: str, value: bytes) -> None:
         self.members.append(member.name)
         if len(value) != member.size:
-            self.fail(f"member {member.name!r} is truncated ({len(value)} of {member.size} bytes)")
+            self.fail(f"member {_shown(member.name)} is truncated ({len(value)} of "
+                      f"{member.size} bytes)")
         elif field in self.fields:
-            self.fail(f"duplicate field {field!r} (member {member.name!r})")
+            self.fail(f"duplicate field {_shown(field)} (member {_shown(member.name)})")
         else:
             self.fields[field] = value
 
@@ -123,9 +136,15 @@ def iter_shard(
                 sample = _Sample(shard_key, prefix)
             if member.size > max_bytes:
                 sample.members.append(member.name)
-                sample.fail(f"member {member.name!r} is {format_size(member.size)}, larger than "
-                            f"the {format_size(max_bytes)} a sample may be "
+                sample.fail(f"member {_shown(member.name)} is {format_size(member.size)}, larger "
+                            f"than the {format_size(max_bytes)} a sample may be "
                             "(loader.max_sample_bytes, or cache.capacity when smaller)")
+                continue
+            if len(field.encode("utf-8", "surrogateescape")) > MAX_FIELD_BYTES:
+                sample.members.append(member.name)
+                sample.fail(f"member {_shown(member.name)} has a field name of "
+                            f"{len(field.encode('utf-8', 'surrogateescape')):,} bytes; a record "
+                            f"holds field names of up to {MAX_FIELD_BYTES:,} bytes")
                 continue
             handle = archive.extractfile(member)
             sample.add(member, field, handle.read() if handle is not None else b"")
