@@ -177,6 +177,14 @@ class Sampler:
                                    for k, v in (saved.get("error_kinds") or {}).items()}
         self.health.sources = {feed.name: {"errors": 0, "down": False}
                                for feed in self.feeds if feed.name}
+        # Where each feed starts: the health document is written before anything commits
+        # (idle, failing), and an empty position there was a restart's lost place.
+        if config.sources is not None:  # sources left out (unreachable) keep theirs
+            kept = saved.get("position")
+            kept = kept if isinstance(kept, dict) else {}
+            self.health.position = {**kept, **{f.name: f.position() for f in self.feeds}}
+        else:
+            self.health.position = self.feeds[0].position()
         self.committer = Committer(self.cache, self.health, stop=stop,
                                    should_stop=self.should_stop, quarantine=self.quarantine,
                                    done=self._done)
