@@ -46,25 +46,29 @@ SAMPLE_BYTES = 256
 # a fresh process: its anonymous memory before and after holding the listing
 _LOAD = r"""
 import json, sys, time
-def anon():
+from epochcache.ingest.sources import (SourceSpec, listing_cached, open_source, read_listing,
+                                       source_fingerprint)
+
+def memory():
     with open("/proc/self/status") as f:
-        return {l.split(":")[0]: int(l.split()[1]) * 1024 for l in f if l.startswith(("RssAnon", "VmRSS"))}
-from epochcache.ingest.sources import SourceSpec, open_source, listing_cached, read_listing, source_fingerprint
-import epochcache.ingest.sources.manifest
+        return {l.split(":")[0]: int(l.split()[1]) * 1024 for l in f
+                if l.startswith(("RssAnon", "VmRSS", "VmHWM"))}
+
 mode, url, cache_dir = sys.argv[1:4]
 source = open_source(SourceSpec(url=url, manifest="keys.txt", checks=()))
-before = anon()
+before = memory()
 start = time.perf_counter()
 if mode == "manifest":
     listing = listing_cached(source, cache_dir)
 else:
     listing = read_listing(cache_dir, source_fingerprint(source.spec))
 seconds = time.perf_counter() - start
-after = anon()
-import resource
-print(json.dumps({"seconds": seconds, "keys": len(listing.refs) if not hasattr(listing, "table") else len(listing.table),
-                  "anon_bytes": after["RssAnon"] - before["RssAnon"],
-                  "peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before["VmRSS"]}))
+after = memory()
+held = listing.table if hasattr(listing, "table") else listing.refs  # before issue 22: refs
+# VmHWM, not ru_maxrss: that one keeps the parent's peak across fork and exec
+peak = after["VmHWM"] - before["VmRSS"]
+print(json.dumps({"seconds": seconds, "keys": len(held), "peak_bytes": peak,
+                  "anon_bytes": after["RssAnon"] - before["RssAnon"]}))
 """
 
 
@@ -86,9 +90,8 @@ def cpu_s(pid: int) -> float:
 def write_manifest(remote: Path, n: int) -> None:
     remote.mkdir(parents=True, exist_ok=True)
     with open(remote / "keys.txt", "w") as out:
-        for start in range(0, n, 100_000):
-            out.write("".join(f"d{i // 1000:05d}/s{i:08d}.bin\n"
-                              for i in range(start, min(n, start + 100_000))))
+        out.writelines("".join(f"d{i // 1000:05d}/s{i:08d}.bin\n"
+                              for i in range(start, min(n, start + 100_000))) for start in range(0, n, 100_000))
 
 
 def load(mode: str, remote: Path, cache_dir: Path) -> dict[str, Any]:
@@ -230,6 +233,7 @@ def measure(n: int, out: Path, idle_s: float) -> dict[str, Any]:
     shutil.rmtree(workdir, ignore_errors=True)
     remote, cache_dir = workdir / "remote", workdir / "cache"
     write_manifest(remote, n)
+    cache_dir.mkdir(mode=0o700)  # the listing is saved in it before the cache is made
     row: dict[str, Any] = {"n": n}
     manifest = load("manifest", remote, cache_dir)
     row["manifest_load_s"] = manifest["seconds"]

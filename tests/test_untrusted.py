@@ -133,8 +133,9 @@ def test_a_tar_field_name_longer_than_a_record_holds_is_quarantined_and_the_rest
     assert "field name of 70,000 bytes" in rows[0]["reason"]
     assert len(rows[0]["reason"]) < 1000  # the name is cut in messages
     state = full_check(str(cache_dir))
-    assert sorted(state.keys) == sorted(
-        [f"shard-0.tar/{i:03d}" for i in range(3)] + [f"shard-1.tar/{i:03d}" for i in range(10, 13)])
+    good = [f"shard-0.tar/{i:03d}" for i in range(3)]
+    good += [f"shard-1.tar/{i:03d}" for i in range(10, 13)]
+    assert sorted(state.keys) == sorted(good)
 
 
 def _zeros_npz(mib: int) -> bytes:
@@ -189,7 +190,8 @@ def test_manifests_are_bounded_in_bytes_and_lines(tmp_path: Path) -> None:
     (tmp_path / "keys.txt.gz").write_bytes(gzip.compress(b"k0.npy\n" + b"\n" * 4_000_000))
 
     def listed(manifest: str, **bounds: int) -> int:
-        spec = SourceSpec(url=tmp_path.as_uri(), manifest=manifest, **bounds)  # type: ignore[arg-type]
+        spec = SourceSpec(url=tmp_path.as_uri(), manifest=manifest,
+                          **bounds)  # type: ignore[arg-type]
         return len(open_source(spec).list_keys())
 
     assert listed("keys.txt") == 1000
@@ -218,7 +220,8 @@ def test_every_enum_like_config_key_is_checked_when_the_config_is_read(tmp_path:
         "cache": {"dir": str(tmp_path / "cache"), "capacity": "64MiB"},
         "loader": {"decode": "rwa"},
     }
-    with pytest.raises(ConfigError, match=r"loader.decode: Input should be 'auto' or 'raw', got 'rwa'"):
+    with pytest.raises(ConfigError,
+                       match=r"loader.decode: Input should be 'auto' or 'raw', got 'rwa'"):
         parse_config(data)
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump(data))

@@ -192,11 +192,6 @@ class Feed:
             state["listing"] = self.generation
         return state
 
-    @property
-    def refs(self) -> KeyTable:
-        """The listing (kept for callers that count it: ``len(feed.refs)``)."""
-        return self.table
-
     def cache_key(self, key: str) -> str:
         """The key a sample of this source is cached under."""
         return self.prefix + key

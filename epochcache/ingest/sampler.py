@@ -220,7 +220,7 @@ class Sampler:
         """
         self.committer.start()
         for feed in self.feeds:
-            log.info("%s: %d %ss, starting at %s", feed.source.url, len(feed.refs),
+            log.info("%s: %d %ss, starting at %s", feed.source.url, len(feed.table),
                      feed.source.unit, feed.order.position)
         try:
             while not self.should_stop():

@@ -6,11 +6,12 @@ as much again while it is parsed. A :class:`KeyTable` holds the same refs in a f
 
 * ``blob``: the keys' UTF-8 bytes one after another, ``offsets`` (``n + 1``) where each starts
   (``uint32`` while the blob is under 4 GiB);
-* ``sizes``: ``int64``, ``-1`` where no size was listed;
+* ``sizes``: ``int32`` (``int64`` if an object is 2 GiB or more), ``-1`` where no size was
+  listed;
 * ``weights`` (``float64``, NaN for none) and ``checksums`` (a second blob with offsets) only
   when some ref has one (manifests).
 
-So a key costs its length plus 12 bytes (plus 8 with weights). :class:`SampleRef` objects are
+So a key costs its length plus 8 bytes (plus 8 with weights). :class:`SampleRef` objects are
 made only for the keys a sampler picks (:meth:`KeyTable.ref`). Tables are built with a
 :class:`KeyTableBuilder` (listing pages, manifest rows), and sorted, merged and saved as arrays.
 """
@@ -39,13 +40,31 @@ def _offsets(ends: Sequence[int] | np.ndarray, total: int) -> np.ndarray:
     return out
 
 
+def offsets_of(lengths: np.ndarray, total: int) -> np.ndarray:
+    """Offsets (``n + 1``) of strings of ``lengths`` whose bytes add up to ``total``, summed
+    straight into the smallest dtype (no 8-byte-a-key array on the way)."""
+    dtype = np.uint32 if total <= _U32_LIMIT else np.uint64
+    out = np.empty(len(lengths) + 1, dtype=dtype)
+    out[0] = 0
+    np.cumsum(lengths, dtype=dtype, out=out[1:])
+    return out
+
+
+def compact_sizes(sizes: np.ndarray) -> np.ndarray:
+    """``sizes`` as ``int32`` when every size fits (-1: unknown), else ``int64``: 4 bytes a key
+    less for the usual objects under 2 GiB."""
+    if len(sizes) and int(sizes.max()) >= 2**31:
+        return sizes.astype(np.int64, copy=False)
+    return sizes.astype(np.int32, copy=False)
+
+
 def _gather(blob: bytes, offsets: np.ndarray, idx: np.ndarray) -> tuple[bytes, np.ndarray]:
     """The byte strings at ``idx`` of a blob with offsets, as a new blob with offsets."""
     bounds = offsets.tolist()
     parts = [blob[bounds[i] : bounds[i + 1]] for i in idx.tolist()]
-    lengths = (offsets[1:] - offsets[:-1])[idx].astype(np.uint64)
+    lengths = (offsets[1:] - offsets[:-1])[idx]
     out = b"".join(parts)
-    return out, _offsets(np.cumsum(lengths, dtype=np.uint64), len(out))
+    return out, offsets_of(lengths, len(out))
 
 
 def _same(a: np.ndarray | None, b: np.ndarray | None) -> bool:
@@ -61,7 +80,7 @@ class KeyTable:
     Attributes:
         blob: every key's UTF-8 bytes, in index order.
         offsets: ``n + 1`` positions into ``blob``; key ``i`` is ``blob[offsets[i]:offsets[i+1]]``.
-        sizes: listed size of each key, ``-1`` when unknown.
+        sizes: listed size of each key, ``-1`` when unknown (``int32`` while all fit).
         weights: manifest weight of each key (NaN: none given), or None when no key has one.
         checksums: ``(blob, offsets)`` of the manifest checksums ("" for none), or None.
     """
@@ -258,8 +277,10 @@ class KeyTableBuilder:
     def build(self) -> KeyTable:
         """The table of everything added (the builder may go on growing)."""
         ends = np.frombuffer(self._ends, dtype=np.uint64) if self._ends else np.empty(0, np.uint64)
-        sizes = np.frombuffer(self._sizes, dtype=np.int64).copy() if self._sizes else np.empty(
-            0, dtype=np.int64)
+        sizes = compact_sizes(np.frombuffer(self._sizes, dtype=np.int64)) if self._sizes else (
+            np.empty(0, dtype=np.int32))
+        if sizes.base is not None:  # a view of the builder's buffer: copy what it may reuse
+            sizes = sizes.copy()
         weights = None
         if self._weights is not None:
             weights = np.frombuffer(self._weights, dtype=np.float64).copy()

@@ -43,7 +43,7 @@ import numpy as np
 import zstandard
 
 from .base import SampleRef, SourceSpec
-from .keytable import KeyTable, KeyTableBuilder, _offsets
+from .keytable import KeyTable, KeyTableBuilder, compact_sizes, offsets_of
 
 log = logging.getLogger(__name__)
 
@@ -148,8 +148,9 @@ def merge_listing(old: Listing, fresh: KeyTable | Sequence[SampleRef]) -> tuple[
         pos = np.minimum(np.searchsorted(sorted_old, fresh_arr), len(sorted_old) - 1)
         found = sorted_old[pos] == fresh_arr
     old_index = order[pos[found]]  # the old index of each fresh key already listed
-    sizes = old.table.sizes.copy()
+    sizes = old.table.sizes.astype(np.int64)  # a fresh size may need more than int32
     sizes[old_index] = fresh.sizes[found]
+    sizes = compact_sizes(sizes)
     seen = np.zeros(len(old.table), dtype=bool)
     seen[old_index] = True
     added_idx = np.flatnonzero(~found)
@@ -195,7 +196,8 @@ def save_listing(
     columns: list[tuple[str, str, bytes]] = [
         ("blob", "bytes", table.blob),
         ("lengths", "<u4", np.diff(table.offsets.astype(np.int64)).astype("<u4").tobytes()),
-        ("sizes", "<i8", table.sizes.astype("<i8").tobytes()),
+        ("sizes", table.sizes.dtype.newbyteorder("<").str,
+         table.sizes.astype(table.sizes.dtype.newbyteorder("<")).tobytes()),
         ("gone", "<i8", np.array(sorted(listing.gone), dtype="<i8").tobytes()),
     ]
     if table.weights is not None:
@@ -301,30 +303,44 @@ def read_listing(
 
 
 def _read_columns(handle: Any, header: dict[str, Any]) -> Listing:
+    """The columns after the header, decompressed one at a time; the arrays are views of the
+    decompressed bytes, and nothing of 8 bytes a key is made on the way (a sampler's heap
+    keeps its peak: see ``ingest.heap``)."""
     dctx = zstandard.ZstdDecompressor()
-    raw: dict[str, bytes] = {}
+    count = int(header["count"])
+    columns: dict[str, np.ndarray | bytes] = {}
     for column in header["columns"]:
         stored = handle.read(int(column["stored"]))
         if len(stored) != int(column["stored"]):
             raise EOFError(f"column {column['name']} is truncated")
-        raw[column["name"]] = dctx.decompress(stored, max_output_size=int(column["raw"]))
-    count = int(header["count"])
-    blob = raw["blob"]
-    lengths = np.frombuffer(raw["lengths"], dtype="<u4")
-    sizes = np.frombuffer(raw["sizes"], dtype="<i8")
-    if len(lengths) != count or len(sizes) != count or int(lengths.sum()) != len(blob):
+        raw = dctx.decompress(stored, max_output_size=int(column["raw"]))
+        del stored
+        name, dtype = column["name"], column["dtype"]
+        if dtype == "bytes":
+            columns[name] = raw
+        elif name.endswith("lengths"):  # offsets at once: the lengths go
+            blob = columns["blob" if name == "lengths" else "checksums"]
+            lengths = np.frombuffer(raw, dtype=dtype)
+            if len(lengths) != count or int(lengths.sum()) != len(blob):
+                raise ValueError(f"column {name} does not hold the {count} refs the header says")
+            columns[name] = offsets_of(lengths, len(blob))
+            del lengths, raw
+        else:
+            columns[name] = np.frombuffer(raw, dtype=dtype)
+    blob, offsets, sizes = columns["blob"], columns["lengths"], columns["sizes"]
+    assert isinstance(blob, bytes) and isinstance(offsets, np.ndarray)
+    assert isinstance(sizes, np.ndarray)
+    if len(sizes) != count:
         raise ValueError(f"columns do not hold the {count} refs the header says")
-    weights = None
-    if "weights" in raw:
-        weights = np.frombuffer(raw["weights"], dtype="<f8")
+    weights = columns.get("weights")
     checksums = None
-    if "checksums" in raw:
-        check_lengths = np.frombuffer(raw["checksum_lengths"], dtype="<u4")
-        checksums = (raw["checksums"],
-                     _offsets(np.cumsum(check_lengths, dtype=np.uint64), len(raw["checksums"])))
-    table = KeyTable(blob, _offsets(np.cumsum(lengths, dtype=np.uint64), len(blob)), sizes,
-                     weights, checksums)
-    gone = {int(i) for i in np.frombuffer(raw["gone"], dtype="<i8")}
+    if "checksums" in columns:
+        checksums = (columns["checksums"], columns["checksum_lengths"])
+    table = KeyTable(blob, offsets, sizes, weights,  # type: ignore[arg-type]
+                     checksums)  # type: ignore[arg-type]
+    gone_column = columns["gone"]
+    assert isinstance(gone_column, np.ndarray)
+    gone = {int(i) for i in gone_column}
     blocks = [int(b) for b in header.get("blocks") or [count]]
     return Listing(table, blocks, gone, float(header.get("created", 0)),
                    str(header.get("generation") or ""), bool(header.get("complete", True)),

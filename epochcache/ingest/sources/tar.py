@@ -176,7 +176,7 @@ class TarSource(Source):
 
     Shards come from ``source.manifest`` (one shard per row), else from ``source.shards`` (a brace
     pattern such as ``train-{000000..000554}.tar``), else from a listing matching ``source.pattern``
-    (default ``**/*.tar``). ``list_keys`` returns one ref per shard; ``fetch_many`` returns one result
+    (default ``**/*.tar``). ``list_table`` holds one ref per shard; ``fetch_many`` returns one result
     per sample.
     """
 
