@@ -19,7 +19,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 import pytest
-from common.daemonproc import cache_len, wait_for, write_config
+from common.daemonproc import cache_len, daemon_state, wait_for, write_config
 from common.slowproxy import SlowListProxy
 from conftest import S3Env
 
@@ -113,10 +113,14 @@ def test_sampling_starts_from_the_keys_listed_while_the_rest_is_listed(
         wait_for(lambda: cache_len(cache_dir) >= 100, 60, "samples from the first page")
         assert len(proxy.list_lines) == 2 and not proxy.released.is_set()
         assert "sampling starts from the first 1000 samples listed" in daemon.logs()
+        state = daemon_state(cache_dir) or {}
+        assert state["listings"] == {s3.url("big"): {"keys": 1000, "complete": False}}
     finally:
         proxy.release()
     # The listing completes; the samplers take the whole listing (a new generation) in.
     wait_for(lambda: cache_len(cache_dir) >= COUNT, 90, "every key cached", interval_s=0.2)
+    wait_for(lambda: (daemon_state(cache_dir) or {}).get("listings", {}).get(s3.url("big"))
+             == {"keys": COUNT, "complete": True}, 30, "the listing complete in the state")
     assert daemon.terminate() == 0, daemon.logs()
     listing = read_listing(cache_dir, source_fingerprint(open_source(_spec(s3, proxy)).spec))
     assert listing is not None and listing.complete and listing.table.keys() == keys

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from ..config import EpochcacheConfig, SourceEntry
 from ..errors import SourceError, SourceUnavailable
+from ..redact import redact_url
 from .from_config import open_configured_source
 from .relist import Relister
 from .sources import (
@@ -154,6 +155,19 @@ class DaemonSources:
         item.job, item.keys, item.listed_at = None, len(listing), listing.created
         if not self._stop.is_set():
             self._start_relister(item)
+
+    def progress(self) -> dict[str, dict[str, object]]:
+        """Each listed source's keys so far and whether its listing is complete (for the
+        daemon's state document: ``status --json`` shows a large bucket's listing grow)."""
+        with self._lock:
+            items = list(self.listed)
+        out: dict[str, dict[str, object]] = {}
+        for item in items:
+            job = item.job
+            keys = len(job.builder) if job is not None else item.keys
+            out[item.entry.name or redact_url(item.entry.config.url)] = {
+                "keys": keys, "complete": job is None}
+        return out
 
     @property
     def names(self) -> list[str]:

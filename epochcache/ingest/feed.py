@@ -47,7 +47,7 @@ from .from_config import open_configured_source
 from .idle import IdleState
 from .inflight import SizeEstimate
 from .keyorder import KeyOrder, key_hashes
-from .relist import ListingFollower
+from .relist import ListingFollower, listing_mtime
 from .sources import KeyTable, Listing, SampleRef, listing_for_sampling
 
 log = logging.getLogger(__name__)
@@ -123,9 +123,10 @@ class Feed:
         self._config, self._index = config, index
         cache_dir = str(config.cache.dir)
         self.source = open_configured_source(config, entry.config)
+        mtime = listing_mtime(self.source, cache_dir)  # before reading: a save after is seen
         listing = listing_for_sampling(self.source, cache_dir)
         self._take_listing(listing, self._own_position(position, listing))
-        self.follower = (ListingFollower(self.source, cache_dir)
+        self.follower = (ListingFollower(self.source, cache_dir, mtime)
                          if entry.config.listing_ttl_s or not listing.complete else None)
         self._follow_always = bool(entry.config.listing_ttl_s)
         self.per_batch = _samples_per_batch(config.sampler.batch_size, self.table,
@@ -360,8 +361,11 @@ class Feed:
         """Take the keys of a listing the daemon saved since (a re-list, or a listing under
         way) into the key order; True when anything changed."""
         listing = self.follower.poll() if self.follower is not None else None
-        if listing is None:
-            return False
+        if listing is None or (listing.generation == self.generation
+                               and listing.blocks == self.blocks
+                               and listing.complete == self.complete
+                               and listing.gone == self.gone):
+            return False  # nothing new (saved again as it was)
         weighted = self._config.sampler.strategy == "weighted"
         if (listing.generation != self.generation or weighted
                 or listing.blocks[: len(self.blocks)] != self.blocks):
@@ -370,6 +374,7 @@ class Feed:
             log.info("%s: a new listing of %d keys (%s); sampling it from the start of its key "
                      "order", self.source.url, len(listing.table),
                      "complete" if listing.complete else "still being listed")
+            self.carry.clear()  # refs of the old listing's order: the new order has them
             self._take_listing(listing, None)
         else:
             before = self.order.num_added

@@ -327,12 +327,13 @@ class Sampler:
         records, fetched = self._encode_results(feed, results)
         feed.batch_done(results, len(records))
         feed.samples_read(len(fetching.refs), fetching.estimate, results)
-        index_of = dict(zip((ref.key for ref in fetching.refs), fetching.indices))
-        for ref, payload in results:  # failed, not corrupt: fetched again once the pass is over
-            if isinstance(payload, BaseException) and not isinstance(payload, CorruptSample):
-                i = index_of.get(ref.key)
-                if i is not None:
-                    feed.idle.note_failed(i)
+        if fetching.position.get("listing", feed.generation) == feed.generation:
+            index_of = dict(zip((ref.key for ref in fetching.refs), fetching.indices))
+            for ref, payload in results:  # failed, not corrupt: fetched again after the pass
+                if isinstance(payload, BaseException) and not isinstance(payload, CorruptSample):
+                    i = index_of.get(ref.key)
+                    if i is not None:
+                        feed.idle.note_failed(i)
         if feed.name:
             self.health.sources[feed.name]["down"] = feed.down
         unknown = [ref for ref in fetching.refs if not ref.size]
