@@ -115,6 +115,13 @@ class KeyTable:
         blob = self.blob
         return [blob[a:b].decode("utf-8") for a, b in itertools.pairwise(bounds)]
 
+    def keys_at(self, indices: Sequence[int] | np.ndarray) -> list[str]:
+        """The keys of ``indices`` (a batch: their offsets are read in one numpy step)."""
+        idx = np.asarray(indices, dtype=np.int64)
+        starts, ends = self.offsets[idx].tolist(), self.offsets[idx + 1].tolist()
+        blob = self.blob
+        return [blob[a:b].decode("utf-8") for a, b in zip(starts, ends)]
+
     def key_bytes(self) -> list[bytes]:
         """Every key as bytes (transient: for sorting and merging)."""
         bounds = self.offsets.tolist()
