@@ -231,7 +231,8 @@ class SourceContract:
         def fail() -> None:
             raise AssertionError("re-listed although a listing was saved")
 
-        monkeypatch.setattr(source, "list_keys", fail)
+        for listing in ("list_keys", "list_table", "pager"):
+            monkeypatch.setattr(source, listing, fail)
         assert list_keys_cached(source, tmp_path) == first
 
     # -- untrusted input is bounded (issue 10, item 7) ---------------------------------------

@@ -148,26 +148,29 @@ def merge_listing(old: Listing, fresh: KeyTable | Sequence[SampleRef]) -> tuple[
         pos = np.minimum(np.searchsorted(sorted_old, fresh_arr), len(sorted_old) - 1)
         found = sorted_old[pos] == fresh_arr
     old_index = order[pos[found]]  # the old index of each fresh key already listed
-    sizes = old.table.sizes.astype(np.int64)  # a fresh size may need more than int32
-    sizes[old_index] = fresh.sizes[found]
-    sizes = compact_sizes(sizes)
     seen = np.zeros(len(old.table), dtype=bool)
     seen[old_index] = True
     added_idx = np.flatnonzero(~found)
     added = fresh.take(added_idx).sorted() if len(added_idx) else None
-    kept = KeyTable(old.table.blob, old.table.offsets, sizes, old.table.weights,
-                    old.table.checksums)
-    table = kept if added is None else KeyTable.concat([_plain(kept), _plain(added)])
+    if (old.table.weights is None and old.table.checksums is None
+            and fresh.weights is None and fresh.checksums is None):
+        # keys and sizes only (a listing): arrays, no ref per key
+        sizes = old.table.sizes.astype(np.int64)  # a fresh size may need more than int32
+        sizes[old_index] = fresh.sizes[found]
+        kept = KeyTable(old.table.blob, old.table.offsets, compact_sizes(sizes))
+    else:  # a manifest read again: every field of a listed ref is the fresh one
+        now_at = np.full(len(old.table), -1, dtype=np.int64)
+        now_at[old_index] = np.flatnonzero(found)
+        builder = KeyTableBuilder()
+        for i, j in enumerate(now_at.tolist()):
+            ref = fresh.ref(j) if j >= 0 else old.table.ref(i)
+            builder.add(old.table.key(i), ref.size, ref.weight, ref.checksum)
+        kept = builder.build()
+    table = kept if added is None else KeyTable.concat([kept, added])
     blocks = list(old.blocks) + ([len(table)] if added is not None else [])
     gone = {int(i) for i in np.flatnonzero(~seen)}
     return (Listing(table, blocks, gone, time.time(), old.generation),
             0 if added is None else len(added))
-
-
-def _plain(table: KeyTable) -> KeyTable:
-    """Listings from a re-list carry keys and sizes only (weights come from manifests, which
-    are not re-listed)."""
-    return KeyTable(table.blob, table.offsets, table.sizes)
 
 
 # -- the file --------------------------------------------------------------------------------
