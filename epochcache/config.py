@@ -51,7 +51,11 @@ from pydantic import (
 
 from . import _config_env as env
 from .errors import ConfigError
-from .limits import DEFAULT_MAX_SAMPLE_BYTES
+from .limits import (
+    DEFAULT_MANIFEST_MAX_BYTES,
+    DEFAULT_MANIFEST_MAX_LINES,
+    DEFAULT_MAX_SAMPLE_BYTES,
+)
 from .redact import REDACTED, redact_options, redact_tree, secret_values, url_secrets
 from .units import headroom_bytes, parse_duration, parse_headroom, parse_size
 
@@ -108,6 +112,19 @@ class SourceConfig(_Section):
         default=None, description="URL or path relative to url of a key manifest"
     )
     manifest_format: Literal["auto", "txt", "csv", "jsonl", "parquet"] = "auto"
+    manifest_max_bytes: Annotated[int, BeforeValidator(_size), Field(gt=0)] = Field(
+        default=DEFAULT_MANIFEST_MAX_BYTES,
+        description="the largest manifest read (and decompressed); a larger one fails the start",
+    )
+    manifest_max_lines: int = Field(
+        default=DEFAULT_MANIFEST_MAX_LINES, gt=0,
+        description="the most lines a manifest may have; more fail the start",
+    )
+    sample_while_listing: bool = Field(
+        default=True,
+        description="start sampling from the first keys of a large bucket while the rest is "
+                    "listed (false: wait for the whole listing; see the README on uniformity)",
+    )
     storage_options: dict[str, Any] = Field(default_factory=dict)
     timeout_s: Duration = 30.0
     connect_timeout_s: Duration = 5.0
@@ -277,7 +294,7 @@ class LoaderConfig(_Section):
         default=None, ge=0,
         description="DataLoader workers; null: epochs()' default (0 without a transform)",
     )
-    decode: str = "auto"
+    decode: Literal["auto", "raw"] = "auto"
     allow_pickle: bool = False
     max_sample_bytes: Annotated[int, BeforeValidator(_size), Field(gt=0)] = Field(
         default=DEFAULT_MAX_SAMPLE_BYTES,

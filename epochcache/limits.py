@@ -6,6 +6,8 @@
   listed; decompression (gzip) stops there on ingest and in the loader;
 * :func:`gunzip` decompresses gzip in a stream and gives up as soon as the output passes the
   bound, so a 4 MiB bomb that would expand to 4 GiB costs at most the bound;
+* manifests are read to at most :data:`DEFAULT_MANIFEST_MAX_BYTES` and
+  :data:`DEFAULT_MANIFEST_MAX_LINES` lines (``source.manifest_max_bytes``/``_lines``);
 * :data:`NPY_MAX_HEADER_BYTES` caps a ``.npy`` header before it is parsed, as numpy does.
 
 A base module: no layer, no fsspec, no torch. Callers turn the ``ValueError`` it raises into
@@ -19,6 +21,10 @@ import zlib
 from .units import format_size
 
 DEFAULT_MAX_SAMPLE_BYTES = 256 * 1024 * 1024
+#: The largest manifest read (``source.manifest_max_bytes``), compressed or not...
+DEFAULT_MANIFEST_MAX_BYTES = 4 * 1024**3
+#: ... and the most lines parsed from it (``source.manifest_max_lines``).
+DEFAULT_MANIFEST_MAX_LINES = 100_000_000
 #: numpy refuses ``.npy`` headers longer than this unless the file is fully trusted.
 NPY_MAX_HEADER_BYTES = 10_000
 

@@ -212,6 +212,21 @@ def fetch_batch(fs: Any, concurrency: int, paths: list[str]) -> list[bytes]:
     return list(sync(fs.loop, _fetch_all, fs, paths, concurrency, bytes))
 
 
+def fill_time(count: int, tenth: int, tenth_at: tuple[float, float],
+              done_at: tuple[float, float], started_at: tuple[float, float]
+              ) -> tuple[float, float, bool]:
+    """Seconds and CPU seconds of a fill of ``count`` samples at its running rate: from the
+    poll that saw ``tenth`` samples (its time and CPU) to the one that saw all, scaled to
+    ``count``. When one poll saw both (the fill ended between two polls: too short to time
+    a running rate), the whole fill from ``started_at`` instead, and True."""
+    (tenth_time, tenth_cpu), (done_time, done_cpu) = tenth_at, done_at
+    if done_time > tenth_time and count > tenth:
+        scale = count / (count - tenth)
+        return (done_time - tenth_time) * scale, (done_cpu - tenth_cpu) * scale, False
+    start_time, start_cpu = started_at
+    return max(done_time - start_time, 1e-6), done_cpu - start_cpu, True
+
+
 def daemon_fill(source: dict[str, Any], count: int, workdir: Path, *, processes: int,
                 concurrency: int, batch_size: int, sync: bool, capacity: int,
                 timeout_s: float = 300, server_pid: int | None = None,
@@ -247,6 +262,7 @@ def daemon_fill(source: dict[str, Any], count: int, workdir: Path, *, processes:
     config_path.write_text(yaml.safe_dump(config))
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     log = open(workdir / "daemon.log", "wb")  # noqa: SIM115 - closed below
+    started_at, started_cpu = time.time(), cpu_seconds(server)
     proc = subprocess.Popen([sys.executable, "-m", "epochcache", "daemon", str(config_path)],
                             stdout=log, stderr=subprocess.STDOUT, env=env,
                             start_new_session=True)
@@ -289,11 +305,14 @@ def daemon_fill(source: dict[str, Any], count: int, workdir: Path, *, processes:
         with Cache(cache_dir, readonly=True) as cache:
             healths = cache.tables.states("sampler/")
         assert tenth_at is not None
+        seconds, cpu, whole = fill_time(count, tenth, (tenth_at, tenth_cpu),
+                                        (done_at, done_cpu), (started_at, started_cpu))
         return {
             # the rate once running: the samples after the first tenth over their time, as
             # seconds for all of them (start-up, listing and connecting are not ingest)
-            "seconds": (done_at - tenth_at) * count / max(1, count - tenth),
-            "cpu_seconds": (done_cpu - tenth_cpu) * count / max(1, count - tenth),
+            "seconds": seconds,
+            "cpu_seconds": cpu,
+            "whole_fill": whole,  # the fill ended between two polls: timed from the start
             "from_start_seconds": done_at - min(h["started"] for h in healths.values()),
             "fetched": sum(h["fetched"] for h in healths.values()),
             "errors": sum(h["errors"] for h in healths.values()),

@@ -52,6 +52,14 @@ def test_merge_appends_new_keys_as_a_block_and_marks_the_gone(tmp_path: Path) ->
     again, added = merge_listing(merged, _refs("a", "b", "c", "d", "e"))
     assert added == 0 and again.blocks == [3, 5] and again.gone == set()
 
+    # a manifest read again: weights and checksums of listed keys are the fresh ones
+    manifest = Listing([SampleRef("a", 1, 2.0, "crc32:00000001"), SampleRef("b", 1)])
+    remerged, added = merge_listing(manifest, [SampleRef("b", 5, 3.0, "crc32:00000002"),
+                                               SampleRef("c", 7)])
+    assert added == 1 and remerged.gone == {0}
+    assert remerged.refs == [SampleRef("a", 1, 2.0, "crc32:00000001"),
+                             SampleRef("b", 5, 3.0, "crc32:00000002"), SampleRef("c", 7)]
+
     save_listing(tmp_path, "fp", merged.refs, blocks=merged.blocks, gone=merged.gone)
     loaded = read_listing(tmp_path, "fp")
     assert loaded is not None

@@ -293,3 +293,71 @@ def test_batches_queued_behind_a_slow_commit_are_committed_in_one_transaction(
     assert store.store.env.info()["last_txnid"] - before <= 3
     assert committer.grouped == 2  # batches 2-4 rode in one transaction after the first
     store.close()
+
+
+def test_warnings_of_samples_larger_than_the_headroom_are_few_and_their_keys_bounded(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A source of large samples and a small headroom (issue 22, item 5): one warning per key
+    and a set of every key warned about would grow with the source."""
+    import logging
+
+    from epochcache.ingest import committer as committer_module
+    from epochcache.ingest.committer import Batch, Committer
+    from epochcache.ingest.sampler import SamplerHealth
+    from epochcache.store import SampleStore
+
+    caplog.set_level(logging.WARNING, logger="epochcache")
+    cache = SampleStore(tmp_path / "c", capacity=40_000, headroom=1000, sync=False)
+    for i in range(20):
+        cache.put(f"old-{i}", random.Random(i).randbytes(2000))
+    snapshot = cache.snapshot(epoch=0)  # an epoch trains on all of it: nothing may go
+    health = SamplerHealth(index=0)
+    stop = threading.Event()
+    committer = Committer(cache, health, stop=stop, should_stop=stop.is_set,
+                          quarantine=lambda key, why: None, done=lambda batch: None)
+    committer.start()
+    big = random.Random(7).randbytes(3000)  # > headroom
+    records = [(f"big-{i:05d}", cache.encode(f"big-{i:05d}", big)) for i in range(3000)]
+    committer.hand_over(Batch(records, {}, [key for key, _ in records], 0))
+    wait_for_deferred = time.monotonic() + 60
+    while health.deferred < 3000 and time.monotonic() < wait_for_deferred:
+        time.sleep(0.05)
+    committer.finish()
+    snapshot.release()
+    cache.close()
+    assert health.deferred == 3000
+    warnings = [r for r in caplog.records if "more than the cache's headroom" in r.getMessage()]
+    assert 1 <= len(warnings) <= 2, len(warnings)
+    assert len(committer._deferred_logged) <= committer_module.DEFERRED_KEYS
+
+
+def test_a_cache_pointed_at_another_source_starts_it_at_its_own_start(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A sampler's saved position is an offset in one listing's key order (issue 22, item 7):
+    applied to another source's keys it skipped their start."""
+    import logging
+
+    from epochcache.ingest.keyorder import Position
+
+    fs = fsspec.filesystem("memory")
+    for name in ("first", "second"):
+        for i in range(200):
+            fs.pipe_file(f"/{name}/obj-{i:03d}.bin", random.Random(i).randbytes(100))
+    config = _config(tmp_path, "first", batch_size=16)
+    stop = threading.Event()
+    _run_until_cached(Sampler(config, 0, stop), stop, 100)
+    with Cache(config.cache.dir, readonly=True) as cache:
+        saved = cache.tables.get_state("sampler/0")["position"]
+    assert saved["pass_index"] > 0 or saved["offset"] > 0  # where this source goes on
+
+    moved = config.model_copy(deep=True)
+    moved.source.url = "memory://second"  # type: ignore[union-attr]
+    caplog.set_level(logging.INFO, logger="epochcache")
+    second = Sampler(moved, 0, threading.Event())
+    try:
+        assert second.feeds[0].order.position == Position(0, 0)
+    finally:
+        second.close()
+    assert "belongs to another listing" in caplog.text

@@ -87,3 +87,144 @@ def test_loader_max_sample_bytes_bounds_ingest_too(tmp_path: Path) -> None:
     assert max_sample_bytes(small) == 512 * 1024  # nothing larger than the cache gets in
     with pytest.raises(ConfigError, match="loader.max_sample_bytes"):
         parse_config({**data, "loader": {"max_sample_bytes": 0}})
+
+
+# -- one step sideways (issue 22, item 5) ---------------------------------------------------
+
+
+def _tar(members: list[tuple[str, bytes]]) -> bytes:
+    import tarfile
+
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as archive:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            archive.addfile(info, io.BytesIO(data))
+    return buffer.getvalue()
+
+
+def test_a_tar_field_name_longer_than_a_record_holds_is_quarantined_and_the_rest_committed(
+    tmp_path: Path, start_daemon: Any
+) -> None:
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    long_field = "f" * 70_000  # a record stores field names in 16 bits
+    members = [(f"{i:03d}.npy", _npy(float(i), (4,))) for i in range(3)]
+    members.insert(2, ("bad." + long_field, b"x"))
+    (remote / "shard-0.tar").write_bytes(_tar(members))
+    (remote / "shard-1.tar").write_bytes(_tar([(f"{i:03d}.npy", _npy(float(i), (4,)))
+                                               for i in range(10, 13)]))
+    cache_dir = tmp_path / "cache"
+    config = write_config(tmp_path / "cfg.yaml", url=remote.as_uri(), cache_dir=cache_dir,
+                          storage_options={}, layout="tar", sampler={"processes": 1})
+    daemon = start_daemon(config)
+    wait_running(daemon, cache_dir)
+    wait_cached(daemon, cache_dir, 6, timeout_s=30)
+
+    def quarantined() -> list[dict[str, Any]] | None:
+        with Cache(cache_dir, readonly=True) as cache:
+            return cache.quarantined() or None
+
+    rows = wait_for(quarantined, 30, "the sample with the long field name quarantined")
+    assert daemon.alive, daemon.logs()
+    assert daemon.terminate() == 0, daemon.logs()
+    assert [row["key"] for row in rows] == ["shard-0.tar/bad"]
+    assert "field name of 70,000 bytes" in rows[0]["reason"]
+    assert len(rows[0]["reason"]) < 1000  # the name is cut in messages
+    state = full_check(str(cache_dir))
+    good = [f"shard-0.tar/{i:03d}" for i in range(3)]
+    good += [f"shard-1.tar/{i:03d}" for i in range(10, 13)]
+    assert sorted(state.keys) == sorted(good)
+
+
+def _zeros_npz(mib: int) -> bytes:
+    buffer = io.BytesIO()
+    np.savez_compressed(buffer, a=np.zeros(mib * 1024**2, dtype=np.uint8))
+    return buffer.getvalue()
+
+
+def test_zip_and_npz_checks_inflate_no_more_than_a_sample_may_be(tmp_path: Path) -> None:
+    import zipfile
+
+    import pytest
+
+    from epochcache.errors import CorruptSample
+    from epochcache.ingest.sources import SourceSpec, open_source
+    from epochcache.ingest.sources.check import check_format
+
+    (tmp_path / "bomb.npz").write_bytes(_zeros_npz(8))  # ~8 KiB that inflate to 8 MiB
+    (tmp_path / "fine.npz").write_bytes(_zeros_npz(0))
+    source = open_source(SourceSpec(url=tmp_path.as_uri(), pattern="*.npz",
+                                    max_sample_bytes=1024**2))
+    results = {ref.key: payload for ref, payload in source.fetch_many(source.list_keys())}
+    assert isinstance(results["bomb.npz"], CorruptSample)
+    assert "loader.max_sample_bytes" in str(results["bomb.npz"])
+    assert isinstance(results["fine.npz"], bytes)
+
+    # bzip2 members too; and a member whose header understates its size stops at that size.
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_BZIP2) as archive:
+        archive.writestr("m.bin", bytes(8 * 1024**2))
+    data = buffer.getvalue()
+    with pytest.raises(CorruptSample, match="loader.max_sample_bytes"):
+        check_format("z.zip", "z.zip", data, max_bytes=1024**2)
+    check_format("z.zip", "z.zip", data, max_bytes=16 * 1024**2)  # within the bound: valid
+    lying = bytearray(data)
+    for signature, at in ((b"PK\x03\x04", 22), (b"PK\x01\x02", 24)):  # uncompressed size
+        start = lying.find(signature)
+        lying[start + at : start + at + 4] = (1024).to_bytes(4, "little")
+    with pytest.raises(CorruptSample, match="inflates past its stated 1.0 KiB"):
+        check_format("z.zip", "z.zip", bytes(lying), max_bytes=16 * 1024**2)
+
+
+def test_manifests_are_bounded_in_bytes_and_lines(tmp_path: Path) -> None:
+    import gzip
+
+    import pytest
+
+    from epochcache.errors import SourceUnavailable
+    from epochcache.ingest.sources import SourceSpec, open_source
+
+    (tmp_path / "keys.txt").write_text("".join(f"k{i}.npy\n" for i in range(1000)))
+    (tmp_path / "keys.txt.gz").write_bytes(gzip.compress(b"k0.npy\n" + b"\n" * 4_000_000))
+
+    def listed(manifest: str, **bounds: int) -> int:
+        spec = SourceSpec(url=tmp_path.as_uri(), manifest=manifest,
+                          **bounds)  # type: ignore[arg-type]
+        return len(open_source(spec).list_keys())
+
+    assert listed("keys.txt") == 1000
+    with pytest.raises(SourceUnavailable, match=r"larger than 1.0 KiB \(source.manifest_max_bytes"):
+        listed("keys.txt", manifest_max_bytes=1024)
+    with pytest.raises(SourceUnavailable, match=r"1,000 lines, more than the 999 allowed "
+                                                r"\(source.manifest_max_lines"):
+        listed("keys.txt", manifest_max_lines=999)
+    # gzip is bounded by what it expands to, not by its compressed size
+    with pytest.raises(SourceUnavailable, match="source.manifest_max_bytes"):
+        listed("keys.txt.gz", manifest_max_bytes=1024**2)
+
+
+def test_every_enum_like_config_key_is_checked_when_the_config_is_read(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    import pytest
+    import yaml
+
+    from epochcache.config import parse_config
+    from epochcache.errors import ConfigError
+
+    data: dict[str, Any] = {
+        "source": {"url": tmp_path.as_uri()},
+        "cache": {"dir": str(tmp_path / "cache"), "capacity": "64MiB"},
+        "loader": {"decode": "rwa"},
+    }
+    with pytest.raises(ConfigError,
+                       match=r"loader.decode: Input should be 'auto' or 'raw', got 'rwa'"):
+        parse_config(data)
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(data))
+    result = subprocess.run([sys.executable, "-m", "epochcache", "config", str(path)],
+                            capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 2 and "loader.decode" in result.stderr, result

@@ -46,6 +46,10 @@ _POLL_S = 0.25
 QUEUED_BATCHES = 8
 #: ... and the most bytes of them committed in one transaction (one fsync with cache.sync).
 GROUP_BYTES = 64 * 1024 * 1024
+#: At most one warning of a sample larger than the headroom per this many seconds...
+DEFERRED_LOG_S = 60.0
+#: ... and the keys already named in one are remembered up to this many (the oldest go).
+DEFERRED_KEYS = 1024
 
 
 def state_name(index: int) -> str:
@@ -109,7 +113,9 @@ class Committer(threading.Thread):
         self.grouped = 0
         self.error: BaseException | None = None
         self._rejected: set[str] = set()
-        self._deferred_logged: set[str] = set()
+        self._deferred_logged: dict[str, None] = {}  # insertion-ordered: a bounded set
+        self._deferred_log_at = 0.0  # monotonic time of the last deferral warning
+        self._deferred_since = 0  # samples deferred since that warning
         # Lease waits of earlier processes (the health document's) plus this one's writer's.
         self._lease_wait_base = float(getattr(health, "lease_wait_s", 0.0))
 
@@ -251,14 +257,28 @@ class Committer(threading.Thread):
                 keep.append((key, record))
                 continue
             self.health.deferred += 1
-            if key not in self._deferred_logged:
-                self._deferred_logged.add(key)
-                log.warning(
-                    "sampler %d: %r is %s, more than the cache's headroom (%s): it cannot be "
-                    "cached while epochs hold snapshots of the rest; skipped until a later pass "
-                    "(raise cache.headroom to cache samples this large during training)",
-                    self.health.index, key, format_size(len(record)), format_size(headroom))
+            self._warn_deferred(key, len(record), headroom)
         return keep
+
+    def _warn_deferred(self, key: str, size: int, headroom: int) -> None:
+        """Warn of a deferred sample: rate-limited, each key once while remembered."""
+        if key in self._deferred_logged:
+            return
+        now = time.monotonic()
+        if self._deferred_log_at and now - self._deferred_log_at < DEFERRED_LOG_S:
+            self._deferred_since += 1
+            return
+        more = (f"; {self._deferred_since} more such samples were skipped since the last "
+                "warning" if self._deferred_since else "")
+        log.warning(
+            "sampler %d: %r is %s, more than the cache's headroom (%s): it cannot be cached "
+            "while epochs hold snapshots of the rest; skipped until a later pass (raise "
+            "cache.headroom to cache samples this large during training)%s",
+            self.health.index, key, format_size(size), format_size(headroom), more)
+        self._deferred_log_at, self._deferred_since = now, 0
+        self._deferred_logged[key] = None
+        while len(self._deferred_logged) > DEFERRED_KEYS:
+            del self._deferred_logged[next(iter(self._deferred_logged))]
 
     def _on_reject(self, key: str, exc: SampleRejected) -> None:
         if key not in self._rejected:

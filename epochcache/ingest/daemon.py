@@ -336,6 +336,7 @@ class Daemon:
                 "failure": self.failure,
                 "source": redact_url(self.config.first_source.url),
                 "metrics": self.metrics.url if self.metrics is not None else None,
+                "listings": self.sources.progress(),
                 "sources": {
                     entry.name: {"url": redact_url(entry.config.url), "weight": entry.weight,
                                  "active": entry.name in active}

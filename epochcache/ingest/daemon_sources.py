@@ -6,7 +6,15 @@ fails the start, naming it (``epochcache daemon`` exits 2, nothing is started), 
 lists it again every :data:`RETRY_S` in a background thread. Once it answers, the daemon
 restarts its samplers in order so that they take it in (each commits what it fetched first).
 
-Each reachable source with ``listing_ttl_s`` gets a :class:`~.relist.Relister` of its own.
+A large bucket (no manifest, no shard pattern) is listed page by page (:mod:`.sources.paging`):
+the start waits for the first :data:`~.sources.paging.START_KEYS` keys only, unless
+``sample_while_listing`` is false or the strategy is ``weighted``; the rest is listed in a
+background thread, saved as it goes (the samplers follow the saved listing), and a page that
+fails after its retries is tried again :data:`RETRY_S` later, from where it stopped. A listing
+interrupted by a stop or a crash goes on from its last save at the next start.
+
+Each reachable source with ``listing_ttl_s`` gets a :class:`~.relist.Relister` of its own, once
+its listing is complete.
 """
 
 from __future__ import annotations
@@ -17,14 +25,27 @@ from dataclasses import dataclass
 
 from ..config import EpochcacheConfig, SourceEntry
 from ..errors import SourceError, SourceUnavailable
+from ..redact import redact_url
 from .from_config import open_configured_source
 from .relist import Relister
-from .sources import Source, listing_cached
+from .sources import (
+    Listing,
+    ListingJob,
+    Source,
+    listing_cached,
+    read_listing,
+    read_listing_header,
+    source_fingerprint,
+)
 
 log = logging.getLogger(__name__)
 
 #: Seconds between attempts to list an optional source that was unreachable.
 RETRY_S = 60.0
+
+
+#: How long a stop waits for a listing under way to save what it listed.
+STOP_JOIN_S = 10.0
 
 
 @dataclass
@@ -33,6 +54,7 @@ class _Listed:
     source: Source
     listed_at: float
     keys: int
+    job: ListingJob | None = None  # a listing still under way
 
 
 def _label(entry: SourceEntry) -> str:
@@ -57,6 +79,7 @@ class DaemonSources:
         self._stop = threading.Event()
         self._retrier: threading.Thread | None = None
         self._relisters: list[Relister] = []
+        self._listers: list[threading.Thread] = []
         #: Set when a missing source was listed: the samplers should be restarted.
         self.joined = threading.Event()
 
@@ -87,9 +110,64 @@ class DaemonSources:
 
     def _list(self, entry: SourceEntry) -> _Listed:
         source = open_configured_source(self.config, entry.config)
-        listing = listing_cached(source, self.cache_dir)
-        log.info("%s: %d %ss to sample from", _label(entry), len(listing.refs), source.unit)
-        return _Listed(entry, source, listing.created, len(listing.refs))
+        fingerprint = source_fingerprint(source.spec)
+        header = read_listing_header(self.cache_dir, fingerprint)
+        if header is not None and header.get("complete", True):  # no need to load its keys
+            log.info("%s: %d %ss to sample from (the saved listing)", _label(entry),
+                     int(header["count"]), source.unit)
+            return _Listed(entry, source, float(header.get("created", 0)), int(header["count"]))
+        saved = read_listing(self.cache_dir, fingerprint)
+        job = None
+        if saved is not None and saved.complete:  # saved by an earlier version
+            listing = saved
+        elif source.paged:
+            job = ListingJob(source, self.cache_dir, stop=self._stop)
+            wait = (not entry.config.sample_while_listing
+                    or self.config.sampler.strategy == "weighted")
+            listing = job.run(until_started=not wait)
+        else:
+            listing = listing_cached(source, self.cache_dir)
+        if listing.complete:
+            job = None
+            log.info("%s: %d %ss to sample from", _label(entry), len(listing), source.unit)
+        else:
+            log.info("%s: sampling starts from the first %d %ss listed while the listing goes "
+                     "on (source.sample_while_listing)", _label(entry), len(listing), source.unit)
+        return _Listed(entry, source, listing.created, len(listing), job)
+
+    def _finish_listing(self, item: _Listed) -> None:
+        """Run in a thread: list the rest of a large bucket, from where it stopped after a
+        failed page, then start its re-lister."""
+        job = item.job
+        assert job is not None
+        listing: Listing | None = None
+        while not self._stop.is_set():
+            try:
+                listing = job.run()
+                break
+            except SourceError as exc:
+                log.warning("%s: %s; the samplers go on with the %d keys listed, the listing "
+                            "goes on from there in %.0fs", _label(item.entry), exc,
+                            len(job.builder), self.retry_s)
+                self._stop.wait(self.retry_s)
+        if listing is None or not listing.complete:
+            return  # stopped: the listing so far is saved, the next start goes on with it
+        item.job, item.keys, item.listed_at = None, len(listing), listing.created
+        if not self._stop.is_set():
+            self._start_relister(item)
+
+    def progress(self) -> dict[str, dict[str, object]]:
+        """Each listed source's keys so far and whether its listing is complete (for the
+        daemon's state document: ``status --json`` shows a large bucket's listing grow)."""
+        with self._lock:
+            items = list(self.listed)
+        out: dict[str, dict[str, object]] = {}
+        for item in items:
+            job = item.job
+            keys = len(job.builder) if job is not None else item.keys
+            out[item.entry.name or redact_url(item.entry.config.url)] = {
+                "keys": keys, "complete": job is None}
+        return out
 
     @property
     def names(self) -> list[str]:
@@ -100,11 +178,21 @@ class DaemonSources:
     def start(self) -> None:
         """Start the re-listers, and the retries of missing optional sources."""
         for item in self.listed:
-            self._start_relister(item)
+            self._start_background(item)
         if self.missing:
             self._retrier = threading.Thread(target=self._retry, name="epochcache-retry-sources",
                                              daemon=True)
             self._retrier.start()
+
+    def _start_background(self, item: _Listed) -> None:
+        """The rest of a listing under way, else the re-lister (with ``listing_ttl_s``)."""
+        if item.job is None:
+            self._start_relister(item)
+            return
+        thread = threading.Thread(target=self._finish_listing, args=(item,),
+                                  name="epochcache-listing", daemon=True)
+        thread.start()
+        self._listers.append(thread)
 
     def _start_relister(self, item: _Listed) -> None:
         ttl = item.entry.config.listing_ttl_s
@@ -126,11 +214,14 @@ class DaemonSources:
                 with self._lock:
                     self.listed.append(item)
                     self.missing.remove(entry)
-                self._start_relister(item)
+                self._start_background(item)
                 self.joined.set()
 
     def stop(self) -> None:
-        """Stop the background threads (daemon threads: a listing under way is abandoned)."""
+        """Stop the background threads: a listing under way saves what it listed (waited for
+        up to :data:`STOP_JOIN_S`); a re-list under way is abandoned."""
         self._stop.set()
         for relister in self._relisters:
             relister.stop()
+        for thread in self._listers:
+            thread.join(STOP_JOIN_S)

@@ -7,12 +7,24 @@ samples taken so far lags its weight most, so that over many batches the samples
 each source are in proportion to the weights; each sampler process does the same, so the
 cache's intake is too.
 
+Weights count *samples*: a ``tar`` ref is a whole shard, so a shard taken counts as the
+samples it holds, estimated from the shards read so far (the mean) until its own count is
+known, then corrected. The mix holds over batches: at any time each source is at most about
+one batch (``sampler.batch_size`` samples, or up to 4 shards) ahead of or behind its share.
+
 A feed whose batch failed as a whole (the remote is down) *rests*: it is left out for a backoff
 of 1 s doubling to 60 s, then tried with one batch again, while the others take its share. A
-feed whose whole pass brought nothing new (everything cached, corrupt or failing) rests too,
-for :data:`IDLE_WAIT_S`. A resting feed keeps pace on paper (its count is moved up with the
-others'), so that when it is back it takes its share from then on instead of catching up in a
-burst that would starve the others.
+feed whose whole pass brought nothing new (everything cached, corrupt or failing) goes idle
+(:mod:`.idle`): it retries only the keys that failed, and scans again only when the cache lost
+samples or its listing changed. A resting feed keeps pace on paper (its count is moved up with
+the others'), so that when it is back it takes its share from then on instead of catching up in
+a burst that would starve the others.
+
+The listing is held as a :class:`~.sources.KeyTable` (no object per key). A listing still under
+way (a large bucket) is sampled as it grows; once it is complete it is saved as a new
+*generation*, and the key order starts afresh over all keys. Saved positions name their
+generation: one saved over another listing (another ``source.url``, a listing made afresh) is
+not applied, the source starts at the start of its own order, and the log says why.
 
 Cache keys: a single ``source:`` caches a sample under its source key, so existing caches
 stay valid; an entry of ``sources:`` under ``<name>/<source key>``.
@@ -32,15 +44,18 @@ from ..config import EpochcacheConfig, SourceEntry
 from ..errors import CorruptSample, PermanentRemoteError, RemoteTimeout, SourceUnavailable
 from ..store import SampleStore
 from .from_config import open_configured_source
+from .idle import IdleState
 from .inflight import SizeEstimate
 from .keyorder import KeyOrder, key_hashes
-from .relist import ListingFollower
-from .sources import Listing, SampleRef, listing_cached
+from .relist import ListingFollower, listing_mtime
+from .sources import KeyTable, Listing, SampleRef, listing_for_sampling
 
 log = logging.getLogger(__name__)
 
-#: Pause after a whole pass of a feed found every sample already cached (the source fits).
+#: The longest a sampler sleeps between looks at its feeds when all of them rest.
 IDLE_WAIT_S = 1.0
+#: Samples a shard counts for before any shard of its source was read.
+SHARD_SAMPLES_GUESS = 1.0
 #: A feed whose batches fail as a whole rests this long at first, doubling up to the maximum.
 DOWN_FIRST_S, DOWN_MAX_S = 1.0, 60.0
 
@@ -56,26 +71,27 @@ def error_kind(error: BaseException) -> str:
     return "other"
 
 
-def _samples_per_batch(configured: int, refs: list[SampleRef], unit: str, concurrency: int,
+def _samples_per_batch(configured: int, table: KeyTable, unit: str, concurrency: int,
                        batch_bytes: int) -> int:
     """Samples per fetch/commit round: ``sampler.batch_size``, fewer for large objects."""
     if unit != "sample":
         return max(1, min(4, concurrency))  # whole shards
-    sizes = [ref.size for ref in refs[:1000] if ref.size]
-    if not sizes:
+    sizes = table.known_sizes()
+    if not len(sizes):
         return configured
-    mean = sum(sizes) / len(sizes)
+    mean = float(sizes.mean())
     return max(1, min(configured, int(batch_bytes // max(1.0, mean))))
 
 
-def _key_order(config: EpochcacheConfig, refs: list[SampleRef], index: int,
+def _key_order(config: EpochcacheConfig, table: KeyTable, count: int, index: int,
                position: Any) -> KeyOrder:
+    """The key order over the first ``count`` keys of ``table`` (the base block)."""
     node_rank, num_nodes = config.sampler.node()
     weights = None
     if config.sampler.strategy == "weighted":
-        weights = [r.weight if r.weight is not None else 1.0 for r in refs]
+        weights = table.weights_or_ones()[:count]
     return KeyOrder(
-        len(refs),
+        count,
         seed=config.sampler.seed,
         node_rank=node_rank,
         num_nodes=num_nodes,
@@ -97,89 +113,206 @@ class Feed:
         position: where this process's key order of this source stopped (None: the start).
         batch_bytes: the bytes a batch aims for.
         fetch_concurrency: requests in flight per batch.
+        cache: the sampler's store (the idle feed reads its removal counter).
     """
 
     def __init__(self, entry: SourceEntry, config: EpochcacheConfig, index: int, position: Any,
-                 batch_bytes: int, fetch_concurrency: int) -> None:
+                 batch_bytes: int, fetch_concurrency: int,
+                 cache: SampleStore | None = None) -> None:
         self.name, self.prefix, self.weight = entry.name, entry.key_prefix, entry.weight
+        self._config, self._index = config, index
         cache_dir = str(config.cache.dir)
         self.source = open_configured_source(config, entry.config)
-        listing = listing_cached(self.source, cache_dir)
-        self.refs = listing.refs
-        # The original listing is the key order's base; blocks a re-list added join it by key
-        # hash. Weighted sampling draws from the whole listing (no re-listing: see config).
-        weighted = config.sampler.strategy == "weighted"
-        self.blocks = list(listing.blocks) if weighted else [listing.blocks[0]]
-        self.gone = listing.gone  # keys a re-list no longer found: skipped
-        self.order = _key_order(config, self.refs[: self.blocks[-1]], index, position)
-        self.add_blocks(listing)  # keys added by earlier re-lists, before the saved position
-        self.follower = (ListingFollower(self.source, cache_dir)
-                         if entry.config.listing_ttl_s else None)
-        self.per_batch = _samples_per_batch(config.sampler.batch_size, self.refs,
+        mtime = listing_mtime(self.source, cache_dir)  # before reading: a save after is seen
+        listing = listing_for_sampling(self.source, cache_dir)
+        self._take_listing(listing, self._own_position(position, listing))
+        self.follower = (ListingFollower(self.source, cache_dir, mtime)
+                         if entry.config.listing_ttl_s or not listing.complete else None)
+        self._follow_always = bool(entry.config.listing_ttl_s)
+        self.per_batch = _samples_per_batch(config.sampler.batch_size, self.table,
                                             self.source.unit, config.sampler.concurrency,
                                             batch_bytes)
-        self.sizes = SizeEstimate(self.refs, batch_bytes)
+        self.sizes = SizeEstimate(self.table.known_sizes(), batch_bytes)
         self.source.concurrency = fetch_concurrency
         self.deadline_s = entry.config.timeout_s * 4
         # Refs taken from the key order but not fetched yet (a batch is cut to batch_bytes),
-        # and the position before they were taken (saved until they are all fetched).
-        self.carry: collections.deque[SampleRef] = collections.deque()
-        self.carry_position: dict[str, int] = self.order.state()
+        # with their listing indices, and the position before they were taken (saved until
+        # they are all fetched).
+        self.carry: collections.deque[tuple[int, SampleRef]] = collections.deque()
+        self.carry_position: dict[str, Any] = self.position()
         self.fruitless = 0  # offsets taken since the last batch that brought anything new
         self.fetch_started: collections.deque[float] = collections.deque()  # batches in fetch
         # A batch still fetching after this long (a remote that stopped answering) stalls the
         # feed: the mixer goes on with the others instead of waiting for it.
         self.stall_s = entry.config.timeout_s
         self.taken = 0.0  # samples taken for fetching (the mixer's measure)
-        self.rest_until = 0.0
+        self.shards_read = 0  # tar: shards read and the samples they held, for the estimate
+        self.shard_samples = 0
         self.failures = 0  # batches in a row that failed as a whole
+        store = cache
+
+        def removed() -> int:
+            if store is None:
+                return 0
+            counters = store.counters()
+            return counters.inserted - counters.samples
+
+        self.idle = IdleState(removed)
+
+    # -- the listing ------------------------------------------------------------------------
+
+    def _take_listing(self, listing: Listing, position: Any) -> None:
+        """Sample ``listing`` from ``position`` (None: the start of its key order)."""
+        self.table, self.gone = listing.table, listing.gone  # gone: skipped
+        self.generation, self.complete = listing.generation, listing.complete
+        # The original listing is the key order's base; blocks a re-list added join it by key
+        # hash. Weighted sampling draws from the whole listing (no re-listing: see config).
+        weighted = self._config.sampler.strategy == "weighted"
+        self.blocks = list(listing.blocks) if weighted else [listing.blocks[0]]
+        self.order = _key_order(self._config, self.table, self.blocks[-1], self._index, position)
+        self.add_blocks(listing)  # keys added by earlier re-lists, before the saved position
+
+    def _own_position(self, position: Any, listing: Listing) -> Any:
+        """``position`` if it was saved in this listing's generation (or before generations
+        were saved), else None: a position is an offset in one listing's key order."""
+        if not isinstance(position, dict) or not position:
+            return None
+        saved = position.get("listing")
+        if saved is not None and saved != listing.generation:
+            log.info("%s: the saved sampling position belongs to another listing (%s; this one "
+                     "is %s: source.url or the listing changed), so this source starts at the "
+                     "start of its own key order", self.source.url, saved,
+                     listing.generation or "unnamed")
+            return None
+        return position
+
+    def position(self) -> dict[str, Any]:
+        """Where the key order stands, naming the listing generation it belongs to."""
+        state: dict[str, Any] = dict(self.order.state())
+        if self.generation:
+            state["listing"] = self.generation
+        return state
 
     def cache_key(self, key: str) -> str:
         """The key a sample of this source is cached under."""
         return self.prefix + key
 
-    def cached(self, cache: SampleStore, refs: list[SampleRef]) -> list[bool]:
-        """Whether each ref is cached (a shard: whether any of its samples is); the samples
-        of a batch in one read transaction."""
+    def cached(self, cache: SampleStore, keys: list[str]) -> list[bool]:
+        """Whether each source key is cached (a shard: whether any of its samples is); the
+        samples of a batch in one read transaction."""
         if self.source.unit == "sample":
-            return cache.contains_many([self.cache_key(ref.key) for ref in refs])
-        return [cache.has_key_prefix(self.cache_key(ref.key.rstrip("/") + "/")) for ref in refs]
+            return cache.contains_many([self.cache_key(key) for key in keys])
+        return [cache.has_key_prefix(self.cache_key(key.rstrip("/") + "/")) for key in keys]
 
     # -- choosing keys ----------------------------------------------------------------------
 
-    def pick(self, cache: SampleStore, batch_bytes: int,
-             skip: Callable[[str], bool]) -> tuple[list[SampleRef], dict[str, int]]:
-        """The next refs in key order that are neither cached nor ``skip``-ped (by cache
-        key), cut to ``batch_bytes``, and the key order position to save once committed."""
+    def pick(self, cache: SampleStore, batch_bytes: int, skip: Callable[[str], bool]
+             ) -> tuple[list[SampleRef], list[int], dict[str, Any]]:
+        """The next refs in key order (or, retrying, the keys that failed) that are neither
+        cached nor ``skip``-ped (by cache key), cut to ``batch_bytes``; their listing indices;
+        and the key order position to save once committed."""
         if not self.carry:
-            self.carry_position = self.order.state()
-            taken = [self.refs[i] for i in map(int, self.order.take(self.per_batch))
-                     if i not in self.gone]
-            self.fruitless += self.per_batch
-            unique = {ref.key: ref for ref in taken}  # a small dataset can wrap within one batch
-            wanted = [ref for ref in unique.values() if not skip(self.cache_key(ref.key))]
-            # the whole dataset may fit: skip what is cached
-            self.carry.extend(ref for ref, cached in zip(wanted, self.cached(cache, wanted))
-                              if not cached)
+            self.carry_position = self.position()
+            if self.idle.mode == "retry":
+                indices = self.idle.take_retries(self.per_batch)
+            else:
+                indices = [i for i in map(int, self.order.take(self.per_batch))
+                           if i not in self.gone]
+                self.fruitless += self.per_batch
+            unique = list(dict.fromkeys(indices))  # a small dataset can wrap within a batch
+            keys = self.table.keys_at(unique)
+            wanted = [(i, key) for i, key in zip(unique, keys) if not skip(self.cache_key(key))]
+            cached = self.cached(cache, [key for _, key in wanted])
+            # the whole dataset may fit: skip what is cached (a ref is made only for the rest:
+            # at a million keys, refs of cached keys were 40% of a pass)
+            self.carry.extend((i, self.table.ref(i)) for (i, _), hit in zip(wanted, cached)
+                              if not hit)
         batch: list[SampleRef] = []
+        indices = []
         total = 0
         while self.carry:
-            size = self.sizes.of(self.carry[0])
+            size = self.sizes.of(self.carry[0][1])
             if batch and total + size > batch_bytes:
                 break
-            batch.append(self.carry.popleft())
+            i, ref = self.carry.popleft()
+            batch.append(ref)
+            indices.append(i)
             total += size
-        self.taken += len(batch)
+        self.taken += len(batch) * self.samples_per_ref
         # Until the rest of what was taken is fetched, a restart must take it again (what is
         # committed by then is skipped as cached): save the position from before the take.
-        position = self.carry_position if self.carry else self.order.state()
-        return batch, position
+        position = self.carry_position if self.carry else self.position()
+        return batch, indices, position
+
+    @property
+    def samples_per_ref(self) -> float:
+        """What one ref counts for in the mix: 1, or a shard's estimated samples."""
+        if self.source.unit == "sample":
+            return 1.0
+        if not self.shards_read:
+            return SHARD_SAMPLES_GUESS
+        return self.shard_samples / self.shards_read
+
+    def samples_read(self, refs: int, estimated: float, results: Sequence[tuple[SampleRef, Any]]
+                     ) -> None:
+        """Correct the mix's count once a batch of ``refs`` shards, counted as ``estimated``
+        samples, is read: each shard counts for the samples it held."""
+        if self.source.unit == "sample":
+            return
+        whole = [ref for ref, payload in results if ref.shard is None]  # a shard that failed
+        samples = len(results) - len(whole)
+        read = refs - len(whole)
+        if read > 0:
+            self.shards_read += read
+            self.shard_samples += samples
+        self.taken += samples + len(whole) * self.samples_per_ref - estimated
 
     @property
     def exhausted(self) -> bool:
-        """A whole pass brought nothing new, and nothing of it is on its way."""
+        """A whole pass (or round of retries) brought nothing new, and nothing of it is on its
+        way."""
+        if self.carry or self.fetch_started:
+            return False
+        if self.idle.mode == "retry":
+            return not self.idle.queue
         pass_keys = self.order.pass_length + self.order.num_added
-        return self.fruitless >= pass_keys and not self.carry and not self.fetch_started
+        return self.fruitless >= pass_keys
+
+    def tend(self, now: float) -> bool:
+        """Move the feed between scanning, retrying and idle (see :mod:`.idle`); True when it
+        just came to rest with nothing new to fetch."""
+        idle = self.idle
+        if idle.mode == "idle":
+            if idle.changed(now):
+                self.wake()
+            return False
+        if idle.mode == "retry" and idle.until <= now and idle.full_pass:
+            self.wake()  # too many failed to remember: the whole pass again
+            return False
+        if self.exhausted and idle.until <= now:
+            idle.round_over(now)
+            self.fruitless = 0
+            return True
+        return False
+
+    def wake(self) -> None:
+        """Scan all keys again (something may be fetchable now)."""
+        self.idle.wake()
+        self.fruitless = 0
+
+    def brought_new(self) -> None:
+        """A batch of this feed brought new samples: the pass goes on."""
+        self.fruitless = 0
+        self.idle.brought()
+
+    @property
+    def resting(self) -> bool:
+        """Idle, or waiting to retry what failed (see :mod:`.idle`)."""
+        return self.idle.mode != "scan"
+
+    @property
+    def rest_until(self) -> float:
+        return self.idle.until
 
     @property
     def in_fetch(self) -> int:
@@ -194,12 +327,14 @@ class Feed:
         may take a batch from it."""
         if self.down and self.fetch_started:
             return False  # one batch at a time tells whether a source is back
-        return self.rest_until <= now and not self.stalled(now)
+        if self.idle.mode == "idle" or (self.idle.mode == "retry" and not self.idle.queue):
+            return False
+        return self.idle.until <= now and not self.stalled(now)
 
     # -- resting ----------------------------------------------------------------------------
 
     def rest(self, seconds: float, now: float | None = None) -> None:
-        self.rest_until = (time.monotonic() if now is None else now) + seconds
+        self.idle.until = (time.monotonic() if now is None else now) + seconds
 
     def batch_done(self, results: Sequence[tuple[SampleRef, Any]], brought: int) -> None:
         """Judge a fetched batch: one that failed as a whole (nothing fetched, nothing
@@ -225,26 +360,41 @@ class Feed:
 
     # -- growing listings -------------------------------------------------------------------
 
-    def follow_listing(self) -> None:
-        """Take the keys of a listing the daemon re-listed into the key order (this pass)."""
+    def follow_listing(self) -> bool:
+        """Take the keys of a listing the daemon saved since (a re-list, or a listing under
+        way) into the key order; True when anything changed."""
         listing = self.follower.poll() if self.follower is not None else None
-        if listing is None:
-            return
-        if listing.blocks[: len(self.blocks)] != self.blocks:
-            log.warning("the saved listing of %s was rebuilt rather than grown; this sampler "
-                        "goes on with its %d keys until it is restarted", self.source.url,
-                        len(self.refs))
-            return
-        before = self.order.num_added
-        self.refs, self.gone = listing.refs, listing.gone
-        self.add_blocks(listing)
-        log.info("the listing grew to %d keys (%d gone); %d more for this sampler (%s)",
-                 len(self.refs), len(self.gone), self.order.num_added - before, self.source.url)
+        if listing is None or (listing.generation == self.generation
+                               and listing.blocks == self.blocks
+                               and listing.complete == self.complete
+                               and listing.gone == self.gone):
+            return False  # nothing new (saved again as it was)
+        weighted = self._config.sampler.strategy == "weighted"
+        if (listing.generation != self.generation or weighted
+                or listing.blocks[: len(self.blocks)] != self.blocks):
+            # A new listing (the one under way is complete, or it was made afresh): its key
+            # order starts at its start.
+            log.info("%s: a new listing of %d keys (%s); sampling it from the start of its key "
+                     "order", self.source.url, len(listing.table),
+                     "complete" if listing.complete else "still being listed")
+            self.carry.clear()  # refs of the old listing's order: the new order has them
+            self._take_listing(listing, None)
+        else:
+            before = self.order.num_added
+            self.table, self.gone, self.complete = listing.table, listing.gone, listing.complete
+            self.add_blocks(listing)
+            log.info("the listing grew to %d keys (%d gone); %d more for this sampler (%s)",
+                     len(self.table), len(self.gone), self.order.num_added - before,
+                     self.source.url)
+        if self.complete and not self._follow_always:
+            self.follower = None  # the listing is done: nothing more to follow
+        self.wake()
+        return True
 
     def add_blocks(self, listing: Listing) -> None:
         for b in range(len(self.blocks), len(listing.blocks)):
             lo, hi = listing.blocks[b - 1], listing.blocks[b]
-            keys = [ref.key for ref in listing.refs[lo:hi]]
+            keys = listing.table.keys(lo, hi)
             self.order.add_block(np.arange(lo, hi), key_hashes(keys))
             self.blocks.append(hi)
 

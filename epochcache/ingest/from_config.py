@@ -27,6 +27,8 @@ def source_spec(config: SourceConfig) -> SourceSpec:
         list_deadline_s=config.list_deadline_s,
         retries=config.retries,
         checks=tuple(config.checks),
+        manifest_max_bytes=config.manifest_max_bytes,
+        manifest_max_lines=config.manifest_max_lines,
     )
 
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 from .sources import SampleRef
 
 
@@ -67,12 +69,12 @@ class SizeEstimate:
     that the first batches of objects of unknown size are fetched one at a time.
 
     Args:
-        refs: the listing (the mean of its known sizes seeds the estimate).
+        sizes: listed sizes (of the listing's first keys: their mean seeds the estimate).
         unknown_bytes: what a ref of unknown size counts for before any size is known.
     """
 
-    def __init__(self, refs: Sequence[SampleRef], unknown_bytes: int) -> None:
-        sizes = [ref.size for ref in refs[:1000] if ref.size]
+    def __init__(self, sizes: Sequence[int] | np.ndarray, unknown_bytes: int) -> None:
+        sizes = [int(size) for size in sizes if size and size > 0]
         self.total = float(sum(sizes))
         self.count = len(sizes)
         self.unknown_bytes = unknown_bytes

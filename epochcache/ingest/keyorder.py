@@ -96,7 +96,10 @@ def key_hashes(keys: Iterable[str]) -> np.ndarray:
 def node_partition_pass0(node_keys: np.ndarray, seed: int, node_rank: int) -> np.ndarray:
     """The fetch order of pass 0 (uniform strategy): the one that fixes each process's share."""
     rng = np.random.default_rng([_PASS_TAG, seed, 0, node_rank])
-    return node_keys[rng.permutation(len(node_keys))]
+    # permutation(array) makes the same swaps as permutation(len): the same order, without an
+    # int64 index array of 8 bytes a key
+    shuffled: np.ndarray = rng.permutation(node_keys)
+    return shuffled
 
 
 class KeyOrder:
@@ -197,7 +200,7 @@ class KeyOrder:
             return self._cached_order
         rng = np.random.default_rng([_PASS_TAG, self.seed, pass_index, self.node_rank])
         if self._probabilities is None:
-            order = self.node_keys[rng.permutation(len(self.node_keys))]
+            order = rng.permutation(self.node_keys)  # == node_keys[permutation(len)], in place
             if pass_index > 0 and self.num_processes > 1:
                 # Each process keeps the keys it had in pass 0 (in a fresh order every pass).
                 # Were the split redrawn per pass, a process entering pass k+1 while another is
@@ -205,8 +208,7 @@ class KeyOrder:
                 first = node_partition_pass0(self.node_keys, self.seed, self.node_rank)
                 step = self.num_processes
                 for p in range(step):
-                    share = first[p::step]
-                    order[p::step] = share[rng.permutation(len(share))]
+                    order[p::step] = rng.permutation(first[p::step])
         else:
             picks = rng.choice(len(self.node_keys), size=len(self.node_keys), p=self._probabilities)
             order = self.node_keys[picks]

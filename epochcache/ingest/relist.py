@@ -63,19 +63,29 @@ class Relister(threading.Thread):
         self._stop.set()
 
 
+def listing_mtime(source: Source, cache_dir: str) -> int | None:
+    """The modification time (ns) of ``source``'s saved listing, None if there is none."""
+    try:
+        return os.stat(listing_path(cache_dir, source_fingerprint(source.spec))).st_mtime_ns
+    except OSError:
+        return None
+
+
 class ListingFollower:
     """Notices that the daemon saved a new listing and loads it in a background thread.
 
     Args:
         source: this sampler's source (names the listing file).
         cache_dir: where the listing is saved.
+        mtime: the file's modification time when the listing in use was read (see
+            :func:`listing_mtime`; taken before reading, so a save in between is not missed).
     """
 
-    def __init__(self, source: Source, cache_dir: str) -> None:
+    def __init__(self, source: Source, cache_dir: str, mtime: int | None = None) -> None:
         self.cache_dir = cache_dir
         self.fingerprint = source_fingerprint(source.spec)
         self.path = listing_path(cache_dir, self.fingerprint)
-        self._mtime = self._stat()
+        self._mtime = self._stat() if mtime is None else mtime
         self._next_check = time.monotonic() + FOLLOW_CHECK_S
         self._loader: threading.Thread | None = None
         self._loaded: Listing | None = None

@@ -122,9 +122,11 @@ class _Fetching:
     future: Future[list[Any]]
     feed: Feed
     refs: list[SampleRef]
-    position: dict[str, int]
+    position: dict[str, Any]
     reserved: int
     started: float
+    indices: list[int] = field(default_factory=list)  # the refs' listing indices
+    estimate: float = 0.0  # samples the mix counted the batch for
 
 
 class Sampler:
@@ -160,7 +162,7 @@ class Sampler:
         per_fetch = max(1, -(-config.sampler.concurrency // FETCH_DEPTH))
         entries = [e for e in config.source_entries() if sources is None or e.name in sources]
         self.feeds = [Feed(entry, config, index, _saved_position(saved, entry.name),
-                           self.batch_bytes, per_fetch) for entry in entries]
+                           self.batch_bytes, per_fetch, self.cache) for entry in entries]
         self._by_prefix = {feed.name: feed for feed in self.feeds}
         # One bandwidth budget per process, whatever the source: a source that is down leaves
         # its share of the link to the others.
@@ -175,6 +177,14 @@ class Sampler:
                                    for k, v in (saved.get("error_kinds") or {}).items()}
         self.health.sources = {feed.name: {"errors": 0, "down": False}
                                for feed in self.feeds if feed.name}
+        # Where each feed starts: the health document is written before anything commits
+        # (idle, failing), and an empty position there was a restart's lost place.
+        if config.sources is not None:  # sources left out (unreachable) keep theirs
+            kept = saved.get("position")
+            kept = kept if isinstance(kept, dict) else {}
+            self.health.position = {**kept, **{f.name: f.position() for f in self.feeds}}
+        else:
+            self.health.position = self.feeds[0].position()
         self.committer = Committer(self.cache, self.health, stop=stop,
                                    should_stop=self.should_stop, quarantine=self.quarantine,
                                    done=self._done)
@@ -210,7 +220,7 @@ class Sampler:
         """
         self.committer.start()
         for feed in self.feeds:
-            log.info("%s: %d %ss, starting at %s", feed.source.url, len(feed.refs),
+            log.info("%s: %d %ss, starting at %s", feed.source.url, len(feed.table),
                      feed.source.unit, feed.order.position)
         try:
             while not self.should_stop():
@@ -219,11 +229,9 @@ class Sampler:
                 for feed in self.feeds:
                     if feed.follower is not None:
                         feed.follow_listing()
-                    if feed.exhausted and feed.rest_until <= now:
+                    if feed.tend(now):
                         # A whole pass brought nothing new (everything cached, corrupt or
-                        # failing): rest instead of spinning on the cache and the remote.
-                        feed.fruitless = 0
-                        feed.rest(IDLE_WAIT_S, now)
+                        # failing): rest, at a cost that does not grow with the keys (.idle).
                         self._note_idle()
                 due = next_feed(self.feeds, now)
                 if due is None:  # every source rests, or waits for a remote
@@ -237,8 +245,8 @@ class Sampler:
                 if feed.in_fetch >= FETCH_DEPTH:  # the source due is busy: wait for a batch
                     self._hand_over()
                     continue
-                picked, position = feed.pick(self.cache, self.batch_bytes, self._skip)
-                if picked and not self._reserve_and_submit(feed, picked, position):
+                picked, indices, position = feed.pick(self.cache, self.batch_bytes, self._skip)
+                if picked and not self._reserve_and_submit(feed, picked, indices, position):
                     break
                 if feed.in_fetch >= FETCH_DEPTH or (self.fetching and not picked):
                     self._hand_over()
@@ -252,8 +260,8 @@ class Sampler:
     def _skip(self, cache_key: str) -> bool:
         return cache_key in self.quarantined or self._is_in_flight(cache_key)
 
-    def _reserve_and_submit(self, feed: Feed, picked: list[SampleRef],
-                            position: dict[str, int]) -> bool:
+    def _reserve_and_submit(self, feed: Feed, picked: list[SampleRef], indices: list[int],
+                            position: dict[str, Any]) -> bool:
         """Reserve the batch's bytes (handing over fetched batches meanwhile) and start
         fetching it; False if the sampler is stopping instead."""
         need = sum(feed.sizes.of(ref) for ref in picked)
@@ -270,7 +278,8 @@ class Sampler:
                                   deadline_s=feed.deadline_s)
         started = time.monotonic()
         feed.fetch_started.append(started)
-        self.fetching.append(_Fetching(future, feed, picked, position, need, started))
+        self.fetching.append(_Fetching(future, feed, picked, position, need, started, indices,
+                                       len(picked) * feed.samples_per_ref))
         return True
 
     def _stop_or_committer_dead(self) -> bool:
@@ -317,6 +326,14 @@ class Sampler:
             feed.cache_key(ref.key) for ref, payload in results if isinstance(payload, CorruptSample))
         records, fetched = self._encode_results(feed, results)
         feed.batch_done(results, len(records))
+        feed.samples_read(len(fetching.refs), fetching.estimate, results)
+        if fetching.position.get("listing", feed.generation) == feed.generation:
+            index_of = dict(zip((ref.key for ref in fetching.refs), fetching.indices))
+            for ref, payload in results:  # failed, not corrupt: fetched again after the pass
+                if isinstance(payload, BaseException) and not isinstance(payload, CorruptSample):
+                    i = index_of.get(ref.key)
+                    if i is not None:
+                        feed.idle.note_failed(i)
         if feed.name:
             self.health.sources[feed.name]["down"] = feed.down
         unknown = [ref for ref in fetching.refs if not ref.size]
@@ -326,7 +343,7 @@ class Sampler:
         nbytes = sum(len(record) for _, record in records)
         self.budget.adjust(fetching.reserved, nbytes)
         if records:
-            feed.fruitless = 0
+            feed.brought_new()
             self.health.idle = ""
             self._errors_before = self.health.errors
         self.committer.hand_over(Batch(records, fetching.position, keys, nbytes, feed.name))
@@ -335,7 +352,8 @@ class Sampler:
         """A source finished a pass that brought nothing new: with every source there, the
         sampler is idle, ``complete`` (all cached or quarantined) or ``failing`` (fetches
         failed meanwhile). Runs waiting for train.min_samples read it from the health."""
-        if all(feed.exhausted or feed.rest_until > time.monotonic() for feed in self.feeds):
+        now = time.monotonic()
+        if all(feed.exhausted or feed.resting or feed.rest_until > now for feed in self.feeds):
             failed = self.health.errors > self._errors_before
             self.health.idle = "failing" if failed else "complete"
             self._errors_before = self.health.errors
@@ -371,6 +389,12 @@ class Sampler:
                     records.append((key, self.cache.encode(key, payload, adaptive=True)))
                 except SampleRejected as exc:
                     self.quarantine(key, str(exc))
+                except Exception as exc:  # noqa: BLE001 - one sample's bytes, never the process
+                    # Untrusted names or bytes the record format cannot frame: this sample is
+                    # quarantined and the rest of its batch commits (a crash here restarted
+                    # the sampler on the same batch until the daemon gave up).
+                    self.quarantine(key, f"cannot be encoded: {type(exc).__name__}: "
+                                         f"{str(exc)[:300]}")
         return records, fetched
 
     # -- shared with the committer thread ---------------------------------------------------------

@@ -1,9 +1,11 @@
 """Remote sources: enumerate and fetch the samples of a dataset on any fsspec URL.
 
-``open_source(spec)`` returns a :class:`Source` for the spec's layout; ``list_keys_cached``
-lists through the listing cache in the cache directory, and ``relist`` lists again and appends
-what is new to it (``source.listing_ttl_s``). Sources take a :class:`SourceSpec`,
-never the run config: :mod:`epochcache.ingest.from_config` converts at the edge.
+``open_source(spec)`` returns a :class:`Source` for the spec's layout; ``listing_cached``
+lists through the listing cache in the cache directory (page by page, saved as it goes and
+resumed: :mod:`.paging`), and ``relist`` lists again and appends what is new to it
+(``source.listing_ttl_s``). Listings are held as compact :class:`KeyTable` arrays, not an
+object per key. Sources take a :class:`SourceSpec`, never the run config:
+:mod:`epochcache.ingest.from_config` converts at the edge.
 """
 
 from __future__ import annotations
@@ -15,22 +17,28 @@ from collections.abc import Sequence
 
 from .base import CHECKS, FetchResult, Payload, SampleRef, Source, SourceSpec
 from .files import FilesSource
+from .keytable import KeyTable, KeyTableBuilder
 from .listing import (
     Listing,
     listing_path,
     load_listing,
     merge_listing,
     read_listing,
+    read_listing_header,
     save_listing,
     source_fingerprint,
 )
+from .paging import ListingJob
 from .tar import TarSource
 
 __all__ = [
     "CHECKS",
     "FetchResult",
     "FilesSource",
+    "KeyTable",
+    "KeyTableBuilder",
     "Listing",
+    "ListingJob",
     "Payload",
     "SampleRef",
     "Source",
@@ -38,11 +46,13 @@ __all__ = [
     "TarSource",
     "list_keys_cached",
     "listing_cached",
+    "listing_for_sampling",
     "listing_path",
     "load_listing",
     "merge_listing",
     "open_source",
     "read_listing",
+    "read_listing_header",
     "relist",
     "save_listing",
     "source_fingerprint",
@@ -83,15 +93,25 @@ def list_keys_cached(
 def listing_cached(
     source: Source, cache_dir: str | os.PathLike[str], *, max_age_s: float | None = None
 ) -> Listing:
-    """The :class:`Listing` saved in ``cache_dir`` when it is still valid, else a new one."""
+    """The complete :class:`Listing` saved in ``cache_dir`` when it is still valid, else a new
+    one, saved. A listing that was saved unfinished is gone on with from where it stopped."""
     fingerprint = source_fingerprint(source.spec)
     listing = read_listing(cache_dir, fingerprint, max_age_s=max_age_s)
-    if listing is not None:
-        log.info("%s: reusing the saved listing of %d refs", source.url, len(listing.refs))
+    if listing is not None and listing.complete:
+        log.info("%s: reusing the saved listing of %d refs", source.url, len(listing))
         return listing
-    refs = source.list_keys()
-    save_listing(cache_dir, fingerprint, refs)
-    return Listing(refs, created=time.time())
+    if source.paged:
+        return ListingJob(source, cache_dir).run()
+    listing = Listing(source.list_table(), created=time.time())
+    save_listing(cache_dir, fingerprint, listing)
+    return listing
+
+
+def listing_for_sampling(source: Source, cache_dir: str | os.PathLike[str]) -> Listing:
+    """What a sampler samples: the saved listing, finished or not (the daemon lists and saves
+    it before samplers start, and goes on with an unfinished one), else a complete one."""
+    listing = read_listing(cache_dir, source_fingerprint(source.spec))
+    return listing if listing is not None else listing_cached(source, cache_dir)
 
 
 def relist(source: Source, cache_dir: str | os.PathLike[str]) -> tuple[Listing, int]:
@@ -102,13 +122,13 @@ def relist(source: Source, cache_dir: str | os.PathLike[str]) -> tuple[Listing, 
         SourceUnavailable: the source cannot be listed (the saved listing is left as it was).
     """
     fingerprint = source_fingerprint(source.spec)
-    fresh = source.list_keys()
+    fresh = source.list_table()
     old = read_listing(cache_dir, fingerprint)
-    if old is None:
+    if old is None or not old.complete:
         listing, added = Listing(fresh, created=time.time()), len(fresh)
     else:
         listing, added = merge_listing(old, fresh)
-        if listing.refs == old.refs and listing.gone == old.gone:
+        if listing.table == old.table and listing.gone == old.gone:
             return old, 0  # unchanged: samplers have nothing to reload
-    save_listing(cache_dir, fingerprint, listing.refs, blocks=listing.blocks, gone=listing.gone)
+    save_listing(cache_dir, fingerprint, listing)
     return listing, added

@@ -36,10 +36,14 @@ import posixpath
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from ...errors import CorruptSample, SourceError, SourceUnavailable
-from ...limits import DEFAULT_MAX_SAMPLE_BYTES
+from ...errors import CorruptSample, SourceError
+from ...limits import (
+    DEFAULT_MANIFEST_MAX_BYTES,
+    DEFAULT_MANIFEST_MAX_LINES,
+    DEFAULT_MAX_SAMPLE_BYTES,
+)
 from ...redact import redact_options, redact_url
 from ...units import format_size
 from ..localfiles import LocalFiles
@@ -47,12 +51,14 @@ from ..remote import (
     TRANSIENT_ERRORS,
     BandwidthLimiter,
     backoff_delays,
-    call,
     fetch_many,
     open_fs,
-    retry,
     translate_error,
 )
+
+if TYPE_CHECKING:  # they import this module
+    from .keytable import KeyTable
+    from .paging import Pager
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +89,9 @@ class SourceSpec:
         retries: attempts per object for transient errors.
         checks: content checks on ingest, a subset of :data:`CHECKS`.
         max_sample_bytes: the largest object (``files``) or tar member accepted, and the most a
-            gzip check decompresses; larger ones are quarantined, not downloaded.
+            gzip or zip check decompresses; larger ones are quarantined, not downloaded.
+        manifest_max_bytes: the largest manifest read (and decompressed).
+        manifest_max_lines: the most lines a manifest may have.
     """
 
     url: str
@@ -99,6 +107,8 @@ class SourceSpec:
     retries: int = 5
     checks: Sequence[str] = CHECKS
     max_sample_bytes: int = DEFAULT_MAX_SAMPLE_BYTES
+    manifest_max_bytes: int = DEFAULT_MANIFEST_MAX_BYTES
+    manifest_max_lines: int = DEFAULT_MANIFEST_MAX_LINES
 
     @property
     def effective_pattern(self) -> str:
@@ -198,13 +208,30 @@ class Source(abc.ABC):
     # -- listing ---------------------------------------------------------------------------------
 
     @abc.abstractmethod
-    def list_keys(self) -> list[SampleRef]:
-        """Enumerate the refs to sample from, sorted by key, from the manifest or a listing.
+    def list_table(self) -> KeyTable:
+        """Enumerate the refs to sample from, sorted by key, from the manifest or a listing
+        (page by page, see :mod:`.paging`), as a compact :class:`~.keytable.KeyTable`.
 
         Raises:
             SourceUnavailable: the endpoint, bucket or prefix is unreachable or nothing matches;
                 raised within a few seconds, the message names the URL and the pattern.
         """
+
+    def list_keys(self) -> list[SampleRef]:
+        """:meth:`list_table` as a list of refs (small sources and tests)."""
+        return self.list_table().refs()
+
+    @property
+    def paged(self) -> bool:
+        """Whether this source is listed page by page (no manifest, no shard pattern): such a
+        listing may be saved as it goes, resumed, and sampled before it ends."""
+        return self.spec.manifest is None and self.spec.shards is None
+
+    def pager(self, state: dict[str, Any] | None = None) -> Pager:
+        """The pages of this source's listing, resumed at ``state`` (see :mod:`.paging`)."""
+        from .paging import make_pager
+
+        return make_pager(self.fs, self.root, self._local_root is not None, state)
 
     # -- fetching --------------------------------------------------------------------------------
 
@@ -371,50 +398,14 @@ class Source(abc.ABC):
         """The filesystem path of a key."""
         return self.root.rstrip("/") + "/" + key if self.root else key
 
-    def _list_files(self, pattern: str) -> list[SampleRef]:
-        """List objects under the root whose relative path matches ``pattern``; fail fast if none."""
-        from .manifest import glob_to_regex
+    def _list_files(self) -> KeyTable:
+        """List objects under the root whose relative path matches the pattern, page by page;
+        fail fast if none."""
+        from .paging import list_all
 
-        regex = glob_to_regex(pattern)
-        cfg = self.spec
+        return list_all(self)
 
-        def find() -> dict[str, Any]:
-            found: dict[str, Any] = call(
-                self.fs, "find", self.root, detail=True, timeout_s=cfg.timeout_s
-            )
-            return found
-
-        try:
-            # Listing at start must fail fast (invariant 5): two attempts within a short deadline.
-            infos = retry(
-                find, url=self.url, attempts=2, deadline_s=cfg.list_deadline_s, base_s=0.2
-            )
-        except SourceError as exc:
-            raise SourceUnavailable(
-                f"{self.url}: cannot list objects matching {pattern!r} ({exc}); check source.url, "
-                f"the endpoint and credentials in storage_options {redact_options(cfg.storage_options)}",
-                self.url,
-            ) from exc
-        prefix = self.root.rstrip("/") + "/" if self.root else ""
-        refs: list[SampleRef] = []
-        for path, info in infos.items():
-            if info.get("type", "file") != "file":
-                continue
-            rel = path[len(prefix) :] if prefix and path.startswith(prefix) else path
-            if regex.match(rel):
-                size = info.get("size")
-                refs.append(SampleRef(rel, int(size) if size is not None else None))
-        if not refs:
-            raise SourceUnavailable(
-                f"{self.url}: no keys match {pattern!r} ({len(infos)} objects under the prefix); "
-                "check source.url (bucket and prefix exist) and source.pattern",
-                self.url,
-            )
-        refs.sort(key=lambda r: r.key)
-        log.info("%s: listed %d keys matching %r", self.url, len(refs), pattern)
-        return refs
-
-    def _read_manifest(self) -> list[SampleRef]:
+    def _read_manifest(self) -> KeyTable:
         from .manifest import read_manifest
 
         manifest = self.spec.manifest
@@ -430,16 +421,17 @@ class Source(abc.ABC):
             url = redact_url(manifest)
         else:
             fs, path, url = self.fs, self.object_path(manifest), self.object_url(manifest)
-        refs = read_manifest(
+        table = read_manifest(
             fs,
             path,
             url=url,
             fmt=self.spec.manifest_format,
             deadline_s=self.spec.list_deadline_s,
             timeout_s=self.spec.timeout_s,
+            max_bytes=self.spec.manifest_max_bytes,
+            max_lines=self.spec.manifest_max_lines,
         )
-        refs.sort(key=lambda r: r.key)
-        return refs
+        return table.sorted()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(url={self.url!r})"

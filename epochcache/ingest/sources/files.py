@@ -7,6 +7,7 @@ import logging
 from ...errors import CorruptSample
 from .base import FetchResult, SampleRef, Source
 from .check import check_object
+from .keytable import KeyTable
 
 log = logging.getLogger(__name__)
 
@@ -21,10 +22,10 @@ class FilesSource(Source):
     layout = "files"
     unit = "sample"
 
-    def list_keys(self) -> list[SampleRef]:
+    def list_table(self) -> KeyTable:
         if self.spec.manifest is not None:
             return self._read_manifest()
-        return self._list_files(self.spec.effective_pattern)
+        return self._list_files()
 
     def _unpack(self, ref: SampleRef, url: str, data: bytes) -> list[FetchResult]:
         if len(data) > self.max_sample_bytes:  # not listed, or larger than listed

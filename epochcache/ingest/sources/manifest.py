@@ -8,6 +8,10 @@ A manifest replaces listing for buckets too large to list quickly. Formats, chos
 * JSONL: one object per line with the same fields;
 * Parquet: the same columns; needs ``pyarrow`` (not a dependency of epochcache).
 
+Manifests are bounded like any untrusted input: at most ``source.manifest_max_bytes`` are read
+(and decompressed), at most ``source.manifest_max_lines`` lines parsed; past a bound the
+listing fails with an error naming the setting. Keys are kept compactly (:mod:`.keytable`).
+
 Keys are relative to the source root. For the ``tar`` layout a manifest lists shards. ``checksum``
 is ``"algo:hex"`` (``sha256``, ``sha1``, ``md5``, ``crc32``) or bare hex, whose algorithm is told by its
 length (8 crc32, 32 md5, 40 sha1, 64 sha256).
@@ -16,19 +20,20 @@ length (8 crc32, 32 md5, 40 sha1, 64 sha256).
 from __future__ import annotations
 
 import csv
-import gzip
 import io
 import json
 import logging
 import re
-from collections.abc import Iterator
+import zlib
 from typing import Any
 
 import fsspec
 
 from ...errors import SourceError, SourceUnavailable
+from ...limits import DEFAULT_MANIFEST_MAX_BYTES, DEFAULT_MANIFEST_MAX_LINES, gunzip
+from ...units import format_size
 from ..remote import call, retry
-from .base import SampleRef
+from .keytable import KeyTable, KeyTableBuilder
 
 log = logging.getLogger(__name__)
 
@@ -118,16 +123,22 @@ def read_manifest(
     fmt: str = "auto",
     deadline_s: float = 10.0,
     timeout_s: float = 30.0,
-) -> list[SampleRef]:
-    """Read a manifest into refs (in file order).
+    max_bytes: int = DEFAULT_MANIFEST_MAX_BYTES,
+    max_lines: int = DEFAULT_MANIFEST_MAX_LINES,
+) -> KeyTable:
+    """Read a manifest into a table of refs (in file order), within bounds: a manifest is
+    someone else's file too. At most ``max_bytes`` are read (and as many decompressed, for
+    ``.gz``), and at most ``max_lines`` lines (rows) parsed.
 
     Raises:
-        SourceUnavailable: the manifest cannot be read, is malformed (line named) or is empty.
+        SourceUnavailable: the manifest cannot be read, is malformed (line named), is empty, or
+            passes a bound (named with the setting that raises it).
     """
     fmt = detect_format(path) if fmt == "auto" else fmt
     try:
+        # One byte more than accepted: a larger manifest is told without holding all of it.
         data: bytes = retry(
-            lambda: call(fs, "cat_file", path, timeout_s=timeout_s),
+            lambda: call(fs, "cat_file", path, start=0, end=max_bytes + 1, timeout_s=timeout_s),
             url=url,
             attempts=2,
             deadline_s=deadline_s,
@@ -136,38 +147,56 @@ def read_manifest(
         raise SourceUnavailable(
             f"{url}: cannot read the manifest ({exc}); check source.manifest", url
         ) from exc
+    if len(data) > max_bytes:
+        raise SourceUnavailable(
+            f"{url}: the manifest is larger than {format_size(max_bytes)} "
+            "(source.manifest_max_bytes); raise it if the manifest is real", url)
     if path.lower().endswith(".gz"):
         try:
-            data = gzip.decompress(data)
-        except (OSError, EOFError) as exc:
-            raise SourceUnavailable(f"{url}: manifest is not valid gzip ({exc})", url) from exc
+            data = gunzip(data, max_bytes, what="source.manifest_max_bytes")
+        except (OSError, EOFError, ValueError, zlib.error) as exc:
+            raise SourceUnavailable(f"{url}: manifest is not valid gzip within bounds ({exc})",
+                                    url) from exc
+    lines = data.count(b"\n") + (0 if data.endswith(b"\n") or not data else 1)
+    if lines > max_lines:
+        raise SourceUnavailable(
+            f"{url}: the manifest has {lines:,} lines, more than the {max_lines:,} allowed "
+            "(source.manifest_max_lines); raise it if the manifest is real", url)
+    builder = KeyTableBuilder()
     try:
         if fmt == "parquet":
-            refs = list(_parse_parquet(data, url))
+            _parse_parquet(data, url, builder, max_lines)
         else:
-            text = data.decode("utf-8-sig")
             parse = {"txt": _parse_text, "csv": _parse_csv, "jsonl": _parse_jsonl}.get(fmt)
             if parse is None:
                 raise SourceUnavailable(
                     f"{url}: unknown manifest format {fmt!r} (use txt, csv, jsonl or parquet)", url
                 )
-            refs = list(parse(text, url))
+            parse(data, url, builder)
     except UnicodeDecodeError as exc:
         raise SourceUnavailable(f"{url}: manifest is not UTF-8 text ({exc})", url) from exc
-    if not refs:
+    if not len(builder):
         raise SourceUnavailable(f"{url}: the manifest lists no keys; check source.manifest", url)
-    log.info("%s: manifest lists %d keys", url, len(refs))
-    return refs
+    log.info("%s: manifest lists %s keys", url, f"{len(builder):,}")
+    return builder.build()
 
 
-def _parse_text(text: str, url: str) -> Iterator[SampleRef]:
-    for line in text.splitlines():
+def _text(data: bytes) -> str:
+    return data.decode("utf-8-sig")
+
+
+def _parse_text(data: bytes, url: str, builder: KeyTableBuilder) -> None:
+    _text(data)  # the whole file is UTF-8 (raises UnicodeDecodeError otherwise)
+    if data.startswith(b"\xef\xbb\xbf"):
+        data = data[3:]
+    add = builder.add_bytes
+    for line in data.split(b"\n"):
         key = line.strip()
-        if key and not key.startswith("#"):
-            yield SampleRef(key)
+        if key and not key.startswith(b"#"):
+            add(key)
 
 
-def _make_ref(row: dict[str, Any], url: str, where: str) -> SampleRef:
+def _add_row(builder: KeyTableBuilder, row: dict[str, Any], url: str, where: str) -> None:
     key = row.get("key")
     if key is None or str(key).strip() == "":
         raise SourceUnavailable(f"{url}: {where}: missing 'key'; every row needs a key", url)
@@ -184,26 +213,33 @@ def _make_ref(row: dict[str, Any], url: str, where: str) -> SampleRef:
         raise SourceUnavailable(f"{url}: {where}: size and weight must be >= 0", url)
     checksum = row.get("checksum")
     checksum = None if checksum in (None, "") else str(checksum).strip().lower()
-    return SampleRef(str(key).strip(), size, weight, checksum)
+    if checksum is not None and not checksum.isascii():
+        raise SourceUnavailable(f"{url}: {where}: checksum {checksum[:80]!r} is not hex", url)
+    builder.add(str(key).strip(), size, weight, checksum)
 
 
-def _parse_csv(text: str, url: str) -> Iterator[SampleRef]:
-    reader = csv.DictReader(io.StringIO(text))
-    if reader.fieldnames is None or "key" not in [f.strip() for f in reader.fieldnames]:
+def _parse_csv(data: bytes, url: str, builder: KeyTableBuilder) -> None:
+    reader = csv.reader(io.StringIO(_text(data)))
+    header = next(reader, None)
+    names = [name.strip() for name in header or []]
+    if "key" not in names:
         raise SourceUnavailable(
             f"{url}: CSV manifest needs a header with a 'key' column (and optionally size, "
-            f"weight, checksum), got {reader.fieldnames}",
+            f"weight, checksum), got {header}",
             url,
         )
+    wanted = [(name, names.index(name)) for name in ("key", "size", "weight", "checksum")
+              if name in names]
     for number, row in enumerate(reader, start=2):
-        clean = {
-            (k or "").strip(): (v.strip() if isinstance(v, str) else v) for k, v in row.items()
-        }
-        yield _make_ref(clean, url, f"line {number}")
+        if not row:
+            continue
+        values: dict[str, Any] = {name: (row[i].strip() if i < len(row) else None)
+                                   for name, i in wanted}
+        _add_row(builder, values, url, f"line {number}")
 
 
-def _parse_jsonl(text: str, url: str) -> Iterator[SampleRef]:
-    for number, line in enumerate(text.splitlines(), start=1):
+def _parse_jsonl(data: bytes, url: str, builder: KeyTableBuilder) -> None:
+    for number, line in enumerate(_text(data).splitlines(), start=1):
         if not line.strip():
             continue
         try:
@@ -214,10 +250,10 @@ def _parse_jsonl(text: str, url: str) -> Iterator[SampleRef]:
             row = {"key": row}
         if not isinstance(row, dict):
             raise SourceUnavailable(f"{url}: line {number}: expected an object with 'key'", url)
-        yield _make_ref(row, url, f"line {number}")
+        _add_row(builder, row, url, f"line {number}")
 
 
-def _parse_parquet(data: bytes, url: str) -> Iterator[SampleRef]:
+def _parse_parquet(data: bytes, url: str, builder: KeyTableBuilder, max_rows: int) -> None:
     try:
         import pyarrow.parquet as pq
     except ImportError as exc:
@@ -227,5 +263,9 @@ def _parse_parquet(data: bytes, url: str) -> Iterator[SampleRef]:
             url,
         ) from exc
     table = pq.read_table(io.BytesIO(data))
+    if table.num_rows > max_rows:
+        raise SourceUnavailable(
+            f"{url}: the manifest has {table.num_rows:,} rows, more than the {max_rows:,} "
+            "allowed (source.manifest_max_lines); raise it if the manifest is real", url)
     for number, row in enumerate(table.to_pylist(), start=1):
-        yield _make_ref(row, url, f"row {number}")
+        _add_row(builder, row, url, f"row {number}")

@@ -24,9 +24,22 @@ from ...units import format_size
 from ..remote import call, retry
 from .base import FetchResult, Payload, SampleRef, Source
 from .check import check_checksum, check_format, check_size
+from .keytable import KeyTable, KeyTableBuilder
 from .manifest import expand_braces
 
 log = logging.getLogger(__name__)
+
+#: The longest field name a record holds (its length is stored in 16 bits): a member whose
+#: name would need more is quarantined with its sample, never handed to the encoder.
+MAX_FIELD_BYTES = 0xFFFF
+#: Member names are cut to this many characters in messages (a name may be megabytes long).
+_NAME_SHOWN = 120
+
+
+def _shown(name: str) -> str:
+    if len(name) <= _NAME_SHOWN:
+        return repr(name)
+    return f"{name[:_NAME_SHOWN]!r}... ({len(name):,} characters)"
 
 
 def split_member(name: str) -> tuple[str, str] | None:
@@ -53,9 +66,10 @@ class _Sample:
     def add(self, member: tarfile.TarInfo, field: str, value: bytes) -> None:
         self.members.append(member.name)
         if len(value) != member.size:
-            self.fail(f"member {member.name!r} is truncated ({len(value)} of {member.size} bytes)")
+            self.fail(f"member {_shown(member.name)} is truncated ({len(value)} of "
+                      f"{member.size} bytes)")
         elif field in self.fields:
-            self.fail(f"duplicate field {field!r} (member {member.name!r})")
+            self.fail(f"duplicate field {_shown(field)} (member {_shown(member.name)})")
         else:
             self.fields[field] = value
 
@@ -122,9 +136,15 @@ def iter_shard(
                 sample = _Sample(shard_key, prefix)
             if member.size > max_bytes:
                 sample.members.append(member.name)
-                sample.fail(f"member {member.name!r} is {format_size(member.size)}, larger than "
-                            f"the {format_size(max_bytes)} a sample may be "
+                sample.fail(f"member {_shown(member.name)} is {format_size(member.size)}, larger "
+                            f"than the {format_size(max_bytes)} a sample may be "
                             "(loader.max_sample_bytes, or cache.capacity when smaller)")
+                continue
+            if len(field.encode("utf-8", "surrogateescape")) > MAX_FIELD_BYTES:
+                sample.members.append(member.name)
+                sample.fail(f"member {_shown(member.name)} has a field name of "
+                            f"{len(field.encode('utf-8', 'surrogateescape')):,} bytes; a record "
+                            f"holds field names of up to {MAX_FIELD_BYTES:,} bytes")
                 continue
             handle = archive.extractfile(member)
             sample.add(member, field, handle.read() if handle is not None else b"")
@@ -156,19 +176,19 @@ class TarSource(Source):
 
     Shards come from ``source.manifest`` (one shard per row), else from ``source.shards`` (a brace
     pattern such as ``train-{000000..000554}.tar``), else from a listing matching ``source.pattern``
-    (default ``**/*.tar``). ``list_keys`` returns one ref per shard; ``fetch_many`` returns one result
+    (default ``**/*.tar``). ``list_table`` holds one ref per shard; ``fetch_many`` returns one result
     per sample.
     """
 
     layout = "tar"
     unit = "shard"
 
-    def list_keys(self) -> list[SampleRef]:
+    def list_table(self) -> KeyTable:
         cfg = self.spec
         if cfg.manifest is not None:
             return self._read_manifest()
         if cfg.shards is None:
-            return self._list_files(cfg.effective_pattern)
+            return self._list_files()
         keys = sorted(set(expand_braces(cfg.shards)))
         first = self.object_path(keys[0])
         try:
@@ -185,7 +205,10 @@ class TarSource(Source):
                 "source.url, source.shards and the endpoint",
                 self.url,
             ) from exc
-        return [SampleRef(key) for key in keys]
+        builder = KeyTableBuilder()
+        for key in keys:
+            builder.add(key)
+        return builder.build()
 
     def _unpack(self, ref: SampleRef, url: str, data: bytes) -> list[FetchResult]:
         """Every sample of one shard. Shards are read whole: ``timeout_s`` bounds one shard's
