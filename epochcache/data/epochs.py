@@ -294,9 +294,12 @@ class _Epochs:
         except BaseException:  # cancelled or failed: nothing was taken, or it is released
             pass
         try:
-            pending.iterator.result(timeout=60)
+            iterator = pending.iterator.result(timeout=60)
         except BaseException:
             pass
+        else:  # shut down here, not by the garbage collector (see PlanSampler.__iter__)
+            if hasattr(iterator, "_shutdown_workers"):
+                iterator._shutdown_workers()
 
     # -- the generator ----------------------------------------------------------------------
 

@@ -1,0 +1,127 @@
+"""Ctrl-C and SIGTERM in ``epochcache run``: a request to stop, acted on where stopping is clean.
+
+A Python signal handler runs in the main thread between any two bytecodes. Raising from it (as
+Python's SIGINT handler does) lands the exception anywhere: inside DataLoader start-up, between
+a map-gate entry of the store and its ``try`` (a later map resize then waits forever for that
+entry), half-way through a multiprocessing queue. So :class:`StopSignals` only records the
+first SIGINT or SIGTERM; the run checks it (:meth:`StopSignals.check`) at its own safe points --
+between start-up steps, every poll of the wait for ``train.min_samples``, before and after each
+batch, at each epoch boundary -- and stops there: epochs closed, lease released, daemon stopped,
+the last checkpoint kept, one line saying so, exit 130 (SIGINT) or 143 (SIGTERM). A second
+signal does not wait: SIGINT raises at once, SIGTERM takes its previous action (by default the
+process ends at once).
+
+A terminal's Ctrl-C, torchrun and Slurm signal the run's whole process group, DataLoader workers
+included. A worker that dies of it leaves its queues half-written (the tracebacks of
+``QueueFeederThread``, ``Bad file descriptor``, ``semaphore or lock released too many times``) or
+the trainer waiting for its batches; the run stops its workers in order itself. So workers
+started by the run (:func:`quiet_worker`, their ``worker_init_fn``) ignore SIGINT, and end on a
+SIGTERM only when the trainer sends it (DataLoader's ``terminate()``, as torch's own handler
+does); a SIGTERM from anyone else leaves them to the trainer, and a worker whose trainer is gone
+ends by itself (DataLoader's watchdog, within seconds).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import threading
+from types import FrameType
+from typing import Any
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C (SIGINT) reached the run: it stops at its next safe point and exits 130."""
+
+    exit_status = 130
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM reached the run: a scheduler preempting or ending the job (Slurm, Kubernetes),
+    or torchrun passing it on. The run stops as on Ctrl-C, and exits 143."""
+
+    exit_status = 143
+
+
+class StopSignals:
+    """Records SIGINT and SIGTERM as a request to stop (see the module docstring).
+
+    Install it in the main thread (elsewhere it changes nothing: handlers belong to the main
+    thread). SIGINT is taken over only from Python's own handler: a run started with SIGINT
+    ignored (a background job of a shell) keeps ignoring it.
+    """
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> StopSignals:
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            self._take(signal.SIGINT)
+        self._take(signal.SIGTERM)
+        return self
+
+    def _take(self, signum: int) -> None:
+        previous = signal.signal(signum, self._handle)
+        # None: a handler installed outside Python; its action cannot be put back, the default can
+        self._previous[signum] = signal.SIG_DFL if previous is None else previous
+
+    def restore(self) -> None:
+        """Put the previous handlers back."""
+        previous, self._previous = self._previous, {}
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        # No logging, no locks here: the main thread may be inside either.
+        if self.signum is None:
+            self.signum = signum
+            if signum == signal.SIGTERM and signal.SIGTERM in self._previous:
+                # A second SIGTERM ends the process at once (the previous action).
+                signal.signal(signal.SIGTERM, self._previous[signal.SIGTERM])
+            return
+        if signum == signal.SIGTERM and signal.SIGTERM in self._previous:
+            signal.signal(signal.SIGTERM, self._previous[signal.SIGTERM])
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        raise self.exception()  # the user insists: stop wherever the run is
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    def exception(self) -> KeyboardInterrupt:
+        """What the run raises to stop: :class:`Terminated` or :class:`Interrupted`."""
+        return Terminated() if self.signum == signal.SIGTERM else Interrupted()
+
+    def check(self) -> None:
+        """Raise :meth:`exception` when a stop was requested (a safe point of the run)."""
+        if self.signum is not None:
+            raise self.exception()
+
+
+def quiet_worker(worker_id: int) -> None:
+    """``worker_init_fn`` of the run's DataLoader workers: SIGINT ignored, SIGTERM obeyed only
+    from the trainer (see the module docstring)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if not hasattr(signal, "sigwaitinfo"):  # not on macOS: torch's handler stays
+        return
+    # The trainer: the parent of a forked worker, not of one a forkserver forked.
+    parent = multiprocessing.parent_process()
+    trainer = parent.pid if parent is not None and parent.pid is not None else os.getppid()
+    # SIGTERM, blocked in this thread (and so in the threads it starts), goes to one thread
+    # that reads who sent it; torch's handler, which cannot tell a forkserver's worker's
+    # trainer from a stranger, never runs.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    threading.Thread(target=_exit_on_trainers_sigterm, args=(trainer,), name="epochcache-sigterm",
+                     daemon=True).start()
+
+
+def _exit_on_trainers_sigterm(trainer: int) -> None:
+    while True:
+        info = signal.sigwaitinfo({signal.SIGTERM})
+        if info.si_pid in (trainer, os.getppid()):
+            os._exit(0)  # as torch's worker handler does: the trainer is shutting us down
