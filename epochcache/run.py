@@ -32,16 +32,19 @@ from .cache import Cache
 from .checkpoint import resume_checkpoint
 from .config import EpochcacheConfig, load_config
 from .data.devices import CPU, RunDevice
+from .data.world import World
 from .errors import ConfigError, DaemonAlreadyRunning
 from .ingest.daemon import Daemon, DaemonLock
 from .ingest.metrics import MetricsServer, require_prometheus
 from .redact import redact_url
 from .run_context import RunContext, TimedLoader
 from .run_metrics import TrainProgress, Turnover, train_metrics
-from .run_signals import Interrupted, StopSignals, Terminated, quiet_worker
+from .run_signals import Interrupted, StopSignals, Terminated, quiet_worker, shelter_forkserver
 from .units import format_size
 
-__all__ = ["RunContext", "Terminated", "run_training"]  # RunContext: trainers' type hints
+# RunContext and Terminated are re-exported: trainers' type hints (README), callers' except.
+__all__ = ["Run", "RunContext", "Terminated", "add_config_parser", "add_run_parser",
+           "check_entrypoint", "ensure_demo_data", "resolve_entrypoint", "run_training"]
 
 log = logging.getLogger(__name__)
 
@@ -359,62 +362,78 @@ def run_training(config: EpochcacheConfig, *, resume: bool = False) -> int:
     stop = StopSignals().install()
     run = Run(config, resume=resume, is_main=world.rank == 0, node_rank=world.node_rank,
               stop=stop)
-    created_group = False
-    joined = False
     try:
         try:
-            run.serve_metrics(world.local_rank)
-            if world.rank == 0:
-                ensure_demo_data(config)
-                stop.check()
-            if world.local_rank == 0:
-                # Lists the source first: an unreachable one exits 2 before the run dir is
-                # written (and before torch is imported, which takes seconds).
-                run.start_daemon()
-                stop.check()
-            run.train_fn  # noqa: B018 - import the trainer now: a missing function is a bad config
-            stop.check()
-            from .data.devices import joins_job
-            from .data.distributed import barrier, init_run_distributed, select_device
-
-            run.device = select_device(world)  # torch: after the checks
-            joined = joins_job(world, os.environ)
-            created_group = init_run_distributed(world, run.device, join=joined)
-            barrier()  # the demo data and the node's daemon exist before any rank trains
-            stop.check()
-            if run.is_main:
-                run.run_dir.mkdir(parents=True, exist_ok=True)
-                (run.run_dir / "config.yaml").write_text(config.redacted_yaml())
-            status = run.train()
-        except KeyboardInterrupt:
-            raise
-        except BaseException as exc:
-            if not stop.requested:
-                raise
-            # What a stop breaks on its way (a DataLoader worker or a peer rank that was
-            # signalled too, the daemon's samplers stopping) is the stop, not a failure.
-            log.debug("while stopping: %s: %s", type(exc).__name__, exc, exc_info=exc)
-            raise stop.exception() from None
-        finally:
-            try:
-                run.stop_daemon()
-            finally:
-                if joined:
-                    from .data.distributed import close_run_distributed
-
-                    close_run_distributed(created_group)
-        stop.check()  # a signal during the clean-up of a finished run: it was still stopped
-    except KeyboardInterrupt as exc:
-        log.warning("%s: stopping (the last checkpoint is kept; continue with --resume)",
-                    "terminated (SIGTERM)" if isinstance(exc, Terminated) else "interrupted")
-        status = getattr(exc, "exit_status", Interrupted.exit_status)
+            status = _run_job(run, world)
+        except KeyboardInterrupt as exc:
+            status = _stopped(exc)
+        try:
+            # Not before the run directory exists: a run stopped in its start-up has no plot.
+            plot = run.write_plots() if run.is_main and run.run_dir.is_dir() else None
+            if plot is not None:
+                log.info("wrote %s", plot)
+            if status == 0:
+                stop.check()  # a signal during the clean-up or the plot: stopped all the same
+        except KeyboardInterrupt as exc:
+            status = _stopped(exc)
     finally:
         stop.restore()
-    # Not before the run directory exists: a run stopped during its start-up has no plot.
-    plot = run.write_plots() if run.is_main and run.run_dir.is_dir() else None
-    if plot is not None:
-        log.info("wrote %s", plot)
     return status
+
+
+def _stopped(exc: KeyboardInterrupt) -> int:
+    log.warning("%s: stopping (the last checkpoint is kept; continue with --resume)",
+                "terminated (SIGTERM)" if isinstance(exc, Terminated) else "interrupted")
+    return int(getattr(exc, "exit_status", Interrupted.exit_status))
+
+
+def _run_job(run: Run, world: World) -> int:
+    """:func:`run_training` from the demo data to the daemon stopped and the job left."""
+    config, stop = run.config, run.stop
+    created_group = joined = False
+    try:
+        run.serve_metrics(world.local_rank)
+        if world.rank == 0:
+            ensure_demo_data(config)
+            stop.check()
+        if world.local_rank == 0:
+            # Lists the source first: an unreachable one exits 2 before the run dir is written
+            # (and before torch is imported, which takes seconds).
+            run.start_daemon()
+            stop.check()
+        run.train_fn  # noqa: B018 - import the trainer now: a missing function is a bad config
+        stop.check()
+        from .data.devices import joins_job
+        from .data.distributed import barrier, init_run_distributed, select_device
+
+        run.device = select_device(world)  # torch: after the checks
+        joined = joins_job(world, os.environ)
+        created_group = init_run_distributed(world, run.device, join=joined)
+        barrier()  # the demo data and the node's daemon exist before any rank trains
+        stop.check()
+        if run.is_main:
+            run.run_dir.mkdir(parents=True, exist_ok=True)
+            (run.run_dir / "config.yaml").write_text(config.redacted_yaml())
+        if config.loader.num_workers:
+            shelter_forkserver()  # before epochs() starts workers from it
+        return run.train()
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:
+        if not stop.requested:
+            raise
+        # What a stop breaks on its way (a DataLoader worker or a peer rank signalled too, the
+        # daemon's samplers stopping) is the stop, not a failure.
+        log.debug("while stopping: %s: %s", type(exc).__name__, exc, exc_info=exc)
+        raise stop.exception() from None
+    finally:
+        try:
+            run.stop_daemon()
+        finally:
+            if joined:
+                from .data.distributed import close_run_distributed
+
+                close_run_distributed(created_group)
 
 
 def _cmd_run(args: argparse.Namespace) -> int:

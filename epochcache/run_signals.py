@@ -18,7 +18,9 @@ the trainer waiting for its batches; the run stops its workers in order itself. 
 started by the run (:func:`quiet_worker`, their ``worker_init_fn``) ignore SIGINT, and end on a
 SIGTERM only when the trainer sends it (DataLoader's ``terminate()``, as torch's own handler
 does); a SIGTERM from anyone else leaves them to the trainer, and a worker whose trainer is gone
-ends by itself (DataLoader's watchdog, within seconds).
+ends by itself (DataLoader's watchdog, within seconds). Workers started from multiprocessing's
+forkserver come from a process in the same group, which a group SIGTERM used to end: every
+worker start after it failed, half-way (:func:`shelter_forkserver` starts it blocking SIGTERM).
 """
 
 from __future__ import annotations
@@ -125,3 +127,29 @@ def _exit_on_trainers_sigterm(trainer: int) -> None:
         info = signal.sigwaitinfo({signal.SIGTERM})
         if info.si_pid in (trainer, os.getppid()):
             os._exit(0)  # as torch's worker handler does: the trainer is shutting us down
+
+
+def shelter_forkserver() -> None:
+    """Start multiprocessing's forkserver now, with SIGTERM blocked in it and in the processes
+    it forks (the run's DataLoader workers, see :func:`quiet_worker`).
+
+    A SIGTERM to the run's process group (torchrun, Slurm) would otherwise end the forkserver
+    while the run still starts workers from it (the next epoch's, prepared in the background),
+    and they fail half-way through DataLoader's start-up. Blocked, not ignored: a SIGTERM to
+    the run meanwhile reaches its handler once this returns. The forkserver ends when the run
+    does (it watches the run's end of a pipe). Call it in the main thread, before any worker is
+    started; a forkserver already running is left as it is.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return
+    from multiprocessing import forkserver
+
+    # The forkserver is started from this thread: it inherits the thread's signal mask, which
+    # exec keeps, as do the processes it forks.
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)

@@ -224,3 +224,21 @@ def test_a_run_on_a_cuda_only_default_group_trains_and_resumes(tmp_path: Path) -
         assert (tmp_path / f"rank{rank}.status").read_text() == "0 0"
     rows = read_metrics(tmp_path / "runs" / "demo")
     assert [(row["epoch"], row["loss"]) for row in rows] == [(0, 0.5), (1, 1.5)], rows
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+def test_torchrun_with_one_rank_joins_a_gloo_job_on_a_cpu_node(tmp_path: Path) -> None:
+    """``torchrun --nproc-per-node 1`` is a job too (the path a 1-GPU node takes with NCCL)."""
+    import subprocess
+
+    from test_run import RUN_TIMEOUT_S, cli_env, write_yaml
+
+    cfg = write_yaml(tmp_path / "cfg.yaml", demo_config(tmp_path, train={"epochs": 1}))
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+            "1", "-m", "epochcache", "run", str(cfg)]
+    proc = subprocess.run(argv, cwd=tmp_path, env=cli_env(), capture_output=True, text=True,
+                          timeout=RUN_TIMEOUT_S)
+    logs = proc.stdout + proc.stderr
+    assert proc.returncode == 0, logs[-6000:]
+    assert "rank 0 of 1 (node 0, local rank 0), backend gloo, device cpu" in logs, logs[-6000:]
+    assert [row["epoch"] for row in read_metrics(tmp_path / "runs" / "demo")] == [0]
