@@ -19,8 +19,9 @@ started by the run (:func:`quiet_worker`, their ``worker_init_fn``) ignore SIGIN
 SIGTERM only when the trainer sends it (DataLoader's ``terminate()``, as torch's own handler
 does); a SIGTERM from anyone else leaves them to the trainer, and a worker whose trainer is gone
 ends by itself (DataLoader's watchdog, within seconds). Workers started from multiprocessing's
-forkserver come from a process in the same group, which a group SIGTERM used to end: every
-worker start after it failed, half-way (:func:`shelter_forkserver` starts it blocking SIGTERM).
+forkserver come from a process in the same group, which a group SIGTERM used to end (every
+worker start after it failed, half-way) and a Ctrl-C while it started to print a traceback:
+:func:`shelter_forkserver` starts it with both signals blocked, and its workers start so.
 """
 
 from __future__ import annotations
@@ -109,6 +110,8 @@ def quiet_worker(worker_id: int) -> None:
     """``worker_init_fn`` of the run's DataLoader workers: SIGINT ignored, SIGTERM obeyed only
     from the trainer (see the module docstring)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Blocked since birth under a sheltered forkserver: ignored now, a pending one is dropped.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     if not hasattr(signal, "sigwaitinfo"):  # not on macOS: torch's handler stays
         return
     # The trainer: the parent of a forked worker, not of one a forkserver forked.
@@ -130,15 +133,17 @@ def _exit_on_trainers_sigterm(trainer: int) -> None:
 
 
 def shelter_forkserver() -> None:
-    """Start multiprocessing's forkserver now, with SIGTERM blocked in it and in the processes
-    it forks (the run's DataLoader workers, see :func:`quiet_worker`).
+    """Start multiprocessing's forkserver now, with SIGINT and SIGTERM blocked in it and in the
+    processes it forks (the run's DataLoader workers, see :func:`quiet_worker`).
 
     A SIGTERM to the run's process group (torchrun, Slurm) would otherwise end the forkserver
     while the run still starts workers from it (the next epoch's, prepared in the background),
-    and they fail half-way through DataLoader's start-up. Blocked, not ignored: a SIGTERM to
-    the run meanwhile reaches its handler once this returns. The forkserver ends when the run
-    does (it watches the run's end of a pipe). Call it in the main thread, before any worker is
-    started; a forkserver already running is left as it is.
+    and they fail half-way through DataLoader's start-up; a Ctrl-C while the forkserver or a
+    worker starts up raises KeyboardInterrupt there (a traceback). Blocked, not ignored: a
+    signal to the run meanwhile reaches its handler once this returns. The forkserver ends when
+    the run does (it watches the run's end of a pipe). Call it in the main thread, before any
+    worker is started; a forkserver already running is left as it is. Where workers are forked
+    from the run instead, it only costs an idle process.
     """
     if threading.current_thread() is not threading.main_thread():
         return
@@ -148,7 +153,7 @@ def shelter_forkserver() -> None:
 
     # The forkserver is started from this thread: it inherits the thread's signal mask, which
     # exec keeps, as do the processes it forks.
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     try:
         forkserver.ensure_running()
     finally:

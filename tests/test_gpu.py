@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from test_run import RUN_TIMEOUT_S, cli_env, demo_config, read_metrics, status_json, write_yaml
 
 pytestmark = [

@@ -27,13 +27,21 @@ import time
 from pathlib import Path
 
 import pytest
-
+import torch
 from common.writer import fill
-from epochcache import Cache
 from test_run import (
-    Result, assert_verifies, cli_env, demo_config, descendants, read_metrics, status_json,
-    still_running, write_yaml,
+    Result,
+    assert_verifies,
+    cli_env,
+    demo_config,
+    descendants,
+    read_metrics,
+    status_json,
+    still_running,
+    write_yaml,
 )
+
+from epochcache import Cache
 
 STOP_MESSAGE = "stopping (the last checkpoint is kept; continue with --resume)"
 TRACEBACK_WORDS = ("Traceback", "Exception ignored", "Exception in thread")
@@ -307,3 +315,39 @@ def test_epochs_closed_in_the_first_epoch_shut_every_worker_down(tmp_path: Path)
         gc.enable()
         gc.collect()
         cache.close()
+
+
+class _Pids(torch.utils.data.Dataset[int]):
+    """Every item is the pid of the worker that reads it."""
+
+    def __len__(self) -> int:
+        return 1_000_000
+
+    def __getitem__(self, index: int) -> int:
+        return os.getpid()
+
+
+@pytest.mark.parametrize("context", ["fork", "forkserver"])
+def test_run_workers_leave_ctrl_c_and_a_strangers_sigterm_to_the_trainer(context: str) -> None:
+    """A run's DataLoader worker (``quiet_worker``) keeps serving through SIGINT and a SIGTERM
+    from another process (torchrun's or Slurm's, to the whole group), and ends at once, with
+    status 0, on the trainer's SIGTERM (DataLoader's ``terminate()``): under a forkserver the
+    trainer is not the worker's parent."""
+    from epochcache.run_signals import quiet_worker
+
+    loader = torch.utils.data.DataLoader(_Pids(), batch_size=None, num_workers=1,
+                                         worker_init_fn=quiet_worker,
+                                         multiprocessing_context=context)
+    iterator = iter(loader)
+    try:
+        pid = next(iterator)
+        for sig in ("-INT", "-TERM"):  # sent by the `kill` command: a stranger
+            subprocess.run(["kill", sig, str(pid)], check=True, timeout=30)
+        # Prefetching holds a few batches: fifty more are made after the signals.
+        assert {next(iterator) for _ in range(50)} == {pid}
+        worker = iterator._workers[0]  # type: ignore[attr-defined]
+        os.kill(pid, signal.SIGTERM)  # from the trainer
+        worker.join(60)
+        assert worker.exitcode == 0, worker.exitcode
+    finally:
+        iterator._shutdown_workers()  # type: ignore[attr-defined]

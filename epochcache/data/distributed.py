@@ -17,6 +17,12 @@ timeout, 30 minutes by default). So the background collectives start only once e
 planner has arrived, which :meth:`NodeSync.rendezvous` finds out through the job's store (a
 non-blocking check, polled, that gives up as soon as its caller is closing), and epochs() issues
 no collective at all on its error path.
+
+``epochcache run`` joins the launcher's job with :func:`init_run_distributed`: on CUDA the rank's
+GPU is its current device before the default group exists, and the group is NCCL, bound to that
+device. NCCL reduces CUDA tensors only, so the run's own collectives of CPU tensors and Python
+objects (metrics, the start-up barrier, the checkpoint agreed at ``--resume``) go through
+:func:`bookkeeping_group`, a gloo group of all ranks made once, right after joining.
 """
 
 from __future__ import annotations
