@@ -12,16 +12,14 @@ signal does not wait: SIGINT raises at once, SIGTERM takes its previous action (
 process ends at once).
 
 A terminal's Ctrl-C, torchrun and Slurm signal the run's whole process group, DataLoader workers
-included. A worker that dies of it leaves its queues half-written (the tracebacks of
-``QueueFeederThread``, ``Bad file descriptor``, ``semaphore or lock released too many times``) or
-the trainer waiting for its batches; the run stops its workers in order itself. So workers
-started by the run (:func:`quiet_worker`, their ``worker_init_fn``) ignore SIGINT, and end on a
-SIGTERM only when the trainer sends it (DataLoader's ``terminate()``, as torch's own handler
-does); a SIGTERM from anyone else leaves them to the trainer, and a worker whose trainer is gone
-ends by itself (DataLoader's watchdog, within seconds). Workers started from multiprocessing's
-forkserver come from a process in the same group, which a group SIGTERM used to end (every
-worker start after it failed, half-way) and a Ctrl-C while it started to print a traceback:
-:func:`shelter_forkserver` starts it with both signals blocked, and its workers start so.
+included. Workers started by the run ignore SIGINT (:func:`quiet_worker`, their
+``worker_init_fn``): the run stops them in order itself, where a worker that Ctrl-C interrupts
+quits mid-epoch or, while it starts, prints a KeyboardInterrupt traceback. SIGTERM keeps torch's
+handler in them (they end at once, silently); what that breaks in the run's loader is taken for
+the stop it is. Workers started from multiprocessing's forkserver come from a process in the
+same group, which a group SIGTERM used to end (every worker start after it failed, half-way)
+and a Ctrl-C while it started to print a traceback: :func:`shelter_forkserver` starts it with
+both signals blocked.
 """
 
 from __future__ import annotations
@@ -107,29 +105,12 @@ class StopSignals:
 
 
 def quiet_worker(worker_id: int) -> None:
-    """``worker_init_fn`` of the run's DataLoader workers: SIGINT ignored, SIGTERM obeyed only
-    from the trainer (see the module docstring)."""
+    """``worker_init_fn`` of the run's DataLoader workers: SIGINT ignored (see the module
+    docstring); both signals unblocked, as a sheltered forkserver's children start with them
+    blocked (torch's SIGTERM handler, installed by now, must run: DataLoader's ``terminate()``
+    of a stuck worker relies on it)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # Blocked since birth under a sheltered forkserver: ignored now, a pending one is dropped.
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-    if not hasattr(signal, "sigwaitinfo"):  # not on macOS: torch's handler stays
-        return
-    # The trainer: the parent of a forked worker, not of one a forkserver forked.
-    parent = multiprocessing.parent_process()
-    trainer = parent.pid if parent is not None and parent.pid is not None else os.getppid()
-    # SIGTERM, blocked in this thread (and so in the threads it starts), goes to one thread
-    # that reads who sent it; torch's handler, which cannot tell a forkserver's worker's
-    # trainer from a stranger, never runs.
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-    threading.Thread(target=_exit_on_trainers_sigterm, args=(trainer,), name="epochcache-sigterm",
-                     daemon=True).start()
-
-
-def _exit_on_trainers_sigterm(trainer: int) -> None:
-    while True:
-        info = signal.sigwaitinfo({signal.SIGTERM})
-        if info.si_pid in (trainer, os.getppid()):
-            os._exit(0)  # as torch's worker handler does: the trainer is shutting us down
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
 
 
 def shelter_forkserver() -> None:
@@ -143,7 +124,9 @@ def shelter_forkserver() -> None:
     signal to the run meanwhile reaches its handler once this returns. The forkserver ends when
     the run does (it watches the run's end of a pipe). Call it in the main thread, before any
     worker is started; a forkserver already running is left as it is. Where workers are forked
-    from the run instead, it only costs an idle process.
+    from the run instead, it only costs an idle process. Processes it forks start with both
+    signals blocked: the run's workers unblock them (:func:`quiet_worker`); another forkserver
+    process a trainer starts must do the same if it relies on them.
     """
     if threading.current_thread() is not threading.main_thread():
         return
