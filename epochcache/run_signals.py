@@ -132,8 +132,10 @@ def shelter_forkserver() -> None:
         return
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return
-    from multiprocessing import forkserver
+    from multiprocessing import forkserver, resource_tracker
 
+    # Started first: starting it unblocks SIGINT and SIGTERM in the calling thread afterwards.
+    resource_tracker.ensure_running()
     # The forkserver is started from this thread: it inherits the thread's signal mask, which
     # exec keeps, as do the processes it forks.
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})

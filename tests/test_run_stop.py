@@ -334,6 +334,12 @@ if __name__ == "__main__":
     context = sys.argv[1]
     if context == "forkserver":
         shelter_forkserver()  # as the run does before its first worker
+        from multiprocessing import forkserver
+
+        with open(f"/proc/{forkserver._forkserver._forkserver_pid}/status") as f:
+            blocked = int(f.read().split("SigBlk:")[1].split()[0], 16)
+        print("forkserver blocks", [sig.name for sig in (signal.SIGINT, signal.SIGTERM)
+                                    if blocked & (1 << (sig - 1))], flush=True)
     loader = torch.utils.data.DataLoader(Pids(), batch_size=None, num_workers=1,
                                          worker_init_fn=quiet_worker,
                                          multiprocessing_context=context)
@@ -354,7 +360,8 @@ if __name__ == "__main__":
 def test_run_workers_ignore_ctrl_c_and_still_end_on_sigterm(tmp_path: Path, context: str) -> None:
     """A run's DataLoader worker (``quiet_worker``) keeps serving through SIGINT, and still ends
     on SIGTERM (DataLoader's ``terminate()``), also when it was forked by the sheltered
-    forkserver, which starts its processes with SIGINT and SIGTERM blocked."""
+    forkserver, which blocks SIGINT and SIGTERM (a group SIGTERM ended it, and every worker
+    start after that failed half-way) and starts its processes so."""
     script = tmp_path / "workers.py"
     script.write_text(WORKER_SCRIPT)
     proc = subprocess.run([sys.executable, str(script), context], cwd=tmp_path, env=cli_env(),
@@ -363,3 +370,5 @@ def test_run_workers_ignore_ctrl_c_and_still_end_on_sigterm(tmp_path: Path, cont
     # 0: torch's handler, for its parent's SIGTERM; -15: the forkserver's child, killed by it
     expected = "exit code 0" if context == "fork" else "exit code -15"
     assert expected in proc.stdout, proc.stdout + proc.stderr
+    if context == "forkserver":
+        assert "forkserver blocks ['SIGINT', 'SIGTERM']" in proc.stdout, proc.stdout
