@@ -171,8 +171,7 @@ class _Epochs:
         # device is GPU 0: DataLoader's pin-memory thread takes the builder's, so every rank
         # would pin (and hold a CUDA context) on GPU 0. Built under the trainer's device.
         self.device_index = (torch.cuda.current_device() if loader_kwargs.get("pin_memory")
-                             and torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
-                             else None)
+                             and torch.cuda.is_available() else None)
         self.sync = (NodeSync(self.world, cache_identity(cache.path), cache.path)
                      if dist_initialized() and self.world.distributed else None)
         # In process and without DDP collectives, the next epoch is planned in the training
