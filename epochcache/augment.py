@@ -102,7 +102,8 @@ def normalize(x: torch.Tensor, mean: tuple[float, ...] | None,
     if mean is None:
         return x
     shape = (-1, 1, 1)
-    return (x - torch.tensor(mean).view(shape)) / torch.tensor(std).view(shape)
+    return ((x - torch.tensor(mean, device=x.device).view(shape))
+            / torch.tensor(std, device=x.device).view(shape))
 
 
 def augment_batch(images: torch.Tensor, size: int, scale: tuple[float, float] = (0.08, 1.0),
@@ -114,6 +115,8 @@ def augment_batch(images: torch.Tensor, size: int, scale: tuple[float, float] = 
 
     Each sample gets its own crop (torchvision's area and aspect-ratio distributions, the
     crop kept inside the image) and flip, applied by one ``affine_grid``/``grid_sample``.
+    ``images`` may be on any device; the random parameters are drawn on the CPU (from
+    ``generator``), so a seed gives the same crops on every device.
     """
     batch, _channels, height, width = images.shape
     u = torch.rand(batch, 4, generator=generator)
@@ -129,7 +132,7 @@ def augment_batch(images: torch.Tensor, size: int, scale: tuple[float, float] = 
     theta = torch.zeros(batch, 2, 3)
     theta[:, 0, 0], theta[:, 0, 2] = fw * flips, cx
     theta[:, 1, 1], theta[:, 1, 2] = fh, cy
-    grid = F.affine_grid(theta, [batch, 1, size, size], align_corners=False)
+    grid = F.affine_grid(theta.to(images.device), [batch, 1, size, size], align_corners=False)
     x = F.grid_sample(images.float(), grid, mode="bilinear", padding_mode="border",
                       align_corners=False)
     return normalize(x, mean, std)

@@ -6,7 +6,10 @@ directory may hold no checkpoint, or an older one, and ranks that computed their
 epoch waited for each other's epochs forever. So under torch.distributed rank 0 decides: every
 rank resumes from rank 0's checkpoint (or, when rank 0 has none, starts fresh). A rank whose
 own file is byte-identical (same SHA-256) reads it; the others receive the bytes from rank 0.
-Rank 0 logs which checkpoint each rank used. Loading is ``weights_only`` either way.
+Rank 0 logs which checkpoint each rank used. Loading is ``weights_only`` either way, onto the
+CPU: a checkpoint written on a GPU resumes on a CPU-only node (and on another GPU), and
+``load_state_dict`` copies the tensors to wherever the model and optimizer live. The agreement
+runs in the run's bookkeeping group (gloo, also under NCCL: these are CPU objects).
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ def _load(data: bytes, origin: str) -> dict[str, Any]:
     import torch
 
     try:
-        checkpoint = torch.load(io.BytesIO(data), weights_only=True)
+        checkpoint = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as exc:  # a truncated or foreign file: name it
         raise CheckpointError(f"{origin}: cannot load the checkpoint ({type(exc).__name__}: "
                               f"{exc}); delete it to start afresh, or restore a good copy") from exc
@@ -85,6 +88,8 @@ def resume_checkpoint(run_dir: Path, node_rank: int = 0) -> dict[str, Any] | Non
         return load_checkpoint(run_dir)
     import torch.distributed as dist
 
+    from .data.distributed import bookkeeping_group
+
     if dist.get_world_size() == 1:
         return load_checkpoint(run_dir)
     rank, path = dist.get_rank(), run_dir / CHECKPOINT
@@ -104,7 +109,8 @@ def resume_checkpoint(run_dir: Path, node_rank: int = 0) -> dict[str, Any] | Non
             except CheckpointError as exc:
                 error = str(exc)
         decision[0] = {"error": error, "path": str(path), "digest": digest, "epoch": epoch}
-    dist.broadcast_object_list(decision, src=0)
+    group = bookkeeping_group()
+    dist.broadcast_object_list(decision, src=0, group=group)
     chosen = decision[0]
     if chosen["error"] is not None:
         raise CheckpointError(f"--resume: rank 0's checkpoint: {chosen['error']}")
@@ -118,7 +124,7 @@ def resume_checkpoint(run_dir: Path, node_rank: int = 0) -> dict[str, Any] | Non
         state = ("received it from rank 0 "
                  f"({'another checkpoint' if data is not None else 'none'} in {path})")
     states: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(states, (node_rank, state))
+    dist.all_gather_object(states, (node_rank, state), group=group)
     if chosen["digest"] is None:
         if rank == 0 and any(s == "ignored its own" for _n, s in states):
             log.warning("--resume: rank 0 has no checkpoint in %s, so every rank starts at epoch "
@@ -129,7 +135,7 @@ def resume_checkpoint(run_dir: Path, node_rank: int = 0) -> dict[str, Any] | Non
         return None
     if any(s != "read it" for _n, s in states):
         payload: list[Any] = [data if rank == 0 else None]
-        dist.broadcast_object_list(payload, src=0)
+        dist.broadcast_object_list(payload, src=0, group=group)
         if not mine:
             data = payload[0]
     if rank == 0:

@@ -12,18 +12,53 @@ float arrays). They double as the reference for writing a trainer of your own::
 
 ``run.restore(name, obj)`` registers ``obj`` (anything with ``state_dict``) for checkpoints and
 loads it from the checkpoint when the run resumes.
+
+On a CUDA node the model lives on ``run.device`` (the rank's GPU, already the current device),
+is wrapped in DistributedDataParallel with that device under torchrun, and batches are copied
+to it with ``non_blocking=True`` (the run pins them). Losses and counts add up on the device,
+read once per epoch: a ``float()`` per batch would wait for the GPU at every step.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from .run import RunContext
+    from .run_context import RunContext
+
+
+def _wrap_ddp(run: RunContext, model: nn.Module) -> nn.Module:
+    """``model`` in DistributedDataParallel under torch.distributed (created once; gradients
+    averaged across ranks), else itself; the bare model is what gets checkpointed."""
+    if "ddp" not in run.state and torch.distributed.is_available() \
+            and torch.distributed.is_initialized():
+        device_ids = [run.device] if run.device.type == "cuda" else None  # a CPU module: None
+        run.state["ddp"] = nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+    return cast(nn.Module, run.state.get("ddp", model))
+
+
+class _Totals:
+    """Loss and accuracy summed on the device, read once at the end of an epoch."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.loss = torch.zeros((), dtype=torch.float64, device=device)
+        self.correct = torch.zeros((), dtype=torch.int64, device=device)
+        self.seen = 0
+
+    def add(self, loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor) -> None:
+        self.loss += loss.detach().double() * len(labels)
+        self.correct += (logits.detach().argmax(1) == labels).sum()
+        self.seen += len(labels)
+
+    def result(self) -> dict[str, float]:
+        if self.seen == 0:
+            return {"loss": float("nan"), "accuracy": float("nan"), "samples": 0}
+        return {"loss": float(self.loss) / self.seen, "accuracy": int(self.correct) / self.seen,
+                "samples": self.seen}
 
 
 def _split(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,33 +76,30 @@ def _split(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
 def train_epoch(run: RunContext, epoch: int, loader: Any) -> dict[str, float]:
     """One epoch of a two-layer MLP with SGD; returns the mean loss and accuracy."""
     options = {"lr": 0.05, "hidden": 64, "num_classes": 4, **run.options}
-    total_loss, total_correct, seen = 0.0, 0, 0
+    device = run.device
+    totals = _Totals(device)
     model: nn.Module | None = run.state.get("model")
     optimizer: torch.optim.Optimizer | None = run.state.get("optimizer")
     for batch in loader:
         inputs, labels = _split(batch)
+        inputs = inputs.to(device, non_blocking=True)
+        labels = labels.to(device, non_blocking=True)
         if model is None or optimizer is None:
             torch.manual_seed(run.seed)
+            # On the device before the optimizer exists: its state follows the parameters.
             model = run.restore("model", nn.Sequential(
                 nn.Linear(inputs.shape[1], int(options["hidden"])),
                 nn.ReLU(),
                 nn.Linear(int(options["hidden"]), int(options["num_classes"])),
-            ))
+            )).to(device)
             optimizer = run.restore("optimizer", torch.optim.SGD(model.parameters(), lr=float(options["lr"])))
-        if "ddp" not in run.state and torch.distributed.is_available() and torch.distributed.is_initialized():
-            # Gradients are averaged across ranks; the bare model is what gets checkpointed.
-            run.state["ddp"] = nn.parallel.DistributedDataParallel(model)
-        logits = run.state.get("ddp", model)(inputs)
+        logits = _wrap_ddp(run, model)(inputs)
         loss = nn.functional.cross_entropy(logits, labels)
         optimizer.zero_grad()
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]
         optimizer.step()
-        total_loss += float(loss.detach()) * len(labels)
-        total_correct += int((logits.argmax(1) == labels).sum())
-        seen += len(labels)
-    if seen == 0:
-        return {"loss": float("nan"), "accuracy": float("nan"), "samples": 0}
-    return {"loss": total_loss / seen, "accuracy": total_correct / seen, "samples": seen}
+        totals.add(loss, logits, labels)
+    return totals.result()
 
 
 def _images_and_labels(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,31 +146,31 @@ def train_image_classifier(run: RunContext, epoch: int, loader: Any) -> dict[str
 
     options = {"lr": 0.005, "size": 48, "min_scale": 0.35, "width": 16, "num_classes": 10,
                **run.options}
+    device = run.device
     model: nn.Module | None = run.state.get("model")
     if model is None:
         torch.manual_seed(run.seed)
         model = run.restore("model", make_cnn(int(options["num_classes"]), int(options["width"])))
+        model.to(device)  # before the optimizer exists: its state follows the parameters
         run.restore("optimizer", torch.optim.AdamW(model.parameters(), lr=float(options["lr"]),
                                                    weight_decay=1e-4))
     optimizer: torch.optim.Optimizer = run.state["optimizer"]
-    if "ddp" not in run.state and torch.distributed.is_available() and torch.distributed.is_initialized():
-        run.state["ddp"] = nn.parallel.DistributedDataParallel(model)
-    net = run.state.get("ddp", model)
+    net = _wrap_ddp(run, model)
+    # Crop and flip parameters come from a CPU generator, so they are the same on any device.
     generator = torch.Generator().manual_seed(run.seed * 1_000_003 + epoch)
     model.train()
-    total_loss, total_correct, seen = 0.0, 0, 0
+    totals = _Totals(device)
     for batch in loader:
         images, labels = _images_and_labels(batch)
+        # uint8 images travel (a quarter of float32's bytes); augmenting runs on the device.
+        images = images.to(device, non_blocking=True)
+        labels = labels.to(device, non_blocking=True)
         inputs = augment_batch(images, int(options["size"]),
                                scale=(float(options["min_scale"]), 1.0), generator=generator)
         logits = net(inputs)
         loss = nn.functional.cross_entropy(logits, labels)
         optimizer.zero_grad()
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]
         optimizer.step()
-        total_loss += float(loss.detach()) * len(labels)
-        total_correct += int((logits.argmax(1) == labels).sum())
-        seen += len(labels)
-    if seen == 0:
-        return {"loss": float("nan"), "accuracy": float("nan"), "samples": 0}
-    return {"loss": total_loss / seen, "accuracy": total_correct / seen, "samples": seen}
+        totals.add(loss, logits, labels)
+    return totals.result()

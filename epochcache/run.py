@@ -6,8 +6,10 @@ set, starts the sampler daemon in this process (or attaches to one already filli
 waits for ``train.min_samples``, then calls the trainer named by ``train.entrypoint`` once per
 epoch through :meth:`Cache.epochs`. After each epoch it logs loss, samples, cache fill,
 evictions and the data-wait fraction, appends them to ``metrics.jsonl`` and checkpoints to the
-run directory; ``--resume`` continues at the next epoch. Ctrl-C stops cleanly: the lease is
-released, the daemon stopped if the run started it, the last checkpoint kept.
+run directory; ``--resume`` continues at the next epoch. Ctrl-C (or SIGTERM) stops cleanly at
+the next batch (:mod:`epochcache.run_signals`): the lease is released, the daemon stopped if the
+run started it, the last checkpoint kept. On a CUDA node each rank trains on its own GPU
+(``RunContext.device``; :mod:`epochcache.data.devices`).
 """
 
 from __future__ import annotations
@@ -17,99 +19,38 @@ import importlib
 import importlib.util
 import json
 import logging
-import signal
+import multiprocessing
+import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from .cache import Cache
-from .checkpoint import resume_checkpoint, save_checkpoint
-from .redact import redact_url
+from .checkpoint import resume_checkpoint
 from .config import EpochcacheConfig, load_config
-from .ingest.daemon import Daemon, DaemonLock
+from .data.devices import CPU, RunDevice
+from .data.world import World
 from .errors import ConfigError, DaemonAlreadyRunning
+from .ingest.daemon import Daemon, DaemonLock
 from .ingest.metrics import MetricsServer, require_prometheus
-from .run_metrics import TrainProgress, Turnover, batch_len, train_metrics
+from .redact import redact_url
+from .run_context import RunContext, TimedLoader
+from .run_metrics import TrainProgress, Turnover, train_metrics
+from .run_signals import Interrupted, StopSignals, Terminated, quiet_worker, shelter_forkserver
 from .units import format_size
+
+# RunContext and Terminated are re-exported: trainers' type hints (README), callers' except.
+__all__ = ["Run", "RunContext", "Terminated", "add_config_parser", "add_run_parser",
+           "check_entrypoint", "ensure_demo_data", "resolve_entrypoint", "run_training"]
 
 log = logging.getLogger(__name__)
 
 METRICS = "metrics.jsonl"
 TrainFn = Callable[["RunContext", int, Any], Mapping[str, Any]]
-
-
-class RunContext:
-    """What a trainer gets besides the loader: options, seed, and checkpointed state.
-
-    Attributes:
-        config: the validated config.
-        options: ``train.options`` from the config.
-        state: a dict the trainer may keep objects in across epochs.
-        run_dir: where checkpoints, metrics and plots go.
-    """
-
-    def __init__(self, config: EpochcacheConfig, checkpoint: Mapping[str, Any] | None) -> None:
-        self.config = config
-        self.options: dict[str, Any] = dict(config.train.options)
-        self.seed = config.train.seed
-        self.run_dir = Path(config.train.run_dir)
-        self.state: dict[str, Any] = {}
-        self._saved: Mapping[str, Any] = (checkpoint or {}).get("state", {})
-        self._checkpointed: set[str] = set()
-
-    def restore(self, name: str, obj: Any) -> Any:
-        """Register ``obj`` (with ``state_dict``) for checkpoints; load it when resuming."""
-        if name in self._saved:
-            obj.load_state_dict(self._saved[name])
-        self.state[name] = obj
-        self._checkpointed.add(name)
-        return obj
-
-    def save_checkpoint(self, epoch: int, metrics: Mapping[str, Any]) -> Path:
-        return save_checkpoint(self.run_dir, {
-            "epoch": epoch,
-            "metrics": dict(metrics),
-            "state": {name: self.state[name].state_dict() for name in sorted(self._checkpointed)},
-        })
-
-
-class _TimedLoader:
-    """Wraps a loader to measure how long the training loop waits for each batch."""
-
-    def __init__(self, loader: Any, progress: TrainProgress | None = None) -> None:
-        self.loader = loader
-        self.wait_s = 0.0
-        self.batches = 0
-        self.progress = progress
-
-    def __len__(self) -> int:
-        return len(self.loader)
-
-    def __iter__(self) -> Iterator[Any]:
-        iterator = iter(self.loader)
-        while True:
-            start = time.perf_counter()
-            try:
-                batch = next(iterator)
-            except StopIteration:
-                self.wait_s += time.perf_counter() - start
-                return
-            waited = time.perf_counter() - start
-            self.wait_s += waited
-            self.batches += 1
-            progress = self.progress
-            if progress is not None:  # plain fields, read by /metrics at scrape time
-                progress.data_wait_s += waited
-                progress.batches += 1
-                progress.samples += batch_len(batch)
-            yield batch
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.loader, name)
 
 
 def check_entrypoint(spec: str) -> None:
@@ -166,8 +107,11 @@ def ensure_demo_data(config: EpochcacheConfig) -> None:
                         kind=source.demo_kind)
 
 
-def _loader_kwargs(config: EpochcacheConfig) -> dict[str, Any]:
+def _loader_kwargs(config: EpochcacheConfig, device: RunDevice = CPU) -> dict[str, Any]:
     loader = config.loader
+    # Pinned batches copy to the GPU asynchronously (non_blocking); on the CPU pinning is a
+    # copy for nothing. A pin_memory written in the config is what it says.
+    pin = loader.pin_memory if "pin_memory" in loader.model_fields_set else device.is_cuda
     kwargs: dict[str, Any] = {
         "batch_size": loader.batch_size,
         "num_workers": loader.num_workers,
@@ -176,7 +120,7 @@ def _loader_kwargs(config: EpochcacheConfig) -> dict[str, Any]:
         "max_sample_bytes": loader.max_sample_bytes,
         "fields": loader.fields,
         "image": loader.image,
-        "pin_memory": loader.pin_memory,
+        "pin_memory": pin,
         "stall_s": loader.stall_s,
         "timeout": loader.timeout,
         "seed": config.train.seed,
@@ -184,6 +128,8 @@ def _loader_kwargs(config: EpochcacheConfig) -> dict[str, Any]:
         "samples_per_epoch": config.train.samples_per_epoch,
         # None leaves the choice to epochs(), whose defaults are the API's (one default each).
         "persistent_workers": loader.persistent_workers,
+        # Workers leave Ctrl-C and a stranger's SIGTERM to the run, which stops them in order.
+        "worker_init_fn": quiet_worker,
     }
     if loader.prefetch_factor is not None:
         kwargs["prefetch_factor"] = loader.prefetch_factor  # dropped by epochs() without workers
@@ -194,8 +140,10 @@ class Run:
     """One training run: daemon (started or attached), epochs, metrics, checkpoints, plots."""
 
     def __init__(self, config: EpochcacheConfig, *, resume: bool = False, is_main: bool = True,
-                 node_rank: int = 0) -> None:
+                 node_rank: int = 0, stop: StopSignals | None = None) -> None:
         self.config = config
+        self.stop = stop or StopSignals()
+        self.device = CPU  # run_training sets the rank's device once torch is imported
         self.resume = resume
         self.is_main = is_main  # global rank 0: the one that writes the run directory
         self.node_rank = node_rank
@@ -290,10 +238,10 @@ class Run:
         if start >= total:
             log.info("all %d epochs are done (checkpoint of epoch %d)", total, start - 1)
             return 0
-        context = RunContext(self.config, checkpoint)
+        context = RunContext(self.config, checkpoint, self.device)
         cfg = self.config.cache
         cache = Cache(cfg.dir, capacity=cfg.capacity_bytes, headroom=cfg.headroom_bytes)
-        kwargs = _loader_kwargs(self.config)
+        kwargs = _loader_kwargs(self.config, self.device)
         try:
             # The wait ends with an error naming train.min_samples (or starts on a smaller,
             # wholly cached source) as soon as the number is known to be out of reach.
@@ -302,15 +250,23 @@ class Run:
 
             watch = FillWatch(cache, kwargs["min_samples"],
                               self.daemon_exit if self._daemon_thread is not None else None)
+
+            def judge(count: int) -> bool:
+                self.stop.check()  # polled every 0.5 s: Ctrl-C ends the wait
+                return watch(count)
+
             kwargs["min_samples"] = min(kwargs["min_samples"],
-                                        wait_for_samples(cache, kwargs["min_samples"], judge=watch))
+                                        wait_for_samples(cache, kwargs["min_samples"], judge=judge))
+            self.stop.check()
         except BaseException:
             cache.close()
             raise
         epochs = cache.epochs(total - start, start_epoch=start, **kwargs)
         try:
             for epoch, loader in epochs:
+                self.stop.check()  # a stop requested at the epoch boundary: no new epoch
                 self._run_epoch(cache, context, epoch, loader)
+                self.stop.check()  # before the next epoch is waited for
         finally:
             close = getattr(epochs, "close", None)
             if close is not None:
@@ -322,7 +278,7 @@ class Run:
         before = cache.counters()
         mark = self.turnover.mark(cache)
         self.progress.epoch = epoch
-        timed = _TimedLoader(loader, self.progress)
+        timed = TimedLoader(loader, self.progress, self.stop)
         started = time.perf_counter()
         from .data.distributed import mean_across_ranks
 
@@ -390,78 +346,95 @@ def _read_metrics(path: Path, before: int, rewrite: bool = True) -> list[dict[st
     return kept
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM reached the run: a scheduler preempting or ending the job (Slurm, Kubernetes),
-    or torchrun passing it on. The run stops as on Ctrl-C, and exits 143."""
-
-    exit_status = 143
-
-
-def _stop_on_sigterm() -> Callable[[], object]:
-    """Make SIGTERM raise :class:`Terminated` in the main thread, so that the epoch in progress
-    is abandoned, the daemon stopped in order and the last checkpoint kept, where the default
-    action ends the process on the spot (a second SIGTERM still does). Returns what puts the
-    previous handler back."""
-    if threading.current_thread() is not threading.main_thread():
-        return lambda: None  # handlers belong to the main thread: the default action stays
-
-    def stop(signum: int, frame: Any) -> None:
-        signal.signal(signal.SIGTERM, previous)
-        raise Terminated
-
-    previous = signal.signal(signal.SIGTERM, stop)
-    return lambda: signal.signal(signal.SIGTERM, previous)
-
-
 def run_training(config: EpochcacheConfig, *, resume: bool = False) -> int:
     """Run the whole job of ``epochcache run``; returns the exit status.
 
     Under torchrun, the process group is joined first; global rank 0 writes the demo data and
     the run directory (config, metrics, checkpoints, plots), local rank 0 of each node runs the
     node's daemon, and the other ranks of a node share its cache through ``cache.epochs()``.
+    SIGINT and SIGTERM stop the run at its next safe point (:mod:`epochcache.run_signals`):
+    exit 130 or 143.
     """
     from .data.world import detect_world
 
     world = detect_world()
     if config.train.metrics_port is not None:
         require_prometheus("train.metrics_port")  # before anything starts
-    run = Run(config, resume=resume, is_main=world.rank == 0, node_rank=world.node_rank)
-    created_group = False
-    restore_sigterm = _stop_on_sigterm()
+    stop = StopSignals().install()
+    run = Run(config, resume=resume, is_main=world.rank == 0, node_rank=world.node_rank,
+              stop=stop)
+    try:
+        try:
+            status = _run_job(run, world)
+        except KeyboardInterrupt as exc:
+            status = _stopped(exc)
+        try:
+            # Not before the run directory exists: a run stopped in its start-up has no plot.
+            plot = run.write_plots() if run.is_main and run.run_dir.is_dir() else None
+            if plot is not None:
+                log.info("wrote %s", plot)
+            if status == 0:
+                stop.check()  # a signal during the clean-up or the plot: stopped all the same
+        except KeyboardInterrupt as exc:
+            status = _stopped(exc)
+    finally:
+        stop.restore()
+    return status
+
+
+def _stopped(exc: KeyboardInterrupt) -> int:
+    log.warning("%s: stopping (the last checkpoint is kept; continue with --resume)",
+                "terminated (SIGTERM)" if isinstance(exc, Terminated) else "interrupted")
+    return int(getattr(exc, "exit_status", Interrupted.exit_status))
+
+
+def _run_job(run: Run, world: World) -> int:
+    """:func:`run_training` from the demo data to the daemon stopped and the job left."""
+    config, stop = run.config, run.stop
+    created_group = joined = False
     try:
         run.serve_metrics(world.local_rank)
         if world.rank == 0:
             ensure_demo_data(config)
+            stop.check()
         if world.local_rank == 0:
             # Lists the source first: an unreachable one exits 2 before the run dir is written
             # (and before torch is imported, which takes seconds).
             run.start_daemon()
+            stop.check()
         run.train_fn  # noqa: B018 - import the trainer now: a missing function is a bad config
-        from .data.distributed import barrier, init_run_distributed  # torch: after the checks
+        stop.check()
+        from .data.devices import joins_job
+        from .data.distributed import barrier, init_run_distributed, select_device
 
-        created_group = init_run_distributed(world)
+        run.device = select_device(world)  # torch: after the checks
+        joined = joins_job(world, os.environ)
+        created_group = init_run_distributed(world, run.device, join=joined)
         barrier()  # the demo data and the node's daemon exist before any rank trains
+        stop.check()
         if run.is_main:
             run.run_dir.mkdir(parents=True, exist_ok=True)
             (run.run_dir / "config.yaml").write_text(config.redacted_yaml())
-        status = run.train()
-    except KeyboardInterrupt as exc:
-        log.warning("%s: stopping (the last checkpoint is kept; continue with --resume)",
-                    "terminated (SIGTERM)" if isinstance(exc, Terminated) else "interrupted")
-        status = getattr(exc, "exit_status", 130)
+        if config.loader.num_workers and multiprocessing.get_start_method() == "forkserver":
+            shelter_forkserver()  # before epochs() starts workers from it (Python 3.14+)
+        return run.train()
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:
+        if not stop.requested:
+            raise
+        # What a stop breaks on its way (a DataLoader worker or a peer rank signalled too, the
+        # daemon's samplers stopping) is the stop, not a failure.
+        log.debug("while stopping: %s: %s", type(exc).__name__, exc, exc_info=exc)
+        raise stop.exception() from None
     finally:
         try:
             run.stop_daemon()
-            if created_group:
-                import torch.distributed
-
-                torch.distributed.destroy_process_group()
         finally:
-            restore_sigterm()
-    plot = run.write_plots() if run.is_main else None
-    if plot is not None:
-        log.info("wrote %s", plot)
-    return status
+            if joined:
+                from .data.distributed import close_run_distributed
+
+                close_run_distributed(created_group)
 
 
 def _cmd_run(args: argparse.Namespace) -> int:

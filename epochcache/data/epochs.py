@@ -171,6 +171,12 @@ class _Epochs:
         self.stall_s, self.stall_file, self.loader_kwargs = stall_s, stall_file, loader_kwargs
         self.world, self.progressive = world, progressive
         self.resume = resume  # consumed by the first epoch's plan
+        # CUDA's current device is per thread, and loaders are built on a lane thread, whose
+        # device is GPU 0: DataLoader's pin-memory thread takes the builder's, so every rank
+        # would pin (and hold a CUDA context) on GPU 0. Built under the trainer's device.
+        self.device_index = (torch.cuda.current_device() if loader_kwargs.get("pin_memory")
+                             and torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+                             else None)
         self.sync = (NodeSync(self.world, cache_identity(cache.path), cache.path)
                      if dist_initialized() and self.world.distributed else None)
         # In process and without DDP collectives, the next epoch is planned in the training
@@ -297,7 +303,10 @@ class _Epochs:
         pending.loader = loader
         if self.num_workers == 0 and not loader.pin_memory:
             return in_process_batches(loader, sampler)
-        return iter(loader)  # starts the workers; their priming waits for the plan
+        if self.device_index is None:
+            return iter(loader)  # starts the workers; their priming waits for the plan
+        with torch.cuda.device(self.device_index):
+            return iter(loader)
 
     def prepare(self, epoch: int) -> _Pending:
         pending = _Pending(epoch)
@@ -345,9 +354,12 @@ class _Epochs:
         except BaseException:  # cancelled or failed: nothing was taken, or it is released
             pass
         try:
-            pending.iterator.result(timeout=60)
+            iterator = pending.iterator.result(timeout=60)
         except BaseException:
             pass
+        else:  # shut down here, not by the garbage collector (see PlanSampler.__iter__)
+            if hasattr(iterator, "_shutdown_workers"):
+                iterator._shutdown_workers()
 
     # -- the generator ----------------------------------------------------------------------
 

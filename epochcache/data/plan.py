@@ -92,7 +92,15 @@ class PlanSampler(Sampler[SeqBatch]):
     def __iter__(self) -> Iterator[SeqBatch]:
         if self.plan is None:
             raise RuntimeError("epochcache: loader used before its epoch was planned")
-        plan = self.plan.result()  # raises the planner's error in the builder thread
+        try:
+            plan = self.plan.result()
+        except BaseException:  # noqa: BLE001 - reported by epochs() from the plan itself
+            # Planning failed or was cancelled (a run stopping while workers start): no
+            # batches. Raised here, the error would escape DataLoader's iterator half-built,
+            # its workers started and never shut down, left to the garbage collector, whose
+            # finalizers run in any order: a queue's pipe closed under its feeder thread
+            # ("Bad file descriptor", "semaphore or lock released too many times").
+            return
         epoch, lease_id = plan.epoch, plan.dataset.lease_id
         for i in range(plan.n_batches):
             yield SeqBatch(plan.batch(i), epoch, lease_id)

@@ -1,0 +1,102 @@
+"""What a trainer of ``epochcache run`` gets: its :class:`RunContext`, and the loader wrapped
+in a :class:`TimedLoader` (which times the waits for batches and stops between two batches when
+the run was asked to stop).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from .checkpoint import save_checkpoint
+from .config import EpochcacheConfig
+from .data.devices import CPU, RunDevice
+from .run_metrics import TrainProgress, batch_len
+from .run_signals import StopSignals
+
+
+class RunContext:
+    """What a trainer gets besides the loader: options, seed, and checkpointed state.
+
+    Attributes:
+        config: the validated config.
+        options: ``train.options`` from the config.
+        state: a dict the trainer may keep objects in across epochs.
+        run_dir: where checkpoints, metrics and plots go.
+        device: the ``torch.device`` to train on: ``cuda:LOCAL_RANK`` on a CUDA node (the
+            current device already), else the CPU. Batches arrive in pinned memory on CUDA
+            (unless ``loader.pin_memory`` says otherwise): copy them with
+            ``.to(run.device, non_blocking=True)``.
+    """
+
+    def __init__(self, config: EpochcacheConfig, checkpoint: Mapping[str, Any] | None,
+                 device: RunDevice = CPU) -> None:
+        import torch
+
+        self.config = config
+        self.device = torch.device(device.name)
+        self.options: dict[str, Any] = dict(config.train.options)
+        self.seed = config.train.seed
+        self.run_dir = Path(config.train.run_dir)
+        self.state: dict[str, Any] = {}
+        self._saved: Mapping[str, Any] = (checkpoint or {}).get("state", {})
+        self._checkpointed: set[str] = set()
+
+    def restore(self, name: str, obj: Any) -> Any:
+        """Register ``obj`` (with ``state_dict``) for checkpoints; load it when resuming."""
+        if name in self._saved:
+            obj.load_state_dict(self._saved[name])
+        self.state[name] = obj
+        self._checkpointed.add(name)
+        return obj
+
+    def save_checkpoint(self, epoch: int, metrics: Mapping[str, Any]) -> Path:
+        return save_checkpoint(self.run_dir, {
+            "epoch": epoch,
+            "metrics": dict(metrics),
+            "state": {name: self.state[name].state_dict() for name in sorted(self._checkpointed)},
+        })
+
+
+class TimedLoader:
+    """Wraps a loader to measure how long the training loop waits for each batch, and to stop
+    the epoch between two batches when a stop was requested (``stop``)."""
+
+    def __init__(self, loader: Any, progress: TrainProgress | None = None,
+                 stop: StopSignals | None = None) -> None:
+        self.loader = loader
+        self.wait_s = 0.0
+        self.batches = 0
+        self.progress = progress
+        self.stop = stop or StopSignals()
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[Any]:
+        stop = self.stop
+        stop.check()
+        iterator = iter(self.loader)
+        while True:
+            start = time.perf_counter()
+            stop.check()
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                self.wait_s += time.perf_counter() - start
+                return
+            stop.check()  # the batch is not trained on: the epoch is abandoned either way
+            waited = time.perf_counter() - start
+            self.wait_s += waited
+            self.batches += 1
+            progress = self.progress
+            if progress is not None:  # plain fields, read by /metrics at scrape time
+                progress.data_wait_s += waited
+                progress.batches += 1
+                progress.samples += batch_len(batch)
+            yield batch
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.loader, name)

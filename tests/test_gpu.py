@@ -1,0 +1,131 @@
+"""``epochcache run`` on CUDA under torchrun: NCCL, each rank on its GPU (issue 20, item 4).
+
+Marked ``gpu`` and skipped where ``torch.cuda.is_available()`` is false (the CPU suite covers
+gloo, and the run's bookkeeping under a default group without CPU support with a stand-in for
+NCCL: test_run_devices.py). Here NCCL itself: ``torchrun --nproc-per-node 1`` (and 2 on a machine
+with two GPUs) on configs/ddp.yaml-like settings with a local source, then ``--resume``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_run import RUN_TIMEOUT_S, cli_env, demo_config, read_metrics, status_json, write_yaml
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (NCCL)"),
+]
+
+PROBE_TRAINER = '''\
+"""The example trainer, after writing where the first batch and the model live."""
+import json
+import os
+
+import torch
+
+from epochcache.examples import train_epoch as example_epoch
+
+
+def train_epoch(run, epoch, loader):
+    def batches():
+        for index, batch in enumerate(loader):
+            if index == 0 and epoch == 0:
+                seen = {"run_device": str(run.device),
+                        "current_device": torch.cuda.current_device(),
+                        "pinned": bool(batch["npy"].is_pinned())}
+                path = os.path.join(run.options["probe_dir"], f"rank{os.environ['RANK']}.json")
+                with open(path, "w") as f:
+                    json.dump(seen, f)
+            yield batch
+
+    result = example_epoch(run, epoch, batches())
+    model = run.state["model"]
+    result["model_on_cuda"] = float(next(model.parameters()).is_cuda)
+    return result
+'''
+
+
+def _torchrun(cfg: Path, *args: str, cwd: Path, nproc: int = 1,
+              timeout_s: float = RUN_TIMEOUT_S * 2) -> tuple[int, str]:
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+            str(nproc), "-m", "epochcache", "run", str(cfg), *args]
+    proc = subprocess.Popen(argv, cwd=cwd, env=cli_env(pythonpath=cwd), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"torchrun hung for {timeout_s:.0f} s:\n{out[-6000:]}") from None
+    return proc.returncode, out
+
+
+def _ddp_config(tmp_path: Path, epochs: int) -> Path:
+    """configs/ddp.yaml's shape on a local tar source: per-node cache dir, workers, a run dir."""
+    (tmp_path / "probe_trainer.py").write_text(PROBE_TRAINER)
+    config = demo_config(
+        tmp_path,
+        cache={"dir": "demo-cache/node-${GROUP_RANK:-0}"},
+        sampler={"processes": 2, "concurrency": 4},
+        loader={"num_workers": 2},
+        train={"epochs": epochs, "min_samples": 300, "entrypoint": "probe_trainer:train_epoch",
+               "options": {"lr": 0.05, "hidden": 64, "probe_dir": str(tmp_path)}},
+    )
+    return write_yaml(tmp_path / "ddp.yaml", config)
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_torchrun_trains_each_rank_on_its_gpu_with_nccl_then_resumes(tmp_path: Path,
+                                                                     nproc: int) -> None:
+    if torch.cuda.device_count() < nproc:
+        pytest.skip(f"needs {nproc} GPUs")
+    cfg = _ddp_config(tmp_path, epochs=2)
+    status, logs = _torchrun(cfg, cwd=tmp_path, nproc=nproc)
+    assert status == 0, logs[-6000:]
+    for rank in range(nproc):
+        assert f"rank {rank} of {nproc} (node 0, local rank {rank}), backend nccl, device " \
+               f"cuda:{rank}" in logs, logs[-6000:]
+        probe = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert probe == {"run_device": f"cuda:{rank}", "current_device": rank, "pinned": True}
+    rows = read_metrics(tmp_path / "runs/demo")
+    assert [row["epoch"] for row in rows] == [0, 1], rows
+    assert all(row["model_on_cuda"] == 1.0 for row in rows), rows
+    assert rows[-1]["loss"] < rows[0]["loss"], rows
+    checkpoint = torch.load(tmp_path / "runs/demo/checkpoint.pt", map_location="cpu",
+                            weights_only=True)
+    assert checkpoint["epoch"] == 1
+
+    status, logs = _torchrun(cfg, "--resume", "--epochs", "3", cwd=tmp_path, nproc=nproc)
+    assert status == 0, logs[-6000:]
+    assert "epoch 2:" in logs and "epoch 0:" not in logs, logs[-6000:]
+    rows = read_metrics(tmp_path / "runs/demo")
+    assert [row["epoch"] for row in rows] == [0, 1, 2], rows
+    assert rows[2]["loss"] < 1.5 * rows[1]["loss"], rows  # the model was restored on the GPU
+    stats = status_json(tmp_path / "demo-cache" / "node-0", cwd=tmp_path)
+    assert stats["leases"] == 0 and stats["daemon"]["stopped"], stats
+
+
+def test_the_image_demo_trains_on_the_gpu(tmp_path: Path) -> None:
+    """configs/demo.yaml's trainer (a CNN, augmentation on the device) under torchrun."""
+    config = demo_config(
+        tmp_path,
+        source={"url": "demo-data/shapes", "demo_samples": 600, "demo_kind": "jpg"},
+        cache={"capacity": "2MiB"},
+        loader={"num_workers": 2, "fields": ["jpg;png", "cls"], "image": "torch"},
+        train={"epochs": 1, "min_samples": 200, "samples_per_epoch": 640,
+               "entrypoint": "epochcache.examples:train_image_classifier",
+               "options": {"lr": 0.005, "size": 32, "width": 8}},
+    )
+    status, logs = _torchrun(write_yaml(tmp_path / "demo.yaml", config), cwd=tmp_path)
+    assert status == 0, logs[-6000:]
+    assert "backend nccl, device cuda:0" in logs, logs[-6000:]
+    rows = read_metrics(tmp_path / "runs/demo")
+    assert [row["epoch"] for row in rows] == [0] and rows[0]["samples"] > 0, rows
