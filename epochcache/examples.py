@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from .run_context import RunContext
+    from .run import RunContext
 
 
 def _wrap_ddp(run: RunContext, model: nn.Module) -> nn.Module:

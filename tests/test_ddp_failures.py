@@ -203,7 +203,7 @@ def test_ranks_of_one_node_with_different_caches_are_refused(tmp_path: Path) -> 
 
 def _resume(rank: int, port: int, run_dirs: list[str], out: str) -> None:
     _join_env(rank, 2, port, local_world_size=1)  # two nodes, each with its own run directory
-    from epochcache.checkpoint import resume_checkpoint
+    from epochcache.run.checkpoint import resume_checkpoint
 
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=COLLECTIVE_TIMEOUT)
     try:

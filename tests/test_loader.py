@@ -257,7 +257,7 @@ def test_next_snapshot_is_taken_near_the_end_of_an_epoch_with_prefetching_worker
 
 def _run_config(path: str, **loader: object) -> dict[str, object]:
     from epochcache.config import parse_config
-    from epochcache.run import _loader_kwargs
+    from epochcache.run.job import _loader_kwargs
 
     config = parse_config({"source": {"url": "file:///nowhere"},
                            "cache": {"dir": path, "capacity": "1GiB"},

@@ -85,8 +85,8 @@ def test_a_job_is_joined_when_the_launcher_says_there_is_one() -> None:
 
 def test_batches_are_pinned_for_a_gpu_unless_the_config_says_otherwise(tmp_path: Path) -> None:
     from epochcache.config import parse_config
-    from epochcache.run import _loader_kwargs
-    from epochcache.run_signals import quiet_worker
+    from epochcache.run.job import _loader_kwargs
+    from epochcache.run.signals import quiet_worker
 
     base = {"source": {"url": "file:///nowhere"}, "cache": {"dir": str(tmp_path), "capacity": "1GiB"},
             "train": {"min_samples": 0}}
@@ -133,7 +133,7 @@ def _join_cuda_only(rank: int, port: int) -> None:
 def _bookkeeping(rank: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
-    from epochcache.checkpoint import resume_checkpoint
+    from epochcache.run.checkpoint import resume_checkpoint
     from epochcache.data import distributed
 
     _join_cuda_only(rank, port)
@@ -168,7 +168,7 @@ def _run_ranks(target: Any, *args: Any, timeout_s: float) -> None:
 
 def test_the_runs_bookkeeping_reduces_on_gloo_under_a_cuda_only_default_group(
         tmp_path: Path) -> None:
-    from epochcache.checkpoint import save_checkpoint
+    from epochcache.run.checkpoint import save_checkpoint
 
     (tmp_path / "run0").mkdir()
     (tmp_path / "run1").mkdir()

@@ -319,7 +319,7 @@ def test_epochs_closed_in_the_first_epoch_shut_every_worker_down(tmp_path: Path)
 WORKER_SCRIPT = """
 import os, signal, subprocess, sys
 import torch
-from epochcache.run_signals import quiet_worker, shelter_forkserver
+from epochcache.run.signals import quiet_worker, shelter_forkserver
 
 
 class Pids(torch.utils.data.Dataset):

@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from .store import SampleStore
-from .units import format_size
+from ..store import SampleStore
+from ..units import format_size
 
 log = logging.getLogger("epochcache.run")
 

@@ -11,10 +11,10 @@ from pathlib import Path
 from typing import Any
 
 from .checkpoint import save_checkpoint
-from .config import EpochcacheConfig
-from .data.devices import CPU, RunDevice
-from .run_metrics import TrainProgress, batch_len
-from .run_signals import StopSignals
+from ..config import EpochcacheConfig
+from ..data.devices import CPU, RunDevice
+from .metrics import TrainProgress, batch_len
+from .signals import StopSignals
 
 
 class RunContext:

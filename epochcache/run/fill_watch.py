@@ -28,9 +28,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .errors import MinSamplesUnreachable
-from .ingest.daemon import DaemonLock
-from .store import SampleStore
+from ..errors import MinSamplesUnreachable
+from ..ingest.daemon import DaemonLock
+from ..store import SampleStore
 
 log = logging.getLogger(__name__)
 

@@ -29,19 +29,19 @@ from typing import Any
 
 import numpy as np
 
-from .cache import Cache
+from ..cache import Cache
 from .checkpoint import resume_checkpoint
-from .config import EpochcacheConfig, load_config
-from .data.devices import CPU, RunDevice
-from .data.world import World
-from .errors import ConfigError, DaemonAlreadyRunning
-from .ingest.daemon import Daemon, DaemonLock
-from .ingest.metrics import MetricsServer, require_prometheus
-from .redact import redact_url
-from .run_context import RunContext, TimedLoader
-from .run_metrics import TrainProgress, Turnover, train_metrics
-from .run_signals import Interrupted, StopSignals, Terminated, quiet_worker, shelter_forkserver
-from .units import format_size
+from ..config import EpochcacheConfig, load_config
+from ..data.devices import CPU, RunDevice
+from ..data.world import World
+from ..errors import ConfigError, DaemonAlreadyRunning
+from ..ingest.daemon import Daemon, DaemonLock
+from ..ingest.metrics import MetricsServer, require_prometheus
+from ..redact import redact_url
+from .context import RunContext, TimedLoader
+from .metrics import TrainProgress, Turnover, train_metrics
+from .signals import Interrupted, StopSignals, Terminated, quiet_worker, shelter_forkserver
+from ..units import format_size
 
 # RunContext and Terminated are re-exported: trainers' type hints (README), callers' except.
 __all__ = ["Run", "RunContext", "Terminated", "add_config_parser", "add_run_parser",
@@ -87,8 +87,8 @@ def resolve_entrypoint(spec: str) -> TrainFn:
 def ensure_demo_data(config: EpochcacheConfig) -> None:
     """Write the demo dataset at each source's url whose ``demo_samples`` is set and where
     nothing is there."""
-    from .demo import write_demo_data
-    from .ingest.remote import open_fs, translate_errors
+    from ..demo import write_demo_data
+    from ..ingest.remote import open_fs, translate_errors
 
     for entry in config.source_entries():
         source = entry.config
@@ -245,7 +245,7 @@ class Run:
         try:
             # The wait ends with an error naming train.min_samples (or starts on a smaller,
             # wholly cached source) as soon as the number is known to be out of reach.
-            from .data.wait import wait_for_samples
+            from ..data.wait import wait_for_samples
             from .fill_watch import FillWatch
 
             watch = FillWatch(cache, kwargs["min_samples"],
@@ -280,7 +280,7 @@ class Run:
         self.progress.epoch = epoch
         timed = TimedLoader(loader, self.progress, self.stop)
         started = time.perf_counter()
-        from .data.distributed import mean_across_ranks
+        from ..data.distributed import mean_across_ranks
 
         result = mean_across_ranks(dict(self.train_fn(context, epoch, timed) or {}))
         elapsed = time.perf_counter() - started
@@ -321,7 +321,7 @@ class Run:
         )
 
     def write_plots(self) -> Path | None:
-        from .plot import INSTALL_HINT, available, plot_run
+        from ..plot import INSTALL_HINT, available, plot_run
 
         if not available():  # matplotlib is an extra
             log.info("matplotlib is not installed: no plot (%s)", INSTALL_HINT)
@@ -355,7 +355,7 @@ def run_training(config: EpochcacheConfig, *, resume: bool = False) -> int:
     SIGINT and SIGTERM stop the run at its next safe point (:mod:`epochcache.run_signals`):
     exit 130 or 143.
     """
-    from .data.world import detect_world
+    from ..data.world import detect_world
 
     world = detect_world()
     if config.train.metrics_port is not None:
@@ -404,8 +404,8 @@ def _run_job(run: Run, world: World) -> int:
             stop.check()
         run.train_fn  # noqa: B018 - import the trainer now: a missing function is a bad config
         stop.check()
-        from .data.devices import joins_job
-        from .data.distributed import barrier, init_run_distributed, select_device
+        from ..data.devices import joins_job
+        from ..data.distributed import barrier, init_run_distributed, select_device
 
         run.device = select_device(world)  # torch: after the checks
         joined = joins_job(world, os.environ)
@@ -432,7 +432,7 @@ def _run_job(run: Run, world: World) -> int:
             run.stop_daemon()
         finally:
             if joined:
-                from .data.distributed import close_run_distributed
+                from ..data.distributed import close_run_distributed
 
                 close_run_distributed(created_group)
 

@@ -21,7 +21,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 log = logging.getLogger(__name__)
 
@@ -82,13 +82,13 @@ def resume_checkpoint(run_dir: Path, node_rank: int = 0) -> dict[str, Any] | Non
     Raises:
         CheckpointError: rank 0's checkpoint cannot be read or loaded.
     """
-    from .data.world import dist_initialized
+    from ..data.world import dist_initialized
 
     if not dist_initialized():
         return load_checkpoint(run_dir)
     import torch.distributed as dist
 
-    from .data.distributed import bookkeeping_group
+    from ..data.distributed import bookkeeping_group
 
     if dist.get_world_size() == 1:
         return load_checkpoint(run_dir)
