@@ -230,6 +230,12 @@ class CacheConfig(_Section):
         default=True,
         description="fsync every commit: survives power loss; false keeps kill -9 safety only",
     )
+    resume_grace_s: Duration = Field(
+        default=1800.0,
+        description="a dead run's epoch lease that a checkpoint names is kept this long past "
+                    "its last heartbeat, for `run --resume` to continue the epoch; then it is "
+                    "reclaimed",
+    )
 
     @property
     def capacity_bytes(self) -> int:
@@ -358,6 +364,12 @@ class TrainConfig(_Section):
     metrics_port: Port | None = Field(
         default=None, description="serve the training side's Prometheus /metrics on this port")
     metrics_host: str = Field(default="127.0.0.1", min_length=1)
+    checkpoint_every_s: Duration | None = Field(
+        default=None,
+        description="also checkpoint mid-epoch this often (and on SIGTERM): model, optimizer "
+                    "and the epoch's position; `run --resume` then continues the interrupted "
+                    "epoch exactly where its last checkpoint was (null: at epoch ends only)",
+    )
 
     @field_validator("entrypoint")
     @classmethod

@@ -14,6 +14,7 @@ from .checkpoint import save_checkpoint
 from ..config import EpochcacheConfig
 from ..data.devices import CPU, RunDevice
 from .metrics import TrainProgress, batch_len
+from .midepoch import MidEpoch
 from .signals import StopSignals
 
 
@@ -52,12 +53,18 @@ class RunContext:
         self._checkpointed.add(name)
         return obj
 
-    def save_checkpoint(self, epoch: int, metrics: Mapping[str, Any]) -> Path:
-        return save_checkpoint(self.run_dir, {
+    def save_checkpoint(self, epoch: int, metrics: Mapping[str, Any],
+                        resume: Mapping[str, Any] | None = None) -> Path:
+        """Checkpoint after ``epoch`` (the last completed); ``resume``: where the epoch after
+        it stands, for a mid-epoch checkpoint (see :mod:`.midepoch`)."""
+        payload: dict[str, Any] = {
             "epoch": epoch,
             "metrics": dict(metrics),
             "state": {name: self.state[name].state_dict() for name in sorted(self._checkpointed)},
-        })
+        }
+        if resume is not None:
+            payload["resume"] = dict(resume)
+        return save_checkpoint(self.run_dir, payload)
 
 
 class TimedLoader:
@@ -65,12 +72,13 @@ class TimedLoader:
     the epoch between two batches when a stop was requested (``stop``)."""
 
     def __init__(self, loader: Any, progress: TrainProgress | None = None,
-                 stop: StopSignals | None = None) -> None:
+                 stop: StopSignals | None = None, midepoch: MidEpoch | None = None) -> None:
         self.loader = loader
         self.wait_s = 0.0
         self.batches = 0
         self.progress = progress
         self.stop = stop or StopSignals()
+        self.midepoch = midepoch
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -81,6 +89,8 @@ class TimedLoader:
         iterator = iter(self.loader)
         while True:
             start = time.perf_counter()
+            if self.midepoch is not None:  # the last batch is trained on: checkpoint now?
+                self.midepoch.at_boundary(self.batches)
             stop.check()
             try:
                 batch = next(iterator)

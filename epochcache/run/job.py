@@ -39,6 +39,8 @@ from ..ingest.daemon import Daemon, DaemonLock
 from ..ingest.metrics import MetricsServer, require_prometheus
 from ..redact import redact_url
 from .context import RunContext, TimedLoader
+from .midepoch import MidEpoch
+from .midepoch import loader_state as loader_state_of
 from .metrics import TrainProgress, Turnover, train_metrics
 from .signals import Interrupted, StopSignals, Terminated, quiet_worker, shelter_forkserver
 from ..units import format_size
@@ -140,13 +142,15 @@ class Run:
     """One training run: daemon (started or attached), epochs, metrics, checkpoints, plots."""
 
     def __init__(self, config: EpochcacheConfig, *, resume: bool = False, is_main: bool = True,
-                 node_rank: int = 0, stop: StopSignals | None = None) -> None:
+                 node_rank: int = 0, stop: StopSignals | None = None, rank: int = 0,
+                 world_size: int = 1) -> None:
         self.config = config
         self.stop = stop or StopSignals()
         self.device = CPU  # run_training sets the rank's device once torch is imported
         self.resume = resume
         self.is_main = is_main  # global rank 0: the one that writes the run directory
         self.node_rank = node_rank
+        self.rank, self.world_size = rank, world_size
         self.run_dir = Path(config.train.run_dir)
         check_entrypoint(config.train.entrypoint)
         self._train_fn: TrainFn | None = None  # imported once the source is known to be there
@@ -230,6 +234,9 @@ class Run:
         # start epoch (run directories not shared) waited for each other's epochs forever.
         checkpoint = resume_checkpoint(self.run_dir, self.node_rank) if self.resume else None
         start = 0 if checkpoint is None else int(checkpoint["epoch"]) + 1
+        loader_state = loader_state_of(checkpoint, self.rank, self.world_size)
+        if loader_state is not None:
+            start = int(loader_state["epoch"])  # the interrupted epoch, from its position
         total = self.config.train.epochs
         if self.resume:
             self.metrics = _read_metrics(self.run_dir / METRICS, before=start, rewrite=self.is_main)
@@ -261,7 +268,7 @@ class Run:
         except BaseException:
             cache.close()
             raise
-        epochs = cache.epochs(total - start, start_epoch=start, **kwargs)
+        epochs = cache.epochs(total - start, start_epoch=start, resume=loader_state, **kwargs)
         try:
             for epoch, loader in epochs:
                 self.stop.check()  # a stop requested at the epoch boundary: no new epoch
@@ -278,7 +285,11 @@ class Run:
         before = cache.counters()
         mark = self.turnover.mark(cache)
         self.progress.epoch = epoch
-        timed = TimedLoader(loader, self.progress, self.stop)
+        every = self.config.train.checkpoint_every_s
+        midepoch = None if every is None else MidEpoch(
+            context, loader, epoch, every_s=every, grace_s=self.config.cache.resume_grace_s,
+            stop=self.stop, rank=self.rank, is_main=self.is_main)
+        timed = TimedLoader(loader, self.progress, self.stop, midepoch)
         started = time.perf_counter()
         from ..data.distributed import mean_across_ranks
 
@@ -362,7 +373,7 @@ def run_training(config: EpochcacheConfig, *, resume: bool = False) -> int:
         require_prometheus("train.metrics_port")  # before anything starts
     stop = StopSignals().install()
     run = Run(config, resume=resume, is_main=world.rank == 0, node_rank=world.node_rank,
-              stop=stop)
+              stop=stop, rank=world.rank, world_size=world.world_size)
     try:
         try:
             status = _run_job(run, world)

@@ -1,0 +1,132 @@
+"""Mid-epoch checkpoints of ``epochcache run`` (``train.checkpoint_every_s``).
+
+Between two batches, every ``checkpoint_every_s`` seconds and when the run is asked to stop
+(SIGTERM from a scheduler, Ctrl-C), the run saves the model, the optimizer and each rank's
+:meth:`EpochLoader.state_dict` (the epoch's lease and the rank's position in its order). Then,
+and only then, the samples the checkpoint covers are released for eviction
+(``release_as_consumed`` is off): everything after the checkpoint is still cached when the job
+dies, and the epoch's lease outlives it for ``cache.resume_grace_s``. ``--resume`` hands each
+rank its own state back (``epochs(resume=...)``): the same snapshot, the same order, from the
+next sample.
+
+Under torch.distributed the ranks agree at every batch boundary (one small all-reduce on the
+bookkeeping group) whether a checkpoint is due or a rank is stopping, so all of them save at
+the same batch, and stop together.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .context import RunContext
+    from .signals import StopSignals
+
+log = logging.getLogger(__name__)
+
+#: The checkpoint key of a mid-epoch checkpoint: ``{"epoch", "batches", "loaders": {rank:
+#: state}}``; ``epoch`` of the checkpoint stays the last epoch completed.
+RESUME_KEY = "resume"
+
+
+class MidEpoch:
+    """Saves mid-epoch checkpoints of one epoch (see the module docstring).
+
+    Args:
+        context: the trainer's context (what it registered for checkpoints).
+        loader: the epoch's :class:`~epochcache.data.epoch_loader.EpochLoader`.
+        epoch: the epoch.
+        every_s: seconds between checkpoints.
+        grace_s: how long the epoch's lease outlives a dead run (``cache.resume_grace_s``).
+        stop: the run's stop request (a stop is checkpointed before the run stops).
+        rank: this process's global rank; ``is_main`` writes the file.
+    """
+
+    def __init__(self, context: RunContext, loader: Any, epoch: int, *, every_s: float,
+                 grace_s: float, stop: StopSignals, rank: int, is_main: bool) -> None:
+        self.context, self.loader, self.epoch = context, loader, epoch
+        self.every_s, self.grace_s, self.stop = every_s, grace_s, stop
+        self.rank, self.is_main = rank, is_main
+        self.last = time.monotonic()
+        self.saved_batches = 0
+        self._kept = False
+        loader.release_as_consumed = False  # released as checkpoints cover them
+
+    def at_boundary(self, batches: int) -> None:
+        """Between two batches, ``batches`` done: save if a checkpoint is due (or the run
+        stops); under DDP every rank decides the same, and a stop on one rank stops all."""
+        due = time.monotonic() - self.last >= self.every_s
+        stopping = self.stop.requested
+        from ..data.world import dist_initialized
+
+        if dist_initialized():
+            due, stopping = _agree(due, stopping)
+            if stopping and not self.stop.requested:
+                self.stop.signum = signal.SIGTERM  # a peer was told to stop: stop together
+        if (due or stopping) and batches > self.saved_batches:
+            self.save(batches)
+
+    def save(self, batches: int) -> None:
+        state = self.loader.state_dict()
+        states = _gather({str(self.rank): state})
+        if not self._kept:
+            self.loader.keep_for_resume(self.grace_s)  # the node's leader holds the lease
+            self._kept = True
+        if self.is_main:
+            self.context.save_checkpoint(self.epoch - 1, {}, resume={
+                "epoch": self.epoch, "batches": batches, "loaders": states})
+        from ..data.distributed import barrier
+
+        barrier()  # the file is written before any rank lets the samples go
+        self.loader.release(batches)
+        self.saved_batches, self.last = batches, time.monotonic()
+        log.debug("epoch %d: checkpoint after %d batches", self.epoch, batches)
+
+
+def _agree(due: bool, stopping: bool) -> tuple[bool, bool]:
+    import torch
+    import torch.distributed as dist
+
+    from ..data.distributed import bookkeeping_group
+
+    flags = torch.tensor([int(due), int(stopping)], dtype=torch.int32)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=bookkeeping_group())
+    return bool(flags[0]), bool(flags[1])
+
+
+def _gather(mine: dict[str, Any]) -> dict[str, Any]:
+    from ..data.world import dist_initialized
+
+    if not dist_initialized():
+        return mine
+    import torch.distributed as dist
+
+    from ..data.distributed import bookkeeping_group
+
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine, group=bookkeeping_group())
+    merged: dict[str, Any] = {}
+    for part in everyone:
+        merged.update(part)
+    return merged
+
+
+def loader_state(checkpoint: dict[str, Any] | None, rank: int,
+                 world_size: int) -> dict[str, Any] | None:
+    """This rank's loader state in a mid-epoch checkpoint (None: none, or the checkpoint came
+    from another number of ranks: then its epoch starts afresh, logged). Every rank holds the
+    same checkpoint (rank 0's), so every rank decides alike."""
+    mid = (checkpoint or {}).get(RESUME_KEY)
+    if not mid:
+        return None
+    loaders = mid.get("loaders", {})
+    if len(loaders) != world_size or str(rank) not in loaders:
+        if rank == 0:
+            log.warning("--resume: epoch %d was checkpointed mid-epoch by %d ranks, this run has "
+                        "%d: the epoch starts afresh", mid.get("epoch"), len(loaders),
+                        world_size)
+        return None
+    return dict(loaders[str(rank)])
