@@ -3,8 +3,9 @@ epoch writers waited on leases) in the run log, metrics.jsonl and ``status``, th
 writers waited most of an epoch, and the training side's /metrics (train.metrics_port).
 
 A real run: the daemon's samplers fill a small cache from a ``file://`` dataset much larger than
-it, while a trainer takes its time over each epoch, so the samplers fill the headroom at once
-and then wait on the epochs' leases.
+it, while a trainer takes its time over each epoch. Each epoch releases what it has trained on
+(progressive release), and the samplers, far faster than the trainer, replace it during the
+epoch: most of each snapshot is new, and they still wait most of the epoch (for training).
 """
 
 from __future__ import annotations
@@ -50,8 +51,8 @@ def test_turnover_is_reported_and_the_headroom_hint_given_once(tmp_path: Path) -
     port = free_port()
     config = {
         "source": {"url": (tmp_path / "data").as_uri(), "pattern": "*.npy"},
-        # ~180 samples fit; the headroom (10%) holds ~18: the samplers, far faster than the
-        # trainer, fill it at once and then wait on the epochs' leases
+        # ~180 samples fit; the headroom (10%) holds ~18, which bounded each epoch's new
+        # samples before progressive release
         "cache": {"dir": str(tmp_path / "cache"), "capacity": "200KiB", "headroom": 0.1},
         "sampler": {"processes": 1, "concurrency": 4, "batch_size": 8},
         "loader": {"batch_size": 16, "num_workers": 0},
@@ -68,14 +69,15 @@ def test_turnover_is_reported_and_the_headroom_hint_given_once(tmp_path: Path) -
     first, later = rows[0], rows[1:]
     assert first["new_samples"] == first["snapshot_samples"] > 0  # everything is new at first
     for row in later:
-        # Turnover is bounded by the headroom: ~18 samples of ~1.1 KB (allow a batch of slack).
-        assert 0 < row["new_samples"] <= 40, row
+        # What the previous epoch trained on was replaced while it ran: far more than the
+        # headroom's ~18 samples (the bound before progressive release).
+        assert row["new_samples"] > 100, row
         assert row["snapshot_samples"] >= 150
-        assert row["writer_wait_fraction"] > 0.5, row  # the samplers mostly waited
+        assert row["writer_wait_fraction"] > 0.5, row  # the samplers wait for training
     assert "new to the snapshot" in logs and "writers waited" in logs
-    # The hint: once, naming the setting and what it costs.
-    assert logs.count("for leases to free space") == 1, logs[-4000:]
-    assert "Raising cache.headroom to about" in logs and "more disk" in logs
+    # The hint: once, saying why the samplers waited and that headroom would not help.
+    assert logs.count("faster than training uses them up") == 1, logs[-4000:]
+    assert "a larger cache.headroom would not bring more" in logs
 
     stats = status_json(tmp_path / "cache", tmp_path)
     assert [row["epoch"] for row in stats["turnover"]] == [0, 1, 2]

@@ -1,13 +1,13 @@
 """What ``epochcache run`` measures per epoch besides the loss: turnover, and its /metrics.
 
-**Turnover.** While epoch k trains on its snapshot, the next epoch's snapshot is taken near its
-end, and both leases pin the newest capacity's worth of samples: writers can add at most the
-headroom's worth before they wait for a lease to be released (back-pressure). So the new data
-per epoch is bounded by ``cache.headroom``. :class:`Turnover` reports, per epoch, the samples new
-to the epoch's snapshot (sequence numbers above the previous snapshot's) and the fraction of the
-epoch the samplers spent waiting on leases (from their health documents, which lag by up to
-2 s); when they waited more than half of an epoch, it says once which setting raises turnover
-and what it costs in disk.
+**Turnover.** An epoch releases each batch's samples once it has trained on them (progressive
+release, README "Turnover"), so once the cache is full the samplers replace what the epoch has
+trained on while it goes on: the new data per epoch is about ``min(ingest rate x epoch time,
+what the epoch trains on)``. :class:`Turnover` reports, per epoch, the samples new to the
+epoch's snapshot (sequence numbers above the previous snapshot's) and the fraction of the epoch
+the samplers spent waiting for space (from their health documents, which lag by up to 2 s).
+Samplers that wait most of an epoch bring samples faster than training uses them up; the log
+says so once, and that a larger headroom would not bring more.
 
 **Metrics.** With ``train.metrics_port`` the training process serves ``/metrics``
 (prometheus-client) with the data-wait seconds, batches, samples and epoch, plus the last
@@ -136,19 +136,12 @@ class Turnover:
         if self._hinted or fraction is None or fraction <= WAIT_HINT_FRACTION:
             return
         self._hinted = True
-        headroom, capacity = cache.headroom_bytes, cache.capacity_bytes
-        # What the samplers would have ingested had they not waited: their rate while
-        # running, over the whole epoch (the waiting share capped, so the estimate stays finite).
-        could = int(ingested / max(0.1, 1.0 - fraction))
-        suggested = max(2 * headroom, could)
-        log.warning(
-            "the samplers waited %.0f%% of the epoch (%.0fs) for leases to free space: each epoch "
-            "can bring at most cache.headroom of new data (now %s, %.0f%% of capacity; this "
-            "epoch's snapshot had %d new samples of %d). Raising cache.headroom to about %s "
-            "(%.0f%% of capacity) would let them keep ingesting through the epoch, at a cost of "
-            "%s more disk (stored bytes stay within capacity + headroom; the data file within "
-            "twice that). See README \"Turnover\".",
-            100 * fraction, elapsed, format_size(headroom), 100 * headroom / capacity,
-            row["new_samples"], row["snapshot_samples"], format_size(suggested),
-            100 * suggested / capacity, format_size(suggested - headroom),
+        log.info(
+            "the samplers waited %.0f%% of the epoch (%.0fs) for space: they bring samples "
+            "faster than training uses them up. Each sample an epoch trains on is released and "
+            "replaced during the epoch (this epoch's snapshot had %d new samples of %d; %s "
+            "ingested), so a larger cache.headroom would not bring more: turnover is bounded by "
+            "what training reads. See docs/guide/turnover.md.",
+            100 * fraction, elapsed, row["new_samples"], row["snapshot_samples"],
+            format_size(ingested),
         )
