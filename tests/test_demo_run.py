@@ -54,9 +54,13 @@ def _check_run(workdir: Path, result: Result, epochs: int) -> list[dict[str, Any
     # then in later epochs (how many depends on how fast the machine trains).
     assert samples[0] < max(samples), lines
     first_eviction = next((i for i, count in enumerate(evicted) if count), None)
-    assert first_eviction is not None and first_eviction >= 1, lines
+    assert first_eviction is not None, lines
     capped = samples[first_eviction:]  # full: within a shard's commit of capacity + headroom
-    assert max(capped) == max(samples) and min(capped) >= 0.9 * max(capped), lines
+    assert min(capped) >= 0.85 * max(samples), lines
+    # Continuous turnover: once full, every epoch evicts what the last one trained on while the
+    # sampler keeps ingesting (before progressive release only at epoch boundaries, and only
+    # the headroom's worth).
+    assert all(count > 0 for count in evicted[first_eviction + 1 :]), lines
     metrics = [json.loads(line) for line in
                (workdir / "runs" / "demo" / "metrics.jsonl").read_text().splitlines()]
     accuracy = [row["accuracy"] for row in metrics]
@@ -68,22 +72,21 @@ def _check_run(workdir: Path, result: Result, epochs: int) -> list[dict[str, Any
 
 
 def test_image_demo_grows_then_turns_over_and_learns(tmp_path: Path) -> None:
-    # Made small: short epochs (~0.5 s, up to 3x that on a busy machine; no worker to start)
-    # and a sampler bringing ~25 images/s, so capacity + headroom (~400 images) fill ~16 s
-    # after it starts: later than training starts even on a busy machine (up to ~12 s), a few
-    # epochs after that there, ~25 on an idle one; 48 epochs leave room to see eviction after
-    # that (24 were too few on an idle machine: no eviction before the end).
+    # Made small, with wide margins whatever the machine's load: training starts at 100 images
+    # (one shard), an unthrottled sampler fills capacity + headroom (~400 images) a shard at a
+    # time within a few seconds, and 24 epochs of 1,000 samples (0.3-1.5 s each) go on well
+    # past that, turning the cache over (1,500 images, ~360 fit).
     config = _demo_config(
         source={"demo_samples": 1500},
         cache={"capacity": "800KiB"},  # ~360 images
-        sampler={"bandwidth_limit": "100KB"},  # one shard of 100 images every ~4 s
+        sampler={"bandwidth_limit": None},  # one shard of 100 images at a time
         loader={"num_workers": 0},
-        train={"epochs": 48, "min_samples": 100, "samples_per_epoch": 1000,
+        train={"epochs": 24, "min_samples": 100, "samples_per_epoch": 1000,
                "options": {"lr": 0.005, "size": 32, "width": 12, "min_scale": 0.5}},
     )
     write_yaml(tmp_path / "demo.yaml", config)
     result = cli("run", "demo.yaml", cwd=tmp_path, timeout_s=240)
-    _check_run(tmp_path, result, 48)
+    _check_run(tmp_path, result, 24)
 
 
 @pytest.mark.slow
