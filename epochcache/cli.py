@@ -134,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     status = sub.add_parser("status", help="fill, rates, evictions, quarantine, leases, daemon health")
-    status.add_argument("cache_dir")
+    status.add_argument("cache_dir", help="the cache directory (cache.dir of a config)")
     status.add_argument("--json", action="store_true", help="print one JSON object")
     status.add_argument("--watch", action="store_true", help="refresh until Ctrl-C")
     status.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
@@ -150,10 +150,10 @@ def build_parser() -> argparse.ArgumentParser:
     daemon.set_defaults(func=_cmd_daemon)
 
     verify = sub.add_parser("verify", help="check every stored sample and the counters")
-    verify.add_argument("cache_dir")
+    verify.add_argument("cache_dir", help="the cache directory (cache.dir of a config)")
     verify.add_argument("--repair", action="store_true",
                         help="remove corrupt samples, fix the key index and the counters")
-    verify.add_argument("--json", action="store_true")
+    verify.add_argument("--json", action="store_true", help="print one JSON object")
     verify.set_defaults(func=_cmd_verify)
 
     import importlib

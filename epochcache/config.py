@@ -101,7 +101,10 @@ class SourceConfig(_Section):
     """Where the dataset lives and how to read it (section ``source``)."""
 
     url: str = Field(min_length=1, description="root URL of the dataset (any fsspec URL)")
-    layout: Literal["files", "tar"] = "files"
+    layout: Literal["files", "tar"] = Field(
+        default="files",
+        description="files: one object per sample; tar: WebDataset shards, a sample per basename",
+    )
     pattern: str | None = Field(
         default=None, description='glob under url; default "**" (files), "**/*.tar"'
     )
@@ -111,7 +114,10 @@ class SourceConfig(_Section):
     manifest: str | None = Field(
         default=None, description="URL or path relative to url of a key manifest"
     )
-    manifest_format: Literal["auto", "txt", "csv", "jsonl", "parquet"] = "auto"
+    manifest_format: Literal["auto", "txt", "csv", "jsonl", "parquet"] = Field(
+        default="auto",
+        description="the manifest's format; auto: from its extension",
+    )
     manifest_max_bytes: Annotated[int, BeforeValidator(_size), Field(gt=0)] = Field(
         default=DEFAULT_MANIFEST_MAX_BYTES,
         description="the largest manifest read (and decompressed); a larger one fails the start",
@@ -123,14 +129,31 @@ class SourceConfig(_Section):
     sample_while_listing: bool = Field(
         default=True,
         description="start sampling from the first keys of a large bucket while the rest is "
-                    "listed (false: wait for the whole listing; see the README on uniformity)",
+                    "listed (false: wait for the whole listing; see docs/guide/samplers.md)",
     )
-    storage_options: dict[str, Any] = Field(default_factory=dict)
-    timeout_s: Duration = 30.0
-    connect_timeout_s: Duration = 5.0
-    list_deadline_s: Duration = 6.0
-    retries: int = Field(default=5, ge=1, le=100)
-    checks: list[Check] = Field(default_factory=lambda: list(_ALL_CHECKS))
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="passed to the fsspec filesystem (s3fs: key, secret, endpoint_url, ...); "
+                    "credential-like values are masked everywhere",
+    )
+    timeout_s: Duration = Field(
+        default=30.0,
+        description="timeout of every remote call (of every page of a listing)",
+    )
+    connect_timeout_s: Duration = Field(default=5.0, description="timeout to connect to the remote")
+    list_deadline_s: Duration = Field(
+        default=6.0,
+        description="an unreachable source fails the start within this (exit 2)",
+    )
+    retries: int = Field(
+        default=5, ge=1, le=100,
+        description="attempts per remote call, with exponential backoff and jitter",
+    )
+    checks: list[Check] = Field(
+        default_factory=lambda: list(_ALL_CHECKS),
+        description="checks on ingest: a manifest's size and checksum, and formats (gzip, tar, "
+                    ".npy, .json, .zip/.npz); failing objects are quarantined",
+    )
     listing_ttl_s: Duration | None = Field(
         default=None,
         description="re-list the source in the background this long after the last listing; "
@@ -221,11 +244,24 @@ class SourceEntry(NamedTuple):
 class CacheConfig(_Section):
     """The local cache (section ``cache``)."""
 
-    dir: Path
-    capacity: Annotated[int, BeforeValidator(_size), Field(gt=0)]
-    headroom: Annotated[float | int, BeforeValidator(_headroom)] = 0.1
-    compression: Literal["zstd", "none"] = "zstd"
-    level: int = Field(default=3, ge=-7, le=22)
+    dir: Path = Field(
+        description="the cache directory, on local disk; created private to your user",
+    )
+    capacity: Annotated[int, BeforeValidator(_size), Field(gt=0)] = Field(
+        description="stored bytes to keep; the oldest samples no epoch needs are evicted beyond "
+                    "it",
+    )
+    headroom: Annotated[float | int, BeforeValidator(_headroom)] = Field(
+        default=0.1,
+        description="extra bytes writers may use while epochs hold samples: a fraction of "
+                    "capacity or a size",
+    )
+    compression: Literal["zstd", "none"] = Field(
+        default="zstd",
+        description="zstd-compress samples that shrink (incompressible ones are stored raw "
+                    "either way)",
+    )
+    level: int = Field(default=3, ge=-7, le=22, description="the zstd level")
     sync: bool = Field(
         default=True,
         description="fsync every commit: survives power loss; false keeps kill -9 safety only",
@@ -255,20 +291,38 @@ class SamplerConfig(_Section):
     ``node_rank``/``num_nodes`` default to the torchrun environment, read by :meth:`node`.
     """
 
-    processes: int = Field(default=2, ge=1, le=256)
-    concurrency: int = Field(default=16, ge=1, le=1024)
-    strategy: Literal["uniform", "weighted"] = "uniform"
-    seed: int = Field(default=0, ge=0)
-    node_rank: int | None = Field(default=None, ge=0)
-    num_nodes: int | None = Field(default=None, ge=1)
+    processes: int = Field(default=2, ge=1, le=256, description="sampler subprocesses")
+    concurrency: int = Field(
+        default=16, ge=1, le=1024,
+        description="requests in flight per sampler and source (local files: one reader while "
+                    "reads are quick)",
+    )
+    strategy: Literal["uniform", "weighted"] = Field(
+        default="uniform",
+        description="uniform without replacement per pass, or weighted by a manifest's weight "
+                    "column",
+    )
+    seed: int = Field(default=0, ge=0, description="seeds the sampling order")
+    node_rank: int | None = Field(
+        default=None, ge=0,
+        description="this node (default: torchrun's GROUP_RANK, Slurm's SLURM_NODEID; else 0): "
+                    "nodes pull disjoint partitions",
+    )
+    num_nodes: int | None = Field(
+        default=None, ge=1,
+        description="nodes in the job (default: from the launcher's environment; else 1)",
+    )
     batch_size: int = Field(default=64, ge=1, description="samples per cache commit")
-    bandwidth_limit: Annotated[int, BeforeValidator(_rate), Field(gt=0)] | None = None
+    bandwidth_limit: Annotated[int, BeforeValidator(_rate), Field(gt=0)] | None = Field(
+        default=None,
+        description="bytes per second the node's samplers may fetch in all (null: no limit)",
+    )
     max_bytes_in_flight: Annotated[int, BeforeValidator(_size), Field(gt=0)] = Field(
         default=512 * 1024**2,
         description="bytes one sampler process holds between fetch and commit (listed sizes "
                     "count before the fetch); an object larger than this is fetched alone",
     )
-    check: bool = True
+    check: bool = Field(default=True, description="run the source's checks on ingest (false: none)")
 
     @model_validator(mode="after")
     def _check_node(self) -> SamplerConfig:
@@ -295,30 +349,52 @@ class SamplerConfig(_Section):
 class LoaderConfig(_Section):
     """The per-epoch DataLoader (section ``loader``)."""
 
-    batch_size: int = Field(default=64, ge=1)
+    batch_size: int = Field(default=64, ge=1, description="samples per batch")
     num_workers: int | None = Field(
         default=None, ge=0,
         description="DataLoader workers; null: epochs()' default (0 without a transform)",
     )
-    decode: Literal["auto", "raw"] = "auto"
-    allow_pickle: bool = False
+    decode: Literal["auto", "raw"] = Field(
+        default="auto",
+        description="auto: by extension (.npy, .cls, .json, images, ...); raw: bytes",
+    )
+    allow_pickle: bool = Field(
+        default=False,
+        description="decode .pkl/.pickle samples (runs code: only for data you trust)",
+    )
     max_sample_bytes: Annotated[int, BeforeValidator(_size), Field(gt=0)] = Field(
         default=DEFAULT_MAX_SAMPLE_BYTES,
         description="the largest sample: objects listed larger are quarantined before download, "
                     "decompression (gzip) stops past it on ingest and in the loader",
     )
-    pin_memory: bool = False
-    prefetch_factor: int | None = Field(default=2, ge=1)
+    pin_memory: bool = Field(
+        default=False,
+        description="pinned batches for asynchronous copies to a GPU (unset: true when the run "
+                    "trains on a GPU)",
+    )
+    prefetch_factor: int | None = Field(
+        default=2, ge=1,
+        description="batches each worker reads ahead",
+    )
     persistent_workers: bool | None = Field(
         default=None, description="keep workers across epochs; null: true with workers",
     )
-    stall_s: Duration = 300.0
-    timeout: Annotated[float, BeforeValidator(_duration), Field(ge=0)] = 0.0
+    stall_s: Duration = Field(
+        default=300.0,
+        description="a batch slower than this dumps the stacks and names the sample key",
+    )
+    timeout: Annotated[float, BeforeValidator(_duration), Field(ge=0)] = Field(
+        default=0.0,
+        description="DataLoader's timeout for a batch from a worker (0: none)",
+    )
     fields: list[str] | None = Field(
         default=None,
         description='samples as tuples of these fields, e.g. ["jpg;png", "cls"] (WebDataset to_tuple)',
     )
-    image: Literal["numpy", "torch", "pil"] = "numpy"
+    image: Literal["numpy", "torch", "pil"] = Field(
+        default="numpy",
+        description="images decode to HWC uint8 arrays, CHW uint8 tensors, or PIL images",
+    )
 
     @field_validator("fields", mode="before")
     @classmethod
@@ -354,16 +430,37 @@ class DaemonConfig(_Section):
 class TrainConfig(_Section):
     """A YAML-configured training run (section ``train``); ``options`` go to the entrypoint."""
 
-    epochs: int = Field(default=10, ge=1)
-    min_samples: int = Field(default=1000, ge=0)
-    samples_per_epoch: int | None = Field(default=None, ge=1)
-    entrypoint: str = "epochcache.examples:train_epoch"
-    run_dir: Path = Path("runs/default")
-    seed: int = Field(default=0, ge=0)
-    options: dict[str, Any] = Field(default_factory=dict)
+    epochs: int = Field(default=10, ge=1, description="epochs to train")
+    min_samples: int = Field(
+        default=1000, ge=0,
+        description="wait until the cache holds this many samples (never forever: an unreachable "
+                    "number fails, naming it)",
+    )
+    samples_per_epoch: int | None = Field(
+        default=None, ge=1,
+        description="a fixed epoch length per node, resampling a small cache (null: the whole "
+                    "snapshot)",
+    )
+    entrypoint: str = Field(
+        default="epochcache.examples:train_epoch",
+        description="package.module:function called once per epoch as fn(run, epoch, loader)",
+    )
+    run_dir: Path = Field(
+        default=Path("runs/default"),
+        description="where the config, metrics.jsonl, checkpoints and plots go",
+    )
+    seed: int = Field(
+        default=0, ge=0,
+        description="seeds the epochs' order and the workers' random state",
+    )
+    options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="passed to the trainer as run.options",
+    )
     metrics_port: Port | None = Field(
         default=None, description="serve the training side's Prometheus /metrics on this port")
-    metrics_host: str = Field(default="127.0.0.1", min_length=1)
+    metrics_host: str = Field(default="127.0.0.1", min_length=1,
+                              description="the address train.metrics_port listens on")
     checkpoint_every_s: Duration | None = Field(
         default=None,
         description="also checkpoint mid-epoch this often (and on SIGTERM): model, optimizer "
@@ -385,7 +482,9 @@ class EpochcacheConfig(_Section):
     """The whole configuration; see the module docstring."""
 
     source: SourceConfig | None = None
-    sources: list[NamedSourceConfig] | None = Field(default=None, min_length=1)
+    sources: list[NamedSourceConfig] | None = Field(
+        default=None, min_length=1,
+        description="instead of source: several sources, each with a name and a weight")
     cache: CacheConfig
     sampler: SamplerConfig = Field(default_factory=lambda: SamplerConfig())
     loader: LoaderConfig = Field(default_factory=lambda: LoaderConfig())

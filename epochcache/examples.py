@@ -62,7 +62,10 @@ class _Totals:
 
 
 def _split(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inputs and labels of a demo batch (tar layout: ``{"npy": images, "cls": labels}``)."""
+    """Inputs and labels of a demo batch: the tar layout's ``{"npy": images, "cls": labels}``,
+    or ``(inputs, labels)`` tuples (``loader.fields: [npy, cls]``)."""
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        batch = {"npy": batch[0], "cls": batch[1]}
     if not isinstance(batch, Mapping) or "npy" not in batch or "cls" not in batch:
         kind = type(batch).__name__ if not isinstance(batch, Mapping) else f"fields {sorted(batch)}"
         raise ValueError(

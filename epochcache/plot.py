@@ -203,7 +203,7 @@ def add_plot_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser: argparse.ArgumentParser = subparsers.add_parser(
         "plot", help="plot cache fill, ingest rate and evictions over time"
     )
-    parser.add_argument("cache_dir")
+    parser.add_argument("cache_dir", help="the cache directory (cache.dir of a config)")
     parser.add_argument("-o", "--output", default="fill.png", help="PNG file to write")
     parser.set_defaults(func=_cmd_plot)
     return parser

@@ -89,9 +89,10 @@ class CacheStream(IterableDataset[Any]):
         split_ranks: split each epoch across the ranks of a DDP node. Pass False when the
             framework splits the data itself (accelerate's ``prepare``, the HF Trainer): every
             rank then yields the node's whole epoch, in the same order.
-        decode, transform, allow_pickle, max_sample_bytes, on_error, stall_s, stall_file,
-            fields, image: as for :meth:`epochcache.Cache.dataset` (``fields=("jpg;png",
-            "cls")`` yields tuples, ``image`` picks numpy, torch or pil images).
+        decode: as for :meth:`epochcache.Cache.dataset`; so are ``transform``,
+            ``allow_pickle``, ``max_sample_bytes``, ``on_error``, ``stall_s``, ``stall_file``,
+            ``fields`` (``("jpg;png", "cls")`` yields tuples) and ``image`` (numpy, torch or
+            pil images).
         release: ``"progressive"`` (each worker releases what it has read, so a full cache
             keeps turning over during the epoch) or ``"epoch"`` (the whole snapshot stays
             until the epoch ends); see :func:`epochcache.data.epochs.epochs`.

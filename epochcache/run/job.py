@@ -473,6 +473,6 @@ def add_config_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser: argparse.ArgumentParser = subparsers.add_parser(
         "config", help="print the resolved config, secrets redacted"
     )
-    parser.add_argument("config")
+    parser.add_argument("config", help="YAML config to print, resolved, with secrets masked")
     parser.set_defaults(func=_cmd_config)
     return parser
