@@ -137,13 +137,6 @@ class Part:
     def lane(self, index: int) -> np.ndarray:
         return self.data[int(self.offsets[index]) : int(self.offsets[index + 1])]
 
-    def advance(self, index: int, position: int) -> None:
-        """Release the first ``position`` samples of lane ``index`` (never goes back)."""
-        length = int(self.offsets[index + 1] - self.offsets[index])
-        position = min(position, length)
-        if position > int(self.positions[index]):
-            self.positions[index] = position
-
 
 class Releaser:
     """What a reader of a plan holds: its part, mapped for writing, and its lane.
@@ -163,23 +156,39 @@ class Releaser:
         self.lane = lane
         self._part: Part | None = None
         self._failed = False
+        # This lane's position word (a view into the mapping) and length: a release, once per
+        # batch on the training thread, is a comparison and an 8-byte store.
+        self._word: memoryview | None = None
+        self._length = 0
+        self._released = 0
+
+    def _open(self) -> bool:
+        if self._failed:
+            return False
+        try:
+            part = Part(self.path, writable=True)
+        except (OSError, ValueError) as exc:
+            self._failed = True
+            log.warning("%s: cannot release samples progressively (%s); they stay protected "
+                        "until the epoch ends", self.path, exc)
+            return False
+        self._part = part
+        self._length = int(part.offsets[self.lane + 1] - part.offsets[self.lane])
+        self._word = memoryview(part.positions[self.lane : self.lane + 1]).cast("B").cast("Q")
+        self._released = int(self._word[0])
+        return True
 
     def release(self, position: int) -> None:
         """The first ``position`` samples of this reader's lane are read: release them."""
-        if self._part is None:
-            if self._failed:
-                return
-            try:
-                self._part = Part(self.path, writable=True)
-            except (OSError, ValueError) as exc:
-                self._failed = True
-                log.warning("%s: cannot release samples progressively (%s); they stay "
-                            "protected until the epoch ends", self.path, exc)
-                return
-        self._part.advance(self.lane, position)
+        if self._word is None and not self._open():
+            return
+        if position > self._released:
+            self._released = min(position, self._length)
+            self._word[0] = self._released  # type: ignore[index]
 
     def __getstate__(self) -> dict[str, object]:
-        return {"path": self.path, "lane": self.lane, "_part": None, "_failed": False}
+        return {"path": self.path, "lane": self.lane, "_part": None, "_failed": False,
+                "_word": None, "_length": 0, "_released": 0}
 
 
 def remove_plan(cache_path: str, lease_id: str) -> None:
