@@ -23,7 +23,6 @@ from epochcache.ingest.keyorder import KeyOrder
 from common.cachecheck import full_check, scan
 from common.daemonproc import (
     SAMPLE_BYTES,
-    cache_len,
     daemon_state,
     pid_running,
     read_cache,

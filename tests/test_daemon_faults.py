@@ -20,7 +20,6 @@ import s3fs
 
 from common.cachecheck import full_check
 from common.daemonproc import (
-    DaemonProc,
     cache_len,
     daemon_state,
     pid_running,

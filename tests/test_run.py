@@ -16,9 +16,7 @@ import re
 import signal
 import subprocess
 import sys
-import textwrap
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -184,7 +182,8 @@ def test_demo_run_end_to_end(demo_run: DemoRun) -> None:
     assert stats["samples"] > 0 and stats["bytes"] > 0
     assert stats["evicted"] > 0, stats
     assert stats["bytes"] <= stats["capacity"] + stats["headroom"]
-    assert stats["leases"] == 0, (stats["lease_details"], re.sub(r" {3,}", " ", err)[-3000:])
+    assert stats["leases"] == 0, (stats["lease_details"],
+                                  re.sub(r" {3,}", " ", result.stderr)[-3000:])
     assert stats["daemon"] is not None and stats["daemon"]["alive"] is False  # stopped with the run
     # three epochs with a falling loss and a data-wait fraction
     rows = read_metrics(demo_run.run_dir)

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from torch.utils.data import DataLoader
 
 from common.procs import spawn_script

@@ -28,10 +28,11 @@ import contextlib
 import logging
 import mmap
 import os
-import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
+
+from ..atomic import atomic_write
 
 log = logging.getLogger("epochcache.cache")
 
@@ -52,35 +53,10 @@ def part_path(cache_path: str, lease_id: str, part: int) -> str:
     return os.path.join(plans_dir(cache_path), f"{lease_id}.{part}.plan")
 
 
-def _write_atomically(path: str, chunks: Iterable[bytes | memoryview]) -> None:
-    directory = os.path.dirname(path)
-    os.makedirs(directory, mode=0o700, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            for chunk in chunks:
-                f.write(chunk)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
 def write_seqs(cache_path: str, lease_id: str, seqs: np.ndarray) -> None:
     """Save a snapshot's sequence numbers (sorted) for its plan and its readers."""
-    path = seqs_path(cache_path, lease_id)
-    directory = os.path.dirname(path)
-    os.makedirs(directory, mode=0o700, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".npy")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.save(f, np.ascontiguousarray(seqs, dtype="<u8"))
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    with atomic_write(seqs_path(cache_path, lease_id), suffix=".npy") as f:
+        np.save(f, np.ascontiguousarray(seqs, dtype="<u8"))
 
 
 def read_seqs(cache_path: str, lease_id: str) -> np.ndarray | None:
@@ -98,13 +74,14 @@ def write_part(cache_path: str, lease_id: str, part: int, lanes: Sequence[np.nda
     path = part_path(cache_path, lease_id, part)
     if os.path.exists(path):
         return
-    sizes = [int(len(lane)) for lane in lanes]
+    sizes = [len(lane) for lane in lanes]
     offsets = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)]).astype("<u8")
     head = np.array([_MAGIC, len(lanes), int(offsets[-1])], dtype="<u8")
     positions = np.zeros(len(lanes), dtype="<u8")
     data = [np.ascontiguousarray(lane, dtype="<u8") for lane in lanes]
-    _write_atomically(path, [head.tobytes(), offsets.tobytes(), positions.tobytes(),
-                             *(lane.tobytes() for lane in data)])
+    with atomic_write(path) as f:
+        for chunk in (head, offsets, positions, *data):
+            f.write(chunk.tobytes())
 
 
 class Part:

@@ -31,7 +31,6 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 import time
 import uuid
 from collections.abc import Sequence
@@ -42,6 +41,7 @@ from typing import Any
 import numpy as np
 import zstandard
 
+from ...atomic import atomic_write
 from .base import SampleRef, SourceSpec
 from .keytable import KeyTable, KeyTableBuilder, compact_sizes, offsets_of
 
@@ -228,17 +228,10 @@ def save_listing(
                                   "stored": len(packed)})
         parts.append(packed)
     head = json.dumps(header, separators=(",", ":")).encode()
-    fd, tmp = tempfile.mkstemp(prefix=".listing-", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as out:
-            out.write(_MAGIC + len(head).to_bytes(8, "little") + head)
-            for part in parts:
-                out.write(part)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    with atomic_write(path, prefix=".listing-", suffix=".tmp") as out:
+        out.write(_MAGIC + len(head).to_bytes(8, "little") + head)
+        for part in parts:
+            out.write(part)
     with contextlib.suppress(OSError):
         _v1_path(cache_dir, fingerprint).unlink()  # superseded
     log.debug("saved listing of %d refs to %s", len(table), path)
