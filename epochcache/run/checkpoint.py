@@ -17,10 +17,10 @@ from __future__ import annotations
 import hashlib
 import io
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
+from ..atomic import atomic_write
 from ..errors import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -34,9 +34,8 @@ def save_checkpoint(run_dir: Path, payload: dict[str, Any]) -> Path:
     import torch
 
     path = run_dir / CHECKPOINT
-    tmp = path.with_suffix(".tmp")
-    torch.save(payload, tmp)
-    os.replace(tmp, path)
+    with atomic_write(path, prefix=".checkpoint-", durable=True) as f:
+        torch.save(payload, f)
     return path
 
 
