@@ -9,15 +9,11 @@ with two GPUs) on configs/ddp.yaml-like settings with a local source, then ``--r
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from test_run import RUN_TIMEOUT_S, cli_env, demo_config, read_metrics, status_json, write_yaml
+from test_run import RUN_TIMEOUT_S, demo_config, read_metrics, status_json, torchrun, write_yaml
 
 pytestmark = [
     pytest.mark.gpu,
@@ -53,21 +49,6 @@ def train_epoch(run, epoch, loader):
 '''
 
 
-def _torchrun(cfg: Path, *args: str, cwd: Path, nproc: int = 1,
-              timeout_s: float = RUN_TIMEOUT_S * 2) -> tuple[int, str]:
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-            str(nproc), "-m", "epochcache", "run", str(cfg), *args]
-    proc = subprocess.Popen(argv, cwd=cwd, env=cli_env(pythonpath=cwd), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError(f"torchrun hung for {timeout_s:.0f} s:\n{out[-6000:]}") from None
-    return proc.returncode, out
-
-
 def _ddp_config(tmp_path: Path, epochs: int) -> Path:
     """configs/ddp.yaml's shape on a local tar source: per-node cache dir, workers, a run dir."""
     (tmp_path / "probe_trainer.py").write_text(PROBE_TRAINER)
@@ -88,7 +69,8 @@ def test_torchrun_trains_each_rank_on_its_gpu_with_nccl_then_resumes(tmp_path: P
     if torch.cuda.device_count() < nproc:
         pytest.skip(f"needs {nproc} GPUs")
     cfg = _ddp_config(tmp_path, epochs=2)
-    status, logs = _torchrun(cfg, cwd=tmp_path, nproc=nproc)
+    status, logs = torchrun(cfg, cwd=tmp_path, nproc=nproc, timeout_s=RUN_TIMEOUT_S * 2,
+                            pythonpath=tmp_path)
     assert status == 0, logs[-6000:]
     for rank in range(nproc):
         assert f"rank {rank} of {nproc} (node 0, local rank {rank}), backend nccl, device " \
@@ -103,7 +85,8 @@ def test_torchrun_trains_each_rank_on_its_gpu_with_nccl_then_resumes(tmp_path: P
                             weights_only=True)
     assert checkpoint["epoch"] == 1
 
-    status, logs = _torchrun(cfg, "--resume", "--epochs", "3", cwd=tmp_path, nproc=nproc)
+    status, logs = torchrun(cfg, "--resume", "--epochs", "3", cwd=tmp_path, nproc=nproc,
+                            timeout_s=RUN_TIMEOUT_S * 2, pythonpath=tmp_path)
     assert status == 0, logs[-6000:]
     assert "epoch 2:" in logs and "epoch 0:" not in logs, logs[-6000:]
     rows = read_metrics(tmp_path / "runs/demo")
@@ -124,7 +107,8 @@ def test_the_image_demo_trains_on_the_gpu(tmp_path: Path) -> None:
                "entrypoint": "epochcache.examples:train_image_classifier",
                "options": {"lr": 0.005, "size": 32, "width": 8}},
     )
-    status, logs = _torchrun(write_yaml(tmp_path / "demo.yaml", config), cwd=tmp_path)
+    status, logs = torchrun(write_yaml(tmp_path / "demo.yaml", config), cwd=tmp_path, nproc=1,
+                            timeout_s=RUN_TIMEOUT_S * 2, pythonpath=tmp_path)
     assert status == 0, logs[-6000:]
     assert "backend nccl, device cuda:0" in logs, logs[-6000:]
     rows = read_metrics(tmp_path / "runs/demo")

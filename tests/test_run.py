@@ -76,6 +76,26 @@ def cli(
     return Result(argv[2:], proc.returncode, proc.stdout, proc.stderr)
 
 
+def torchrun(cfg: Path, *args: str, cwd: Path, nproc: int = 2, timeout_s: float = RUN_TIMEOUT_S,
+             pythonpath: Path | None = None) -> tuple[int, str]:
+    """``(exit status, stdout + stderr)`` of ``torchrun --standalone --nproc-per-node N -m
+    epochcache run CFG ARGS``; on a timeout its whole process group is killed and
+    AssertionError raised with the output."""
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+            str(nproc), "-m", "epochcache", "run", str(cfg), *args]
+    proc = subprocess.Popen(argv, cwd=cwd, env=cli_env(pythonpath=pythonpath),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"torchrun {' '.join(args)} hung for {timeout_s:.0f} s:\n"
+                             f"{out[-6000:]}") from None
+    return proc.returncode, out
+
+
 def demo_config(workdir: Path, **sections: dict[str, Any]) -> dict[str, Any]:
     """configs/demo.yaml made small; ``sections`` update single keys of each section."""
     config: dict[str, Any] = {

@@ -8,30 +8,19 @@ rank trains the same number of batches, and the loss still falls.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from test_run import RUN_TIMEOUT_S, cli_env, demo_config, read_metrics, status_json, write_yaml
+from test_run import RUN_TIMEOUT_S, demo_config, read_metrics, status_json, torchrun, write_yaml
 
 
 def test_run_under_torchrun_two_ranks_share_one_daemon(tmp_path: Path) -> None:
     config = demo_config(tmp_path, train={"epochs": 2, "min_samples": 300})
     cfg = write_yaml(tmp_path / "ddp.yaml", config)
-    argv = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        "-m", "epochcache", "run", str(cfg),
-    ]
-    proc = subprocess.run(
-        argv, cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=RUN_TIMEOUT_S * 2
-    )
-    output = f"--- stdout ---\n{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-6000:]}"
-    assert proc.returncode == 0, output
-    assert "joined the torchrun job: rank 1 of 2" in proc.stdout + proc.stderr, output
+    status, output = torchrun(cfg, cwd=tmp_path, timeout_s=RUN_TIMEOUT_S * 2)
+    assert status == 0, output[-8000:]
+    assert "joined the torchrun job: rank 1 of 2" in output, output[-8000:]
 
     rows = read_metrics(tmp_path / "runs/demo")
     assert [row["epoch"] for row in rows] == [0, 1], rows  # written once, by rank 0
@@ -47,23 +36,6 @@ def test_run_under_torchrun_two_ranks_share_one_daemon(tmp_path: Path) -> None:
     assert stats["leases"] == 0 and stats["samples"] > 0
 
 
-def _torchrun(cfg: Path, *args: str, cwd: Path, timeout_s: float) -> tuple[int, str]:
-    """``(exit status, stdout + stderr)`` of a 2-rank torchrun of ``epochcache run``; on a
-    timeout its whole process group is killed and AssertionError raised."""
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-            "-m", "epochcache", "run", str(cfg), *args]
-    proc = subprocess.Popen(argv, cwd=cwd, env=cli_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError(f"torchrun {' '.join(args)} hung for {timeout_s:.0f} s:\n"
-                             f"{out[-4000:]}") from None
-    return proc.returncode, out
-
-
 def test_resume_without_a_shared_run_dir_agrees_on_rank_0s_checkpoint(tmp_path: Path) -> None:
     """Each rank has its own run directory (as on nodes without a shared filesystem): only rank
     0's holds the checkpoint. Rank 1 started again at epoch 0 while rank 0 resumed at 1, and
@@ -71,10 +43,10 @@ def test_resume_without_a_shared_run_dir_agrees_on_rank_0s_checkpoint(tmp_path: 
     config = demo_config(tmp_path, train={"epochs": 2, "min_samples": 300,
                                           "run_dir": "runs/r${LOCAL_RANK}"})
     cfg = write_yaml(tmp_path / "ddp.yaml", config)
-    status, logs = _torchrun(cfg, "--epochs", "1", cwd=tmp_path, timeout_s=RUN_TIMEOUT_S)
+    status, logs = torchrun(cfg, "--epochs", "1", cwd=tmp_path, timeout_s=RUN_TIMEOUT_S)
     assert status == 0, logs[-4000:]
     assert not (tmp_path / "runs/r1/checkpoint.pt").exists()  # rank 1 writes nothing
-    status, logs = _torchrun(cfg, "--resume", cwd=tmp_path, timeout_s=90)
+    status, logs = torchrun(cfg, "--resume", cwd=tmp_path, timeout_s=90)
     assert status == 0, logs[-6000:]
     assert [row["epoch"] for row in read_metrics(tmp_path / "runs/r0")] == [0, 1]
     # Which checkpoint each node used is in the log: rank 1 received rank 0's.
@@ -95,8 +67,8 @@ def test_run_under_torchrun_twenty_times_without_an_abort(tmp_path: Path) -> Non
         config = demo_config(workdir, train={"epochs": 2, "min_samples": 300})
         if i:  # one demo dataset for all runs (absolute path): each run its own cache
             config["source"]["url"] = str(tmp_path / "run0" / "demo-data" / "tar")
-        status, logs = _torchrun(write_yaml(workdir / "ddp.yaml", config), cwd=workdir,
-                                 timeout_s=RUN_TIMEOUT_S)
+        status, logs = torchrun(write_yaml(workdir / "ddp.yaml", config), cwd=workdir,
+                                timeout_s=RUN_TIMEOUT_S)
         if status != 0 or "terminate called" in logs:
             failures.append(f"run {i}: exit {status}\n{logs[-3000:]}")
     assert not failures, f"{len(failures)} of 20 runs failed:\n" + "\n".join(failures)

@@ -12,7 +12,6 @@ ranks; tests marked ``gpu`` (test_gpu.py) run NCCL itself.
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from common.procs import run_processes
 from conftest import free_port
 from test_run import demo_config, read_metrics
 
@@ -153,17 +153,7 @@ def _bookkeeping(rank: int, port: int, out: str) -> None:
 
 
 def _run_ranks(target: Any, *args: Any, timeout_s: float) -> None:
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=target, args=(rank, *args)) for rank in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout_s)
-    alive = [p for p in procs if p.is_alive()]
-    for p in alive:
-        p.kill()
-        p.join(5)
-    assert not alive, "ranks still running"
+    run_processes(target, [(rank, *args) for rank in range(2)], timeout_s)
 
 
 def test_the_runs_bookkeeping_reduces_on_gloo_under_a_cuda_only_default_group(

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as tmp
 
+from common.procs import run_processes
 from common.writer import fill
 from conftest import free_port
 
@@ -30,17 +30,7 @@ def _env(rank: int, world: int, local_rank: int, local_world: int, node: int,
 
 
 def _run(target: Any, args_of: list[tuple[Any, ...]], timeout_s: float = 150) -> None:
-    ctx = tmp.get_context("spawn")
-    procs = [ctx.Process(target=target, args=args) for args in args_of]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout_s)
-    alive = [p for p in procs if p.is_alive()]
-    for p in alive:
-        p.kill()
-    assert not alive, "a rank hung"
-    assert [p.exitcode for p in procs] == [0] * len(procs)
+    run_processes(target, args_of, timeout_s)
 
 
 # -- plain DDP ------------------------------------------------------------------------------

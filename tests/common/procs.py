@@ -14,6 +14,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -133,3 +134,24 @@ def spawn_script(
             cwd=workdir,
         )
     return Proc(popen, stderr_path, name)
+
+
+def run_processes(target: Any, args_of: list[tuple[Any, ...]], timeout_s: float) -> None:
+    """Run ``target(*args)`` for each of ``args_of`` in spawned processes (ranks of a test
+    job) and wait for all; a process still running after ``timeout_s`` is killed and fails
+    the test, as does one that exits non-zero."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=target, args=args) for args in args_of]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.kill()
+        p.join(5)
+    assert not alive, f"{len(alive)} of {len(procs)} processes still running after {timeout_s} s"
+    assert [p.exitcode for p in procs] == [0] * len(procs), [p.exitcode for p in procs]
