@@ -42,7 +42,7 @@ def _epoch_lines(result: Result) -> list[tuple[int, float, float, int, int]]:
     return rows
 
 
-def _check_run(workdir: Path, result: Result, epochs: int) -> list[dict[str, Any]]:
+def _check_run(workdir: Path, result: Result, epochs: int, grows: bool) -> list[dict[str, Any]]:
     assert result.returncode == 0, result
     assert_no_traceback(result)
     assert sorted((workdir / "demo-data" / "shapes").glob("shard-*.tar")), "no shards written"
@@ -50,9 +50,12 @@ def _check_run(workdir: Path, result: Result, epochs: int) -> list[dict[str, Any
     assert [row[0] for row in lines] == list(range(epochs)), result
     samples = [row[3] for row in lines]
     evicted = [row[4] for row in lines]
-    # The cache grows over the first epoch(s), then is capped and evicts: never in epoch 0,
-    # then in later epochs (how many depends on how fast the machine trains).
-    assert samples[0] < max(samples), lines
+    if grows:
+        # Throttled (the shipped demo), the cache grows over the first epoch(s), then is capped
+        # and evicts. Unthrottled, whether it is already full when epoch 0's snapshot is taken
+        # depends on the machine's load (it was, beside two busy processes).
+        assert samples[0] < max(samples), lines
+    assert samples[0] >= 100, lines  # train.min_samples
     first_eviction = next((i for i, count in enumerate(evicted) if count), None)
     assert first_eviction is not None, lines
     capped = samples[first_eviction:]  # full: within a shard's commit of capacity + headroom
@@ -71,7 +74,8 @@ def _check_run(workdir: Path, result: Result, epochs: int) -> list[dict[str, Any
     return metrics
 
 
-def test_image_demo_grows_then_turns_over_and_learns(tmp_path: Path) -> None:
+@pytest.mark.timeout(480)
+def test_image_demo_fills_turns_over_and_learns(tmp_path: Path) -> None:
     # Made small, with wide margins whatever the machine's load: training starts at 100 images
     # (one shard), an unthrottled sampler fills capacity + headroom (~400 images) a shard at a
     # time within a few seconds, and 24 epochs of 1,000 samples (0.3-1.5 s each) go on well
@@ -85,14 +89,16 @@ def test_image_demo_grows_then_turns_over_and_learns(tmp_path: Path) -> None:
                "options": {"lr": 0.005, "size": 32, "width": 12, "min_scale": 0.5}},
     )
     write_yaml(tmp_path / "demo.yaml", config)
-    result = cli("run", "demo.yaml", cwd=tmp_path, timeout_s=240)
-    _check_run(tmp_path, result, 24)
+    # ~11 s on an idle 2-core machine, 138 s beside a suite and two CPU hogs: a deadline, not a
+    # speed target.
+    result = cli("run", "demo.yaml", cwd=tmp_path, timeout_s=420)
+    _check_run(tmp_path, result, 24, grows=False)
 
 
 @pytest.mark.slow
 def test_shipped_demo_config(tmp_path: Path) -> None:
     write_yaml(tmp_path / "demo.yaml", (REPO / "configs" / "demo.yaml").read_text())
     result = cli("run", "demo.yaml", cwd=tmp_path, timeout_s=300)
-    metrics = _check_run(tmp_path, result, 6)
+    metrics = _check_run(tmp_path, result, 6, grows=True)
     # The loader keeps up once the first epoch has started its workers.
     assert all(row["data_wait_fraction"] < 0.10 for row in metrics[1:]), metrics
