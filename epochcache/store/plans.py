@@ -151,7 +151,7 @@ class Releaser:
             return False
         self._part = part
         self._length = int(part.offsets[self.lane + 1] - part.offsets[self.lane])
-        self._word = memoryview(part.positions[self.lane : self.lane + 1]).cast("B").cast("Q")
+        self._word = part.positions[self.lane : self.lane + 1].data.cast("B").cast("Q")
         self._released = int(self._word[0])
         return True
 
