@@ -145,17 +145,23 @@ class Protection:
         self._failed: set[str] = set()  # plans that could not be loaded (logged once)
         self.leases: list[Lease] = []
         self._whole: list[Lease] = []
+        self._live: set[str] = set()  # every lease id of the last sync
 
     def sync(self, leases: Sequence[Lease]) -> None:
         """Adopt the lease table read in the current transaction; take in new reads."""
         self.leases = list(leases)
+        live = {lease.lease_id for lease in leases}
+        any_ended = bool(self._live - live)
+        self._live = live
         # A lease that lost its plan (adopted whole by a resumed run) is protected whole again.
-        live = {lease.lease_id for lease in leases if lease.plan_parts}
-        ended = [lease_id for lease_id in self._planned if lease_id not in live]
+        planned_live = {lease.lease_id for lease in leases if lease.plan_parts}
+        ended = [lease_id for lease_id in self._planned if lease_id not in planned_live]
         for lease_id in ended:
             del self._planned[lease_id]
-        self._failed &= live
-        if ended:
+        self._failed &= planned_live
+        if any_ended or ended:
+            # Candidates set aside because another lease (of either kind) protected them may
+            # be free now.
             for planned in self._planned.values():
                 planned.refree()
         for lease in leases:
