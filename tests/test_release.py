@@ -63,3 +63,13 @@ def test_a_writer_at_a_full_cache_goes_on_once_the_plain_snapshot_ends(tmp_path:
     _put(cache, 2000, 10)  # room made by evicting what the plan lease released
     assert cache.counters().bytes <= cache.capacity_bytes
     planned.release()  # type: ignore[attr-defined]
+
+
+def test_a_batch_larger_than_the_cache_names_what_is_wrong(tmp_path: Path) -> None:
+    """No lease is in the way: the message said "held by lease 00000000 ((none: disk
+    limit)) of pid 0"."""
+    cache = Cache(str(tmp_path / "c"), 40_000, headroom=0.0, sync=False)
+    with pytest.raises(CacheFull, match="larger than capacity \\+ headroom") as full:
+        _put(cache, 0, 200)  # ~76 KB in one batch
+    assert "lease" not in str(full.value)
+    assert 0 < full.value.result.inserted < 200  # type: ignore[attr-defined]

@@ -36,6 +36,7 @@ log = logging.getLogger("epochcache.cache")  # one logger for everything a cache
 _MAX_DISK_FULL_ROUNDS = 16
 #: Label of the blocker when not even eviction can commit (the writer waits for readers).
 _STUCK = "(none: too full to evict)"
+_NO_ROOM = "(none: nothing left to evict)"
 #: ``meta`` key written to advance LMDB's transaction id on a full disk (:meth:`Writer._advance`).
 _M_FULL_MARK = b"last_full_disk_ns"
 
@@ -269,7 +270,7 @@ class Writer:
             result.evicted = evicted.count
             room = limit + self.capacity.headroom_for(limit) - counters.bytes
             if incoming > room:
-                blocker = evicted.blocked_by or Lease.new(0, 0, 0, label="(none: disk limit)")
+                blocker = evicted.blocked_by or Lease.new(0, 0, 0, label=_NO_ROOM)
                 fits = _prefix_within(fresh, room)
                 fresh, rest = fresh[:fits], fresh[fits:]
                 incoming = sum(len(r) for _, r in fresh)
@@ -318,6 +319,11 @@ class Writer:
             return (f"{self.path}: the disk or LMDB map is too full even to evict: pages are held "
                     "by a long read transaction (a verify, a stuck reader); writers wait until "
                     "it ends")
+        if blocker.label == _NO_ROOM:
+            return (f"{self.path}: the batch does not fit even with every sample evicted: it is "
+                    "larger than capacity + headroom, or a disk short of space lowered the "
+                    "capacity in force (`epochcache status` shows it); write smaller batches "
+                    "or give the cache more room")
         return (
             f"{self.path}: cache is at capacity + headroom and the oldest samples are held by "
             f"lease {blocker.lease_id[:8]} ({blocker.label or 'snapshot'}) of pid {blocker.pid} "
