@@ -28,7 +28,7 @@ pytestmark = pytest.mark.timeout(300)
 
 TRAINER = '''\
 """Logs each epoch's order and each batch's sample ids; dies where DIE_AT says."""
-import json, os, time
+import json, os, sys, time
 import torch
 
 
@@ -56,7 +56,10 @@ def train_epoch(run, epoch, loader):
             opt.step()
             time.sleep(0.05)
             if die == f"{epoch}:{i}":
-                print("DIE", flush=True)
+                # One write: two ranks share the pipe, and print() writes "DIE" and its
+                # newline separately under python -u ("DIEDIE\\n\\n" was read as one DIE).
+                sys.stdout.write("DIE\\n")
+                sys.stdout.flush()
                 time.sleep(600)
     return {"loss": float(loss)}
 '''
@@ -106,7 +109,7 @@ def _wait_to_die(proc: subprocess.Popen[str], ranks: int) -> None:
             if not line and proc.poll() is not None:
                 raise AssertionError(f"the run exited {proc.returncode}:\n"
                                      f"{proc.stderr.read()[-4000:]}")
-            seen += line.startswith("DIE")
+            seen += line.count("DIE")
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(30)
