@@ -13,12 +13,7 @@ import numpy as np
 from common.cachecheck import full_check
 from common.daemonproc import upload, wait_cached, wait_for, wait_running, write_config
 from epochcache import Cache
-
-
-def _npy(value: float, shape: tuple[int, ...]) -> bytes:
-    buffer = io.BytesIO()
-    np.save(buffer, np.full(shape, value, dtype=np.float32))
-    return buffer.getvalue()
+from sources.contract import npy_bytes, tar_bytes
 
 
 def test_the_daemon_quarantines_keys_outside_the_root_and_objects_too_large(
@@ -27,10 +22,10 @@ def test_the_daemon_quarantines_keys_outside_the_root_and_objects_too_large(
     remote, outside = tmp_path / "remote", tmp_path / "outside"
     keys = upload(lambda prefix: f"file://{remote}", {}, "", 30, "files")
     outside.mkdir()
-    secret = _npy(1234.5678, (8, 8))  # a valid .npy: format checks would not stop it
+    secret = npy_bytes(1234.5678, (8, 8))  # a valid .npy: format checks would not stop it
     (outside / "secret.npy").write_bytes(secret)
     os.symlink(outside / "secret.npy", remote / "link.npy")
-    (remote / "big.npy").write_bytes(_npy(0.0, (1024, 1024)))  # 4 MiB: over the 2 MiB capacity
+    (remote / "big.npy").write_bytes(npy_bytes(0.0, (1024, 1024)))  # 4 MiB: over the 2 MiB capacity
     bad = {
         "../outside/secret.npy": "a '..' segment",
         str(outside / "secret.npy"): "an absolute path",
@@ -92,28 +87,16 @@ def test_loader_max_sample_bytes_bounds_ingest_too(tmp_path: Path) -> None:
 # -- one step sideways (issue 22, item 5) ---------------------------------------------------
 
 
-def _tar(members: list[tuple[str, bytes]]) -> bytes:
-    import tarfile
-
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as archive:
-        for name, data in members:
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            archive.addfile(info, io.BytesIO(data))
-    return buffer.getvalue()
-
-
 def test_a_tar_field_name_longer_than_a_record_holds_is_quarantined_and_the_rest_committed(
     tmp_path: Path, start_daemon: Any
 ) -> None:
     remote = tmp_path / "remote"
     remote.mkdir()
     long_field = "f" * 70_000  # a record stores field names in 16 bits
-    members = [(f"{i:03d}.npy", _npy(float(i), (4,))) for i in range(3)]
+    members = [(f"{i:03d}.npy", npy_bytes(float(i), (4,))) for i in range(3)]
     members.insert(2, ("bad." + long_field, b"x"))
-    (remote / "shard-0.tar").write_bytes(_tar(members))
-    (remote / "shard-1.tar").write_bytes(_tar([(f"{i:03d}.npy", _npy(float(i), (4,)))
+    (remote / "shard-0.tar").write_bytes(tar_bytes(members))
+    (remote / "shard-1.tar").write_bytes(tar_bytes([(f"{i:03d}.npy", npy_bytes(float(i), (4,)))
                                                for i in range(10, 13)]))
     cache_dir = tmp_path / "cache"
     config = write_config(tmp_path / "cfg.yaml", url=remote.as_uri(), cache_dir=cache_dir,
