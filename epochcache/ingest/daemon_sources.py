@@ -121,7 +121,7 @@ class DaemonSources:
         if saved is not None and saved.complete:  # saved by an earlier version
             listing = saved
         elif source.paged:
-            job = ListingJob(source, self.cache_dir, stop=self._stop)
+            job = ListingJob(source, self.cache_dir, stop=self._stop, saved=saved)
             wait = (not entry.config.sample_while_listing
                     or self.config.sampler.strategy == "weighted")
             listing = job.run(until_started=not wait)

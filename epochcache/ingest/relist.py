@@ -55,7 +55,7 @@ class Relister(threading.Thread):
                 self.next_at = time.time() + retry
                 continue
             log.info("%s: re-listed in %.1fs: %d new keys, %d in all, %d gone",
-                     self.source.url, time.monotonic() - started, added, len(listing.refs),
+                     self.source.url, time.monotonic() - started, added, len(listing),
                      len(listing.gone))
             self.next_at = time.time() + self.ttl_s
 
@@ -65,8 +65,12 @@ class Relister(threading.Thread):
 
 def listing_mtime(source: Source, cache_dir: str) -> int | None:
     """The modification time (ns) of ``source``'s saved listing, None if there is none."""
+    return _mtime_ns(listing_path(cache_dir, source_fingerprint(source.spec)))
+
+
+def _mtime_ns(path: str | os.PathLike[str]) -> int | None:
     try:
-        return os.stat(listing_path(cache_dir, source_fingerprint(source.spec))).st_mtime_ns
+        return os.stat(path).st_mtime_ns
     except OSError:
         return None
 
@@ -85,16 +89,10 @@ class ListingFollower:
         self.cache_dir = cache_dir
         self.fingerprint = source_fingerprint(source.spec)
         self.path = listing_path(cache_dir, self.fingerprint)
-        self._mtime = self._stat() if mtime is None else mtime
+        self._mtime = _mtime_ns(self.path) if mtime is None else mtime
         self._next_check = time.monotonic() + FOLLOW_CHECK_S
         self._loader: threading.Thread | None = None
         self._loaded: Listing | None = None
-
-    def _stat(self) -> int | None:
-        try:
-            return os.stat(self.path).st_mtime_ns
-        except OSError:
-            return None
 
     def poll(self) -> Listing | None:
         """A newly saved listing, once; None when there is nothing new (never blocks)."""
@@ -105,7 +103,7 @@ class ListingFollower:
         if (self._loader is not None and self._loader.is_alive()) or now < self._next_check:
             return None
         self._next_check = now + FOLLOW_CHECK_S
-        mtime = self._stat()
+        mtime = _mtime_ns(self.path)
         if mtime is None or mtime == self._mtime:
             return None
         self._mtime = mtime

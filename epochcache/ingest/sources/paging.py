@@ -206,6 +206,9 @@ def listing_error(url: str, pattern: str, exc: SourceError, spec: Any, keys: int
         "endpoint and network", url)
 
 
+_UNREAD = object()  # ListingJob(saved=...) not given: read the saved listing
+
+
 class ListingJob:
     """Lists one source page by page into its saved listing (see the module docstring).
 
@@ -213,10 +216,12 @@ class ListingJob:
         source: the source (its ``pager()`` gives the pages).
         cache_dir: where the listing is saved.
         stop: set to end :meth:`run` at the next page (what was listed is saved).
+        saved: the saved listing (or None) where the caller has already read it: an
+            unfinished one is gone on with. Read from ``cache_dir`` when not given.
     """
 
     def __init__(self, source: Any, cache_dir: str | os.PathLike[str],
-                 stop: threading.Event | None = None) -> None:
+                 stop: threading.Event | None = None, saved: Any = _UNREAD) -> None:
         self.source, self.cache_dir = source, cache_dir
         self.stop = stop or threading.Event()
         self.fingerprint = source_fingerprint(source.spec)
@@ -226,7 +231,8 @@ class ListingJob:
         self.blocks: list[int] = []
         self.generation = new_generation()
         self.seen = 0  # objects under the prefix, matching or not
-        saved = read_listing(cache_dir, self.fingerprint)
+        if saved is _UNREAD:
+            saved = read_listing(cache_dir, self.fingerprint)
         state = None
         if saved is not None and not saved.complete and saved.resume is not None:
             self.builder.extend(saved.table)
