@@ -17,10 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import lmdb
-import numpy as np
 
 from .codec import record_key
 from .counters import Counters
@@ -62,15 +60,13 @@ def evict_oldest(
     keys_db = dbs[DB_KEYS]
     walk = _Gaps(txn.cursor(db=dbs[DB_SAMPLES]), protection.gaps())
     samples = txn.cursor(db=dbs[DB_SAMPLES])  # for released samples, anywhere
-    released, owners = protection.released()
+    released = protection.released()
     taken = 0  # released candidates used up (evicted, or found gone)
-    evicted: list[int] = []
     while counters.bytes > limit_bytes:
         if taken == len(released) and len(released):
-            _used(protection, released, owners, taken, evicted)
-            released, owners = protection.released()
+            protection.evicted(released[:taken])
+            released = protection.released()
             taken = 0
-            evicted = []
         gap_seq = walk.head()
         next_released = int(released[taken]) if taken < len(released) else None
         if gap_seq is None and next_released is None:
@@ -84,7 +80,6 @@ def evict_oldest(
             cursor = samples
             if not cursor.set_key(seq_key(next_released)):
                 continue  # another process evicted it
-            evicted.append(next_released)
             walk.moved()
         record = cursor.value()
         size = len(record)
@@ -99,16 +94,10 @@ def evict_oldest(
         result.count += 1
         result.bytes += size
         cursor.delete()
-    _used(protection, released, owners, taken, evicted)
+    # The candidates used up are gone (evicted here, or by another process): no candidates
+    # of any plan lease any more.
+    protection.evicted(released[:taken])
     return result
-
-
-def _used(protection: Protection, released: np.ndarray, owners: list[tuple[Any, int]],
-          taken: int, evicted: list[int]) -> None:
-    """The first ``taken`` released candidates are gone (``evicted`` by us, the others by
-    another process): no candidates of any plan lease any more."""
-    if taken:
-        protection.evicted(np.asarray(released[:taken], dtype=np.uint64))
 
 
 class _Gaps:

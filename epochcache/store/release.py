@@ -61,15 +61,6 @@ class _Planned:
                              "its snapshot")
         return idx
 
-    def index(self, seq: int) -> int:
-        """The position of ``seq`` in the snapshot, or -1."""
-        i = int(np.searchsorted(self.seqs, seq))
-        return i if i < len(self.seqs) and int(self.seqs[i]) == seq else -1
-
-    def protects(self, seq: int) -> bool:
-        i = self.index(seq)
-        return i >= 0 and self.remaining[i] > 0
-
     def advance(self) -> None:
         """Take in what the readers read since the last call."""
         for part, seen in zip(self.parts, self.seen):
@@ -228,13 +219,12 @@ class Protection:
                 return planned.lease
         return None
 
-    def released(self, want: int = 256) -> tuple[np.ndarray, list[tuple[_Planned, int]]]:
+    def released(self, want: int = 256) -> np.ndarray:
         """The oldest released samples of the plan leases that no other lease protects, at
-        least ``want`` if there are: their sequence numbers, sorted, and for each its lease
-        and position. Candidates found protected by another lease are set aside until a lease
-        ends (:meth:`_Planned.refree`)."""
+        least ``want`` if there are: their sequence numbers, sorted. Candidates found
+        protected by another lease are set aside until a lease ends
+        (:meth:`_Planned.refree`)."""
         seqs: list[np.ndarray] = []
-        owners: list[tuple[_Planned, np.ndarray]] = []
         for planned in self._planned.values():
             pos = planned.free_positions(want)
             if not len(pos):
@@ -248,13 +238,9 @@ class Protection:
                     kept &= ~other.unread(cand)
             planned.mark(pos[~kept], _PROTECTED)
             seqs.append(cand[kept])
-            owners.append((planned, pos[kept]))
         if not seqs:
-            return np.empty(0, dtype=np.uint64), []
-        merged = np.concatenate(seqs)
-        which = [(planned, int(p)) for planned, pos in owners for p in pos]
-        order = np.argsort(merged, kind="stable")
-        return merged[order], [which[i] for i in order]
+            return np.empty(0, dtype=np.uint64)
+        return np.sort(np.concatenate(seqs), kind="stable")
 
     def evicted(self, seqs: np.ndarray) -> None:
         """``seqs`` left the cache: they are no candidates of any plan lease any more."""
