@@ -53,9 +53,7 @@ def remaining_after(cache: SampleStore, lane: np.ndarray, position: int,
         present = np.fromiter((get(seq_key(int(seq)), None, db) is not None for seq in rest),
                               dtype=bool, count=len(rest))
     missing = len(rest) - int(present.sum())
-    log.info("epoch %d resumes after sample %d of %d on this rank%s", epoch, position,
-             len(lane), "" if not missing else
-             f"; {missing} samples after it were evicted meanwhile and are skipped")
+    log.info("epoch %d resumes after sample %d of %d on this rank", epoch, position, len(lane))
     if missing:
         log.warning("epoch %d: %d samples of the interrupted epoch were evicted before the "
                     "resume and are skipped", epoch, missing)

@@ -97,6 +97,7 @@ def resume_checkpoint(run_dir: Path, node_rank: int = 0) -> dict[str, Any] | Non
         error = None
     except CheckpointError as exc:
         data, error = None, str(exc)
+    own = None if data is None else hashlib.sha256(data).hexdigest()
     decision: list[Any] = [None]
     loaded = None
     if rank == 0:
@@ -104,7 +105,7 @@ def resume_checkpoint(run_dir: Path, node_rank: int = 0) -> dict[str, Any] | Non
         if error is None and data is not None:
             try:
                 loaded = _load(data, str(path))
-                epoch, digest = loaded["epoch"], hashlib.sha256(data).hexdigest()
+                epoch, digest = loaded["epoch"], own
             except CheckpointError as exc:
                 error = str(exc)
         decision[0] = {"error": error, "path": str(path), "digest": digest, "epoch": epoch}
@@ -113,8 +114,7 @@ def resume_checkpoint(run_dir: Path, node_rank: int = 0) -> dict[str, Any] | Non
     chosen = decision[0]
     if chosen["error"] is not None:
         raise CheckpointError(f"--resume: rank 0's checkpoint: {chosen['error']}")
-    mine = data is not None and chosen["digest"] is not None and \
-        hashlib.sha256(data).hexdigest() == chosen["digest"]
+    mine = own is not None and own == chosen["digest"]
     if mine:
         state = "read it"
     elif chosen["digest"] is None:
