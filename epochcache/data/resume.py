@@ -36,9 +36,7 @@ def resumed_snapshot(cache: SampleStore, state: dict[str, Any], epoch: int) -> S
                     "reclaimed before a checkpoint named it); the epoch starts afresh on a new "
                     "snapshot", epoch, lease_id[:8])
         return None
-    seqs = cache.plan_seqs(lease_id)
-    if seqs is None:
-        seqs = cache.leased_seqs(lease.lo, lease.hi, lease.count)
+    seqs = cache.snapshot_seqs(lease_id, lease.lo, lease.hi, lease.count)
     return Snapshot(cache, np.array(seqs, dtype=np.uint64), lease_id, epoch)
 
 

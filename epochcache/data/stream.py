@@ -319,14 +319,11 @@ class CacheStream(IterableDataset[Any]):
 
     def _resumed_order(self, state: dict[str, Any]) -> np.ndarray:
         """The order of the epoch ``state`` was taken in, rebuilt from its snapshot."""
-        cache = self.reader.cache
-        seqs = cache.plan_seqs(state["lease"]) if state.get("lease") else None
-        if seqs is None:
-            seqs = cache.leased_seqs(int(state["lo"]), int(state["hi"]), int(state["count"]))
-        order = epoch_order(seqs, int(state["epoch"]), int(state["seed"]),
-                            bool(state["shuffle"]), state["samples_per_epoch"])
-        order = order[int(state["slot"]) :: int(state["slots"])]
-        return order if int(state["samples"]) < 0 else order[: int(state["samples"])]
+        seqs = self.reader.cache.snapshot_seqs(state.get("lease"), int(state["lo"]),
+                                               int(state["hi"]), int(state["count"]))
+        return _rank_order(seqs, int(state["epoch"]), int(state["seed"]),
+                           bool(state["shuffle"]), state["samples_per_epoch"],
+                           int(state["slot"]), int(state["slots"]), int(state["samples"]))
 
     def _check_resumable(self, state: dict[str, Any]) -> Share:
         mine = {"seed": self.seed, "shuffle": self.shuffle,
@@ -436,13 +433,9 @@ class CacheStream(IterableDataset[Any]):
                 part = prepared.part
             else:
                 slot, slots, samples, part = 0, 1, -1, 0
-            seqs = cache.plan_seqs(share.lease) if share.lease else None
-            if seqs is None:
-                seqs = cache.leased_seqs(share.lo, share.hi, share.count)
-            order = epoch_order(seqs, share.epoch, self.seed, self.shuffle,
-                                self.samples_per_epoch)[slot::slots]
-            if samples >= 0:
-                order = order[:samples]
+            seqs = cache.snapshot_seqs(share.lease, share.lo, share.hi, share.count)
+            order = _rank_order(seqs, share.epoch, self.seed, self.shuffle,
+                                self.samples_per_epoch, slot, slots, samples)
             lanes = [order[w::workers] for w in range(workers)]
             releaser = (_plan_lanes(cache, share, part, lanes, worker)
                         if self.progressive else None)
@@ -637,3 +630,12 @@ def _drop_quietly(cache: SampleStore, name: str, home_pid: int) -> None:
         log.debug("could not drop stream document %s", name, exc_info=True)
     finally:
         release_owner(cache)
+
+
+def _rank_order(seqs: np.ndarray, epoch: int, seed: int, shuffle: bool,
+                samples_per_epoch: int | None, slot: int, slots: int,
+                samples: int) -> np.ndarray:
+    """The epoch's order over a snapshot, this rank's slot of it, cut to ``samples`` (all
+    when negative): the same on every process that reads the epoch or resumes it."""
+    order = epoch_order(seqs, epoch, seed, shuffle, samples_per_epoch)[slot::slots]
+    return order if samples < 0 else order[:samples]

@@ -422,6 +422,12 @@ class SampleStore:
         None: the snapshot as taken, whatever was evicted from it since."""
         return plans.read_seqs(self.path, lease_id)
 
+    def snapshot_seqs(self, lease_id: str | None, lo: int, hi: int, count: int) -> np.ndarray:
+        """The samples of a leased snapshot as taken: from its plan when it has one (see
+        :meth:`plan_seqs`), else from its range (:meth:`leased_seqs`)."""
+        seqs = self.plan_seqs(lease_id) if lease_id else None
+        return self.leased_seqs(lo, hi, count) if seqs is None else seqs
+
     def leases(self) -> list[Lease]:
         with self.store.read() as txn:
             return read_leases(txn, self.dbs[DB_LEASES])
