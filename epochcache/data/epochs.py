@@ -275,10 +275,9 @@ class _Epochs:
         self.last_plan_s = seconds
         plan = EpochPlan(epoch, dataset, order, self.batch_size, n_batches, seconds, releaser)
         plan.lane_length, plan.offsets = len(lane), offsets
-        plan.identity = {"seed": self.seed, "shuffle": self.shuffle,
-                         "samples_per_epoch": self.samples_per_epoch,
-                         "local_rank": self.world.local_rank,
-                         "local_world_size": self.world.local_world_size}
+        plan.identity = order_identity(seed=self.seed, shuffle=self.shuffle,
+                                       samples_per_epoch=self.samples_per_epoch,
+                                       world=self.world)
         if resume is not None:
             plan.resumed_from = int(resume["position"])
         return plan
@@ -552,14 +551,22 @@ def epochs(
     return _generate(state, cache, min_samples, wait_timeout_s, start_epoch, num_epochs)
 
 
+def order_identity(*, seed: int, shuffle: bool, samples_per_epoch: int | None,
+                   world: World) -> dict[str, Any]:
+    """What a rank's epoch order depends on besides the snapshot: saved with its position,
+    and compared on a resume."""
+    return {"seed": seed, "shuffle": bool(shuffle), "samples_per_epoch": samples_per_epoch,
+            "local_rank": world.local_rank, "local_world_size": world.local_world_size}
+
+
 def check_resume(state: dict[str, Any], *, seed: int, shuffle: bool,
                  samples_per_epoch: int | None, world: World) -> None:
     """Refuse a resume state the epoch's order cannot be rebuilt from, naming what differs."""
     if not isinstance(state, dict) or state.get("kind") != "epochcache.epochs":
         raise ValueError("resume: expected an EpochLoader.state_dict() (from a checkpoint), "
                          f"got {type(state).__name__}")
-    wanted = {"seed": seed, "shuffle": bool(shuffle), "samples_per_epoch": samples_per_epoch,
-              "local_rank": world.local_rank, "local_world_size": world.local_world_size}
+    wanted = order_identity(seed=seed, shuffle=shuffle, samples_per_epoch=samples_per_epoch,
+                            world=world)
     for name, value in wanted.items():
         if state.get(name) != value:
             raise ValueError(
