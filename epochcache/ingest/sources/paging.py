@@ -214,13 +214,13 @@ class ListingJob:
 
     Args:
         source: the source (its ``pager()`` gives the pages).
-        cache_dir: where the listing is saved.
+        cache_dir: where the listing is saved; None lists without saving anything.
         stop: set to end :meth:`run` at the next page (what was listed is saved).
         saved: the saved listing (or None) where the caller has already read it: an
             unfinished one is gone on with. Read from ``cache_dir`` when not given.
     """
 
-    def __init__(self, source: Any, cache_dir: str | os.PathLike[str],
+    def __init__(self, source: Any, cache_dir: str | os.PathLike[str] | None,
                  stop: threading.Event | None = None, saved: Any = _UNREAD) -> None:
         self.source, self.cache_dir = source, cache_dir
         self.stop = stop or threading.Event()
@@ -231,7 +231,9 @@ class ListingJob:
         self.blocks: list[int] = []
         self.generation = new_generation()
         self.seen = 0  # objects under the prefix, matching or not
-        if saved is _UNREAD:
+        if cache_dir is None:
+            saved = None
+        elif saved is _UNREAD:
             saved = read_listing(cache_dir, self.fingerprint)
         state = None
         if saved is not None and not saved.complete and saved.resume is not None:
@@ -286,6 +288,8 @@ class ListingJob:
         return self._finish()
 
     def _checkpoint_due(self, now: float) -> bool:
+        if self.cache_dir is None:
+            return False
         if not self.blocks:
             return len(self.builder) >= START_KEYS  # samplers can start from these
         return (len(self.builder) >= 2 * self._saved_keys
@@ -298,7 +302,8 @@ class ListingJob:
         listing = Listing(self.builder.build(), list(self.blocks), set(), time.time(),
                           self.generation, complete=False,
                           resume={**self.pager.state, "seen": self.seen})
-        save_listing(self.cache_dir, self.fingerprint, listing)
+        if self.cache_dir is not None:
+            save_listing(self.cache_dir, self.fingerprint, listing)
         self._saved_at, self._saved_keys = time.monotonic(), count
         return listing
 
@@ -312,7 +317,8 @@ class ListingJob:
         # Saved sorted, as one block, under a new generation: the key order starts afresh
         # over every key (see .listing).
         listing = Listing(table.sorted(), [], set(), time.time(), new_generation())
-        save_listing(self.cache_dir, self.fingerprint, listing)
+        if self.cache_dir is not None:
+            save_listing(self.cache_dir, self.fingerprint, listing)
         log.info("%s: listed %s keys matching %r in %.1f s (%d pages)", self.source.url,
                  f"{len(table):,}", self.pattern, time.monotonic() - self.started,
                  self.pager.pages)
@@ -325,35 +331,7 @@ def list_all(source: Any) -> KeyTable:
     Raises:
         SourceUnavailable: a page failed after its retries, or nothing matches.
     """
-    pattern = source.spec.effective_pattern
-    match = _matcher(pattern)
-    pager = source.pager(None)
-    builder = KeyTableBuilder()
-    seen = 0
-    started = time.monotonic()
-    progress_at = started + PROGRESS_S
-    while not pager.done:
-        try:
-            entries = fetch_page(pager, source.url, source.spec, pager.pages == 0)
-        except SourceError as exc:
-            raise listing_error(source.url, pattern, exc, source.spec, len(builder),
-                                pager.pages) from exc
-        seen += len(entries)
-        for key, size in entries:
-            if match(key):
-                builder.add(key, size)
-        if time.monotonic() >= progress_at:
-            progress_at = time.monotonic() + PROGRESS_S
-            log.info("%s: listed %s keys in %.0f s (%d pages); listing goes on", source.url,
-                     f"{len(builder):,}", time.monotonic() - started, pager.pages)
-    table = builder.build()
-    if not len(table):
-        raise SourceUnavailable(
-            f"{source.url}: no keys match {pattern!r} ({seen} objects under the prefix); "
-            "check source.url (bucket and prefix exist) and source.pattern", source.url)
-    log.info("%s: listed %s keys matching %r in %.1f s (%d pages)", source.url,
-             f"{len(table):,}", pattern, time.monotonic() - started, pager.pages)
-    return table.sorted()
+    return ListingJob(source, None).run().table
 
 
 def _matcher(pattern: str) -> Callable[[str], Any]:
