@@ -27,6 +27,7 @@ shared pages in the training process beats shipping batches from workers through
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import functools
 import logging
 import os
@@ -60,6 +61,7 @@ from .plan import (
 from .reader import SampleReader
 from .stall import get_watchdog
 from .wait import wait_for_samples
+from .workers import start_method, start_workers
 
 if TYPE_CHECKING:
     from ..store import SampleStore
@@ -108,6 +110,7 @@ class _Pending:
         self.trigger = threading.Event()
         self.plan: cf.Future[EpochPlan] = cf.Future()
         self.loader: DataLoader[Any] | None = None
+        self.sampler: PlanSampler | None = None
         self.iterator: cf.Future[Any] = cf.Future()
 
 
@@ -183,6 +186,8 @@ class _Epochs:
         # thread when triggered (~0.3 ms, once per epoch): on a background thread the same work
         # cost the training thread ~5x that in GIL hand-offs.
         self.inline = num_workers == 0 and self.sync is None
+        self.forks = num_workers > 0 and start_method(
+            loader_kwargs.get("multiprocessing_context")) == "fork"
         self.slots: list[tuple[DataLoader[Any], PlanSampler]] = []
         self.prepared = 0
         self.last_plan_s = 0.05
@@ -204,7 +209,10 @@ class _Epochs:
         kwargs = dict(self.loader_kwargs)
         if self.num_workers > 0:
             kwargs["worker_init_fn"] = functools.partial(_seed_worker, self.worker_init_fn)
-            kwargs["persistent_workers"] = self.persistent
+            # Persistent for torch in every case: its workers are started by a warm-up
+            # iteration (see _start_workers) and the epoch is a second iteration, which only
+            # resets them. Without persistent_workers the loader is shut down after its epoch.
+            kwargs["persistent_workers"] = True
         loader = DataLoader(
             SeqBatches(self.reader, collated=self.collate_fn is None),
             batch_size=None, sampler=sampler, num_workers=self.num_workers,
@@ -297,18 +305,47 @@ class _Epochs:
         return Releaser(self.cache.path, lease_id, part, 0)
 
     def _build(self, pending: _Pending) -> Any:
-        loader, sampler = self._make_loader(pending.epoch)
+        if pending.loader is None:
+            pending.loader, pending.sampler = self._make_loader(pending.epoch)
+        loader, sampler = pending.loader, pending.sampler
+        assert sampler is not None
         sampler.plan = pending.plan
-        pending.loader = loader
         if self.num_workers == 0 and not loader.pin_memory:
             return in_process_batches(loader, sampler)
-        if self.device_index is None:
-            return iter(loader)  # starts the workers; their priming waits for the plan
-        with torch.cuda.device(self.device_index):
+        with self._device():
+            # With workers: they run already (_start_workers), this resets them for the epoch
+            # (no fork) and primes their queues, which waits for the plan.
             return iter(loader)
 
+    def _device(self) -> Any:
+        """The trainer's CUDA device, for what a loader starts (its pin-memory thread)."""
+        if self.device_index is None:
+            return contextlib.nullcontext()
+        return torch.cuda.device(self.device_index)
+
+    def _start_workers(self, pending: _Pending) -> None:
+        """Start the workers of ``pending``'s loader (see :mod:`epochcache.data.workers`).
+
+        Forked workers are started here, on the thread that iterates epochs(), inside our own
+        code: a fork from a background thread while the training loop runs user code copied
+        whatever lock that code held into the worker (a held ``torch.manual_seed`` lock hung
+        the next epoch's first batch). Workers of other start methods inherit nothing and are
+        started on the builder thread (spawn takes ~1 s per worker).
+        """
+        loader, sampler = pending.loader, pending.sampler
+        assert loader is not None and sampler is not None
+        if self.forks:
+            start_workers(loader, sampler.warm_up, self._device)
+        else:
+            self._lane("build").submit(
+                functools.partial(start_workers, loader, sampler.warm_up, self._device))
+
     def prepare(self, epoch: int) -> _Pending:
+        """Begin preparing ``epoch``; called by the thread that iterates epochs()."""
         pending = _Pending(epoch)
+        if self.num_workers > 0:
+            pending.loader, pending.sampler = self._make_loader(epoch)
+            self._start_workers(pending)
         if not self.inline:
             pending.plan = self._lane("plan").submit(functools.partial(self._plan, pending))
             pending.iterator = self._lane("build").submit(
@@ -353,12 +390,14 @@ class _Epochs:
         except BaseException:  # cancelled or failed: nothing was taken, or it is released
             pass
         try:
-            iterator = pending.iterator.result(timeout=60)
+            pending.iterator.result(timeout=60)
         except BaseException:
             pass
-        else:  # shut down here, not by the garbage collector (see PlanSampler.__iter__)
-            if hasattr(iterator, "_shutdown_workers"):
-                iterator._shutdown_workers()
+        # Shut down here, not by the garbage collector (see PlanSampler.__iter__): the
+        # workers may have been started without the epoch's iteration.
+        iterator = getattr(pending.loader, "_iterator", None)
+        if iterator is not None:
+            iterator._shutdown_workers()
 
     # -- the generator ----------------------------------------------------------------------
 

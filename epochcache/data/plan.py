@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from ..store.plans import Releaser
 from .dataset import EpochDataset, snapshot_gone
 from .reader import SampleReader
+from .workers import WarmUp
 
 
 def epoch_order(seqs: np.ndarray, epoch: int, seed: int = 0, shuffle: bool = True,
@@ -84,12 +85,19 @@ class SeqBatch(NamedTuple):
 
 
 class PlanSampler(Sampler[SeqBatch]):
-    """Yields the current plan's batches of sequence numbers; waits for the plan first."""
+    """Yields the current plan's batches of sequence numbers; waits for the plan first.
+
+    While ``warm_up`` is active it yields nothing: the loader's workers are being started by
+    an iteration that reads nothing (see :func:`epochcache.data.workers.start_workers`).
+    """
 
     def __init__(self) -> None:
         self.plan: cf.Future[EpochPlan] | None = None
+        self.warm_up = WarmUp()
 
     def __iter__(self) -> Iterator[SeqBatch]:
+        if self.warm_up.active:
+            return
         if self.plan is None:
             raise RuntimeError("epochcache: loader used before its epoch was planned")
         try:
