@@ -107,6 +107,48 @@ def test_ddp_ranks_yield_equal_counts_and_disjoint_parts_of_one_snapshot(
         assert r["leases"] == 0
 
 
+def _dropped_iterator_rank(rank: int, port: int, path: str, out: str) -> None:
+    _env(rank, 2, rank, 2, 0, port)
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader
+
+    from epochcache import Cache
+
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        cache = Cache(path, sync=False)
+        stream = cache.stream(seed=2)
+        epochs = []
+        for epoch in range(2):
+            stream.set_epoch(epoch)  # a DataModule's hook does this every epoch
+            loader = DataLoader(stream, batch_size=8, num_workers=2)
+            first = iter(loader)  # Lightning 2.6 creates an iterator and drops it ...
+            next(first)  # ... after its workers started reading
+            del first
+            gc.collect()
+            epochs.append([int(v) for batch in loader for v in batch[:, 0]])  # ... then iterates
+            dist.barrier()
+        stream.close()
+        torch.save(epochs, f"{out}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_dropped_iterator_does_not_use_up_the_epoch_the_ranks_agreed_on(
+        tmp_path: Path) -> None:
+    """Lightning's DDP with workers died at epoch 1: "the ranks must agree on each epoch ..."
+    although set_epoch was called, because an iterator created and dropped had claimed the
+    prepared epoch (issue 26, item 5)."""
+    path = str(tmp_path / "c")
+    fill(path, 0, 96)
+    port = free_port()
+    _run(_dropped_iterator_rank, [(r, port, path, str(tmp_path)) for r in range(2)])
+    a, b = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
+    for epoch in range(2):
+        assert len(a[epoch]) == len(b[epoch]) == 48  # equal counts, the whole epoch
+        assert sorted(a[epoch] + b[epoch]) == list(range(96))  # disjoint, each sample once
+
+
 # -- accelerate ------------------------------------------------------------------------------
 
 def _accelerate_rank(rank: int, port: int, path: str, out: str, dispatch: bool | None,

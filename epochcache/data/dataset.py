@@ -64,6 +64,9 @@ class EpochDataset(Dataset[Any]):
         # The lease that protects these samples (held here or by the node's leader): a read
         # that finds a sample gone says so, naming it, when the lease no longer exists.
         self.lease_id = snapshot.lease_id if snapshot is not None else lease_id
+        #: Whether the epoch was read to its end: an unfinished one's lease is left for a
+        #: resume when a checkpoint named it (see :meth:`close`). epochs() sets it.
+        self.finished = True
 
     @classmethod
     def from_cache(
@@ -156,9 +159,11 @@ class EpochDataset(Dataset[Any]):
         return self._snapshot
 
     def close(self) -> None:
-        """Release the snapshot's lease (in the process that took it). Idempotent."""
+        """Release the snapshot's lease (in the process that took it). Idempotent. The lease
+        of an epoch not read to its end (:attr:`finished`) that a checkpoint named is left
+        for its resume instead (:meth:`SampleStore.release_lease`)."""
         if self._snapshot is not None:
-            self._snapshot.release()
+            self._snapshot.release(finished=self.finished)
 
     def __enter__(self) -> EpochDataset:
         return self

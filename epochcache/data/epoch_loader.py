@@ -44,6 +44,10 @@ class EpochLoader:
         self.release_as_consumed = True
         #: Batches handed to the loop so far.
         self.yielded = 0
+        #: Once :meth:`state_dict` was taken, the epoch's lease outlives an abandoned epoch
+        #: (a stop, a crash) by this long, for a resume (epochs()' ``resume_grace_s``).
+        self.resume_grace_s = 0.0
+        self._kept = False
 
     def __len__(self) -> int:
         return self._plan.n_batches
@@ -89,14 +93,19 @@ class EpochLoader:
             yield batch
             if self.release_as_consumed:
                 self._plan.release(i + 1)
+        self.dataset.finished = True  # read to its end: its lease goes, checkpoint or not
         self.finish()
 
     def state_dict(self) -> dict[str, Any]:
         """Where the epoch is: enough to resume it exactly after the batches yielded so far
-        (``epochs(resume=state)``), on the same snapshot in the same order. A checkpoint that
-        saves it should also keep the epoch's lease for a resume
-        (:meth:`keep_for_resume`)."""
+        (``epochs(resume=state)``), on the same snapshot in the same order.
+
+        The first state taken in an epoch keeps the epoch's lease for a resume: however the
+        job stops before the epoch's end (SIGTERM, Ctrl-C, a crash, a kill), the lease
+        outlives it by ``resume_grace_s`` (:meth:`keep_for_resume`)."""
         plan = self._plan
+        if self.resume_grace_s > 0 and not self._kept:
+            self.keep_for_resume(self.resume_grace_s)
         return {"kind": "epochcache.epochs", "version": 1, "epoch": self.epoch,
                 "lease": plan.dataset.lease_id, "position": plan.position(self.yielded),
                 "lane": plan.lane_length, "batches": self.yielded, **plan.identity}
@@ -105,6 +114,7 @@ class EpochLoader:
         """Keep the epoch's lease ``grace_s`` seconds after this process dies (a checkpoint
         names it), so that a resumed run finds its samples."""
         lease_id = self._plan.dataset.lease_id
+        self._kept = True
         if lease_id and self._plan.dataset.snapshot is not None:  # this node's leader holds it
             self._plan.dataset.reader.cache.keep_for_resume(lease_id, grace_s)
 

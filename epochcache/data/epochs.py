@@ -166,7 +166,8 @@ class _Epochs:
                  persistent: bool, reader: SampleReader, collate_fn: Callable[[Any], Any] | None,
                  worker_init_fn: Callable[[int], None] | None, stall_s: float | None,
                  stall_file: str | None, loader_kwargs: dict[str, Any], world: World,
-                 progressive: bool = True, resume: dict[str, Any] | None = None) -> None:
+                 progressive: bool = True, resume: dict[str, Any] | None = None,
+                 resume_grace_s: float = 1800.0) -> None:
         self.cache, self.batch_size, self.num_workers = cache, batch_size, num_workers
         self.seed, self.shuffle, self.drop_last = seed, shuffle, drop_last
         self.samples_per_epoch, self.persistent, self.reader = samples_per_epoch, persistent, reader
@@ -174,6 +175,7 @@ class _Epochs:
         self.stall_s, self.stall_file, self.loader_kwargs = stall_s, stall_file, loader_kwargs
         self.world, self.progressive = world, progressive
         self.resume = resume  # consumed by the first epoch's plan
+        self.resume_grace_s = resume_grace_s
         # CUDA's current device is per thread, and loaders are built on a lane thread, whose
         # device is GPU 0: DataLoader's pin-memory thread takes the builder's, so every rank
         # would pin (and hold a CUDA context) on GPU 0. Built under the trainer's device.
@@ -257,6 +259,7 @@ class _Epochs:
         if resume is not None and lease_id != resume["lease"]:
             resume = None  # (non-leaders learn it here) the leader took a new snapshot
         dataset = EpochDataset(self.reader, seqs, epoch, snapshot, lease_id)
+        dataset.finished = False  # until the loop has read the epoch to its end
         try:
             order = epoch_order(seqs, epoch, self.seed, self.shuffle, self.samples_per_epoch)
             order = split_for_rank(order, self.world)
@@ -447,6 +450,7 @@ class _Epochs:
                 loader = EpochLoader(epoch, plan, current.loader, iterator,  # type: ignore[arg-type]
                                      self._request_next, started, self._lead_s(),
                                      depth, dog)
+                loader.resume_grace_s = self.resume_grace_s
                 if epoch == start and self.persistent:
                     # The second loader's workers start now, alongside the first's, so even a
                     # first epoch shorter than a worker start-up ends without a wait.
@@ -515,6 +519,7 @@ def epochs(
     image: str = "numpy",
     release: str = "progressive",
     resume: dict[str, Any] | None = None,
+    resume_grace_s: float = 1800.0,
     **dataloader_kwargs: Any,
 ) -> Iterator[tuple[int, EpochLoader]]:
     """Yield ``(epoch, loader)`` for ``num_epochs`` epochs, each over a fresh snapshot.
@@ -558,6 +563,10 @@ def epochs(
             the first epoch is that one, on the same snapshot in the same order, from the
             sample after the state's position; ``start_epoch`` is ignored. Samples evicted
             since are skipped and counted in the log.
+        resume_grace_s: once a loader's :meth:`~EpochLoader.state_dict` was taken, its
+            epoch's lease outlives a stop before the epoch's end (SIGTERM, Ctrl-C, a crash,
+            the process exiting) by this long, so that ``resume=`` finds its samples; an epoch
+            read to its end releases its lease at once. 0 disables.
         **dataloader_kwargs: passed to DataLoader (``pin_memory``, ``prefetch_factor``,
             ``timeout``, ``multiprocessing_context``, ...).
 
@@ -586,7 +595,8 @@ def epochs(
                     persistent=persistent, reader=reader, collate_fn=collate_fn,
                     worker_init_fn=worker_init_fn, stall_s=stall_s, stall_file=stall_file,
                     loader_kwargs=dataloader_kwargs, world=world,
-                    progressive=release == "progressive", resume=resume)
+                    progressive=release == "progressive", resume=resume,
+                    resume_grace_s=resume_grace_s)
     return _generate(state, cache, min_samples, wait_timeout_s, start_epoch, num_epochs)
 
 

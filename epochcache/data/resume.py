@@ -32,12 +32,18 @@ def resumed_snapshot(cache: SampleStore, state: dict[str, Any], epoch: int) -> S
     lease = cache.adopt_lease(lease_id)
     if lease is None:
         log.warning("epoch %d cannot continue where the checkpoint left it: its lease %s is "
-                    "gone (the run was down longer than cache.resume_grace_s, or the lease was "
-                    "reclaimed before a checkpoint named it); the epoch starts afresh on a new "
-                    "snapshot", epoch, lease_id[:8])
+                    "gone (%s); the epoch starts afresh on a new snapshot", epoch, lease_id[:8],
+                    lease_gone_reason(cache, lease_id))
         return None
     seqs = cache.snapshot_seqs(lease_id, lease.lo, lease.hi, lease.count)
     return Snapshot(cache, np.array(seqs, dtype=np.uint64), lease_id, epoch)
+
+
+def lease_gone_reason(cache: SampleStore, lease_id: str) -> str:
+    """Why a resumed epoch's lease is gone, as the cache recorded it when it ended."""
+    return cache.lease_end(lease_id) or (
+        "no record of its end: the cache was replaced, copied or repaired since, or the lease "
+        "ended long ago")
 
 
 def remaining_after(cache: SampleStore, lane: np.ndarray, position: int,

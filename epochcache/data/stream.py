@@ -50,6 +50,7 @@ from .dataset import snapshot_gone
 from .epochs import check_release
 from .distributed import NodeSync, detect_world, dist_initialized
 from .plan import epoch_order
+from .resume import lease_gone_reason
 from .reader import SampleReader
 from .stream_state import KIND, ORDER_KEYS, merge, resume_split, worker_states
 
@@ -258,16 +259,20 @@ class CacheStream(IterableDataset[Any]):
         self._next_epoch, self._epoch_given = epoch + 1, False
         return self._prepared
 
-    def _release_snapshot(self) -> None:
+    def _release_snapshot(self, *, finished: bool = True) -> None:
         snapshot, self._snapshot = self._snapshot, None
         if snapshot is not None:
-            snapshot.release()
+            snapshot.release(finished=finished)
 
     def close(self) -> None:
-        """Release the leases this stream holds and leave DDP's groups. Idempotent."""
+        """Release the leases this stream holds and leave DDP's groups. Idempotent.
+
+        The lease of an epoch not read to its end whose state was taken
+        (:meth:`state_dict`) is left for ``resume_grace_s``, for :meth:`load_state_dict`.
+        """
         if self._finalizer is None or self._home_pid != os.getpid():
             return  # a copy in a worker, or never used outside one: holds nothing
-        self._release_snapshot()
+        self._release_snapshot(finished=False)
         self._finalizer()
         if self._sync is not None:
             self._sync.close()
@@ -362,18 +367,20 @@ class CacheStream(IterableDataset[Any]):
             cache = self.reader.cache
             if share.lease and cache.adopt_lease(share.lease, whole=True) is None:
                 log.warning("stream: epoch %d cannot continue where the state left it: its "
-                            "lease is gone (down longer than resume_grace_s?); the next "
-                            "epoch starts instead", share.epoch)
+                            "lease %s is gone (%s); the next epoch starts instead",
+                            share.epoch, share.lease[:8], lease_gone_reason(cache, share.lease))
             else:
+                finished = False
                 try:
                     split, lane, start = resume_split(self._resumed_order(state), state, 1, 0)
                     self._at = {"spec": {k: state[k] for k in ORDER_KEYS},
                                 "split": split, "worker": 0}
                     yield from self._samples(lane[start:], False, share, None, base=start,
                                              resumed=True)
+                    finished = True
                 finally:
                     if share.lease:
-                        cache.release_lease(share.lease)
+                        cache.release_lease(share.lease, finished=finished)
                 return
         prepared = self._prepared
         if prepared is None or self._consumed or self._epoch_given:
@@ -391,12 +398,14 @@ class CacheStream(IterableDataset[Any]):
                                        prepared.samples),
                     "split": {"workers": 1}, "worker": 0}
         self._active += 1
+        finished = False
         try:
             yield from self._samples(order, prepared.distributed, prepared.share, releaser)
+            finished = True
         finally:
             self._active -= 1
             if not prepared.distributed and self._prepared is prepared:
-                self._release_snapshot()
+                self._release_snapshot(finished=finished)
 
     def _iter_worker(self, worker: int, workers: int, base_seed: int) -> Iterator[Any]:
         """Claim the epoch now, as the worker starts (DataLoader calls iter() on the dataset
@@ -418,7 +427,8 @@ class CacheStream(IterableDataset[Any]):
                             prepared=prepared.share if prepared is not None else None,
                             first_epoch=self._next_epoch, home_pid=self._home_pid,
                             home_owner=self._owner,
-                            label=f"stream {self.stream_id}", take=not distributed)
+                            label=f"stream {self.stream_id}", take=not distributed,
+                            workers=workers)
         if share is None:
             raise RuntimeError(
                 "cache.stream(): under torch.distributed the ranks must agree on each epoch in "
@@ -426,7 +436,8 @@ class CacheStream(IterableDataset[Any]):
                 "epoch's iteration (the HF Trainer and accelerate do; in Lightning call it in "
                 "train_dataloader() with reload_dataloaders_every_n_epochs=1), or use "
                 "num_workers=0")
-        done = _Once(lambda: finish_share(cache, name, group, workers))
+        done = _Once(lambda complete: finish_share(cache, name, group, workers,
+                                                   complete=complete))
         try:
             if prepared is not None and share.token == prepared.share.token:
                 slot, slots, samples = prepared.slot, prepared.slots, prepared.samples
@@ -440,11 +451,15 @@ class CacheStream(IterableDataset[Any]):
             releaser = (_plan_lanes(cache, share, part, lanes, worker)
                         if self.progressive else None)
         except BaseException:
-            done()
+            done(False)
             raise
         self._at = {"spec": self._spec(share, slot, slots, samples),
                     "split": {"workers": workers}, "worker": worker}
-        return _Reporting(self._samples(lanes[worker], distributed, share, releaser), done)
+        if share.restarted:
+            log.info("stream epoch %d: a new loader iteration reads it from its start (the "
+                     "previous one stopped before its end)", share.epoch)
+        return _Reporting(self._samples(lanes[worker], distributed, share, releaser,
+                                        resumed=share.restarted), done)
 
     def _resume_worker(self, state: dict[str, Any], worker: int, workers: int,
                        group: str) -> Iterator[Any] | None:
@@ -462,12 +477,13 @@ class CacheStream(IterableDataset[Any]):
             return None
         if share.lease:
             cache.adopt_lease(share.lease, owner=self._owner, pid=self._home_pid, whole=True)
-        done = _Once(lambda: finish_share(cache, name, group, workers))
+        done = _Once(lambda complete: finish_share(cache, name, group, workers,
+                                                   complete=complete))
         try:
             split, lane, start = resume_split(self._resumed_order(state), state, workers,
                                               worker)
         except BaseException:
-            done()
+            done(False)
             raise
         self._at = {"spec": {k: state[k] for k in ORDER_KEYS}, "split": split,
                     "worker": worker}
@@ -510,13 +526,13 @@ class CacheStream(IterableDataset[Any]):
                     self._pos = base + start + index + 1
                     yield sample
                 self._pos = base + start + len(chunk)
-            if equal_counts and missing:
-                yield from self._refill(order, missing)
+            if equal_counts and missing + evicted:
+                yield from self._refill(order, missing + evicted)
         except KeyError as exc:
             raise snapshot_gone(reader, share.lease or "", share.epoch, exc) from exc
         if evicted:
             log.warning("stream epoch %d: %d samples of the interrupted epoch were evicted "
-                        "before the resume and were skipped", share.epoch, evicted)
+                        "before it was read again and were skipped", share.epoch, evicted)
 
     def _read_present(self, chunk: np.ndarray, kept: list[int]) -> tuple[list[Any], int]:
         """Read ``chunk``, skipping the samples no longer cached; also how many those were."""
@@ -542,7 +558,10 @@ class CacheStream(IterableDataset[Any]):
         for seq in order:
             if missing == 0:
                 return
-            got = reader.read_samples([seq])
+            try:
+                got = reader.read_samples([seq])
+            except KeyError:  # evicted (a resumed or restarted epoch): not a replacement
+                continue
             if got:
                 missing -= 1
                 yield got[0]
@@ -583,20 +602,21 @@ def _plan_lanes(cache: SampleStore, share: Share, part: int, lanes: list[np.ndar
 
 
 class _Once:
-    """Calls ``fn`` the first time it is called, never again."""
+    """Calls ``fn(complete)`` the first time it is called, never again."""
 
-    def __init__(self, fn: Callable[[], None]) -> None:
-        self._fn: Callable[[], None] | None = fn
+    def __init__(self, fn: Callable[[bool], None]) -> None:
+        self._fn: Callable[[bool], None] | None = fn
 
-    def __call__(self) -> None:
+    def __call__(self, complete: bool) -> None:
         fn, self._fn = self._fn, None
         if fn is not None:
-            fn()
+            fn(complete)
 
 
 class _Reporting(Iterator[Any]):
-    """A worker's samples that report their end once: exhausted, closed, or collected (the
-    worker exits, read or not)."""
+    """A worker's samples that report their end once: exhausted (complete), or closed or
+    collected before that (the worker shut down or exiting because its main process is
+    gone: not complete, see :func:`~epochcache.store.shares.finish_share`)."""
 
     def __init__(self, samples: Iterator[Any], done: _Once) -> None:
         self._samples, self._done = samples, done
@@ -605,14 +625,14 @@ class _Reporting(Iterator[Any]):
         try:
             return next(self._samples)
         except StopIteration:
-            self._done()
+            self._done(True)
             raise
 
     def close(self) -> None:
         close = getattr(self._samples, "close", None)
         if close is not None:
             close()
-        self._done()
+        self._done(False)
 
     def __del__(self) -> None:
         try:

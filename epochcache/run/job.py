@@ -128,6 +128,7 @@ def _loader_kwargs(config: EpochcacheConfig, device: RunDevice = CPU) -> dict[st
         "seed": config.train.seed,
         "min_samples": config.train.min_samples,
         "samples_per_epoch": config.train.samples_per_epoch,
+        "resume_grace_s": config.cache.resume_grace_s,
         # None leaves the choice to epochs(), whose defaults are the API's (one default each).
         "persistent_workers": loader.persistent_workers,
         # Workers leave Ctrl-C and a stranger's SIGTERM to the run, which stops them in order.

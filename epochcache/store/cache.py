@@ -33,6 +33,8 @@ from .leases import (
     Lease,
     adopt,
     delete_lease,
+    end_reason,
+    note_end,
     read_leases,
     write_lease,
 )
@@ -42,6 +44,7 @@ from .schema import (
     DB_LEASES,
     DB_META,
     DB_SAMPLES,
+    DB_STATE,
     index_key,
     seq_key,
     seq_keys,
@@ -432,13 +435,53 @@ class SampleStore:
         with self.store.read() as txn:
             return read_leases(txn, self.dbs[DB_LEASES])
 
-    def release_lease(self, lease_id: str) -> bool:
+    def release_lease(self, lease_id: str, *, finished: bool = True,
+                      reason: str = "") -> bool:
+        """This process is done with the lease: delete it; whether it was there.
+
+        ``finished=False`` says its epoch was abandoned before its end (a stop, an error, the
+        process exiting): a lease a checkpoint named (:meth:`keep_for_resume`) is then *left*
+        for the resumed run instead -- no longer refreshed nor held by this process, kept
+        ``resume_grace_s`` past its last heartbeat -- as if its holder had been killed
+        (invariant 10: every stop is a resume point). ``reason`` is recorded for a resume that
+        finds it gone (:func:`~.leases.end_reason`).
+        """
         ours = heartbeats().remove(self.path, lease_id)
-        deleted = self.store.write(lambda txn: delete_lease(txn, self.dbs[DB_LEASES], lease_id))
-        plans.remove_plan(self.path, lease_id)
+        pid = os.getpid()
+
+        def run(txn: lmdb.Transaction) -> tuple[bool, bool]:
+            raw = txn.get(lease_id.encode(), db=self.dbs[DB_LEASES])
+            if raw is None:
+                return False, False
+            lease = Lease.from_bytes(raw)
+            if not finished and lease.resume_grace_s > 0:
+                # Held by no process from now on (pid 0 is never alive), so the grace runs
+                # from the stop, whether or not this process lives on.
+                lease.owner, lease.pid, lease.start_ticks = "", 0, None
+                lease.heartbeat_ns = time.time_ns()
+                write_lease(txn, self.dbs[DB_LEASES], lease)
+                return True, False
+            delete_lease(txn, self.dbs[DB_LEASES], lease_id)
+            note_end(txn, self.dbs[DB_STATE], lease_id, reason or (
+                f"released by its holder (pid {pid}) "
+                + ("at the end of its epoch" if finished else
+                   "when it stopped, before any checkpoint named the lease")))
+            return True, True
+
+        existed, deleted = self.store.write(run)
+        if deleted:
+            plans.remove_plan(self.path, lease_id)  # a lease left for a resume keeps its plan
+        elif existed:
+            log.info("%s: lease %s left for a resume (cache.resume_grace_s)", self.path,
+                     lease_id[:8])
         if ours:
             end_lease(self.path)  # after the lease is gone: it is never judged by a lost lock
-        return deleted
+        return existed
+
+    def lease_end(self, lease_id: str) -> str | None:
+        """Why lease ``lease_id`` ended, and when, if it ended recently (None: unknown)."""
+        with self.store.read() as txn:
+            return end_reason(txn, self.dbs[DB_STATE], lease_id)
 
     def keep_for_resume(self, lease_id: str, grace_s: float) -> bool:
         """A checkpoint names this lease: if its holder dies, keep it ``grace_s`` seconds past

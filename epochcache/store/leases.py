@@ -172,17 +172,55 @@ def delete_lease(txn: lmdb.Transaction, db: lmdb._Database, lease_id: str) -> bo
     return bool(txn.delete(lease_id.encode(), db=db))
 
 
+#: The ``state`` document that keeps why the last leases ended, for a resume that finds the
+#: lease of its checkpoint gone: it says why instead of guessing (see :func:`end_reason`).
+ENDS_DOC = b"lease-ends"
+_ENDS_KEPT = 64
+
+
+def note_end(txn: lmdb.Transaction, state_db: lmdb._Database, lease_id: str,
+             reason: str) -> None:
+    """Record in ``txn`` why lease ``lease_id`` ended (the last 64 ends are kept)."""
+    raw = txn.get(ENDS_DOC, db=state_db)
+    ends = [] if raw is None else list(json.loads(bytes(raw)))
+    ends.append([lease_id, time.time(), reason])
+    txn.put(ENDS_DOC, json.dumps(ends[-_ENDS_KEPT:], separators=(",", ":")).encode(),
+            db=state_db)
+
+
+def end_reason(txn: lmdb.Transaction, state_db: lmdb._Database, lease_id: str) -> str | None:
+    """Why lease ``lease_id`` ended, with when, if it ended recently (see :func:`note_end`)."""
+    raw = txn.get(ENDS_DOC, db=state_db)
+    for ended, at, reason in reversed([] if raw is None else json.loads(bytes(raw))):
+        if ended == lease_id:
+            return f"{reason}, at {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(at))}"
+    return None
+
+
+def _death_reason(lease: Lease, now_ns: int) -> str:
+    if lease.resume_grace_s > 0:
+        return (f"reclaimed: its holder (pid {lease.pid} on {lease.host}) stopped "
+                f"{(now_ns - lease.heartbeat_ns) / 1e9:.0f} s before, longer than the resume "
+                f"grace a checkpoint gave it ({lease.resume_grace_s:g} s, "
+                "cache.resume_grace_s)")
+    return (f"reclaimed: its holder (pid {lease.pid} on {lease.host}) died before any "
+            "checkpoint named the lease")
+
+
 def reclaim_dead(
     txn: lmdb.Transaction, db: lmdb._Database, timeout_s: float = DEFAULT_LEASE_TIMEOUT_S,
-    *, path: str = "",
+    *, path: str = "", state_db: lmdb._Database | None = None,
 ) -> list[Lease]:
-    """Delete the leases whose holders are gone, log each with ``path``; return them."""
+    """Delete the leases whose holders are gone, log each with ``path`` (and, with
+    ``state_db``, record why: :func:`note_end`); return them."""
     now = time.time_ns()
     leases = read_leases(txn, db)
     dead = [lease for lease in leases if not lease.is_alive(now, timeout_s, path)
             and not lease.awaits_resume(now)]
     for lease in dead:
         delete_lease(txn, db, lease.lease_id)
+        if state_db is not None:
+            note_end(txn, state_db, lease.lease_id, _death_reason(lease, now))
         if path:
             remove_plan(path, lease.lease_id)
         log.info("%s: reclaimed lease %s (%s) of dead process %d on %s (%d samples)",

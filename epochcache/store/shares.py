@@ -28,12 +28,13 @@ iteration, which is a new epoch. A share is never handed out again once its leas
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 import lmdb
 
-from .leases import delete_lease
+from .leases import Lease, delete_lease, note_end, write_lease
 from .plans import remove_plan
 from .owners import begin_lease, end_lease, heartbeats
 from .schema import DB_LEASES, DB_STATE
@@ -52,6 +53,9 @@ class Share:
     count: int
     lease: str | None  # None on DDP ranks that are not their node's leader
     token: str = ""
+    #: Read again from its start by a new loader iteration, after one that stopped before
+    #: its end (see :func:`claim_share`): samples that one released may be gone.
+    restarted: bool = False
 
 
 def _load(txn: lmdb.Transaction, cache: SampleStore, name: str) -> dict[str, Any] | None:
@@ -64,13 +68,34 @@ def _save(txn: lmdb.Transaction, cache: SampleStore, name: str, doc: dict[str, A
 
 
 def _share_of(doc: dict[str, Any]) -> Share:
-    return Share(doc["epoch"], doc["lo"], doc["hi"], doc["count"], doc["lease"], doc["token"])
+    return Share(doc["epoch"], doc["lo"], doc["hi"], doc["count"], doc["lease"], doc["token"],
+                 bool(doc.get("restarted")))
 
 
-def _release_old(txn: lmdb.Transaction, cache: SampleStore, doc: dict[str, Any] | None) -> None:
-    if doc is not None and doc.get("lease") and doc.get("release") and not doc.get("released"):
-        delete_lease(txn, cache.dbs[DB_LEASES], doc["lease"])
-        remove_plan(cache.path, doc["lease"])  # (a file, outside the transaction's undo)
+def _release_old(txn: lmdb.Transaction, cache: SampleStore, doc: dict[str, Any] | None, *,
+                 finished: bool, reason: str) -> None:
+    """Release the lease of the share ``doc`` records, if its readers release it.
+
+    ``finished=False``: the epoch was abandoned before its end (the stream closed or
+    collected, its main process exiting or killed): a lease a state named for a resume
+    (``resume_grace_s``, set by :meth:`CacheStream.state_dict`) is then left for the resumed
+    run -- held by no process, kept for its grace -- never released by a worker.
+    """
+    if doc is None or not doc.get("lease") or not doc.get("release") or doc.get("released"):
+        return
+    db = cache.dbs[DB_LEASES]
+    raw = txn.get(doc["lease"].encode(), db=db)
+    if raw is None:
+        return
+    lease = Lease.from_bytes(raw)
+    if not finished and lease.resume_grace_s > 0:
+        lease.owner, lease.pid, lease.start_ticks = "", 0, None  # see release_lease
+        lease.heartbeat_ns = time.time_ns()
+        write_lease(txn, db, lease)
+        return
+    delete_lease(txn, db, doc["lease"])
+    note_end(txn, cache.dbs[DB_STATE], doc["lease"], reason)
+    remove_plan(cache.path, doc["lease"])  # (a file, outside the transaction's undo)
 
 
 def publish_share(cache: SampleStore, name: str, share: Share, release: bool) -> None:
@@ -80,7 +105,9 @@ def publish_share(cache: SampleStore, name: str, share: Share, release: bool) ->
     def run(txn: lmdb.Transaction) -> None:
         old = _load(txn, cache, name)
         if old is not None and old.get("lease") != share.lease:
-            _release_old(txn, cache, old)  # a worker-taken lease of an earlier epoch
+            # a worker-taken lease of an earlier epoch: the stream went on to the next
+            _release_old(txn, cache, old, finished=True,
+                         reason="released when its stream prepared the next epoch")
         _save(txn, cache, name, doc)
 
     cache.store.write(run)
@@ -89,7 +116,7 @@ def publish_share(cache: SampleStore, name: str, share: Share, release: bool) ->
 def claim_share(cache: SampleStore, name: str, group: str, worker: int, *,
                 progressive: bool = True, prepared: Share | None, first_epoch: int,
                 home_pid: int, home_owner: str, label: str, take: bool,
-                resumed: Share | None = None) -> Share | None:
+                resumed: Share | None = None, workers: int = 1) -> Share | None:
     """The share worker ``worker`` of the loader iteration ``group`` reads, agreed in one
     write transaction.
 
@@ -102,6 +129,11 @@ def claim_share(cache: SampleStore, name: str, group: str, worker: int, *,
     process may agree on one). With ``resumed`` (the rest of an interrupted epoch, its lease
     adopted), the iteration reads that share and its last worker releases its lease; None
     then means an earlier iteration resumed it already.
+
+    Under DDP (``take`` false) a new iteration that finds the ``prepared`` share claimed by
+    an iteration that did not read it to its end starts it over: a loader iterator created
+    and dropped before the epoch (Lightning 2.6 calls ``iter()`` twice) must not use up the
+    epoch the ranks agreed on. The share is then ``restarted``.
     """
 
     limit = cache.effective_capacity  # read before the write transaction, as snapshot() does
@@ -126,12 +158,20 @@ def claim_share(cache: SampleStore, name: str, group: str, worker: int, *,
             return _share_of(doc)
         if (prepared is not None and doc is not None and doc.get("group") is None
                 and doc.get("token") == prepared.token):
-            doc["group"], doc["claimed"] = group, [worker]
+            doc["group"], doc["claimed"], doc["workers"] = group, [worker], workers
+            _save(txn, cache, name, doc)
+            return _share_of(doc)
+        if (not take and prepared is not None and doc is not None
+                and doc.get("token") == prepared.token and not doc.get("released")
+                and int(doc.get("complete", 0)) < int(doc.get("workers") or 1)):
+            doc.update(group=group, claimed=[worker], done=0, complete=0, workers=workers,
+                       restarted=True)
             _save(txn, cache, name, doc)
             return _share_of(doc)
         if not take:
             return None
-        _release_old(txn, cache, doc)
+        _release_old(txn, cache, doc, finished=True,
+                     reason="released when its stream's workers took the next epoch")
         epoch = first_epoch if doc is None else max(first_epoch, int(doc["epoch"]) + 1)
         seqs, lease_id = cache.take_snapshot(txn, f"{label} epoch {epoch}", limit,
                                              owner=home_owner, pid=home_pid,
@@ -146,16 +186,27 @@ def claim_share(cache: SampleStore, name: str, group: str, worker: int, *,
     return cache.store.write(run)
 
 
-def finish_share(cache: SampleStore, name: str, group: str, workers: int) -> None:
-    """One worker of ``group`` is done; the last of ``workers`` releases the lease."""
+def finish_share(cache: SampleStore, name: str, group: str, workers: int, *,
+                 complete: bool = True) -> None:
+    """One worker of ``group`` is done: ``complete`` when it read its whole part, not when it
+    stopped early (shut down, its main process gone). The last of ``workers`` releases the
+    lease, unless the group stopped early and a state named the lease for a resume: then it
+    is left for the resume (see :func:`_release_old`) -- a trainer killed alone (the OOM
+    killer, a segfault) must find its epoch when it resumes, though its workers exit
+    normally when they see it gone."""
 
     def run(txn: lmdb.Transaction) -> None:
         doc = _load(txn, cache, name)
         if doc is None or doc.get("group") != group:
             return  # a newer iteration took over; it released this one's lease
         doc["done"] = int(doc.get("done", 0)) + 1
+        doc["complete"] = int(doc.get("complete", 0)) + int(complete)
         if doc["done"] >= workers and doc.get("release") and not doc.get("released"):
-            _release_old(txn, cache, doc)
+            finished = doc["complete"] >= workers
+            _release_old(txn, cache, doc, finished=finished,
+                         reason="released by its stream's workers at the end of the epoch"
+                         if finished else "released by its stream's workers when they "
+                         "stopped, before any state named the lease")
             doc["released"] = True
         _save(txn, cache, name, doc)
 
@@ -170,10 +221,13 @@ def last_epoch(cache: SampleStore, name: str) -> int | None:
 
 
 def drop_shares(cache: SampleStore, name: str) -> None:
-    """Release a worker-taken lease still recorded under ``name`` and forget the document."""
+    """Release a worker-taken lease still recorded under ``name`` (one a state named is left
+    for its resume) and forget the document."""
 
     def run(txn: lmdb.Transaction) -> None:
-        _release_old(txn, cache, _load(txn, cache, name))
+        _release_old(txn, cache, _load(txn, cache, name), finished=False,
+                     reason="released when its stream was closed, before any state named "
+                     "the lease")
         txn.delete(name.encode(), db=cache.dbs[DB_STATE])
 
     cache.store.write(run)

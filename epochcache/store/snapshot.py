@@ -102,14 +102,18 @@ class Snapshot:
         self.check_open()
         self.cache.heartbeat_lease(self.lease_id)
 
-    def release(self) -> None:
-        """Release the lease: its samples may be evicted from now on. Idempotent."""
+    def release(self, *, finished: bool = True) -> None:
+        """Release the lease: its samples may be evicted from now on. Idempotent.
+
+        ``finished=False``: the epoch was abandoned before its end; a lease a checkpoint named
+        is then left for the resumed run (see :meth:`SampleStore.release_lease`).
+        """
         if self._released:
             return
         self._released = True
         self._finalizer.detach()
         if os.getpid() == self._owner_pid:
-            self.cache.release_lease(self.lease_id)
+            self.cache.release_lease(self.lease_id, finished=finished)
 
     def __enter__(self) -> Snapshot:
         return self
@@ -127,6 +131,7 @@ def _release_quietly(cache: SampleStore, lease_id: str, owner_pid: int) -> None:
     if os.getpid() != owner_pid:
         return
     try:
-        cache.release_lease(lease_id)
+        # Collected or at exit: whoever dropped it did not say the epoch was over.
+        cache.release_lease(lease_id, finished=False)
     except Exception:  # interpreter shutdown: the lease is reclaimed once we are gone
         log.debug("could not release lease %s at exit", lease_id, exc_info=True)

@@ -28,7 +28,7 @@ from .env import Store
 from .eviction import Eviction, evict_oldest
 from .leases import Lease, read_leases, reclaim_dead
 from .release import Protection
-from .schema import DB_KEYS, DB_LEASES, DB_META, DB_SAMPLES, index_key, pack_u64, seq_key
+from .schema import DB_KEYS, DB_LEASES, DB_META, DB_SAMPLES, DB_STATE, index_key, pack_u64, seq_key
 
 log = logging.getLogger("epochcache.cache")  # one logger for everything a cache does
 
@@ -312,7 +312,8 @@ class Writer:
 
     def reclaim(self, txn: lmdb.Transaction) -> list[Lease]:
         """Delete (and log) the leases of dead holders, in ``txn``."""
-        return reclaim_dead(txn, self.store.dbs[DB_LEASES], self.lease_timeout_s, path=self.path)
+        return reclaim_dead(txn, self.store.dbs[DB_LEASES], self.lease_timeout_s, path=self.path,
+                            state_db=self.store.dbs[DB_STATE])
 
     def _full_message(self, blocker: Lease) -> str:
         if blocker.label == _STUCK:

@@ -155,3 +155,23 @@ def run_processes(target: Any, args_of: list[tuple[Any, ...]], timeout_s: float)
         p.join(5)
     assert not alive, f"{len(alive)} of {len(procs)} processes still running after {timeout_s} s"
     assert [p.exitcode for p in procs] == [0] * len(procs), [p.exitcode for p in procs]
+
+
+def wait_until_gone(pids: list[int], timeout_s: float) -> None:
+    """Wait until none of ``pids`` (processes this one did not start, e.g. an orphaned
+    DataLoader worker) runs any more; fail after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        alive = []
+        for pid in pids:
+            try:
+                with open(f"/proc/{pid}/stat", "rb") as f:
+                    state = f.read().rsplit(b")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if state != b"Z":  # a zombie has exited (its parent reaps it)
+                alive.append(pid)
+        if not alive:
+            return
+        assert time.monotonic() < deadline, f"processes {alive} still run after {timeout_s} s"
+        time.sleep(0.1)

@@ -35,7 +35,8 @@ def fill(path: str, start: int, count: int, capacity: str = "64MiB", floats: int
     return cache.put_many(items).seqs
 
 
-def _writer_main(path: str, start: int, per_batch: int, pause_s: float, stop: Any) -> None:
+def _writer_main(path: str, start: int, per_batch: int, pause_s: float, stop: Any,
+                 started: Any) -> None:
     from epochcache import Cache
 
     cache = Cache(path, sync=False)
@@ -43,23 +44,36 @@ def _writer_main(path: str, start: int, per_batch: int, pause_s: float, stop: An
     while not stop.is_set():
         items = [(f"s/{j:07d}.npy", npy_bytes(sample_array(j))) for j in range(i, i + per_batch)]
         cache.put_many(items, timeout_s=30)
+        started.set()
         i += per_batch
         time.sleep(pause_s)
     sys.exit(0)
 
 
 class Writer:
-    """A spawned process inserting ``per_batch`` samples every ``pause_s`` until stopped."""
+    """A spawned process inserting ``per_batch`` samples every ``pause_s`` until stopped.
+
+    Entering waits until its first batch is committed: a spawned process takes seconds to
+    start on a busy machine, and a test's first epoch could end before it wrote anything.
+    """
 
     def __init__(self, path: str, start: int, per_batch: int = 20, pause_s: float = 0.02) -> None:
         ctx = mp.get_context("spawn")
         self.stop_event = ctx.Event()
+        self.started = ctx.Event()
         self.process = ctx.Process(target=_writer_main,
-                                   args=(path, start, per_batch, pause_s, self.stop_event),
+                                   args=(path, start, per_batch, pause_s, self.stop_event,
+                                         self.started),
                                    daemon=True)
 
     def __enter__(self) -> Writer:
         self.process.start()
+        deadline = time.monotonic() + 120
+        while not self.started.wait(0.5):
+            if not self.process.is_alive() or time.monotonic() > deadline:
+                self.__exit__()
+                raise AssertionError("the writer process did not commit its first batch "
+                                     f"(exit code {self.process.exitcode})")
         return self
 
     def __exit__(self, *exc: object) -> None:
