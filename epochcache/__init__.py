@@ -31,6 +31,7 @@ from .errors import (
     SnapshotClosed,
     SourceError,
     SourceUnavailable,
+    StallError,
 )
 from .store import PutResult, Snapshot
 
@@ -87,6 +88,7 @@ __all__ = [
     "SnapshotClosed",
     "SourceError",
     "SourceUnavailable",
+    "StallError",
     "__version__",
     "load_config",
 ]

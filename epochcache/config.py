@@ -381,7 +381,13 @@ class LoaderConfig(_Section):
     )
     stall_s: Duration = Field(
         default=300.0,
-        description="a batch slower than this dumps the stacks and names the sample key",
+        description="a batch slower than this is a stall: the stacks of the trainer and its "
+                    "DataLoader workers are dumped, the sample key and worker named",
+    )
+    stall_action: Literal["raise", "warn"] = Field(
+        default="raise",
+        description="after a stall's report: raise ends the run with StallError (a "
+                    "scheduler's restart and --resume recover it); warn only reports",
     )
     timeout: Annotated[float, BeforeValidator(_duration), Field(ge=0)] = Field(
         default=0.0,

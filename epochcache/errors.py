@@ -10,6 +10,8 @@ callers can catch either::
     ├─ CheckpointError(EpochcacheError, RuntimeError) a run's checkpoint cannot be resumed from
     ├─ MinSamplesUnreachable(EpochcacheError, ValueError)  the cache cannot reach min_samples:
     │                                                 names the setting and the cause
+    ├─ StallError(EpochcacheError, TimeoutError)      a batch took longer than stall_s: names the
+    │                                                 epoch, batch, sample key and worker
     ├─ SourceError                                    always carries the URL
     │  ├─ SourceUnavailable                           unreachable endpoint, missing bucket, empty prefix
     │  ├─ RemoteTimeout(SourceError, TimeoutError)    a remote call exceeded its timeout
@@ -51,6 +53,16 @@ class CheckpointError(EpochcacheError, RuntimeError):
 class MinSamplesUnreachable(EpochcacheError, ValueError):
     """Waiting for ``min_samples`` cannot end: the cache is full, the daemon is gone, or every
     fetch fails. The message names the setting and the cause."""
+
+
+class StallError(EpochcacheError, TimeoutError):
+    """A batch took longer than ``stall_s`` (``loader.stall_action: raise``, the default): the
+    stall report (stacks of the stalled process and of its DataLoader workers) was written
+    first, and the message names the epoch, batch, sample key and worker. The job ends
+    instead of hanging, so that a scheduler's restart and ``--resume`` recover it.
+
+    Constructed from its message alone (DataLoader re-raises a worker's error that way).
+    """
 
 
 class SourceError(EpochcacheError):

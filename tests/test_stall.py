@@ -1,4 +1,7 @@
-"""Stall watchdog: a slow sample dumps the stalled process's stacks and names the sample key."""
+"""Stall watchdog: a slow sample dumps the stalled process's stacks and names the sample key.
+
+These batches are slow, not stuck: ``stall_action="warn"`` reports and goes on (the default,
+``raise``, ends the job: tests/test_stall_raise.py)."""
 
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ def test_slow_sample_in_a_worker_reports_stack_and_key(tmp_path: Path) -> None:
     report = tmp_path / "stall.log"
     for _epoch, loader in cache.epochs(1, batch_size=4, num_workers=1, transform=_slow_on_seven,
                                        stall_s=0.4, stall_file=str(report), shuffle=False,
-                                       multiprocessing_context="spawn"):
+                                       multiprocessing_context="spawn", stall_action="warn"):
         assert sum(len(b) for b in loader) == 16
     text = report.read_text()
     assert "STALL in DataLoader worker 0" in text
@@ -38,7 +41,8 @@ def test_slow_sample_in_process(tmp_path: Path) -> None:
     fill(str(tmp_path / "c"), 0, 8)
     cache = Cache(tmp_path / "c", sync=False)
     report = tmp_path / "stall.log"
-    with cache.dataset(transform=_slow_on_seven, stall_s=0.4, stall_file=str(report)) as ds:
+    with cache.dataset(transform=_slow_on_seven, stall_s=0.4, stall_file=str(report),
+                       stall_action="warn") as ds:
         assert int(ds[7][0]) == 7
     text = report.read_text()
     assert "STALL in training process" in text and "s/0000007.npy" in text
@@ -74,7 +78,7 @@ def test_slow_read_on_the_raw_npy_fast_path_names_the_key(tmp_path: Path,
 
     monkeypatch.setattr(NpyTemplate, "of", staticmethod(slow_template))
     for _epoch, loader in cache.epochs(1, batch_size=4, stall_s=0.4, stall_file=str(report),
-                                       shuffle=False):
+                                       shuffle=False, stall_action="warn"):
         batches = list(loader)
         assert len(batches) == 4 and isinstance(batches[0], torch.Tensor)  # the fast path
     text = report.read_text()

@@ -84,6 +84,7 @@ class EpochDataset(Dataset[Any]):
         snapshot: Snapshot | None = None,
         fields: str | Sequence[str] | None = None,
         image: str = "numpy",
+        stall_action: str = "raise",
     ) -> EpochDataset:
         """Take a snapshot of ``cache`` under a lease (or adopt ``snapshot``) and wrap it.
 
@@ -96,7 +97,7 @@ class EpochDataset(Dataset[Any]):
         reader = SampleReader(cache.path, decode=decode, transform=transform,
                               allow_pickle=allow_pickle, max_sample_bytes=max_sample_bytes,
                               on_error=on_error, stall_s=stall_s, stall_file=stall_file,
-                              fields=fields, image=image)
+                              fields=fields, image=image, stall_action=stall_action)
         reader.bind(cache)
         snap = snapshot if snapshot is not None else cache.snapshot(epoch=epoch)
         return cls(reader, snap.seqs, epoch, snap)

@@ -8,6 +8,9 @@ batches in, to start preparing the next loader.
 
 from __future__ import annotations
 
+import functools
+import os
+import signal
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -16,6 +19,7 @@ import numpy as np
 from torch.utils.data import DataLoader
 
 from .plan import EpochPlan
+from .stall import Probe, with_time_limit, process_state
 
 
 class EpochLoader:
@@ -29,12 +33,12 @@ class EpochLoader:
 
     def __init__(self, epoch: int, plan: EpochPlan, loader: DataLoader[Any], iterator: Any,
                  on_near_end: Callable[[], None], on_started: Callable[[], None], lead_s: float,
-                 depth: int, stall: Any) -> None:
+                 depth: int, stall: Any, stall_action: str = "raise") -> None:
         self.epoch, self.dataset, self.loader = epoch, plan.dataset, loader
         self._plan, self._iterator = plan, iterator
         self._on_near_end, self._lead_s, self._depth = on_near_end, lead_s, depth
         self._on_started: Callable[[], None] | None = on_started
-        self._stall = stall
+        self._stall, self._stall_action = stall, stall_action
         self._used = False
         self.batch_times: list[float] = []
         #: Release each batch's samples once the loop asks for the next batch (progressive
@@ -72,7 +76,11 @@ class EpochLoader:
         self._maybe_trigger(0, 0.0)
         for i in range(n):
             if self._stall is not None:
-                with self._stall.watch(f"epoch {self.epoch} batch {i} (waiting for workers)"):
+                with self._stall.watch(f"epoch {self.epoch} batch {i} (waiting for workers)",
+                                       self._stall_action) as activity:
+                    activity.probe = functools.partial(self._probe, i)
+                    activity.on_raise = self._stop_workers
+                    activity.cache_path = self.dataset.reader.path
                     batch = next(it)
             else:
                 batch = next(it)
@@ -95,6 +103,31 @@ class EpochLoader:
                 self._plan.release(i + 1)
         self.dataset.finished = True  # read to its end: its lease goes, checkpoint or not
         self.finish()
+
+    def _probe(self, batch: int) -> Probe:
+        """For a stall report: the workers of this loader, which one owes ``batch`` and what
+        each process is doing, and the batch's first sample key (on the stall thread)."""
+        it = self._iterator
+        workers = list(getattr(it, "_workers", ()))
+        # torch's iterator: _task_info[index] is (worker,) until the batch arrives
+        task = getattr(it, "_task_info", {}).get(getattr(it, "_rcvd_idx", -1), ())
+        owner = task[0] if len(task) == 1 else None
+        probe = Probe()
+        if owner is not None and owner < len(workers):
+            probe.worker = f"DataLoader worker {owner} (pid {workers[owner].pid})"
+        seqs = self._plan.batch(batch)
+        if len(seqs):
+            cache = self.dataset.reader.cache
+            probe.key = with_time_limit(lambda: repr(cache.info(int(seqs[0])).key),
+                                        f"seq {int(seqs[0])}")
+            probe.key += f" (the first of the batch's {len(seqs)})"
+        probe.lines.append(f"epoch {self.epoch} batch {batch} is owed by "
+                           f"{probe.worker or 'no worker yet (the sampler or pin thread)'}")
+        probe_workers(it, probe)
+        return probe
+
+    def _stop_workers(self, error: Exception) -> None:
+        stop_workers(self._iterator)
 
     def state_dict(self) -> dict[str, Any]:
         """Where the epoch is: enough to resume it exactly after the batches yielded so far
@@ -132,3 +165,24 @@ class EpochLoader:
         """The epoch is over (or abandoned): make sure the next one is being prepared."""
         self._start_next()
         self._on_near_end()
+
+
+def probe_workers(iterator: Any, probe: Probe) -> None:
+    """Add the workers of a DataLoader iterator to a stall report: their pids (each is asked
+    for its stacks) and what each process is doing."""
+    for index, worker in enumerate(getattr(iterator, "_workers", ())):
+        if worker.pid:
+            probe.pids.append(worker.pid)
+            probe.lines.append(f"DataLoader worker {index} (pid {worker.pid}): "
+                               f"{process_state(worker.pid)}; its stacks follow")
+
+
+def stop_workers(iterator: Any) -> None:
+    """End a stalled epoch: kill the iterator's workers, which the waiting loop sees at once
+    (DataLoader's SIGCHLD handler, or its next poll) and turns into the stall's error."""
+    for worker in list(getattr(iterator, "_workers", ())):
+        if worker.pid and worker.is_alive():
+            try:
+                os.kill(worker.pid, signal.SIGKILL)
+            except OSError:
+                pass

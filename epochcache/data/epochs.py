@@ -42,13 +42,13 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from ..errors import EpochcacheError
+from ..errors import EpochcacheError, StallError
 from ..limits import DEFAULT_MAX_SAMPLE_BYTES
 from ..store.env import cache_identity
 from ..store.plans import Releaser
 from .dataset import EpochDataset
 from .distributed import NodeSync, World, detect_world, dist_initialized, split_for_rank
-from .epoch_loader import EpochLoader
+from .epoch_loader import EpochLoader, probe_workers, stop_workers
 from .resume import remaining_after, resumed_snapshot
 from .plan import (
     EpochPlan,
@@ -59,7 +59,7 @@ from .plan import (
     in_process_batches,
 )
 from .reader import SampleReader
-from .stall import get_watchdog
+from .stall import Probe, arm_stack_dump, get_watchdog
 from .wait import wait_for_samples
 from .workers import start_method, start_workers
 
@@ -92,7 +92,10 @@ def loader_seed(seed: int, epoch: int, rank: int) -> int:
     return int(state[0]) << 31 | int(state[1]) >> 1  # 63 bits: manual_seed takes it as is
 
 
-def _seed_worker(user_init: Callable[[int], None] | None, worker_id: int) -> None:
+def _seed_worker(user_init: Callable[[int], None] | None, stall_file: str | None,
+                 worker_id: int) -> None:
+    # A stall report asks each worker for its stacks (a forked worker inherited the handler).
+    arm_stack_dump(stall_file)
     # torch seeds each worker from the loader's generator (see loader_seed); numpy and random
     # follow it, so a transform's randomness is reproducible from epochs(seed=...).
     seed = torch.initial_seed()
@@ -210,7 +213,8 @@ class _Epochs:
         generator = torch.Generator().manual_seed(loader_seed(self.seed, epoch, self.world.rank))
         kwargs = dict(self.loader_kwargs)
         if self.num_workers > 0:
-            kwargs["worker_init_fn"] = functools.partial(_seed_worker, self.worker_init_fn)
+            kwargs["worker_init_fn"] = functools.partial(_seed_worker, self.worker_init_fn,
+                                                         self.stall_file)
             # Persistent for torch in every case: its workers are started by a warm-up
             # iteration (see _start_workers) and the epoch is a second iteration, which only
             # resets them. Without persistent_workers the loader is shut down after its epoch.
@@ -404,6 +408,30 @@ class _Epochs:
 
     # -- the generator ----------------------------------------------------------------------
 
+    def _watch_start(self, dog: Any, pending: _Pending) -> Any:
+        """Watch the wait for an epoch's workers to be ready (a worker stuck in its start-up
+        never is): a stall there is reported with the workers' stacks and ends the epoch."""
+        if dog is None or pending.loader is None:
+            return contextlib.nullcontext()
+        iterator = getattr(pending.loader, "_iterator", None)
+
+        def probe() -> Probe:
+            found = Probe(lines=[f"epoch {pending.epoch}: its DataLoader workers are not "
+                                 "ready (their start-up, or the first batches they prime)"])
+            probe_workers(iterator, found)
+            return found
+
+        @contextlib.contextmanager
+        def watch() -> Iterator[None]:
+            with dog.watch(f"epoch {pending.epoch} (starting its DataLoader workers)",
+                           self.reader.stall_action) as activity:
+                activity.probe = probe
+                activity.on_raise = lambda _error: stop_workers(iterator)
+                activity.cache_path = self.cache.path
+                yield
+
+        return watch()
+
     def _request_next(self) -> None:
         self.want_next = True
         if self.next is not None:
@@ -411,6 +439,8 @@ class _Epochs:
 
     def run(self, start: int, num_epochs: int) -> Iterator[tuple[int, EpochLoader]]:
         dog = get_watchdog(self.stall_s, self.stall_file) if self.num_workers > 0 else None
+        if dog is not None:
+            arm_stack_dump(self.stall_file)  # before the workers fork: they inherit it
         depth = self.num_workers * int(self.loader_kwargs.get("prefetch_factor") or 2)
         end = start + num_epochs
         self.next = self.prepare(start) if num_epochs > 0 else None
@@ -424,7 +454,11 @@ class _Epochs:
                 self._trigger(current)
                 try:
                     plan = current.plan.result()
-                    iterator = current.iterator.result()
+                    with self._watch_start(dog, current):
+                        iterator = current.iterator.result()
+                except StallError:
+                    self.cancel(current)
+                    raise
                 except BaseException as exc:
                     self.cancel(current)
                     raise PrepareFailed(f"epoch {epoch}: preparing its snapshot and DataLoader "
@@ -449,7 +483,7 @@ class _Epochs:
                 previous = None
                 loader = EpochLoader(epoch, plan, current.loader, iterator,  # type: ignore[arg-type]
                                      self._request_next, started, self._lead_s(),
-                                     depth, dog)
+                                     depth, dog, self.reader.stall_action)
                 loader.resume_grace_s = self.resume_grace_s
                 if epoch == start and self.persistent:
                     # The second loader's workers start now, alongside the first's, so even a
@@ -515,6 +549,7 @@ def epochs(
     start_epoch: int = 0,
     wait_timeout_s: float | None = None,
     stall_file: str | None = None,
+    stall_action: str = "raise",
     fields: str | Sequence[str] | None = None,
     image: str = "numpy",
     release: str = "progressive",
@@ -538,7 +573,10 @@ def epochs(
             workers' torch, numpy and ``random`` state, from (seed, epoch, global rank, worker
             id): reproducible, and different on every rank. Without workers a transform draws
             from the training process's own random state.
-        stall_s: report batches slower than this with stacks and the sample key; None disables.
+        stall_s: a batch slower than this is a stall: its report (the stacks of the
+            training process and of its DataLoader workers, the sample key, the worker that
+            owes the batch) goes to ``stall_file``, then ``stall_action`` applies. None
+            disables the watchdog.
         batch_size: samples per batch.
         num_workers: DataLoader workers. None (the default): 0 without a transform (reading
             in the training process is fastest) and with one the cores this process may use
@@ -553,6 +591,10 @@ def epochs(
         start_epoch: the first epoch's number (for resuming).
         wait_timeout_s: give up waiting for ``min_samples`` after this long.
         stall_file: where stall reports go (default stderr).
+        stall_action: ``"raise"`` (the default): after the report the loop fails with a
+            :class:`~epochcache.errors.StallError` naming the epoch, batch, key and worker
+            (its workers are stopped), so the job ends instead of hanging and a restart
+            resumes it; ``"warn"``: report and keep waiting.
         fields: yield each sample as a tuple of these fields, WebDataset's ``to_tuple``
             (``("jpg;png", "cls")``; see :mod:`epochcache.data.fields`).
         image: images decode to ``"numpy"`` HWC arrays, ``"torch"`` CHW tensors or ``"pil"``.
@@ -588,6 +630,7 @@ def epochs(
     reader = SampleReader(cache.path, decode=decode, transform=transform,
                           allow_pickle=allow_pickle, max_sample_bytes=max_sample_bytes,
                           on_error=on_error, stall_s=stall_s, stall_file=stall_file,
+                          stall_action=stall_action,
                           fields=fields, image=image)
     reader.bind(cache)
     state = _Epochs(cache, batch_size=batch_size, num_workers=num_workers, seed=seed,

@@ -17,6 +17,8 @@ an environment of its own on first read (a forked worker too: it never uses the 
 
 from __future__ import annotations
 
+import contextlib
+
 import logging
 import os
 import struct
@@ -40,7 +42,7 @@ from .images import MissingImageLibrary
 from .fields import FieldSelector, parse_fields
 from .rawfields import FieldsBatch, FieldsTemplate, Mismatch
 from .rawnpy import NpyTemplate, fields_of
-from .stall import watching
+from .stall import Activity, check_stall_action, watching
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +68,11 @@ class SampleReader:
             a sample past it raises a :class:`DecodeError` naming its key.
         on_error: ``"raise"`` a :class:`DecodeError` naming the key, or ``"skip"`` the sample
             (logged with its key and counted in :attr:`skipped`, per process).
-        stall_s: report a batch slower than this (see :mod:`epochcache.stall`); None disables.
+        stall_s: report a batch slower than this (see :mod:`epochcache.data.stall`); None
+            disables.
         stall_file: where stall reports go (default stderr).
+        stall_action: after the report, ``"raise"`` a :class:`StallError` where the batch
+            stalled (ending the job), or ``"warn"`` only.
         fields: return each sample as a tuple of these fields (``("jpg;png", "cls")``, see
             :mod:`epochcache.data.fields`); None keeps samples as they are.
         image: the form images decode to: ``"numpy"`` (HWC uint8), ``"torch"`` (CHW) or
@@ -87,7 +92,9 @@ class SampleReader:
         stall_file: str | None = None,
         fields: str | Sequence[str] | None = None,
         image: str = "numpy",
+        stall_action: str = "raise",
     ) -> None:
+        check_stall_action(stall_action)
         if on_error not in ON_ERROR:
             raise ValueError(f"on_error: expected 'raise' or 'skip', got {on_error!r}")
         if transform is not None and not callable(transform):
@@ -105,6 +112,7 @@ class SampleReader:
         self.on_error = on_error
         self.stall_s = stall_s
         self.stall_file = stall_file
+        self.stall_action = stall_action
         self.skipped = 0
         self._fast = decode == "auto" and transform is None
         # dataset[i] without a watchdog or a selection
@@ -118,6 +126,10 @@ class SampleReader:
         self._template: NpyTemplate | None = None
         # Templates of raw multi-field records, most recently matched first.
         self._field_templates: list[FieldsTemplate] = []
+
+    def _watching(self, samples: int) -> contextlib.AbstractContextManager[Activity | None]:
+        return watching(self.stall_s, f"batch of {samples} samples", self.stall_file,
+                        self.stall_action, self.path)
 
     # -- process-local state ----------------------------------------------------------------
 
@@ -171,8 +183,9 @@ class SampleReader:
         (``kept``, if given, receives the index in ``seqs`` of each sample returned)."""
         keys = seq_keys(np.asarray(seqs, dtype=np.uint64))
         out: list[Any] = []
+        names: list[object] = []  # the source keys of ``out``, when a watchdog watches
         store, db = self.cache.store, self.cache.dbs[DB_SAMPLES]
-        with watching(self.stall_s, f"batch of {len(keys)} samples", self.stall_file) as act:
+        with self._watching(len(keys)) as act:
             with store.read() as txn:
                 get = txn.get
                 for index, lmdb_key in enumerate(keys):
@@ -189,8 +202,16 @@ class SampleReader:
                     if kept is not None:
                         kept.append(index)
                     out.append(sample)
-            if self.transform is not None:
+                    if act is not None:
+                        names.append(act.key)
+            if self.transform is None:
+                pass
+            elif act is None:
                 out = [self.transform(sample) for sample in out]
+            else:  # a report names the sample being transformed
+                for index, sample in enumerate(out):
+                    act.key = names[index]
+                    out[index] = self.transform(sample)
         return out
 
     def _handles(self) -> tuple[lmdb.Environment, Any]:
@@ -304,7 +325,7 @@ class SampleReader:
         if not keys:
             raise Mismatch
         store, db = self.cache.store, self.cache.dbs[DB_SAMPLES]
-        with watching(self.stall_s, f"batch of {len(keys)} samples", self.stall_file) as act:
+        with self._watching(len(keys)) as act:
             with store.read() as txn:
                 get = txn.get
                 first = get(keys[0], None, db)
@@ -348,7 +369,7 @@ class SampleReader:
         if not keys:
             return torch.empty(0)
         store, db = self.cache.store, self.cache.dbs[DB_SAMPLES]
-        with watching(self.stall_s, f"batch of {len(keys)} samples", self.stall_file) as act:
+        with self._watching(len(keys)) as act:
             with store.read() as txn:
                 get = txn.get
                 first = get(keys[0], None, db)

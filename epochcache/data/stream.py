@@ -51,6 +51,7 @@ from .epochs import check_release
 from .distributed import NodeSync, detect_world, dist_initialized
 from .plan import epoch_order
 from .resume import lease_gone_reason
+from .stall import arm_stack_dump
 from .reader import SampleReader
 from .stream_state import KIND, ORDER_KEYS, merge, resume_split, worker_states
 
@@ -92,6 +93,10 @@ class CacheStream(IterableDataset[Any]):
             rank then yields the node's whole epoch, in the same order.
         decode: as for :meth:`epochcache.Cache.dataset`; so are ``transform``,
             ``allow_pickle``, ``max_sample_bytes``, ``on_error``, ``stall_s``, ``stall_file``,
+            ``stall_action`` (with ``stall_s`` set, a sample read slower than it is reported
+            with the stacks of the reading process, then, with ``"raise"``, the default,
+            raises :class:`~epochcache.errors.StallError` there: in a worker, DataLoader
+            re-raises it in the training loop),
             ``fields`` (``("jpg;png", "cls")`` yields tuples) and ``image`` (numpy, torch or
             pil images).
         release: ``"progressive"`` (each worker releases what it has read, so a full cache
@@ -123,6 +128,7 @@ class CacheStream(IterableDataset[Any]):
         image: str = "numpy",
         release: str = "progressive",
         resume_grace_s: float = 1800.0,
+        stall_action: str = "raise",
     ) -> None:
         if not isinstance(seed, int):
             raise ValueError(f"seed: expected an int, got {seed!r}")
@@ -133,7 +139,7 @@ class CacheStream(IterableDataset[Any]):
         self.reader = SampleReader(cache.path, decode=decode, transform=transform,
                                    allow_pickle=allow_pickle, max_sample_bytes=max_sample_bytes,
                                    on_error=on_error, stall_s=stall_s, stall_file=stall_file,
-                                   fields=fields, image=image)
+                                   fields=fields, image=image, stall_action=stall_action)
         check_release(release)
         self.reader.bind(cache)
         self.progressive = release == "progressive"
@@ -411,6 +417,8 @@ class CacheStream(IterableDataset[Any]):
         """Claim the epoch now, as the worker starts (DataLoader calls iter() on the dataset
         then, even in a worker that is shut down before it reads anything), so that every
         worker of the group counts towards the release of the lease."""
+        if self.reader.stall_s is not None:
+            arm_stack_dump(self.reader.stall_file)
         cache = self.reader.cache
         group = f"{base_seed}:{self._worker_iters}"
         self._worker_iters += 1

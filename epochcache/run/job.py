@@ -124,6 +124,7 @@ def _loader_kwargs(config: EpochcacheConfig, device: RunDevice = CPU) -> dict[st
         "image": loader.image,
         "pin_memory": pin,
         "stall_s": loader.stall_s,
+        "stall_action": loader.stall_action,
         "timeout": loader.timeout,
         "seed": config.train.seed,
         "min_samples": config.train.min_samples,

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from ..redact import redact_tree
 from ..units import format_size
 from .leases import pid_alive
+from .stalls import read_stalls
 
 if TYPE_CHECKING:
     from rich.console import RenderableType
@@ -111,6 +112,9 @@ def _collect(cache: SampleStore) -> dict[str, Any]:
         "daemon": daemon_health(cache.tables.get_state("daemon"), now),
         "recent_quarantine": cache.quarantined(limit=5),
         "turnover": recent_epochs(cache),
+        # trainers whose batch stalled, while they run (see epochcache.data.stall)
+        "stalls": [{**doc, "for_s": round(now - float(doc.get("since", now)), 1)}
+                   for doc in read_stalls(cache.path)],
     }
 
 
@@ -153,6 +157,12 @@ def render(stats: dict[str, Any]) -> RenderableType:
             table.add_row("  metrics", str(daemon["metrics"]))
         for name, sampler in sorted((daemon.get("samplers") or {}).items()):
             table.add_row(f"  {name}", _sampler_line(sampler))
+    for stall in stats.get("stalls", ()):
+        table.add_row("[red]stalled[/]", escape(
+            f"{stall.get('process')}: {stall.get('what')} for {stall.get('for_s', 0):.0f} s, "
+            f"sample key {stall.get('key')}"
+            + (f", waiting for {stall['worker']}" if stall.get("worker") else "")
+            + (" (ending with StallError)" if stall.get("action") == "raise" else "")))
     parts: list[RenderableType] = [table]
     if stats["lease_details"]:
         leases = Table(title="leases", title_justify="left")
