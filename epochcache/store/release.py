@@ -204,7 +204,16 @@ class Protection:
     def preload(self, leases: Sequence[Lease]) -> None:
         """Load the plans of new leases now, outside any transaction: a plan of a million
         samples takes a fraction of a second to index, which the write lock should not wait
-        for (:meth:`sync`, inside the writer's transaction, then finds them loaded)."""
+        for (:meth:`sync`, inside the writer's transaction, then finds them loaded).
+
+        The plans of leases that ended are dropped here too, with their mappings and file
+        descriptors: :meth:`sync` only runs when this process evicts, and a writer that never
+        needs to (a sampler below capacity) kept every epoch's plan, about 25 MiB and two
+        descriptors on deleted files per million-sample epoch, for as long as it lived."""
+        planned_live = {lease.lease_id for lease in leases if lease.plan_parts}
+        for lease_id in [lease_id for lease_id in self._planned if lease_id not in planned_live]:
+            del self._planned[lease_id]
+        self._failed &= planned_live
         for lease in leases:
             if lease.plan_parts and lease.lease_id not in self._planned:
                 self._load(lease)
