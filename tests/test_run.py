@@ -582,6 +582,11 @@ def _bad_configs(unreachable: str) -> dict[str, tuple[dict[str, Any], dict[str, 
         "unknown entrypoint": (
             {"train": {"entrypoint": "no_such_module_xyz:train"}}, {}, ["train.entrypoint", "no_such_module_xyz"],
         ),
+        # torch's timeout is for batches from workers: it failed epoch 0 on a GPU (pinned
+        # batches) and was ignored on the CPU (issue 26, item 8).
+        "timeout without workers": (
+            {"loader": {"timeout": 30, "num_workers": 0}}, {}, ["loader.timeout", "num_workers > 0"],
+        ),
     }
 
 
