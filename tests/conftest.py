@@ -1,19 +1,25 @@
-"""Shared fixtures: a clean environment for every test, and a real S3 endpoint (moto's server).
+"""Shared fixtures: a clean environment for every test, no process left behind by any, and a real
+S3 endpoint (moto's server).
 
 Importing this module has no side effects: the moto server starts the first time a test asks for
-``s3``, on 127.0.0.1 and a free port, and stops at the end of the session.
+``s3``, on 127.0.0.1 and a free port, and stops at the end of the session (it is a thread of
+this process, not a process).
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
+import time
 import urllib.request
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from common.procs import SESSION_TAG, ProcStat, all_procs, cmdline, freeze_and_kill, job_procs
 
 _LEAKY_ENV_PREFIXES = ("AWS_", "SLURM_")
 # Node identity is read from the environment at call time: a value leaking from the machine (or
@@ -28,6 +34,65 @@ _LEAKY_ENV_NAMES = (
     "LOCAL_RANK",
     "LOCAL_WORLD_SIZE",
 )
+
+
+# -- no process left behind -------------------------------------------------------------------
+
+#: How long the processes a test started may take to end after it (a daemon stopping its
+#: samplers, multiprocessing's resource tracker noticing its pipe closed, on a busy machine).
+LEFTOVER_GRACE_S = 15.0
+#: Helpers multiprocessing starts once for the process that uses it and keeps until it exits.
+_LIFELONG = ("from multiprocessing.resource_tracker import main",
+             "from multiprocessing.forkserver import main")
+
+
+@pytest.fixture(scope="session")
+def session_tag() -> str:
+    """A value of ``EPOCHCACHE_TEST_SESSION`` that only this test process and the processes
+    it starts carry in their environment: whatever session or parent they end up with (a
+    torchrun rank, a daemon's orphan re-parented to init), they are found by it. Each pytest
+    worker sets its own."""
+    value = f"{os.getpid()}-{uuid.uuid4().hex}"
+    os.environ[SESSION_TAG] = value
+    return value
+
+
+def _started_here(tag: str) -> dict[int, ProcStat]:
+    """The live processes this test process started (tagged, or its descendants), but for
+    the lifelong helpers multiprocessing keeps for this process."""
+    me = os.getpid()
+    procs = all_procs()
+    # From the children, never from this process: its own session holds strangers.
+    children = {pid: stat.start for pid, stat in procs.items() if stat.ppid == me}
+    return {stat.pid: stat for stat in job_procs(children, (SESSION_TAG, tag), procs)
+            if not (stat.ppid == me and any(text in cmdline(stat.pid) for text in _LIFELONG))}
+
+
+@pytest.fixture(autouse=True)
+def no_process_left_behind(session_tag: str) -> Iterator[None]:
+    """Fail a test that leaves a process running (killed then, with all of its own): every
+    process it started must have ended at most :data:`LEFTOVER_GRACE_S` after its teardown.
+    Set up before the test's other fixtures, it checks after all their teardowns."""
+    before = {(pid, stat.start) for pid, stat in _started_here(session_tag).items()}
+    yield
+    started = time.monotonic()
+    collected = False
+    while True:
+        left = [stat for pid, stat in _started_here(session_tag).items()
+                if (pid, stat.start) not in before]
+        waited = time.monotonic() - started
+        if not left or waited >= LEFTOVER_GRACE_S:
+            break
+        if not collected and waited >= 2.0:
+            gc.collect()  # a loader's workers that only garbage keeps end with it
+            collected = True
+        time.sleep(0.1)
+    if left:
+        shown = "\n".join(f"  pid {stat.pid} (parent {stat.ppid}): {cmdline(stat.pid)}"
+                          for stat in left)
+        freeze_and_kill({stat.pid: stat.start for stat in left})
+        pytest.fail(f"{len(left)} process(es) still running {LEFTOVER_GRACE_S:g} s after the "
+                    f"test (now killed):\n{shown}", pytrace=False)
 
 
 @pytest.fixture(autouse=True)
