@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import pytest
+from common.procs import kill_job
 from common.writer import fill
 from test_run import (
     Result,
@@ -218,7 +219,7 @@ def _interrupt_run(tmp_path: Path, moment: str, how: str, workers: int = 2,
         proc.wait(timeout=120)
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_job(proc)
             proc.wait()
     result = Result(["run", "cfg.yaml", f"({moment}, {how})"], proc.returncode, out.text(),
                     err.text())
@@ -288,7 +289,7 @@ def test_sigterm_inside_a_store_read_leaves_the_map_gate_open(tmp_path: Path) ->
         proc.wait(timeout=180)
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_job(proc)
             proc.wait()
     result = Result(["run", "cfg.yaml"], proc.returncode, out.text(), err.text())
     assert proc.returncode == 143, result

@@ -108,7 +108,7 @@ class _Planned:
         if not len(idx):
             return np.empty(0, dtype=np.uint8)
         idx = np.unique(idx)
-        before = self.state[idx].copy()
+        before: np.ndarray = self.state[idx].copy()
         np.subtract.at(self.nfree, idx[before == _FREE] >> _SHIFT, 1)
         self.state[idx] = state
         return before
