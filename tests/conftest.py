@@ -8,10 +8,8 @@ this process, not a process).
 
 from __future__ import annotations
 
-import gc
 import os
 import socket
-import time
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
@@ -19,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from common.procs import SESSION_TAG, ProcStat, all_procs, cmdline, freeze_and_kill, job_procs
+from common.procs import SESSION_TAG, LeftoverCheck
 
 _LEAKY_ENV_PREFIXES = ("AWS_", "SLURM_")
 # Node identity is read from the environment at call time: a value leaking from the machine (or
@@ -41,58 +39,29 @@ _LEAKY_ENV_NAMES = (
 #: How long the processes a test started may take to end after it (a daemon stopping its
 #: samplers, multiprocessing's resource tracker noticing its pipe closed, on a busy machine).
 LEFTOVER_GRACE_S = 15.0
-#: Helpers multiprocessing starts once for the process that uses it and keeps until it exits.
-_LIFELONG = ("from multiprocessing.resource_tracker import main",
-             "from multiprocessing.forkserver import main")
 
 
 @pytest.fixture(scope="session")
-def session_tag() -> str:
-    """A value of ``EPOCHCACHE_TEST_SESSION`` that only this test process and the processes
-    it starts carry in their environment: whatever session or parent they end up with (a
-    torchrun rank, a daemon's orphan re-parented to init), they are found by it. Each pytest
-    worker sets its own."""
+def session_tag() -> tuple[str, str]:
+    """``(EPOCHCACHE_TEST_SESSION, value)``, in the environment of this test process only and
+    of the processes it starts: whatever session or parent they end up with (a torchrun rank,
+    a daemon's orphan re-parented to init), they are found by it. Each pytest worker sets its
+    own."""
     value = f"{os.getpid()}-{uuid.uuid4().hex}"
     os.environ[SESSION_TAG] = value
-    return value
-
-
-def _started_here(tag: str) -> dict[int, ProcStat]:
-    """The live processes this test process started (tagged, or its descendants), but for
-    the lifelong helpers multiprocessing keeps for this process."""
-    me = os.getpid()
-    procs = all_procs()
-    # From the children, never from this process: its own session holds strangers.
-    children = {pid: stat.start for pid, stat in procs.items() if stat.ppid == me}
-    return {stat.pid: stat for stat in job_procs(children, (SESSION_TAG, tag), procs)
-            if not (stat.ppid == me and any(text in cmdline(stat.pid) for text in _LIFELONG))}
+    return SESSION_TAG, value
 
 
 @pytest.fixture(autouse=True)
-def no_process_left_behind(session_tag: str) -> Iterator[None]:
+def no_process_left_behind(session_tag: tuple[str, str]) -> Iterator[None]:
     """Fail a test that leaves a process running (killed then, with all of its own): every
     process it started must have ended at most :data:`LEFTOVER_GRACE_S` after its teardown.
     Set up before the test's other fixtures, it checks after all their teardowns."""
-    before = {(pid, stat.start) for pid, stat in _started_here(session_tag).items()}
+    leftovers = LeftoverCheck(session_tag, LEFTOVER_GRACE_S)
     yield
-    started = time.monotonic()
-    collected = False
-    while True:
-        left = [stat for pid, stat in _started_here(session_tag).items()
-                if (pid, stat.start) not in before]
-        waited = time.monotonic() - started
-        if not left or waited >= LEFTOVER_GRACE_S:
-            break
-        if not collected and waited >= 2.0:
-            gc.collect()  # a loader's workers that only garbage keeps end with it
-            collected = True
-        time.sleep(0.1)
-    if left:
-        shown = "\n".join(f"  pid {stat.pid} (parent {stat.ppid}): {cmdline(stat.pid)}"
-                          for stat in left)
-        freeze_and_kill({stat.pid: stat.start for stat in left})
-        pytest.fail(f"{len(left)} process(es) still running {LEFTOVER_GRACE_S:g} s after the "
-                    f"test (now killed):\n{shown}", pytrace=False)
+    report = leftovers.check()
+    if report is not None:
+        pytest.fail(report, pytrace=False)
 
 
 @pytest.fixture(autouse=True)

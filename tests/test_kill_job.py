@@ -1,5 +1,5 @@
-"""The tests' own "kill the whole job" (``common.procs.kill_job``) leaves nothing running
-(issue 26, item 7).
+"""The tests' own "kill the whole job" (``common.procs.kill_job``) leaves nothing running, and
+the check that no test leaves a process behind finds what one did (issue 26, item 7).
 
 ``killpg`` of a launcher's group is not a node failure: torchrun starts every rank in a session
 of its own, a daemon's children outlive it re-parented to init, and a process forking while it
@@ -13,7 +13,15 @@ import os
 import signal
 from pathlib import Path
 
-from common.procs import cmdline, job_procs, job_tag, kill_job, proc_stat, spawn_script
+from common.procs import (
+    LeftoverCheck,
+    cmdline,
+    job_procs,
+    job_tag,
+    kill_job,
+    proc_stat,
+    spawn_script,
+)
 
 JOB = """
 import os, subprocess, sys, time
@@ -65,3 +73,24 @@ def test_kill_job_leaves_no_process_of_the_job(tmp_path: Path) -> None:
     assert job.popen.returncode == -signal.SIGKILL
     left = job_procs({}, tag)
     assert left == [], [(s.pid, cmdline(s.pid)) for s in left]
+
+
+def test_what_a_test_leaves_running_is_reported_and_killed(tmp_path: Path,
+                                                           session_tag: tuple[str, str]) -> None:
+    """The conftest's no_process_left_behind: a job whose processes outlive the test (the
+    old ranks of a torchrun job, a daemon's orphan) is named and killed; a process that ends
+    within the grace is not reported."""
+    check = LeftoverCheck(session_tag, grace_s=1.0)
+    quick = spawn_script(tmp_path, "quick", "import time; time.sleep(0.3)")
+    job = spawn_script(tmp_path, "job", JOB)
+    job.wait_line("READY")
+    quick.popen.stdout.close()  # type: ignore[union-attr]
+    quick.popen.stdin.close()  # type: ignore[union-attr]
+    try:
+        report = check.check()
+        assert report is not None and "job.py" in report and "time.sleep(600)" in report
+        assert "quick.py" not in report
+        assert check.left() == []  # all killed, the daemon's orphan too
+    finally:
+        kill_job(job)
+        quick.popen.wait()

@@ -7,6 +7,7 @@ timeout, never by sleeping. The child's stderr goes to a file that is shown when
 
 from __future__ import annotations
 
+import gc
 import os
 import selectors
 import signal
@@ -381,3 +382,59 @@ class Job:
     def kill(self, timeout_s: float = 30.0) -> None:
         """SIGKILL every process of the job at once (a node failure); fails if one is left."""
         kill_job(self.popen, tag=self.tag, timeout_s=timeout_s)
+
+
+#: Helpers multiprocessing starts once for the process that uses it and keeps until it exits.
+_LIFELONG = ("from multiprocessing.resource_tracker import main",
+             "from multiprocessing.forkserver import main")
+
+
+class LeftoverCheck:
+    """What a test left running: the processes started by this process (tagged with ``tag``
+    in their environment, or its descendants) that were not running at :meth:`__init__`.
+    multiprocessing's resource tracker and forkserver of this process itself are not counted
+    (they live as long as it does).
+
+    Args:
+        tag: ``(name, value)`` every process this one starts inherits.
+        grace_s: how long :meth:`check` lets them take to end.
+    """
+
+    def __init__(self, tag: tuple[str, str], grace_s: float) -> None:
+        self.tag, self.grace_s = tag, grace_s
+        self._before = {(pid, stat.start) for pid, stat in self._started_here().items()}
+
+    def _started_here(self) -> dict[int, ProcStat]:
+        me = os.getpid()
+        procs = all_procs()
+        # From the children, never from this process: its own session holds strangers.
+        children = {pid: stat.start for pid, stat in procs.items() if stat.ppid == me}
+        return {stat.pid: stat for stat in job_procs(children, self.tag, procs)
+                if not (stat.ppid == me and any(text in cmdline(stat.pid) for text in _LIFELONG))}
+
+    def left(self) -> list[ProcStat]:
+        """The new processes running now."""
+        return [stat for pid, stat in self._started_here().items()
+                if (pid, stat.start) not in self._before]
+
+    def check(self) -> str | None:
+        """Wait up to ``grace_s`` for the new processes to end; kill those that do not (and
+        all of theirs), and return a report of them (None: nothing was left)."""
+        started = time.monotonic()
+        collected = False
+        while True:
+            left = self.left()
+            waited = time.monotonic() - started
+            if not left or waited >= self.grace_s:
+                break
+            if not collected and waited >= min(2.0, self.grace_s / 2):
+                gc.collect()  # a loader's workers that only garbage keeps end with it
+                collected = True
+            time.sleep(0.1)
+        if not left:
+            return None
+        shown = "\n".join(f"  pid {stat.pid} (parent {stat.ppid}): {cmdline(stat.pid)}"
+                          for stat in left)
+        freeze_and_kill({stat.pid: stat.start for stat in left})
+        return (f"{len(left)} process(es) still running {self.grace_s:g} s after the test "
+                f"(now killed):\n{shown}")
