@@ -70,6 +70,7 @@ def test_kill_job_leaves_no_process_of_the_job(tmp_path: Path) -> None:
         assert [pid for pid, stat in tagged.items() if stat.ppid not in tagged], tagged
     finally:
         kill_job(job, tag=tag)
+        job.close()
     assert job.popen.returncode == -signal.SIGKILL
     left = job_procs({}, tag)
     assert left == [], [(s.pid, cmdline(s.pid)) for s in left]
@@ -80,17 +81,18 @@ def test_what_a_test_leaves_running_is_reported_and_killed(tmp_path: Path,
     """The conftest's no_process_left_behind: a job whose processes outlive the test (the
     old ranks of a torchrun job, a daemon's orphan) is named and killed; a process that ends
     within the grace is not reported."""
-    check = LeftoverCheck(session_tag, grace_s=1.0)
-    quick = spawn_script(tmp_path, "quick", "import time; time.sleep(0.3)")
+    check = LeftoverCheck(session_tag, grace_s=5.0)
+    quick = spawn_script(tmp_path, "quick", "import sys; print('READY'); sys.stdin.read()")
     job = spawn_script(tmp_path, "job", JOB)
-    job.wait_line("READY")
-    quick.popen.stdout.close()  # type: ignore[union-attr]
-    quick.popen.stdin.close()  # type: ignore[union-attr]
     try:
+        quick.wait_line("READY")
+        job.wait_line("READY")
+        quick.popen.stdin.close()  # type: ignore[union-attr]  # it ends now, within the grace
         report = check.check()
         assert report is not None and "job.py" in report and "time.sleep(600)" in report
         assert "quick.py" not in report
         assert check.left() == []  # all killed, the daemon's orphan too
     finally:
-        kill_job(job)
-        quick.popen.wait()
+        kill_job(job, quick)
+        job.close()
+        quick.close()
