@@ -240,10 +240,11 @@ def _ancestors(pid: int) -> set[int]:
 
 
 def job_procs(roots: dict[int, int], tag: tuple[str, str] | None = None,
-              procs: dict[int, ProcStat] | None = None) -> list[ProcStat]:
+              procs: dict[int, ProcStat] | None = None, since: int = 0) -> list[ProcStat]:
     """The live processes of a job, parents before children: ``roots`` (pid -> start time),
     their descendants, every process in a session one of them leads, and with ``tag`` every
-    process whose environment has it. Never this process or its ancestors."""
+    process whose environment has it (of those started at ``since`` or later: older ones
+    cannot have it). Never this process or its ancestors."""
     procs = all_procs() if procs is None else procs
     children: dict[int, list[int]] = {}
     sessions: dict[int, list[int]] = {}
@@ -253,7 +254,7 @@ def job_procs(roots: dict[int, int], tag: tuple[str, str] | None = None,
     found: dict[int, ProcStat] = {}
     todo = [pid for pid, start in roots.items() if pid in procs and procs[pid].start == start]
     if tag is not None:
-        todo += [pid for pid in procs if has_tag(pid, *tag)]
+        todo += [pid for pid, stat in procs.items() if stat.start >= since and has_tag(pid, *tag)]
     while todo:
         pid = todo.pop(0)  # breadth first: parents are found (and frozen) before children
         if pid in found:
@@ -402,6 +403,8 @@ class LeftoverCheck:
 
     def __init__(self, tag: tuple[str, str], grace_s: float) -> None:
         self.tag, self.grace_s = tag, grace_s
+        me = proc_stat(os.getpid())
+        self._since = 0 if me is None else me.start  # nothing older carries our tag
         self._before = {(pid, stat.start) for pid, stat in self._started_here().items()}
 
     def _started_here(self) -> dict[int, ProcStat]:
@@ -409,7 +412,7 @@ class LeftoverCheck:
         procs = all_procs()
         # From the children, never from this process: its own session holds strangers.
         children = {pid: stat.start for pid, stat in procs.items() if stat.ppid == me}
-        return {stat.pid: stat for stat in job_procs(children, self.tag, procs)
+        return {stat.pid: stat for stat in job_procs(children, self.tag, procs, self._since)
                 if not (stat.ppid == me and any(text in cmdline(stat.pid) for text in _LIFELONG))}
 
     def left(self) -> list[ProcStat]:
