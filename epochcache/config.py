@@ -45,6 +45,7 @@ from pydantic import (
     Field,
     PrivateAttr,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -391,7 +392,8 @@ class LoaderConfig(_Section):
     )
     timeout: Annotated[float, BeforeValidator(_duration), Field(ge=0)] = Field(
         default=0.0,
-        description="DataLoader's timeout for a batch from a worker (0: none)",
+        description="DataLoader's timeout for a batch from a worker (0: none; needs "
+                    "num_workers > 0)",
     )
     fields: list[str] | None = Field(
         default=None,
@@ -401,6 +403,19 @@ class LoaderConfig(_Section):
         default="numpy",
         description="images decode to HWC uint8 arrays, CHW uint8 tensors, or PIL images",
     )
+
+    @field_validator("timeout")
+    @classmethod
+    def _check_timeout(cls, value: float, info: ValidationInfo) -> float:
+        # torch applies it to batches from worker processes only: without workers it fails
+        # epoch 0 where batches are pinned (a GPU run) and was ignored on the CPU.
+        if value > 0 and "num_workers" in info.data and not info.data["num_workers"]:
+            raise ValueError(
+                "needs DataLoader workers: torch's timeout applies to batches from worker "
+                "processes, and loader.num_workers is 0 (null means 0 in a run); set "
+                "loader.num_workers > 0, or remove loader.timeout (loader.stall_s reports a "
+                "slow batch either way)")
+        return value
 
     @field_validator("fields", mode="before")
     @classmethod

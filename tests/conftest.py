@@ -1,7 +1,9 @@
-"""Shared fixtures: a clean environment for every test, and a real S3 endpoint (moto's server).
+"""Shared fixtures: a clean environment for every test, no process left behind by any, and a real
+S3 endpoint (moto's server).
 
 Importing this module has no side effects: the moto server starts the first time a test asks for
-``s3``, on 127.0.0.1 and a free port, and stops at the end of the session.
+``s3``, on 127.0.0.1 and a free port, and stops at the end of the session (it is a thread of
+this process, not a process).
 """
 
 from __future__ import annotations
@@ -9,11 +11,13 @@ from __future__ import annotations
 import os
 import socket
 import urllib.request
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from common.procs import SESSION_TAG, LeftoverCheck
 
 _LEAKY_ENV_PREFIXES = ("AWS_", "SLURM_")
 # Node identity is read from the environment at call time: a value leaking from the machine (or
@@ -28,6 +32,36 @@ _LEAKY_ENV_NAMES = (
     "LOCAL_RANK",
     "LOCAL_WORLD_SIZE",
 )
+
+
+# -- no process left behind -------------------------------------------------------------------
+
+#: How long the processes a test started may take to end after it (a daemon stopping its
+#: samplers, multiprocessing's resource tracker noticing its pipe closed, on a busy machine).
+LEFTOVER_GRACE_S = 15.0
+
+
+@pytest.fixture(scope="session")
+def session_tag() -> tuple[str, str]:
+    """``(EPOCHCACHE_TEST_SESSION, value)``, in the environment of this test process only and
+    of the processes it starts: whatever session or parent they end up with (a torchrun rank,
+    a daemon's orphan re-parented to init), they are found by it. Each pytest worker sets its
+    own."""
+    value = f"{os.getpid()}-{uuid.uuid4().hex}"
+    os.environ[SESSION_TAG] = value
+    return SESSION_TAG, value
+
+
+@pytest.fixture(autouse=True)
+def no_process_left_behind(session_tag: tuple[str, str]) -> Iterator[None]:
+    """Fail a test that leaves a process running (killed then, with all of its own): every
+    process it started must have ended at most :data:`LEFTOVER_GRACE_S` after its teardown.
+    Set up before the test's other fixtures, it checks after all their teardowns."""
+    leftovers = LeftoverCheck(session_tag, LEFTOVER_GRACE_S)
+    yield
+    report = leftovers.check()
+    if report is not None:
+        pytest.fail(report, pytrace=False)
 
 
 @pytest.fixture(autouse=True)

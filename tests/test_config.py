@@ -87,6 +87,10 @@ def test_sizes_durations_and_headroom_forms() -> None:
             "package.module:function",
         ),
         ({**MINIMAL, "sampler": {"node_rank": 2, "num_nodes": 2}}, "sampler", "node_rank 2"),
+        # A DataLoader timeout needs workers, whatever the device (issue 26, item 8).
+        ({**MINIMAL, "loader": {"timeout": "30s"}}, "loader.timeout", "num_workers > 0"),
+        ({**MINIMAL, "loader": {"timeout": 30, "num_workers": 0}}, "loader.timeout",
+         "num_workers > 0"),
         ({**MINIMAL, "bogus": {}}, "bogus", "allowed: cache, daemon, loader, sampler, source, sources, train"),
     ],
 )

@@ -1,4 +1,5 @@
-"""The daemon's SIGTERM/SIGINT handler is safe wherever the main thread is (issue 10, item 10).
+"""The daemon's SIGTERM/SIGINT handler is safe wherever the main thread is (issue 10, item 10),
+and a SIGTERM that reaches the samplers stops the daemon in order (issue 26, item 8).
 
 A Python signal handler runs in the main thread between two bytecodes. If the handler took a
 lock that the interrupted code holds (``Event.set()`` inside ``Event.wait()``), the main thread
@@ -9,9 +10,23 @@ while SIGTERM arrives at random moments, hundreds of times, in a real process.
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
+from common.cachecheck import full_check
+from common.daemonproc import (
+    daemon_state,
+    pid_running,
+    sampler_states,
+    upload,
+    wait_cached,
+    wait_running,
+    write_config,
+)
 from common.procs import spawn_script
 
 pytestmark = pytest.mark.timeout(120)
@@ -42,3 +57,47 @@ def test_stop_signal_at_any_moment_of_the_supervision_wait_is_handled(tmp_path: 
         proc.wait_ok(30)
     finally:
         proc.close()
+
+
+@pytest.mark.parametrize("who", ["samplers", "group"])
+def test_sigterm_that_reaches_the_samplers_stops_the_daemon_without_restarting_them(
+    tmp_path: Path, start_daemon: Any, who: str
+) -> None:
+    """Slurm signals every process of a job step, systemd every process of a unit's control
+    group, ``timeout`` its whole process group: the samplers get SIGTERM too, often before the
+    daemon. A sampler stopped that way exited 0 and the daemon restarted it ("exited with 0;
+    restarting it in 0.5s"), again and again with the stop flag set, until it gave up (exit
+    1) or its own signal came. ``samplers``: only the samplers are signalled (they came first
+    in the control group's list); ``group``: the daemon's whole process group."""
+    n = 400
+    upload(lambda prefix: (tmp_path / prefix).as_uri(), {}, "ds", n, "files")
+    cache_dir = tmp_path / "cache"
+    config = write_config(
+        tmp_path / "cfg.yaml", url=(tmp_path / "ds").as_uri(), cache_dir=cache_dir,
+        storage_options={},
+        sampler={"bandwidth_limit": 600_000},  # about 150 samples/s: it is mid-run when stopped
+    )
+    daemon = start_daemon(config)
+    state = wait_running(daemon, cache_dir)
+    sampler_pids = [s["pid"] for s in state["samplers"].values()]
+    wait_cached(daemon, cache_dir, 60)
+    if who == "samplers":
+        for pid in sampler_pids:
+            os.kill(pid, signal.SIGTERM)
+    else:
+        os.killpg(daemon.pid, signal.SIGTERM)  # the daemon leads its own session and group
+    assert daemon.wait(30) == 0, daemon.logs()[-3000:]
+    logs = daemon.logs()
+    assert "restarting" not in logs, logs[-3000:]
+    assert not any(pid_running(pid) for pid in sampler_pids)
+    deadline = time.monotonic() + 10
+    while daemon.session_pids() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert daemon.session_pids() == []
+    doc = daemon_state(cache_dir)
+    assert doc is not None and doc["stopped"] is True and doc["failure"] is None
+    assert all(not s["restarts"] for s in doc["samplers"].values()), doc["samplers"]
+    checked = full_check(str(cache_dir))
+    healths = sampler_states(cache_dir)
+    # A stop in order: everything fetched was committed.
+    assert sum(h["committed"] for h in healths.values()) == len(checked.keys), healths

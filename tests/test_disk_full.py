@@ -22,10 +22,13 @@ from pathlib import Path
 from typing import Any
 
 import lmdb
+import numpy as np
 import pytest
 
 from common.cachecheck import assert_consistent, content_for, digest, full_check
 from epochcache import Cache, CacheError, CacheFull, CacheIOError
+from epochcache.store.plans import Releaser
+from epochcache.store.schema import DB_SAMPLES, seq_key
 
 SAMPLE = 4000  # incompressible: one LMDB overflow page each
 
@@ -133,6 +136,39 @@ def test_small_map_full_under_a_lease_recovers_after_release(tmp_path: Path) -> 
         assert cache.effective_capacity > 256 * 1024  # lowered, not collapsed
         with cache.snapshot() as again:
             assert len(again) >= 60
+    finally:
+        cache.close()
+
+
+def test_a_full_map_that_undoes_an_eviction_leaves_the_released_samples_evictable(
+    tmp_path: Path,
+) -> None:
+    """An epoch with progressive release has read all its samples while a writer keeps
+    filling a cache whose map is about as large as its capacity: some commits evict the
+    released samples and then meet the full map (pages an eviction frees are reused only after
+    it commits), so LMDB undoes them. The writer used to record those samples as evicted all
+    the same, and never evicted them while the lease lived: it reported a full cache "held by"
+    the lease with 48 of its released samples still in the cache."""
+    cache = Cache(tmp_path / "cache", 850_000, headroom=0.0, max_map_size="1MiB", sync=False)
+    try:
+        b = 0
+        while cache.counters().bytes + 8 * SAMPLE <= cache.capacity_bytes:
+            cache.put_many(_batch(f"a{b}"), wait=False)
+            b += 1
+        snap = cache.snapshot(plan_parts=1)
+        cache.write_plan_part(snap.lease_id, 0, [np.asarray(snap.seqs, dtype=np.uint64)])
+        Releaser(cache.path, snap.lease_id, 0, 0).release(len(snap.seqs))  # all read
+        written = 0
+        with pytest.raises(CacheFull):  # once nothing released is left (newer samples stay)
+            for k in range(200):
+                written += cache.put_many(_batch(f"k{k}"), wait=False).inserted
+        with cache.store.read() as txn:
+            left = [int(s) for s in snap.seqs
+                    if txn.get(seq_key(int(s)), db=cache.dbs[DB_SAMPLES]) is not None]
+        assert left == [], f"{len(left)} released samples were never evicted: {left[:16]}"
+        assert written >= len(snap.seqs) - 8
+        snap.release()
+        assert_consistent(cache)
     finally:
         cache.close()
 

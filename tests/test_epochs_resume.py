@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from common.procs import spawn_script
+from common.procs import kill_job, spawn_script
 from common.writer import Writer, fill
 from epochcache import Cache
 
@@ -52,7 +52,8 @@ def test_sigkill_mid_epoch_then_resume_exactly(tmp_path: Path, workers: int) -> 
         try:
             trainer.wait_line("DIE", 120)
         finally:
-            trainer.close()  # SIGKILL of the whole trainer
+            kill_job(trainer)  # SIGKILL of the whole trainer, its DataLoader workers too
+            trainer.close()
         time.sleep(1.0)  # the writer keeps evicting what nothing protects
         saved: dict[str, Any] = json.loads(out.read_text())
         cache = Cache(path, sync=False)

@@ -116,6 +116,22 @@ def test_in_process_epochs_deliver_every_sample_with_or_without_pinning(tmp_path
         assert sorted(i for b in batches for i in _ids(b)) == list(range(70))
 
 
+@pytest.mark.parametrize("pin_memory", [False, pytest.param(True, marks=_NO_ACCELERATOR)])
+def test_a_timeout_without_workers_is_refused_with_or_without_pinning(tmp_path: Path,
+                                                                      pin_memory: bool) -> None:
+    # torch's timeout is for batches from workers: with pinned batches (a GPU) epoch 0 failed
+    # with PrepareFailed (torch asserts timeout == 0 in process), on the CPU it was ignored.
+    fill(str(tmp_path / "c"), 0, 20)
+    cache = Cache(tmp_path / "c", sync=False)
+    for workers in ({}, {"num_workers": 0}):
+        with pytest.raises(ValueError, match=r"timeout=5.*num_workers > 0"):
+            cache.epochs(1, batch_size=5, timeout=5, pin_memory=pin_memory, **workers)
+    assert cache.leases() == []  # nothing was started
+    for _epoch, loader in cache.epochs(1, batch_size=5, timeout=60, num_workers=1,
+                                       pin_memory=pin_memory):
+        assert sum(len(batch) for batch in loader) == 20
+
+
 def _double(x: np.ndarray) -> np.ndarray:
     return np.concatenate([x, x])  # no float arithmetic: the random bits include NaNs
 

@@ -9,11 +9,13 @@ protected for as long as its own plan lease lived and writers waited at a full c
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from common.procs import spawn_script
 from common.writer import npy_bytes, sample_array
 from epochcache import Cache, CacheFull
 from epochcache.store.plans import Releaser
@@ -73,3 +75,59 @@ def test_a_batch_larger_than_the_cache_names_what_is_wrong(tmp_path: Path) -> No
         _put(cache, 0, 200)  # ~76 KB in one batch
     assert "lease" not in str(full.value)
     assert 0 < full.value.result.inserted < 200  # type: ignore[attr-defined]
+
+
+WRITER = """
+import sys
+from common.writer import npy_bytes, sample_array
+from epochcache import Cache
+
+cache = Cache(sys.argv[1], "256MiB", sync=False)  # far below capacity: it never evicts
+print("READY", flush=True)
+for line in sys.stdin:
+    start = int(line)
+    cache.put_many([(f"w/{i:07d}.npy", npy_bytes(sample_array(i))) for i in range(start,
+                                                                                start + 10)])
+    print("PUT", start, flush=True)
+"""
+
+
+def _deleted_plan_files(pid: int) -> list[str]:
+    """The writer's descriptors and mappings of plan files that were deleted."""
+    held = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except FileNotFoundError:
+            continue
+        if "/plans/" in target and target.endswith("(deleted)"):
+            held.append(f"fd {fd}: {target}")
+    with open(f"/proc/{pid}/maps") as maps:
+        held += [f"map {line.split()[-2]}" for line in maps
+                 if "/plans/" in line and line.rstrip().endswith("(deleted)")]
+    return held
+
+
+def test_a_writer_that_never_evicts_drops_the_plans_of_ended_leases(tmp_path: Path) -> None:
+    """A sampler below capacity loaded each epoch's release plan (to be ready to evict) and
+    never let go of it: 74 descriptors on deleted plan files after 60 epochs, about 25 MiB
+    of memory per epoch of a million samples."""
+    path = str(tmp_path / "c")
+    cache = Cache(path, "256MiB", sync=False)
+    _put(cache, 0, 50)
+    writer = spawn_script(tmp_path, "writer", WRITER, path)
+    try:
+        writer.wait_line("READY")
+        for epoch in range(60):
+            snap, reader = _planned(cache)  # an epoch with progressive release ...
+            writer.send(str(1000 * epoch))  # ... while the writer commits
+            writer.wait_line(f"PUT {1000 * epoch}")
+            reader.release(len(snap.seqs) // 2)  # type: ignore[attr-defined]
+            snap.release()  # type: ignore[attr-defined]  # the epoch ends: its plan is deleted
+        writer.send("999999")
+        writer.wait_line("PUT 999999")
+        held = _deleted_plan_files(writer.pid)
+        assert held == [], f"{len(held)} held after 60 epochs: {held[:6]}"
+    finally:
+        writer.close()
+        cache.close()

@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 import yaml
 
+from common.procs import kill_job
 from epochcache.demo import write_demo_data
 
 from conftest import s3_options
@@ -89,7 +90,7 @@ def torchrun(cfg: Path, *args: str, cwd: Path, nproc: int = 2, timeout_s: float 
     try:
         out, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_job(proc)  # torchrun's ranks each lead a session of their own: killpg misses them
         out, _ = proc.communicate()
         raise AssertionError(f"torchrun {' '.join(args)} hung for {timeout_s:.0f} s:\n"
                              f"{out[-6000:]}") from None
@@ -467,7 +468,7 @@ def wait_for_file(path: Path, proc: subprocess.Popen[str], timeout_s: float) -> 
             out, err = proc.communicate()
             raise AssertionError(f"run exited {proc.returncode} before {path.name}\n{out}\n{err}")
         if time.monotonic() > deadline:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_job(proc)
             out, err = proc.communicate()
             raise AssertionError(f"no {path} after {timeout_s}s\n{out[-3000:]}\n{err[-3000:]}")
         time.sleep(0.05)
@@ -523,7 +524,7 @@ def test_ctrl_c_mid_epoch_stops_cleanly(tmp_path: Path, target: str, workers: in
         out, err = proc.communicate(timeout=90)
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_job(proc)
             proc.communicate()
     result = Result(["run", "cfg.yaml"], proc.returncode, out, err)
     assert proc.returncode == (143 if target == "sigterm" else 130), result
@@ -581,6 +582,11 @@ def _bad_configs(unreachable: str) -> dict[str, tuple[dict[str, Any], dict[str, 
         ),
         "unknown entrypoint": (
             {"train": {"entrypoint": "no_such_module_xyz:train"}}, {}, ["train.entrypoint", "no_such_module_xyz"],
+        ),
+        # torch's timeout is for batches from workers: it failed epoch 0 on a GPU (pinned
+        # batches) and was ignored on the CPU (issue 26, item 8).
+        "timeout without workers": (
+            {"loader": {"timeout": 30, "num_workers": 0}}, {}, ["loader.timeout", "num_workers > 0"],
         ),
     }
 

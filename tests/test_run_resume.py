@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -22,6 +20,7 @@ import pytest
 import torch
 import yaml
 
+from common.procs import Job
 from test_run import cli, cli_env
 
 pytestmark = pytest.mark.timeout(300)
@@ -94,13 +93,16 @@ def _rows(log: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in log.read_text().splitlines()]
 
 
-def _start(argv: list[str], tmp_path: Path, env: dict[str, str]) -> subprocess.Popen[str]:
-    return subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+def _start(argv: list[str], tmp_path: Path, env: dict[str, str]) -> Job:
+    return Job(argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+               text=True)
 
 
-def _wait_to_die(proc: subprocess.Popen[str], ranks: int) -> None:
-    """Wait until every rank printed DIE, then SIGKILL the whole job (a node failure)."""
+def _wait_to_die(job: Job, ranks: int) -> None:
+    """Wait until every rank printed DIE, then SIGKILL the whole job (a node failure): every
+    process of it, torchrun's ranks in their own sessions and the daemon's samplers too
+    (``killpg`` of torchrun's group left the ranks running through the resume)."""
+    proc = job.popen
     assert proc.stdout is not None
     seen = 0
     try:
@@ -111,8 +113,7 @@ def _wait_to_die(proc: subprocess.Popen[str], ranks: int) -> None:
                                      f"{proc.stderr.read()[-4000:]}")
             seen += line.count("DIE")
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(30)
+        job.kill()
 
 
 def _check_rank(log: Path, epoch: int, checkpoint: dict[str, Any], rank: int) -> int:
@@ -166,12 +167,13 @@ def test_two_ranks_resume_at_the_same_position(tmp_path: Path) -> None:
     assert sorted(checkpoint["resume"]["loaders"]) == ["0", "1"]
     resumed = _start([*argv, "--resume"], tmp_path, cli_env(pythonpath=tmp_path))
     try:
-        out, err = resumed.communicate(timeout=200)
+        out, err = resumed.popen.communicate(timeout=200)
     except subprocess.TimeoutExpired:
-        os.killpg(resumed.pid, signal.SIGKILL)
-        out, err = resumed.communicate()
+        resumed.kill()
+        out, err = resumed.popen.communicate()
         raise AssertionError(f"the resumed job hung:\n{err[-4000:]}") from None
-    assert resumed.returncode == 0, err[-4000:]
+    assert resumed.popen.returncode == 0, err[-4000:]
+    assert resumed.procs() == []  # it ended with all its processes
     counts = [_check_rank(tmp_path / "logs" / f"rank{rank}.jsonl", 1, checkpoint, rank)
               for rank in (0, 1)]
     assert counts[0] == counts[1]  # equal batch counts after the resume

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import pytest
+from common.procs import kill_job
 from common.writer import fill
 from test_run import (
     Result,
@@ -194,15 +195,17 @@ def _assert_no_traceback(result: Result) -> None:
         assert at < 0, f"{word!r} in the output of {result.args}:\n{text[max(0, at - 3000):at + 5000]}"
 
 
-def _interrupt_run(tmp_path: Path, moment: str, how: str, workers: int = 2) -> None:
-    """One run, one signal at ``moment``; checks everything a clean stop promises."""
+def _interrupt_run(tmp_path: Path, moment: str, how: str, workers: int = 2,
+                   sleep_s: float = 0.2) -> None:
+    """One run, one signal at ``moment`` (each batch takes ``sleep_s``); checks everything
+    a clean stop promises."""
     (tmp_path / "marking_trainer.py").write_text(MARKING_TRAINER)
     marker = tmp_path / "moment.reached"
     config = demo_config(
         tmp_path,
         loader={"num_workers": workers, "stall_s": 60},
         train={"epochs": 3, "entrypoint": "marking_trainer:train_epoch",
-               "options": {"moment": moment, "marker": str(marker), "sleep_s": 0.2}},
+               "options": {"moment": moment, "marker": str(marker), "sleep_s": sleep_s}},
     )
     write_yaml(tmp_path / "cfg.yaml", config)
     proc, out, err = _start(tmp_path)
@@ -216,13 +219,15 @@ def _interrupt_run(tmp_path: Path, moment: str, how: str, workers: int = 2) -> N
         proc.wait(timeout=120)
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_job(proc)
             proc.wait()
     result = Result(["run", "cfg.yaml", f"({moment}, {how})"], proc.returncode, out.text(),
                     err.text())
     assert proc.returncode == expected, result
     _assert_no_traceback(result)
     assert STOP_MESSAGE in result.stderr, result
+    # A group signal reaches the samplers too: stopped, not crashed, so never restarted.
+    assert "restarting it" not in result.stderr, result
 
     deadline = time.monotonic() + 30
     while still_running(tree) and time.monotonic() < deadline:
@@ -253,6 +258,14 @@ def test_a_signal_at_any_moment_stops_the_run_cleanly(tmp_path: Path, moment: st
     _interrupt_run(tmp_path, moment, how)
 
 
+def test_a_group_sigterm_during_a_long_step_stops_the_samplers_without_restarts(
+        tmp_path: Path) -> None:
+    """The samplers of a run are in its process group: SIGTERM to the group (torchrun,
+    Slurm, ``timeout``) stops them at once, while the run stops at the end of its step. The
+    daemon thread restarted them meanwhile ("exited with 0; restarting it in 0.5s")."""
+    _interrupt_run(tmp_path, "mid-epoch", "group-term", sleep_s=3.0)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["group-int", "group-term", "term"])
 @pytest.mark.parametrize("moment", ["start-up", "workers", "mid-epoch", "boundary"])
@@ -276,7 +289,7 @@ def test_sigterm_inside_a_store_read_leaves_the_map_gate_open(tmp_path: Path) ->
         proc.wait(timeout=180)
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_job(proc)
             proc.wait()
     result = Result(["run", "cfg.yaml"], proc.returncode, out.text(), err.text())
     assert proc.returncode == 143, result

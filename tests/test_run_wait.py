@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from common.daemonproc import DaemonProc, wait_for
+from common.procs import kill_job
 from test_run import cli_env, demo_config, write_yaml
 
 
@@ -32,7 +33,7 @@ def _run(cwd: Path, config: Path, timeout_s: float, env: dict[str, str] | None =
     try:
         out, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_job(proc)
         out, _ = proc.communicate()
         raise AssertionError(f"the run still waited after {timeout_s:.0f} s:\n{out[-3000:]}") from None
     return proc.returncode, out
@@ -89,7 +90,7 @@ def test_a_killed_daemon_ends_the_wait_of_a_run_attached_to_it(
             daemon.kill9()
             out, _ = proc.communicate(timeout=30)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_job(proc)
             out, _ = proc.communicate()
             raise AssertionError(f"the run still waits for a dead daemon:\n{out[-3000:]}") from None
     finally:

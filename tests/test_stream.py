@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from torch.utils.data import DataLoader
 
+from common.procs import kill_job
 from common.writer import Writer, fill
 from epochcache import Cache, CacheStream
 
@@ -260,8 +261,6 @@ def _hold_with_workers(path: str, ready: Any) -> None:
 
 def test_a_lease_taken_by_workers_lives_with_the_trainer_and_dies_with_it(tmp_path: Path) -> None:
     import multiprocessing as mp
-    import os
-    import signal
 
     path = str(tmp_path / "c")
     fill(path, 0, 200)
@@ -277,7 +276,7 @@ def test_a_lease_taken_by_workers_lives_with_the_trainer_and_dies_with_it(tmp_pa
         assert lease.timeout_s == 600
         assert cache.reclaim_leases() == []  # alive: the trainer holds the lock
     finally:
-        os.killpg(trainer.pid, signal.SIGKILL)  # trainer and workers: no cleanup runs
+        kill_job(trainer.pid)  # trainer and workers at once: no cleanup runs
         trainer.join(30)
     deadline = time.monotonic() + 20  # the kernel drops the trainer's owner lock
     while cache.leases() and time.monotonic() < deadline:

@@ -716,6 +716,14 @@ def _worker_settings(num_workers: int | None, transform: Callable[[Any], Any] | 
         num_workers = default_num_workers(transform, local_world_size)
     if not isinstance(num_workers, int) or num_workers < 0:
         raise ValueError(f"num_workers: expected an int >= 0, got {num_workers!r}")
+    timeout = dataloader_kwargs.get("timeout", 0)
+    if timeout and num_workers == 0:
+        # torch applies it to batches from workers only: in process it asserts timeout == 0
+        # where batches are pinned (a GPU), and epochs() ignored it on the CPU.
+        raise ValueError(
+            f"epochs(timeout={timeout!r}): DataLoader's timeout applies to batches from worker "
+            "processes, and num_workers is 0 (the default without a transform); pass "
+            "num_workers > 0 with it, or drop timeout (stall_s= reports a slow batch either way)")
     persistent = num_workers > 0 if persistent_workers is None else bool(persistent_workers)
     persistent = persistent and num_workers > 0
     if num_workers == 0:

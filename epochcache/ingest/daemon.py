@@ -5,7 +5,9 @@ an unreachable source exits 2 with nothing started), holds an exclusive lock on 
 second daemon refuses to start, starts ``sampler.processes`` samplers with ``spawn`` (LMDB and
 fork do not mix), restarts any that die, writes its heartbeat and the samplers' health into the
 cache, appends stats history rows for plots, and on SIGTERM/SIGINT stops the samplers in order:
-each commits its batch in flight, then exits; the daemon exits 0.
+each commits its batch in flight, then exits; the daemon exits 0. A SIGTERM that reaches a
+sampler (sent to the whole process group or control group: Slurm, systemd, ``timeout``) stops
+the daemon the same way: a sampler stopped by a signal is not a crash to restart.
 
 The lock is taken before the cache is opened with the config's capacity, so a refused daemon
 changes nothing. Samplers die with the daemon (see :mod:`.lifeline`). The signal handler only
@@ -242,6 +244,14 @@ class Daemon:
                 if not self._supervise():
                     status = 1
                     break
+                if self._sampler_stop.is_set():
+                    # Only a sampler's SIGTERM handler sets it while we run: the signal went
+                    # to the whole process group or control group (Slurm's job step, systemd,
+                    # `timeout`, a run's group), and reached the samplers first. A stop, not
+                    # a crash: stop the others in order, as for our own SIGTERM.
+                    log.info("a sampler was stopped by SIGTERM (sent to the whole process "
+                             "group?); stopping the samplers")
+                    break
                 if self.sources.joined.is_set():
                     self.sources.joined.clear()
                     self._restart_samplers()
@@ -285,6 +295,8 @@ class Daemon:
         """Restart dead samplers (after a backoff, without blocking the loop); False once one
         keeps dying."""
         now = time.monotonic()
+        if self._sampler_stop.is_set():
+            return True  # stopping (run() ends next): a sampler that exited was told to
         for slot in self._slots:
             if slot.restart_at is not None:
                 if now >= slot.restart_at and not self._stop.is_set():

@@ -14,6 +14,11 @@ number of free ones. A commit reads each lane's position (an integer in a shared
 takes the newly read samples from the lane (only those), and finds the oldest free sample from
 the block counts: O(new reads + evicted x log n) per commit, never a scan of the snapshot.
 Loading a plan (once per lease and process) and a lease ending (once per epoch) cost O(n).
+
+What eviction marks gone stands only once its transaction commits (:meth:`Protection.begin`,
+:meth:`~Protection.commit`, :meth:`~Protection.rollback`): a transaction undone by a full map
+or disk leaves its samples in the cache, and they must stay candidates, or this process would
+never evict them while their lease lives.
 """
 
 from __future__ import annotations
@@ -76,8 +81,7 @@ class _Planned:
     def _free(self, idx: np.ndarray) -> None:
         if len(idx):
             self.state[idx] = _FREE
-            np.add.at(self.nfree, idx >> _SHIFT, 1)
-            self.low = min(self.low, int(idx.min()) >> _SHIFT)
+            self._free_counted(idx)
 
     def free_positions(self, want: int) -> np.ndarray:
         """The lowest free positions, sorted: at least ``want`` of them if there are."""
@@ -97,14 +101,28 @@ class _Planned:
                 break
         return np.concatenate(found)
 
-    def mark(self, idx: np.ndarray, state: int) -> None:
+    def mark(self, idx: np.ndarray, state: int) -> np.ndarray:
         """Positions ``idx`` are no candidates any more: ``_GONE`` (evicted) or
-        ``_PROTECTED`` (another lease still protects them)."""
+        ``_PROTECTED`` (another lease still protects them). Returns their states before, in
+        the order of ``np.unique(idx)``, for :meth:`restore`."""
+        if not len(idx):
+            return np.empty(0, dtype=np.uint8)
+        idx = np.unique(idx)
+        before: np.ndarray = self.state[idx].copy()
+        np.subtract.at(self.nfree, idx[before == _FREE] >> _SHIFT, 1)
+        self.state[idx] = state
+        return before
+
+    def restore(self, idx: np.ndarray, before: np.ndarray) -> None:
+        """Undo :meth:`mark` (``idx`` unique, ``before`` what it returned)."""
+        back = idx[(before == _FREE) & (self.state[idx] != _FREE)]
+        self.state[idx] = before
+        self._free_counted(back)
+
+    def _free_counted(self, idx: np.ndarray) -> None:
         if len(idx):
-            idx = np.unique(idx)
-            was_free = idx[self.state[idx] == _FREE]
-            np.subtract.at(self.nfree, was_free >> _SHIFT, 1)
-            self.state[idx] = state
+            np.add.at(self.nfree, idx >> _SHIFT, 1)
+            self.low = min(self.low, int(idx.min()) >> _SHIFT)
 
     def unread(self, seqs: np.ndarray) -> np.ndarray:
         """Which of ``seqs`` (sorted or not) this plan still protects."""
@@ -137,6 +155,27 @@ class Protection:
         self.leases: list[Lease] = []
         self._whole: list[Lease] = []
         self._live: set[str] = set()  # every lease id of the last sync
+        # What :meth:`evicted` marked gone in the write transaction under way, to undo if it
+        # does not commit: (plan, positions, their states before).
+        self._undo: list[tuple[_Planned, np.ndarray, np.ndarray]] = []
+
+    # -- the write transaction's bookkeeping --------------------------------------------------
+
+    def begin(self) -> None:
+        """A write transaction that may evict starts. What an earlier attempt marked evicted
+        and did not commit (a full map or disk undid it, or it is retried after the map grew)
+        is a candidate again: those samples are still in the cache."""
+        self.rollback()
+
+    def commit(self) -> None:
+        """The transaction committed: what it evicted is gone for good."""
+        self._undo.clear()
+
+    def rollback(self) -> None:
+        """The transaction did not commit: what it marked evicted is a candidate again."""
+        undo, self._undo = self._undo, []
+        for planned, idx, before in reversed(undo):
+            planned.restore(idx, before)
 
     def sync(self, leases: Sequence[Lease]) -> None:
         """Adopt the lease table read in the current transaction; take in new reads."""
@@ -165,7 +204,16 @@ class Protection:
     def preload(self, leases: Sequence[Lease]) -> None:
         """Load the plans of new leases now, outside any transaction: a plan of a million
         samples takes a fraction of a second to index, which the write lock should not wait
-        for (:meth:`sync`, inside the writer's transaction, then finds them loaded)."""
+        for (:meth:`sync`, inside the writer's transaction, then finds them loaded).
+
+        The plans of leases that ended are dropped here too, with their mappings and file
+        descriptors: :meth:`sync` only runs when this process evicts, and a writer that never
+        needs to (a sampler below capacity) kept every epoch's plan, about 25 MiB and two
+        descriptors on deleted files per million-sample epoch, for as long as it lived."""
+        planned_live = {lease.lease_id for lease in leases if lease.plan_parts}
+        for lease_id in [lease_id for lease_id in self._planned if lease_id not in planned_live]:
+            del self._planned[lease_id]
+        self._failed &= planned_live
         for lease in leases:
             if lease.plan_parts and lease.lease_id not in self._planned:
                 self._load(lease)
@@ -243,7 +291,10 @@ class Protection:
         return np.sort(np.concatenate(seqs), kind="stable")
 
     def evicted(self, seqs: np.ndarray) -> None:
-        """``seqs`` left the cache: they are no candidates of any plan lease any more."""
+        """``seqs`` left the cache in the write transaction under way: they are no candidates
+        of any plan lease any more, once it commits (:meth:`commit`, :meth:`rollback`)."""
         if len(seqs):
             for planned in self._planned.values():
-                planned.mark(planned.positions_of(seqs), _GONE)
+                idx = np.unique(planned.positions_of(seqs))
+                if len(idx):
+                    self._undo.append((planned, idx, planned.mark(idx, _GONE)))

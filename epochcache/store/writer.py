@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import lmdb
 
@@ -39,6 +40,8 @@ _STUCK = "(none: too full to evict)"
 _NO_ROOM = "(none: nothing left to evict)"
 #: ``meta`` key written to advance LMDB's transaction id on a full disk (:meth:`Writer._advance`).
 _M_FULL_MARK = b"last_full_disk_ns"
+
+T = TypeVar("T")
 
 #: Called with each sample :meth:`Writer.put_many` leaves out instead of raising.
 OnReject = Callable[[str, SampleRejected], None]
@@ -112,6 +115,8 @@ class Writer:
         self._gate = codec.CompressGate()
         #: What the live leases protect, as this process evicts (plan leases tracked here).
         self.protection = Protection(store.path)
+        # One thread at a time through the protection's bookkeeping (see _write).
+        self._protection_lock = threading.Lock()
 
     @property
     def path(self) -> str:
@@ -146,9 +151,11 @@ class Writer:
             self.capacity.probe()  # a capacity lowered after a full disk recovers by itself
             limit = self.capacity.effective
             with self.store.read() as txn:
-                self.protection.preload(read_leases(txn, self.store.dbs[DB_LEASES]))
+                leases = read_leases(txn, self.store.dbs[DB_LEASES])
+            with self._protection_lock:
+                self.protection.preload(leases)
             try:
-                result, pending, blocked = self.store.write(
+                result, pending, blocked = self._write(
                     lambda txn: self._put_txn(txn, pending, limit)
                 )
             except lmdb.Error as exc:
@@ -176,6 +183,27 @@ class Writer:
             self.lease_wait_s += time.monotonic() - started
             disk_full_rounds = 0  # waiting, not lowering: the rounds start again
         return total
+
+    def _write(self, fn: Callable[[lmdb.Transaction], T]) -> T:
+        """``store.write(fn)`` for a transaction that may evict. What eviction marks gone in
+        :attr:`protection` stands once the transaction commits: an attempt that a full map or
+        disk undoes, or that is run again after the map grew, leaves its samples in the cache,
+        and they stay candidates (they used to be left unevictable by this process for as long
+        as their lease lived)."""
+        protection = self.protection
+
+        def attempt(txn: lmdb.Transaction) -> T:
+            protection.begin()  # undoes what an attempt before this one marked
+            return fn(txn)
+
+        with self._protection_lock:
+            try:
+                result = self.store.write(attempt)
+            except BaseException:
+                protection.rollback()
+                raise
+            protection.commit()
+        return result
 
     def _frame(self, items: Iterable[tuple[str, Value]], encoded: bool,
                on_reject: OnReject | None) -> list[tuple[bytes, bytes]]:
@@ -349,7 +377,7 @@ class Writer:
             counters.save(txn, dbs[DB_META])
             return result
 
-        return self.store.write(run)
+        return self._write(run)
 
 
 def _prefix_within(records: list[tuple[bytes, bytes]], room: int) -> int:
