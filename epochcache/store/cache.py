@@ -28,6 +28,7 @@ from .codec import Value
 from .counters import Counters
 from .env import Store, map_bound
 from .eviction import Eviction
+from .origins import Origin
 from .leases import (
     DEFAULT_LEASE_TIMEOUT_S,
     Lease,
@@ -223,6 +224,7 @@ class SampleStore:
         timeout_s: float | None = None,
         stop: threading.Event | None = None,
         on_reject: OnReject | None = None,
+        origins: dict[str, Origin] | None = None,
     ) -> PutResult:
         """Store samples; samples whose key is already cached are skipped.
 
@@ -239,6 +241,9 @@ class SampleStore:
             on_reject: ``on_reject(key, error)`` for each sample that can never be stored
                 (:class:`SampleRejected`); the others are committed. Without it, such a sample
                 raises before anything is committed.
+            origins: where samples came from, by key (samplers give it; see
+                :mod:`epochcache.store.origins`); samples without one are unattributed in
+                :meth:`coverage`.
 
         Raises:
             CacheFull: no room and ``wait`` is False, the timeout passed, or ``stop`` was set.
@@ -246,7 +251,7 @@ class SampleStore:
             SampleRejected: a sample can never be stored otherwise (and no ``on_reject``).
         """
         return self.writer.put_many(items, encoded=encoded, wait=wait, timeout_s=timeout_s,
-                                    stop=stop, on_reject=on_reject)
+                                    stop=stop, on_reject=on_reject, origins=origins)
 
     def evict(self, limit_bytes: int | None = None) -> Eviction:
         """Evict oldest unleased samples until at most ``limit_bytes`` (default capacity) remain."""

@@ -1,0 +1,216 @@
+"""Where each cached sample came from, by sequence number: the ``origins`` sub-database.
+
+The training side knows samples by sequence number; an audit wants them by remote key and by
+their place in the source's listing. The sampler knows both when it commits a sample, so the
+writer records them in the same transaction as the samples: one row per commit, keyed by the
+commit's first sequence number (big-endian, so rows are appended in order, ``append=True``),
+holding for each sample of the commit, in sequence order:
+
+* its source key (the cache key: ``<name>/<key>`` for an entry of ``sources:``), so that a
+  manifest can name samples evicted since (progressive release frees them while the epoch
+  still runs);
+* its *origin*: the listing it was picked from (a small id, see :mod:`.listings`) and its
+  index there, and for a ``tar`` sample its ordinal among the samples of its shard and how
+  many samples the shard held. Samples put without an origin (the Python API, a cache written
+  by an older version, which has no rows at all) are *unattributed*.
+
+A row costs its keys plus 14 (files) or 22 (tar) bytes a sample and one ``put`` per commit,
+nothing per sample on the write path beyond packing (``scripts/bench_ingest.py`` measures it).
+Rows are deleted once nothing can ask for them: when eviction passes their last sample and no
+lease holds a range that reaches back to them (:func:`prune`). Reading the origins of an
+epoch's samples (:func:`read_origins`) walks the rows of its range: a few thousand rows and
+numpy slicing for a million samples.
+
+Row layout (little-endian): ``u8 version, u8 flags, u16 reserved, u32 n``, then ``u16 lid[n]``,
+``u64 index[n]``, with ``FLAG_MEMBERS`` ``u32 member[n]`` and ``u32 members[n]``, then
+``u32 key_length[n]`` and the keys' UTF-8 bytes.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import lmdb
+import numpy as np
+
+from .schema import DB_ORIGINS, DB_SAMPLES, seq_key, seq_of
+
+ROW_VERSION = 1
+FLAG_MEMBERS = 1
+_HEAD = struct.Struct("<BBHI")
+#: The listing id of a sample whose origin is unknown.
+UNKNOWN = 0xFFFF
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Where one sample came from.
+
+    Attributes:
+        lid: the listing's id in this cache (:mod:`.listings`); :data:`UNKNOWN` for none.
+        index: the index of its listed ref (an object, or a tar shard) in that listing.
+        member: a tar sample's ordinal among the samples of its shard (0 otherwise).
+        members: how many samples its shard held when fetched (0: not a tar sample).
+    """
+
+    lid: int
+    index: int
+    member: int = 0
+    members: int = 0
+
+
+def pack_row(keys: Sequence[bytes | str], origins: Sequence[Origin | None]) -> bytes:
+    """One row: the keys and origins of a commit's samples, in sequence order."""
+    n = len(keys)
+    lids = np.full(n, UNKNOWN, dtype="<u2")
+    index = np.zeros(n, dtype="<u8")
+    tar = any(o is not None and o.members for o in origins)
+    member = np.zeros(n, dtype="<u4") if tar else None
+    members = np.zeros(n, dtype="<u4") if tar else None
+    for i, origin in enumerate(origins):
+        if origin is not None:
+            lids[i], index[i] = origin.lid, origin.index
+            if member is not None and members is not None:
+                member[i], members[i] = origin.member, origin.members
+    raw = [key if isinstance(key, bytes) else key.encode("utf-8", "surrogateescape")
+           for key in keys]
+    lengths = np.fromiter(map(len, raw), dtype="<u4", count=n)
+    parts = [_HEAD.pack(ROW_VERSION, FLAG_MEMBERS if tar else 0, 0, n), lids.tobytes(),
+             index.tobytes()]
+    if member is not None and members is not None:
+        parts += [member.tobytes(), members.tobytes()]
+    parts += [lengths.tobytes(), b"".join(raw)]
+    return b"".join(parts)
+
+
+@dataclass
+class Rows:
+    """The origins of some samples, as arrays (one entry per sample asked for).
+
+    ``found`` is False where no row names the sample (its key is then unknown too).
+    """
+
+    lid: np.ndarray
+    index: np.ndarray
+    member: np.ndarray
+    members: np.ndarray
+    found: np.ndarray
+    keys: list[str | None]
+
+
+class _Row:
+    """One decoded row (arrays are views of the row's bytes)."""
+
+    def __init__(self, first: int, raw: bytes) -> None:
+        version, flags, _, n = _HEAD.unpack_from(raw)
+        if version != ROW_VERSION:
+            raise ValueError(f"origins row of version {version}")
+        self.first, self.n = first, n
+        at = _HEAD.size
+        self.lid = np.frombuffer(raw, "<u2", n, at)
+        at += 2 * n
+        self.index = np.frombuffer(raw, "<u8", n, at)
+        at += 8 * n
+        if flags & FLAG_MEMBERS:
+            self.member = np.frombuffer(raw, "<u4", n, at)
+            self.members = np.frombuffer(raw, "<u4", n, at + 4 * n)
+            at += 8 * n
+        else:
+            self.member = self.members = np.zeros(n, dtype="<u4")
+        lengths = np.frombuffer(raw, "<u4", n, at)
+        at += 4 * n
+        self.starts = at + np.concatenate(([0], np.cumsum(lengths, dtype=np.int64)))
+        self.raw = raw
+
+    def key(self, i: int) -> str:
+        return self.raw[int(self.starts[i]) : int(self.starts[i + 1])].decode(
+            "utf-8", "surrogateescape")
+
+
+def write_row(txn: lmdb.Transaction, dbs: dict[bytes, lmdb._Database], first: int,
+              keys: Sequence[bytes | str], origins: Sequence[Origin | None]) -> None:
+    """Record the keys and origins of samples ``first, first + 1, ...`` (one commit's)."""
+    db = dbs.get(DB_ORIGINS)
+    if db is None or not keys:
+        return
+    # Rows are keyed by their first sequence number, which only grows: append is valid.
+    txn.put(seq_key(first), pack_row(keys, origins), db=db, append=True)
+
+
+def read_origins(txn: lmdb.Transaction, dbs: dict[bytes, lmdb._Database], seqs: np.ndarray,
+                 *, with_keys: bool = False) -> Rows:
+    """The origins (and with ``with_keys`` the keys) of ``seqs``, in their order."""
+    seqs = np.asarray(seqs, dtype=np.uint64)
+    n = len(seqs)
+    out = Rows(np.full(n, UNKNOWN, dtype=np.uint16), np.zeros(n, dtype=np.uint64),
+               np.zeros(n, dtype=np.uint32), np.zeros(n, dtype=np.uint32),
+               np.zeros(n, dtype=bool), [None] * n if with_keys else [])
+    db = dbs.get(DB_ORIGINS)
+    if db is None or not n:
+        return out
+    order = np.argsort(seqs, kind="stable")
+    wanted = seqs[order]
+    cursor = txn.cursor(db=db)
+    # The row holding the first wanted sample starts at or before it.
+    if not cursor.set_range(seq_key(int(wanted[0]))):
+        if not cursor.last():
+            return out
+    elif seq_of(bytes(cursor.key())) > int(wanted[0]) and not cursor.prev():
+        cursor.first()
+    lo = 0
+    for key, value in cursor.iternext():
+        first = seq_of(bytes(key))
+        if lo >= n:
+            break
+        row = _Row(first, bytes(value))
+        end = first + row.n
+        if int(wanted[lo]) >= end:
+            continue  # a row before the next sample wanted
+        hi = int(np.searchsorted(wanted, end, side="left"))
+        take = wanted[lo:hi]
+        inside = take >= first
+        at = order[lo:hi][inside]
+        offsets = (take[inside] - first).astype(np.int64)
+        out.lid[at] = row.lid[offsets]
+        out.index[at] = row.index[offsets]
+        out.member[at] = row.member[offsets]
+        out.members[at] = row.members[offsets]
+        out.found[at] = True
+        if with_keys:
+            for where, offset in zip(at.tolist(), offsets.tolist()):
+                out.keys[where] = row.key(offset)
+        lo = hi
+    return out
+
+
+def prune(txn: lmdb.Transaction, dbs: dict[bytes, lmdb._Database], bound: int) -> int:
+    """Delete the rows whose samples all lie below ``bound`` (the oldest sample still cached
+    and the lowest sequence number a live lease holds, whichever is lower); return how many."""
+    db = dbs.get(DB_ORIGINS)
+    if db is None:
+        return 0
+    cursor = txn.cursor(db=db)
+    deleted = 0
+    while cursor.first():
+        first = seq_of(bytes(cursor.key()))
+        n = _HEAD.unpack_from(bytes(cursor.value()[: _HEAD.size]))[3]
+        if first + n > bound:
+            break
+        cursor.delete()
+        deleted += 1
+    return deleted
+
+
+def prune_bound(txn: lmdb.Transaction, dbs: dict[bytes, lmdb._Database],
+                lease_los: Sequence[int]) -> int:
+    """What :func:`prune` may delete below: the oldest cached sample, or a lease's start."""
+    cursor = txn.cursor(db=dbs[DB_SAMPLES])
+    oldest = seq_of(bytes(cursor.key())) if cursor.first() else 2**63
+    return min([oldest, *lease_los])
+
+
+def count_rows(txn: lmdb.Transaction, dbs: dict[bytes, lmdb._Database]) -> int:
+    db = dbs.get(DB_ORIGINS)
+    return 0 if db is None else int(txn.stat(db)["entries"])
