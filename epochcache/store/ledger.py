@@ -322,9 +322,11 @@ def record_trained(cache: SampleStore, seqs: np.ndarray, *, epoch: int | None = 
             path = ledger_path(cache.path, fp)
             ledger = Ledger.load(path)
             current = registry[newest[fp]]
+            restarted = False
             if ledger is None:
                 ledger = Ledger.new(current)
             elif ledger.header.get("generation") != current.get("generation"):
+                restarted = True
                 log.warning("%s: the coverage of %s restarts: its listing changed (generation %s "
                             "-> %s) while no sampler could map one onto the other", cache.path,
                             info.get("url"), ledger.header.get("generation"),
@@ -334,6 +336,8 @@ def record_trained(cache: SampleStore, seqs: np.ndarray, *, epoch: int | None = 
                 ledger.take_info(current)
             if info.get("generation") != ledger.header.get("generation"):
                 unattributed += int(np.count_nonzero(mine))  # an older listing's indices
+                if restarted:
+                    ledger.save(path)
                 continue
             slots = ledger.slots_of(rows.index[mine], rows.member[mine], rows.members[mine])
             trained, new = ledger.add(slots)
