@@ -116,8 +116,14 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _cmd_copy(args: argparse.Namespace) -> int:
+    from .store.copy_cache import check_destination
     from .units import format_size
 
+    try:
+        check_destination(os.path.realpath(args.dest))
+    except CacheError as exc:  # nothing done: a usage error
+        print(f"epochcache copy: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     cache = _open_cache_readonly(args.cache_dir)
     try:
         report = cache.copy_to(args.dest)

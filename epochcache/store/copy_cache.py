@@ -37,7 +37,8 @@ if TYPE_CHECKING:
 LISTINGS_DIR = "listings"
 
 
-def _check_destination(dst: str) -> None:
+def check_destination(dst: str) -> None:
+    """Raise :class:`CacheError` unless ``dst`` is a new or empty directory."""
     if os.path.lexists(dst) and not os.path.isdir(dst):
         raise CacheError(f"{dst}: exists and is not a directory; `epochcache copy` writes a new "
                          "cache into a new or empty directory")
@@ -77,7 +78,7 @@ def copy_cache(source: SampleStore, dst: str | os.PathLike[str]) -> dict[str, An
     dst = os.path.realpath(os.fspath(dst))
     if dst == source.path or dst.startswith(source.path + os.sep):
         raise CacheError(f"{dst}: the copy cannot go into the cache it copies ({source.path})")
-    _check_destination(dst)
+    check_destination(dst)
     started = time.monotonic()
     make_private_dir(dst)
     source.store.env.copy(dst, compact=True)
