@@ -188,7 +188,8 @@ def _write_keys(keys: list[str], output: str | None, fmt: str) -> int:
             "\n" in key or key != key.strip() or key.startswith("#"))]
         if odd:
             log.warning("%d keys would not read back from a text manifest (a newline, a leading "
-                        "'#' or spaces at an end), e.g. %r: use --format jsonl", len(odd), odd[0])
+                        "'#' or spaces at an end), e.g. %r: use --format jsonl (spaces at an end "
+                        "are stripped by every manifest format)", len(odd), odd[0])
         text.writelines(key + "\n" for key in keys)
     if comments:
         log.warning("%d samples of the epoch have no recorded key (evicted, cached by an older "

@@ -31,6 +31,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import lmdb
 import numpy as np
@@ -44,9 +45,8 @@ _HEAD = struct.Struct("<BBHI")
 UNKNOWN = 0xFFFF
 
 
-@dataclass(frozen=True)
-class Origin:
-    """Where one sample came from.
+class Origin(NamedTuple):
+    """Where one sample came from (a tuple: samplers make one per sample).
 
     Attributes:
         lid: the listing's id in this cache (:mod:`.listings`); :data:`UNKNOWN` for none.
@@ -61,26 +61,24 @@ class Origin:
     members: int = 0
 
 
+_NONE = Origin(UNKNOWN, 0)
+
+
 def pack_row(keys: Sequence[bytes | str], origins: Sequence[Origin | None]) -> bytes:
     """One row: the keys and origins of a commit's samples, in sequence order."""
     n = len(keys)
-    lids = np.full(n, UNKNOWN, dtype="<u2")
-    index = np.zeros(n, dtype="<u8")
-    tar = any(o is not None and o.members for o in origins)
-    member = np.zeros(n, dtype="<u4") if tar else None
-    members = np.zeros(n, dtype="<u4") if tar else None
-    for i, origin in enumerate(origins):
-        if origin is not None:
-            lids[i], index[i] = origin.lid, origin.index
-            if member is not None and members is not None:
-                member[i], members[i] = origin.member, origin.members
+    given = [_NONE if origin is None else origin for origin in origins]
+    lids = np.array([o[0] for o in given], dtype="<u2")
+    index = np.array([o[1] for o in given], dtype="<u8")
+    tar = any(o[3] for o in given)
     raw = [key if isinstance(key, bytes) else key.encode("utf-8", "surrogateescape")
            for key in keys]
-    lengths = np.fromiter(map(len, raw), dtype="<u4", count=n)
+    lengths = np.array([len(key) for key in raw], dtype="<u4")
     parts = [_HEAD.pack(ROW_VERSION, FLAG_MEMBERS if tar else 0, 0, n), lids.tobytes(),
              index.tobytes()]
-    if member is not None and members is not None:
-        parts += [member.tobytes(), members.tobytes()]
+    if tar:
+        parts += [np.array([o[2] for o in given], dtype="<u4").tobytes(),
+                  np.array([o[3] for o in given], dtype="<u4").tobytes()]
     parts += [lengths.tobytes(), b"".join(raw)]
     return b"".join(parts)
 
