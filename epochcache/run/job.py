@@ -279,6 +279,9 @@ class Run:
             close = getattr(epochs, "close", None)
             if close is not None:
                 close()  # releases the leases of the current and the prepared epoch
+            from ..store.jobs import forget_job
+
+            forget_job(cache)  # no longer a job of this cache (status)
             cache.close()
         return 0
 
