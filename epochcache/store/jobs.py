@@ -14,17 +14,23 @@ protects from eviction; a lease without a complete plan protects its whole snaps
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import socket
 import time
 from typing import TYPE_CHECKING, Any
 
+import lmdb
+
+from ..errors import CacheError
 from .leases import Lease, pid_alive, process_start_ticks
 from .plans import Part, part_path
 
 if TYPE_CHECKING:
     from .cache import SampleStore
+
+log = logging.getLogger("epochcache.cache")
 
 JOB_PREFIX = "job/"
 _EPOCH = re.compile(r"epoch (\d+)")
@@ -51,8 +57,12 @@ def note_job(cache: SampleStore, **fields: Any) -> None:
 
 
 def forget_job(cache: SampleStore) -> None:
-    """This process no longer trains from the cache."""
-    cache.tables.delete_state(job_name(socket.gethostname(), os.getpid()))
+    """This process no longer trains from the cache (best effort: a job's document is
+    dropped anyway once its process is gone)."""
+    try:
+        cache.tables.delete_state(job_name(socket.gethostname(), os.getpid()))
+    except (lmdb.Error, CacheError, OSError) as exc:
+        log.debug("%s: could not drop this job's state document: %s", cache.path, exc)
 
 
 def unread(cache_path: str, lease: Lease) -> int:
