@@ -87,7 +87,8 @@ def pack_row(keys: Sequence[bytes | str], origins: Sequence[Origin | None]) -> b
 class Rows:
     """The origins of some samples, as arrays (one entry per sample asked for).
 
-    ``found`` is False where no row names the sample (its key is then unknown too).
+    ``found`` is False where no row names the sample (its key is then unknown too); ``keys``
+    are the keys' UTF-8 bytes (when asked for).
     """
 
     lid: np.ndarray
@@ -95,7 +96,7 @@ class Rows:
     member: np.ndarray
     members: np.ndarray
     found: np.ndarray
-    keys: list[str | None]
+    keys: list[bytes | None]
 
 
 class _Row:
@@ -121,10 +122,6 @@ class _Row:
         at += 4 * n
         self.starts = at + np.concatenate(([0], np.cumsum(lengths, dtype=np.int64)))
         self.raw = raw
-
-    def key(self, i: int) -> str:
-        return self.raw[int(self.starts[i]) : int(self.starts[i + 1])].decode(
-            "utf-8", "surrogateescape")
 
 
 def write_row(txn: lmdb.Transaction, dbs: dict[bytes, lmdb._Database], first: int,
@@ -177,8 +174,11 @@ def read_origins(txn: lmdb.Transaction, dbs: dict[bytes, lmdb._Database], seqs: 
         out.members[at] = row.members[offsets]
         out.found[at] = True
         if with_keys:
-            for where, offset in zip(at.tolist(), offsets.tolist()):
-                out.keys[where] = row.key(offset)
+            raw, starts = row.raw, row.starts
+            keys = out.keys
+            for where, a, b in zip(at.tolist(), starts[offsets].tolist(),
+                                   starts[offsets + 1].tolist()):
+                keys[where] = raw[a:b]
         lo = hi
     return out
 
