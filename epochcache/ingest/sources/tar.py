@@ -8,9 +8,10 @@ the same prefix form one sample, and field names are lowercased. The sample key 
 Shards are listed (or brace-expanded) but not opened at listing time; fetching a shard ref reads the
 shard once and yields every sample in it. A manifest may name single samples as well as shards
 (``train-000.tar/000123``, as ``epochcache manifest`` prints an epoch's keys): their shards are
-listed, and fetching one yields only the samples the manifest names (:class:`SampleFilter`). Damage is contained: a sample with a truncated or invalid
-member becomes a :class:`~epochcache.errors.CorruptSample`, and a shard whose header stream breaks
-yields the samples before the break plus one ``CorruptSample`` for the rest.
+listed, and fetching one yields only the samples the manifest names (:class:`SampleFilter`).
+Damage is contained: a sample with a truncated or invalid member becomes a
+:class:`~epochcache.errors.CorruptSample`, and a shard whose header stream breaks yields the
+samples before the break plus one ``CorruptSample`` for the rest.
 """
 
 from __future__ import annotations
