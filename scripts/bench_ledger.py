@@ -101,7 +101,7 @@ def _tagger(root: Path, count: int, batch: int, repeat: int) -> dict[str, Any]:
     return {"samples": count, "batch": batch, "us_per_sample": round(best / count * 1e6, 2)}
 
 
-def _epoch_end(root: Path, samples: int) -> dict[str, Any]:
+def _epoch_end(root: Path, samples: int, batch: int) -> dict[str, Any]:
     from epochcache.store.listings import register_listing
     from epochcache.store.manifests import ManifestWriter, manifest_path
     from epochcache.store.origins import read_origins
@@ -112,7 +112,7 @@ def _epoch_end(root: Path, samples: int) -> dict[str, Any]:
         "unit": "sample", "listed": samples, "gone": 0, "complete": True, "node_rank": 0,
         "num_nodes": 1})
     started = time.perf_counter()
-    chunk = 10_000
+    chunk = batch  # one origin row per commit of a sampler's size, as a daemon writes them
     for lo in range(0, samples, chunk):
         keys = [f"train/sample-{i:08d}.bin" for i in range(lo, min(samples, lo + chunk))]
         cache.put_many([(k, b"x" * 16) for k in keys],
@@ -166,7 +166,7 @@ def main() -> None:
         if Origin is not None and not args.write_only:
             results["tagger"] = _tagger(root, args.write_samples, args.batch, args.repeat)
             print(json.dumps(results["tagger"]), flush=True)
-            results["epoch_end"] = _epoch_end(root, args.samples)
+            results["epoch_end"] = _epoch_end(root, args.samples, args.batch)
             print(json.dumps(results["epoch_end"]), flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)

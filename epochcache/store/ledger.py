@@ -49,7 +49,7 @@ import numpy as np
 
 from ..atomic import atomic_write
 from .listings import listings as registered_listings
-from .origins import UNKNOWN, _Row, read_origins
+from .origins import UNKNOWN, _Row, read_origins, unique
 from .schema import DB_ORIGINS, seq_key
 
 if TYPE_CHECKING:
@@ -197,7 +197,7 @@ class Ledger:
     def add(self, slots: np.ndarray) -> tuple[int, int]:
         """One more epoch for each of ``slots`` (once each); returns ``(distinct samples,
         samples trained for the first time)``."""
-        slots = np.unique(slots)
+        slots = unique(slots)
         if not len(slots):
             return 0, 0
         before = self.counts[slots]
@@ -303,7 +303,7 @@ def record_trained(cache: SampleStore, seqs: np.ndarray, *, epoch: int | None = 
     their sources; returns ``{"trained", "new", "unattributed"}`` of this call."""
     seqs = np.asarray(seqs, dtype=np.uint64)
     with cache.store.read() as txn:
-        rows = read_origins(txn, cache.dbs, np.unique(seqs))
+        rows = read_origins(txn, cache.dbs, unique(seqs))
     known = rows.found & (rows.lid != UNKNOWN)
     result = {"trained": 0, "new": 0, "unattributed": 0}
     with ledger_lock(cache.path):

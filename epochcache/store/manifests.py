@@ -52,8 +52,9 @@ _MAGIC = b"ECMF"
 _U32 = struct.Struct("<I")
 #: A record's header is small JSON; anything larger is damage.
 _MAX_HEADER = 1 << 20
-#: zstd level of the keys (numbered keys compress to about 3 bytes each; a million in ~0.3 s).
-LEVEL = 6
+#: zstd level of the keys: a million numbered keys compress to 3.7 bytes each in 0.06 s at
+#: level 1 (level 6: 3.9 bytes, 0.5 s; level 9: 3.5 bytes, 1.1 s).
+LEVEL = 1
 
 
 def manifest_path(run_dir: str | os.PathLike[str], epoch: int, rank: int) -> Path:
