@@ -115,6 +115,97 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     return EXIT_OK if report.ok else EXIT_FAILURE
 
 
+def _cmd_copy(args: argparse.Namespace) -> int:
+    from .store.copy_cache import check_destination
+    from .units import format_size
+
+    try:
+        check_destination(os.path.realpath(args.dest))
+    except CacheError as exc:  # nothing done: a usage error
+        print(f"epochcache copy: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    cache = _open_cache_readonly(args.cache_dir)
+    try:
+        report = cache.copy_to(args.dest)
+    finally:
+        cache.close()
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return EXIT_OK
+    print(f"copied {report['samples']:,} samples ({format_size(report['bytes'])}, data file "
+          f"{format_size(report['file_bytes'])}) from {report['source']} to {report['path']} in "
+          f"{report['seconds']:.1f}s; kept {report['listings']} listing(s) and "
+          f"{report['ledgers']} coverage ledger(s), left {report['leases_left_behind']} "
+          f"lease(s) and {report['states_left_behind']} daemon/job state document(s) behind")
+    return EXIT_OK
+
+
+def _cmd_manifest(args: argparse.Namespace) -> int:
+    from .store.manifests import epoch_keys, manifest_path, manifests, read_records, trained_records
+
+    if not os.path.isdir(args.run_dir):
+        raise CacheError(f"{args.run_dir}: no such directory (the train.run_dir of a run)")
+    if args.epoch is None:
+        found = manifests(args.run_dir)
+        if not found:
+            print(f"{args.run_dir}: no manifests (runs write them with train.manifests: true)",
+                  file=sys.stderr)
+            return EXIT_FAILURE
+        for epoch, ranks in sorted(found.items()):
+            counts = [sum(len(r.keys) for r in trained_records(read_records(
+                manifest_path(args.run_dir, epoch, rank)))) for rank in ranks]
+            print(f"epoch {epoch}: {sum(counts):,} samples, ranks "
+                  f"{', '.join(f'{rank} ({count:,})' for rank, count in zip(ranks, counts))}")
+        return EXIT_OK
+    try:
+        keys = epoch_keys(args.run_dir, args.epoch, args.rank, args.source)
+    except FileNotFoundError as exc:
+        raise CacheError(str(exc)) from None
+    return _write_keys(keys, args.output, args.format)
+
+
+def _write_keys(keys: list[str], output: str | None, fmt: str) -> int:
+    """Print or write manifest keys in a format ``source.manifest`` reads back."""
+    import csv
+    import gzip
+    import io
+
+    if fmt == "auto":
+        name = (output or "").lower().removesuffix(".gz")
+        fmt = "csv" if name.endswith(".csv") else "jsonl" if name.endswith(
+            (".jsonl", ".ndjson", ".json")) else "txt"
+    comments = {key for key in keys if key.startswith("# sample ")}
+    keys = [key for key in keys if not key.startswith("# sample ")] if fmt != "txt" else keys
+    text = io.StringIO()
+    if fmt == "csv":
+        writer = csv.writer(text, lineterminator="\n")
+        writer.writerow(["key"])
+        writer.writerows([key] for key in keys)
+    elif fmt == "jsonl":
+        text.writelines(json.dumps({"key": key}) + "\n" for key in keys)
+    else:
+        odd = [key for key in keys if key not in comments and (
+            "\n" in key or key != key.strip() or key.startswith("#"))]
+        if odd:
+            log.warning("%d keys would not read back from a text manifest (a newline, a leading "
+                        "'#' or spaces at an end), e.g. %r: use --format jsonl (spaces at an end "
+                        "are stripped by every manifest format)", len(odd), odd[0])
+        text.writelines(key + "\n" for key in keys)
+    if comments:
+        log.warning("%d samples of the epoch have no recorded key (evicted, cached by an older "
+                    "version)%s", len(comments),
+                    ": kept as '#' comment lines" if fmt == "txt" else ": left out")
+    data = text.getvalue()
+    if output is None:
+        sys.stdout.write(data)
+        return EXIT_OK
+    raw = data.encode("utf-8", "surrogateescape")
+    with open(output, "wb") as f:
+        f.write(gzip.compress(raw) if output.endswith(".gz") else raw)
+    log.info("wrote %d keys to %s", len(keys) - (len(comments) if fmt == "txt" else 0), output)
+    return EXIT_OK
+
+
 def _port(text: str) -> int:
     try:
         port = int(text)
@@ -155,6 +246,30 @@ def build_parser() -> argparse.ArgumentParser:
                         help="remove corrupt samples, fix the key index and the counters")
     verify.add_argument("--json", action="store_true", help="print one JSON object")
     verify.set_defaults(func=_cmd_verify)
+
+    copy = sub.add_parser(
+        "copy", help="a consistent compacted copy of a cache, to start another node warm")
+    copy.add_argument("cache_dir", help="the cache to copy (its daemon and trainers may run)")
+    copy.add_argument("dest", help="a new or empty directory for the copy")
+    copy.add_argument("--json", action="store_true", help="print one JSON object")
+    copy.set_defaults(func=_cmd_copy)
+
+    manifest = sub.add_parser(
+        "manifest", help="the sample keys an epoch of a run trained on, in order")
+    manifest.add_argument("run_dir", help="the run's directory (train.run_dir)")
+    manifest.add_argument("--epoch", type=int, default=None,
+                          help="the epoch (without it: list the epochs and ranks recorded)")
+    manifest.add_argument("--rank", type=int, default=None,
+                          help="one rank's keys (default: every rank's, in rank order)")
+    manifest.add_argument("--source", default=None, metavar="NAME",
+                          help="only this sources: entry's keys, without their NAME/ prefix "
+                               "(a manifest for that source's source.manifest)")
+    manifest.add_argument("-o", "--output", default=None,
+                          help="write to this file (.txt, .csv, .jsonl; .gz compresses) instead "
+                               "of stdout")
+    manifest.add_argument("--format", choices=("auto", "txt", "csv", "jsonl"), default="auto",
+                          help="output format (auto: by --output's extension, else txt)")
+    manifest.set_defaults(func=_cmd_manifest)
 
     import importlib
 

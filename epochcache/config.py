@@ -488,6 +488,12 @@ class TrainConfig(_Section):
                     "and the epoch's position; `run --resume` then continues the interrupted "
                     "epoch exactly where its last checkpoint was (null: at epoch ends only)",
     )
+    manifests: bool = Field(
+        default=True,
+        description="write the sample keys each epoch trains on, per rank and in order, to "
+                    "run_dir/manifests/ (zstd, a few bytes a sample; `epochcache manifest` "
+                    "prints them, ready to feed back as source.manifest)",
+    )
 
     @field_validator("entrypoint")
     @classmethod

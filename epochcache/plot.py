@@ -1,7 +1,9 @@
 """Plots of a cache's fill over time and of a run's epochs (matplotlib, headless).
 
 ``epochcache plot CACHE_DIR -o fill.png``: stored bytes against capacity, ingest rate and
-evictions over time, from the cache's stats history (appended by the daemon).
+evictions over time, from the cache's stats history (appended by the daemon), and once epochs
+were trained the coverage curve beside them: the share of each source's samples trained on at
+least once, over time (``cache.coverage()``).
 A run writes ``run.png`` in its run directory: the same panels plus loss and the data-wait
 fraction per epoch.
 """
@@ -119,11 +121,52 @@ def _fill_axes(
                      transform=ax_rate.transAxes)
 
 
-def plot_cache(history: Sequence[dict[str, Any]], out: str | os.PathLike[str], title: str = "") -> None:
-    """Cache fill against capacity, and ingest/eviction rates, over time."""
+def _coverage_axes(ax: Axes, coverage: Sequence[dict[str, Any]],
+                   history: Sequence[dict[str, Any]]) -> None:
+    """The share of each source's samples trained on at least once, over time (the time axis
+    of the fill panel when there is a history)."""
+    ax.set_title("coverage: samples trained on at least once")
+    ax.set_ylabel("% of the listed samples")
+    if not coverage:
+        ax.text(0.5, 0.5, "no epoch recorded yet", ha="center", va="center",
+                transform=ax.transAxes)
+        return
+    t0 = history[0]["time"] if history else coverage[0]["time"]
+    span_rows = list(history) or [{"time": row["time"]} for row in coverage]
+    unit_s, unit = _time_unit([span_rows[0], {"time": max(span_rows[-1]["time"],
+                                                           coverage[-1]["time"])}])
+    for name in sorted({str(row["source"]) for row in coverage}):
+        rows = [row for row in coverage if str(row["source"]) == name]
+        ax.plot([(row["time"] - t0) / unit_s for row in rows],
+                [100 * row["covered"] / row["samples"] if row.get("samples") else 0.0
+                 for row in rows], ".-", label=name or "source")
+    ax.set_ylim(0, 105)
+    ax.set_xlabel(f"time ({unit})")
+    ax.legend(loc="lower right", fontsize=8)
+
+
+def _share_time_axis(axes: Sequence[Axes]) -> None:
+    """One time span for the panels drawn against time (coverage rows outlast the history)."""
+    spans = [ax.get_xlim() for ax in axes]
+    lo, hi = min(span[0] for span in spans), max(span[1] for span in spans)
+    for ax in axes:
+        ax.set_xlim(lo, hi)
+
+
+def plot_cache(history: Sequence[dict[str, Any]], out: str | os.PathLike[str], title: str = "",
+               coverage: Sequence[dict[str, Any]] = ()) -> None:
+    """Cache fill against capacity, and ingest/eviction rates, over time; with ``coverage``
+    (:func:`epochcache.store.coverage.history`) the coverage curve beside them."""
     plt = _pyplot()
-    fig, (ax_fill, ax_rate) = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
+    if coverage:
+        fig, (ax_fill, ax_rate, ax_cov) = plt.subplots(1, 3, figsize=(16, 4),
+                                                       constrained_layout=True)
+        _coverage_axes(ax_cov, coverage, history)
+    else:
+        fig, (ax_fill, ax_rate) = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
     _fill_axes(ax_fill, ax_rate, history)
+    if coverage:
+        _share_time_axis([ax_fill, ax_rate, ax_cov])
     if title:
         fig.suptitle(title)
     fig.savefig(out, dpi=110)
@@ -135,10 +178,13 @@ def plot_run(
     history: Sequence[dict[str, Any]],
     out: str | os.PathLike[str],
     title: str = "",
+    coverage: Sequence[dict[str, Any]] = (),
 ) -> None:
-    """A run's four panels: loss, data-wait fraction per epoch, cache fill, rates."""
+    """A run's panels: loss, data-wait fraction per epoch, cache fill, rates; with
+    ``coverage`` the coverage curve under a fifth, the epochs-per-sample histogram."""
     plt = _pyplot()
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5), constrained_layout=True)
+    columns = 3 if coverage else 2
+    fig, axes = plt.subplots(2, columns, figsize=(5.5 * columns, 7.5), constrained_layout=True)
     epochs = [row["epoch"] for row in metrics]
     ax = axes[0][0]
     ax.plot(epochs, [row.get("loss", float("nan")) for row in metrics], "o-", label="mean loss")
@@ -174,6 +220,21 @@ def plot_run(
         last = max(end for _epoch, end in ends)
         history = [row for row in history if row["time"] <= last + 0.2]
     _fill_axes(axes[1][0], axes[1][1], history, ends)
+    if coverage:
+        _coverage_axes(axes[1][2], coverage, history)
+        _share_time_axis([axes[1][0], axes[1][1], axes[1][2]])
+        ax = axes[0][2]
+        ax.set_title("epochs each sample was trained in")
+        ax.set_xlabel("epochs")
+        ax.set_ylabel("samples")
+        shown = [row for row in metrics if isinstance(row.get("coverage"), dict)]
+        histogram = shown[-1]["coverage"].get("histogram") if shown else None
+        if histogram:
+            ax.bar(list(histogram), list(histogram.values()))
+            ax.tick_params(axis="x", labelsize=7)
+        else:
+            ax.text(0.5, 0.5, "no histogram yet", ha="center", va="center",
+                    transform=ax.transAxes)
     if title:
         fig.suptitle(title)
     fig.savefig(out, dpi=110)
@@ -189,12 +250,15 @@ def _cmd_plot(args: argparse.Namespace) -> int:
         return 2
     if not os.path.isdir(args.cache_dir):
         raise CacheError(f"{args.cache_dir}: no such directory")
+    from .store.coverage import history as coverage_history
+
     cache = SampleStore(args.cache_dir, readonly=True)
     try:
         history = cache.history()
     finally:
         cache.close()
-    plot_cache(history, args.output, title=f"epochcache {cache.path}")
+    plot_cache(history, args.output, title=f"epochcache {cache.path}",
+               coverage=coverage_history(cache.path))
     print(f"wrote {args.output} ({len(history)} stats rows)")
     return 0
 

@@ -32,6 +32,7 @@ from typing import Any
 
 from ..errors import CacheFull, SampleRejected
 from ..store import SampleStore
+from ..store.origins import Origin
 from ..units import format_size
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,7 @@ class Batch:
         keys: every key the batch was fetched for (committed or not): no longer in flight.
         nbytes: bytes this batch holds against the sampler's in-flight budget.
         source: the ``sources:`` entry it was fetched from ("" for a single ``source:``).
+        origins: where each record's sample came from, by key (:mod:`.origins`).
     """
 
     records: list[tuple[str, bytes]]
@@ -78,6 +80,7 @@ class Batch:
     keys: list[str]
     nbytes: int = 0
     source: str = ""
+    origins: dict[str, Origin] | None = None
 
 
 class Committer(threading.Thread):
@@ -113,6 +116,7 @@ class Committer(threading.Thread):
         self.grouped = 0
         self.error: BaseException | None = None
         self._rejected: set[str] = set()
+        self._origins: dict[str, Origin] = {}  # of the group being committed
         self._deferred_logged: dict[str, None] = {}  # insertion-ordered: a bounded set
         self._deferred_log_at = 0.0  # monotonic time of the last deferral warning
         self._deferred_since = 0  # samples deferred since that warning
@@ -171,6 +175,8 @@ class Committer(threading.Thread):
                 if batch is None:
                     break
                 group, ending = self._group(batch)
+                self._origins = {key: origin for one in group for key, origin in
+                                 (one.origins or {}).items()}
                 try:
                     self._commit([record for one in group for record in one.records])
                 finally:
@@ -292,7 +298,8 @@ class Committer(threading.Thread):
         while records:
             try:
                 result = self.cache.put_many(records, encoded=True, stop=self.stop_flag,
-                                             timeout_s=HEALTH_INTERVAL_S, on_reject=self._on_reject)
+                                             timeout_s=HEALTH_INTERVAL_S, on_reject=self._on_reject,
+                                             origins=self._origins)
                 self.health.committed += result.inserted
                 self.health.skipped += result.skipped
                 self.health.waiting_for_space = False

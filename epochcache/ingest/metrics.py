@@ -160,6 +160,51 @@ def daemon_metrics(cache: SampleStore) -> Iterator[Any]:
                    "(its rate over the sampler count is the fraction of time writers wait: "
                    "low turnover, see cache.headroom).", wait_s)
     yield from _source_metrics(cache)
+    yield from coverage_metrics(cache)
+
+
+def coverage_metrics(cache: SampleStore) -> Iterator[Any]:
+    """What training has seen of each source (``cache.coverage()``): read from the coverage
+    ledgers' headers at scrape time, labelled by source (its name, else its URL)."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    report = cache.coverage()
+    families = {
+        "samples": GaugeMetricFamily("epochcache_coverage_listed_samples", "Samples the "
+                                     "source's listing holds (estimated for tar until every "
+                                     "shard was trained).", labels=["source"]),
+        "covered": GaugeMetricFamily("epochcache_coverage_covered_samples", "Distinct samples "
+                                     "of the source trained on at least once.",
+                                     labels=["source"]),
+        "fraction": GaugeMetricFamily("epochcache_coverage_ratio", "covered / listed (0-1).",
+                                      labels=["source"]),
+        "share_fraction": GaugeMetricFamily("epochcache_coverage_share_ratio", "covered / this "
+                                            "node's share of the source (0-1).",
+                                            labels=["source"]),
+        "coverage_per_s": GaugeMetricFamily("epochcache_coverage_growth_samples_per_second",
+                                            "Distinct samples newly trained on per second "
+                                            "(last hour of updates).", labels=["source"]),
+    }
+    epochs = GaugeMetricFamily("epochcache_coverage_epochs_samples", "Samples of the source "
+                               "by the number of epochs they were trained in (bucket label; "
+                               "0: never).", labels=["source", "epochs"])
+    eta = GaugeMetricFamily("epochcache_coverage_eta_seconds", "Time to train on every sample "
+                            "of this node's share once at the current ingest rate (absent "
+                            "while nothing is ingested).", labels=["source"])
+    for row in report["sources"]:
+        name = row["source"] or str(row["url"])
+        for field, family in families.items():
+            family.add_metric([name], float(row[field]))
+        for label, count in row["histogram"].items():
+            epochs.add_metric([name, label], float(count))
+        if row["eta_s"] is not None:
+            eta.add_metric([name], float(row["eta_s"]))
+    yield from families.values()
+    yield epochs
+    yield eta
+    yield CounterMetricFamily("epochcache_coverage_unattributed_samples", "Trained samples "
+                              "with no recorded origin (cached by an older version, or put "
+                              "through the Python API).", value=report["unattributed"])
 
 
 def _source_metrics(cache: SampleStore) -> Iterator[Any]:

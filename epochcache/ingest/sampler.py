@@ -38,6 +38,7 @@ from .feed import IDLE_WAIT_S, Feed, error_kind, next_feed
 from .heap import reuse_freed_buffers
 from .inflight import ByteBudget
 from .lifeline import Lifeline, kill_with_parent
+from .origins import OriginTagger
 from .sources import SampleRef
 
 __all__ = ["Sampler", "SamplerHealth", "StopFlag", "run_sampler", "state_name"]
@@ -185,6 +186,7 @@ class Sampler:
             self.health.position = {**kept, **{f.name: f.position() for f in self.feeds}}
         else:
             self.health.position = self.feeds[0].position()
+        self.tagger = OriginTagger(self.cache, config.sampler.node())  # coverage, manifests
         self.committer = Committer(self.cache, self.health, stop=stop,
                                    should_stop=self.should_stop, quarantine=self.quarantine,
                                    done=self._done)
@@ -346,7 +348,10 @@ class Sampler:
             feed.brought_new()
             self.health.idle = ""
             self._errors_before = self.health.errors
-        self.committer.hand_over(Batch(records, fetching.position, keys, nbytes, feed.name))
+        origins = self.tagger.origins(feed, fetching.refs, fetching.indices, results,
+                                      fetching.position.get("listing", feed.generation))
+        self.committer.hand_over(Batch(records, fetching.position, keys, nbytes, feed.name,
+                                       origins))
 
     def _note_idle(self) -> None:
         """A source finished a pass that brought nothing new: with every source there, the

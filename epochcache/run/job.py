@@ -43,6 +43,7 @@ from .midepoch import MidEpoch
 from .midepoch import loader_state as loader_state_of
 from .metrics import TrainProgress, Turnover, train_metrics
 from .signals import Interrupted, StopSignals, Terminated, quiet_worker, shelter_forkserver
+from .trained import TrainedRecord, coverage_row, coverage_text
 from ..units import format_size
 
 # RunContext and Terminated are re-exported: trainers' type hints (README), callers' except.
@@ -280,6 +281,9 @@ class Run:
             close = getattr(epochs, "close", None)
             if close is not None:
                 close()  # releases the leases of the current and the prepared epoch
+            from ..store.jobs import forget_job
+
+            forget_job(cache)  # no longer a job of this cache (status)
             cache.close()
         return 0
 
@@ -291,12 +295,16 @@ class Run:
         midepoch = None if every is None else MidEpoch(
             context, loader, epoch, every_s=every, grace_s=self.config.cache.resume_grace_s,
             stop=self.stop, rank=self.rank, is_main=self.is_main)
+        record = self._trained_record(cache, loader, epoch)
+        if midepoch is not None:
+            midepoch.on_save = record.cover
         timed = TimedLoader(loader, self.progress, self.stop, midepoch)
         started = time.perf_counter()
         from ..data.distributed import mean_across_ranks
 
         result = mean_across_ranks(dict(self.train_fn(context, epoch, timed) or {}))
         elapsed = time.perf_counter() - started
+        record.cover(timed.batches)  # the epoch is done: what its checkpoint will cover
         after = cache.counters()
         dataset = getattr(loader, "dataset", None)
         turnover = self.turnover.measure(cache, mark, getattr(dataset, "seqs", np.empty(0)))
@@ -314,6 +322,7 @@ class Run:
             "cache_bytes": after.bytes,
             "evicted": after.evicted - before.evicted,
             **turnover,
+            "coverage": coverage_row(cache, record),
             "time": time.time(),
         }
         self.metrics.append(row)
@@ -327,11 +336,23 @@ class Run:
         wait = turnover["writer_wait_fraction"]
         log.info(
             "epoch %d: loss %s, %d samples in %d batches, %.1fs, data wait %.1f%%, cache %s (%d samples), evicted %d, "
-            "new to the snapshot %d, writers waited %s",
+            "new to the snapshot %d, writers waited %s; %s",
             epoch, f"{loss:.4f}" if isinstance(loss, float) else loss, row.get("samples", row["snapshot_samples"]),
             timed.batches, elapsed, 100 * row["data_wait_fraction"], format_size(after.bytes), after.samples,
             row["evicted"], turnover["new_samples"], "n/a" if wait is None else f"{100 * wait:.0f}%",
+            coverage_text(row["coverage"]),
         )
+
+    def _trained_record(self, cache: Cache, loader: Any, epoch: int) -> TrainedRecord:
+        """The epoch's manifest and coverage recorder; and this job noted for ``status``."""
+        from ..store.jobs import note_job
+
+        run_dir = self.run_dir.resolve()
+        note_job(cache, run_dir=str(run_dir), rank=self.rank, epoch=epoch)
+        names = [entry.name for entry in self.config.source_entries() if entry.name]
+        return TrainedRecord(cache, loader, epoch, batch_size=self.config.loader.batch_size,
+                             run_dir=run_dir if self.config.train.manifests else None,
+                             rank=self.rank, job=f"{run_dir} rank {self.rank}", sources=names)
 
     def write_plots(self) -> Path | None:
         from ..plot import INSTALL_HINT, available, plot_run
@@ -339,13 +360,16 @@ class Run:
         if not available():  # matplotlib is an extra
             log.info("matplotlib is not installed: no plot (%s)", INSTALL_HINT)
             return None
+        from ..store.coverage import history as coverage_history
+
         cache = Cache(self.config.cache.dir, readonly=True)
         try:
             history = cache.history()
         finally:
             cache.close()
         out = self.run_dir / "run.png"
-        plot_run(self.metrics, history, out, title=f"epochcache run: {self.run_dir}")
+        plot_run(self.metrics, history, out, title=f"epochcache run: {self.run_dir}",
+                 coverage=coverage_history(cache.path))
         return out
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import signal
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -53,6 +54,9 @@ class MidEpoch:
         self.last = time.monotonic()
         self.saved_batches = 0
         self._kept = False
+        #: Called with the batches a checkpoint is about to cover, before it is saved (the
+        #: run records what the epoch trained on: manifest, coverage; see run/trained.py).
+        self.on_save: Callable[[int], None] | None = None
         loader.release_as_consumed = False  # released as checkpoints cover them
 
     def at_boundary(self, batches: int) -> None:
@@ -70,6 +74,8 @@ class MidEpoch:
             self.save(batches)
 
     def save(self, batches: int) -> None:
+        if self.on_save is not None:
+            self.on_save(batches)
         state = self.loader.state_dict()
         states = _gather({str(self.rank): state})
         if not self._kept:

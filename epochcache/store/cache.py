@@ -28,6 +28,7 @@ from .codec import Value
 from .counters import Counters
 from .env import Store, map_bound
 from .eviction import Eviction
+from .origins import Origin
 from .leases import (
     DEFAULT_LEASE_TIMEOUT_S,
     Lease,
@@ -226,6 +227,7 @@ class SampleStore:
         timeout_s: float | None = None,
         stop: threading.Event | None = None,
         on_reject: OnReject | None = None,
+        origins: dict[str, Origin] | None = None,
     ) -> PutResult:
         """Store samples; samples whose key is already cached are skipped.
 
@@ -242,6 +244,9 @@ class SampleStore:
             on_reject: ``on_reject(key, error)`` for each sample that can never be stored
                 (:class:`SampleRejected`); the others are committed. Without it, such a sample
                 raises before anything is committed.
+            origins: where samples came from, by key (samplers give it; see
+                :mod:`epochcache.store.origins`); samples without one are unattributed in
+                :meth:`coverage`.
 
         Raises:
             CacheFull: no room and ``wait`` is False, the timeout passed, or ``stop`` was set.
@@ -249,7 +254,7 @@ class SampleStore:
             SampleRejected: a sample can never be stored otherwise (and no ``on_reject``).
         """
         return self.writer.put_many(items, encoded=encoded, wait=wait, timeout_s=timeout_s,
-                                    stop=stop, on_reject=on_reject)
+                                    stop=stop, on_reject=on_reject, origins=origins)
 
     def evict(self, limit_bytes: int | None = None) -> Eviction:
         """Evict oldest unleased samples until at most ``limit_bytes`` (default capacity) remain."""
@@ -599,6 +604,36 @@ class SampleStore:
         doc["capacity"] = self.effective_capacity
         self.tables.append_history(doc)
         return doc
+
+    def coverage(self) -> dict[str, Any]:
+        """How much of each source training has seen: per source the samples listed, those
+        trained at least once, a histogram of epochs per sample, the growth rate and the time
+        to see every sample once (see :mod:`epochcache.store.coverage`)."""
+        from .coverage import coverage
+
+        return coverage(self)
+
+    def record_trained(self, seqs: Sequence[int] | np.ndarray, *, epoch: int | None = None,
+                       job: str = "") -> dict[str, Any]:
+        """Count ``seqs`` as trained in one more epoch (once each) in the coverage ledger of
+        their sources; call it when an epoch, or the part of one a checkpoint covers, is done
+        (``epochcache run`` does). Returns ``{"trained", "new", "unattributed"}``."""
+        from .ledger import record_trained
+
+        return record_trained(self, np.asarray(seqs, dtype=np.uint64), epoch=epoch, job=job)
+
+    def copy_to(self, dst: str | os.PathLike[str]) -> dict[str, Any]:
+        """Make a consistent, compacted copy of this cache in ``dst`` (new or empty), while
+        its daemon and trainers go on: samples, limits, listings and coverage are kept;
+        leases, plans and daemon state left behind (see :mod:`epochcache.store.copy_cache`).
+        Returns what was copied (``samples``, ``bytes``, ``file_bytes``, ``seconds``, ...).
+
+        Raises:
+            CacheError: ``dst`` exists and is not an empty directory.
+        """
+        from .copy_cache import copy_cache
+
+        return copy_cache(self, dst)
 
     def stats(self) -> dict[str, Any]:
         """Counters, capacity, leases and daemon health, as a JSON-able dict."""

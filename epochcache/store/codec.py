@@ -225,6 +225,11 @@ def record_key(record: bytes | memoryview) -> bytes:
     return index_key(bytes(record[_HEADER_SIZE : _HEADER_SIZE + (record[24] | record[25] << 8)]))
 
 
+def record_source_key(record: bytes | memoryview) -> bytes:
+    """The source key stored in a record, as its UTF-8 bytes."""
+    return bytes(record[_HEADER_SIZE : _HEADER_SIZE + (record[24] | record[25] << 8)])
+
+
 def source_key(record: bytes | memoryview) -> str:
     """The source key stored in a record (``s/000123.npy``): for messages and reports."""
     return str(record[_HEADER_SIZE : _HEADER_SIZE + (record[24] | record[25] << 8)], "utf-8",

@@ -32,7 +32,7 @@ import lmdb
 
 from ..errors import CacheError, CacheIOError
 from . import mapgate
-from .schema import ALL_DBS
+from .schema import ALL_DBS, OPTIONAL_DBS
 
 log = logging.getLogger(__name__)
 
@@ -331,7 +331,11 @@ class Store:
             try:
                 with env.begin(write=not lmdb_readonly) as txn:
                     for name in ALL_DBS:
-                        dbs[name] = env.open_db(name, txn=txn, create=not lmdb_readonly)
+                        try:
+                            dbs[name] = env.open_db(name, txn=txn, create=not lmdb_readonly)
+                        except lmdb.NotFoundError:
+                            if name not in OPTIONAL_DBS:
+                                raise
                 break
             except lmdb.MapResizedError:
                 env.set_mapsize(0)  # a writer grew the map while we opened: adopt its size

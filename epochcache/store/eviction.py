@@ -23,6 +23,7 @@ import lmdb
 from .codec import record_key
 from .counters import Counters
 from .leases import Lease
+from .origins import prune, prune_bound
 from .release import Protection
 from .schema import DB_KEYS, DB_SAMPLES, seq_key, seq_of
 
@@ -97,6 +98,10 @@ def evict_oldest(
     # The candidates used up are gone (evicted here, or by another process): no candidates
     # of any plan lease any more.
     protection.evicted(released[:taken])
+    if result.count:
+        # Origin rows go once no sample and no lease's range reaches back to them: a lease's
+        # samples released and evicted mid-epoch keep theirs, for the epoch's manifest.
+        prune(txn, dbs, prune_bound(txn, dbs, [lease.lo for lease in leases]))
     return result
 
 

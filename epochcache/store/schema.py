@@ -27,7 +27,8 @@ FORMAT_VERSION = 1
 #: Sub-database names. ``meta`` holds counters and settings, ``keys`` maps a source key to its
 #: sequence number, ``leases`` the live snapshot leases, ``state`` JSON documents written by the
 #: daemon (heartbeat, sampler positions), ``history`` time-keyed stats rows, ``quarantine`` the
-#: most recent rejected remote objects.
+#: most recent rejected remote objects, ``origins`` where each sample came from (its source key,
+#: listing and index, one row per commit: :mod:`epochcache.store.origins`).
 DB_SAMPLES = b"samples"
 DB_KEYS = b"keys"
 DB_META = b"meta"
@@ -35,7 +36,12 @@ DB_LEASES = b"leases"
 DB_STATE = b"state"
 DB_HISTORY = b"history"
 DB_QUARANTINE = b"quarantine"
-ALL_DBS = (DB_SAMPLES, DB_KEYS, DB_META, DB_LEASES, DB_STATE, DB_HISTORY, DB_QUARANTINE)
+DB_ORIGINS = b"origins"
+ALL_DBS = (DB_SAMPLES, DB_KEYS, DB_META, DB_LEASES, DB_STATE, DB_HISTORY, DB_QUARANTINE,
+           DB_ORIGINS)
+#: Sub-databases a cache written by an older version may lack: opened read-only without write
+#: access to its directory, such a cache opens without them (their readers treat them as empty).
+OPTIONAL_DBS = (DB_ORIGINS,)
 
 #: Counters kept in ``meta``; each changes in the same transaction as the data it counts.
 C_SAMPLES = b"samples"

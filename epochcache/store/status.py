@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..redact import redact_tree
 from ..units import format_size
+from .jobs import jobs
 from .leases import pid_alive
 from .stalls import read_stalls
 
@@ -108,6 +109,7 @@ def _collect(cache: SampleStore) -> dict[str, Any]:
             }
             for lease in leases
         ],
+        "jobs": jobs(cache, leases),
         "ingest": ingest_rate(history),
         "daemon": daemon_health(cache.tables.get_state("daemon"), now),
         "recent_quarantine": cache.quarantined(limit=5),
@@ -115,6 +117,7 @@ def _collect(cache: SampleStore) -> dict[str, Any]:
         # trainers whose batch stalled, while they run (see epochcache.data.stall)
         "stalls": [{**doc, "for_s": round(now - float(doc.get("since", now)), 1)}
                    for doc in read_stalls(cache.path)],
+        "coverage": cache.coverage(),
     }
 
 
@@ -171,6 +174,18 @@ def render(stats: dict[str, Any]) -> RenderableType:
         for lease in stats["lease_details"]:
             leases.add_row(*(str(lease[c]) for c in ("id", "label", "pid", "host", "samples", "age_s", "alive")))
         parts.append(leases)
+    if stats.get("jobs"):
+        table_jobs = Table(title="jobs (trainers reading this cache)", title_justify="left")
+        for column in ("pid", "host", "run", "rank", "epoch", "snapshot samples",
+                       "unread (protected)"):
+            table_jobs.add_column(column)
+        for job in stats["jobs"]:
+            table_jobs.add_row(str(job["pid"]), str(job["host"]),
+                               str(job.get("run_dir") or job.get("label") or "-"),
+                               str(job.get("rank", "-")),
+                               "-" if job.get("epoch") is None else str(job["epoch"]),
+                               f"{job['samples']:,}", f"{job['unread']:,}")
+        parts.append(table_jobs)
     if stats.get("turnover"):
         turnover = Table(title="turnover (epochs of epochcache run)", title_justify="left")
         for column in ("epoch", "new samples", "snapshot", "writers waited"):
@@ -181,6 +196,9 @@ def render(stats: dict[str, Any]) -> RenderableType:
                              f"{row['snapshot_samples']:,}",
                              "n/a" if wait is None else f"{wait:.0%}")
         parts.append(turnover)
+    coverage_table = _coverage_table(stats.get("coverage") or {})
+    if coverage_table is not None:
+        parts.append(coverage_table)
     if stats["recent_quarantine"]:
         quarantine = Table(title="recent quarantine", title_justify="left")
         quarantine.add_column("key")
@@ -189,6 +207,36 @@ def render(stats: dict[str, Any]) -> RenderableType:
             quarantine.add_row(str(row.get("key")), str(row.get("reason")))
         parts.append(quarantine)
     return Group(*parts)
+
+
+def _coverage_table(coverage: dict[str, Any]) -> RenderableType | None:
+    """What training has seen of each source (``cache.coverage()``), or None before any."""
+    from rich.table import Table
+
+    from .coverage import format_duration
+
+    sources = coverage.get("sources") or []
+    if not sources:
+        return None
+    table = Table(title="coverage (distinct samples trained on, of those listed)",
+                  title_justify="left")
+    for column in ("source", "covered", "epochs per sample", "growth", "all seen in"):
+        table.add_column(column)
+    for row in sources:
+        approx = "~" if row["estimated"] else ""
+        covered = f"{row['covered']:,} / {approx}{row['samples']:,} ({row['fraction']:.1%})"
+        if row["num_nodes"] > 1:
+            covered += f", {row['share_fraction']:.1%} of node {row['node_rank']}'s share"
+        histogram = row["histogram"]
+        shown = ", ".join(f"{label}: {count:,}" for label, count in histogram.items()
+                          if count or label == "0")
+        growth = f"{3600 * row['coverage_per_s']:,.0f}/h"
+        table.add_row(row["source"] or str(row["url"]), covered, shown, growth,
+                      format_duration(row["eta_s"]))
+    if coverage.get("unattributed"):
+        table.caption = (f"{coverage['unattributed']:,} trained samples had no recorded origin "
+                         "(cached by an older version, or put through the Python API)")
+    return table
 
 
 def _sampler_line(sampler: dict[str, Any]) -> str:

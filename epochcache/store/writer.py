@@ -28,6 +28,7 @@ from .counters import Counters
 from .env import Store
 from .eviction import Eviction, evict_oldest
 from .leases import Lease, read_leases, reclaim_dead
+from .origins import Origin, write_row
 from .release import Protection
 from .schema import DB_KEYS, DB_LEASES, DB_META, DB_SAMPLES, DB_STATE, index_key, pack_u64, seq_key
 
@@ -141,9 +142,11 @@ class Writer:
         timeout_s: float | None = None,
         stop: threading.Event | None = None,
         on_reject: OnReject | None = None,
+        origins: dict[str, Origin] | None = None,
     ) -> PutResult:
         """See :meth:`epochcache.store.SampleStore.put_many`."""
-        pending = self._frame(items, encoded, on_reject)
+        # origin_of: by key index entry (what the transaction sees), for each commit's row
+        pending, origin_of = self._frame(items, encoded, on_reject, origins)
         total = PutResult()
         backoff = _Backoff(timeout_s)
         disk_full_rounds = 0
@@ -156,7 +159,7 @@ class Writer:
                 self.protection.preload(leases)
             try:
                 result, pending, blocked = self._write(
-                    lambda txn: self._put_txn(txn, pending, limit)
+                    lambda txn: self._put_txn(txn, pending, limit, origin_of)
                 )
             except lmdb.Error as exc:
                 if not is_disk_full(exc):
@@ -206,14 +209,17 @@ class Writer:
         return result
 
     def _frame(self, items: Iterable[tuple[str, Value]], encoded: bool,
-               on_reject: OnReject | None) -> list[tuple[bytes, bytes]]:
-        """``(key index entry, record)`` of each item, the first of each key only.
+               on_reject: OnReject | None, origins: dict[str, Origin] | None = None,
+               ) -> tuple[list[tuple[bytes, bytes]], dict[bytes, Origin]]:
+        """``(key index entry, record)`` of each item, the first of each key only, and the
+        origins of those given one, by key index entry.
 
         Raises:
             SampleRejected: a sample can never be stored (``SampleTooLarge``: it could never
                 fit the capacity), and there is no ``on_reject`` to hand it to.
         """
         batch: dict[bytes, bytes] = {}
+        origin_of: dict[bytes, Origin] = {}
         for key, value in items:
             try:
                 record = value if encoded else self.encode(key, value)
@@ -228,8 +234,13 @@ class Writer:
                     raise
                 on_reject(key, exc)
                 continue
-            batch.setdefault(index_key(key.encode("utf-8")), record)  # type: ignore[arg-type]
-        return list(batch.items())
+            entry = index_key(key.encode("utf-8"))
+            if entry not in batch:
+                batch[entry] = record  # type: ignore[assignment]
+                origin = origins.get(key) if origins else None
+                if origin is not None:
+                    origin_of[entry] = origin
+        return list(batch.items()), origin_of
 
     def _make_room(self, exc: lmdb.Error, pending: list[tuple[bytes, bytes]], limit: int,
                    rounds: int) -> Lease | None:
@@ -283,7 +294,8 @@ class Writer:
             return Eviction(), True
 
     def _put_txn(
-        self, txn: lmdb.Transaction, pending: list[tuple[bytes, bytes]], limit: int
+        self, txn: lmdb.Transaction, pending: list[tuple[bytes, bytes]], limit: int,
+        origin_of: dict[bytes, Origin] | None = None,
     ) -> tuple[PutResult, list[tuple[bytes, bytes]], Lease | None]:
         """Commit the longest prefix of ``pending`` that fits; return the rest and the blocker."""
         dbs = self.store.dbs
@@ -310,6 +322,9 @@ class Writer:
             cursor.putmulti([(seq_key(s), r) for s, (_, r) in zip(result.seqs, fresh)], append=True)
             for seq, (key, _) in zip(result.seqs, fresh):
                 txn.put(key, seq_key(seq), db=dbs[DB_KEYS])
+            get = (origin_of or {}).get
+            write_row(txn, dbs, first, [codec.record_source_key(r) for _, r in fresh],
+                      [get(k) for k, _ in fresh])
         if counters.sources is not None:
             for key, record in fresh:
                 counters.sources.inserted(key, len(record))

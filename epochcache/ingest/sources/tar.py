@@ -6,9 +6,12 @@ the same prefix form one sample, and field names are lowercased. The sample key 
 ``"<shard key>/<prefix>"`` so keys stay unique across shards.
 
 Shards are listed (or brace-expanded) but not opened at listing time; fetching a shard ref reads the
-shard once and yields every sample in it. Damage is contained: a sample with a truncated or invalid
-member becomes a :class:`~epochcache.errors.CorruptSample`, and a shard whose header stream breaks
-yields the samples before the break plus one ``CorruptSample`` for the rest.
+shard once and yields every sample in it. A manifest may name single samples as well as shards
+(``train-000.tar/000123``, as ``epochcache manifest`` prints an epoch's keys): their shards are
+listed, and fetching one yields only the samples the manifest names (:class:`SampleFilter`).
+Damage is contained: a sample with a truncated or invalid member becomes a
+:class:`~epochcache.errors.CorruptSample`, and a shard whose header stream breaks yields the
+samples before the break plus one ``CorruptSample`` for the rest.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import io
 import logging
 import tarfile
 from collections.abc import Iterator
+
+import numpy as np
 
 from ...errors import CorruptSample, SourceError, SourceUnavailable
 from ...limits import DEFAULT_MAX_SAMPLE_BYTES
@@ -171,6 +176,57 @@ def iter_shard(
         yield sample.result(check_formats, url, max_bytes)
 
 
+#: What separates a shard's key from a sample's name in a sample key (``<shard>.tar/<name>``).
+_SHARD_END = ".tar/"
+
+
+def split_sample_key(key: str) -> tuple[str, str] | None:
+    """``(shard key, sample name)`` of a sample key (``a/train-000.tar/000123``), or None for
+    a shard key."""
+    at = key.find(_SHARD_END)
+    if at < 0 or at + len(_SHARD_END) == len(key):
+        return None
+    return key[: at + 4], key[at + len(_SHARD_END):]
+
+
+class SampleFilter:
+    """The samples a manifest names inside shards: a shard it names whole yields every
+    sample; one it names samples of yields those only. Held as one sorted array of keys (a
+    few bytes more than the keys, no object per key).
+
+    Args:
+        table: the manifest's refs.
+    """
+
+    def __init__(self, table: KeyTable) -> None:
+        whole: set[str] = set()
+        samples: list[bytes] = []
+        for key in table.keys():
+            if split_sample_key(key) is None:
+                whole.add(key)
+            else:
+                samples.append(key.encode("utf-8"))
+        self.whole = whole
+        width = max((len(k) for k in samples), default=1)
+        self._samples = np.sort(np.array(samples, dtype=f"S{max(1, width)}"))
+        self.shards = sorted(whole | {split_sample_key(k.decode("utf-8"))[0]  # type: ignore[index]
+                                      for k in samples})
+
+    @property
+    def filters(self) -> bool:
+        """Whether the manifest names any single sample."""
+        return bool(len(self._samples))
+
+    def wants(self, shard: str, sample_key: str) -> bool:
+        if shard in self.whole:
+            return True
+        raw = sample_key.encode("utf-8")
+        if len(raw) > self._samples.dtype.itemsize:
+            return False
+        at = int(np.searchsorted(self._samples, raw))
+        return at < len(self._samples) and bytes(self._samples[at]) == raw
+
+
 class TarSource(Source):
     """WebDataset-style shards under ``source.url``.
 
@@ -182,11 +238,19 @@ class TarSource(Source):
 
     layout = "tar"
     unit = "shard"
+    _filter: SampleFilter | None = None
 
     def list_table(self) -> KeyTable:
         cfg = self.spec
         if cfg.manifest is not None:
-            return self._read_manifest()
+            table = self._read_manifest()
+            self._filter = SampleFilter(table)
+            if not self._filter.filters:
+                return table
+            builder = KeyTableBuilder()
+            for shard in self._filter.shards:
+                builder.add(shard)
+            return builder.build()
         if cfg.shards is None:
             return self._list_files()
         keys = sorted(set(expand_braces(cfg.shards)))
@@ -210,9 +274,19 @@ class TarSource(Source):
             builder.add(key)
         return builder.build()
 
+    def sample_filter(self) -> SampleFilter | None:
+        """The samples a manifest names in shards (read again in a sampler process, which
+        samples the saved listing of shards), or None without a manifest."""
+        if self.spec.manifest is None:
+            return None
+        if self._filter is None:
+            self._filter = SampleFilter(self._read_manifest())
+        return self._filter
+
     def _unpack(self, ref: SampleRef, url: str, data: bytes) -> list[FetchResult]:
-        """Every sample of one shard. Shards are read whole: ``timeout_s`` bounds one shard's
-        download, and a fetch holds its shards in memory, so samplers fetch few at a time."""
+        """Every sample of one shard (that its manifest names). Shards are read whole:
+        ``timeout_s`` bounds one shard's download, and a fetch holds its shards in memory, so
+        samplers fetch few at a time."""
         try:
             if "size" in self.checks:
                 check_size(ref.key, data, ref.size, url)
@@ -227,4 +301,8 @@ class TarSource(Source):
             if isinstance(payload, CorruptSample):
                 log.warning("%s: corrupt sample: %s", url, payload)
             group.append((sample_ref, payload))
+        wanted = self.sample_filter()
+        if wanted is not None and wanted.filters and ref.key not in wanted.whole:
+            group = [(sample_ref, payload) for sample_ref, payload in group
+                     if sample_ref.key == ref.key or wanted.wants(ref.key, sample_ref.key)]
         return group

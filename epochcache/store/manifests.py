@@ -1,0 +1,237 @@
+"""Training manifests: the sample keys each epoch trained on, per rank, in order.
+
+``epochcache run`` writes one file per epoch and rank, ``<run dir>/manifests/epoch-000012.rank-00000.ecm``,
+through a :class:`ManifestWriter` (``epochs()`` and ``stream()`` can do the same: the writer
+needs only the cache and, per part of an epoch, its sequence numbers). The keys come from the
+cache's origin rows (:mod:`.origins`), which outlive the samples' eviction as long as the
+epoch's lease lives, so a manifest names every sample even under progressive release.
+
+**Records.** A file is a sequence of records, each the keys of a run of batches:
+``b"ECMF"``, ``u32`` header length, a JSON header (epoch, rank, the snapshot's lease, the lane
+positions ``from`` and ``to`` the record covers, the key count), ``u32`` payload length, and the
+keys NUL-separated (keys hold no NUL), zstd-compressed: a few bytes a sample. Records are
+appended and synced, a torn record at the end (a crash while writing) is cut off before the
+next append, and readers ignore one.
+
+**Interrupted epochs.** ``run`` appends a record when a checkpoint covers part of an epoch
+(``train.checkpoint_every_s``) and when the epoch ends, so the records name what the model
+kept. A resumed epoch appends records from the checkpoint's position on; a record that a
+later one starts at or before (the job died after writing it, before its checkpoint) was
+trained again and is dropped when reading, and so are the records of an attempt that could
+not be continued (another lease: the epoch started afresh). So :func:`epoch_keys` gives each
+sample trained once, in order, however often the epoch was stopped and resumed.
+
+Keys are cache keys: ``<name>/<key>`` for an entry of ``sources:``; for a ``tar`` sample
+``<shard>/<sample>``. Fed back as ``source.manifest`` (per source: :func:`epoch_keys` with
+``source=``), they fetch exactly those samples again (see docs/howto/runs.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import zstandard
+
+from .codec import record_source_key
+from .origins import read_origins
+from .schema import DB_SAMPLES, seq_key
+
+if TYPE_CHECKING:
+    from .cache import SampleStore
+
+MANIFESTS_DIR = "manifests"
+_MAGIC = b"ECMF"
+_U32 = struct.Struct("<I")
+#: A record's header is small JSON; anything larger is damage.
+_MAX_HEADER = 1 << 20
+#: zstd level of the keys: a million numbered keys compress to 3.7 bytes each in 0.06 s at
+#: level 1 (level 6: 3.9 bytes, 0.5 s; level 9: 3.5 bytes, 1.1 s).
+LEVEL = 1
+
+
+def manifest_path(run_dir: str | os.PathLike[str], epoch: int, rank: int) -> Path:
+    return Path(run_dir) / MANIFESTS_DIR / f"epoch-{epoch:06d}.rank-{rank:05d}.ecm"
+
+
+def keys_of(cache: SampleStore, seqs: np.ndarray) -> list[bytes | None]:
+    """The source keys of ``seqs`` (UTF-8 bytes), from the origin rows, else from the samples
+    themselves; None for a sample with neither (evicted, from a cache without origin rows)."""
+    seqs = np.asarray(seqs, dtype=np.uint64)
+    with cache.store.read() as txn:
+        rows = read_origins(txn, cache.dbs, seqs, with_keys=True)
+        keys = rows.keys
+        missing = np.flatnonzero(~rows.found)
+        if len(missing):
+            db = cache.dbs[DB_SAMPLES]
+            for i in missing.tolist():
+                record = txn.get(seq_key(int(seqs[i])), db=db)
+                keys[i] = None if record is None else record_source_key(record)
+    return keys
+
+
+@dataclass
+class Record:
+    """One record of a manifest file: its header and its keys."""
+
+    header: dict[str, Any]
+    keys: list[str]
+
+
+class ManifestWriter:
+    """Appends the keys one epoch trains on, on one rank, to its manifest file.
+
+    Args:
+        cache: the cache the epoch reads.
+        run_dir: where ``manifests/`` goes.
+        epoch: the epoch.
+        rank: the global rank.
+        lease: the epoch's lease (names the snapshot: a resumed epoch continues on it).
+        position: where along the rank's lane the epoch starts (a resumed epoch's position).
+        sources: the names of the ``sources:`` entries (kept in each record for readers).
+    """
+
+    def __init__(self, cache: SampleStore, run_dir: str | os.PathLike[str], *, epoch: int,
+                 rank: int, lease: str, position: int = 0, sources: Sequence[str] = ()) -> None:
+        self.cache, self.epoch, self.rank, self.lease = cache, epoch, rank, lease
+        self.path = manifest_path(run_dir, epoch, rank)
+        self.position = position
+        self.sources = list(sources)
+        self._checked = False
+
+    def write(self, seqs: np.ndarray, to: int) -> int:
+        """Append the keys of ``seqs`` (trained in this order) as covering the lane up to
+        position ``to``; return the keys whose name is unknown (written as ``#`` comments)."""
+        seqs = np.asarray(seqs, dtype=np.uint64)
+        with self.cache.store.read() as txn:
+            rows = read_origins(txn, self.cache.dbs, seqs, with_keys=True)
+        unknown = 0
+        if rows.found.all():
+            raw = rows.joined(b"\0")  # the common case: no Python object per key
+        else:
+            lines = keys_of(self.cache, seqs)
+            for i in [i for i, key in enumerate(lines) if key is None]:
+                unknown += 1
+                lines[i] = (f"# sample {int(seqs[i])}: key unknown (evicted, cached without an "
+                            "origin)").encode()
+            raw = b"\0".join(lines)  # type: ignore[arg-type]
+        payload = zstandard.ZstdCompressor(level=LEVEL).compress(raw)
+        header = json.dumps({"version": 1, "epoch": self.epoch, "rank": self.rank,
+                             "lease": self.lease, "from": self.position, "to": int(to),
+                             "keys": len(seqs), "unknown": unknown, "sources": self.sources,
+                             "time": round(time.time(), 3)}).encode()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if not self._checked:
+            cut_torn_tail(self.path)
+            self._checked = True
+        with open(self.path, "ab") as f:
+            f.write(_MAGIC + _U32.pack(len(header)) + header + _U32.pack(len(payload)) + payload)
+            f.flush()
+            os.fsync(f.fileno())
+        self.position = int(to)
+        return unknown
+
+
+def _records(data: bytes) -> Iterator[tuple[int, dict[str, Any], bytes]]:
+    """``(end offset, header, compressed keys)`` of each whole record of ``data``."""
+    at = 0
+    while at + 8 <= len(data) and data[at: at + 4] == _MAGIC:
+        size = _U32.unpack_from(data, at + 4)[0]
+        if size > _MAX_HEADER or at + 8 + size + 4 > len(data):
+            return
+        try:
+            header = json.loads(data[at + 8: at + 8 + size])
+        except ValueError:
+            return
+        length = _U32.unpack_from(data, at + 8 + size)[0]
+        end = at + 8 + size + 4 + length
+        if end > len(data):
+            return
+        yield end, header, data[at + 12 + size: end]
+        at = end
+
+
+def cut_torn_tail(path: Path) -> None:
+    """Cut a record the last writer did not finish (it died writing) off the file's end."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return
+    end = 0
+    for end, _header, _payload in _records(data):
+        pass
+    if end != len(data):
+        with open(path, "r+b") as f:
+            f.truncate(end)
+
+
+def read_records(path: str | os.PathLike[str]) -> list[Record]:
+    """Every whole record of a manifest file, in the order written."""
+    data = Path(path).read_bytes()
+    out = []
+    dctx = zstandard.ZstdDecompressor()
+    for _end, header, payload in _records(data):
+        raw = dctx.decompress(payload, max_output_size=max(1, 64 * len(payload) + (1 << 20)))
+        text = raw.decode("utf-8", "surrogateescape")
+        out.append(Record(header, text.split("\0") if text else []))
+    return out
+
+
+def trained_records(records: Sequence[Record]) -> list[Record]:
+    """The records whose samples the model kept (see the module docstring): a record another
+    starts at or before was trained again, and another lease means a fresh attempt."""
+    kept: list[Record] = []
+    for record in records:
+        start, lease = int(record.header["from"]), record.header.get("lease")
+        kept = [r for r in kept if r.header.get("lease") == lease and int(r.header["from"]) < start]
+        kept.append(record)
+    return kept
+
+
+def manifests(run_dir: str | os.PathLike[str]) -> dict[int, list[int]]:
+    """``{epoch: [ranks]}`` of the manifests in a run directory."""
+    out: dict[int, list[int]] = {}
+    directory = Path(run_dir) / MANIFESTS_DIR
+    if not directory.is_dir():
+        return out
+    for path in sorted(directory.glob("epoch-*.rank-*.ecm")):
+        try:
+            epoch = int(path.name.split(".")[0].split("-")[1])
+            rank = int(path.name.split(".")[1].split("-")[1])
+        except (IndexError, ValueError):
+            continue
+        out.setdefault(epoch, []).append(rank)
+    return out
+
+
+def epoch_keys(run_dir: str | os.PathLike[str], epoch: int, rank: int | None = None,
+               source: str | None = None) -> list[str]:
+    """The keys epoch ``epoch`` trained on, in order: of one rank, or of every rank one after
+    another (rank order); with ``source``, only that ``sources:`` entry's, without its
+    ``<name>/`` prefix (a manifest to feed back as that source's ``source.manifest``).
+
+    Raises:
+        FileNotFoundError: no manifest of that epoch (and rank) in ``run_dir``.
+    """
+    ranks = manifests(run_dir).get(epoch, [])
+    if rank is not None:
+        ranks = [r for r in ranks if r == rank]
+    if not ranks:
+        which = f"epoch {epoch}" + ("" if rank is None else f", rank {rank}")
+        raise FileNotFoundError(f"{run_dir}: no manifest of {which} (train.manifests writes "
+                                f"them; `epochcache manifest {run_dir}` lists those there)")
+    keys: list[str] = []
+    for r in ranks:
+        for record in trained_records(read_records(manifest_path(run_dir, epoch, r))):
+            keys.extend(record.keys)
+    if source is not None:
+        prefix = source + "/"
+        keys = [key[len(prefix):] for key in keys if key.startswith(prefix)]
+    return keys

@@ -1,0 +1,293 @@
+"""Coverage (issue 28, item 2): how much of each source training has seen, kept per cache.
+
+A real daemon fills a cache from a local remote; the trainer's side records what epochs
+trained on (``cache.record_trained``, which ``epochcache run`` calls per epoch), and
+``cache.coverage()`` / ``status --json`` / the daemon's metrics report it. The listing
+changing under the ledger (keys added or gone by a re-list, a new generation), several
+processes recording at once, and caches without origins (an older version's) are each tested.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from epochcache import Cache
+from epochcache.ingest.origins import index_map
+from epochcache.ingest.sources import KeyTable
+from epochcache.store.codec import read_info
+from epochcache.store.ledger import Ledger, ledger_path, remap
+from epochcache.store.listings import register_listing
+from epochcache.store.origins import Origin
+from epochcache.store.schema import DB_ORIGINS, DB_SAMPLES
+
+from common.daemonproc import upload, wait_cached, wait_running, write_config
+from common.procs import run_processes
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _keys_by_seq(cache: Cache) -> dict[int, str]:
+    with cache.store.read() as txn:
+        return {int.from_bytes(bytes(k), "big"): read_info(v).key
+                for k, v in txn.cursor(db=cache.dbs[DB_SAMPLES])}
+
+
+def _fill(tmp_path: Path, start_daemon: Any, n: int, layout: str = "files",
+          **config: Any) -> tuple[Path, Any, Path]:
+    url = (tmp_path / "remote").as_uri()
+    upload(lambda _p: url, {}, "", n, layout, samples_per_shard=50)
+    cache_dir = tmp_path / "cache"
+    cfg = write_config(tmp_path / "cfg.yaml", url=url, cache_dir=cache_dir, storage_options={},
+                       layout=layout, **config)
+    daemon = start_daemon(cfg)
+    wait_running(daemon, cache_dir)
+    return cache_dir, daemon, cfg
+
+
+def test_coverage_counts_distinct_samples_and_epochs(tmp_path: Path, start_daemon: Any) -> None:
+    """Epochs over part of a source, then over all of it: ``covered`` counts distinct samples,
+    the histogram how many epochs each was trained in, exactly; status shows it."""
+    cache_dir, daemon, _ = _fill(tmp_path, start_daemon, 200)
+    wait_cached(daemon, cache_dir, 200)
+    cache = Cache(cache_dir)
+    try:
+        with cache.snapshot() as snap:
+            seqs = snap.seqs
+        first, rest = seqs[:80], seqs
+        assert cache.record_trained(first, epoch=0)["new"] == 80
+        assert cache.record_trained(np.concatenate([rest, rest[:5]]), epoch=1) == {
+            "trained": 200, "new": 120, "unattributed": 0}
+        report = cache.coverage()
+        (source,) = report["sources"]
+        assert source["samples"] == 200 and source["covered"] == 200
+        assert source["fraction"] == 1.0 and not source["estimated"]
+        assert source["histogram"]["1"] == 120 and source["histogram"]["2"] == 80
+        assert source["histogram"]["0"] == 0 and sum(source["histogram"].values()) == 200
+        assert source["updates"] == 2 and source["coverage_per_s"] > 0
+        assert source["eta_s"] == 0.0  # every sample seen
+        # The counts are per listed key: the ledger's byte of each key is its epochs.
+        names = _keys_by_seq(cache)
+        ledger = Ledger.load(ledger_path(cache.path, _fingerprint(cache)))
+        assert ledger is not None
+        table = _listing_keys(cache_dir)
+        for seq in first.tolist():
+            assert ledger.counts[table.index(names[seq])] == 2
+    finally:
+        cache.close()
+    stats = json.loads(_status(cache_dir))
+    assert stats["coverage"]["sources"][0]["covered"] == 200
+
+
+def _status(cache_dir: Path) -> str:
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "epochcache", "status", str(cache_dir), "--json"],
+                         capture_output=True, text=True, timeout=60, check=True)
+    return out.stdout
+
+
+def _fingerprint(cache: Cache) -> str:
+    from epochcache.store.listings import listings
+
+    (info,) = listings(cache.store).values()
+    return str(info["fingerprint"])
+
+
+def _listing_keys(cache_dir: Path) -> list[str]:
+    from epochcache.ingest.sources import read_listing
+
+    (path,) = (cache_dir / "listings").glob("*.keys")
+    listing = read_listing(cache_dir, path.name.split(".")[0])
+    assert listing is not None
+    return listing.table.keys()
+
+
+def test_tar_coverage_counts_samples_and_estimates_unread_shards(
+        tmp_path: Path, start_daemon: Any) -> None:
+    """A tar source lists shards: its samples are counted as shards are trained, the total
+    estimated (and said to be) until every shard was."""
+    cache_dir, daemon, _ = _fill(tmp_path, start_daemon, 300, layout="tar")
+    wait_cached(daemon, cache_dir, 300)
+    cache = Cache(cache_dir)
+    try:
+        names = _keys_by_seq(cache)
+        seqs = np.array(sorted(names), dtype=np.uint64)
+        half = np.array([s for s in seqs.tolist()
+                         if names[s].split("/")[0] in ("shard-000000.tar", "shard-000001.tar",
+                                                       "shard-000002.tar")], dtype=np.uint64)
+        cache.record_trained(half[:120])  # two shards whole, a third in part
+        (source,) = cache.coverage()["sources"]
+        assert source["unit"] == "shard" and source["estimated"]
+        assert source["covered"] == 120 and source["samples"] == 300  # 6 shards x 50, estimated
+        cache.record_trained(seqs)
+        (source,) = cache.coverage()["sources"]
+        assert not source["estimated"] and source["samples"] == 300 and source["covered"] == 300
+        assert source["histogram"]["2"] == 120 and source["histogram"]["1"] == 180
+    finally:
+        cache.close()
+
+
+def test_relisted_keys_grow_the_ledger_and_gone_keys_are_counted(
+        tmp_path: Path, start_daemon: Any) -> None:
+    """``source.listing_ttl_s``: keys a re-list adds join the coverage (their counts start at
+    0), earlier counts stay where they were, and keys gone from the bucket are reported."""
+    cache_dir, daemon, _ = _fill(tmp_path, start_daemon, 100,
+                                 source={"listing_ttl_s": "1s"})
+    wait_cached(daemon, cache_dir, 100)
+    cache = Cache(cache_dir)
+    try:
+        with cache.snapshot() as snap:
+            cache.record_trained(snap.seqs, epoch=0)
+        remote = tmp_path / "remote"
+        for i in range(100, 150):  # the bucket grows...
+            (remote / f"sample-{i:06d}.npy").write_bytes((remote / "sample-000000.npy").read_bytes())
+        (remote / "sample-000003.npy").unlink()  # ... and loses a key
+        wait_cached(daemon, cache_dir, 150, timeout_s=90)
+        with cache.snapshot() as snap:
+            cache.record_trained(snap.seqs, epoch=1)
+        (source,) = cache.coverage()["sources"]
+        assert source["samples"] == 150 and source["covered"] == 150
+        assert source["gone"] == 1
+        assert source["histogram"]["2"] == 100 and source["histogram"]["1"] == 50
+    finally:
+        cache.close()
+
+
+def test_a_new_listing_generation_is_mapped_by_key(tmp_path: Path) -> None:
+    """A listing made afresh orders its keys anew: the ledger and the origin rows of the old
+    generation follow the keys (what a sampler does when it takes a new generation in); a
+    generation no sampler could map from restarts the coverage, keeping the old totals."""
+    cache = Cache(tmp_path / "cache", capacity="1MiB")
+    try:
+        old_keys = ["k/b", "k/c", "k/a", "k/d"]  # a listing under way: pages, unsorted
+        info = {"source": "", "fingerprint": "fp", "generation": "g1", "url": "mem://x",
+                "unit": "sample", "listed": 4, "gone": 0, "complete": False, "node_rank": 0,
+                "num_nodes": 1}
+        lid = register_listing(cache.store, info)
+        put = cache.put_many([(k, k.encode()) for k in old_keys],
+                             origins={k: Origin(lid, i) for i, k in enumerate(old_keys)})
+        cache.record_trained(put.seqs[:2])  # k/b and k/c once
+        new_keys = ["k/a", "k/b", "k/c", "k/e"]  # the finished listing: sorted, k/d gone
+        mapping = index_map(KeyTable.from_refs(_refs(old_keys)), KeyTable.from_refs(_refs(new_keys)))
+        assert mapping.tolist() == [1, 2, 0, -1]
+        remap(cache, info, {**info, "generation": "g2", "complete": True}, lid, mapping)
+        cache.record_trained(put.seqs)  # every sample once more: k/d has no key now
+        ledger = Ledger.load(ledger_path(cache.path, "fp"))
+        assert ledger is not None and ledger.header["generation"] == "g2"
+        assert ledger.counts.tolist() == [1, 2, 2, 0]  # k/a, k/b, k/c, k/e
+        assert cache.coverage()["unattributed"] == 1  # k/d: in no listing of this generation
+        # No sampler held g2 when g3 came: the coverage starts afresh, the old totals kept.
+        register_listing(cache.store, {**info, "generation": "g3", "listed": 4})
+        cache.record_trained(put.seqs[:1])
+        (source,) = cache.coverage()["sources"]
+        assert source["generation"] == "g3" and source["covered"] == 0
+        assert source["previous"][0]["generation"] == "g2"
+        assert source["previous"][0]["covered"] == 3
+    finally:
+        cache.close()
+
+
+def _refs(keys: list[str]) -> list[Any]:
+    from epochcache.ingest.sources import SampleRef
+
+    return [SampleRef(key) for key in keys]
+
+
+def test_a_cache_without_origins_counts_them_unattributed(tmp_path: Path) -> None:
+    """A cache written by an older version has no origins sub-database: its samples are
+    unattributed in coverage, never an error, and status works."""
+    cache_dir = tmp_path / "cache"
+    cache = Cache(cache_dir, capacity="1MiB")
+    put = cache.put_many([(f"s/{i}", b"x" * 100) for i in range(20)])
+    with cache.store.env.begin(write=True) as txn:  # as an older version left it
+        txn.drop(cache.dbs[DB_ORIGINS], delete=True)
+    cache.close()
+    old = Cache(cache_dir)
+    try:
+        assert old.record_trained(put.seqs) == {"trained": 0, "new": 0, "unattributed": 20}
+        assert old.coverage() == {"sources": [], "unattributed": 20}
+    finally:
+        old.close()
+    assert json.loads(_status(cache_dir))["coverage"]["unattributed"] == 20
+
+
+def _record_many(cache_dir: str, seqs: list[int], times: int) -> None:
+    cache = Cache(cache_dir)
+    try:
+        for epoch in range(times):
+            cache.record_trained(np.array(seqs, dtype=np.uint64), epoch=epoch)
+    finally:
+        cache.close()
+
+
+def test_processes_recording_at_once_lose_no_count(tmp_path: Path, start_daemon: Any) -> None:
+    """Three trainer processes record epochs into one ledger at the same time (ranks, or jobs
+    sharing the cache): every count is there."""
+    cache_dir, daemon, _ = _fill(tmp_path, start_daemon, 120)
+    wait_cached(daemon, cache_dir, 120)
+    daemon.terminate()
+    cache = Cache(cache_dir)
+    with cache.snapshot() as snap:
+        seqs = snap.seqs.tolist()
+    cache.close()
+    run_processes(_record_many, [(str(cache_dir), seqs, 6)] * 3, timeout_s=120)
+    cache = Cache(cache_dir)
+    try:
+        (source,) = cache.coverage()["sources"]
+        assert source["histogram"]["16-31"] == 120  # 3 processes x 6 epochs = 18 each
+        ledger = Ledger.load(ledger_path(cache.path, _fingerprint(cache)))
+        assert ledger is not None and set(ledger.counts.tolist()) == {18}
+    finally:
+        cache.close()
+
+
+def test_daemon_metrics_export_coverage(tmp_path: Path, start_daemon: Any) -> None:
+    pytest.importorskip("prometheus_client")
+    cache_dir, daemon, _ = _fill(tmp_path, start_daemon, 60)
+    wait_cached(daemon, cache_dir, 60)
+    cache = Cache(cache_dir)
+    try:
+        with cache.snapshot() as snap:
+            cache.record_trained(snap.seqs[:30])
+    finally:
+        cache.close()
+    from epochcache.ingest.metrics import MetricsServer, daemon_metrics
+
+    store = Cache(cache_dir, readonly=True)
+    server = MetricsServer(lambda: daemon_metrics(store), "127.0.0.1", 0, "daemon.metrics_port")
+    try:
+        text = urllib.request.urlopen(server.url, timeout=10).read().decode()
+    finally:
+        server.close()
+        store.close()
+    assert 'epochcache_coverage_covered_samples{source="' in text
+    line = next(l for l in text.splitlines() if l.startswith("epochcache_coverage_covered_samples{"))
+    assert line.endswith(" 30.0")
+    assert 'epochcache_coverage_epochs_samples{epochs="0"' in text
+    assert "epochcache_coverage_listed_samples" in text
+
+
+def test_run_logs_coverage_per_epoch_and_plots_it(tmp_path: Path) -> None:
+    """``epochcache run``: each epoch's log line and metrics row say the coverage; the run's
+    plot and ``epochcache plot`` draw the coverage curve beside the fill panels."""
+    from test_run import assert_png, cli, demo_config, read_metrics, write_yaml
+
+    write_yaml(tmp_path / "cfg.yaml", demo_config(tmp_path, train={"epochs": 2}))
+    result = cli("run", "cfg.yaml", cwd=tmp_path)
+    assert result.returncode == 0, result
+    assert "coverage " in result.stderr and "samples (" in result.stderr, result
+    rows = read_metrics(tmp_path / "runs" / "demo")
+    covered = [row["coverage"]["covered"] for row in rows]
+    assert covered[0] > 0 and covered[1] >= covered[0], rows
+    assert rows[-1]["coverage"]["samples"] == 2000
+    plot = cli("plot", "demo-cache", "-o", "fill.png", cwd=tmp_path)
+    assert plot.returncode == 0, plot
+    assert_png(tmp_path / "fill.png", min_size=(1500, 300))  # three panels
+    assert_png(tmp_path / "runs" / "demo" / "run.png", min_size=(1500, 600))
