@@ -161,7 +161,7 @@ def test_zip_and_npz_checks_inflate_no_more_than_a_sample_may_be(tmp_path: Path)
         check_format("z.zip", "z.zip", bytes(lying), max_bytes=16 * 1024**2)
 
 
-def test_manifests_are_bounded_in_bytes_and_lines(tmp_path: Path) -> None:
+def test_manifests_are_bounded_in_keys_kept_lines_and_line_length(tmp_path: Path) -> None:
     import gzip
 
     import pytest
@@ -171,6 +171,7 @@ def test_manifests_are_bounded_in_bytes_and_lines(tmp_path: Path) -> None:
 
     (tmp_path / "keys.txt").write_text("".join(f"k{i}.npy\n" for i in range(1000)))
     (tmp_path / "keys.txt.gz").write_bytes(gzip.compress(b"k0.npy\n" + b"\n" * 4_000_000))
+    (tmp_path / "long.jsonl").write_text('{"key": "a"}\n{"key": "' + "b" * 70_000 + '"}\n')
 
     def listed(manifest: str, **bounds: int) -> int:
         spec = SourceSpec(url=tmp_path.as_uri(), manifest=manifest,
@@ -178,14 +179,18 @@ def test_manifests_are_bounded_in_bytes_and_lines(tmp_path: Path) -> None:
         return len(open_source(spec).list_keys())
 
     assert listed("keys.txt") == 1000
-    with pytest.raises(SourceUnavailable, match=r"larger than 1.0 KiB \(source.manifest_max_bytes"):
+    # manifest_max_bytes bounds what the keys kept take, not what is read
+    with pytest.raises(SourceUnavailable, match=r"keys.txt: the keys of the manifest take more "
+                                                r"than 1.0 KiB after \d+ keys \(source.manifest_"):
         listed("keys.txt", manifest_max_bytes=1024)
-    with pytest.raises(SourceUnavailable, match=r"1,000 lines, more than the 999 allowed "
+    assert listed("keys.txt.gz", manifest_max_bytes=1024) == 1  # 4 MB of blank lines: no keys
+    with pytest.raises(SourceUnavailable, match=r"more than the 999 lines allowed "
                                                 r"\(source.manifest_max_lines"):
         listed("keys.txt", manifest_max_lines=999)
-    # gzip is bounded by what it expands to, not by its compressed size
-    with pytest.raises(SourceUnavailable, match="source.manifest_max_bytes"):
-        listed("keys.txt.gz", manifest_max_bytes=1024**2)
+    with pytest.raises(SourceUnavailable, match=r"more than the 1,000,000 lines allowed"):
+        listed("keys.txt.gz", manifest_max_lines=1_000_000)  # a .gz by its lines inflated
+    with pytest.raises(SourceUnavailable, match=r"long.jsonl: line 2 is longer than 64.0 KiB"):
+        listed("long.jsonl")
 
 
 def test_every_enum_like_config_key_is_checked_when_the_config_is_read(tmp_path: Path) -> None:
@@ -211,3 +216,57 @@ def test_every_enum_like_config_key_is_checked_when_the_config_is_read(tmp_path:
     result = subprocess.run([sys.executable, "-m", "epochcache", "config", str(path)],
                             capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode == 2 and "loader.decode" in result.stderr, result
+
+
+# -- untrusted input stays bounded in memory (issue 27, item 5) ------------------------------
+
+
+def test_a_gzip_manifest_of_one_endless_line_is_refused_within_a_line_of_memory(
+    tmp_path: Path,
+) -> None:
+    """4 MiB of gzip that inflate to 4 GiB of one line took 1.55 GiB within 1.8 s: the manifest
+    was decompressed whole (up to manifest_max_bytes) before a line was looked at."""
+    from common.bombs import gzip_bomb
+    from common.peakmem import run_measured
+
+    (tmp_path / "keys.txt.gz").write_bytes(gzip_bomb(4096))
+    done = run_measured(f"""
+        from epochcache.errors import SourceUnavailable
+        from epochcache.ingest.sources import SourceSpec, open_source
+        source = open_source(SourceSpec(url={tmp_path.as_uri()!r}, manifest="keys.txt.gz"))
+        mark()
+        try:
+            source.list_table()
+        except SourceUnavailable as exc:
+            print("MESSAGE", exc)
+        report()
+    """, limit_mib=512)
+    assert not done.over_limit, "the manifest took more than 512 MiB"
+    assert done.returncode == 0, done.stderr[-3000:]
+    message = done.stdout.split("MESSAGE ", 1)[1]
+    assert f"{tmp_path.as_uri()}/keys.txt.gz: line 1 is longer than 64.0 KiB" in message
+    assert "source.manifest" in message  # what to check
+    assert done.growth_mib < 64, done.stdout
+
+
+def test_a_manifest_costs_the_memory_of_the_keys_it_keeps(tmp_path: Path) -> None:
+    """A CSV manifest whose rows carry 20 KiB of other columns: 60 MiB of text, 30 KiB of keys.
+    It was held whole (and decoded whole: twice); now a row at a time."""
+    import gzip
+
+    from common.peakmem import run_measured
+
+    notes = "n" * 20_000
+    rows = "".join(f"k{i:05d}.npy,{i},{notes}\n" for i in range(3000))
+    (tmp_path / "keys.csv.gz").write_bytes(gzip.compress(("key,size,notes\n" + rows).encode(), 1))
+    done = run_measured(f"""
+        from epochcache.ingest.sources import SourceSpec, open_source
+        source = open_source(SourceSpec(url={tmp_path.as_uri()!r}, manifest="keys.csv.gz"))
+        mark()
+        table = source.list_table()
+        print("KEYS", len(table), table.key(0), int(table.sizes[2999]))
+        report()
+    """, limit_mib=512)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "KEYS 3000 k00000.npy 2999" in done.stdout
+    assert done.growth_mib < 24, done.stdout  # 60 MiB of text went through

@@ -90,8 +90,8 @@ class SourceSpec:
         checks: content checks on ingest, a subset of :data:`CHECKS`.
         max_sample_bytes: the largest object (``files``) or tar member accepted, and the most a
             gzip or zip check decompresses; larger ones are quarantined, not downloaded.
-        manifest_max_bytes: the largest manifest read (and decompressed).
-        manifest_max_lines: the most lines a manifest may have.
+        manifest_max_bytes: the most memory the keys of a manifest may take.
+        manifest_max_lines: the most lines read from a manifest.
     """
 
     url: str
@@ -427,7 +427,6 @@ class Source(abc.ABC):
             url=url,
             fmt=self.spec.manifest_format,
             deadline_s=self.spec.list_deadline_s,
-            timeout_s=self.spec.timeout_s,
             max_bytes=self.spec.manifest_max_bytes,
             max_lines=self.spec.manifest_max_lines,
         )

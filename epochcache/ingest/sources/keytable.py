@@ -241,7 +241,9 @@ class KeyTableBuilder:
 
     @property
     def nbytes(self) -> int:
-        return len(self._blob) + 16 * len(self._ends)
+        """Bytes the refs added so far take (keys, checksums, 16 bytes of numbers a ref)."""
+        extra = 0 if self._checksums is None else len(self._checksums) + 8 * len(self._ends)
+        return len(self._blob) + 16 * len(self._ends) + extra
 
     def add(self, key: str, size: int | None = None, weight: float | None = None,
             checksum: str | None = None) -> None:
