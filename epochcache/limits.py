@@ -11,7 +11,11 @@
   most :data:`DEFAULT_MANIFEST_MAX_BYTES` (``source.manifest_max_bytes``) and at most
   :data:`DEFAULT_MANIFEST_MAX_LINES` lines are read (``source.manifest_max_lines``), so
   memory follows the keys kept, never the file or what it inflates to;
-* :data:`NPY_MAX_HEADER_BYTES` caps a ``.npy`` header before it is parsed, as numpy does.
+* :data:`NPY_MAX_HEADER_BYTES` caps a ``.npy`` header before it is parsed, as numpy does;
+* keys are someone else's names too (a tar member's name may be megabytes long): wherever one
+  is kept or printed beside the samples (the quarantine, logs, ``status``, ``verify``), it is
+  :func:`cut_key` to :data:`KEY_SHOWN_CHARS` with a digest of the whole, and messages that
+  carry one are :func:`cut_text`.
 
 A base module: no layer, no fsspec, no torch. Callers turn the ``ValueError`` it raises into
 their own error that names the key (``DecodeError``, ``CorruptSample``).
@@ -19,6 +23,8 @@ their own error that names the key (``DecodeError``, ``CorruptSample``).
 
 from __future__ import annotations
 
+import hashlib
+import re
 import zlib
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -34,6 +40,15 @@ DEFAULT_MANIFEST_MAX_LINES = 100_000_000
 MANIFEST_MAX_LINE_BYTES = 64 * 1024
 #: numpy refuses ``.npy`` headers longer than this unless the file is fully trusted.
 NPY_MAX_HEADER_BYTES = 10_000
+
+#: Keys up to this many characters are shown whole (every legal S3 key: at most 1,024 bytes)...
+KEY_SHOWN_CHARS = 1024
+#: ... and a message that carries keys is cut to this many characters.
+TEXT_SHOWN_CHARS = 2048
+
+#: A run of non-blank characters (each is matched once, from its start: linear; a pattern
+#: for long runs only would rescan every shorter run from each of its characters).
+_WORD = re.compile(r"\S+")
 
 _GZIP = 16 + zlib.MAX_WBITS  # zlib's gzip framing: header, CRC32 and length trailer checked
 #: Output per decompression call (a large sample is joined from these once).
@@ -117,3 +132,35 @@ def gunzip_chunks(chunks: Iterable[bytes], step: int = 1024 * 1024) -> Iterator[
             if not out:
                 raise EOFError("gzip data is truncated (no end-of-stream marker)")
             yield out
+
+
+def key_digest(key: str) -> str:
+    """``sha256:`` and the first 16 hex digits of the digest of ``key`` (its UTF-8 bytes): what
+    names a key too long to show whole."""
+    digest = hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()
+    return f"sha256:{digest[:16]}"
+
+
+def cut_key(key: str, limit: int = KEY_SHOWN_CHARS) -> str:
+    """``key`` as it is shown and kept beside the samples: whole up to ``limit`` characters,
+    else its first 160 and last 40 characters with its length and :func:`key_digest` between
+    them (the tail keeps the extension), so that two long keys stay told apart."""
+    if len(key) <= limit:
+        return key
+    return f"{key[:160]}...[{len(key):,} characters, {key_digest(key)}]...{key[-40:]}"
+
+
+def cut_text(text: str, limit: int = TEXT_SHOWN_CHARS, keys: Iterable[str] = ()) -> str:
+    """``text`` (a message, a reason) with each of ``keys`` in it cut (:func:`cut_key`, so its
+    digest is the key's), then any other run of more than :data:`KEY_SHOWN_CHARS`
+    non-blank characters, then the whole cut to ``limit`` characters (its head and tail, and
+    how long it was). Linear in the text."""
+    for key in keys:
+        if len(key) > KEY_SHOWN_CHARS and key in text:
+            text = text.replace(key, cut_key(key))
+    if len(text) > KEY_SHOWN_CHARS:
+        text = _WORD.sub(lambda m: cut_key(m.group(0)), text)  # short runs come back as they are
+    if len(text) <= limit:
+        return text
+    tail = limit // 8
+    return f"{text[: limit - tail]}...[{len(text):,} characters]...{text[-tail:]}"

@@ -11,7 +11,14 @@ from typing import Any
 import numpy as np
 
 from common.cachecheck import full_check
-from common.daemonproc import upload, wait_cached, wait_for, wait_running, write_config
+from common.daemonproc import (
+    daemon_state,
+    upload,
+    wait_cached,
+    wait_for,
+    wait_running,
+    write_config,
+)
 from epochcache import Cache
 from sources.contract import npy_bytes, tar_bytes
 
@@ -270,3 +277,58 @@ def test_a_manifest_costs_the_memory_of_the_keys_it_keeps(tmp_path: Path) -> Non
     assert done.returncode == 0, done.stderr[-3000:]
     assert "KEYS 3000 k00000.npy 2999" in done.stdout
     assert done.growth_mib < 24, done.stdout  # 60 MiB of text went through
+
+
+def test_a_shard_of_huge_member_names_cannot_fill_the_cache_or_the_logs(
+    tmp_path: Path, start_daemon: Any
+) -> None:
+    """One tar shard whose member names are 100 kB long grew a 1 MiB cache's data file to
+    57 MiB (each quarantine row held the key three times), wrote 100 kB log lines, and with
+    800 such members killed the sampler with MapFullError on every restart until the daemon
+    gave up. Quarantined keys are kept and shown cut, with a digest of the whole."""
+    import hashlib
+    import json
+    import subprocess
+    import sys
+
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    names = [f"{i:03d}" + "n" * 100_000 for i in range(300)]
+    (remote / "huge.tar").write_bytes(tar_bytes([(f"{name}.npy", b"not npy") for name in names]))
+    (remote / "good.tar").write_bytes(tar_bytes([(f"{i:03d}.npy", npy_bytes(float(i), (4,)))
+                                                 for i in range(20)]))
+    cache_dir = tmp_path / "cache"
+    config = write_config(tmp_path / "cfg.yaml", url=remote.as_uri(), cache_dir=cache_dir,
+                          storage_options={}, layout="tar", capacity="1MiB",
+                          sampler={"processes": 1})
+    daemon = start_daemon(config)
+    wait_running(daemon, cache_dir)
+    wait_cached(daemon, cache_dir, 20, timeout_s=60)
+
+    def all_quarantined() -> bool:
+        with Cache(cache_dir, readonly=True) as cache:
+            return cache.counters().quarantined >= len(names)
+
+    wait_for(all_quarantined, 120, "the 300 samples with huge names to be quarantined")
+    state = daemon_state(cache_dir)
+    assert daemon.alive() and state is not None, daemon.logs()[-3000:]
+    assert all(not s.get("restarts") for s in state["samplers"].values()), state  # never died
+    status = subprocess.run([sys.executable, "-m", "epochcache", "status", "--json",
+                             str(cache_dir)], capture_output=True, text=True, timeout=60,
+                            check=True).stdout
+    assert daemon.terminate() == 0, daemon.logs()[-3000:]
+    assert (cache_dir / "data.mdb").stat().st_size < 8 * 1024**2  # 57 MiB before
+    longest = max(map(len, daemon.logs().splitlines()))
+    assert longest < 4096, f"a log line of {longest:,} characters"
+    with Cache(cache_dir, readonly=True) as cache:
+        rows = cache.quarantined(limit=1000)
+        assert cache.counters().quarantined == len(names)
+    full = {f"huge.tar/{name}": name for name in names}
+    assert rows and all(len(json.dumps(row)) < 4096 for row in rows)
+    for row in rows:  # cut, and named by the digest of the whole key
+        key = next(k for k in full if row["key"].startswith(k[:160]))
+        assert row["key_sha256"] == hashlib.sha256(key.encode()).hexdigest()[:16]
+        assert row["key_chars"] == len(key) and row["key_sha256"] in row["key"]
+        assert "not a valid .npy" in row["reason"]
+    assert len(status) < 64 * 1024 and json.loads(status)["quarantined"] == len(names)
+    assert sorted(full_check(str(cache_dir)).keys) == [f"good.tar/{i:03d}" for i in range(20)]

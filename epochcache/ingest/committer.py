@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ..errors import CacheFull, SampleRejected
+from ..limits import cut_key
 from ..store import SampleStore
 from ..units import format_size
 
@@ -274,7 +275,7 @@ class Committer(threading.Thread):
             "sampler %d: %r is %s, more than the cache's headroom (%s): it cannot be cached "
             "while epochs hold snapshots of the rest; skipped until a later pass (raise "
             "cache.headroom to cache samples this large during training)%s",
-            self.health.index, key, format_size(size), format_size(headroom), more)
+            self.health.index, cut_key(key), format_size(size), format_size(headroom), more)
         self._deferred_log_at, self._deferred_since = now, 0
         self._deferred_logged[key] = None
         while len(self._deferred_logged) > DEFERRED_KEYS:

@@ -31,6 +31,7 @@ from typing import Any
 
 from ..config import EpochcacheConfig
 from ..errors import CorruptSample, PermanentRemoteError, SampleRejected, SourceError
+from ..limits import cut_key, cut_text
 from ..redact import install_log_redaction
 from ..store import SampleStore
 from .committer import Batch, Committer, state_name
@@ -378,7 +379,8 @@ class Sampler:
                 health.last_failed = time.time()
                 health.last_error = f"{key}: {payload}"[:300]
                 level = logging.WARNING if isinstance(payload, PermanentRemoteError) else logging.INFO
-                log.log(level, "fetch failed for %s (retried next pass): %s", key, payload)
+                log.log(level, "fetch failed for %s (retried next pass): %s", cut_key(key),
+                        cut_text(str(payload), keys=(ref.key,)))
             else:
                 size = _payload_bytes(payload)
                 health.fetched += 1
@@ -406,13 +408,21 @@ class Sampler:
 
     def quarantine(self, key: str, reason: str) -> None:
         """Count, log (with its URL) and record a sample that cannot be cached (``key``: its
-        cache key); it is not fetched again by this process."""
+        cache key); it is not fetched again by this process. The key is someone else's name:
+        it is logged and kept cut (:func:`~epochcache.limits.cut_key`), and a failure to
+        record it (a full map) is logged, never the end of the sampler."""
         feed = self._feed_of(key)
-        url = feed.source.object_url(key[len(feed.prefix):])
+        source_key = key[len(feed.prefix):]
+        url = cut_text(feed.source.object_url(source_key), keys=(source_key,))
         self.quarantined.add(key)
         self.health.quarantined += 1
-        log.warning("quarantined %s: %s", url, reason)
-        self.cache.tables.quarantine(key, reason, url=url)
+        log.warning("quarantined %s: %s", url, cut_text(reason, keys=(key, source_key)))
+        try:
+            self.cache.tables.quarantine(key, reason, url=url)
+        except Exception as exc:  # noqa: BLE001 - the sample is refused either way
+            log.warning("sampler %d: %s is quarantined but could not be recorded in the cache "
+                        "(%s: %s); it is counted in this sampler's health", self.index, url,
+                        type(exc).__name__, cut_text(str(exc), 300))
 
     def _is_in_flight(self, key: str) -> bool:
         with self._in_flight_lock:

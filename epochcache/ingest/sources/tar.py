@@ -19,7 +19,7 @@ import tarfile
 from collections.abc import Iterator
 
 from ...errors import CorruptSample, SourceError, SourceUnavailable
-from ...limits import DEFAULT_MAX_SAMPLE_BYTES
+from ...limits import DEFAULT_MAX_SAMPLE_BYTES, cut_text
 from ...units import format_size
 from ..remote import call, retry
 from .base import FetchResult, Payload, SampleRef, Source
@@ -219,12 +219,12 @@ class TarSource(Source):
             if "checksum" in self.checks:
                 check_checksum(ref.key, data, ref.checksum, url)
         except CorruptSample as exc:
-            log.warning("%s: corrupt shard: %s", url, exc)
+            log.warning("%s", cut_text(f"{url}: corrupt shard: {exc}", keys=(ref.key,)))
             return [(ref, exc)]
         group: list[FetchResult] = []
         for sample_ref, payload in iter_shard(ref.key, data, check_formats="format" in self.checks,
                                               url=url, max_bytes=self.max_sample_bytes):
             if isinstance(payload, CorruptSample):
-                log.warning("%s: corrupt sample: %s", url, payload)
+                log.warning("%s: corrupt sample: %s", url, cut_text(str(payload)))
             group.append((sample_ref, payload))
         return group
