@@ -68,14 +68,15 @@ class Batch:
 
     Attributes:
         records: ``(source key, encoded record)`` pairs.
-        position: the key order position to save once the batch is committed.
+        position: the key order position to save once the batch is committed (None: a part
+            of a streamed shard, whose batch saves the position after it).
         keys: every key the batch was fetched for (committed or not): no longer in flight.
         nbytes: bytes this batch holds against the sampler's in-flight budget.
         source: the ``sources:`` entry it was fetched from ("" for a single ``source:``).
     """
 
     records: list[tuple[str, bytes]]
-    position: dict[str, int]
+    position: dict[str, int] | None
     keys: list[str]
     nbytes: int = 0
     source: str = ""
@@ -178,6 +179,8 @@ class Committer(threading.Thread):
                     for one in group:
                         self.done(one)
                 for one in group:
+                    if one.position is None:
+                        continue
                     if one.source:  # one position per source (see feed.py)
                         self.health.position = {**self.health.position, one.source: one.position}
                     else:
