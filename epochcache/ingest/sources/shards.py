@@ -19,6 +19,7 @@ A failure of the stream itself (the network) is not damage: it is raised as
 
 from __future__ import annotations
 
+import collections
 import io
 import tarfile
 from collections.abc import Callable, Iterator
@@ -38,8 +39,9 @@ MAX_FIELD_BYTES = 0xFFFF
 MAX_HEADER_BYTES = 1024 * 1024
 #: Member names are cut to this many characters in messages (a name may be megabytes long).
 _NAME_SHOWN = 120
-#: Raw bytes of the stream remembered, to check what follows the last member (see _Tail).
-_TAIL_BYTES = 64 * 1024
+#: What tarfile reads from the stream at a time (its default: its buffer is sliced on every
+#: read, so a larger one costs more than the calls it saves; the stream is buffered below).
+_READ_BYTES = tarfile.RECORDSIZE
 
 
 def _shown(name: str) -> str:
@@ -66,46 +68,49 @@ class ReadFailed(Exception):
 
 class _Tail(io.RawIOBase):
     """The shard's stream as tarfile reads it: counts the bytes, feeds ``on_bytes`` (a
-    digest, a bandwidth limit), remembers the last :data:`_TAIL_BYTES`, and turns a failed
-    read into :class:`ReadFailed` (tarfile would take an ``OSError`` for damage)."""
+    digest, a bandwidth limit), remembers what tarfile may have read past a header (its last
+    reads, :data:`_READ_BYTES` and two blocks), and turns a failed read into
+    :class:`ReadFailed` (tarfile would take an ``OSError`` for damage)."""
 
     def __init__(self, raw: BinaryIO, on_bytes: Callable[[bytes], None] | None = None) -> None:
         super().__init__()
         self._raw, self._on_bytes = raw, on_bytes
         self.count = 0
-        self._window = bytearray()  # the raw bytes from self._window_at to self.count
-
-    @property
-    def _window_at(self) -> int:
-        return self.count - len(self._window)
+        self._recent: collections.deque[tuple[int, bytes]] = collections.deque()  # (at, bytes)
+        self._recent_bytes = 0
 
     def readable(self) -> bool:
         return True
 
-    def readinto(self, buffer: Any) -> int:
-        view = memoryview(buffer).cast("B")
+    def read(self, size: int = -1) -> bytes:
         try:
-            data = self._raw.read(len(view))
+            data: bytes = self._raw.read(size)
         except Exception as exc:  # noqa: BLE001 - the caller translates it (network, OS)
             raise ReadFailed(f"{type(exc).__name__}: {exc}") from exc
-        n = len(data)
-        view[:n] = data
-        self.count += n
-        if self._on_bytes is not None and n:
-            self._on_bytes(data)
-        self._window += data
-        if len(self._window) > _TAIL_BYTES:
-            del self._window[: len(self._window) - _TAIL_BYTES]
-        return n
+        if data:
+            if self._on_bytes is not None:
+                self._on_bytes(data)
+            self._recent.append((self.count, data))
+            self._recent_bytes += len(data)
+            while self._recent_bytes - len(self._recent[0][1]) >= _READ_BYTES + 2 * 512:
+                self._recent_bytes -= len(self._recent.popleft()[1])
+            self.count += len(data)
+        return data
+
+    def readinto(self, buffer: Any) -> int:
+        data = self.read(len(memoryview(buffer)))
+        memoryview(buffer).cast("B")[: len(data)] = data
+        return len(data)
 
     def zeros_at(self, offset: int, size: int) -> bool:
         """Whether the ``size`` bytes at ``offset`` were read and are all zero (tarfile takes a
         truncated or garbled header after the first member for a normal end of archive, so
         what follows the last member must be the zero end-of-archive marker)."""
-        start = offset - self._window_at
-        if start < 0 or offset + size > self.count:
+        if offset + size > self.count or not self._recent or offset < self._recent[0][0]:
             return False
-        return not bytes(self._window[start : start + size]).strip(b"\0")
+        start = self._recent[0][0]
+        seen = b"".join(data for _, data in self._recent)
+        return not seen[offset - start : offset - start + size].strip(b"\0")
 
     def drain(self) -> None:
         """Read the rest of the stream (what follows the archive counts for its size and
@@ -205,7 +210,7 @@ def iter_shard(
         tail = open_tail(io.BytesIO(data) if isinstance(data, (bytes, bytearray)) else data)
     try:
         # Not a `with`: the generator yields between open and close; `finally` below closes it.
-        archive = tarfile.open(fileobj=tail, mode="r|",  # noqa: SIM115
+        archive = tarfile.open(fileobj=tail, mode="r|", bufsize=_READ_BYTES,  # noqa: SIM115
                                tarinfo=_BoundedInfo)  # type: ignore[call-overload]
     except (tarfile.TarError, EOFError, OSError) as exc:
         yield shard_failure(shard_key, f"not a readable tar shard ({exc})", url)

@@ -204,7 +204,7 @@ class TarSource(Source):
                     if self._outside_root(real):
                         raise self._leaves_root(ref.key, f"it resolves to {real}") from None
                     fd = os.open(real, OPEN_FLAGS)
-                return os.fdopen(fd, "rb", buffering=0)
+                return os.fdopen(fd, "rb", buffering=1024 * 1024)
             except OSError as exc:
                 raise translate_error(exc, url) from exc
         protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
