@@ -143,12 +143,6 @@ class _Sample:
         self.members: list[str] = []
         self.error: str | None = None
 
-    @property
-    def nbytes(self) -> int:
-        """What the sample holds: its fields, its key and member names."""
-        return (sum(len(v) for v in self.fields.values()) + len(self.key)
-                + sum(len(m) for m in self.members))
-
     def add(self, member: tarfile.TarInfo, field: str, value: bytes) -> None:
         self.members.append(member.name)
         if len(value) != member.size:

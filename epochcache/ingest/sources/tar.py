@@ -22,7 +22,7 @@ import logging
 import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
 from ...errors import CorruptSample, SourceError, SourceUnavailable
 from ...limits import cut_text
