@@ -121,11 +121,14 @@ class SourceConfig(_Section):
     )
     manifest_max_bytes: Annotated[int, BeforeValidator(_size), Field(gt=0)] = Field(
         default=DEFAULT_MANIFEST_MAX_BYTES,
-        description="the largest manifest read (and decompressed); a larger one fails the start",
+        description="the most memory the keys a manifest lists may take (keys, checksums and 16 "
+                    "bytes a key); more fail the start. A manifest is read as a stream: a line "
+                    "over 64 KiB fails it too, whatever its size or what it gunzips to",
     )
     manifest_max_lines: int = Field(
         default=DEFAULT_MANIFEST_MAX_LINES, gt=0,
-        description="the most lines a manifest may have; more fail the start",
+        description="the most lines read from a manifest (blank and comment lines too); more "
+                    "fail the start",
     )
     sample_while_listing: bool = Field(
         default=True,

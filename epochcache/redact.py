@@ -1,16 +1,28 @@
 """Keep credentials out of everything epochcache prints or saves.
 
-Credential values of ``storage_options`` (``key``, ``secret``, ``token``, ...) are masked as
-``***`` by :func:`redact_options` wherever options could be shown, and :func:`scrub` replaces
-known secret strings in any text.
+Credentials are masked as ``***`` *by structure*, wherever they sit, whatever their value:
 
-URLs carry credentials too: userinfo (``https://user:token@host/...``) and the signature or token
-parameters of presigned URLs (``X-Amz-Signature=``, ``X-Amz-Credential=``, ``X-Goog-Signature=``,
-Azure's ``sig=``, ``token=``, ...). :func:`redact_url` masks them in one URL (``https://***@host/
-...?X-Amz-Signature=***``), :func:`scrub_urls` in every URL of a text, :func:`redact_tree` in every
-string of a JSON-like tree, and :class:`RedactingFilter` in every log record a handler emits
-(third-party libraries log URLs too). Sources keep the real URL for fsspec and show only the
-redacted one. A base module: no fsspec, no torch, nothing of epochcache.
+* ``storage_options`` values under a credential-like name (``key``, ``secret``, ``token``,
+  ``password``, ``session_token``, ``account_key``, ``sas_token``, ``connection_string``,
+  ``client_secret``, ...), in nested mappings and lists too (:func:`redact_options`);
+* URLs: userinfo (``https://user:token@host/...``) and the signature or token parameters of
+  presigned URLs (``X-Amz-Signature=``, ``X-Amz-Credential=``, ``X-Goog-Signature=``, Azure's
+  ``sig=``, ``token=``, ...): :func:`redact_url` masks them in one URL (``https://***@host/
+  ...?X-Amz-Signature=***``);
+* text that is not a URL: the fields of connection strings (``AccountKey=``,
+  ``SharedAccessSignature=``, ``SharedAccessKey=``) and credential parameters of a SAS token
+  or query string (``sig=``, ``X-Amz-Signature=``, ``token=``, ...).
+
+:func:`scrub_urls` masks all of these in any text, :func:`redact_tree` in every string of a
+JSON-like tree, and :class:`RedactingFilter` in every log record a handler emits (third-party
+libraries log URLs too). Sources keep the real URL for fsspec and show only the redacted one.
+
+A secret known only by its value (a ``${AWS_SECRET_ACCESS_KEY}`` interpolated into a config) is
+also replaced wherever it occurs (:func:`scrub`), but only when it is at least
+:data:`MIN_SCRUB_CHARS` long: masking a short value by value garbles unrelated text (a key id
+``test`` turned ``/tmp/pytest-1/test_x`` into ``/tmp/py***-1/***_x``); short ones are masked
+by structure only. Every pattern here is linear in the text (a log line may carry a key of
+megabytes). A base module: no fsspec, no torch, nothing of epochcache.
 """
 
 from __future__ import annotations
@@ -22,9 +34,13 @@ from collections.abc import Mapping
 from typing import Any
 
 REDACTED = "***"
-_SECRET_KEY = re.compile(r"key|secret|token|password|passwd|credential|session|auth", re.IGNORECASE)
-# Keys that look secret by the rule above but are not (they name a file or a public id).
-_NOT_SECRET = {"key_file", "endpoint_url", "region_name", "anon"}
+#: Secrets known only by value are scrubbed from text when at least this long (see above).
+MIN_SCRUB_CHARS = 8
+_SECRET_KEY = re.compile(
+    r"key|secret|token|password|passwd|credential|session|auth|connection_?str|conn_?str|sas"
+    r"|signature|(?:^|_)sig(?:$|_)", re.IGNORECASE)
+# Keys that look secret by the rule above but are not (they name a file, a setting or a public id).
+_NOT_SECRET = {"key_file", "endpoint_url", "region_name", "anon", "signature_version"}
 
 
 def is_secret_key(name: str) -> bool:
@@ -35,46 +51,97 @@ def is_secret_key(name: str) -> bool:
 def redact_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
     """Return a copy of ``storage_options`` that is safe to log: credential values become ``***``.
 
-    Nested mappings (``client_kwargs``, ``config_kwargs``) are redacted recursively.
+    A value under a credential-like name is masked whole, whatever it holds (a string, or the
+    mapping of a service account's JSON). Other nested mappings (``client_kwargs``,
+    ``config_kwargs``) and lists are redacted recursively, and credentials inside their strings
+    (a URL's userinfo, a connection string's ``AccountKey=``) are masked by :func:`scrub_urls`.
     """
     result: dict[str, Any] = {}
     for name, value in (options or {}).items():
-        if isinstance(value, Mapping):
-            result[name] = redact_options(value)
-        elif is_secret_key(str(name)) and value not in (None, ""):
+        if is_secret_key(str(name)) and _holds_value(value):
             result[name] = REDACTED
         else:
-            result[name] = value
+            result[name] = _redact_value(value)
     return result
 
 
-def secret_values(options: Mapping[str, Any] | None) -> set[str]:
-    """The credential strings held in ``storage_options`` (to scrub them from any text)."""
+def _holds_value(value: Any) -> bool:
+    """Whether a value under a credential-like name could be a credential (``None``, ``""``,
+    flags and numbers are shown: ``anon: true``, ``use_listings_cache: false``)."""
+    return value not in (None, "") and not isinstance(value, (bool, int, float))
+
+
+def _redact_value(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return redact_options(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_redact_value(item) for item in value)
+    if isinstance(value, str):
+        return scrub_urls(value)
+    return value
+
+
+def secret_values(options: Any) -> set[str]:
+    """The credential strings held in ``storage_options`` (to scrub them from any text): every
+    string under a credential-like name, in nested mappings and lists too."""
     found: set[str] = set()
-    for name, value in (options or {}).items():
+
+    def strings(value: Any) -> None:
+        if isinstance(value, str):
+            if len(value) >= 4:
+                found.add(value)
+        elif isinstance(value, Mapping):
+            for item in value.values():
+                strings(item)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                strings(item)
+
+    def visit(value: Any) -> None:
         if isinstance(value, Mapping):
-            found |= secret_values(value)
-        elif is_secret_key(str(name)) and isinstance(value, str) and len(value) >= 4:
-            found.add(value)
+            for name, item in value.items():
+                if is_secret_key(str(name)):
+                    strings(item)
+                else:
+                    visit(item)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                visit(item)
+
+    visit(options)
     return found
 
 
-def scrub(text: str, secrets: set[str]) -> str:
-    """Replace every occurrence of each secret in ``text`` by ``***``."""
+def scrub(text: str, secrets: set[str] | frozenset[str]) -> str:
+    """Replace every occurrence of each secret of at least :data:`MIN_SCRUB_CHARS` characters
+    in ``text`` by ``***`` (shorter ones are masked by structure only: see the module)."""
     for value in sorted(secrets, key=len, reverse=True):
-        text = text.replace(value, REDACTED)
+        if len(value) >= MIN_SCRUB_CHARS:
+            text = text.replace(value, REDACTED)
     return text
 
 
 # -- URLs --------------------------------------------------------------------------------------
 
-#: A URL inside text: scheme://, then anything up to whitespace, quotes or brackets.
-_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>()\[\]{}`]+")
+#: A URL inside text: scheme://, then anything up to whitespace, quotes or brackets. The
+#: scheme's length is bounded: unbounded, every letter of a long run (a key of 100,000 letters
+#: in a log line) started a scan to the run's end, quadratic (40 s for that one line).
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]{0,31}://[^\s'\"<>()\[\]{}`]+")
 _USERINFO = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://)([^/?#]*)@")  # up to the last @
 #: Query parameters that carry a credential (presigned S3/GCS URLs, Azure SAS, API tokens).
 _SECRET_PARAM = re.compile(
     r"sig|signature|token|secret|password|passwd|credential|key|auth|session", re.IGNORECASE)
 _PARAM = re.compile(r"([?&;])([^=&;#]+)=([^&;#]*)")
+#: Credentials outside URLs: the fields of Azure connection strings (their value runs to the
+#: next ``;``: a SharedAccessSignature holds ``&``s), and credential parameters of a SAS token
+#: or query string written on its own (``sv=...&sig=...``), each after a separator.
+_CONNECTION_FIELD = re.compile(
+    r"(?<![A-Za-z0-9_-])(AccountKey|SharedAccessSignature|SharedAccessKey|Password|Pwd)=([^;\s'\"]+)",
+    re.IGNORECASE)
+_LOOSE_PARAM = re.compile(
+    r"(?<![A-Za-z0-9_.-])(sig|signature|X-Amz-Signature|X-Amz-Credential|X-Amz-Security-Token"
+    r"|X-Goog-Signature|X-Goog-Credential|access_token|refresh_token|id_token|token|api_?key"
+    r"|client_secret|secret|password|passwd|session_token)=([^&;#\s'\"]+)", re.IGNORECASE)
 
 
 def redact_url(url: str) -> str:
@@ -122,13 +189,21 @@ def url_secrets(url: str) -> set[str]:
 
 
 def scrub_urls(text: str) -> str:
-    """``text`` with every URL in it passed through :func:`redact_url`."""
-    if "://" not in text:
-        return text
-    return _URL.sub(lambda m: redact_url(m.group(0)), text)
+    """``text`` with every URL in it passed through :func:`redact_url`, and the credentials of
+    connection strings and SAS tokens outside URLs masked (see the module docstring)."""
+    if "://" in text:
+        text = _URL.sub(lambda m: redact_url(m.group(0)), text)
+    if "=" in text:
+        text = _CONNECTION_FIELD.sub(_mask_field, text)
+        text = _LOOSE_PARAM.sub(_mask_field, text)
+    return text
 
 
-def redact_tree(value: Any, secrets: set[str] | None = None) -> Any:
+def _mask_field(match: re.Match[str]) -> str:
+    return match.group(0) if match.group(2) == REDACTED else f"{match.group(1)}={REDACTED}"
+
+
+def redact_tree(value: Any, secrets: set[str] | frozenset[str] | None = None) -> Any:
     """A copy of a JSON-like tree with URL credentials (and ``secrets``) masked in every string."""
     if isinstance(value, str):
         text = scrub_urls(value)

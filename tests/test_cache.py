@@ -476,6 +476,35 @@ def test_history_and_quarantine_keep_only_the_newest_rows(
     assert_consistent(cache)
 
 
+def test_the_quarantine_is_bounded_in_bytes_and_keeps_keys_cut(
+    make_cache: MakeCache, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Quarantine rows kept untrusted keys whole (and twice more in the reason and URL) under
+    a bound in rows only: 400 keys of 100 kB made 120 MB of rows next to a 1 MiB cache."""
+    import hashlib
+    import json
+
+    from epochcache.store.schema import QUARANTINE_MAX_BYTES
+
+    assert QUARANTINE_MAX_BYTES == 1024**2
+    monkeypatch.setattr(cache_module, "QUARANTINE_MAX_BYTES", 64 * 1024)  # ~80 rows of these
+    cache = make_cache(1024**2)
+    keys = [f"s.tar/{i:04d}" + "k" * 100_000 for i in range(400)]
+    for key in keys:
+        cache.tables.quarantine(key, f"{key}: not a valid .npy", url=f"file:///remote/{key}")
+    rows = cache.quarantined(limit=100_000)
+    assert sum(len(json.dumps(row)) for row in rows) <= 64 * 1024
+    assert cache.counters().quarantined == 400  # every one counted...
+    assert cache.tables.quarantine_dropped() == 400 - len(rows) > 0  # ... and every row dropped
+    assert rows[-1]["key"].startswith("s.tar/0399kkk")  # the newest are kept
+    last = keys[-1]
+    assert rows[-1]["key_sha256"] == hashlib.sha256(last.encode()).hexdigest()[:16]
+    assert rows[-1]["reason"].endswith(": not a valid .npy") and len(rows[-1]["reason"]) < 400
+    assert rows[-1]["key_sha256"] in rows[-1]["url"]
+    assert os.path.getsize(os.path.join(cache.path, "data.mdb")) < 8 * 1024**2
+    assert_consistent(cache)
+
+
 def test_history_rows_written_in_the_same_nanosecond_are_all_kept(
     make_cache: MakeCache, monkeypatch: pytest.MonkeyPatch
 ) -> None:

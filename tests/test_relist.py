@@ -102,3 +102,50 @@ def test_a_growing_bucket_is_relisted_and_its_new_keys_cached(
     assert sum(new_keys) == 40, logs[-3000:]  # one re-list or more, as the copy went on
     assert "the listing grew to 100 keys" in logs
     assert took < 20
+
+
+def test_a_relist_takes_memory_in_proportion_to_the_keys_not_to_the_longest(
+    tmp_path: Path,
+) -> None:
+    """A re-list built fixed-width arrays of every key times the longest key, twice: 300,000
+    keys took 54 MiB, 1,158 MiB once one legal 1 KiB key was listed (~38 GiB at ten million),
+    in the training process when ``epochcache run`` started the daemon. Here the re-list of a
+    source that grew by 1,000 keys and one 1 KiB key is measured in a process of its own."""
+    from common.peakmem import run_measured
+
+    done = run_measured(f"""
+        import numpy as np
+        from epochcache.ingest.sources import (
+            FilesSource, KeyTableBuilder, Listing, SourceSpec, read_listing, relist,
+            save_listing, source_fingerprint)
+
+        def table(indices, long_key=False):
+            builder = KeyTableBuilder()
+            for i in indices:
+                builder.add(f"train/part-{{i % 997:04d}}/sample-{{i:08d}}.npy", 1000 + i % 50)
+            if long_key:
+                builder.add("train/long/" + "k" * 1013 + ".npy", 7)  # 1,024 bytes: legal in S3
+            return builder.build()
+
+        class GrownSource(FilesSource):
+            def list_table(self):  # what a listing does with its pages: sort them
+                return fresh.sorted()
+
+        cache_dir = {str(tmp_path / "cache")!r}
+        source = GrownSource(SourceSpec(url={tmp_path.as_uri()!r}))
+        save_listing(cache_dir, source_fingerprint(source.spec),
+                     Listing(table(range(299_000)).sorted()))
+        fresh = table(np.random.default_rng(0).permutation(300_000), long_key=True)
+        key_bytes = len(fresh.blob)
+        mark()
+        listing, added = relist(source, cache_dir)
+        report()
+        print("ADDED", added, len(listing), len(read_listing(cache_dir, source_fingerprint(
+            source.spec)).table), "KEY_MIB", key_bytes / 2**20)
+    """, limit_mib=600)
+    assert not done.over_limit, "the re-list took more than 600 MiB"
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "ADDED 1001 300001 300001" in done.stdout
+    key_mib = float(done.stdout.split("KEY_MIB ")[1])  # ~10 MiB, and 8-16 bytes a key of numbers
+    # ~55 MiB measured: the old and fresh listings, their sort and join, 8-byte indices
+    assert done.growth_mib < 12 * key_mib, done.stdout

@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ..errors import CacheFull, SampleRejected
+from ..limits import cut_key
 from ..store import SampleStore
 from ..store.origins import Origin
 from ..units import format_size
@@ -68,7 +69,8 @@ class Batch:
 
     Attributes:
         records: ``(source key, encoded record)`` pairs.
-        position: the key order position to save once the batch is committed.
+        position: the key order position to save once the batch is committed (None: a part
+            of a streamed shard, whose batch saves the position after it).
         keys: every key the batch was fetched for (committed or not): no longer in flight.
         nbytes: bytes this batch holds against the sampler's in-flight budget.
         source: the ``sources:`` entry it was fetched from ("" for a single ``source:``).
@@ -76,7 +78,7 @@ class Batch:
     """
 
     records: list[tuple[str, bytes]]
-    position: dict[str, int]
+    position: dict[str, int] | None
     keys: list[str]
     nbytes: int = 0
     source: str = ""
@@ -183,6 +185,8 @@ class Committer(threading.Thread):
                     for one in group:
                         self.done(one)
                 for one in group:
+                    if one.position is None:
+                        continue
                     if one.source:  # one position per source (see feed.py)
                         self.health.position = {**self.health.position, one.source: one.position}
                     else:
@@ -280,7 +284,7 @@ class Committer(threading.Thread):
             "sampler %d: %r is %s, more than the cache's headroom (%s): it cannot be cached "
             "while epochs hold snapshots of the rest; skipped until a later pass (raise "
             "cache.headroom to cache samples this large during training)%s",
-            self.health.index, key, format_size(size), format_size(headroom), more)
+            self.health.index, cut_key(key), format_size(size), format_size(headroom), more)
         self._deferred_log_at, self._deferred_since = now, 0
         self._deferred_logged[key] = None
         while len(self._deferred_logged) > DEFERRED_KEYS:

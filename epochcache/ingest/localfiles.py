@@ -37,7 +37,7 @@ QUICK_READ_S = 0.00025
 COPY_BYTES_PER_S = 1e9
 #: A file's final component is opened without following a link: a link fails the read with
 #: ELOOP, and the caller resolves it and checks its target against the root (Source._read_local).
-_OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
 Result = bytes | BaseException
 
@@ -67,7 +67,7 @@ def read_file(path: str, end: int | None = None) -> bytes:
         OSError: as the OS reports it (``FileNotFoundError``, ``PermissionError``, ``ELOOP``
             for a final component that became a link).
     """
-    fd = os.open(path, _OPEN_FLAGS)
+    fd = os.open(path, OPEN_FLAGS)
     try:
         size = os.fstat(fd).st_size
         want = size if end is None else min(size, end)

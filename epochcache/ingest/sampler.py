@@ -19,6 +19,7 @@ This module must not import torch: sampler processes stay small.
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import os
 import signal
@@ -31,6 +32,7 @@ from typing import Any
 
 from ..config import EpochcacheConfig
 from ..errors import CorruptSample, PermanentRemoteError, SampleRejected, SourceError
+from ..limits import cut_key, cut_text
 from ..redact import install_log_redaction
 from ..store import SampleStore
 from .committer import Batch, Committer, state_name
@@ -39,7 +41,7 @@ from .heap import reuse_freed_buffers
 from .inflight import ByteBudget
 from .lifeline import Lifeline, kill_with_parent
 from .origins import OriginTagger
-from .sources import SampleRef
+from .sources import STREAMED, SampleRef
 
 __all__ = ["Sampler", "SamplerHealth", "StopFlag", "run_sampler", "state_name"]
 
@@ -197,6 +199,10 @@ class Sampler:
         # (a small pass wraps around while its last batches are still being committed).
         self._in_flight: set[str] = set()
         self._in_flight_lock = threading.Lock()
+        # Parts of tar shards are encoded in their fetch threads: the health counters that
+        # encoding updates are the main thread's too.
+        self._encode_lock = threading.Lock()
+        self._part_records: dict[Feed, int] = {}  # records of parts of each feed's shards
         self._errors_before = self.health.errors  # when the current fruitless stretch began
         self.fetching: collections.deque[_Fetching] = collections.deque()
         # FETCH_DEPTH batches per source: a source that stopped answering holds its own
@@ -266,7 +272,10 @@ class Sampler:
                             position: dict[str, Any]) -> bool:
         """Reserve the batch's bytes (handing over fetched batches meanwhile) and start
         fetching it; False if the sampler is stopping instead."""
-        need = sum(feed.sizes.of(ref) for ref in picked)
+        # A tar shard is streamed a part at a time, each part taking its own bytes when it is
+        # handed over (_hand_over_part): the batch reserves what its fetch holds up front.
+        need = sum(feed.source.held_bytes(ref, feed.sizes.of(ref), self.batch_bytes)
+                   for ref in picked)
         while self.fetching and not self.budget.fits(need):
             self._hand_over()
         if not self.budget.wait(need, self._stop_or_committer_dead):
@@ -276,8 +285,12 @@ class Sampler:
         keys = [feed.cache_key(ref.key) for ref in picked]
         with self._in_flight_lock:
             self._in_flight.update(keys)
+        streaming: dict[str, Any] = {}
+        if feed.source.unit == "shard":
+            streaming = {"on_part": functools.partial(self._hand_over_part, feed),
+                         "part_bytes": self.batch_bytes}
         future = self.pool.submit(feed.source.fetch_with_retries, picked,
-                                  deadline_s=feed.deadline_s)
+                                  deadline_s=feed.deadline_s, **streaming)
         started = time.monotonic()
         feed.fetch_started.append(started)
         self.fetching.append(_Fetching(future, feed, picked, position, need, started, indices,
@@ -326,8 +339,10 @@ class Sampler:
         keys = [feed.cache_key(ref.key) for ref in fetching.refs]
         self.quarantined.update(
             feed.cache_key(ref.key) for ref, payload in results if isinstance(payload, CorruptSample))
-        records, fetched = self._encode_results(feed, results)
-        feed.batch_done(results, len(records))
+        with self._encode_lock:
+            records, fetched = self._encode_results(feed, results)
+            streamed = self._part_records.pop(feed, 0)  # records of parts handed over before
+        feed.batch_done(results, len(records) + streamed)
         feed.samples_read(len(fetching.refs), fetching.estimate, results)
         if fetching.position.get("listing", feed.generation) == feed.generation:
             index_of = dict(zip((ref.key for ref in fetching.refs), fetching.indices))
@@ -344,7 +359,7 @@ class Sampler:
         # From here on the batch holds its records (the fetched payloads are dropped).
         nbytes = sum(len(record) for _, record in records)
         self.budget.adjust(fetching.reserved, nbytes)
-        if records:
+        if records or streamed:
             feed.brought_new()
             self.health.idle = ""
             self._errors_before = self.health.errors
@@ -352,6 +367,23 @@ class Sampler:
                                       fetching.position.get("listing", feed.generation))
         self.committer.hand_over(Batch(records, fetching.position, keys, nbytes, feed.name,
                                        origins))
+
+    def _hand_over_part(self, feed: Feed, results: list[tuple[SampleRef, Any]]) -> None:
+        """A part of a tar shard being streamed, from its fetch thread: encoded and queued for
+        commit once the in-flight budget has room for it (the wait bounds what a shard of any
+        size holds). It saves no position: the batch the shard belongs to does, after it."""
+        self.quarantined.update(
+            feed.cache_key(ref.key) for ref, payload in results if isinstance(payload, CorruptSample))
+        with self._encode_lock:
+            records, _fetched = self._encode_results(feed, results)
+            self._part_records[feed] = self._part_records.get(feed, 0) + len(records)
+        if not records:
+            return
+        nbytes = sum(len(record) for _, record in records)
+        if not self.budget.wait(nbytes, self._stop_or_committer_dead):
+            self.committer.check()  # dead: raises; stopping: what is fetched is committed
+        self.budget.take(nbytes)
+        self.committer.hand_over(Batch(records, None, [], nbytes, feed.name))
 
     def _note_idle(self) -> None:
         """A source finished a pass that brought nothing new: with every source there, the
@@ -371,6 +403,8 @@ class Sampler:
         fetched = 0
         health = self.health
         for ref, payload in results:
+            if payload is STREAMED:  # a part of its shard, encoded when it was handed over
+                continue
             key = feed.cache_key(ref.key)
             if isinstance(payload, CorruptSample):
                 self.quarantine(key, str(payload))
@@ -383,7 +417,8 @@ class Sampler:
                 health.last_failed = time.time()
                 health.last_error = f"{key}: {payload}"[:300]
                 level = logging.WARNING if isinstance(payload, PermanentRemoteError) else logging.INFO
-                log.log(level, "fetch failed for %s (retried next pass): %s", key, payload)
+                log.log(level, "fetch failed for %s (retried next pass): %s", cut_key(key),
+                        cut_text(str(payload), keys=(ref.key,)))
             else:
                 size = _payload_bytes(payload)
                 health.fetched += 1
@@ -411,13 +446,21 @@ class Sampler:
 
     def quarantine(self, key: str, reason: str) -> None:
         """Count, log (with its URL) and record a sample that cannot be cached (``key``: its
-        cache key); it is not fetched again by this process."""
+        cache key); it is not fetched again by this process. The key is someone else's name:
+        it is logged and kept cut (:func:`~epochcache.limits.cut_key`), and a failure to
+        record it (a full map) is logged, never the end of the sampler."""
         feed = self._feed_of(key)
-        url = feed.source.object_url(key[len(feed.prefix):])
+        source_key = key[len(feed.prefix):]
+        url = cut_text(feed.source.object_url(source_key), keys=(source_key,))
         self.quarantined.add(key)
         self.health.quarantined += 1
-        log.warning("quarantined %s: %s", url, reason)
-        self.cache.tables.quarantine(key, reason, url=url)
+        log.warning("quarantined %s: %s", url, cut_text(reason, keys=(key, source_key)))
+        try:
+            self.cache.tables.quarantine(key, reason, url=url)
+        except Exception as exc:  # noqa: BLE001 - the sample is refused either way
+            log.warning("sampler %d: %s is quarantined but could not be recorded in the cache "
+                        "(%s: %s); it is counted in this sampler's health", self.index, url,
+                        type(exc).__name__, cut_text(str(exc), 300))
 
     def _is_in_flight(self, key: str) -> bool:
         with self._in_flight_lock:

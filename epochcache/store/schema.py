@@ -59,6 +59,12 @@ COUNTERS = (C_SAMPLES, C_BYTES, C_NEXT_SEQ, C_EVICTED, C_EVICTED_BYTES, C_INSERT
 
 HISTORY_MAX_ROWS = 20_000
 QUARANTINE_MAX_ROWS = 10_000
+#: The quarantine's rows take at most this many bytes (a row holds a cut key: a few KiB at
+#: most), the oldest dropped first: a remote's names never fill the map samples need.
+QUARANTINE_MAX_BYTES = 1024 * 1024
+#: In ``meta``: the bytes the quarantine rows take, and how many rows were dropped for room.
+C_QUARANTINE_BYTES = b"quarantine_bytes"
+C_QUARANTINE_DROPPED = b"quarantine_dropped"
 
 #: LMDB's longest key (MDB_MAXKEYSIZE of the library py-lmdb bundles).
 MAX_KEY_BYTES = 511

@@ -91,6 +91,8 @@ def _collect(cache: SampleStore) -> dict[str, Any]:
         "evicted": counters.evicted,
         "evicted_bytes": counters.evicted_bytes,
         "quarantined": counters.quarantined,
+        # rows dropped (the oldest) to keep the quarantine table within its bounds
+        "quarantine_dropped": cache.tables.quarantine_dropped(),
         "sources": cache.source_stats(),
         "file_bytes": cache.file_bytes(),
         # held leases: a dead holder's lease (listed with alive false) holds nothing, the next
@@ -144,7 +146,10 @@ def render(stats: dict[str, Any]) -> RenderableType:
     ingest = stats["ingest"]
     table.add_row("ingest", f"{ingest['samples_per_s']:.1f} samples/s, {format_size(ingest['bytes_per_s'])}/s")
     quarantined = stats["quarantined"]
-    table.add_row("quarantined", f"[red]{quarantined:,}[/]" if quarantined else "0")
+    shown = f"[red]{quarantined:,}[/]" if quarantined else "0"
+    if stats.get("quarantine_dropped"):
+        shown += f" (the oldest {stats['quarantine_dropped']:,} rows dropped to bound the table)"
+    table.add_row("quarantined", shown)
     for name, source in sorted(stats.get("sources", {}).items()):
         table.add_row(f"  source {name}", f"{source['samples']:,} samples, "
                       f"{format_size(source['bytes'])}, ingested {source['ingested']:,}, "
@@ -204,7 +209,7 @@ def render(stats: dict[str, Any]) -> RenderableType:
         quarantine.add_column("key")
         quarantine.add_column("reason")
         for row in stats["recent_quarantine"]:
-            quarantine.add_row(str(row.get("key")), str(row.get("reason")))
+            quarantine.add_row(escape(str(row.get("key"))), escape(str(row.get("reason"))))
         parts.append(quarantine)
     return Group(*parts)
 

@@ -33,6 +33,7 @@ import lmdb
 import numpy as np
 
 from ..errors import CacheCorrupted
+from ..limits import cut_key, cut_text
 from .cache import SampleStore
 from .codec import check_record, record_key, source_key
 from .counters import Counters
@@ -146,12 +147,15 @@ class _Scan:
         try:
             info = check_record(record)
         except (CacheCorrupted, UnicodeDecodeError, ValueError) as exc:
-            report.corrupt.append({"seq": seq, "key": _key_of(record), "error": str(exc)})
+            key = _key_of(record)
+            report.corrupt.append({"seq": seq, "key": cut_key(key),
+                                   "error": cut_text(str(exc), keys=(key,))})
             return
         indexed = txn.get(record_key(record), db=dbs[DB_KEYS])
         if indexed is None or unpack_u64(indexed) != seq:
             where = "missing from" if indexed is None else "not the entry of"
-            report.index_problems.append(f"sample {seq} ({info.key!r}) is {where} the key index")
+            report.index_problems.append(
+                f"sample {seq} ({cut_key(info.key)!r}) is {where} the key index")
             report.unindexed.append(seq)
 
     def scanned_bytes_from(self, first: int) -> tuple[int, int]:

@@ -3,7 +3,8 @@
 ``/data/...`` serves files under a directory to requests with HTTP basic auth (the userinfo of
 ``https://user:token@host/...`` URLs); ``/signed/...`` serves them to requests whose query has
 the expected presigned-URL parameters (``X-Amz-Credential``, ``X-Amz-Signature``). Anything else
-is refused, so a test passes only if the credentials are really used.
+is refused, so a test passes only if the credentials are really used. A directory is answered
+with an HTML page of links, as web servers index them (fsspec lists HTTP "directories" so).
 """
 
 from __future__ import annotations
@@ -71,14 +72,21 @@ def credential_server(root: Path, *, user: str, token: str, signature: str,
                 self.send_header("Content-Length", "0")
                 self.end_headers()
                 return
+            if path.is_dir():
+                names = sorted(p.name + ("/" if p.is_dir() else "") for p in path.iterdir())
+                page = "".join(f'<a href="{urllib.parse.quote(n)}">{n}</a>\n' for n in names)
+                self._send(page.encode(), "text/html", body)
+                return
             if not path.is_file():
                 self.send_response(404)
                 self.send_header("Content-Length", "0")
                 self.end_headers()
                 return
-            data = path.read_bytes()
+            self._send(path.read_bytes(), "application/octet-stream", body)
+
+        def _send(self, data: bytes, kind: str, body: bool) -> None:
             self.send_response(200)
-            self.send_header("Content-Type", "application/octet-stream")
+            self.send_header("Content-Type", kind)
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             if body:

@@ -307,6 +307,28 @@ class SourceContract:
         assert isinstance(samples["shard.tar/000"], CorruptSample)
         assert "expands past 8.0 MiB" in str(samples["shard.tar/000"])
 
+    def test_a_tar_shard_is_handed_over_in_parts_as_it_is_read(self, backend: Backend) -> None:
+        """A sampler gets a shard's samples a part at a time while the shard is read (what
+        it holds stays within its budget); the fetch's results stand in for them."""
+        from epochcache.ingest.sources import STREAMED
+
+        members = []
+        for i in range(12):
+            members += [(f"{i:03d}.bin", bytes([i]) * 10_000), (f"{i:03d}.cls", b"%d" % i)]
+        backend.put("p/a.tar", tar_bytes(members))
+        backend.put("p/b.tar", tar_bytes(members[:4]))
+        source = open_source(backend.source("p", layout="tar"))
+        parts: list[list[Any]] = []
+        results = source.fetch_with_retries(source.list_keys(), on_part=parts.append,
+                                            part_bytes=25_000)
+        handed = {ref.key: payload for part in parts for ref, payload in part}
+        assert len(parts) >= 4 and all(len(part) <= 3 for part in parts)
+        assert sorted(handed) == sorted([f"a.tar/{i:03d}" for i in range(12)]
+                                        + ["b.tar/000", "b.tar/001"])
+        assert handed["a.tar/007"] == {"bin": bytes([7]) * 10_000, "cls": b"7"}
+        assert len(results) == 14 and all(payload is STREAMED for _, payload in results)
+        assert source.held_bytes(source.list_keys()[0], 10**9, 25_000) == 0  # parts take theirs
+
     def test_a_tar_member_larger_than_the_limit_is_refused(self, backend: Backend) -> None:
         members = [("000.bin", bytes(200_000)), ("000.cls", b"0"), ("001.bin", b"x"),
                    ("001.cls", b"1")]

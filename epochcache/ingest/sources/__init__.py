@@ -15,7 +15,7 @@ import os
 import time
 from collections.abc import Sequence
 
-from .base import CHECKS, FetchResult, Payload, SampleRef, Source, SourceSpec
+from .base import CHECKS, STREAMED, FetchResult, Payload, SampleRef, Source, SourceSpec
 from .files import FilesSource
 from .keytable import KeyTable, KeyTableBuilder
 from .listing import (
@@ -40,6 +40,7 @@ __all__ = [
     "Listing",
     "ListingJob",
     "Payload",
+    "STREAMED",
     "SampleRef",
     "Source",
     "SourceSpec",

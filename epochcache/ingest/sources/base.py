@@ -22,8 +22,9 @@ A source is someone else's bucket, so what it lists is not trusted (:meth:`Sourc
   its key) while the daemon goes on with the other keys;
 * a ``files`` object listed larger than ``spec.max_sample_bytes`` is refused the same way before
   it is downloaded, and of an object whose size is not listed at most that many bytes (plus
-  one) are read, so that one larger is refused without being held whole. Tar shards are not
-  bounded as a whole (a shard holds many samples); their members are (see ``tar``).
+  one) are read, so that one larger is refused without being held whole. Tar shards are
+  streamed, never held whole (a shard holds many samples); their members are bounded (see
+  ``tar`` and ``shards``).
 """
 
 from __future__ import annotations
@@ -65,6 +66,18 @@ log = logging.getLogger(__name__)
 #: what a fetch returns for one sample: whole-object bytes, or tar fields by extension
 Payload = bytes | dict[str, bytes]
 
+
+class Streamed:
+    """The payload of a sample handed over already (a tar shard is streamed a part at a time
+    to the fetch's ``on_part``): it stands in the fetch's results so that they still count
+    every sample of the shard."""
+
+    def __repr__(self) -> str:
+        return "STREAMED"
+
+
+STREAMED = Streamed()
+
 CHECKS: tuple[str, ...] = ("size", "checksum", "format")
 
 
@@ -90,8 +103,8 @@ class SourceSpec:
         checks: content checks on ingest, a subset of :data:`CHECKS`.
         max_sample_bytes: the largest object (``files``) or tar member accepted, and the most a
             gzip or zip check decompresses; larger ones are quarantined, not downloaded.
-        manifest_max_bytes: the largest manifest read (and decompressed).
-        manifest_max_lines: the most lines a manifest may have.
+        manifest_max_bytes: the most memory the keys of a manifest may take.
+        manifest_max_lines: the most lines read from a manifest.
     """
 
     url: str
@@ -153,8 +166,8 @@ class SampleRef:
         return cls(str(key), size, weight, checksum)
 
 
-#: one fetched sample: its ref and its payload, or the error that replaced it
-FetchResult = tuple[SampleRef, Payload | SourceError]
+#: one fetched sample: its ref and its payload, or the error that replaced it (or STREAMED)
+FetchResult = tuple[SampleRef, Payload | SourceError | Streamed]
 
 
 class Source(abc.ABC):
@@ -235,8 +248,11 @@ class Source(abc.ABC):
 
     # -- fetching --------------------------------------------------------------------------------
 
-    def fetch_grouped(self, refs: Sequence[SampleRef]) -> list[list[FetchResult]]:
-        """Like :meth:`fetch_many`, but one list of results per input ref (a shard gives many)."""
+    def fetch_grouped(self, refs: Sequence[SampleRef], on_part: Any = None,
+                      part_bytes: int = 0) -> list[list[FetchResult]]:
+        """Like :meth:`fetch_many`, but one list of results per input ref (a shard gives many).
+        ``on_part`` and ``part_bytes`` are for layouts that stream a ref's samples (``tar``);
+        whole objects ignore them."""
         resolved: dict[str, str] = {}  # per call: most keys of a batch share a directory
         refused = {i: error for i, ref in enumerate(refs)
                    if (error := self.refusal(ref, resolved))}
@@ -278,6 +294,12 @@ class Source(abc.ABC):
                     values[i] = self._local_files.read_many([real], [limits[i]], timeout_s)[0]
         return [translate_error(value, url) if isinstance(value, BaseException) else value
                 for value, url in zip(values, urls)]
+
+    def held_bytes(self, ref: SampleRef, size: int, part_bytes: int) -> int:
+        """What fetching ``ref`` (of ``size`` bytes, listed or estimated) holds at once, when
+        parts of ``part_bytes`` are handed over as they are read (see ``tar``): the whole
+        object, for layouts that fetch whole objects."""
+        return size
 
     def refusal(self, ref: SampleRef,
                 resolved: dict[str, str] | None = None) -> CorruptSample | None:
@@ -328,9 +350,10 @@ class Source(abc.ABC):
                 return f"it resolves to {real}"
         return ""
 
-    @abc.abstractmethod
     def _unpack(self, ref: SampleRef, url: str, data: bytes) -> list[FetchResult]:
-        """Check one fetched object and turn it into the results of the samples it holds."""
+        """Check one fetched object and turn it into the results of the samples it holds
+        (layouts that fetch whole objects; ``tar`` streams its shards instead)."""
+        raise NotImplementedError
 
     def fetch_many(self, refs: Sequence[SampleRef]) -> list[FetchResult]:
         """Fetch and check ``refs`` concurrently; one result per sample, errors returned, not raised.
@@ -349,11 +372,15 @@ class Source(abc.ABC):
         base_s: float = 0.2,
         max_s: float = 10.0,
         sleep: Callable[[float], None] = time.sleep,
+        on_part: Any = None,
+        part_bytes: int = 0,
     ) -> list[FetchResult]:
         """:meth:`fetch_many`, re-fetching refs that failed transiently (``SourceUnavailable``,
         ``RemoteTimeout``) with exponential backoff and full jitter, until ``attempts``
         (default ``spec.retries``) or ``deadline_s`` run out. Permanent and corrupt results are
-        final at once. Whatever still fails is returned as its last error.
+        final at once. Whatever still fails is returned as its last error. ``on_part`` and
+        ``part_bytes``: see :meth:`fetch_grouped` (a shard that failed after handing parts
+        over is streamed again from its start; the cache skips what it has).
         """
         attempts = self.spec.retries if attempts is None else attempts
         start = time.monotonic()
@@ -361,14 +388,14 @@ class Source(abc.ABC):
         pending = list(range(len(refs)))
         delays = backoff_delays(attempts, base_s=base_s, max_s=max_s)
         while pending:
-            fetched = self.fetch_grouped([refs[i] for i in pending])
+            fetched = self.fetch_grouped([refs[i] for i in pending], on_part, part_bytes)
             retry_next: list[int] = []
             for index, group in zip(pending, fetched):
                 groups[index] = group
-                if (
-                    len(group) == 1
-                    and group[0][0] is refs[index]
-                    and isinstance(group[0][1], TRANSIENT_ERRORS)
+                if (  # the ref itself failed (a streamed shard: after the parts it handed over)
+                    group
+                    and group[-1][0] is refs[index]
+                    and isinstance(group[-1][1], TRANSIENT_ERRORS)
                 ):
                     retry_next.append(index)
             pending = retry_next
@@ -427,7 +454,6 @@ class Source(abc.ABC):
             url=url,
             fmt=self.spec.manifest_format,
             deadline_s=self.spec.list_deadline_s,
-            timeout_s=self.spec.timeout_s,
             max_bytes=self.spec.manifest_max_bytes,
             max_lines=self.spec.manifest_max_lines,
         )

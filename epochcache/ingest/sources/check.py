@@ -57,6 +57,40 @@ def parse_checksum(value: str) -> tuple[str, str]:
     return algo, hexdigest
 
 
+class StreamDigest:
+    """The digest of an object read as a stream, to compare with its manifest checksum.
+
+    Raises:
+        CorruptSample: the checksum names no known algorithm.
+    """
+
+    def __init__(self, key: str, checksum: str, url: str = "") -> None:
+        self.key, self.url = key, url
+        try:
+            self.algo, self.expected = parse_checksum(checksum)
+            if self.algo not in ("crc32", "md5", "sha1", "sha256"):
+                digest(b"", self.algo)  # raises the error that names the algorithms
+        except ValueError as exc:
+            raise CorruptSample(f"{key}: {exc}", url, key) from exc
+        self._crc = 0
+        self._hash = None if self.algo == "crc32" else hashlib.new(self.algo)
+
+    def update(self, data: bytes) -> None:
+        if self._hash is None:
+            self._crc = zlib.crc32(data, self._crc)
+        else:
+            self._hash.update(data)
+
+    def mismatch(self) -> CorruptSample | None:
+        """The error to report when what was read does not match (None: it matches)."""
+        actual = (f"{self._crc & 0xFFFFFFFF:08x}" if self._hash is None
+                  else self._hash.hexdigest())
+        if actual == self.expected:
+            return None
+        return CorruptSample(f"{self.key}: {self.algo} mismatch: got {actual}, the manifest says "
+                             f"{self.expected}", self.url, self.key)
+
+
 def check_size(key: str, data: bytes, size: int | None, url: str = "") -> None:
     """Raise CorruptSample if ``data`` is not ``size`` bytes long (no-op when size is unknown)."""
     if size is not None and len(data) != size:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from ...errors import CorruptSample
+from ...limits import cut_text
 from .base import FetchResult, SampleRef, Source
 from .check import check_object
 from .keytable import KeyTable
@@ -30,12 +31,12 @@ class FilesSource(Source):
     def _unpack(self, ref: SampleRef, url: str, data: bytes) -> list[FetchResult]:
         if len(data) > self.max_sample_bytes:  # not listed, or larger than listed
             exc = self.too_large(ref.key, len(data), url, "is more than")
-            log.warning("%s: %s", url, exc)
+            log.warning("%s", cut_text(f"{url}: {exc}", keys=(ref.key,)))
             return [(ref, exc)]
         try:
             check_object(ref.key, data, size=ref.size, checksum=ref.checksum, checks=self.checks,
                          url=url, max_bytes=self.max_sample_bytes)
         except CorruptSample as exc:
-            log.warning("%s: corrupt: %s", url, exc)
+            log.warning("%s", cut_text(f"{url}: corrupt: {exc}", keys=(ref.key,)))
             return [(ref, exc)]
         return [(ref, data)]

@@ -43,7 +43,7 @@ import zstandard
 
 from ...atomic import atomic_write
 from .base import SampleRef, SourceSpec
-from .keytable import KeyTable, KeyTableBuilder, compact_sizes, offsets_of
+from .keytable import KeyTable, KeyTableBuilder, compact_sizes, find_keys, offsets_of
 
 log = logging.getLogger(__name__)
 
@@ -133,21 +133,10 @@ def merge_listing(old: Listing, fresh: KeyTable | Sequence[SampleRef]) -> tuple[
     """
     if not isinstance(fresh, KeyTable):
         fresh = KeyTable.from_refs(fresh)
-    old_keys, fresh_keys = old.table.key_bytes(), fresh.key_bytes()
-    width = max(1, max(map(len, old_keys), default=1), max(map(len, fresh_keys), default=1))
-    # Fixed-width byte strings: numpy sorts and searches them in C (keys hold no NUL byte),
-    # where a dict of ten million keys would cost gigabytes.
-    old_arr = np.array(old_keys, dtype=f"S{width}")
-    fresh_arr = np.array(fresh_keys, dtype=f"S{width}")
-    del old_keys, fresh_keys
-    order = np.argsort(old_arr, kind="stable")
-    sorted_old = old_arr[order]
-    found = np.zeros(len(fresh_arr), dtype=bool)
-    pos = np.zeros(len(fresh_arr), dtype=np.int64)
-    if len(sorted_old):
-        pos = np.minimum(np.searchsorted(sorted_old, fresh_arr), len(sorted_old) - 1)
-        found = sorted_old[pos] == fresh_arr
-    old_index = order[pos[found]]  # the old index of each fresh key already listed
+    match = find_keys(old.table, fresh)  # memory follows the keys' bytes (see there)
+    found = match >= 0
+    old_index = match[found]  # the old index of each fresh key already listed
+    del match
     seen = np.zeros(len(old.table), dtype=bool)
     seen[old_index] = True
     added_idx = np.flatnonzero(~found)

@@ -8,9 +8,13 @@ A manifest replaces listing for buckets too large to list quickly. Formats, chos
 * JSONL: one object per line with the same fields;
 * Parquet: the same columns; needs ``pyarrow`` (not a dependency of epochcache).
 
-Manifests are bounded like any untrusted input: at most ``source.manifest_max_bytes`` are read
-(and decompressed), at most ``source.manifest_max_lines`` lines parsed; past a bound the
-listing fails with an error naming the setting. Keys are kept compactly (:mod:`.keytable`).
+Manifests are bounded like any untrusted input. They are read as a stream, a line at a time
+(``.gz`` decompressed as it goes): a line longer than 64 KiB is refused (a line holds one key,
+S3 keys are at most 1,024 bytes, and its columns), the keys kept may take at most
+``source.manifest_max_bytes`` and at most ``source.manifest_max_lines`` lines are read; past a
+bound the listing fails with an error naming the manifest and the setting. So a 4 MiB gzip
+that inflates to 4 GiB in one line costs a line's memory, not 4 GiB. Keys are kept compactly
+(:mod:`.keytable`).
 
 Keys are relative to the source root. For the ``tar`` layout a manifest lists shards. ``checksum``
 is ``"algo:hex"`` (``sha256``, ``sha1``, ``md5``, ``crc32``) or bare hex, whose algorithm is told by its
@@ -19,20 +23,26 @@ length (8 crc32, 32 md5, 40 sha1, 64 sha256).
 
 from __future__ import annotations
 
+import contextlib
 import csv
-import io
 import json
 import logging
 import re
 import zlib
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import fsspec
 
 from ...errors import SourceError, SourceUnavailable
-from ...limits import DEFAULT_MANIFEST_MAX_BYTES, DEFAULT_MANIFEST_MAX_LINES, gunzip
+from ...limits import (
+    DEFAULT_MANIFEST_MAX_BYTES,
+    DEFAULT_MANIFEST_MAX_LINES,
+    MANIFEST_MAX_LINE_BYTES,
+    gunzip_chunks,
+)
 from ...units import format_size
-from ..remote import call, retry
+from ..remote import retry
 from .keytable import KeyTable, KeyTableBuilder
 
 log = logging.getLogger(__name__)
@@ -115,6 +125,14 @@ def detect_format(path: str) -> str:
     return "txt"
 
 
+class _Refused(Exception):
+    """The manifest's content is refused (malformed, or past a bound): not retried."""
+
+
+#: Bytes read from the manifest per call (compressed, for ``.gz``), and decompressed per step.
+_CHUNK = 1024 * 1024
+
+
 def read_manifest(
     fs: fsspec.AbstractFileSystem,
     path: str,
@@ -122,138 +140,227 @@ def read_manifest(
     url: str,
     fmt: str = "auto",
     deadline_s: float = 10.0,
-    timeout_s: float = 30.0,
     max_bytes: int = DEFAULT_MANIFEST_MAX_BYTES,
     max_lines: int = DEFAULT_MANIFEST_MAX_LINES,
 ) -> KeyTable:
     """Read a manifest into a table of refs (in file order), within bounds: a manifest is
-    someone else's file too. At most ``max_bytes`` are read (and as many decompressed, for
-    ``.gz``), and at most ``max_lines`` lines (rows) parsed.
+    someone else's file too. It is read as a stream, a line at a time (``.gz`` decompressed
+    as it goes), so memory follows the keys kept: a line longer than
+    :data:`~epochcache.limits.MANIFEST_MAX_LINE_BYTES` is refused, the keys kept may take at
+    most ``max_bytes``, and at most ``max_lines`` lines (rows) are read. Each read has the
+    filesystem's timeouts; a transient failure reads the manifest once more, within
+    ``deadline_s``.
 
     Raises:
         SourceUnavailable: the manifest cannot be read, is malformed (line named), is empty, or
             passes a bound (named with the setting that raises it).
     """
     fmt = detect_format(path) if fmt == "auto" else fmt
+    if fmt not in ("txt", "csv", "jsonl", "parquet"):
+        raise SourceUnavailable(
+            f"{url}: unknown manifest format {fmt!r} (use txt, csv, jsonl or parquet)", url)
+
+    def attempt() -> KeyTableBuilder:
+        builder, bounds = KeyTableBuilder(), _Bounds(url, max_bytes, max_lines)
+        with _open(fs, path) as handle:
+            if fmt == "parquet":
+                _parse_parquet(handle, url, builder, bounds)
+                return builder
+            chunks: Iterator[bytes] = iter(lambda: handle.read(_CHUNK), b"")
+            if path.lower().endswith(".gz"):
+                chunks = _gunzipped(chunks, url)
+            lines = _lines(chunks, bounds)
+            {"txt": _parse_text, "csv": _parse_csv, "jsonl": _parse_jsonl}[fmt](
+                lines, url, builder, bounds)
+        return builder
+
     try:
-        # One byte more than accepted: a larger manifest is told without holding all of it.
-        data: bytes = retry(
-            lambda: call(fs, "cat_file", path, start=0, end=max_bytes + 1, timeout_s=timeout_s),
-            url=url,
-            attempts=2,
-            deadline_s=deadline_s,
-        )
+        builder = retry(attempt, url=url, attempts=2, deadline_s=deadline_s)
     except SourceError as exc:
         raise SourceUnavailable(
             f"{url}: cannot read the manifest ({exc}); check source.manifest", url
         ) from exc
-    if len(data) > max_bytes:
-        raise SourceUnavailable(
-            f"{url}: the manifest is larger than {format_size(max_bytes)} "
-            "(source.manifest_max_bytes); raise it if the manifest is real", url)
-    if path.lower().endswith(".gz"):
-        try:
-            data = gunzip(data, max_bytes, what="source.manifest_max_bytes")
-        except (OSError, EOFError, ValueError, zlib.error) as exc:
-            raise SourceUnavailable(f"{url}: manifest is not valid gzip within bounds ({exc})",
-                                    url) from exc
-    lines = data.count(b"\n") + (0 if data.endswith(b"\n") or not data else 1)
-    if lines > max_lines:
-        raise SourceUnavailable(
-            f"{url}: the manifest has {lines:,} lines, more than the {max_lines:,} allowed "
-            "(source.manifest_max_lines); raise it if the manifest is real", url)
-    builder = KeyTableBuilder()
-    try:
-        if fmt == "parquet":
-            _parse_parquet(data, url, builder, max_lines)
-        else:
-            parse = {"txt": _parse_text, "csv": _parse_csv, "jsonl": _parse_jsonl}.get(fmt)
-            if parse is None:
-                raise SourceUnavailable(
-                    f"{url}: unknown manifest format {fmt!r} (use txt, csv, jsonl or parquet)", url
-                )
-            parse(data, url, builder)
-    except UnicodeDecodeError as exc:
-        raise SourceUnavailable(f"{url}: manifest is not UTF-8 text ({exc})", url) from exc
+    except _Refused as exc:
+        raise SourceUnavailable(str(exc), url) from None
     if not len(builder):
         raise SourceUnavailable(f"{url}: the manifest lists no keys; check source.manifest", url)
     log.info("%s: manifest lists %s keys", url, f"{len(builder):,}")
     return builder.build()
 
 
-def _text(data: bytes) -> str:
-    return data.decode("utf-8-sig")
+@contextlib.contextmanager
+def _open(fs: fsspec.AbstractFileSystem, path: str) -> Iterator[Any]:
+    """The manifest as a file object read in chunks. Over HTTP it is one streamed GET (many
+    servers answer no ranged reads); other filesystems read it in blocks. Every read has the
+    filesystem's timeouts (:func:`~epochcache.ingest.remote.open_fs`)."""
+    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    options = {"block_size": 0} if protocol in ("http", "https") else {}
+    with fs.open(path, "rb", **options) as handle:
+        yield handle
 
 
-def _parse_text(data: bytes, url: str, builder: KeyTableBuilder) -> None:
-    _text(data)  # the whole file is UTF-8 (raises UnicodeDecodeError otherwise)
-    if data.startswith(b"\xef\xbb\xbf"):
-        data = data[3:]
+class _Bounds:
+    """What one manifest may hold, and the count of lines read so far."""
+
+    def __init__(self, url: str, max_bytes: int, max_lines: int) -> None:
+        self.url, self.max_bytes, self.max_lines = url, max_bytes, max_lines
+        self.lines = 0
+
+    def count_lines(self, n: int) -> None:
+        self.lines += n
+        if self.lines > self.max_lines:
+            raise _Refused(
+                f"{self.url}: the manifest has more than the {self.max_lines:,} lines allowed "
+                "(source.manifest_max_lines); raise it if the manifest is real")
+
+    def too_long(self, where: str, size: int) -> _Refused:
+        return _Refused(
+            f"{self.url}: {where} is longer than {format_size(MANIFEST_MAX_LINE_BYTES)} "
+            f"({format_size(size)} so far); a manifest line holds one key (S3 keys are at most "
+            "1,024 bytes) and its columns: check that source.manifest names a manifest of keys "
+            "(txt, csv, jsonl or parquet; .gz compressed or not) and source.manifest_format")
+
+    def check_kept(self, builder: KeyTableBuilder) -> None:
+        if builder.nbytes > self.max_bytes:
+            raise _Refused(
+                f"{self.url}: the keys of the manifest take more than "
+                f"{format_size(self.max_bytes)} after {len(builder):,} keys "
+                "(source.manifest_max_bytes); raise it if the manifest is real")
+
+
+def _lines(chunks: Iterable[bytes], bounds: _Bounds) -> Iterator[bytes]:
+    """The lines of a stream of chunks (without their newline), none longer than
+    :data:`MANIFEST_MAX_LINE_BYTES`: what is held is a chunk and a line."""
+    pending = bytearray()
+    for chunk in chunks:
+        parts = chunk.split(b"\n")
+        tail = parts.pop()  # the line the next chunk goes on with
+        if parts:
+            if pending:
+                pending += parts[0]
+                parts[0], pending = bytes(pending), bytearray()
+            first = bounds.lines + 1
+            bounds.count_lines(len(parts))
+            for number, line in enumerate(parts, start=first):
+                if len(line) > MANIFEST_MAX_LINE_BYTES:
+                    raise bounds.too_long(f"line {number:,}", len(line))
+                yield line
+        pending += tail
+        if len(pending) > MANIFEST_MAX_LINE_BYTES:
+            raise bounds.too_long(f"line {bounds.lines + 1:,}", len(pending))
+    if pending:
+        bounds.count_lines(1)
+        yield bytes(pending)
+
+
+def _gunzipped(chunks: Iterator[bytes], url: str) -> Iterator[bytes]:
+    try:
+        yield from gunzip_chunks(chunks, _CHUNK)
+    except (EOFError, ValueError, zlib.error) as exc:
+        raise _Refused(f"{url}: manifest is not valid gzip ({exc})") from None
+
+
+def _decode(line: bytes, number: int, url: str) -> str:
+    try:
+        return line.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _Refused(f"{url}: line {number:,}: manifest is not UTF-8 text ({exc})") from None
+
+
+def _parse_text(lines: Iterable[bytes], url: str, builder: KeyTableBuilder,
+                bounds: _Bounds) -> None:
     add = builder.add_bytes
-    for line in data.split(b"\n"):
+    for number, line in enumerate(lines, start=1):
+        if number == 1 and line.startswith(b"\xef\xbb\xbf"):
+            line = line[3:]  # a byte order mark
         key = line.strip()
         if key and not key.startswith(b"#"):
+            _decode(key, number, url)  # keys are UTF-8
             add(key)
+            bounds.check_kept(builder)
 
 
 def _add_row(builder: KeyTableBuilder, row: dict[str, Any], url: str, where: str) -> None:
     key = row.get("key")
     if key is None or str(key).strip() == "":
-        raise SourceUnavailable(f"{url}: {where}: missing 'key'; every row needs a key", url)
+        raise _Refused(f"{url}: {where}: missing 'key'; every row needs a key")
     try:
         size = row.get("size")
         size = None if size in (None, "") else int(size)
         weight = row.get("weight")
         weight = None if weight in (None, "") else float(weight)
     except (TypeError, ValueError) as exc:
-        raise SourceUnavailable(
-            f"{url}: {where}: bad size or weight ({exc}); size is bytes, weight a number >= 0", url
-        ) from exc
+        raise _Refused(
+            f"{url}: {where}: bad size or weight ({str(exc)[:200]}); size is bytes, weight a "
+            "number >= 0") from None
     if (size is not None and size < 0) or (weight is not None and not weight >= 0):
-        raise SourceUnavailable(f"{url}: {where}: size and weight must be >= 0", url)
+        raise _Refused(f"{url}: {where}: size and weight must be >= 0")
     checksum = row.get("checksum")
     checksum = None if checksum in (None, "") else str(checksum).strip().lower()
     if checksum is not None and not checksum.isascii():
-        raise SourceUnavailable(f"{url}: {where}: checksum {checksum[:80]!r} is not hex", url)
+        raise _Refused(f"{url}: {where}: checksum {checksum[:80]!r} is not hex")
     builder.add(str(key).strip(), size, weight, checksum)
 
 
-def _parse_csv(data: bytes, url: str, builder: KeyTableBuilder) -> None:
-    reader = csv.reader(io.StringIO(_text(data)))
-    header = next(reader, None)
-    names = [name.strip() for name in header or []]
-    if "key" not in names:
-        raise SourceUnavailable(
-            f"{url}: CSV manifest needs a header with a 'key' column (and optionally size, "
-            f"weight, checksum), got {header}",
-            url,
-        )
-    wanted = [(name, names.index(name)) for name in ("key", "size", "weight", "checksum")
-              if name in names]
-    for number, row in enumerate(reader, start=2):
-        if not row:
-            continue
-        values: dict[str, Any] = {name: (row[i].strip() if i < len(row) else None)
-                                   for name, i in wanted}
-        _add_row(builder, values, url, f"line {number}")
+def _parse_csv(lines: Iterable[bytes], url: str, builder: KeyTableBuilder,
+               bounds: _Bounds) -> None:
+    # A quoted field may span lines: what one row takes is bounded like a line.
+    row_bytes = 0
+
+    def text() -> Iterator[str]:
+        nonlocal row_bytes
+        for number, line in enumerate(lines, start=1):
+            if number == 1 and line.startswith(b"\xef\xbb\xbf"):
+                line = line[3:]
+            row_bytes += len(line) + 1
+            if row_bytes > MANIFEST_MAX_LINE_BYTES:
+                raise bounds.too_long(f"the CSV row ending on line {number:,}", row_bytes)
+            yield _decode(line, number, url) + "\n"
+
+    reader = csv.reader(text())
+    try:
+        header = next(reader, None)
+        names = [name.strip() for name in header or []]
+        if "key" not in names:
+            raise _Refused(
+                f"{url}: CSV manifest needs a header with a 'key' column (and optionally size, "
+                f"weight, checksum), got {str(header)[:300]}")
+        wanted = [(name, names.index(name)) for name in ("key", "size", "weight", "checksum")
+                  if name in names]
+        row_bytes = 0
+        for row in reader:
+            if row:
+                values: dict[str, Any] = {name: (row[i].strip() if i < len(row) else None)
+                                           for name, i in wanted}
+                _add_row(builder, values, url, f"line {reader.line_num:,}")
+                bounds.check_kept(builder)
+            row_bytes = 0
+    except csv.Error as exc:
+        raise _Refused(f"{url}: line {reader.line_num:,}: not CSV ({exc})") from None
 
 
-def _parse_jsonl(data: bytes, url: str, builder: KeyTableBuilder) -> None:
-    for number, line in enumerate(_text(data).splitlines(), start=1):
-        if not line.strip():
+def _parse_jsonl(lines: Iterable[bytes], url: str, builder: KeyTableBuilder,
+                 bounds: _Bounds) -> None:
+    for number, line in enumerate(lines, start=1):
+        text = _decode(line, number, url)
+        if number == 1:
+            text = text.removeprefix("\ufeff")
+        if not text.strip():
             continue
         try:
-            row = json.loads(line)
+            row = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise SourceUnavailable(f"{url}: line {number}: not JSON ({exc})", url) from exc
+            raise _Refused(f"{url}: line {number:,}: not JSON ({exc})") from None
         if isinstance(row, str):
             row = {"key": row}
         if not isinstance(row, dict):
-            raise SourceUnavailable(f"{url}: line {number}: expected an object with 'key'", url)
-        _add_row(builder, row, url, f"line {number}")
+            raise _Refused(f"{url}: line {number:,}: expected an object with 'key'")
+        _add_row(builder, row, url, f"line {number:,}")
+        bounds.check_kept(builder)
 
 
-def _parse_parquet(data: bytes, url: str, builder: KeyTableBuilder, max_rows: int) -> None:
+def _parse_parquet(handle: Any, url: str, builder: KeyTableBuilder, bounds: _Bounds) -> None:
+    """The rows of a Parquet manifest, a batch of rows at a time from its file object."""
     try:
         import pyarrow.parquet as pq
     except ImportError as exc:
@@ -262,10 +369,22 @@ def _parse_parquet(data: bytes, url: str, builder: KeyTableBuilder, max_rows: in
             ".csv/.jsonl manifest",
             url,
         ) from exc
-    table = pq.read_table(io.BytesIO(data))
-    if table.num_rows > max_rows:
-        raise SourceUnavailable(
-            f"{url}: the manifest has {table.num_rows:,} rows, more than the {max_rows:,} "
-            "allowed (source.manifest_max_lines); raise it if the manifest is real", url)
-    for number, row in enumerate(table.to_pylist(), start=1):
-        _add_row(builder, row, url, f"row {number}")
+    import pyarrow as pa
+
+    number = 0
+    try:
+        parquet = pq.ParquetFile(handle)
+        columns = [name for name in ("key", "size", "weight", "checksum")
+                   if name in parquet.schema_arrow.names]
+        for batch in parquet.iter_batches(batch_size=8192, columns=columns):
+            bounds.count_lines(batch.num_rows)
+            for row in batch.to_pylist():
+                number += 1
+                key = row.get("key")
+                if isinstance(key, (str, bytes)) and len(key) > MANIFEST_MAX_LINE_BYTES:
+                    raise bounds.too_long(f"the key of row {number:,}", len(key))
+                _add_row(builder, row, url, f"row {number:,}")
+                bounds.check_kept(builder)
+    except pa.ArrowException as exc:
+        raise _Refused(f"{url}: row {number + 1:,}: not a readable Parquet manifest "
+                       f"({str(exc)[:300]})") from None

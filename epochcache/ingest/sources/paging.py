@@ -103,14 +103,17 @@ class S3Pager(Pager):
 
 
 class WalkPager(Pager):
-    """One directory per page, depth first. Directories still to list are the state."""
+    """One directory per page, depth first. Directories still to list are the state, saved
+    relative to the root: the root of an HTTP source is its URL, whose userinfo is a
+    credential (states saved before held full paths; they are still read)."""
 
     def __init__(self, fs: fsspec.AbstractFileSystem, root: str, local: bool,
                  dirs: list[str] | None = None) -> None:
         self.fs, self.local = fs, local
         self.root = root.rstrip("/") or "/"
         self.prefix = self.root.rstrip("/") + "/"
-        self.dirs = [self.root] if dirs is None else list(dirs)  # a stack: last is next
+        # a stack: last is next
+        self.dirs = [self.root] if dirs is None else [self._absolute(d) for d in dirs]
         self.done = not self.dirs
         self._visited: set[tuple[int, int]] = set()  # local directories: links may loop
 
@@ -157,9 +160,22 @@ class WalkPager(Pager):
                     continue  # vanished meanwhile, or a dangling link: not an object
         return files, subdirs
 
+    def _absolute(self, directory: str) -> str:
+        if directory in ("", "."):
+            return self.root
+        if directory == self.root or directory.startswith(self.prefix):
+            return directory  # saved whole by an earlier version
+        return self.prefix + directory
+
+    def _relative(self, directory: str) -> str:
+        if directory == self.root:
+            return ""
+        return directory[len(self.prefix):] if directory.startswith(self.prefix) else directory
+
     @property
     def state(self) -> dict[str, Any]:
-        return {"kind": "walk", "dirs": list(self.dirs), "pages": self.pages}
+        return {"kind": "walk", "dirs": [self._relative(d) for d in self.dirs],
+                "pages": self.pages}
 
 
 def make_pager(fs: fsspec.AbstractFileSystem, root: str, local: bool,

@@ -1,179 +1,57 @@
 """The ``tar`` layout: WebDataset-style shards, a sample being the members that share a prefix.
 
-Members are grouped as webdataset does: the prefix is the member path up to the first dot of its
-basename (``a/b/000123.seg.png`` -> prefix ``a/b/000123``, field ``seg.png``), consecutive members with
-the same prefix form one sample, and field names are lowercased. The sample key is
-``"<shard key>/<prefix>"`` so keys stay unique across shards.
+Shards are listed (or brace-expanded) but not opened at listing time; fetching a shard ref reads
+the shard as a stream, member by member (:mod:`.shards`: grouping, damage, bounds), and yields
+every sample in it. A shard is never held whole: with ``on_part`` (the sampler's), its samples
+are handed over a part of ``part_bytes`` at a time as they are read, so what a shard of any
+size costs is a part, one member and the read-ahead of its stream (:data:`READ_BYTES`), and
+``sampler.max_bytes_in_flight`` bounds the parts waiting for the cache. A shard whose manifest
+names a checksum is the exception: it cannot be trusted before its last byte is read, so its
+samples are held (as much as the shard, and reserved so) until the checksum matches; the
+listed size is checked at the end of the stream (a shard that is shorter than listed keeps the
+samples read before the break; the rest is refused as damaged).
 
-Shards are listed (or brace-expanded) but not opened at listing time; fetching a shard ref reads the
-shard once and yields every sample in it. A manifest may name single samples as well as shards
-(``train-000.tar/000123``, as ``epochcache manifest`` prints an epoch's keys): their shards are
-listed, and fetching one yields only the samples the manifest names (:class:`SampleFilter`).
-Damage is contained: a sample with a truncated or invalid member becomes a
-:class:`~epochcache.errors.CorruptSample`, and a shard whose header stream breaks yields the
-samples before the break plus one ``CorruptSample`` for the rest.
+A failed read of the stream (the network) fails the shard's fetch as a whole, to be retried;
+samples already handed over are not lost (the cache skips them when they come again).
+
+A manifest may name single samples as well as shards (``train-000.tar/000123``, as
+``epochcache manifest`` prints an epoch's keys): their shards are listed, and fetching one
+yields only the samples the manifest names (:class:`SampleFilter`).
 """
 
 from __future__ import annotations
 
-import io
+import errno
 import logging
-import tarfile
-from collections.abc import Iterator
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import BinaryIO
 
 import numpy as np
 
 from ...errors import CorruptSample, SourceError, SourceUnavailable
-from ...limits import DEFAULT_MAX_SAMPLE_BYTES
-from ...units import format_size
-from ..remote import call, retry
-from .base import FetchResult, Payload, SampleRef, Source
-from .check import check_checksum, check_format, check_size
-from .keytable import KeyTable, KeyTableBuilder
+from ...limits import cut_text
+from ..localfiles import OPEN_FLAGS
+from ..remote import call, retry, translate_error, translate_errors
+from .base import STREAMED, FetchResult, SampleRef, Source
+from .check import StreamDigest
+from .keytable import KeyTable, KeyTableBuilder, head_width, key_heads
 from .manifest import expand_braces
+from .shards import MAX_FIELD_BYTES, ReadFailed, iter_shard, open_tail, sample_bytes, split_member
+
+__all__ = ["MAX_FIELD_BYTES", "TarSource", "iter_shard", "split_member"]
 
 log = logging.getLogger(__name__)
 
-#: The longest field name a record holds (its length is stored in 16 bits): a member whose
-#: name would need more is quarantined with its sample, never handed to the encoder.
-MAX_FIELD_BYTES = 0xFFFF
-#: Member names are cut to this many characters in messages (a name may be megabytes long).
-_NAME_SHOWN = 120
+#: What a remote shard's stream reads ahead (fsspec's block): the memory of one stream.
+READ_BYTES = 8 * 1024 * 1024
+#: What a fetch hands over at a time, when the caller does not say.
+PART_BYTES = 32 * 1024 * 1024
 
-
-def _shown(name: str) -> str:
-    if len(name) <= _NAME_SHOWN:
-        return repr(name)
-    return f"{name[:_NAME_SHOWN]!r}... ({len(name):,} characters)"
-
-
-def split_member(name: str) -> tuple[str, str] | None:
-    """``(prefix, field)`` of a member name as webdataset splits it, or None for names without a
-    field (no dot in the basename) or hidden files."""
-    directory, _, base = name.rpartition("/")
-    if not base or base.startswith(".") or "." not in base:
-        return None
-    stem, _, field = base.partition(".")
-    prefix = f"{directory}/{stem}" if directory else stem
-    return prefix, field.lower()
-
-
-class _Sample:
-    """The members of one sample, as they are read from a shard."""
-
-    def __init__(self, shard_key: str, prefix: str) -> None:
-        self.shard_key, self.prefix = shard_key, prefix
-        self.key = f"{shard_key}/{prefix}"
-        self.fields: dict[str, bytes] = {}
-        self.members: list[str] = []
-        self.error: str | None = None
-
-    def add(self, member: tarfile.TarInfo, field: str, value: bytes) -> None:
-        self.members.append(member.name)
-        if len(value) != member.size:
-            self.fail(f"member {_shown(member.name)} is truncated ({len(value)} of "
-                      f"{member.size} bytes)")
-        elif field in self.fields:
-            self.fail(f"duplicate field {_shown(field)} (member {_shown(member.name)})")
-        else:
-            self.fields[field] = value
-
-    def fail(self, reason: str) -> None:
-        self.error = self.error or reason  # the first problem is the one worth reporting
-
-    def result(self, check_formats: bool, url: str,
-               max_bytes: int = DEFAULT_MAX_SAMPLE_BYTES) -> tuple[SampleRef, Payload | CorruptSample]:
-        ref = SampleRef(self.key, shard=self.shard_key, members=tuple(self.members))
-        if self.error is not None:
-            return ref, CorruptSample(f"{self.key}: {self.error} (in shard {self.shard_key})", url,
-                                      self.key)
-        if check_formats:
-            try:
-                for name, value in self.fields.items():
-                    check_format(self.key, name, value, url, max_bytes)
-            except CorruptSample as exc:
-                return ref, exc
-        return ref, self.fields
-
-
-def _shard_failure(shard_key: str, reason: str, url: str) -> tuple[SampleRef, CorruptSample]:
-    return SampleRef(shard_key, shard=shard_key), CorruptSample(f"{shard_key}: {reason}", url,
-                                                                shard_key)
-
-
-def _members(archive: tarfile.TarFile) -> Iterator[tuple[tarfile.TarInfo, str, str]]:
-    """``(member, prefix, field)`` of every file member that names a field, in order."""
-    while (member := archive.next()) is not None:
-        split = split_member(member.name) if member.isfile() else None
-        if split is not None:
-            yield member, split[0], split[1]
-
-
-def _ends_cleanly(data: bytes, offset: int) -> bool:
-    # tarfile reads a truncated or garbled header after the first member as a normal end of
-    # archive, so what follows the last member must be the zero end-of-archive marker.
-    tail = data[offset:]
-    return len(tail) >= 512 and not tail.strip(b"\0")
-
-
-def iter_shard(
-    shard_key: str, data: bytes, *, check_formats: bool = True, url: str = "",
-    max_bytes: int = DEFAULT_MAX_SAMPLE_BYTES,
-) -> Iterator[tuple[SampleRef, Payload | CorruptSample]]:
-    """Yield ``(ref, fields or CorruptSample)`` for every sample of an in-memory tar shard.
-
-    A member larger than ``max_bytes`` is not read: its sample becomes a CorruptSample.
-    """
-    try:
-        # Not a `with`: the generator yields between open and close; `finally` below closes it.
-        archive = tarfile.open(fileobj=io.BytesIO(data), mode="r:")  # noqa: SIM115
-    except (tarfile.TarError, EOFError, OSError) as exc:
-        yield _shard_failure(shard_key, f"not a readable tar shard ({exc})", url)
-        return
-    sample: _Sample | None = None
-    count = 0
-    try:
-        for member, prefix, field in _members(archive):
-            if sample is None or prefix != sample.prefix:
-                if sample is not None:
-                    count += 1
-                    yield sample.result(check_formats, url, max_bytes)  # it is whole
-                sample = _Sample(shard_key, prefix)
-            if member.size > max_bytes:
-                sample.members.append(member.name)
-                sample.fail(f"member {_shown(member.name)} is {format_size(member.size)}, larger "
-                            f"than the {format_size(max_bytes)} a sample may be "
-                            "(loader.max_sample_bytes, or cache.capacity when smaller)")
-                continue
-            if len(field.encode("utf-8", "surrogateescape")) > MAX_FIELD_BYTES:
-                sample.members.append(member.name)
-                sample.fail(f"member {_shown(member.name)} has a field name of "
-                            f"{len(field.encode('utf-8', 'surrogateescape')):,} bytes; a record "
-                            f"holds field names of up to {MAX_FIELD_BYTES:,} bytes")
-                continue
-            handle = archive.extractfile(member)
-            sample.add(member, field, handle.read() if handle is not None else b"")
-    except (tarfile.TarError, EOFError, OSError) as exc:
-        # The header stream is broken: the sample in progress cannot be trusted, and nothing
-        # after it can be found. Earlier samples were yielded and stay valid.
-        reason = f"shard is truncated or damaged after {count} samples ({type(exc).__name__}: {exc})"
-        if sample is None:
-            yield _shard_failure(shard_key, reason, url)
-        else:
-            sample.fail(reason)
-            yield sample.result(check_formats, url, max_bytes)
-        return
-    finally:
-        archive.close()
-    if not _ends_cleanly(data, archive.offset):
-        reason = (f"shard is truncated or damaged after {count} samples (no end-of-archive marker "
-                  f"at byte {archive.offset} of {len(data)})")
-        if sample is None:
-            yield _shard_failure(shard_key, reason, url)
-            return
-        sample.fail(reason)
-    if sample is not None:
-        yield sample.result(check_formats, url, max_bytes)
+#: Called with the results of a part of a shard, in the fetching thread; it may block (the
+#: sampler waits there for room in its in-flight budget).
+OnPart = Callable[[list[FetchResult]], None]
 
 
 #: What separates a shard's key from a sample's name in a sample key (``<shard>.tar/<name>``).
@@ -191,8 +69,10 @@ def split_sample_key(key: str) -> tuple[str, str] | None:
 
 class SampleFilter:
     """The samples a manifest names inside shards: a shard it names whole yields every
-    sample; one it names samples of yields those only. Held as one sorted array of keys (a
-    few bytes more than the keys, no object per key).
+    sample; one it names samples of yields those only. The sample keys are held as sorted
+    fixed-width heads of the usual key's width plus the few longer keys as they are
+    (:func:`~.keytable.head_width`): memory follows the keys' bytes, never their count times
+    the longest (a manifest is someone else's input).
 
     Args:
         table: the manifest's refs.
@@ -200,31 +80,38 @@ class SampleFilter:
 
     def __init__(self, table: KeyTable) -> None:
         whole: set[str] = set()
-        samples: list[bytes] = []
+        samples = KeyTableBuilder()
+        shards: set[str] = set()
         for key in table.keys():
-            if split_sample_key(key) is None:
+            split = split_sample_key(key)
+            if split is None:
                 whole.add(key)
             else:
-                samples.append(key.encode("utf-8"))
+                samples.add(key)
+                shards.add(split[0])
         self.whole = whole
-        width = max((len(k) for k in samples), default=1)
-        self._samples = np.sort(np.array(samples, dtype=f"S{max(1, width)}"))
-        self.shards = sorted(whole | {split_sample_key(k.decode("utf-8"))[0]  # type: ignore[index]
-                                      for k in samples})
+        self.shards = sorted(whole | shards)
+        named = samples.build()
+        lengths = named.lengths()
+        self._width = head_width(lengths)
+        short = np.flatnonzero(lengths <= self._width)
+        self._heads = np.sort(key_heads(named.blob, named.offsets, short, self._width))
+        self._long = {named.blob[int(named.offsets[i]) : int(named.offsets[i + 1])]
+                      for i in np.flatnonzero(lengths > self._width).tolist()}
 
     @property
     def filters(self) -> bool:
         """Whether the manifest names any single sample."""
-        return bool(len(self._samples))
+        return bool(len(self._heads) or self._long)
 
     def wants(self, shard: str, sample_key: str) -> bool:
         if shard in self.whole:
             return True
         raw = sample_key.encode("utf-8")
-        if len(raw) > self._samples.dtype.itemsize:
-            return False
-        at = int(np.searchsorted(self._samples, raw))
-        return at < len(self._samples) and bytes(self._samples[at]) == raw
+        if len(raw) > self._width:
+            return raw in self._long
+        at = int(np.searchsorted(self._heads, raw))
+        return at < len(self._heads) and bytes(self._heads[at]) == raw
 
 
 class TarSource(Source):
@@ -283,26 +170,137 @@ class TarSource(Source):
             self._filter = SampleFilter(self._read_manifest())
         return self._filter
 
-    def _unpack(self, ref: SampleRef, url: str, data: bytes) -> list[FetchResult]:
-        """Every sample of one shard (that its manifest names). Shards are read whole:
-        ``timeout_s`` bounds one shard's download, and a fetch holds its shards in memory, so
-        samplers fetch few at a time."""
-        try:
-            if "size" in self.checks:
-                check_size(ref.key, data, ref.size, url)
-            if "checksum" in self.checks:
-                check_checksum(ref.key, data, ref.checksum, url)
-        except CorruptSample as exc:
-            log.warning("%s: corrupt shard: %s", url, exc)
-            return [(ref, exc)]
-        group: list[FetchResult] = []
-        for sample_ref, payload in iter_shard(ref.key, data, check_formats="format" in self.checks,
-                                              url=url, max_bytes=self.max_sample_bytes):
-            if isinstance(payload, CorruptSample):
-                log.warning("%s: corrupt sample: %s", url, payload)
-            group.append((sample_ref, payload))
+    def fetch_grouped(self, refs: Sequence[SampleRef], on_part: OnPart | None = None,
+                      part_bytes: int = PART_BYTES) -> list[list[FetchResult]]:
+        """Every sample of each shard in ``refs``, one list per shard, the shards streamed at
+        once (up to ``concurrency``). With ``on_part``, a shard's samples go to it a part of
+        ``part_bytes`` at a time as they are read, and stand in the list as ``STREAMED``
+        (see the module docstring)."""
+        resolved: dict[str, str] = {}  # see Source.refusal
+        refused = {i: error for i, ref in enumerate(refs)
+                   if (error := self.refusal(ref, resolved))}
+        todo = [ref for i, ref in enumerate(refs) if i not in refused]
+
+        def one(ref: SampleRef) -> list[FetchResult]:
+            return self._stream_shard(ref, resolved, on_part, part_bytes)
+
+        if len(todo) > 1:
+            with ThreadPoolExecutor(max_workers=min(len(todo), self.concurrency),
+                                    thread_name_prefix="epochcache-shard") as pool:
+                groups = iter(list(pool.map(one, todo)))
+        else:
+            groups = iter([one(ref) for ref in todo])
+        return [[(ref, refused[i])] if i in refused else next(groups) for i, ref in enumerate(refs)]
+
+    def held_bytes(self, ref: SampleRef, size: int, part_bytes: int) -> int:
+        """Nothing up front: each part takes its bytes when it is handed over (a reservation
+        could fill the budget that the shard's own parts wait for). A shard whose checksum
+        must be verified first is held whole: all of it."""
+        return size if self._verified_first(ref) else 0
+
+    def _verified_first(self, ref: SampleRef) -> bool:
+        return bool(ref.checksum) and "checksum" in self.checks
+
+    def _stream_shard(self, ref: SampleRef, resolved: dict[str, str], on_part: OnPart | None,
+                      part_bytes: int) -> list[FetchResult]:
+        url = self.object_url(ref.key)
+        digest = None
+        if self._verified_first(ref):
+            assert ref.checksum is not None
+            try:
+                digest = StreamDigest(ref.key, ref.checksum, url)
+            except CorruptSample as exc:
+                return [(ref, exc)]
+        # A checksum is known only at the end: such a shard is held until then.
+        streams = on_part is not None and digest is None
         wanted = self.sample_filter()
         if wanted is not None and wanted.filters and ref.key not in wanted.whole:
-            group = [(sample_ref, payload) for sample_ref, payload in group
-                     if sample_ref.key == ref.key or wanted.wants(ref.key, sample_ref.key)]
-        return group
+            def wants(key: str) -> bool:
+                return key == ref.key or wanted.wants(ref.key, key)
+        else:
+            def wants(key: str) -> bool:
+                return True
+        try:
+            raw = self._open_shard(ref, resolved)
+        except SourceError as exc:
+            return [(ref, exc)]
+
+        def on_bytes(data: bytes) -> None:
+            if digest is not None:
+                digest.update(data)
+            self._throttle(len(data))
+
+        tail = open_tail(raw, on_bytes)
+        handed: list[FetchResult] = []  # stand-ins of the samples on_part has
+        pending: list[FetchResult] = []
+        held = 0
+        stand_in = SampleRef(ref.key, shard=ref.key)  # one for all: no key or names kept
+        try:
+            with raw:
+                for sample_ref, payload in iter_shard(
+                        ref.key, tail, check_formats="format" in self.checks, url=url,
+                        max_bytes=self.max_sample_bytes, tail=tail):
+                    if isinstance(payload, CorruptSample):
+                        log.warning("%s: corrupt sample: %s", url, cut_text(str(payload)))
+                    elif not wants(sample_ref.key):
+                        continue  # a manifest names other samples of this shard
+                    pending.append((sample_ref, payload))
+                    held += sample_bytes(sample_ref, payload)
+                    if streams and held >= part_bytes:
+                        assert on_part is not None
+                        on_part(pending)
+                        handed.extend((stand_in, STREAMED) for _ in pending)
+                        pending, held = [], 0
+                if ("size" in self.checks and ref.size is not None) or digest is not None:
+                    tail.drain()  # what follows the archive counts too
+        except ReadFailed as exc:
+            error = translate_error(exc.__cause__ or exc, url)
+            return [*handed, (ref, error)] if handed else [(ref, error)]
+        problem = None
+        if "size" in self.checks and ref.size is not None and tail.count != ref.size:
+            problem = CorruptSample(
+                f"{ref.key}: size mismatch: got {tail.count} bytes, the listing says {ref.size} "
+                "(truncated or changed object)", url, ref.key)
+        elif digest is not None:
+            problem = digest.mismatch()
+        if problem is not None:
+            log.warning("%s", cut_text(f"{url}: corrupt shard: {problem}", keys=(ref.key,)))
+            return [*handed, (ref, problem)]  # what was not handed over is dropped
+        if streams and pending:
+            assert on_part is not None
+            on_part(pending)
+            handed.extend((stand_in, STREAMED) for _ in pending)
+            pending = []
+        return handed + pending
+
+    def _open_shard(self, ref: SampleRef, resolved: dict[str, str]) -> BinaryIO:
+        """The shard as a stream: a local file opened at the path its root check resolved (a
+        link met here is checked like one met by a read: see Source._read_local), else the
+        remote object read ahead :data:`READ_BYTES` at a time (over HTTP, one streamed GET).
+
+        Raises:
+            SourceError: it cannot be opened (translated, URL named); a ``CorruptSample`` when
+                a link leads out of the root.
+        """
+        path = self.object_path(ref.key)
+        url = self.object_url(ref.key)
+        if self._local_root is not None:
+            path = resolved.get(path, path)
+            try:
+                try:
+                    fd = os.open(path, OPEN_FLAGS)
+                except OSError as exc:
+                    if exc.errno != errno.ELOOP:
+                        raise
+                    real = os.path.realpath(path)
+                    if self._outside_root(real):
+                        raise self._leaves_root(ref.key, f"it resolves to {real}") from None
+                    fd = os.open(real, OPEN_FLAGS)
+                return os.fdopen(fd, "rb", buffering=1024 * 1024)
+            except OSError as exc:
+                raise translate_error(exc, url) from exc
+        protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
+        block = 0 if protocol in ("http", "https") else READ_BYTES
+        with translate_errors(url):
+            handle: BinaryIO = self.fs.open(path, "rb", block_size=block)
+        return handle
