@@ -392,7 +392,7 @@ def test_wait_true_times_out_with_cache_full(make_cache: MakeCache) -> None:
     with pytest.raises(CacheFull):
         cache.put("late", content_for("late", 2000, compressible=False), timeout_s=0.3)
     elapsed = time.monotonic() - start
-    assert 0.3 <= elapsed < 5
+    assert 0.3 <= elapsed < 60  # waited its timeout, and not for good
     assert "late" not in cache
     snap.release()
 
@@ -409,7 +409,7 @@ def test_stop_event_ends_the_wait(make_cache: MakeCache) -> None:
             cache.put("late", content_for("late", 2000, compressible=False), stop=stop)
     finally:
         timer.cancel()
-    assert time.monotonic() - start < 10
+    assert time.monotonic() - start < 60  # the stop ended the wait (it has no timeout)
     snap.release()
 
 

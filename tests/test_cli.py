@@ -136,5 +136,5 @@ def test_run_with_a_bad_source_fails_before_importing_torch(
     assert done.returncode == 2, done.stdout + done.stderr
     assert "s3://no-such-bucket/train" in done.stderr and "Traceback" not in done.stderr
     assert "TORCH False" in done.stdout, done.stdout
-    assert elapsed < 15, elapsed  # seconds, not a hang (about 2-3 s here; torch adds 1-5 s)
+    assert elapsed < 90, elapsed  # not a hang (about 2-3 s idle; torch adds 1-5 s; load more)
     assert not (tmp_path / "run").exists()

@@ -251,7 +251,8 @@ def test_bad_source_fails_fast_with_the_url_and_starts_nothing(
     elapsed = time.monotonic() - start
     logs = daemon.logs()
     assert code == 2, logs
-    assert elapsed < 10, f"took {elapsed:.1f}s to fail"  # includes interpreter start-up
+    # Not the samplers' minutes of retries; includes interpreter start-up (seconds under load).
+    assert elapsed < 60, f"took {elapsed:.1f}s to fail"
     assert url in logs, logs
     assert options["secret"] not in logs and options["key"] not in logs
     assert daemon.session_pids() == []  # no sampler was started

@@ -64,15 +64,13 @@ def test_a_hung_read_times_out_and_later_batches_are_not_held_up(tmp_path: Path)
         started = time.monotonic()
         got = reader.read_many([paths[0], str(tmp_path / "hang"), paths[1]], [None] * 3,
                                timeout_s=0.5)
-        assert time.monotonic() - started < 3
+        assert time.monotonic() - started < 30  # its timeout, not the FIFO's forever
         assert got[0] == Path(paths[0]).read_bytes()
         # One lane: the file after the hung one waits behind it and times out with it.
         assert isinstance(got[1], TimeoutError) and isinstance(got[2], TimeoutError)
-        for _ in range(3):
-            started = time.monotonic()
+        for _ in range(3):  # held up behind the hung lane, they would time out (not bytes)
             assert reader.read_many(paths[1:], [None, None], timeout_s=5) == [
                 Path(p).read_bytes() for p in paths[1:]]
-            assert time.monotonic() - started < 2
     finally:
         with open(tmp_path / "hang", "wb"):  # lets the hung thread finish
             pass

@@ -205,7 +205,7 @@ class SourceContract:
         start = time.monotonic()
         with pytest.raises(SourceUnavailable) as info:
             open_source(backend.source("e", pattern="*.npy")).list_keys()
-        assert time.monotonic() - start < 5
+        assert time.monotonic() - start < 60  # not minutes of retries (a loaded machine: ~8 s)
         assert backend.url("e") in str(info.value) and "*.npy" in str(info.value)
         assert "source.pattern" in str(info.value)
 
@@ -213,7 +213,7 @@ class SourceContract:
         start = time.monotonic()
         with pytest.raises(SourceUnavailable) as info:
             open_source(backend.source("does-not-exist")).list_keys()
-        assert time.monotonic() - start < 5
+        assert time.monotonic() - start < 60  # not minutes of retries (a loaded machine: ~8 s)
         assert "does-not-exist" in str(info.value)
 
     def test_listing_cache_round_trip(
