@@ -54,6 +54,7 @@ import yaml
 from common.jobs import Job, describe, wait_for
 from common.writer import npy_bytes, sample_array
 from epochcache import Cache
+from epochcache.errors import CacheFull
 
 pytestmark = [
     pytest.mark.timeout(900),
@@ -67,7 +68,7 @@ TRAINERS = REPO / "tests" / "common" / "matrix"
 SAMPLES = 300  # per epoch: 30 batches of 10 (15 per rank under torchrun)
 BATCH = 10
 CAPACITY = "150KiB"  # ~400 samples of ~380 B: the epoch, and room for a writer to churn
-TURNOVER = 700  # samples the writer inserts while the job is down (more than the capacity)
+TURNOVER = 700  # the most samples the writer inserts while the job is down
 WRITER_BASE = 100_000  # the writer's sample ids
 STOP_EPOCH = 1
 EPOCHS = 3
@@ -192,6 +193,7 @@ class Cell:
     notes: list[str] = field(default_factory=list)
     jobs: list[Job] = field(default_factory=list)
     laps: list[str] = field(default_factory=list)
+    headroom_samples: int = 0
     _lap: float = 0.0
 
     @property
@@ -225,14 +227,14 @@ class Cell:
             _put(self.cache_dir, [(_key(self.way, i), i) for i in range(SAMPLES)])
 
     def reference(self) -> list[list[list[int]]]:
-        """The batches of epochs 0..4 of an uninterrupted StatefulDataLoader over the stream
+        """The batches of epochs 0..2 of an uninterrupted StatefulDataLoader over the stream
         (the same seed and workers as the trainer's)."""
         from torchdata.stateful_dataloader import StatefulDataLoader
 
         cache = Cache(str(self.cache_dir), sync=False)
         stream = cache.stream(seed=3)
         loader = StatefulDataLoader(stream, batch_size=BATCH, num_workers=self.way.workers)
-        epochs = [[[int(v) for v in batch[:, 0]] for batch in loader] for _ in range(5)]
+        epochs = [[[int(v) for v in batch[:, 0]] for batch in loader] for _ in range(EPOCHS)]
         stream.close()
         cache.close()
         return epochs
@@ -347,8 +349,22 @@ class Cell:
         return Checkpoint(int(mine["epoch"]), int(mine["batches"]), _leases_in(saved))
 
     def turn_over(self) -> None:
-        _put(self.cache_dir, [(f"t/{i:07d}.npy", i) for i in
-                              range(WRITER_BASE, WRITER_BASE + TURNOVER)])
+        """Insert new samples until the writer would have to wait: every sample no lease
+        protects is evicted by then (eviction never takes one newer than every snapshot, so
+        a writer then waits for the next epoch's snapshot; here none comes)."""
+        cache = Cache(str(self.cache_dir), sync=False)
+        inserted, before = 0, cache.counters().evicted
+        try:
+            for start in range(WRITER_BASE, WRITER_BASE + TURNOVER, 10):
+                cache.put_many([(f"t/{i:07d}.npy", npy_bytes(sample_array(i)))
+                                for i in range(start, start + 10)], wait=False)
+                inserted += 10
+        except CacheFull as exc:
+            inserted += len(getattr(exc.result, "seqs", ()))
+        finally:
+            evicted = cache.counters().evicted - before
+            cache.close()
+        self.notes.append(f"the writer inserted {inserted} samples, evicting {evicted}")
 
     def cached(self) -> tuple[set[int], set[str]]:
         """The sample ids cached now, and the leases held."""
@@ -358,16 +374,21 @@ class Cell:
             keys = [_key(self.way, i) if i < WRITER_BASE else f"t/{i:07d}.npy" for i in ids]
             present = {i for i, there in zip(ids, cache.contains_many(keys)) if there}
             leases = {lease.lease_id for lease in cache.leases()}
+            stats = cache.stats()
+            # A snapshot takes the newest samples that fit the capacity: a cache filled into
+            # its headroom leaves this many of its oldest out.
+            self.headroom_samples = -(-stats["headroom"] * stats["samples"] // stats["bytes"])
         finally:
             cache.close()
         return present, leases
 
     # -- the checks -------------------------------------------------------------------------
 
-    def check_rank(self, rank: int, saved: Checkpoint, present: set[int],
+    def check_rank(self, rank: int, saved: Checkpoint, present: set[int], end: set[int],
                    refs: list[list[list[int]]] | None) -> tuple[int, list[int]]:
         """Check one rank's resumed epoch and the next; returns (samples evicted from the rest
-        of the epoch, the next epoch's samples)."""
+        of the epoch, the next epoch's samples). ``present``: the samples cached at the
+        resume; ``end``: when the resumed job ended."""
         epoch, where = saved.epoch, f"rank {rank}: "
         rows = self.rows(rank)
         first = [r for r in rows if r["phase"] == "first" and r.get("epoch") == epoch]
@@ -381,10 +402,10 @@ class Cell:
             matches = [k for k, ref in enumerate(refs) if ref[: len(before)] == before]
             if not matches:
                 self.problems.append(f"{where}epoch {epoch} of the interrupted job matches no "
-                                     f"uninterrupted epoch of the same stream (0..4)")
+                                     f"uninterrupted epoch of the same stream")
                 return 0, []
             ref = refs[matches[0]]
-            self.notes.append(f"fit epoch {epoch} was the stream's epoch {matches[0]}")
+            self.notes.append(f"the job's epoch {epoch} was the stream's epoch {matches[0]}")
             order = _flat(ref)
             workers = max(self.way.workers, 1)
             lanes = [_flat(ref[w::workers]) for w in range(workers)]
@@ -418,15 +439,24 @@ class Cell:
         if twice:
             self.problems.append(f"{where}epoch {epoch + 1} trained {len(twice)} samples more "
                                  f"than once (e.g. {twice[:5]})")
-        if self.way.run:
-            planned = next((r["order"] for r in later if "order" in r
-                            and r["epoch"] == epoch + 1), [])
+        planned = next((r["order"] for r in later if "order" in r
+                        and r["epoch"] == epoch + 1), None)
+        if planned is not None:
             if sorted(ids) != sorted(planned):
                 self.problems.append(f"{where}epoch {epoch + 1} trained {len(ids)} samples, its "
                                      f"snapshot holds {len(planned)}")
-        elif ids and sorted(ids) != sorted(present):
-            self.problems.append(f"{where}epoch {epoch + 1} trained {len(set(ids))} distinct "
-                                 f"samples, the cache held {len(present)}")
+        elif ids:
+            # Without the snapshot's list (stream()): every sample cached from the resume to
+            # the end of the job but the oldest that did not fit the capacity (samples are
+            # inserted in the order of their ids), and only samples cached at the resume.
+            left = end - set(ids)
+            if (set(ids) - present or len(left) > self.headroom_samples
+                    or left and max(left) > min(ids)):
+                self.problems.append(
+                    f"{where}epoch {epoch + 1} is not a full epoch: {len(left)} samples cached "
+                    f"throughout were left out (e.g. {sorted(left)[-6:]}; the oldest "
+                    f"{self.headroom_samples} may be), {len(set(ids) - present)} trained that "
+                    f"were not cached")
         return len(gone), ids
 
     def lap(self, what: str) -> None:
@@ -463,9 +493,10 @@ class Cell:
         warnings = [line.strip() for line in stderr.splitlines()
                     if "lease" in line and ("gone" in line or "afresh" in line)]
         self.notes.extend(warnings[:4])
+        end, _leases = self.cached()
         evicted, nexts = 0, []
         for rank in range(self.way.ranks):
-            gone, ids = self.check_rank(rank, saved, present, refs)
+            gone, ids = self.check_rank(rank, saved, present, end, refs)
             evicted += gone
             nexts.extend(ids)
         if self.way.ranks > 1 and len(set(nexts)) != len(nexts):
@@ -545,8 +576,9 @@ def test_resume_matrix(tmp_path: Path, way: str, stop: str, state: str) -> None:
     started = time.monotonic()
     try:
         cell.run()
-    except AssertionError as exc:
-        cell.problems.append(str(exc))
+    except Exception as exc:  # the harness's own failures are the cell's too
+        cell.problems.append(str(exc) if isinstance(exc, AssertionError)
+                             else f"{type(exc).__name__}: {exc}")
     finally:
         left = set().union(*(job.close() for job in cell.jobs)) if cell.jobs else set()
         if left:
