@@ -278,21 +278,29 @@ class Cell:
                 pass
         return rows
 
-    def _marks(self, kind: str) -> list[dict[str, Any]]:
-        found = []
+    def _marks(self, kind: str) -> dict[int, dict[str, Any]]:
+        """Each rank's first row of ``kind`` (``stop``, ``exit``) in the first job."""
+        found = {}
         for rank in range(self.way.ranks):
             mine = [r for r in self.rows(rank) if r.get(kind) and r["phase"] == "first"]
             if mine:
-                found.append(mine[0])
-        return found if len(found) == self.way.ranks else []
+                found[rank] = mine[0]
+        return found
 
     def stop_first(self, job: Job) -> None:
         """Wait for the stop point, stop the job the cell's way, and wait until no process
         of it is left."""
         kind = "exit" if self.stop == "exit_after_checkpoint" else "stop"
-        marks = wait_for(lambda: self._marks(kind) or job.returncode() is not None, START_S,
-                         f"{self.way.name}: the stop point")
-        if marks is True:
+
+        def reached() -> bool:
+            # Every rank at its stop point; or, where the trainers stop themselves, the job
+            # ended (a rank's peers may be ended by torchrun before they log theirs).
+            marks = self._marks(kind)
+            return len(marks) == self.way.ranks or job.returncode() is not None
+
+        wait_for(reached, START_S, f"{self.way.name}: the stop point")
+        marks = self._marks(kind)
+        if 0 not in marks:
             raise AssertionError(f"{self.way.name}: the job exited ({job.returncode()}) before "
                                  f"its stop point:\n{job.stderr()[-4000:]}")
         if self.stop == "sigterm":
@@ -337,7 +345,8 @@ class Cell:
             saved = torch.load(self.run_dir / "checkpoint.pt", weights_only=True)
             mid = saved.get("resume")
             if not mid:
-                raise AssertionError(f"no mid-epoch position in the checkpoint: {saved}")
+                raise AssertionError(f"the last checkpoint (of epoch {saved.get('epoch')}) has no "
+                                     f"mid-epoch position: the job went on past its stop point")
             return Checkpoint(int(mid["epoch"]), int(mid["batches"]), _leases_in(mid))
         if self.way.name == "lightning":
             import torch
@@ -346,6 +355,9 @@ class Cell:
             mine = saved["matrix"]
         else:
             saved = mine = pickle.loads((self.run_dir / "checkpoint.pkl").read_bytes())
+        if "loader" not in mine and "matrix" not in saved:
+            raise AssertionError(f"the last checkpoint is not one in the middle of an epoch "
+                                 f"({sorted(mine)}): the job went on past its stop point")
         return Checkpoint(int(mine["epoch"]), int(mine["batches"]), _leases_in(saved))
 
     def turn_over(self) -> None:

@@ -106,6 +106,12 @@ def describe(pids: Sequence[int] | set[int]) -> str:
     return ", ".join(parts) or "none"
 
 
+def _default_sigint() -> None:
+    # As a job started from a terminal: pytest-xdist's workers ignore SIGINT, and a process
+    # inherits that (epochcache run then keeps ignoring it, as a shell's background job).
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Job:
     """A job started in a session of its own, its output in files under ``logdir``.
 
@@ -125,7 +131,8 @@ class Job:
         self._files: list[IO[Any]] = [open(self.out_path, "wb"), open(self.err_path, "wb")]
         self.popen = subprocess.Popen(
             list(argv), cwd=cwd, env={**env, MARKER: self.marker}, stdin=subprocess.DEVNULL,
-            stdout=self._files[0], stderr=self._files[1], start_new_session=True)
+            stdout=self._files[0], stderr=self._files[1], start_new_session=True,
+            preexec_fn=_default_sigint)
 
     @property
     def pid(self) -> int:

@@ -1,9 +1,10 @@
 """Trainer of the resume matrix for ``epochcache run`` (``train.entrypoint:
 run_trainer:train_epoch``), one rank or several under torchrun.
 
-The run checkpoints by itself (``train.checkpoint_every_s``); the trainer reads where the last
-checkpoint was from the loader (``loader.midepoch``) to place its stop: the first batch past
-``STOP_AT`` with a checkpoint behind it in the epoch. Under torchrun the ranks agree on every
+The run checkpoints by itself (``train.checkpoint_every_s``: 0.2 s); the trainer pauses after
+``EXIT_FROM`` batches of the stop epoch so that one checkpoint comes there, and reads where
+the last checkpoint was from the loader (``loader.midepoch``) to place its stop: the first
+batch past ``STOP_AT`` with a checkpoint behind it in the epoch. Under torchrun the ranks agree on every
 checkpoint, so all of them stop at the same batch.
 """
 
@@ -38,7 +39,11 @@ def train_epoch(run: Any, epoch: int, loader: Any) -> dict[str, float]:
                 sys.exit(0)  # a plain exit of the job, right after its checkpoint
         log.write(epoch=epoch, batch=i, ids=tio.ids(batch))
         tio.step(model, opt, batch)
-        time.sleep(0.02)  # a few checkpoints (every checkpoint_every_s) per epoch
+        time.sleep(0.02)
+        if epoch == tio.STOP_EPOCH and i + 1 == tio.EXIT_FROM:
+            # Longer than train.checkpoint_every_s: the run checkpoints after this batch
+            # whatever the machine's speed (others come every 0.2 s).
+            time.sleep(0.3)
         if not stopped and i + 1 >= tio.STOP_AT and saved > 0 and tio.stop_due(epoch):
             stopped = True
             tio.stop_here(log, epoch, i + 1)
