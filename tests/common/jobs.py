@@ -1,12 +1,10 @@
 """A job under test and every process it starts: found, signalled and killed the ways a
 cluster stops a job (issue 26, items 6 and 7).
 
-A job is started in a session of its own with a marker in its environment
-(``EPOCHCACHE_TEST_JOB=<id>``). Every process it starts inherits the marker, whatever session,
-process group or parent it ends up in: torchrun starts its ranks in sessions of their own (so
-``killpg`` of the job's group misses them), and a process whose parent died is re-parented to
-init (so a walk of the tree from the root misses it). "Every process of the job" is therefore
-the marker's processes plus the root's descendants, read from /proc; zombies are dead.
+A job is started in a session of its own with a tag in its environment (see
+:mod:`common.procs`, which finds a job's processes by the tag, the process tree and the
+sessions it leads: torchrun starts its ranks in sessions of their own, and a process whose
+parent died is re-parented to init).
 
 Synchronisation is by conditions polled with generous deadlines (:func:`wait_for`), never by
 sleeping a fixed time.
@@ -18,12 +16,11 @@ import os
 import signal
 import subprocess
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
-MARKER = "EPOCHCACHE_TEST_JOB"
+from common.procs import cmdline, freeze_and_kill, job_procs, job_tag, proc_stat
 
 T = TypeVar("T")
 
@@ -42,68 +39,9 @@ def wait_for(condition: Callable[[], T], timeout_s: float, what: str,
         time.sleep(poll_s)
 
 
-def _stat(pid: int) -> tuple[str, int] | None:
-    """``(state, parent pid)`` of a process, None once it is gone."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_bytes()
-    except OSError:
-        return None
-    # The command name is in parentheses and may hold anything: split after the last one.
-    fields = raw[raw.rindex(b")") + 2 :].split()
-    return fields[0].decode(), int(fields[1])
-
-
-def _pids() -> list[int]:
-    return [int(name) for name in os.listdir("/proc") if name.isdigit()]
-
-
-def alive(pid: int) -> bool:
-    """The process exists and is not a zombie."""
-    stat = _stat(pid)
-    return stat is not None and stat[0] != "Z"
-
-
-def marked(marker: str) -> set[int]:
-    """Live processes whose environment holds ``EPOCHCACHE_TEST_JOB=marker``."""
-    needle = f"{MARKER}={marker}".encode()
-    found = set()
-    for pid in _pids():
-        try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes()
-        except OSError:  # gone, or another user's
-            continue
-        if needle in environ.split(b"\0") and alive(pid):
-            found.add(pid)
-    return found
-
-
-def descendants(root: int) -> set[int]:
-    """Live processes below ``root`` in the process tree (not ``root`` itself)."""
-    children: dict[int, list[int]] = {}
-    for pid in _pids():
-        stat = _stat(pid)
-        if stat is not None and stat[0] != "Z":
-            children.setdefault(stat[1], []).append(pid)
-    found: set[int] = set()
-    todo = [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            if child not in found:
-                found.add(child)
-                todo.append(child)
-    return found
-
-
 def describe(pids: Sequence[int] | set[int]) -> str:
     """``pid (command line)`` for each process, for a failure message."""
-    parts = []
-    for pid in sorted(pids):
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            cmd = "?"
-        parts.append(f"{pid} ({cmd.strip()[:120]})")
-    return ", ".join(parts) or "none"
+    return ", ".join(f"{pid} ({cmdline(pid, 120)})" for pid in sorted(pids)) or "none"
 
 
 def _default_sigint() -> None:
@@ -115,10 +53,13 @@ def _default_sigint() -> None:
 class Job:
     """A job started in a session of its own, its output in files under ``logdir``.
 
+    Its processes are found and killed with :mod:`common.procs` (a tag in the environment,
+    the process tree and the sessions it leads).
+
     Args:
         argv: the command.
         cwd: its working directory.
-        env: its environment (the marker is added).
+        env: its environment (the tag is added).
         name: names its output files (``NAME.out``, ``NAME.err``).
         logdir: where they go.
     """
@@ -126,13 +67,15 @@ class Job:
     def __init__(self, argv: Sequence[str], *, cwd: Path, env: dict[str, str], name: str,
                  logdir: Path) -> None:
         self.name = name
-        self.marker = uuid.uuid4().hex
+        self.tag = job_tag()
         self.out_path, self.err_path = logdir / f"{name}.out", logdir / f"{name}.err"
         self._files: list[IO[Any]] = [open(self.out_path, "wb"), open(self.err_path, "wb")]
         self.popen = subprocess.Popen(
-            list(argv), cwd=cwd, env={**env, MARKER: self.marker}, stdin=subprocess.DEVNULL,
-            stdout=self._files[0], stderr=self._files[1], start_new_session=True,
-            preexec_fn=_default_sigint)
+            list(argv), cwd=cwd, env={**env, self.tag[0]: self.tag[1]},
+            stdin=subprocess.DEVNULL, stdout=self._files[0], stderr=self._files[1],
+            start_new_session=True, preexec_fn=_default_sigint)
+        root = proc_stat(self.popen.pid)
+        self._roots = {} if root is None else {root.pid: root.start}
 
     @property
     def pid(self) -> int:
@@ -143,12 +86,9 @@ class Job:
         return self.popen.poll()
 
     def processes(self) -> set[int]:
-        """Every live process of the job (see the module docstring), the root included."""
+        """Every live process of the job, the root included."""
         self.popen.poll()  # a root that exited is reaped, not counted as a zombie
-        found = marked(self.marker) | descendants(self.pid)
-        if self.popen.returncode is None and alive(self.pid):
-            found.add(self.pid)
-        return found
+        return {stat.pid for stat in job_procs(self._roots, self.tag)}
 
     def signal_group(self, signum: int) -> None:
         """Send ``signum`` to the job's process group (a terminal's Ctrl-C; Slurm, torchrun
@@ -166,35 +106,19 @@ class Job:
             pass
 
     def kill_all(self, timeout_s: float = 60.0) -> set[int]:
-        """SIGKILL every process of the job at once (a node failure) and wait until none is
-        left; returns the processes killed.
-
-        Each process found is frozen first (SIGSTOP), so none can start another or react to
-        its parent's death before it is killed; the search is repeated until it finds nothing
-        new.
+        """SIGKILL every process of the job at once (a node failure; frozen first, so none
+        escapes: :func:`common.procs.freeze_and_kill`) and wait until none is left; returns
+        the processes killed.
 
         Raises:
             AssertionError: some process survived ``timeout_s``.
         """
-        frozen: set[int] = set()
-        while True:
-            found = self.processes() - frozen
-            if not found:
-                break
-            for pid in found:
-                try:
-                    os.kill(pid, signal.SIGSTOP)
-                except ProcessLookupError:
-                    pass
-            frozen |= found
-        for pid in frozen:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        left = self.wait_gone(timeout_s)
-        assert not left, f"{self.name}: still running after SIGKILL: {describe(left)}"
-        return frozen
+        killed = self.processes()
+        left = freeze_and_kill(self._roots, self.tag, timeout_s)
+        self.popen.poll()
+        assert not left, f"{self.name}: still running after SIGKILL: " \
+            f"{describe([stat.pid for stat in left])}"
+        return killed
 
     def wait_exit(self, timeout_s: float) -> int | None:
         """The root's exit status, or None if it still runs after ``timeout_s``."""
