@@ -540,7 +540,8 @@ class CacheStream(IterableDataset[Any]):
             raise snapshot_gone(reader, share.lease or "", share.epoch, exc) from exc
         if evicted:
             log.warning("stream epoch %d: %d samples of the interrupted epoch were evicted "
-                        "before it was read again and were skipped", share.epoch, evicted)
+                        "before the %s and were skipped", share.epoch, evicted,
+                        "new iteration" if share.restarted else "resume")
 
     def _read_present(self, chunk: np.ndarray, kept: list[int]) -> tuple[list[Any], int]:
         """Read ``chunk``, skipping the samples no longer cached; also how many those were."""
