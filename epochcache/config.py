@@ -5,7 +5,7 @@ A YAML file with five sections (and an optional sixth, ``daemon``); only ``sourc
 
     source:  {url: "s3://bucket/train/", layout: files, pattern: "*.npy", storage_options: {}}
     cache:   {dir: /nvme/epochcache, capacity: 200GiB}
-    sampler: {processes: 2, concurrency: 16, strategy: uniform, seed: 0}
+    sampler: {processes: 2, concurrency: auto, strategy: uniform, seed: 0}
     loader:  {batch_size: 64, num_workers: null, decode: auto, allow_pickle: false}
     train:   {epochs: 10, min_samples: 1000, entrypoint: "epochcache.examples:train_epoch"}
 
@@ -292,10 +292,16 @@ class SamplerConfig(_Section):
     """
 
     processes: int = Field(default=2, ge=1, le=256, description="sampler subprocesses")
-    concurrency: int = Field(
-        default=16, ge=1, le=1024,
-        description="requests in flight per sampler and source (local files: one reader while "
-                    "reads are quick)",
+    concurrency: Annotated[int, Field(ge=1, le=1024)] | Literal["auto"] = Field(
+        default="auto",
+        description="requests in flight per sampler and source: auto finds it (grows while "
+                    "throughput grows, backs off on throttling and timeouts), a number fixes it "
+                    "(local files: one reader while reads are quick)",
+    )
+    max_requests_per_s: Annotated[float, Field(gt=0)] | None = Field(
+        default=None,
+        description="requests per second the node's samplers may send in all, retries "
+                    "included (null: no budget; a throttling remote is adapted to either way)",
     )
     strategy: Literal["uniform", "weighted"] = Field(
         default="uniform",

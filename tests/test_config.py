@@ -37,7 +37,7 @@ def test_minimal_config_gets_defaults(tmp_path: Path) -> None:
     assert config.cache.capacity == 200 * 2**30
     assert config.cache.headroom_bytes == int(200 * 2**30 * 0.1)
     assert config.source.layout == "files" and config.source.effective_pattern == "**"
-    assert config.sampler.processes == 2 and config.sampler.concurrency == 16
+    assert config.sampler.processes == 2 and config.sampler.concurrency == "auto"
     assert config.source.timeout_s == 30.0 and config.source.retries == 5
     assert config.loader.batch_size == 64 and config.loader.allow_pickle is False
     assert config.train.entrypoint == "epochcache.examples:train_epoch"

@@ -29,7 +29,8 @@ if TYPE_CHECKING:
 
 
 class FlakyHandler(http.server.BaseHTTPRequestHandler):
-    """``/flaky-N/x`` fails with 503 N times, ``/slow`` sleeps 3 s, ``/missing`` 404, ``/forbidden`` 403."""
+    """``/flaky-N/x`` fails with 500 N times, ``/busy-N/x`` answers 429 (Too Many Requests) N
+    times, ``/slow`` sleeps 3 s, ``/missing`` 404, ``/forbidden`` 403."""
 
     hits: ClassVar[Counter[str]] = Counter()
 
@@ -38,7 +39,10 @@ class FlakyHandler(http.server.BaseHTTPRequestHandler):
         count = self.hits[self.path]
         if self.path.startswith("/flaky-"):
             failures = int(self.path.split("-")[1].split("/")[0])
-            status = 503 if count <= failures else 200
+            status = 500 if count <= failures else 200
+        elif self.path.startswith("/busy-"):
+            failures = int(self.path.split("-")[1].split("/")[0])
+            status = 429 if count <= failures else 200
         elif self.path == "/slow":
             time.sleep(3)
             status = 200
@@ -300,6 +304,27 @@ def test_source_fetch_with_retries_refetches_only_transient_failures(http_server
     )
     assert FlakyHandler.hits["/flaky-2/a"] == 3 and FlakyHandler.hits["/missing"] == 1
     assert FlakyHandler.hits["/ok/1"] == 1 and FlakyHandler.hits["/flaky-9/b"] == 4
+
+
+def test_a_throttled_object_is_asked_for_again_past_the_retry_attempts(http_server: str) -> None:
+    """A 429 is the remote's rate, not the object's fault: the same key is asked for again
+    (after a backoff) until it is served, however many attempts that takes, and each answer
+    is counted."""
+    from epochcache.errors import Throttled
+    from epochcache.ingest.sources import SampleRef, SourceSpec, open_source
+
+    source = open_source(SourceSpec(url=http_server, checks=(), retries=2), concurrency=4)
+    refs = [SampleRef("busy-6/a"), SampleRef("ok/2")]
+    outcome = {r.key: v for r, v in source.fetch_with_retries(refs, attempts=2, base_s=0.01)}
+    assert outcome == {"busy-6/a": b"payload:/busy-6/a", "ok/2": b"payload:/ok/2"}
+    assert FlakyHandler.hits["/busy-6/a"] == 7
+    counted = source.gate.stats.as_dict()
+    assert counted["gets"] == 8 and counted["throttled"] == 6 and counted["retries"] == 6
+    # ... within a deadline: past it, the key fails (transiently: fetched again on a later pass)
+    source.throttled_for_s = 0.3
+    [(_ref, error)] = source.fetch_with_retries([SampleRef("busy-99/b")], attempts=2)
+    assert isinstance(error, Throttled) and "busy-99/b" in str(error)
+    assert isinstance(error, SourceUnavailable)  # transient: never quarantined
 
 
 def test_configured_source_wires_sampler_settings(tmp_path: Any) -> None:

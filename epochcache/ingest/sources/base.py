@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from ...errors import CorruptSample, SourceError
+from ...errors import CorruptSample, SourceError, Throttled
 from ...limits import (
     DEFAULT_MANIFEST_MAX_BYTES,
     DEFAULT_MANIFEST_MAX_LINES,
@@ -46,6 +46,8 @@ from ...limits import (
 )
 from ...redact import redact_options, redact_url
 from ...units import format_size
+from ..concurrency import FixedConcurrency
+from ..gate import RequestGate
 from ..localfiles import LocalFiles
 from ..remote import (
     TRANSIENT_ERRORS,
@@ -162,7 +164,9 @@ class Source(abc.ABC):
 
     Args:
         spec: where the dataset is and how to read it.
-        concurrency: requests in flight in one :meth:`fetch_many` call.
+        concurrency: requests in flight at most (its :attr:`gate` may be replaced by one with an
+            ``auto`` concurrency, a request budget and shared counters: the sampler's feed
+            does).
         checks: content checks to run (``size``, ``checksum``, ``format``); defaults to
             ``spec.checks``; ``()`` turns them off.
         bandwidth_limit: bytes per second this source may read on average (this process only).
@@ -183,7 +187,10 @@ class Source(abc.ABC):
         if concurrency < 1:
             raise ValueError(f"concurrency: must be at least 1, got {concurrency}")
         self.spec = spec
-        self.concurrency = concurrency
+        #: every object read passes through it (requests in flight, pace, budget, counting)
+        self.gate = RequestGate(FixedConcurrency(concurrency))
+        #: how long a throttled object is asked for again before it counts as failed
+        self.throttled_for_s = spec.timeout_s * 4
         self.checks = frozenset(spec.checks if checks is None else checks)
         self.limiter = BandwidthLimiter(bandwidth_limit) if bandwidth_limit else None
         # What messages, logs and the cache show: credentials in the URL masked. fsspec gets
@@ -204,6 +211,11 @@ class Source(abc.ABC):
         self._root_prefix = (self._local_root or "/").rstrip("/") + "/"
         # ...and read with the OS's calls, not through fsspec and a thread per file (see there).
         self._local_files = LocalFiles(concurrency) if local else None
+
+    @property
+    def concurrency(self) -> int:
+        """Requests in flight at most, now."""
+        return self.gate.slots
 
     # -- listing ---------------------------------------------------------------------------------
 
@@ -249,10 +261,12 @@ class Source(abc.ABC):
         fetched: list[bytes | SourceError]
         if self._local_files is not None:
             fetched = self._read_local(todo, [resolved.get(p, p) for p in paths], limits, urls)
+            self.gate.stats.add(gets=len(todo), bytes=sum(
+                len(value) for value in fetched if isinstance(value, bytes)))
         else:
-            fetched = fetch_many(self.fs, paths, concurrency=self.concurrency,
-                                 timeout_s=self.spec.timeout_s,
-                                 url_of=dict(zip(paths, urls)).__getitem__, limits=limits)
+            fetched = fetch_many(self.fs, paths, timeout_s=self.spec.timeout_s,
+                                 url_of=dict(zip(paths, urls)).__getitem__, limits=limits,
+                                 gate=self.gate, throttled_for_s=self.throttled_for_s)
         self._throttle(sum(len(value) for value in fetched if isinstance(value, bytes)))
         done: Iterator[list[FetchResult]] = iter([
             [(ref, value)] if isinstance(value, SourceError) else self._unpack(ref, url, value)
@@ -353,7 +367,9 @@ class Source(abc.ABC):
         """:meth:`fetch_many`, re-fetching refs that failed transiently (``SourceUnavailable``,
         ``RemoteTimeout``) with exponential backoff and full jitter, until ``attempts``
         (default ``spec.retries``) or ``deadline_s`` run out. Permanent and corrupt results are
-        final at once. Whatever still fails is returned as its last error.
+        final at once, and so is a ref still throttled after its own retries (the request gate
+        asked for it again for :attr:`throttled_for_s`). Whatever still fails is returned as
+        its last error.
         """
         attempts = self.spec.retries if attempts is None else attempts
         start = time.monotonic()
@@ -369,6 +385,7 @@ class Source(abc.ABC):
                     len(group) == 1
                     and group[0][0] is refs[index]
                     and isinstance(group[0][1], TRANSIENT_ERRORS)
+                    and not (isinstance(group[0][1], Throttled) and self.throttled_for_s)
                 ):
                     retry_next.append(index)
             pending = retry_next
@@ -381,6 +398,7 @@ class Source(abc.ABC):
             log.info(
                 "%s: %d transient failures; retrying in %.2fs", self.url, len(pending), delay
             )
+            self.gate.stats.add(retries=len(pending))
             sleep(delay)
         return [result for group in groups for result in group]
 
