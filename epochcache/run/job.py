@@ -38,6 +38,7 @@ from ..errors import ConfigError, DaemonAlreadyRunning
 from ..ingest.daemon import Daemon, DaemonLock
 from ..ingest.metrics import MetricsServer, require_prometheus
 from ..redact import redact_url
+from ..store.status import describe_requests, request_delta, request_totals
 from .context import RunContext, TimedLoader
 from .midepoch import MidEpoch
 from .midepoch import loader_state as loader_state_of
@@ -283,6 +284,7 @@ class Run:
 
     def _run_epoch(self, cache: Cache, context: RunContext, epoch: int, loader: Any) -> None:
         before = cache.counters()
+        requests_before = request_totals(cache)
         mark = self.turnover.mark(cache)
         self.progress.epoch = epoch
         every = self.config.train.checkpoint_every_s
@@ -312,6 +314,11 @@ class Run:
             "cache_bytes": after.bytes,
             "evicted": after.evicted - before.evicted,
             **turnover,
+            # what the epoch cost the remote, per source (the samplers' counters: see
+            # docs/howto/monitoring.md), and in all
+            "requests": (requests := request_delta(requests_before, request_totals(cache))),
+            "remote_requests": sum(int(v["gets"] + v["lists"]) for v in requests.values()),
+            "remote_bytes": sum(int(v["bytes"]) for v in requests.values()),
             "time": time.time(),
         }
         self.metrics.append(row)
@@ -330,6 +337,8 @@ class Run:
             timed.batches, elapsed, 100 * row["data_wait_fraction"], format_size(after.bytes), after.samples,
             row["evicted"], turnover["new_samples"], "n/a" if wait is None else f"{100 * wait:.0f}%",
         )
+        for name, values in sorted(requests.items()):
+            log.info("epoch %d: remote %s: %s", epoch, name, describe_requests(values))
 
     def write_plots(self) -> Path | None:
         from ..plot import INSTALL_HINT, available, plot_run

@@ -211,8 +211,8 @@ class RemoteProxy:
                     self.stats.in_flight -= 1
                 if not keep:
                     return
-        except (ConnectionError, asyncio.IncompleteReadError, OSError):
-            return
+        except (ConnectionError, asyncio.IncompleteReadError, OSError, asyncio.CancelledError):
+            return  # the client went away, or the proxy is closing
         finally:
             for w in (writer, upstream[1] if upstream else None):
                 if w is not None:
