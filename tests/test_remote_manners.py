@@ -74,6 +74,8 @@ def test_a_throttling_bucket_still_fills_the_cache_with_503s_counted(
     assert 0 < live["concurrency"] < 1024 and live["pace"] < 200
     wait_for(lambda: cache_len(cache_dir) == len(keys), 180, "the whole bucket cached")
     assert proxy.stats.throttled > 0  # the remote did throttle
+    # (the health documents follow the commits within a second)
+    wait_for(lambda: fetch_health(cache_dir)[2] == len(keys), 30, "the samplers' counts")
     errors, quarantined, fetched = fetch_health(cache_dir)
     # a 503 is a rate to adapt to: the same keys were asked for again, none failed or was
     # quarantined
@@ -134,7 +136,8 @@ def test_a_throttled_source_does_not_hold_back_the_other(
     data = yaml.safe_load(config.read_text())
     base = data.pop("source")
     data["sources"] = [
-        {**base, "name": name, "url": s3.url(name),
+        # timeout_s as by default: a batch of the throttled source is slow, not stalled
+        {**base, "name": name, "url": s3.url(name), "timeout_s": 30,
          "storage_options": {**s3.storage_options, "endpoint_url": proxy.endpoint}}
         for name, proxy in (("slow", throttling), ("fast", plain))]
     config.write_text(yaml.safe_dump(data))

@@ -61,6 +61,11 @@ class RequestBudget:
 
     def reserve(self) -> float:
         """Reserve one request; the seconds to wait before sending it (0: now)."""
+        now, start = self.reserve_at()
+        return max(0.0, start - now)
+
+    def reserve_at(self) -> tuple[float, float]:
+        """Reserve one request: ``(now, the instant it may go)`` in ``time.monotonic()``."""
         interval = 1.0 / self.per_s
         fcntl.flock(self._fd, fcntl.LOCK_EX)
         try:
@@ -73,7 +78,7 @@ class RequestBudget:
             _LAYOUT.pack_into(self._map, 0, start + interval)
         finally:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
-        return max(0.0, start - now)
+        return now, start
 
     def close(self) -> None:
         self._map.close()
