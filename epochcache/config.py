@@ -136,6 +136,12 @@ class SourceConfig(_Section):
         description="passed to the fsspec filesystem (s3fs: key, secret, endpoint_url, ...); "
                     "credential-like values are masked everywhere",
     )
+    client: Literal["auto", "s3fs", "obstore"] = Field(
+        default="auto",
+        description="who reads an s3:// source's objects: obstore costs a fraction of s3fs's "
+                    "CPU per request; auto: obstore where installed and its storage_options "
+                    "map onto it, else s3fs (listing is s3fs's either way)",
+    )
     timeout_s: Duration = Field(
         default=30.0,
         description="timeout of every remote call (of every page of a listing)",

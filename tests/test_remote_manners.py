@@ -55,8 +55,9 @@ def fetch_health(cache_dir: Path) -> tuple[int, int, int]:
             sum(s["fetched"] for s in states))
 
 
+@pytest.mark.parametrize("client", ["s3fs", "obstore"])
 def test_a_throttling_bucket_still_fills_the_cache_with_503s_counted(
-        s3: S3Env, tmp_path: Path, start_daemon: Any, remote_proxy: Any) -> None:
+        s3: S3Env, tmp_path: Path, start_daemon: Any, remote_proxy: Any, client: str) -> None:
     keys = upload(s3.url, s3.storage_options, "train", 200, "files")
     # 30 GETs/s, a burst of 3: far below what one sampler asks at 20 ms (400/s at its start)
     proxy = remote_proxy(s3.endpoint_url, latency_s=0.02, rate_per_s=30, burst=3)
@@ -65,6 +66,7 @@ def test_a_throttling_bucket_still_fills_the_cache_with_503s_counted(
     config = write_config(
         tmp_path / "cfg.yaml", url=s3.url("train"), cache_dir=cache_dir,
         storage_options={**s3.storage_options, "endpoint_url": proxy.endpoint},
+        source={"client": client},
         sampler={"processes": 1, "concurrency": "auto", "batch_size": 64})
     daemon = start_daemon(config, daemon_args=("--metrics-port", str(port)))
     wait_running(daemon, cache_dir)

@@ -29,6 +29,7 @@ def source_spec(config: SourceConfig) -> SourceSpec:
         checks=tuple(config.checks),
         manifest_max_bytes=config.manifest_max_bytes,
         manifest_max_lines=config.manifest_max_lines,
+        client=config.client,
     )
 
 

@@ -13,7 +13,8 @@ Everything that touches a remote goes through this module so that three rules ho
 
 * only transient errors are retried, by :func:`retry`, with exponential backoff, full jitter, bounded
   attempts and an overall deadline. Filesystems are built so that s3fs and botocore do not retry
-  underneath us (``max_attempts=1``, ``fs.retries=1``): one owner of retrying keeps the timing honest.
+  underneath us (``total_max_attempts=1``, ``fs.retries=1``): one owner of retrying keeps the timing
+  honest (and the count of requests true).
 
 Credentials in ``storage_options`` never reach a log line: use
 :func:`epochcache.redact.redact_options` whenever options could be printed.
@@ -72,7 +73,9 @@ def open_fs(
         config_kwargs = dict(options.pop("config_kwargs", None) or {})
         config_kwargs.setdefault("connect_timeout", connect_timeout_s)
         config_kwargs.setdefault("read_timeout", timeout_s)
-        config_kwargs.setdefault("retries", {"max_attempts": 1, "mode": "standard"})
+        # total_max_attempts counts the first request; max_attempts counts retries (1 was one
+        # retry under us: a 503 asked twice, the second never counted or backed off by us)
+        config_kwargs.setdefault("retries", {"total_max_attempts": 1, "mode": "standard"})
         options["config_kwargs"] = config_kwargs
         # s3fs >= 2024 sends a HEAD before every whole-object GET when max_concurrency > 1 (to
         # split big objects into ranged reads): two round trips per sample. Samples are small

@@ -38,6 +38,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+import fsspec
+
 from ...errors import CorruptSample, SourceError, Throttled
 from ...limits import (
     DEFAULT_MANIFEST_MAX_BYTES,
@@ -46,6 +48,7 @@ from ...limits import (
 )
 from ...redact import redact_options, redact_url
 from ...units import format_size
+from ..clients import obstore_filesystem, resolve_client
 from ..concurrency import FixedConcurrency
 from ..gate import RequestGate
 from ..localfiles import LocalFiles
@@ -94,6 +97,8 @@ class SourceSpec:
             gzip or zip check decompresses; larger ones are quarantined, not downloaded.
         manifest_max_bytes: the largest manifest read (and decompressed).
         manifest_max_lines: the most lines a manifest may have.
+        client: who reads an ``s3://`` source's objects: ``auto``, ``s3fs`` or ``obstore``
+            (:mod:`..clients`).
     """
 
     url: str
@@ -111,6 +116,7 @@ class SourceSpec:
     max_sample_bytes: int = DEFAULT_MAX_SAMPLE_BYTES
     manifest_max_bytes: int = DEFAULT_MANIFEST_MAX_BYTES
     manifest_max_lines: int = DEFAULT_MANIFEST_MAX_LINES
+    client: str = "auto"
 
     @property
     def effective_pattern(self) -> str:
@@ -202,6 +208,12 @@ class Source(abc.ABC):
             timeout_s=spec.timeout_s,
             connect_timeout_s=spec.connect_timeout_s,
         )
+        # Who reads the objects (listing stays with self.fs): obstore's settings, or None.
+        self._obstore = resolve_client(spec.client, spec.url, spec.storage_options,
+                                       field=f"source.client of {self.url}",
+                                       timeout_s=spec.timeout_s,
+                                       connect_timeout_s=spec.connect_timeout_s)
+        self._fetch_fs: fsspec.AbstractFileSystem | None = None
         self.max_sample_bytes = spec.max_sample_bytes
         protocol = self.fs.protocol
         protocols = (protocol,) if isinstance(protocol, str) else tuple(protocol)
@@ -216,6 +228,23 @@ class Source(abc.ABC):
     def concurrency(self) -> int:
         """Requests in flight at most, now."""
         return self.gate.slots
+
+    @property
+    def client(self) -> str:
+        """Who reads the objects: ``obstore``, or the filesystem's protocol (s3fs: ``s3``)."""
+        if self._obstore is not None:
+            return "obstore"
+        protocol = self.fs.protocol
+        return protocol if isinstance(protocol, str) else protocol[0]
+
+    @property
+    def fetch_fs(self) -> fsspec.AbstractFileSystem:
+        """The filesystem objects are read with (made at the first read: a daemon that only
+        lists never builds it)."""
+        if self._fetch_fs is None:
+            self._fetch_fs = (self.fs if self._obstore is None
+                              else obstore_filesystem(self._obstore))
+        return self._fetch_fs
 
     # -- listing ---------------------------------------------------------------------------------
 
@@ -264,7 +293,7 @@ class Source(abc.ABC):
             self.gate.stats.add(gets=len(todo), bytes=sum(
                 len(value) for value in fetched if isinstance(value, bytes)))
         else:
-            fetched = fetch_many(self.fs, paths, timeout_s=self.spec.timeout_s,
+            fetched = fetch_many(self.fetch_fs, paths, timeout_s=self.spec.timeout_s,
                                  url_of=dict(zip(paths, urls)).__getitem__, limits=limits,
                                  gate=self.gate, throttled_for_s=self.throttled_for_s)
         self._throttle(sum(len(value) for value in fetched if isinstance(value, bytes)))
