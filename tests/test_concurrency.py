@@ -57,8 +57,10 @@ class Run:
 
 
 def simulate(make: Callable[[Callable[[], float]], Any], remote: Remote, *, clients: int = 1,
-             seconds: float = 30.0, seed: int = 0) -> Run:
-    """``clients`` controls (as many sampler processes) sharing one remote."""
+             seconds: float = 30.0, seed: int = 0, first_request_s: float = 0.0) -> Run:
+    """``clients`` controls (as many sampler processes) sharing one remote; the controls are
+    made at time 0 and send their first requests at ``first_request_s`` (a sampler lists or
+    loads its listing first)."""
     rng = random.Random(seed)
     now = 0.0
 
@@ -66,6 +68,7 @@ def simulate(make: Callable[[Callable[[], float]], Any], remote: Remote, *, clie
         return now
 
     controls = [make(clock) for _ in range(clients)]
+    now = first_request_s
     events: list[tuple[float, int, str, int, float]] = []
     seq = 0
     tat = 0.0
@@ -176,6 +179,13 @@ def test_a_throttling_remote_is_paced_just_below_its_rate(rate: float) -> None:
     assert run.throttled < 0.1 * run.sent
 
 
+def test_a_throttled_start_after_a_long_listing_is_paced_at_the_remote_rate() -> None:
+    """The control made seconds before the first request (the listing) must not read that
+    gap as a rate: it would pace the sampler at a request a second."""
+    run = simulate(auto, Remote(rate=100.0, cpu_s=0.0002), first_request_s=5.0, seconds=35.0)
+    assert run.goodput >= 0.9 * 100
+
+
 def test_two_samplers_share_a_throttled_remote() -> None:
     remote = Remote(rate=400.0, cpu_s=0.0001)
     run = simulate(auto, remote, clients=2)
@@ -256,3 +266,22 @@ def test_a_sampler_killed_while_holding_the_budget_does_not_wedge_the_others(
             holder.wait()
     with pytest.raises(ValueError, match="max_requests_per_s"):
         RequestBudget(path, 0)
+
+
+def test_the_samplers_of_a_daemon_share_one_pace_per_source(tmp_path: Path) -> None:
+    """Two samplers' controls on one shared pace: a back-off seen by one slows both, their
+    requests get instants of one schedule, and once one has nothing to fetch the other has
+    the whole rate (its own share would leave the remote's rate half used)."""
+    from epochcache.ingest.pace import Pace, SharedPaceState
+
+    now = [100.0]
+    first = Pace(SharedPaceState.in_cache(tmp_path, "web"), clock=lambda: now[0])
+    second = Pace(SharedPaceState.in_cache(tmp_path, "web"), clock=lambda: now[0])
+    other = Pace(SharedPaceState.in_cache(tmp_path, "books"), clock=lambda: now[0])
+    assert first.reserve() == 0.0 and first.rate is None  # not paced before throttling
+    assert first.back_off(share=0.5, first=100.0)
+    assert first.rate == pytest.approx(70.0)  # 100 x the least factor (0.7)
+    assert not second.back_off(share=0.1, first=100.0)  # within HOLD_S of the first
+    waits = [pace.reserve() for pace in (first, second, first, second)]
+    assert waits == pytest.approx([0, 1 / 70, 2 / 70, 3 / 70], rel=0.05)
+    assert second.rate is not None and other.reserve() == 0.0  # another source: its own

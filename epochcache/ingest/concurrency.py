@@ -13,13 +13,12 @@ away, and no fixed number fits both, nor a bucket that throttles. ``sampler.conc
   settles where more requests bring nothing (a busy CPU, the link's bandwidth, the byte budget);
 * **back-off**: a throttled answer (503 SlowDown, 429) or a timeout backs off at once (at most
   once per round trip): a probe goes back to the limit that was fine; a timeout multiplies the
-  limit by :data:`BACKOFF`; a throttled answer *paces* the requests at :data:`PACE_BACKOFF` of
-  the rate that was getting through, a pace that then grows by :data:`PACE_GROWTH` a round
-  while it holds requests back (additive increase, multiplicative decrease, on the rate: a
-  remote that throttles at 100 requests/s with 20 ms latency needs two requests in flight, a
-  window too coarse to settle on). A limit that was throttled is remembered as a ceiling that
-  later probes approach by halving the distance. So a throttled sampler settles just below the
-  remote's rate instead of sawing between it and a fraction of it;
+  limit by :data:`BACKOFF`; a throttled answer *paces* the source's requests (:mod:`.pace`:
+  AIMD on the rate, shared by the daemon's samplers: a remote that throttles at 100 requests/s
+  with 20 ms of latency needs two requests in flight, a window too coarse to settle on). A
+  limit that was throttled is remembered as a ceiling that later probes approach by halving
+  the distance. So a throttled sampler settles just below the remote's rate instead of sawing
+  between it and a fraction of it;
 * the limit stays within ``[1, cap]``; the cap is ``sampler.max_bytes_in_flight`` over the mean
   object size (and at most :data:`MAX_CONCURRENCY`).
 
@@ -41,6 +40,8 @@ import enum
 import time
 from collections import deque
 from collections.abc import Callable
+
+from .pace import Pace
 
 #: The most requests in flight per source and sampler process (``sampler.concurrency``'s range).
 MAX_CONCURRENCY = 1024
@@ -64,12 +65,6 @@ MIN_ROUND_S = 0.05
 MIN_ROUND_REQUESTS = 8
 #: ... and a ceiling learnt from throttling is forgotten after this long without throttling.
 CEILING_FORGET_S = 60.0
-#: Throttled, requests are paced at this fraction of the rate that was getting through...
-PACE_BACKOFF = 0.85
-#: ... and the pace grows by this fraction (at least PACE_STEP_MIN/s) per round it held them back;
-PACE_GROWTH, PACE_STEP_MIN = 0.03, 0.5
-#: a pace that held nothing back for this long is dropped.
-PACE_FORGET_S = 30.0
 
 
 class Outcome(enum.IntEnum):
@@ -134,12 +129,14 @@ class AutoConcurrency(FixedConcurrency):
         start: the first limit.
         cap: the highest limit (see :meth:`set_cap`).
         clock: seconds, monotonic (injected by tests).
+        pacer: the source's pace after throttling (default: this process's own).
     """
 
     auto = True
 
     def __init__(self, start: int = START_LIMIT, cap: int = MAX_CONCURRENCY,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 pacer: Pace | None = None) -> None:
         super().__init__(max(1, min(start, cap)))
         self.cap = max(1, cap)
         self._clock = clock
@@ -153,11 +150,8 @@ class AutoConcurrency(FixedConcurrency):
         self._ceiling_at = float("-inf")
         self._hold_since, self._hold_s = now, HOLD_S
         self._last_backoff = float("-inf")
-        #: requests per second when throttled (None: not paced), see :meth:`reserve`
-        self.pace: float | None = None
-        self._pace_tat = 0.0
-        self._paced_at = float("-inf")  # when the pace last held a request back
-        self._round_paced = False
+        self.pacer = pacer if pacer is not None else Pace(clock=clock)
+        self._since_ok = self._since_throttled = 0  # answers since the last back-off
         self._ok_rate = 0.0  # successful requests per second, of the last round
         self._rtt = 0.0  # smoothed latency of successful requests
         # The round after a change of the limit (and the first) is not judged: its requests
@@ -175,20 +169,21 @@ class AutoConcurrency(FixedConcurrency):
 
     # -- the gate's calls -------------------------------------------------------------------
 
+    @property
+    def pace(self) -> float | None:
+        """Requests per second after throttling (None: not paced)."""
+        return self.pacer.rate
+
     def reserve(self) -> float:
-        """Seconds the next request must wait for the pace (0 when not paced); the request is
-        counted as sent at that time."""
-        if self.pace is None:
-            return 0.0
-        now = self._clock()
-        start = max(self._pace_tat, now)
-        self._pace_tat = start + 1.0 / self.pace
-        wait = start - now
-        if wait > 0:
-            self._round_paced, self._paced_at = True, now
-        return wait
+        """Seconds the next request must wait for the pace (0 when not paced)."""
+        return self.pacer.reserve()
 
     def started(self) -> None:
+        if not self.in_flight:
+            # nothing was in flight (the start, or the sampler had no work): a round that
+            # spanned the gap would understate the rate
+            self._new_round(self._clock())
+            self._settling = True
         self.in_flight += 1
         if self.in_flight > self._round_peak:
             self._round_peak = self.in_flight
@@ -198,11 +193,16 @@ class AutoConcurrency(FixedConcurrency):
         now = self._clock()
         if outcome in (Outcome.THROTTLED, Outcome.TIMEOUT):
             self.throttled_at = now
+            self._since_throttled += 1
+            if outcome == Outcome.THROTTLED:
+                self._pace_back_off(now)
+            # the window: once per round trip
             if now - self._last_backoff >= max(MIN_ROUND_S, 2 * self._rtt):
                 self._back_off(now, outcome)
             return
         if outcome != Outcome.OK:
             return
+        self._since_ok += 1
         self._rtt = latency_s if not self._rtt else 0.9 * self._rtt + 0.1 * latency_s
         self._round_done += 1
         self._round_bytes += nbytes
@@ -213,9 +213,7 @@ class AutoConcurrency(FixedConcurrency):
             rate = (self._round_bytes or self._round_done) / elapsed
             self._ok_rate = self._round_done / elapsed
             full = self._round_peak >= self.slots
-            paced = self._round_paced
             self._new_round(now)
-            self._tend_pace(now, paced)
             if self._settling:
                 self._settling = False
             else:
@@ -230,15 +228,6 @@ class AutoConcurrency(FixedConcurrency):
     def _new_round(self, now: float) -> None:
         self._round_start, self._round_done, self._round_bytes = now, 0, 0
         self._round_peak = self.in_flight
-        self._round_paced = False
-
-    def _tend_pace(self, now: float, paced: bool) -> None:
-        if self.pace is None:
-            return
-        if paced:
-            self.pace += max(PACE_STEP_MIN, self.pace * PACE_GROWTH)
-        elif now - self._paced_at > PACE_FORGET_S:
-            self.pace = None  # demand stayed below it: the remote's rate is not the limit now
 
     def _set(self, limit: float) -> None:
         limit = max(1.0, min(float(self.cap), limit))
@@ -256,14 +245,6 @@ class AutoConcurrency(FixedConcurrency):
         self._last_backoff = now
         self.backoffs += 1
         self._ceiling, self._ceiling_at = self.limit, now
-        if outcome == Outcome.THROTTLED:
-            # the rate getting through: this round's so far, else the last round's
-            elapsed = now - self._round_start
-            measured = self._round_done / elapsed if elapsed >= MIN_ROUND_S else self._ok_rate
-            if not measured:
-                measured = self.slots / max(self._rtt, MIN_ROUND_S)
-            self.pace = max(PACE_STEP_MIN, min(self.pace or measured, measured) * PACE_BACKOFF)
-            self._paced_at = now
         if self.phase == Phase.PROBE:
             self._set(self._base_limit)  # the step was too much: back to what was fine
         elif outcome == Outcome.TIMEOUT:
@@ -272,6 +253,16 @@ class AutoConcurrency(FixedConcurrency):
         self._hold_s = HOLD_S
         self._hold(now)
         self._new_round(now)
+
+    def _pace_back_off(self, now: float) -> None:
+        """Slow the pace by the share of answers not throttled (see :mod:`.pace`)."""
+        answered = self._since_ok + self._since_throttled
+        share = self._since_ok / answered if answered else 1.0
+        # the rate that was getting through: this round's so far, else the last round's
+        elapsed = now - self._round_start
+        first = max(self._ok_rate, self._round_done / elapsed if elapsed >= MIN_ROUND_S else 0.0)
+        if self.pacer.back_off(share, first or self.slots / max(self._rtt, MIN_ROUND_S)):
+            self._since_ok = self._since_throttled = 0
 
     def _judge(self, now: float, rate: float, full: bool) -> None:
         if self._ceiling is not None and now - self._ceiling_at > CEILING_FORGET_S:

@@ -49,11 +49,12 @@ from ..errors import (
     Throttled,
 )
 from ..store import SampleStore
-from .accounting import RequestStats
+from .accounting import RequestStats, source_label
 from .budget import RequestBudget
 from .concurrency import AutoConcurrency, FixedConcurrency
 from .from_config import open_configured_source
 from .gate import RequestGate
+from .pace import Pace, SharedPaceState
 from .idle import IdleState
 from .inflight import SizeEstimate
 from .keyorder import KeyOrder, key_hashes
@@ -159,9 +160,11 @@ class Feed:
         self.sizes = SizeEstimate(self.table.known_sizes(), batch_bytes)
         # Requests in flight: sampler.concurrency per source and sampler process, shared by
         # the batches being fetched; `auto` finds the number (.concurrency).
+        # After throttling, the source's pace is one for all the daemon's samplers (.pace).
         wanted = config.sampler.concurrency
-        control = (FixedConcurrency(wanted) if isinstance(wanted, int)
-                   else AutoConcurrency(cap=self._byte_cap()))
+        control = (FixedConcurrency(wanted) if isinstance(wanted, int) else AutoConcurrency(
+            cap=self._byte_cap(),
+            pacer=Pace(SharedPaceState.in_cache(cache_dir, source_label(self.name)))))
         self.source.gate = RequestGate(control, RequestStats(saved_requests), budget)
         self.source.throttled_for_s = entry.config.timeout_s * 4
         self.deadline_s = entry.config.timeout_s * 4

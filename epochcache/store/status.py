@@ -57,8 +57,9 @@ REQUEST_GAUGES = ("concurrency", "pace")
 def request_totals(cache: SampleStore) -> dict[str, dict[str, float]]:
     """What each source cost in requests and egress so far: ``{source: {gets, lists, bytes,
     throttled, timeouts, errors, retries, concurrency, pace}}``, the counters summed over the
-    sampler health documents and the daemon's (they go on across restarts), the gauges over
-    the samplers of a live daemon. A single ``source:`` is keyed ``source``."""
+    sampler health documents and the daemon's (they go on across restarts), the requests in
+    flight over the samplers of a live daemon, and its pace after throttling (one per source,
+    shared by the samplers). A single ``source:`` is keyed ``source``."""
     daemon = daemon_health(cache.tables.get_state("daemon"))
     live = {str(i) for i, doc in ((daemon or {}).get("samplers") or {}).items()
             if doc.get("alive")} if daemon and daemon["alive"] else set()
@@ -74,7 +75,11 @@ def request_totals(cache: SampleStore) -> dict[str, dict[str, float]]:
                                                                  REQUEST_GAUGES, 0))
             for name in REQUEST_COUNTERS + (REQUEST_GAUGES if gauges else ()):
                 value = values.get(name, 0)
-                if isinstance(value, (int, float)):
+                if not isinstance(value, (int, float)):
+                    continue
+                if name == "pace":  # one pace per source, shared by the samplers
+                    into[name] = max(into[name], value)
+                else:
                     into[name] += value
 
     for name, doc in cache.tables.states("sampler/").items():
