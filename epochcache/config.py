@@ -76,6 +76,19 @@ def _rate(value: Any) -> Any:
     return _size(value)
 
 
+def _concurrency(value: Any) -> Any:
+    """``auto``, or a number of requests from 1 to 1024 (one message for both)."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    number = value
+    if isinstance(value, str) and value.strip().isdigit():
+        number = int(value)
+    if isinstance(number, bool) or not isinstance(number, int) or not 1 <= number <= 1024:
+        raise ValueError(f"expected auto, or a number of requests in flight from 1 to 1024, "
+                         f"got {value!r}")
+    return number
+
+
 def _duration(value: Any) -> Any:
     return value if value is None else parse_duration(value, name="duration")
 
@@ -298,7 +311,8 @@ class SamplerConfig(_Section):
     """
 
     processes: int = Field(default=2, ge=1, le=256, description="sampler subprocesses")
-    concurrency: Annotated[int, Field(ge=1, le=1024)] | Literal["auto"] = Field(
+    concurrency: Annotated[Annotated[int, Field(ge=1, le=1024)] | Literal["auto"],
+                           BeforeValidator(_concurrency)] = Field(
         default="auto",
         description="requests in flight per sampler and source: auto finds it (grows while "
                     "throughput grows, backs off on throttling and timeouts), a number fixes it "

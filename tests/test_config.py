@@ -87,6 +87,13 @@ def test_sizes_durations_and_headroom_forms() -> None:
             "package.module:function",
         ),
         ({**MINIMAL, "sampler": {"node_rank": 2, "num_nodes": 2}}, "sampler", "node_rank 2"),
+        ({**MINIMAL, "sampler": {"concurrency": 0}}, "sampler.concurrency",
+         "expected auto, or a number of requests in flight from 1 to 1024, got 0"),
+        ({**MINIMAL, "sampler": {"concurrency": "fast"}}, "sampler.concurrency", "'fast'"),
+        ({**MINIMAL, "sampler": {"max_requests_per_s": 0}}, "sampler.max_requests_per_s",
+         "greater than 0"),
+        ({**MINIMAL, "source": {"url": "x", "client": "boto"}}, "source.client",
+         "'auto', 's3fs' or 'obstore'"),
         ({**MINIMAL, "bogus": {}}, "bogus", "allowed: cache, daemon, loader, sampler, source, sources, train"),
     ],
 )
