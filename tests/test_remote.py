@@ -341,3 +341,23 @@ def test_configured_source_wires_sampler_settings(tmp_path: Any) -> None:
     source = open_configured_source(config)
     assert source.concurrency == 3 and source.checks == frozenset()
     assert source.limiter is not None and source.limiter.bytes_per_s == 2_000_000
+
+
+def test_an_http_server_throttling_with_429_is_paced_and_asked_again(
+        http_server: str, remote_proxy: Any) -> None:
+    """The remote-manners proxy answers 429 above 20 requests/s: every object arrives, the
+    429s are counted, and the source's control paces its requests."""
+    from epochcache.ingest.concurrency import AutoConcurrency
+    from epochcache.ingest.gate import RequestGate
+    from epochcache.ingest.sources import SampleRef, SourceSpec, open_source
+
+    proxy = remote_proxy(http_server, latency_s=0.005, rate_per_s=20, burst=2, style="http")
+    source = open_source(SourceSpec(url=proxy.endpoint, checks=()))
+    source.gate = RequestGate(AutoConcurrency())
+    refs = [SampleRef(f"ok/{i}") for i in range(40)]
+    results = source.fetch_with_retries(refs)
+    assert [data for _, data in results] == [f"payload:/ok/{i}".encode() for i in range(40)]
+    assert proxy.stats.throttled > 0 and proxy.manners.status == 429
+    counted = source.gate.stats.as_dict()
+    assert counted["throttled"] == proxy.stats.throttled and counted["errors"] == 0
+    assert source.gate.control.pace is not None  # it slowed down to the server's rate
