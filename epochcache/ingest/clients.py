@@ -167,7 +167,7 @@ def resolve_client(client: str, url: str, options: Mapping[str, Any], *, field: 
         return None
 
 
-def _botocore_provider(options: Mapping[str, Any]) -> Callable[[], dict[str, Any]]:
+def _botocore_provider() -> Callable[[], dict[str, Any]]:
     """obstore's credential provider from botocore's chain (the one s3fs uses)."""
     import botocore.session
 
@@ -190,9 +190,11 @@ def obstore_filesystem(settings: ObstoreSettings) -> fsspec.AbstractFileSystem:
     """obstore's fsspec filesystem for ``s3://`` paths (``bucket/key``), retrying nothing."""
     from obstore.fsspec import FsspecStore
 
-    provider = _botocore_provider(settings.config) if settings.botocore_credentials else None
-    return FsspecStore(  # type: ignore[no-any-return]
-        "s3", config=settings.config, client_options=settings.client_options,
-        retry_config={"max_retries": 0,
-                      "retry_timeout": settings.client_options["timeout"]},
-        credential_provider=provider, skip_instance_cache=True)
+    provider = _botocore_provider() if settings.botocore_credentials else None
+    # skip_instance_cache: fsspec's metaclass takes it (each source its own store)
+    options: dict[str, Any] = {
+        "config": settings.config, "client_options": settings.client_options,
+        "retry_config": {"max_retries": 0, "retry_timeout": settings.client_options["timeout"]},
+        "credential_provider": provider, "skip_instance_cache": True}
+    store: fsspec.AbstractFileSystem = FsspecStore("s3", **options)
+    return store
