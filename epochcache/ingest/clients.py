@@ -18,8 +18,10 @@ options that only tune s3fs's own caches or threads are ignored. Any other optio
 included) is s3fs's alone: ``auto`` then keeps s3fs, and ``obstore`` is a config error naming it.
 Without credentials in the options (and not ``anon``), obstore asks botocore's credential chain,
 the one s3fs uses (environment, ``~/.aws``, SSO, instance roles), refreshed before they
-expire; the region comes from the options, else ``AWS_REGION``/``AWS_DEFAULT_REGION`` or
-botocore's configuration, else ``us-east-1``.
+expire. The region comes from the options (``client_kwargs.region_name``), else from the
+bucket itself (the ``x-amz-bucket-region`` of a HEAD through s3fs, once per sampler: s3fs
+follows a bucket into its region on its own, obstore signs for one), else ``AWS_REGION``/
+``AWS_DEFAULT_REGION`` or botocore's configuration, else ``us-east-1``.
 
 Timeouts are ours (``source.timeout_s``, ``connect_timeout_s``) and obstore retries nothing:
 retrying is the request gate's and the sampler's job (:mod:`.remote`, :mod:`.gate`).
@@ -27,6 +29,7 @@ retrying is the request gate's and the sampler's job (:mod:`.remote`, :mod:`.gat
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import importlib.util
 import logging
@@ -67,6 +70,11 @@ class ObstoreSettings:
     config: dict[str, Any]
     client_options: dict[str, Any]
     botocore_credentials: bool  # no credentials given: ask botocore's chain
+    region_given: bool = True  # else ask the bucket (bucket_region)
+
+    def in_region(self, region: str) -> ObstoreSettings:
+        return dataclasses.replace(self, config={**self.config, "region": region},
+                                   region_given=True)
 
 
 class _Unmappable(ValueError):
@@ -116,10 +124,29 @@ def _settings(options: Mapping[str, Any], timeout_s: float,
         config["skip_signature"] = True
     if str(config.get("endpoint", "")).startswith("http://"):
         client["allow_http"] = True
-    if "region" not in config:
+    region_given = "region" in config
+    if not region_given:
         config["region"] = _default_region()
     given = "access_key_id" in config and "secret_access_key" in config
-    return ObstoreSettings(config, client, botocore_credentials=not anon and not given)
+    return ObstoreSettings(config, client, botocore_credentials=not anon and not given,
+                           region_given=region_given)
+
+
+def bucket_region(fs: Any, bucket: str, timeout_s: float) -> str | None:
+    """The region a bucket lives in, from s3fs's HEAD of it (None when it does not say)."""
+    from fsspec.asyn import sync
+
+    response: Any = None
+    try:
+        response = sync(fs.loop, fs._call_s3, "head_bucket", Bucket=bucket, timeout=timeout_s)
+    except Exception as exc:  # noqa: BLE001 - a 301 from another region carries it too
+        error: BaseException | None = exc
+        while error is not None and response is None:
+            response = getattr(error, "response", None)
+            error = error.__cause__
+    headers = ((response or {}).get("ResponseMetadata") or {}).get("HTTPHeaders") or {}
+    region = headers.get("x-amz-bucket-region")
+    return str(region) if region else None
 
 
 def _default_region() -> str:

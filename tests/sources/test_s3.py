@@ -132,3 +132,22 @@ def test_a_throttled_get_is_recognised_and_asked_again_by_either_client(
     counted = source.gate.stats.as_dict()
     assert counted["throttled"] == proxy.stats.throttled and counted["errors"] == 0
     assert counted["gets"] == 12 + proxy.stats.throttled
+
+
+def test_obstore_signs_for_the_region_the_bucket_is_in(s3: S3Env,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """No region in the options nor the environment: s3fs follows a bucket into its region by
+    itself, obstore signs for one; the sampler asks the bucket where it lives."""
+    monkeypatch.delenv("AWS_DEFAULT_REGION", raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
+    fs = s3fs.S3FileSystem(**{**s3.storage_options,
+                              "client_kwargs": {"region_name": "eu-central-1"}})
+    fs.mkdir("frankfurt-bucket", region_name="eu-central-1")
+    fs.pipe_file("frankfurt-bucket/x/a.bin", b"guten tag")
+    options = {k: v for k, v in s3.storage_options.items() if k != "client_kwargs"}
+    source = open_source(SourceSpec(url="s3://frankfurt-bucket/x", storage_options=options,
+                                    checks=(), client="obstore"))
+    [(_ref, data)] = source.fetch_many(source.list_keys())
+    assert data == b"guten tag"
+    store = source.fetch_fs._construct_store("frankfurt-bucket")
+    assert store.config["region"] == "eu-central-1"

@@ -48,7 +48,7 @@ from ...limits import (
 )
 from ...redact import redact_options, redact_url
 from ...units import format_size
-from ..clients import obstore_filesystem, resolve_client
+from ..clients import bucket_region, obstore_filesystem, resolve_client
 from ..concurrency import FixedConcurrency
 from ..gate import RequestGate
 from ..localfiles import LocalFiles
@@ -242,8 +242,11 @@ class Source(abc.ABC):
         """The filesystem objects are read with (made at the first read: a daemon that only
         lists never builds it)."""
         if self._fetch_fs is None:
-            self._fetch_fs = (self.fs if self._obstore is None
-                              else obstore_filesystem(self._obstore))
+            settings = self._obstore
+            if settings is not None and not settings.region_given:
+                region = bucket_region(self.fs, self.root.split("/", 1)[0], self.spec.timeout_s)
+                settings = settings.in_region(region) if region else settings
+            self._fetch_fs = self.fs if settings is None else obstore_filesystem(settings)
         return self._fetch_fs
 
     # -- listing ---------------------------------------------------------------------------------
