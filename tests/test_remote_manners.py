@@ -162,3 +162,29 @@ def test_a_throttled_source_does_not_hold_back_the_other(
     # and the throttled one goes on, at its pace
     wait_for(lambda: per_source().get("slow", 0) > counts.get("slow", 0), 60,
              "the throttled source still progressing")
+
+
+def test_max_requests_per_s_holds_for_all_the_samplers_together(
+        s3: S3Env, tmp_path: Path, start_daemon: Any, remote_proxy: Any) -> None:
+    """A budget of 25 requests/s shared by two sampler processes: the remote never sees more
+    (beyond a quarter second's burst), and the cache still fills."""
+    keys = upload(s3.url, s3.storage_options, "budget", 120, "files")
+    proxy = remote_proxy(s3.endpoint_url, latency_s=0.01)
+    cache_dir = tmp_path / "cache"
+    config = write_config(
+        tmp_path / "cfg.yaml", url=s3.url("budget"), cache_dir=cache_dir,
+        storage_options={**s3.storage_options, "endpoint_url": proxy.endpoint},
+        sampler={"processes": 2, "concurrency": "auto", "batch_size": 16,
+                 "max_requests_per_s": 25})
+    daemon = start_daemon(config)
+    wait_running(daemon, cache_dir)
+    wait_for(lambda: cache_len(cache_dir) == len(keys), 120, "the whole bucket cached")
+    arrivals = sorted(proxy.stats.arrivals)
+    assert len(arrivals) >= len(keys)
+    # any second holds at most a second's budget plus the bucket's burst (0.25 s worth), and a
+    # little for the gap between a request's instant and its arrival
+    busiest = max(sum(1 for t in arrivals[i:] if t < start + 1.0)
+                  for i, start in enumerate(arrivals))
+    assert busiest <= 25 + 7 + 3, busiest
+    errors, quarantined, _ = fetch_health(cache_dir)
+    assert errors == 0 and quarantined == 0

@@ -36,6 +36,7 @@ import sys
 import threading
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
@@ -82,9 +83,12 @@ class ProxyStats:
     max_in_flight: int = 0
     connections: int = 0
     by_method: dict[str, int] = field(default_factory=dict)
+    #: when each object request arrived (time.monotonic()), passed on or throttled
+    arrivals: deque[float] = field(default_factory=lambda: deque(maxlen=100_000))
 
     def as_dict(self) -> dict[str, Any]:
-        return {k: (dict(v) if isinstance(v, dict) else v) for k, v in self.__dict__.items()}
+        return {k: (dict(v) if isinstance(v, dict) else v) for k, v in self.__dict__.items()
+                if k != "arrivals"}
 
 
 class _Bucket:
@@ -191,6 +195,8 @@ class RemoteProxy:
                     self._control(method, target, writer)
                     await writer.drain()
                     continue
+                if method in ("GET", "HEAD") and not self._is_list(target):
+                    self.stats.arrivals.append(time.monotonic())
                 if self._throttle(method, target):
                     self.stats.throttled += 1
                     writer.write(self._throttle_answer(method))
@@ -224,13 +230,15 @@ class RemoteProxy:
             return False
         if method not in ("GET", "HEAD"):
             return False
-        path = urlsplit(target).path
-        # a listing: of a bucket (s3: no key in the path) or of a directory (http: ends in /)
-        is_list = "/" not in path.strip("/") if manners.style == "s3" else path.endswith("/")
-        if is_list and not manners.throttle_lists:
+        if self._is_list(target) and not manners.throttle_lists:
             return False
         burst = manners.burst if manners.burst else max(1.0, manners.rate_per_s / 10)
         return not self._bucket.allow(manners.rate_per_s, burst)
+
+    def _is_list(self, target: str) -> bool:
+        """A listing: of a bucket (s3: no key in the path), of a directory (http: ends in /)."""
+        path = urlsplit(target).path
+        return "/" not in path.strip("/") if self.manners.style == "s3" else path.endswith("/")
 
     def _throttle_answer(self, method: str) -> bytes:
         status = self.manners.status
