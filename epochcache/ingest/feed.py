@@ -18,7 +18,14 @@ feed whose whole pass brought nothing new (everything cached, corrupt or failing
 (:mod:`.idle`): it retries only the keys that failed, and scans again only when the cache lost
 samples or its listing changed. A resting feed keeps pace on paper (its count is moved up with
 the others'), so that when it is back it takes its share from then on instead of catching up in
-a burst that would starve the others.
+a burst that would starve the others. So does a feed whose remote throttles it (503 SlowDown,
+429) while all its batches are in fetch: the mix follows the weights while every remote keeps
+up, never a remote's rate limit.
+
+Each feed's source reads through a request gate (:mod:`.gate`): requests in flight per
+``sampler.concurrency`` (``auto``: :mod:`.concurrency`), shared by the batches of the feed in
+fetch (two, or more while the concurrency needs them: :attr:`Feed.max_in_fetch`), the pace
+after throttling (:mod:`.pace`), the daemon's request budget, and the request counters.
 
 The listing is held as a :class:`~.sources.KeyTable` (no object per key). A listing still under
 way (a large bucket) is sampled as it grows; once it is complete it is saved as a new

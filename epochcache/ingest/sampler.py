@@ -1,8 +1,9 @@
 """One sampler process: choose keys, fetch them concurrently, validate, compress, commit.
 
 A sampler runs until its stop flag is set or its daemon disappears. Fetching and committing
-overlap: the next batches are fetched while a committer thread (:mod:`.committer`) writes the
-previous one, so the cache's write lock and fsync never leave the network idle; what it holds
+overlap: the next batches are fetched (their requests through each source's gate: how many in
+flight, the pace after throttling, the counters; see :mod:`.feed`) while a committer thread
+(:mod:`.committer`) writes the previous one, so the cache's write lock and fsync never leave the network idle; what it holds
 in flight is bounded in bytes (:mod:`.inflight`). Its position in the key order is saved in the
 cache after each commit, so a restarted sampler goes on where it stopped instead of fetching the
 same first samples again. With several sources (``sources:``) it holds a :class:`~.feed.Feed`
