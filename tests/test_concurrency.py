@@ -179,6 +179,13 @@ def test_a_throttling_remote_is_paced_just_below_its_rate(rate: float) -> None:
     assert run.throttled < 0.1 * run.sent
 
 
+def test_a_fixed_concurrency_keeps_its_number_and_still_paces_a_throttling_remote() -> None:
+    remote = Remote(rate=200.0, cpu_s=0.0002)
+    run = simulate(lambda clock: FixedConcurrency(32, clock=clock), remote)
+    assert set(run.limits) == {32.0}
+    assert run.goodput >= 0.9 * 200 and run.throttled < 0.1 * run.sent
+
+
 def test_a_throttled_start_after_a_long_listing_is_paced_at_the_remote_rate() -> None:
     """The control made seconds before the first request (the listing) must not read that
     gap as a rate: it would pace the sampler at a request a second."""

@@ -87,38 +87,72 @@ class Phase(enum.IntEnum):
 
 
 class FixedConcurrency:
-    """An explicit ``sampler.concurrency: N``.
+    """An explicit ``sampler.concurrency: N``: N requests in flight at most, whatever happens;
+    a throttled remote is still answered by a pace (:mod:`.pace`).
 
     Args:
         limit: requests in flight at most; at least 1.
+        clock: seconds, monotonic (injected by tests).
+        pacer: the source's pace after throttling (default: this process's own).
     """
 
     auto = False
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, clock: Callable[[], float] = time.monotonic,
+                 pacer: Pace | None = None) -> None:
         if limit < 1:
             raise ValueError(f"concurrency: must be at least 1, got {limit}")
         self.limit = float(limit)
         self.cap = limit
         self.in_flight = 0
         self.throttled_at = float("-inf")
+        self._clock = clock
+        self.pacer = pacer if pacer is not None else Pace(clock=clock)
+        self._since_ok = self._since_throttled = 0  # answers since the pace's last back-off
+        self._rtt = 0.0  # smoothed latency of successful requests
 
     @property
     def slots(self) -> int:
         """Requests that may be in flight now."""
         return int(self.limit)
 
+    @property
+    def pace(self) -> float | None:
+        """Requests per second after throttling (None: not paced)."""
+        return self.pacer.rate
+
+    def reserve(self) -> float:
+        """Seconds the next request must wait for the pace (0 when not paced)."""
+        return self.pacer.reserve()
+
     def started(self) -> None:
         self.in_flight += 1
 
     def finished(self, outcome: Outcome, nbytes: int = 0, latency_s: float = 0.0) -> None:
         self.in_flight = max(0, self.in_flight - 1)
-        if outcome in (Outcome.THROTTLED, Outcome.TIMEOUT):
-            self.throttled_at = time.monotonic()
+        self._answered(self._clock(), outcome, latency_s)
+
+    def _answered(self, now: float, outcome: Outcome, latency_s: float) -> None:
+        """Count an answer for the pace; a throttled one slows it."""
+        if outcome == Outcome.OK:
+            self._since_ok += 1
+            self._rtt = latency_s if not self._rtt else 0.9 * self._rtt + 0.1 * latency_s
+        elif outcome in (Outcome.THROTTLED, Outcome.TIMEOUT):
+            self.throttled_at = now
+            self._since_throttled += 1
+            if outcome == Outcome.THROTTLED:
+                answered = self._since_ok + self._since_throttled
+                share = self._since_ok / answered if answered else 1.0
+                if self.pacer.back_off(share, self._getting_through(now)):
+                    self._since_ok = self._since_throttled = 0
+
+    def _getting_through(self, now: float) -> float:
+        """Requests per second getting through (the first pace): the window's most."""
+        return self.slots / max(self._rtt, MIN_ROUND_S)
 
     def throttled_within(self, seconds: float, now: float | None = None) -> bool:
         """Whether a request was throttled (or timed out) in the last ``seconds``."""
-        now = time.monotonic() if now is None else now
+        now = self._clock() if now is None else now
         return now - self.throttled_at < seconds
 
 
@@ -137,9 +171,8 @@ class AutoConcurrency(FixedConcurrency):
     def __init__(self, start: int = START_LIMIT, cap: int = MAX_CONCURRENCY,
                  clock: Callable[[], float] = time.monotonic,
                  pacer: Pace | None = None) -> None:
-        super().__init__(max(1, min(start, cap)))
+        super().__init__(max(1, min(start, cap)), clock, pacer)
         self.cap = max(1, cap)
-        self._clock = clock
         self.phase = Phase.START
         now = clock()
         self._round_start, self._round_done, self._round_bytes = now, 0, 0
@@ -150,10 +183,7 @@ class AutoConcurrency(FixedConcurrency):
         self._ceiling_at = float("-inf")
         self._hold_since, self._hold_s = now, HOLD_S
         self._last_backoff = float("-inf")
-        self.pacer = pacer if pacer is not None else Pace(clock=clock)
-        self._since_ok = self._since_throttled = 0  # answers since the last back-off
         self._ok_rate = 0.0  # successful requests per second, of the last round
-        self._rtt = 0.0  # smoothed latency of successful requests
         # The round after a change of the limit (and the first) is not judged: its requests
         # went out under the old limit, or into an empty window.
         self._settling = True
@@ -169,15 +199,6 @@ class AutoConcurrency(FixedConcurrency):
 
     # -- the gate's calls -------------------------------------------------------------------
 
-    @property
-    def pace(self) -> float | None:
-        """Requests per second after throttling (None: not paced)."""
-        return self.pacer.rate
-
-    def reserve(self) -> float:
-        """Seconds the next request must wait for the pace (0 when not paced)."""
-        return self.pacer.reserve()
-
     def started(self) -> None:
         if not self.in_flight:
             # nothing was in flight (the start, or the sampler had no work): a round that
@@ -191,19 +212,14 @@ class AutoConcurrency(FixedConcurrency):
     def finished(self, outcome: Outcome, nbytes: int = 0, latency_s: float = 0.0) -> None:
         self.in_flight = max(0, self.in_flight - 1)
         now = self._clock()
+        self._answered(now, outcome, latency_s)  # the pace
         if outcome in (Outcome.THROTTLED, Outcome.TIMEOUT):
-            self.throttled_at = now
-            self._since_throttled += 1
-            if outcome == Outcome.THROTTLED:
-                self._pace_back_off(now)
             # the window: once per round trip
             if now - self._last_backoff >= max(MIN_ROUND_S, 2 * self._rtt):
                 self._back_off(now, outcome)
             return
         if outcome != Outcome.OK:
             return
-        self._since_ok += 1
-        self._rtt = latency_s if not self._rtt else 0.9 * self._rtt + 0.1 * latency_s
         self._round_done += 1
         self._round_bytes += nbytes
         elapsed = now - self._round_start
@@ -218,10 +234,6 @@ class AutoConcurrency(FixedConcurrency):
                 self._settling = False
             else:
                 self._judge(now, rate, full)
-
-    def throttled_within(self, seconds: float, now: float | None = None) -> bool:
-        now = self._clock() if now is None else now
-        return now - self.throttled_at < seconds
 
     # -- decisions --------------------------------------------------------------------------
 
@@ -254,15 +266,11 @@ class AutoConcurrency(FixedConcurrency):
         self._hold(now)
         self._new_round(now)
 
-    def _pace_back_off(self, now: float) -> None:
-        """Slow the pace by the share of answers not throttled (see :mod:`.pace`)."""
-        answered = self._since_ok + self._since_throttled
-        share = self._since_ok / answered if answered else 1.0
-        # the rate that was getting through: this round's so far, else the last round's
+    def _getting_through(self, now: float) -> float:
+        """The rate that was getting through: this round's so far, else the last round's."""
         elapsed = now - self._round_start
-        first = max(self._ok_rate, self._round_done / elapsed if elapsed >= MIN_ROUND_S else 0.0)
-        if self.pacer.back_off(share, first or self.slots / max(self._rtt, MIN_ROUND_S)):
-            self._since_ok = self._since_throttled = 0
+        rate = max(self._ok_rate, self._round_done / elapsed if elapsed >= MIN_ROUND_S else 0.0)
+        return rate or super()._getting_through(now)
 
     def _judge(self, now: float, rate: float, full: bool) -> None:
         if self._ceiling is not None and now - self._ceiling_at > CEILING_FORGET_S:

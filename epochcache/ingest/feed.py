@@ -169,9 +169,9 @@ class Feed:
         # the batches being fetched; `auto` finds the number (.concurrency).
         # After throttling, the source's pace is one for all the daemon's samplers (.pace).
         wanted = config.sampler.concurrency
-        control = (FixedConcurrency(wanted) if isinstance(wanted, int) else AutoConcurrency(
-            cap=self._byte_cap(),
-            pacer=Pace(SharedPaceState.in_cache(cache_dir, source_label(self.name)))))
+        pacer = Pace(SharedPaceState.in_cache(cache_dir, source_label(self.name)))
+        control = (FixedConcurrency(wanted, pacer=pacer) if isinstance(wanted, int)
+                   else AutoConcurrency(cap=self._byte_cap(), pacer=pacer))
         self.source.gate = RequestGate(control, RequestStats(saved_requests), budget)
         self.source.throttled_for_s = entry.config.timeout_s * 4
         self.deadline_s = entry.config.timeout_s * 4

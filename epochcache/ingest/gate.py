@@ -81,7 +81,7 @@ class RequestGate:
                 raise
         control.started()
         self._count_sent(retry)
-        delay = control.reserve() if hasattr(control, "reserve") else 0.0
+        delay = control.reserve()
         if self.budget is not None:
             delay = max(delay, self.budget.reserve())
         if delay > 0:
@@ -108,7 +108,7 @@ class RequestGate:
         """:meth:`enter` for a request made from a thread (the caller bounds the threads)."""
         with self._lock:
             self.control.started()
-            delay = self.control.reserve() if hasattr(self.control, "reserve") else 0.0
+            delay = self.control.reserve()
         self._count_sent(retry)
         if self.budget is not None:
             delay = max(delay, self.budget.reserve())
@@ -138,5 +138,4 @@ class RequestGate:
 
     def publish(self) -> None:
         """Copy the control's gauges (limit, pace) into the stats."""
-        pace = getattr(self.control, "pace", None)
-        self.stats.set(concurrency=self.control.slots, pace=round(pace or 0.0, 1))
+        self.stats.set(concurrency=self.control.slots, pace=round(self.control.pace or 0.0, 1))
