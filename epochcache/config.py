@@ -5,7 +5,7 @@ A YAML file with five sections (and an optional sixth, ``daemon``); only ``sourc
 
     source:  {url: "s3://bucket/train/", layout: files, pattern: "*.npy", storage_options: {}}
     cache:   {dir: /nvme/epochcache, capacity: 200GiB}
-    sampler: {processes: 2, concurrency: 16, strategy: uniform, seed: 0}
+    sampler: {processes: 2, concurrency: auto, strategy: uniform, seed: 0}
     loader:  {batch_size: 64, num_workers: null, decode: auto, allow_pickle: false}
     train:   {epochs: 10, min_samples: 1000, entrypoint: "epochcache.examples:train_epoch"}
 
@@ -77,6 +77,19 @@ def _rate(value: Any) -> Any:
     return _size(value)
 
 
+def _concurrency(value: Any) -> Any:
+    """``auto``, or a number of requests from 1 to 1024 (one message for both)."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    number = value
+    if isinstance(value, str) and value.strip().isdigit():
+        number = int(value)
+    if isinstance(number, bool) or not isinstance(number, int) or not 1 <= number <= 1024:
+        raise ValueError(f"expected auto, or a number of requests in flight from 1 to 1024, "
+                         f"got {value!r}")
+    return number
+
+
 def _duration(value: Any) -> Any:
     return value if value is None else parse_duration(value, name="duration")
 
@@ -139,6 +152,12 @@ class SourceConfig(_Section):
         default_factory=dict,
         description="passed to the fsspec filesystem (s3fs: key, secret, endpoint_url, ...); "
                     "credential-like values are masked everywhere",
+    )
+    client: Literal["auto", "s3fs", "obstore"] = Field(
+        default="auto",
+        description="who reads an s3:// source's objects: obstore costs a fraction of s3fs's "
+                    "CPU per request; auto: obstore where installed and its storage_options "
+                    "map onto it, else s3fs (listing is s3fs's either way)",
     )
     timeout_s: Duration = Field(
         default=30.0,
@@ -296,10 +315,17 @@ class SamplerConfig(_Section):
     """
 
     processes: int = Field(default=2, ge=1, le=256, description="sampler subprocesses")
-    concurrency: int = Field(
-        default=16, ge=1, le=1024,
-        description="requests in flight per sampler and source (local files: one reader while "
-                    "reads are quick)",
+    concurrency: Annotated[Annotated[int, Field(ge=1, le=1024)] | Literal["auto"],
+                           BeforeValidator(_concurrency)] = Field(
+        default="auto",
+        description="requests in flight per sampler and source: auto finds it (grows while "
+                    "throughput grows, backs off on throttling and timeouts), a number fixes it "
+                    "(local files: one reader while reads are quick)",
+    )
+    max_requests_per_s: Annotated[float, Field(gt=0)] | None = Field(
+        default=None,
+        description="requests per second the node's samplers may send in all, retries "
+                    "included (null: no budget; a throttling remote is adapted to either way)",
     )
     strategy: Literal["uniform", "weighted"] = Field(
         default="uniform",

@@ -14,6 +14,7 @@ callers can catch either::
     │                                                 epoch, batch, sample key and worker
     ├─ SourceError                                    always carries the URL
     │  ├─ SourceUnavailable                           unreachable endpoint, missing bucket, empty prefix
+    │  │  └─ Throttled                                HTTP 503 SlowDown / 429: a rate to adapt to
     │  ├─ RemoteTimeout(SourceError, TimeoutError)    a remote call exceeded its timeout
     │  ├─ PermanentRemoteError                        403/404: retrying will not help
     │  └─ CorruptSample                               key; quarantined by the sampler
@@ -75,6 +76,11 @@ class SourceError(EpochcacheError):
 
 class SourceUnavailable(SourceError):
     """The remote cannot be reached, does not exist, or holds no matching keys."""
+
+
+class Throttled(SourceUnavailable):
+    """The remote refused a request for its rate (S3's ``503 SlowDown``, HTTP 429 or 503):
+    samplers lower their concurrency and ask for the same object again, never quarantine it."""
 
 
 class RemoteTimeout(SourceError, TimeoutError):

@@ -97,8 +97,6 @@ def _allowed(annotation: Any, info: FieldInfo) -> str:
                 walk(arg)
 
     walk(annotation)
-    if literals:
-        return ", ".join(literals)
     bounds: list[str] = []
     metadata = list(info.metadata)
     for arg in get_args(annotation):
@@ -120,7 +118,8 @@ def _allowed(annotation: Any, info: FieldInfo) -> str:
             bounds.append(f"< {item.lt}")
         elif isinstance(item, MinLen) and item.min_length:
             bounds.append(f"at least {item.min_length} long")
-    return ", ".join(dict.fromkeys(bounds))
+    # a Literal and bounds: a number within the bounds, or one of the words
+    return ", ".join(list(dict.fromkeys(bounds)) + literals)
 
 
 def _default(info: FieldInfo) -> str:

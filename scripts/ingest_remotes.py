@@ -228,7 +228,7 @@ def fill_time(count: int, tenth: int, tenth_at: tuple[float, float],
 
 
 def daemon_fill(source: dict[str, Any], count: int, workdir: Path, *, processes: int,
-                concurrency: int, batch_size: int, sync: bool, capacity: int,
+                concurrency: int | str, batch_size: int, sync: bool, capacity: int,
                 timeout_s: float = 300, server_pid: int | None = None,
                 warm_bytes: int = 0) -> dict[str, Any]:
     """Run ``epochcache daemon`` on an empty cache until ``count`` samples are cached.
@@ -316,6 +316,9 @@ def daemon_fill(source: dict[str, Any], count: int, workdir: Path, *, processes:
             "from_start_seconds": done_at - min(h["started"] for h in healths.values()),
             "fetched": sum(h["fetched"] for h in healths.values()),
             "errors": sum(h["errors"] for h in healths.values()),
+            # requests in flight each sampler allowed at the end (concurrency: auto moves it)
+            "concurrency": [int(r.get("concurrency", 0)) for h in healths.values()
+                            for r in (h.get("requests") or {}).values()],
         }
     finally:
         if watcher is not None:

@@ -173,3 +173,25 @@ def start_daemon(tmp_path: Any) -> Iterator[Callable[..., Any]]:
     yield start
     for proc in started:
         proc.close()
+
+
+@pytest.fixture
+def remote_proxy() -> Iterator[Callable[..., Any]]:
+    """``remote_proxy(endpoint, latency_s=0.02, rate_per_s=..., ...)``: an object store with
+    real manners (first-byte latency, a bandwidth cap per connection, throttling with 503
+    SlowDown or 429) in front of ``endpoint`` (``common.remoteproxy``); closed at teardown."""
+    from urllib.parse import urlsplit
+
+    from common.remoteproxy import RemoteProxy
+
+    started: list[RemoteProxy] = []
+
+    def start(endpoint: str, **manners: Any) -> RemoteProxy:
+        url = urlsplit(endpoint)
+        proxy = RemoteProxy(url.hostname or "127.0.0.1", url.port or 80, **manners).start()
+        started.append(proxy)
+        return proxy
+
+    yield start
+    for proxy in started:
+        proxy.close()

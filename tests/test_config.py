@@ -37,7 +37,7 @@ def test_minimal_config_gets_defaults(tmp_path: Path) -> None:
     assert config.cache.capacity == 200 * 2**30
     assert config.cache.headroom_bytes == int(200 * 2**30 * 0.1)
     assert config.source.layout == "files" and config.source.effective_pattern == "**"
-    assert config.sampler.processes == 2 and config.sampler.concurrency == 16
+    assert config.sampler.processes == 2 and config.sampler.concurrency == "auto"
     assert config.source.timeout_s == 30.0 and config.source.retries == 5
     assert config.loader.batch_size == 64 and config.loader.allow_pickle is False
     assert config.train.entrypoint == "epochcache.examples:train_epoch"
@@ -91,6 +91,13 @@ def test_sizes_durations_and_headroom_forms() -> None:
         ({**MINIMAL, "loader": {"timeout": "30s"}}, "loader.timeout", "num_workers > 0"),
         ({**MINIMAL, "loader": {"timeout": 30, "num_workers": 0}}, "loader.timeout",
          "num_workers > 0"),
+        ({**MINIMAL, "sampler": {"concurrency": 0}}, "sampler.concurrency",
+         "expected auto, or a number of requests in flight from 1 to 1024, got 0"),
+        ({**MINIMAL, "sampler": {"concurrency": "fast"}}, "sampler.concurrency", "'fast'"),
+        ({**MINIMAL, "sampler": {"max_requests_per_s": 0}}, "sampler.max_requests_per_s",
+         "greater than 0"),
+        ({**MINIMAL, "source": {"url": "x", "client": "boto"}}, "source.client",
+         "'auto', 's3fs' or 'obstore'"),
         ({**MINIMAL, "bogus": {}}, "bogus", "allowed: cache, daemon, loader, sampler, source, sources, train"),
     ],
 )

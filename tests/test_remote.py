@@ -29,7 +29,8 @@ if TYPE_CHECKING:
 
 
 class FlakyHandler(http.server.BaseHTTPRequestHandler):
-    """``/flaky-N/x`` fails with 503 N times, ``/slow`` sleeps 3 s, ``/missing`` 404, ``/forbidden`` 403."""
+    """``/flaky-N/x`` fails with 500 N times, ``/busy-N/x`` answers 429 (Too Many Requests) N
+    times, ``/slow`` sleeps 3 s, ``/missing`` 404, ``/forbidden`` 403."""
 
     hits: ClassVar[Counter[str]] = Counter()
 
@@ -38,7 +39,10 @@ class FlakyHandler(http.server.BaseHTTPRequestHandler):
         count = self.hits[self.path]
         if self.path.startswith("/flaky-"):
             failures = int(self.path.split("-")[1].split("/")[0])
-            status = 503 if count <= failures else 200
+            status = 500 if count <= failures else 200
+        elif self.path.startswith("/busy-"):
+            failures = int(self.path.split("-")[1].split("/")[0])
+            status = 429 if count <= failures else 200
         elif self.path == "/slow":
             time.sleep(3)
             status = 200
@@ -302,6 +306,27 @@ def test_source_fetch_with_retries_refetches_only_transient_failures(http_server
     assert FlakyHandler.hits["/ok/1"] == 1 and FlakyHandler.hits["/flaky-9/b"] == 4
 
 
+def test_a_throttled_object_is_asked_for_again_past_the_retry_attempts(http_server: str) -> None:
+    """A 429 is the remote's rate, not the object's fault: the same key is asked for again
+    (after a backoff) until it is served, however many attempts that takes, and each answer
+    is counted."""
+    from epochcache.errors import Throttled
+    from epochcache.ingest.sources import SampleRef, SourceSpec, open_source
+
+    source = open_source(SourceSpec(url=http_server, checks=(), retries=2), concurrency=4)
+    refs = [SampleRef("busy-6/a"), SampleRef("ok/2")]
+    outcome = {r.key: v for r, v in source.fetch_with_retries(refs, attempts=2, base_s=0.01)}
+    assert outcome == {"busy-6/a": b"payload:/busy-6/a", "ok/2": b"payload:/ok/2"}
+    assert FlakyHandler.hits["/busy-6/a"] == 7
+    counted = source.gate.stats.as_dict()
+    assert counted["gets"] == 8 and counted["throttled"] == 6 and counted["retries"] == 6
+    # ... within a deadline: past it, the key fails (transiently: fetched again on a later pass)
+    source.throttled_for_s = 0.3
+    [(_ref, error)] = source.fetch_with_retries([SampleRef("busy-99/b")], attempts=2)
+    assert isinstance(error, Throttled) and "busy-99/b" in str(error)
+    assert isinstance(error, SourceUnavailable)  # transient: never quarantined
+
+
 def test_configured_source_wires_sampler_settings(tmp_path: Any) -> None:
     from epochcache.config import parse_config
     from epochcache.ingest.from_config import open_configured_source
@@ -316,3 +341,23 @@ def test_configured_source_wires_sampler_settings(tmp_path: Any) -> None:
     source = open_configured_source(config)
     assert source.concurrency == 3 and source.checks == frozenset()
     assert source.limiter is not None and source.limiter.bytes_per_s == 2_000_000
+
+
+def test_an_http_server_throttling_with_429_is_paced_and_asked_again(
+        http_server: str, remote_proxy: Any) -> None:
+    """The remote-manners proxy answers 429 above 20 requests/s: every object arrives, the
+    429s are counted, and the source's control paces its requests."""
+    from epochcache.ingest.concurrency import AutoConcurrency
+    from epochcache.ingest.gate import RequestGate
+    from epochcache.ingest.sources import SampleRef, SourceSpec, open_source
+
+    proxy = remote_proxy(http_server, latency_s=0.005, rate_per_s=20, burst=2, style="http")
+    source = open_source(SourceSpec(url=proxy.endpoint, checks=()))
+    source.gate = RequestGate(AutoConcurrency())
+    refs = [SampleRef(f"ok/{i}") for i in range(40)]
+    results = source.fetch_with_retries(refs)
+    assert [data for _, data in results] == [f"payload:/ok/{i}".encode() for i in range(40)]
+    assert proxy.stats.throttled > 0 and proxy.manners.status == 429
+    counted = source.gate.stats.as_dict()
+    assert counted["throttled"] == proxy.stats.throttled and counted["errors"] == 0
+    assert source.gate.control.pace is not None  # it slowed down to the server's rate

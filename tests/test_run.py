@@ -322,6 +322,16 @@ def test_run_from_s3(s3_run: S3Run) -> None:
     rows = read_metrics(s3_run.run_dir)
     assert [row["epoch"] for row in rows] == [0, 1, 2]
     assert rows[-1]["loss"] < rows[0]["loss"], rows
+    # what each epoch cost the remote: the samplers kept turning the small cache over
+    for row in rows:
+        cost = row["requests"]["source"]
+        assert row["remote_requests"] == cost["gets"] + cost["lists"]
+        assert row["remote_bytes"] == cost["bytes"] and cost["errors"] == 0
+    assert sum(row["requests"]["source"]["gets"] for row in rows) > 0
+    assert sum(row["remote_bytes"] for row in rows) > 0
+    assert "remote source: " in s3_run.result.stderr and " GETs, " in s3_run.result.stderr
+    total = stats["requests"]["source"]
+    assert total["gets"] + total["lists"] >= sum(r["remote_requests"] for r in rows)
     assert (s3_run.run_dir / "checkpoint.pt").exists()
     assert_png(s3_run.run_dir / "run.png")
 

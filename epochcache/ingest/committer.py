@@ -96,6 +96,8 @@ class Committer(threading.Thread):
         quarantine: ``quarantine(key, reason)`` for a sample that cannot be stored.
         done: ``done(batch)`` once a batch is finished with (committed, quarantined or
             dropped at a stop): releases its keys and bytes.
+        before_save: called before each health document is written (fills in what the fetch
+            side counts: the request counters).
     """
 
     def __init__(
@@ -107,10 +109,12 @@ class Committer(threading.Thread):
         should_stop: Callable[[], bool],
         quarantine: Callable[[str, str], None],
         done: Callable[[Batch], None],
+        before_save: Callable[[], None] | None = None,
     ) -> None:
         super().__init__(name="epochcache-committer", daemon=True)
         self.cache, self.health, self.stop_flag = cache, health, stop
         self.should_stop, self.quarantine, self.done = should_stop, quarantine, done
+        self.before_save = before_save
         # Room for batches to pile up behind a slow commit (grouped, see _group); what they
         # hold is bounded by the sampler's in-flight byte budget, not by this queue.
         self._batches: queue.Queue[Batch | None] = queue.Queue(maxsize=QUEUED_BATCHES)
@@ -226,6 +230,8 @@ class Committer(threading.Thread):
         return group, ending
 
     def _save_health(self, now: float | None = None) -> None:
+        if self.before_save is not None:
+            self.before_save()
         self.health.heartbeat = time.time() if now is None else now
         self.health.lease_wait_s = round(
             self._lease_wait_base + self.cache.writer.lease_wait_s, 3)

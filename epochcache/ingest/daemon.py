@@ -204,6 +204,8 @@ class Daemon:
                 cfg.dir, capacity=cfg.capacity_bytes, headroom=cfg.headroom_bytes,
                 compression=cfg.compression, level=cfg.level, sync=cfg.sync,
             )
+            # the listings' request counters go on from the last daemon's
+            self.sources.saved = self.cache.tables.get_state("daemon") or {}
             keys = self.sources.list_all()
             names = [entry.name for entry in self.config.source_entries() if entry.name]
             if names:  # per-source counters, kept by the store from now on
@@ -349,6 +351,7 @@ class Daemon:
                 "source": redact_url(self.config.first_source.url),
                 "metrics": self.metrics.url if self.metrics is not None else None,
                 "listings": self.sources.progress(),
+                "requests": self.sources.requests(),
                 "sources": {
                     entry.name: {"url": redact_url(entry.config.url), "weight": entry.weight,
                                  "active": entry.name in active}

@@ -22,10 +22,12 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 from ..config import EpochcacheConfig, SourceEntry
 from ..errors import SourceError, SourceUnavailable
 from ..redact import redact_url
+from .accounting import RequestStats, saved_requests, source_label
 from .from_config import open_configured_source
 from .relist import Relister
 from .sources import (
@@ -67,10 +69,13 @@ class DaemonSources:
     Args:
         config: the validated config.
         retry_s: seconds between attempts on an unreachable optional source.
+        saved: the daemon's last state document: its listings' request counters go on.
     """
 
-    def __init__(self, config: EpochcacheConfig, retry_s: float = RETRY_S) -> None:
+    def __init__(self, config: EpochcacheConfig, retry_s: float = RETRY_S,
+                 saved: dict[str, Any] | None = None) -> None:
         self.config = config
+        self.saved = saved or {}
         self.cache_dir = str(config.cache.dir)
         self.retry_s = retry_s
         self.listed: list[_Listed] = []
@@ -78,6 +83,7 @@ class DaemonSources:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._retrier: threading.Thread | None = None
+        self._opened: dict[str, Source] = {}  # by entry name, listed or not (yet)
         self._relisters: list[Relister] = []
         self._listers: list[threading.Thread] = []
         #: Set when a missing source was listed: the samplers should be restarted.
@@ -110,6 +116,9 @@ class DaemonSources:
 
     def _list(self, entry: SourceEntry) -> _Listed:
         source = open_configured_source(self.config, entry.config)
+        source.gate.stats = RequestStats(saved_requests(self.saved, source_label(entry.name)))
+        with self._lock:
+            self._opened[entry.name] = source
         fingerprint = source_fingerprint(source.spec)
         header = read_listing_header(self.cache_dir, fingerprint)
         if header is not None and header.get("complete", True):  # no need to load its keys
@@ -167,6 +176,17 @@ class DaemonSources:
             keys = len(job.builder) if job is not None else item.keys
             out[item.entry.name or redact_url(item.entry.config.url)] = {
                 "keys": keys, "complete": job is None}
+        return out
+
+    def requests(self) -> dict[str, dict[str, float]]:
+        """The request counters of the daemon's listings, by source (``lists``; see
+        :mod:`.accounting`), for its state document."""
+        saved = self.saved.get("requests")
+        out = {str(k): v for k, v in saved.items()} if isinstance(saved, dict) else {}
+        with self._lock:
+            opened = dict(self._opened)
+        for name, source in opened.items():
+            out[source_label(name)] = source.gate.stats.as_dict()
         return out
 
     @property

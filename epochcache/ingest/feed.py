@@ -18,7 +18,14 @@ feed whose whole pass brought nothing new (everything cached, corrupt or failing
 (:mod:`.idle`): it retries only the keys that failed, and scans again only when the cache lost
 samples or its listing changed. A resting feed keeps pace on paper (its count is moved up with
 the others'), so that when it is back it takes its share from then on instead of catching up in
-a burst that would starve the others.
+a burst that would starve the others. So does a feed whose remote throttles it (503 SlowDown,
+429) while all its batches are in fetch: the mix follows the weights while every remote keeps
+up, never a remote's rate limit.
+
+Each feed's source reads through a request gate (:mod:`.gate`): requests in flight per
+``sampler.concurrency`` (``auto``: :mod:`.concurrency`), shared by the batches of the feed in
+fetch (two, or more while the concurrency needs them: :attr:`Feed.max_in_fetch`), the pace
+after throttling (:mod:`.pace`), the daemon's request budget, and the request counters.
 
 The listing is held as a :class:`~.sources.KeyTable` (no object per key). A listing still under
 way (a large bucket) is sampled as it grows; once it is complete it is saved as a new
@@ -35,15 +42,26 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from ..config import EpochcacheConfig, SourceEntry
-from ..errors import CorruptSample, PermanentRemoteError, RemoteTimeout, SourceUnavailable
+from ..errors import (
+    CorruptSample,
+    PermanentRemoteError,
+    RemoteTimeout,
+    SourceUnavailable,
+    Throttled,
+)
 from ..store import SampleStore
+from .accounting import RequestStats, source_label
+from .budget import RequestBudget
+from .concurrency import AutoConcurrency, FixedConcurrency
 from .from_config import open_configured_source
+from .gate import RequestGate
+from .pace import Pace, SharedPaceState
 from .idle import IdleState
 from .inflight import SizeEstimate
 from .keyorder import KeyOrder, key_hashes
@@ -58,12 +76,23 @@ IDLE_WAIT_S = 1.0
 SHARD_SAMPLES_GUESS = 1.0
 #: A feed whose batches fail as a whole rests this long at first, doubling up to the maximum.
 DOWN_FIRST_S, DOWN_MAX_S = 1.0, 60.0
+#: Batches of a feed fetched at once: at least FETCH_DEPTH (while one drains its slowest
+#: requests, the next keeps the link busy), more while the requests allowed in flight need
+#: them, at most MAX_BATCHES (with sampler.max_bytes_in_flight bounding their bytes).
+FETCH_DEPTH, MAX_BATCHES = 2, 32
+#: Tar shards per batch (a shard is large; the concurrency comes from more batches).
+SHARDS_PER_BATCH = 4
+#: A feed throttled this recently, its batches all in fetch, is passed over by the mixer: the
+#: other sources go on at their own pace instead of waiting for a remote that holds it back.
+THROTTLED_RECENTLY_S = 5.0
 
 
 def error_kind(error: BaseException) -> str:
     """The ``kind`` label of a failed fetch (status and the remote-errors metric)."""
     if isinstance(error, RemoteTimeout):
         return "timeout"
+    if isinstance(error, Throttled):
+        return "throttled"
     if isinstance(error, SourceUnavailable):
         return "unavailable"
     if isinstance(error, PermanentRemoteError):
@@ -71,11 +100,12 @@ def error_kind(error: BaseException) -> str:
     return "other"
 
 
-def _samples_per_batch(configured: int, table: KeyTable, unit: str, concurrency: int,
+def _samples_per_batch(configured: int, table: KeyTable, unit: str, concurrency: int | str,
                        batch_bytes: int) -> int:
     """Samples per fetch/commit round: ``sampler.batch_size``, fewer for large objects."""
-    if unit != "sample":
-        return max(1, min(4, concurrency))  # whole shards
+    if unit != "sample":  # whole shards
+        return max(1, min(SHARDS_PER_BATCH,
+                          concurrency if isinstance(concurrency, int) else SHARDS_PER_BATCH))
     sizes = table.known_sizes()
     if not len(sizes):
         return configured
@@ -112,13 +142,15 @@ class Feed:
         index: this sampler's index among ``sampler.processes``.
         position: where this process's key order of this source stopped (None: the start).
         batch_bytes: the bytes a batch aims for.
-        fetch_concurrency: requests in flight per batch.
         cache: the sampler's store (the idle feed reads its removal counter).
+        budget: the daemon's shared request budget (``sampler.max_requests_per_s``).
+        saved_requests: this source's request counters as the sampler last saved them.
     """
 
     def __init__(self, entry: SourceEntry, config: EpochcacheConfig, index: int, position: Any,
-                 batch_bytes: int, fetch_concurrency: int,
-                 cache: SampleStore | None = None) -> None:
+                 batch_bytes: int, cache: SampleStore | None = None,
+                 budget: RequestBudget | None = None,
+                 saved_requests: Mapping[str, Any] | None = None) -> None:
         self.name, self.prefix, self.weight = entry.name, entry.key_prefix, entry.weight
         self._config, self._index = config, index
         cache_dir = str(config.cache.dir)
@@ -133,7 +165,15 @@ class Feed:
                                             self.source.unit, config.sampler.concurrency,
                                             batch_bytes)
         self.sizes = SizeEstimate(self.table.known_sizes(), batch_bytes)
-        self.source.concurrency = fetch_concurrency
+        # Requests in flight: sampler.concurrency per source and sampler process, shared by
+        # the batches being fetched; `auto` finds the number (.concurrency).
+        # After throttling, the source's pace is one for all the daemon's samplers (.pace).
+        wanted = config.sampler.concurrency
+        pacer = Pace(SharedPaceState.in_cache(cache_dir, source_label(self.name)))
+        control = (FixedConcurrency(wanted, pacer=pacer) if isinstance(wanted, int)
+                   else AutoConcurrency(cap=self._byte_cap(), pacer=pacer))
+        self.source.gate = RequestGate(control, RequestStats(saved_requests), budget)
+        self.source.throttled_for_s = entry.config.timeout_s * 4
         self.deadline_s = entry.config.timeout_s * 4
         # Refs taken from the key order but not fetched yet (a batch is cut to batch_bytes),
         # with their listing indices, and the position before they were taken (saved until
@@ -318,15 +358,47 @@ class Feed:
     def in_fetch(self) -> int:
         return len(self.fetch_started)
 
+    @property
+    def gate(self) -> RequestGate:
+        return self.source.gate
+
+    @property
+    def max_in_fetch(self) -> int:
+        """Batches fetched at once (see :data:`MAX_BATCHES`): enough to keep the requests
+        allowed in flight busy, plus one to draining."""
+        needed = -(-self.gate.slots // max(1, self.per_batch)) + 1
+        return max(FETCH_DEPTH, min(MAX_BATCHES, needed))
+
+    @property
+    def busy(self) -> bool:
+        """As many batches in fetch as it may have."""
+        return self.in_fetch >= self.max_in_fetch
+
+    def _byte_cap(self) -> int:
+        """The most requests in flight whose bytes fit ``sampler.max_bytes_in_flight``."""
+        return max(1, self._config.sampler.max_bytes_in_flight // max(1, self.sizes.mean))
+
+    def observed_sizes(self) -> None:
+        """The size estimate changed: an ``auto`` concurrency's cap follows it."""
+        control = self.gate.control
+        if isinstance(control, AutoConcurrency):
+            control.set_cap(self._byte_cap())
+
+    def throttled(self, now: float) -> bool:
+        """The remote throttled this feed's requests lately."""
+        return self.gate.control.throttled_within(THROTTLED_RECENTLY_S, now)
+
     def stalled(self, now: float) -> bool:
         """Its oldest batch in fetch has taken longer than :attr:`stall_s`."""
         return bool(self.fetch_started) and now - self.fetch_started[0] > self.stall_s
 
     def available(self, now: float) -> bool:
-        """Neither resting nor stalled, nor down with its probe batch on the way: the mixer
-        may take a batch from it."""
+        """Neither resting nor stalled, nor down with its probe batch on the way, nor
+        throttled with all its batches in fetch: the mixer may take a batch from it."""
         if self.down and self.fetch_started:
             return False  # one batch at a time tells whether a source is back
+        if self.busy and self.throttled(now):
+            return False  # the remote holds it back: the others must not wait for it
         if self.idle.mode == "idle" or (self.idle.mode == "retry" and not self.idle.queue):
             return False
         return self.idle.until <= now and not self.stalled(now)

@@ -29,6 +29,7 @@ def source_spec(config: SourceConfig) -> SourceSpec:
         checks=tuple(config.checks),
         manifest_max_bytes=config.manifest_max_bytes,
         manifest_max_lines=config.manifest_max_lines,
+        client=config.client,
     )
 
 
@@ -38,18 +39,25 @@ def max_sample_bytes(config: EpochcacheConfig) -> int:
     return min(config.loader.max_sample_bytes, config.cache.capacity_bytes)
 
 
+#: Requests in flight of a source opened with ``concurrency: auto`` until a sampler's feed puts
+#: its own control in (and the threads of a local source's reader).
+AUTO_START_CONCURRENCY = 16
+
+
 def open_configured_source(config: EpochcacheConfig,
                            section: SourceConfig | None = None) -> Source:
     """A source of a whole config (``section``, default the first), as one sampler process
-    opens it: ``sampler.concurrency``, checks off when ``sampler.check`` is false, and
+    opens it: ``sampler.concurrency`` (``auto``: :data:`AUTO_START_CONCURRENCY`; a sampler's
+    feed then finds it), checks off when ``sampler.check`` is false, and
     ``sampler.bandwidth_limit`` split evenly among ``sampler.processes`` (a sampler shares its
     limiter among its sources: see ``Sampler``)."""
     sampler = config.sampler
     limit = sampler.bandwidth_limit / sampler.processes if sampler.bandwidth_limit else None
     spec = source_spec(section if section is not None else config.first_source)
+    concurrency = sampler.concurrency
     return open_source(
         dataclasses.replace(spec, max_sample_bytes=max_sample_bytes(config)),
-        concurrency=sampler.concurrency,
+        concurrency=concurrency if isinstance(concurrency, int) else AUTO_START_CONCURRENCY,
         checks=None if sampler.check else (),
         bandwidth_limit=limit,
     )

@@ -1,11 +1,11 @@
 """What a sampler holds between fetching and committing, bounded in bytes as well as requests.
 
-A sampler fetches :data:`~epochcache.ingest.sampler.FETCH_DEPTH` batches at once while the
-committer writes another: with skewed object sizes (or tar shards of a GiB) a bound on
-requests alone lets a sampler hold many GiB. Each batch reserves its expected bytes before it
-is fetched (the listed or manifest size, else an estimate learnt from what was fetched), the
-reservation is corrected to the real size once fetched, and released when the batch is
-committed. A single object larger than the whole budget is still fetched, alone.
+A sampler fetches several batches at once (:data:`~epochcache.ingest.feed.FETCH_DEPTH` or
+more) while the committer writes another: with skewed object sizes (or tar shards of a GiB) a
+bound on requests alone lets a sampler hold many GiB. Each batch reserves its expected bytes
+before it is fetched (the listed or manifest size, else an estimate learnt from what was
+fetched), the reservation is corrected to the real size once fetched, and released when the
+batch is committed. A single object larger than the whole budget is still fetched, alone.
 """
 
 from __future__ import annotations

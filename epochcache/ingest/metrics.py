@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
 from ..store import SampleStore
+from ..store.status import request_totals
 
 if TYPE_CHECKING:
     from prometheus_client.registry import CollectorRegistry
@@ -30,7 +31,7 @@ log = logging.getLogger(__name__)
 
 INSTALL_HINT = "pip install 'epochcache[metrics]' (or prometheus-client)"
 #: The kinds of failed remote fetches (see ``ingest.feed.error_kind``), always exported.
-ERROR_KINDS = ("timeout", "unavailable", "permanent", "other")
+ERROR_KINDS = ("timeout", "throttled", "unavailable", "permanent", "other")
 
 
 def require_prometheus(field: str) -> None:
@@ -161,6 +162,7 @@ def daemon_metrics(cache: SampleStore) -> Iterator[Any]:
                    "low turnover, see cache.headroom).", wait_s)
     yield from _source_metrics(cache)
     yield from coverage_metrics(cache)
+    yield from _request_metrics(cache)
 
 
 def coverage_metrics(cache: SampleStore) -> Iterator[Any]:
@@ -205,6 +207,42 @@ def coverage_metrics(cache: SampleStore) -> Iterator[Any]:
     yield CounterMetricFamily("epochcache_coverage_unattributed_samples", "Trained samples "
                               "with no recorded origin (cached by an older version, or put "
                               "through the Python API).", value=report["unattributed"])
+
+
+def _request_metrics(cache: SampleStore) -> Iterator[Any]:
+    """What each source cost in requests and egress (``ingest.accounting``)."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    requests = CounterMetricFamily("epochcache_remote_requests", "Requests sent to the remote, "
+                                   "per source and kind (get: object reads, throttled ones "
+                                   "included; list: listing pages).", labels=["source", "kind"])
+    counters = {
+        "bytes": CounterMetricFamily("epochcache_remote_bytes", "Bytes received in object "
+                                     "bodies (egress), per source.", labels=["source"]),
+        "throttled": CounterMetricFamily("epochcache_remote_throttled", "Answers of 503 "
+                                         "SlowDown or 429, per source.", labels=["source"]),
+        "retries": CounterMetricFamily("epochcache_remote_retries", "Requests sent again for "
+                                       "the same object or page, per source.",
+                                       labels=["source"]),
+        "timeouts": CounterMetricFamily("epochcache_remote_timeouts", "Requests that timed "
+                                        "out, per source.", labels=["source"]),
+    }
+    concurrency = GaugeMetricFamily("epochcache_remote_concurrency", "Requests the samplers "
+                                    "allow in flight now (sampler.concurrency; auto moves it), "
+                                    "per source.", labels=["source"])
+    pace = GaugeMetricFamily("epochcache_remote_pace_requests_per_second", "The pace samplers "
+                             "keep to after throttling (0: none), per source.", labels=["source"])
+    for name, values in sorted(request_totals(cache).items()):
+        requests.add_metric([name, "get"], float(values["gets"]))
+        requests.add_metric([name, "list"], float(values["lists"]))
+        for field, family in counters.items():
+            family.add_metric([name], float(values[field]))
+        concurrency.add_metric([name], float(values["concurrency"]))
+        pace.add_metric([name], float(values["pace"]))
+    yield requests
+    yield from counters.values()
+    yield concurrency
+    yield pace
 
 
 def _source_metrics(cache: SampleStore) -> Iterator[Any]:

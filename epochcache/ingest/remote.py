@@ -7,12 +7,14 @@ Everything that touches a remote goes through this module so that three rules ho
   the message and the original chained (``raise ... from exc``)::
 
       TimeoutError, asyncio/FSTimeout, botocore Read/ConnectTimeout   -> RemoteTimeout     (transient)
+      HTTP 503 (S3 SlowDown), 429, throttling error codes             -> Throttled         (a rate)
       FileNotFoundError, PermissionError, HTTP 401/403/404            -> PermanentRemoteError
-      connection errors, HTTP 5xx/429, other OSError                  -> SourceUnavailable (transient)
+      connection errors, other HTTP 5xx, other OSError                -> SourceUnavailable (transient)
 
 * only transient errors are retried, by :func:`retry`, with exponential backoff, full jitter, bounded
   attempts and an overall deadline. Filesystems are built so that s3fs and botocore do not retry
-  underneath us (``max_attempts=1``, ``fs.retries=1``): one owner of retrying keeps the timing honest.
+  underneath us (``total_max_attempts=1``, ``fs.retries=1``): one owner of retrying keeps the timing
+  honest (and the count of requests true).
 
 Credentials in ``storage_options`` never reach a log line: use
 :func:`epochcache.redact.redact_options` whenever options could be printed.
@@ -24,6 +26,7 @@ import asyncio
 import contextlib
 import logging
 import random
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -34,8 +37,11 @@ from typing import Any, TypeVar
 import fsspec
 from fsspec.asyn import AsyncFileSystem, sync
 
-from ..errors import PermanentRemoteError, RemoteTimeout, SourceError, SourceUnavailable
+from ..errors import PermanentRemoteError, RemoteTimeout, SourceError, SourceUnavailable, Throttled
 from ..redact import redact_url, scrub_urls
+from .bandwidth import BandwidthLimiter as BandwidthLimiter  # re-exported (its old home)
+from .concurrency import FixedConcurrency, Outcome
+from .gate import RequestGate, throttle_delay
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +74,9 @@ def open_fs(
         config_kwargs = dict(options.pop("config_kwargs", None) or {})
         config_kwargs.setdefault("connect_timeout", connect_timeout_s)
         config_kwargs.setdefault("read_timeout", timeout_s)
-        config_kwargs.setdefault("retries", {"max_attempts": 1, "mode": "standard"})
+        # total_max_attempts counts the first request; max_attempts counts retries (1 was one
+        # retry under us: a 503 asked twice, the second never counted or backed off by us)
+        config_kwargs.setdefault("retries", {"total_max_attempts": 1, "mode": "standard"})
         options["config_kwargs"] = config_kwargs
         # s3fs >= 2024 sends a HEAD before every whole-object GET when max_concurrency > 1 (to
         # split big objects into ranged reads): two round trips per sample. Samples are small
@@ -119,6 +127,15 @@ def join_url(root: str, relative: str) -> str:
 # ------------------------------------------------------------------------------- error translation
 
 
+#: Error codes of throttling answers (S3, botocore's, GCS/Azure through their clients).
+THROTTLE_CODES = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestThrottled",
+                            "TooManyRequests", "RequestLimitExceeded", "ServerBusy",
+                            "TooManyRequestsException", "ProvisionedThroughputExceededException"})
+#: The status in a message that carries no attribute for it (obstore's errors: "Server
+#: returned non-2xx status code: 503 Service Unavailable").
+_STATUS_IN_MESSAGE = re.compile(r"status(?: code)?:? (\d{3})\b")
+
+
 def _http_status(exc: BaseException) -> int | None:
     status = getattr(exc, "status", None) or getattr(exc, "code", None)
     if isinstance(status, int) and 100 <= status < 600:
@@ -129,7 +146,36 @@ def _http_status(exc: BaseException) -> int | None:
         value = meta.get("HTTPStatusCode")
         if isinstance(value, int):
             return value
+    if type(exc).__module__.split(".")[0] == "obstore":
+        match = _STATUS_IN_MESSAGE.search(str(exc))
+        if match:
+            return int(match.group(1))
     return None
+
+
+def _causes(exc: BaseException) -> Iterator[BaseException]:
+    """``exc`` and the errors it was raised from (s3fs raises an OSError from botocore's)."""
+    seen: set[int] = set()
+    error: BaseException | None = exc
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        yield error
+        error = error.__cause__
+
+
+def _status(exc: BaseException) -> int | None:
+    return next((s for e in _causes(exc) if (s := _http_status(e)) is not None), None)
+
+
+def _is_throttle(exc: BaseException) -> bool:
+    for error in _causes(exc):
+        if _http_status(error) in (429, 503):
+            return True
+        response = getattr(error, "response", None)
+        if isinstance(response, dict) and (response.get("Error") or {}).get("Code") in \
+                THROTTLE_CODES:
+            return True
+    return False
 
 
 def _is_timeout(exc: BaseException) -> bool:
@@ -158,10 +204,17 @@ def translate_error(exc: BaseException, url: str) -> SourceError:
         return RemoteTimeout(
             f"{url}: timed out ({detail}); check the endpoint or raise timeout_s", url
         )
-    status = _http_status(exc)
-    if isinstance(exc, FileNotFoundError) or status == 404:
+    if _is_throttle(exc):
+        return Throttled(
+            f"{url}: throttled by the remote ({detail}); samplers slow down and ask again "
+            "(sampler.max_requests_per_s keeps them below a known limit)", url
+        )
+    status = _status(exc)
+    name = type(exc).__name__
+    if isinstance(exc, FileNotFoundError) or status == 404 or name == "NotFoundError":
         return PermanentRemoteError(f"{url}: not found ({detail})", url)
-    if isinstance(exc, PermissionError) or status in (401, 403):
+    if isinstance(exc, PermissionError) or status in (401, 403) or name in (
+            "PermissionDeniedError", "UnauthenticatedError"):
         return PermanentRemoteError(
             f"{url}: access denied ({detail}); check the credentials in storage_options", url
         )
@@ -185,7 +238,8 @@ def translate_errors(url: str) -> Iterator[None]:
         # botocore/aiohttp errors do not share a base class with OSError; anything else raised by a
         # remote library is treated like a connection problem (transient) rather than a crash.
         module = type(exc).__module__.split(".")[0]
-        if module in {"botocore", "aiobotocore", "aiohttp", "s3fs", "fsspec", "gcsfs", "adlfs"}:
+        if module in {"botocore", "aiobotocore", "aiohttp", "s3fs", "fsspec", "gcsfs", "adlfs",
+                      "obstore"}:
             raise translate_error(exc, url) from exc
         raise
 
@@ -264,6 +318,8 @@ def fetch_many(
     timeout_s: float = 30.0,
     url_of: Callable[[str], str] | None = None,
     limits: Sequence[int | None] | None = None,
+    gate: RequestGate | None = None,
+    throttled_for_s: float = 0.0,
 ) -> list[bytes | SourceError]:
     """Read whole objects concurrently; return each one's bytes or error, in input order.
 
@@ -271,33 +327,35 @@ def fetch_many(
     downloaded (a ranged read), so a caller that asks for one byte more than it accepts can
     tell an object that is too large without holding all of it.
 
-    Async filesystems (s3fs, http, gcs) run one coroutine per path on fsspec's IO loop, at most
-    ``concurrency`` in flight, each bounded by ``timeout_s`` (measured faster than a thread pool of
-    ``cat_file``; see the report in remote's tests). Other filesystems use a thread pool. Errors are
-    translated per object and never raised: one bad object must not fail its batch.
+    Every request passes through ``gate`` (:mod:`.gate`: the requests in flight, shared with
+    the other calls using it, the pace and budget, the counting); without one, at most
+    ``concurrency`` are in flight. A throttled request (503 SlowDown, 429) is asked again for
+    the same object after a backoff, for up to ``throttled_for_s`` seconds (0: not at all).
+
+    Async filesystems (s3fs, http, gcs) run one coroutine per path on fsspec's IO loop, each
+    request bounded by ``timeout_s`` (measured faster than a thread pool of ``cat_file``; see
+    the report in remote's tests). Other filesystems use a thread pool. Errors are translated
+    per object and never raised: one bad object must not fail its batch.
     """
     url_of = url_of or (lambda p: redact_url(fs.unstrip_protocol(p)))
     if not paths:
         return []
+    if gate is None:
+        gate = RequestGate(FixedConcurrency(max(1, concurrency)))
     ends = list(limits) if limits is not None else [None] * len(paths)
+    fetch = _Fetch(fs, gate, timeout_s, throttled_for_s, url_of)
     if isinstance(fs, AsyncFileSystem) and getattr(fs, "asynchronous", False) is False:
-        raw = _fetch_async(fs, paths, concurrency, timeout_s, ends)
-    else:
-        raw = _fetch_threads(fs, paths, concurrency, timeout_s, ends)
-    raw = [b"" if end is not None and _unsatisfiable(value) else value
-           for value, end in zip(raw, ends)]
-    return [
-        translate_error(value, url_of(path)) if isinstance(value, BaseException) else value
-        for path, value in zip(paths, raw)
-    ]
+        return fetch.run_async(paths, ends)
+    return fetch.run_threads(paths, ends)
 
 
-def _unsatisfiable(value: bytes | BaseException) -> bool:
+def _unsatisfiable(value: BaseException) -> bool:
     """A ranged read from byte 0 answered 416: the object is empty (no range of it exists)."""
-    while isinstance(value, BaseException):
-        if _http_status(value) == 416:
+    error: BaseException | None = value
+    while error is not None:
+        if _http_status(error) == 416:
             return True
-        value = value.__cause__  # type: ignore[assignment]
+        error = error.__cause__
     return False
 
 
@@ -305,86 +363,112 @@ def _range(end: int | None) -> dict[str, int]:
     return {} if end is None else {"start": 0, "end": end}
 
 
-def _fetch_async(
-    fs: AsyncFileSystem, paths: Sequence[str], concurrency: int, timeout_s: float,
-    ends: Sequence[int | None],
-) -> list[bytes | BaseException]:
-    async def one(semaphore: asyncio.Semaphore, path: str, end: int | None) -> bytes | BaseException:
-        async with semaphore:
-            try:
-                return bytes(await asyncio.wait_for(fs._cat_file(path, **_range(end)), timeout_s))
-            except Exception as exc:  # noqa: BLE001 - returned per object, translated by the caller
-                return exc
-
-    async def gather() -> list[bytes | BaseException]:
-        semaphore = asyncio.Semaphore(max(1, concurrency))
-        return list(await asyncio.gather(*(one(semaphore, p, e) for p, e in zip(paths, ends))))
-
-    # The outer timeout is a safety net only: every object has its own wait_for above.
-    waves = -(-len(paths) // max(1, concurrency))
-    result: list[bytes | BaseException] = sync(fs.loop, gather, timeout=timeout_s * (waves + 1))
-    return result
+def outcome_of(error: SourceError) -> Outcome:
+    """How a failed request counts for the concurrency control."""
+    if isinstance(error, Throttled):
+        return Outcome.THROTTLED
+    if isinstance(error, RemoteTimeout):
+        return Outcome.TIMEOUT
+    return Outcome.ERROR
 
 
-def _fetch_threads(
-    fs: fsspec.AbstractFileSystem, paths: Sequence[str], concurrency: int, timeout_s: float,
-    ends: Sequence[int | None],
-) -> list[bytes | BaseException]:
-    results: list[bytes | BaseException] = []
-    workers = max(1, min(concurrency, len(paths)))
-    pool = ThreadPoolExecutor(max_workers=workers)
-    try:
-        futures = [pool.submit(fs.cat_file, p, **_range(e)) for p, e in zip(paths, ends)]
-        # A thread cannot be interrupted, so bound the whole call: every wave of `workers` objects
-        # gets timeout_s. An object still running at the deadline is reported as timed out.
-        waves = -(-len(paths) // workers)
-        deadline = time.monotonic() + timeout_s * waves
-        for future in futures:
-            try:
-                results.append(bytes(future.result(max(0.0, deadline - time.monotonic()))))
-            except BaseException as exc:  # noqa: BLE001 - returned per object, translated by caller
-                results.append(exc)
-    finally:
-        # Do not wait for a hung thread: its result is already reported as a timeout.
-        pool.shutdown(wait=False, cancel_futures=True)
-    return results
+class _Fetch:
+    """One :func:`fetch_many` call: each object through the gate, retried while throttled."""
 
+    def __init__(self, fs: fsspec.AbstractFileSystem, gate: RequestGate, timeout_s: float,
+                 throttled_for_s: float, url_of: Callable[[str], str]) -> None:
+        self.fs, self.gate, self.timeout_s = fs, gate, timeout_s
+        self.throttled_for_s, self.url_of = throttled_for_s, url_of
 
-# ---------------------------------------------------------------------------------- bandwidth limit
+    def _result(self, path: str, end: int | None, value: Any) -> bytes | SourceError:
+        if isinstance(value, BaseException):
+            if end is not None and _unsatisfiable(value):
+                return b""
+            return translate_error(value, self.url_of(path))
+        return bytes(value)
 
+    def _again(self, result: bytes | SourceError, first: float, attempt: int) -> float | None:
+        """The backoff before asking again for a throttled object; None: do not."""
+        if not isinstance(result, Throttled) or not self.throttled_for_s:
+            return None
+        delay = throttle_delay(attempt)
+        if time.monotonic() + delay - first > self.throttled_for_s:
+            return None
+        return delay
 
-class BandwidthLimiter:
-    """Token bucket shared by the threads of one process: ``consume(n)`` sleeps to keep the average
-    rate at ``bytes_per_s``.
+    def run_async(self, paths: Sequence[str], ends: Sequence[int | None]
+                  ) -> list[bytes | SourceError]:
+        fs, gate, timeout_s = self.fs, self.gate, self.timeout_s
 
-    The bucket holds at most ``burst_s`` seconds of tokens. Sizes are known only after a fetch, so
-    the bucket may go into debt, and the next caller waits it off; the long-run rate still holds.
+        async def one(path: str, end: int | None) -> bytes | SourceError:
+            first = time.monotonic()
+            attempt = 0
+            while True:
+                started = await gate.enter(retry=attempt > 0)
+                try:
+                    value: Any = await asyncio.wait_for(fs._cat_file(path, **_range(end)),
+                                                        timeout_s)
+                except Exception as exc:  # noqa: BLE001 - returned per object
+                    value = exc
+                result = self._result(path, end, value)
+                gate.leave(started, Outcome.OK if isinstance(result, bytes)
+                           else outcome_of(result), len(result) if isinstance(result, bytes)
+                           else 0)
+                delay = self._again(result, first, attempt)
+                if delay is None:
+                    return result
+                attempt += 1
+                await asyncio.sleep(delay)
 
-    Args:
-        bytes_per_s: the average rate to keep; must be positive.
-        burst_s: seconds of traffic that may pass at full speed after an idle period.
-    """
+        async def gather() -> list[bytes | SourceError]:
+            return list(await asyncio.gather(*(one(p, e) for p, e in zip(paths, ends))))
 
-    def __init__(self, bytes_per_s: float, *, burst_s: float = 1.0) -> None:
-        if bytes_per_s <= 0:
-            raise ValueError(f"bandwidth limit: must be positive bytes/s, got {bytes_per_s!r}")
-        self.bytes_per_s = float(bytes_per_s)
-        self._capacity = self.bytes_per_s * burst_s
-        self._tokens = self._capacity
-        self._last = time.monotonic()
-        self._lock = threading.Lock()
+        # A safety net only: every request has its own timeout above. The gate is shared with
+        # the source's other batches, and throttled objects are asked again for a while.
+        waves = 2 * -(-len(paths) // max(1, gate.slots))
+        limit = timeout_s * (waves + 1) + self.throttled_for_s
+        result: list[bytes | SourceError] = sync(fs.loop, gather, timeout=limit)
+        return result
 
-    def consume(self, num_bytes: int, *, sleep: Callable[[float], None] = time.sleep) -> float:
-        """Take ``num_bytes`` from the bucket, sleeping while it is in debt; return the seconds slept."""
-        with self._lock:
-            now = time.monotonic()
-            self._tokens = min(self._capacity, self._tokens + (now - self._last) * self.bytes_per_s)
-            self._last = now
-            self._tokens -= num_bytes
-            wait = -self._tokens / self.bytes_per_s if self._tokens < 0 else 0.0
-        if wait > 0:
-            sleep(wait)
-        return wait
+    def run_threads(self, paths: Sequence[str], ends: Sequence[int | None]
+                    ) -> list[bytes | SourceError]:
+        gate, fs = self.gate, self.fs
+        results: list[bytes | SourceError] = []
+        workers = max(1, min(gate.slots, len(paths)))
+        pool = ThreadPoolExecutor(max_workers=workers)
 
-    def __repr__(self) -> str:
-        return f"BandwidthLimiter(bytes_per_s={self.bytes_per_s:.0f})"
+        def one(path: str, end: int | None) -> bytes | SourceError:
+            first = time.monotonic()
+            attempt = 0
+            while True:
+                started = gate.enter_sync(retry=attempt > 0)
+                try:
+                    value: Any = fs.cat_file(path, **_range(end))
+                except Exception as exc:  # noqa: BLE001 - returned per object
+                    value = exc
+                result = self._result(path, end, value)
+                gate.leave_sync(started, Outcome.OK if isinstance(result, bytes)
+                                else outcome_of(result), len(result) if isinstance(result, bytes)
+                                else 0)
+                delay = self._again(result, first, attempt)
+                if delay is None:
+                    return result
+                attempt += 1
+                time.sleep(delay)
+
+        try:
+            futures = [pool.submit(one, p, e) for p, e in zip(paths, ends)]
+            # A thread cannot be interrupted, so bound the whole call: every wave of `workers`
+            # objects gets timeout_s. An object still running at the deadline is reported as
+            # timed out.
+            waves = -(-len(paths) // workers)
+            deadline = time.monotonic() + self.timeout_s * waves + self.throttled_for_s
+            for path, future in zip(paths, futures):
+                try:
+                    results.append(future.result(max(0.0, deadline - time.monotonic())))
+                except BaseException as exc:  # noqa: BLE001 - returned per object
+                    results.append(translate_error(exc, self.url_of(path)))
+        finally:
+            # Do not wait for a hung thread: its result is already reported as a timeout.
+            pool.shutdown(wait=False, cancel_futures=True)
+        return results

@@ -1,8 +1,9 @@
 """One sampler process: choose keys, fetch them concurrently, validate, compress, commit.
 
 A sampler runs until its stop flag is set or its daemon disappears. Fetching and committing
-overlap: the next batches are fetched while a committer thread (:mod:`.committer`) writes the
-previous one, so the cache's write lock and fsync never leave the network idle; what it holds
+overlap: the next batches are fetched (their requests through each source's gate: how many in
+flight, the pace after throttling, the counters; see :mod:`.feed`) while a committer thread
+(:mod:`.committer`) writes the previous one, so the cache's write lock and fsync never leave the network idle; what it holds
 in flight is bounded in bytes (:mod:`.inflight`). Its position in the key order is saved in the
 cache after each commit, so a restarted sampler goes on where it stopped instead of fetching the
 same first samples again. With several sources (``sources:``) it holds a :class:`~.feed.Feed`
@@ -35,8 +36,10 @@ from ..errors import CorruptSample, PermanentRemoteError, SampleRejected, Source
 from ..limits import cut_key, cut_text
 from ..redact import install_log_redaction
 from ..store import SampleStore
+from .accounting import saved_requests, source_label
+from .budget import RequestBudget
 from .committer import Batch, Committer, state_name
-from .feed import IDLE_WAIT_S, Feed, error_kind, next_feed
+from .feed import FETCH_DEPTH, IDLE_WAIT_S, MAX_BATCHES, Feed, error_kind, next_feed
 from .heap import reuse_freed_buffers
 from .inflight import ByteBudget
 from .lifeline import Lifeline, kill_with_parent
@@ -47,8 +50,6 @@ __all__ = ["Sampler", "SamplerHealth", "StopFlag", "run_sampler", "state_name"]
 
 log = logging.getLogger(__name__)
 
-#: Batches fetched at the same time (``sampler.concurrency`` is split among them).
-FETCH_DEPTH = 2
 #: Aim for commits of about this many bytes: 64 samples of 1 MiB would hold the pipeline for a
 #: 64 MiB round (fetch, then commit) where 8 MiB rounds keep fetching and committing overlapped.
 BATCH_BYTES = 8 * 1024 * 1024
@@ -85,6 +86,8 @@ class SamplerHealth:
     error_kinds: dict[str, int] = field(default_factory=dict)  # failed fetches by error_kind()
     lease_wait_s: float = 0.0  # seconds its commits waited for leases to free space
     sources: dict[str, dict[str, Any]] = field(default_factory=dict)  # {name: {errors, down}}
+    # {source label: {gets, lists, bytes, throttled, ..., concurrency, pace}} (.accounting)
+    requests: dict[str, dict[str, float]] = field(default_factory=dict)
     started: float = field(default_factory=time.time)
     heartbeat: float = field(default_factory=time.time)
 
@@ -159,13 +162,17 @@ class Sampler:
         self.budget = ByteBudget(limit)
         # FETCH_DEPTH batches in fetch, one queued and one committing: each gets a share.
         self.batch_bytes = max(1, min(BATCH_BYTES, limit // (FETCH_DEPTH + 2)))
-        # FETCH_DEPTH batches are fetched at once, each with its share of `concurrency`: while
-        # one drains its slowest requests, the other keeps the link busy (one batch at a time
-        # left the link idle at every batch boundary: 0.6x a bare fetch, 0.9x+ with two).
-        per_fetch = max(1, -(-config.sampler.concurrency // FETCH_DEPTH))
+        # At least FETCH_DEPTH batches of a source are fetched at once, sharing its requests
+        # in flight: while one drains its slowest requests, the next keeps the link busy (one
+        # batch at a time left the link idle at every batch boundary: 0.6x a bare fetch, 0.9x+
+        # with two); more while the concurrency needs them (.feed.MAX_BATCHES).
+        per_s = config.sampler.max_requests_per_s
+        self.request_budget = RequestBudget.in_cache(config.cache.dir, per_s) if per_s else None
         entries = [e for e in config.source_entries() if sources is None or e.name in sources]
         self.feeds = [Feed(entry, config, index, _saved_position(saved, entry.name),
-                           self.batch_bytes, per_fetch, self.cache) for entry in entries]
+                           self.batch_bytes, self.cache, self.request_budget,
+                           saved_requests(saved, source_label(entry.name)))
+                      for entry in entries]
         self._by_prefix = {feed.name: feed for feed in self.feeds}
         # One bandwidth budget per process, whatever the source: a source that is down leaves
         # its share of the link to the others.
@@ -180,6 +187,11 @@ class Sampler:
                                    for k, v in (saved.get("error_kinds") or {}).items()}
         self.health.sources = {feed.name: {"errors": 0, "down": False}
                                for feed in self.feeds if feed.name}
+        kept = saved.get("requests")  # of sources left out now: kept as they were
+        self._requests_kept = {str(k): v for k, v in kept.items()
+                               if k not in {source_label(f.name) for f in self.feeds}} \
+            if isinstance(kept, dict) else {}
+        self.publish_requests()
         # Where each feed starts: the health document is written before anything commits
         # (idle, failing), and an empty position there was a restart's lost place.
         if config.sources is not None:  # sources left out (unreachable) keep theirs
@@ -191,7 +203,7 @@ class Sampler:
         self.tagger = OriginTagger(self.cache, config.sampler.node())  # coverage, manifests
         self.committer = Committer(self.cache, self.health, stop=stop,
                                    should_stop=self.should_stop, quarantine=self.quarantine,
-                                   done=self._done)
+                                   done=self._done, before_save=self.publish_requests)
         # Keys quarantined by this process: corrupt objects are not fetched (and counted) again
         # every pass; a restarted daemon tries them once more.
         self.quarantined: set[str] = set()
@@ -205,9 +217,9 @@ class Sampler:
         self._part_records: dict[Feed, int] = {}  # records of parts of each feed's shards
         self._errors_before = self.health.errors  # when the current fruitless stretch began
         self.fetching: collections.deque[_Fetching] = collections.deque()
-        # FETCH_DEPTH batches per source: a source that stopped answering holds its own
+        # Up to MAX_BATCHES batches per source: a source that stopped answering holds its own
         # threads, never the others' (with sources:, sampler.concurrency is per source).
-        self.pool = ThreadPoolExecutor(max_workers=FETCH_DEPTH * len(self.feeds),
+        self.pool = ThreadPoolExecutor(max_workers=MAX_BATCHES * len(self.feeds),
                                        thread_name_prefix="epochcache-fetch")
 
     # -- stopping ---------------------------------------------------------------------------------
@@ -250,13 +262,13 @@ class Sampler:
                         self.stop.wait(min(IDLE_WAIT_S, max(0.01, wake - now)))
                     continue
                 feed = due
-                if feed.in_fetch >= FETCH_DEPTH:  # the source due is busy: wait for a batch
+                if feed.busy:  # the source due is busy: wait for a batch
                     self._hand_over()
                     continue
                 picked, indices, position = feed.pick(self.cache, self.batch_bytes, self._skip)
                 if picked and not self._reserve_and_submit(feed, picked, indices, position):
                     break
-                if feed.in_fetch >= FETCH_DEPTH or (self.fetching and not picked):
+                if feed.busy or (self.fetching and not picked):
                     self._hand_over()
             # Stopping: what is being fetched is committed too (graceful stop loses nothing).
             while self.fetching:
@@ -356,6 +368,7 @@ class Sampler:
         unknown = [ref for ref in fetching.refs if not ref.size]
         if unknown and fetched:
             feed.sizes.observe(fetched * len(unknown) // max(1, len(fetching.refs)), len(unknown))
+            feed.observed_sizes()
         # From here on the batch holds its records (the fetched payloads are dropped).
         nbytes = sum(len(record) for _, record in records)
         self.budget.adjust(fetching.reserved, nbytes)
@@ -439,6 +452,14 @@ class Sampler:
 
     # -- shared with the committer thread ---------------------------------------------------------
 
+    def publish_requests(self) -> None:
+        """Copy each source's request counters into the health document (before it is saved)."""
+        requests = dict(self._requests_kept)
+        for feed in self.feeds:
+            feed.gate.publish()
+            requests[source_label(feed.name)] = feed.gate.stats.as_dict()
+        self.health.requests = requests
+
     def _feed_of(self, cache_key: str) -> Feed:
         if len(self.feeds) == 1:
             return self.feeds[0]
@@ -482,6 +503,7 @@ class Sampler:
         """
         self.pool.shutdown(wait=True, cancel_futures=True)
         self.committer.finish()
+        self.publish_requests()
         self.health.heartbeat = time.time()
         self.cache.tables.put_state(state_name(self.index), asdict(self.health))
         self.cache.close()
@@ -491,6 +513,7 @@ class Sampler:
         without waiting for fetches or the committer (the process exits next)."""
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.health.last_error = f"sampler exited: {type(error).__name__}: {error}"[:300]
+        self.publish_requests()
         self.health.heartbeat = time.time()
         try:
             self.cache.tables.put_state(state_name(self.index), asdict(self.health))

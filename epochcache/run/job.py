@@ -38,6 +38,7 @@ from ..errors import ConfigError, DaemonAlreadyRunning
 from ..ingest.daemon import Daemon, DaemonLock
 from ..ingest.metrics import MetricsServer, require_prometheus
 from ..redact import redact_url
+from ..store.status import describe_requests, request_delta, request_totals
 from .context import RunContext, TimedLoader
 from .midepoch import MidEpoch
 from .midepoch import loader_state as loader_state_of
@@ -289,6 +290,7 @@ class Run:
 
     def _run_epoch(self, cache: Cache, context: RunContext, epoch: int, loader: Any) -> None:
         before = cache.counters()
+        requests_before = request_totals(cache)
         mark = self.turnover.mark(cache)
         self.progress.epoch = epoch
         every = self.config.train.checkpoint_every_s
@@ -323,6 +325,11 @@ class Run:
             "evicted": after.evicted - before.evicted,
             **turnover,
             "coverage": coverage_row(cache, record),
+            # what the epoch cost the remote, per source (the samplers' counters: see
+            # docs/howto/monitoring.md), and in all
+            "requests": (requests := request_delta(requests_before, request_totals(cache))),
+            "remote_requests": sum(int(v["gets"] + v["lists"]) for v in requests.values()),
+            "remote_bytes": sum(int(v["bytes"]) for v in requests.values()),
             "time": time.time(),
         }
         self.metrics.append(row)
@@ -342,6 +349,8 @@ class Run:
             row["evicted"], turnover["new_samples"], "n/a" if wait is None else f"{100 * wait:.0f}%",
             coverage_text(row["coverage"]),
         )
+        for name, values in sorted(requests.items()):
+            log.info("epoch %d: remote %s: %s", epoch, name, describe_requests(values))
 
     def _trained_record(self, cache: Cache, loader: Any, epoch: int) -> TrainedRecord:
         """The epoch's manifest and coverage recorder; and this job noted for ``status``."""

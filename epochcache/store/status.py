@@ -50,6 +50,75 @@ def ingest_rate(history: list[dict[str, Any]], window_s: float = 60.0) -> dict[s
     }
 
 
+#: The request counters samplers and the daemon keep per source (``ingest.accounting``), and
+#: the gauges (the value now, summed over the live samplers).
+REQUEST_COUNTERS = ("gets", "lists", "bytes", "throttled", "timeouts", "errors", "retries")
+REQUEST_GAUGES = ("concurrency", "pace")
+
+
+def request_totals(cache: SampleStore) -> dict[str, dict[str, float]]:
+    """What each source cost in requests and egress so far: ``{source: {gets, lists, bytes,
+    throttled, timeouts, errors, retries, concurrency, pace}}``, the counters summed over the
+    sampler health documents and the daemon's (they go on across restarts), the requests in
+    flight over the samplers of a live daemon, and its pace after throttling (one per source,
+    shared by the samplers). A single ``source:`` is keyed ``source``."""
+    daemon = daemon_health(cache.tables.get_state("daemon"))
+    live = {str(i) for i, doc in ((daemon or {}).get("samplers") or {}).items()
+            if doc.get("alive")} if daemon and daemon["alive"] else set()
+    totals: dict[str, dict[str, float]] = {}
+
+    def add(requests: Any, gauges: bool) -> None:
+        if not isinstance(requests, dict):
+            return
+        for label, values in requests.items():
+            if not isinstance(values, dict):
+                continue
+            into = totals.setdefault(str(label), dict.fromkeys(REQUEST_COUNTERS +
+                                                                 REQUEST_GAUGES, 0))
+            for name in REQUEST_COUNTERS + (REQUEST_GAUGES if gauges else ()):
+                value = values.get(name, 0)
+                if not isinstance(value, (int, float)):
+                    continue
+                if name == "pace":  # one pace per source, shared by the samplers
+                    into[name] = max(into[name], value)
+                else:
+                    into[name] += value
+
+    for name, doc in cache.tables.states("sampler/").items():
+        add(doc.get("requests"), name.rsplit("/", 1)[-1] in live)
+    add((daemon or {}).get("requests"), False)
+    for values in totals.values():
+        values["pace"] = round(values["pace"], 1)
+    return totals
+
+
+def request_delta(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]
+                  ) -> dict[str, dict[str, float]]:
+    """The counters of :func:`request_totals` between two readings (the gauges as they are
+    at the second): what an epoch cost."""
+    out = {}
+    for label, values in after.items():
+        start = before.get(label, {})
+        row = {name: values.get(name, 0) - start.get(name, 0) for name in REQUEST_COUNTERS}
+        row.update({name: values.get(name, 0) for name in REQUEST_GAUGES})
+        out[label] = row
+    return out
+
+
+def describe_requests(values: dict[str, float]) -> str:
+    """One line of a source's request counters (status, a run's log)."""
+    text = (f"{int(values.get('gets', 0)):,} GETs, {int(values.get('lists', 0)):,} LISTs, "
+            f"{format_size(values.get('bytes', 0))}")
+    for name in ("throttled", "retries", "timeouts", "errors"):
+        if values.get(name):
+            text += f", {name} {int(values[name]):,}"
+    if values.get("concurrency"):
+        text += f", concurrency {int(values['concurrency'])}"
+    if values.get("pace"):
+        text += f" (paced at {values['pace']:g}/s)"
+    return text
+
+
 #: History rows ``status`` looks through for the epochs of a run (5 s apart: ~7 hours).
 TURNOVER_SCAN_ROWS = 5000
 
@@ -114,6 +183,7 @@ def _collect(cache: SampleStore) -> dict[str, Any]:
         "jobs": jobs(cache, leases),
         "ingest": ingest_rate(history),
         "daemon": daemon_health(cache.tables.get_state("daemon"), now),
+        "requests": request_totals(cache),
         "recent_quarantine": cache.quarantined(limit=5),
         "turnover": recent_epochs(cache),
         # trainers whose batch stalled, while they run (see epochcache.data.stall)
@@ -154,6 +224,8 @@ def render(stats: dict[str, Any]) -> RenderableType:
         table.add_row(f"  source {name}", f"{source['samples']:,} samples, "
                       f"{format_size(source['bytes'])}, ingested {source['ingested']:,}, "
                       f"quarantined {source['quarantined']:,}")
+    for name, values in sorted(stats.get("requests", {}).items()):
+        table.add_row(f"requests {name}", describe_requests(values))
     daemon = stats["daemon"]
     if daemon is None:
         table.add_row("daemon", "none")

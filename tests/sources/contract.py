@@ -31,11 +31,14 @@ class Backend:
     root: str
     storage_options: dict[str, Any] = field(default_factory=dict)
     put: Callable[[str, bytes], None] = lambda key, data: None
+    client: str | None = None  # source.client (s3: s3fs or obstore reads the objects)
 
     def url(self, sub: str = "") -> str:
         return f"{self.root.rstrip('/')}/{sub}".rstrip("/") if sub else self.root
 
     def source(self, sub: str = "", **fields: Any) -> SourceSpec:
+        if self.client is not None:
+            fields.setdefault("client", self.client)
         return SourceSpec(url=self.url(sub), storage_options=self.storage_options, **fields)
 
 

@@ -39,7 +39,9 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from ...errors import CorruptSample, SourceError
+import fsspec
+
+from ...errors import CorruptSample, SourceError, Throttled
 from ...limits import (
     DEFAULT_MANIFEST_MAX_BYTES,
     DEFAULT_MANIFEST_MAX_LINES,
@@ -47,6 +49,9 @@ from ...limits import (
 )
 from ...redact import redact_options, redact_url
 from ...units import format_size
+from ..clients import bucket_region, obstore_filesystem, resolve_client
+from ..concurrency import FixedConcurrency
+from ..gate import RequestGate
 from ..localfiles import LocalFiles
 from ..remote import (
     TRANSIENT_ERRORS,
@@ -105,6 +110,8 @@ class SourceSpec:
             gzip or zip check decompresses; larger ones are quarantined, not downloaded.
         manifest_max_bytes: the most memory the keys of a manifest may take.
         manifest_max_lines: the most lines read from a manifest.
+        client: who reads an ``s3://`` source's objects: ``auto``, ``s3fs`` or ``obstore``
+            (:mod:`..clients`).
     """
 
     url: str
@@ -122,6 +129,7 @@ class SourceSpec:
     max_sample_bytes: int = DEFAULT_MAX_SAMPLE_BYTES
     manifest_max_bytes: int = DEFAULT_MANIFEST_MAX_BYTES
     manifest_max_lines: int = DEFAULT_MANIFEST_MAX_LINES
+    client: str = "auto"
 
     @property
     def effective_pattern(self) -> str:
@@ -175,7 +183,9 @@ class Source(abc.ABC):
 
     Args:
         spec: where the dataset is and how to read it.
-        concurrency: requests in flight in one :meth:`fetch_many` call.
+        concurrency: requests in flight at most (its :attr:`gate` may be replaced by one with an
+            ``auto`` concurrency, a request budget and shared counters: the sampler's feed
+            does).
         checks: content checks to run (``size``, ``checksum``, ``format``); defaults to
             ``spec.checks``; ``()`` turns them off.
         bandwidth_limit: bytes per second this source may read on average (this process only).
@@ -196,7 +206,10 @@ class Source(abc.ABC):
         if concurrency < 1:
             raise ValueError(f"concurrency: must be at least 1, got {concurrency}")
         self.spec = spec
-        self.concurrency = concurrency
+        #: every object read passes through it (requests in flight, pace, budget, counting)
+        self.gate = RequestGate(FixedConcurrency(concurrency))
+        #: how long a throttled object is asked for again before it counts as failed
+        self.throttled_for_s = spec.timeout_s * 4
         self.checks = frozenset(spec.checks if checks is None else checks)
         self.limiter = BandwidthLimiter(bandwidth_limit) if bandwidth_limit else None
         # What messages, logs and the cache show: credentials in the URL masked. fsspec gets
@@ -208,6 +221,12 @@ class Source(abc.ABC):
             timeout_s=spec.timeout_s,
             connect_timeout_s=spec.connect_timeout_s,
         )
+        # Who reads the objects (listing stays with self.fs): obstore's settings, or None.
+        self._obstore = resolve_client(spec.client, spec.url, spec.storage_options,
+                                       field=f"source.client of {self.url}",
+                                       timeout_s=spec.timeout_s,
+                                       connect_timeout_s=spec.connect_timeout_s)
+        self._fetch_fs: fsspec.AbstractFileSystem | None = None
         self.max_sample_bytes = spec.max_sample_bytes
         protocol = self.fs.protocol
         protocols = (protocol,) if isinstance(protocol, str) else tuple(protocol)
@@ -217,6 +236,31 @@ class Source(abc.ABC):
         self._root_prefix = (self._local_root or "/").rstrip("/") + "/"
         # ...and read with the OS's calls, not through fsspec and a thread per file (see there).
         self._local_files = LocalFiles(concurrency) if local else None
+
+    @property
+    def concurrency(self) -> int:
+        """Requests in flight at most, now."""
+        return self.gate.slots
+
+    @property
+    def client(self) -> str:
+        """Who reads the objects: ``obstore``, or the filesystem's protocol (s3fs: ``s3``)."""
+        if self._obstore is not None:
+            return "obstore"
+        protocol = self.fs.protocol
+        return protocol if isinstance(protocol, str) else protocol[0]
+
+    @property
+    def fetch_fs(self) -> fsspec.AbstractFileSystem:
+        """The filesystem objects are read with (made at the first read: a daemon that only
+        lists never builds it)."""
+        if self._fetch_fs is None:
+            settings = self._obstore
+            if settings is not None and not settings.region_given:
+                region = bucket_region(self.fs, self.root.split("/", 1)[0], self.spec.timeout_s)
+                settings = settings.in_region(region) if region else settings
+            self._fetch_fs = self.fs if settings is None else obstore_filesystem(settings)
+        return self._fetch_fs
 
     # -- listing ---------------------------------------------------------------------------------
 
@@ -265,10 +309,12 @@ class Source(abc.ABC):
         fetched: list[bytes | SourceError]
         if self._local_files is not None:
             fetched = self._read_local(todo, [resolved.get(p, p) for p in paths], limits, urls)
+            self.gate.stats.add(gets=len(todo), bytes=sum(
+                len(value) for value in fetched if isinstance(value, bytes)))
         else:
-            fetched = fetch_many(self.fs, paths, concurrency=self.concurrency,
-                                 timeout_s=self.spec.timeout_s,
-                                 url_of=dict(zip(paths, urls)).__getitem__, limits=limits)
+            fetched = fetch_many(self.fetch_fs, paths, timeout_s=self.spec.timeout_s,
+                                 url_of=dict(zip(paths, urls)).__getitem__, limits=limits,
+                                 gate=self.gate, throttled_for_s=self.throttled_for_s)
         self._throttle(sum(len(value) for value in fetched if isinstance(value, bytes)))
         done: Iterator[list[FetchResult]] = iter([
             [(ref, value)] if isinstance(value, SourceError) else self._unpack(ref, url, value)
@@ -378,9 +424,11 @@ class Source(abc.ABC):
         """:meth:`fetch_many`, re-fetching refs that failed transiently (``SourceUnavailable``,
         ``RemoteTimeout``) with exponential backoff and full jitter, until ``attempts``
         (default ``spec.retries``) or ``deadline_s`` run out. Permanent and corrupt results are
-        final at once. Whatever still fails is returned as its last error. ``on_part`` and
-        ``part_bytes``: see :meth:`fetch_grouped` (a shard that failed after handing parts
-        over is streamed again from its start; the cache skips what it has).
+        final at once, and so is a ref still throttled after its own retries (the request gate
+        asked for it again for :attr:`throttled_for_s`). Whatever still fails is returned as
+        its last error. ``on_part`` and ``part_bytes``: see :meth:`fetch_grouped` (a shard
+        that failed after handing parts over is streamed again from its start; the cache
+        skips what it has).
         """
         attempts = self.spec.retries if attempts is None else attempts
         start = time.monotonic()
@@ -396,6 +444,7 @@ class Source(abc.ABC):
                     group
                     and group[-1][0] is refs[index]
                     and isinstance(group[-1][1], TRANSIENT_ERRORS)
+                    and not (isinstance(group[-1][1], Throttled) and self.throttled_for_s)
                 ):
                     retry_next.append(index)
             pending = retry_next
@@ -408,6 +457,7 @@ class Source(abc.ABC):
             log.info(
                 "%s: %d transient failures; retrying in %.2fs", self.url, len(pending), delay
             )
+            self.gate.stats.add(retries=len(pending))
             sleep(delay)
         return [result for group in groups for result in group]
 

@@ -34,6 +34,7 @@ from fsspec.asyn import AsyncFileSystem, sync
 
 from ...errors import RemoteTimeout, SourceError, SourceUnavailable
 from ...redact import redact_options
+from ..accounting import RequestStats
 from ..remote import call, retry, translate_errors
 from .keytable import KeyTable, KeyTableBuilder
 from .listing import Listing, new_generation, read_listing, save_listing, source_fingerprint
@@ -191,11 +192,21 @@ def make_pager(fs: fsspec.AbstractFileSystem, root: str, local: bool,
     return pager
 
 
-def fetch_page(pager: Pager, url: str, spec: Any, first: bool) -> list[Entry]:
+def fetch_page(pager: Pager, url: str, spec: Any, first: bool,
+               stats: RequestStats | None = None) -> list[Entry]:
     """One page with ``source.timeout_s`` and retries. The first page of a listing must fail
     fast (invariant 5: an unreachable remote fails the start within seconds): two attempts
-    within ``list_deadline_s``; later pages get ``source.retries`` attempts."""
+    within ``list_deadline_s``; later pages get ``source.retries`` attempts. Each remote
+    request is counted in ``stats`` (``lists``; a local directory is not a request)."""
+    remote = stats is not None and not getattr(pager, "local", False)
+    attempts = 0
+
     def once() -> list[Entry]:
+        nonlocal attempts
+        if remote:
+            assert stats is not None
+            stats.add(lists=1, retries=int(attempts > 0))
+        attempts += 1
         with translate_errors(url):
             return pager.page(spec.timeout_s)
 
@@ -281,7 +292,8 @@ class ListingJob:
                 return self._save_partial()
             first = self.pager.pages == 0
             try:
-                entries = fetch_page(self.pager, self.source.url, self.source.spec, first)
+                entries = fetch_page(self.pager, self.source.url, self.source.spec, first,
+                                     self.source.gate.stats)
             except SourceError as exc:
                 if self.blocks or len(self.builder) > self._saved_keys:
                     self._save_partial()

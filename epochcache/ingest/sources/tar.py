@@ -33,7 +33,8 @@ import numpy as np
 from ...errors import CorruptSample, SourceError, SourceUnavailable
 from ...limits import cut_text
 from ..localfiles import OPEN_FLAGS
-from ..remote import call, retry, translate_error, translate_errors
+from ..concurrency import Outcome
+from ..remote import call, outcome_of, retry, translate_error, translate_errors
 from .base import STREAMED, FetchResult, SampleRef, Source
 from .check import StreamDigest
 from .keytable import KeyTable, KeyTableBuilder, head_width, key_heads
@@ -203,6 +204,27 @@ class TarSource(Source):
 
     def _stream_shard(self, ref: SampleRef, resolved: dict[str, str], on_part: OnPart | None,
                       part_bytes: int) -> list[FetchResult]:
+        """One shard's samples (see :meth:`fetch_grouped`). Reading a remote shard is one
+        request: it passes the source's request gate (its slots, its pace after throttling,
+        the daemon's request budget) and is counted there, as the files layout's reads are."""
+        received = [0]
+        if self._local_root is not None:
+            results = self._read_shard(ref, resolved, on_part, part_bytes, received)
+            self.gate.stats.add(gets=1, bytes=received[0])
+            return results
+        started = self.gate.enter_sync()
+        outcome = Outcome.ERROR
+        try:
+            results = self._read_shard(ref, resolved, on_part, part_bytes, received)
+            failed = results[-1][1] if results and results[-1][0] is ref else None
+            outcome = (outcome_of(failed) if isinstance(failed, SourceError)
+                       and not isinstance(failed, CorruptSample) else Outcome.OK)
+            return results
+        finally:
+            self.gate.leave_sync(started, outcome, received[0])
+
+    def _read_shard(self, ref: SampleRef, resolved: dict[str, str], on_part: OnPart | None,
+                    part_bytes: int, received: list[int]) -> list[FetchResult]:
         url = self.object_url(ref.key)
         digest = None
         if self._verified_first(ref):
@@ -226,6 +248,7 @@ class TarSource(Source):
             return [(ref, exc)]
 
         def on_bytes(data: bytes) -> None:
+            received[0] += len(data)
             if digest is not None:
                 digest.update(data)
             self._throttle(len(data))
