@@ -130,7 +130,7 @@ def log_resume(epoch: int, done: dict[str, int], groups: list[NodeStates], world
     """Say once (global rank 0) what a resumed epoch continues and what it cannot."""
     layouts = sorted({g.local_world_size for g in groups})
     log.info("epoch %d resumes: %d samples of the interrupted epoch continue in %d batches per "
-             "rank on %d ranks (%d per node; it ran on %d nodes of %s ranks)%s", epoch,
+             "rank on %d ranks, %d per node (it ran on %d node(s) of %s rank(s))%s", epoch,
              done["resume_continued"], done["resume_batches"], world.world_size,
              world.local_world_size, len(groups), "/".join(map(str, layouts)),
              f"; {done['resume_fresh_ranks']} ranks start it on a fresh snapshot"
