@@ -630,10 +630,17 @@ def epochs(
         release: ``"progressive"``: a batch's samples may be evicted once the loop is done
             with it, so a full cache keeps turning over during the epoch (README
             "Turnover"); ``"epoch"``: the whole snapshot stays until the epoch ends.
-        resume: an :meth:`EpochLoader.state_dict` of an interrupted epoch (from a checkpoint):
-            the first epoch is that one, on the same snapshot in the same order, from the
-            sample after the state's position; ``start_epoch`` is ignored. Samples evicted
-            since are skipped and counted in the log.
+        resume: the :meth:`EpochLoader.state_dict` of an interrupted epoch (from a
+            checkpoint), or every rank's (a list, or a dict by rank: what ``epochcache run``
+            checkpoints): the first epoch is that one, on the same snapshot in the same order,
+            from the sample after the state's position; ``start_epoch`` is ignored. Samples
+            evicted since are skipped and counted. One rank's own state resumes on the layout
+            that ran the epoch; given every rank's, the job may come back in another shape:
+            each node's rest is dealt anew to its ranks (batches may then be smaller than
+            ``batch_size``, never empty, the same number on every rank), a new node starts
+            the epoch on a fresh snapshot, and the rest of a node that did not come back is
+            counted (:attr:`EpochLoader.resume_report`; see :mod:`epochcache.data.elastic`
+            and docs/guide/resume.md).
         resume_grace_s: once a loader's :meth:`~EpochLoader.state_dict` was taken, its
             epoch's lease outlives a stop before the epoch's end (SIGTERM, Ctrl-C, a crash,
             the process exiting) by this long, so that ``resume=`` finds its samples; an epoch

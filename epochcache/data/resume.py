@@ -7,6 +7,11 @@ the resumed run adopts it, rebuilds the same order from the snapshot saved with 
 from the lease's range), and reads the samples after that position. The run released only what
 its checkpoints covered, so nothing after the position was evicted; anything that is gone
 anyway (a lease reclaimed and taken again, a repaired cache) is skipped and counted.
+
+Given every rank's states, the job may come back in another shape: each node's leader finds
+the states whose lease its own cache holds (:func:`adopt_node`), and its ranks read their part
+of the node's rest (:mod:`epochcache.data.elastic`); what no node found is counted
+(:func:`log_resume`).
 """
 
 from __future__ import annotations
@@ -55,7 +60,9 @@ def adopt_node(cache: SampleStore, groups: list[NodeStates], epoch: int,
     its lease, not by its GROUP_RANK, which a restarted job may number anew.
     """
     held = {lease.lease_id for lease in cache.leases()}
-    for group in groups:
+    # (One cache holding two nodes' leases: two simulated nodes on one directory. Its own
+    # GROUP_RANK's first.)
+    for group in sorted(groups, key=lambda g: g.node != world.node_rank):
         if group.lease and group.lease in held:
             whole = (group.local_world_size != world.local_world_size
                      or group.nested is not None)

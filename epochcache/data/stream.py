@@ -318,9 +318,14 @@ class CacheStream(IterableDataset[Any]):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state``: this stream's :meth:`state_dict` (what a StatefulDataLoader
         gives back to each worker) or a whole StatefulDataLoader ``state_dict()`` (its
-        workers' states merged, to resume with any ``num_workers``). The next iteration yields
-        the rest of that epoch, on the same snapshot in the same order (samples evicted since
-        are skipped and counted); the one after it, the next epoch.
+        workers' states merged, to resume with any ``num_workers``: the rest of every
+        worker's lane is dealt anew). The next loader iteration yields the rest of that epoch,
+        on the same snapshot (samples evicted since are skipped and counted), whatever its
+        number of workers; the one after it, the next epoch, whole (one iteration resumes a
+        loaded state, however many loaders receive a copy of the stream).
+
+        Under torch.distributed the state of an interrupted epoch is refused (each rank's
+        state holds only its own readers): the message says how to go on.
 
         Raises:
             ValueError: not such a state, or one that cannot be resumed as asked (named).
