@@ -10,6 +10,7 @@ own cache; the rest left on a node that did not come back is counted in the repo
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,10 @@ def _rank(rank: int, nodes: int, local: int, port: int, dirs: list[str], out: st
 
     if world > 1:
         dist.init_process_group("gloo", rank=rank, world_size=world)
+    if rank == 0:  # what the resume says (global rank 0 says it once)
+        handler = logging.FileHandler(f"{out}/phase{phase}.log")
+        logging.getLogger("epochcache").addHandler(handler)
+        logging.getLogger("epochcache").setLevel(logging.INFO)
     try:
         cache = Cache(dirs[node], sync=False)
         resume = torch.load(f"{out}/states.pt") if phase else None
@@ -111,6 +116,11 @@ def test_the_rest_of_each_node_is_read_once_on_another_layout(
     assert report["resume_departed_nodes"] == len({one["node"] for one in departed})
     assert report["resume_departed"] == sum(len(one["lane"]) - SAVED_AT * BATCH
                                             for one in departed)
+    said = (tmp_path / "phase1.log").read_text()
+    assert f"{report['resume_continued']} samples of the interrupted epoch continue" in said
+    if departed:
+        assert (f"{report['resume_departed']} samples of the interrupted epoch were left on "
+                f"{report['resume_departed_nodes']} node(s) that did not come back") in said
     assert report["resume_fresh_ranks"] == max(0, after[0] - before[0]) * after[1]
     assert report["resume_evicted"] == report["resume_left_out"] == 0
     from epochcache import Cache

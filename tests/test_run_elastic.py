@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -25,6 +26,7 @@ import torch
 import yaml
 
 from common.procs import wait_until_gone
+from conftest import free_port
 from test_run import cli_env, torchrun
 from test_run_resume import TRAINER, _config, _dataset, _rows
 
@@ -147,3 +149,55 @@ def test_resume_on_another_number_of_ranks_trains_the_epoch_once(
     row = metrics[1]
     assert row["resume_continued"] == len(redone) and row["resume_departed"] == 0
     assert row["resume_batches"] == counts.pop()
+
+
+@pytest.mark.slow
+def test_two_nodes_to_one_counts_the_departed_nodes_rest(tmp_path: Path) -> None:
+    """Two nodes (two torchrun agents, a cache each) killed mid-epoch; the job comes back on
+    node 0 alone: node 0 trains its rest once, node 1's rest (its disk is gone) is counted in
+    the log and in metrics.jsonl."""
+    _dataset(tmp_path / "data", 400)
+    (tmp_path / "resume_trainer.py").write_text(TRAINER)
+    (tmp_path / "logs").mkdir()
+    config = _config(tmp_path)
+    settings = yaml.safe_load(config.read_text())
+    settings["train"]["epochs"] = 2
+    settings["cache"]["dir"] = str(tmp_path / "cache${GROUP_RANK:-0}")  # a cache per node
+    config.write_text(yaml.safe_dump(settings))
+    port = free_port()
+    nodes = []
+    for node in range(2):
+        argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
+                str(node), "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
+                "--master-port", str(port), "-m", "epochcache", "run", str(config)]
+        nodes.append(subprocess.Popen(argv, cwd=tmp_path,
+                                      env=cli_env({"DIE_AT": "1:6"}, pythonpath=tmp_path),
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True, start_new_session=True))
+    try:
+        _wait_to_die(nodes[0], 1)
+    finally:
+        for proc in nodes[1:]:
+            _kill_job(proc)
+    checkpoint = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)
+    mid: dict[str, Any] = checkpoint["resume"]
+    assert sorted(mid["loaders"]) == ["0", "1"]
+    gone = mid["loaders"]["1"]
+    shutil.rmtree(tmp_path / "cache1")  # node 1 does not come back
+    logs = [tmp_path / "logs" / f"rank{r}.jsonl" for r in range(2)]
+    written = len(_lines(logs[0]))
+    status, output = torchrun(config, "--resume", cwd=tmp_path, nproc=1, timeout_s=240,
+                              pythonpath=tmp_path)
+    assert status == 0, output[-6000:]
+
+    lane, batches = _epoch(_lines(logs[0])[:written], 1)
+    _lane, now = _epoch(_lines(logs[0])[written:], 1)
+    kept = [i for batch in batches[: mid["batches"]] for i in batch]
+    assert sorted(kept + [i for batch in now for i in batch]) == sorted(lane)
+    rest = gone["lane"] - gone["position"]
+    assert rest > 0
+    row = [json.loads(line) for line in
+           (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()][1]
+    assert row["resume_departed"] == rest and row["resume_departed_nodes"] == 1
+    assert f"{rest} samples of the interrupted epoch were left on 1 node(s)" in output, (
+        output[-4000:])

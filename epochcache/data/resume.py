@@ -150,7 +150,7 @@ def log_resume(epoch: int, done: dict[str, int], groups: list[NodeStates], world
                     "few for the batches the others need (every rank reads %d batches, none "
                     "empty)", epoch, done["resume_left_out"], done["resume_batches"])
     if done["resume_departed"] or done["resume_departed_nodes"]:
-        log.warning("epoch %d: %d samples of the interrupted epoch were left on %d nodes that "
+        log.warning("epoch %d: %d samples of the interrupted epoch were left on %d node(s) that "
                     "did not come back (no node of this job holds their lease: their cache is "
                     "gone) and are skipped", epoch, done["resume_departed"],
                     done["resume_departed_nodes"])
