@@ -174,6 +174,25 @@ def check_groups(groups: list[NodeStates], wanted: dict[str, Any], world: World)
         "or this rank's own alone")
 
 
+def order_identity(*, seed: int, shuffle: bool, samples_per_epoch: int | None,
+                   world: World) -> dict[str, Any]:
+    """What a rank's epoch order depends on besides the snapshot, and where the rank sits:
+    saved with its position, and compared on a resume."""
+    return {"seed": seed, "shuffle": bool(shuffle), "samples_per_epoch": samples_per_epoch,
+            "local_rank": world.local_rank, "local_world_size": world.local_world_size,
+            "node": world.node_rank, "rank": world.rank}
+
+
+def check_resume(resume: Any, *, seed: int, shuffle: bool, samples_per_epoch: int | None,
+                 world: World) -> list[NodeStates]:
+    """The states of ``epochs(resume=...)`` by node, refused (naming what differs) when the
+    epoch's order cannot be rebuilt from them (see :mod:`epochcache.data.elastic`)."""
+    groups = group_states(parse_states(resume))
+    check_groups(groups, {"seed": seed, "shuffle": bool(shuffle),
+                          "samples_per_epoch": samples_per_epoch}, world)
+    return groups
+
+
 def lanes(order: np.ndarray, split: dict[str, Any]) -> list[np.ndarray]:
     """The lanes of the node's ranks that ``split`` describes, over the epoch's ``order``
     (dealt from an earlier split's rest when ``split`` was itself resumed)."""

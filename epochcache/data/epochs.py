@@ -53,11 +53,10 @@ from .elastic import (
     COUNT,
     RESUMED,
     NodeStates,
-    check_groups,
+    check_resume,
     deal,
-    group_states,
     lease_tag,
-    parse_states,
+    order_identity,
     report,
 )
 from .resume import adopt_node, ended_lease, log_resume, resume_rank
@@ -678,25 +677,6 @@ def epochs(
                     progressive=release == "progressive", resume=groups,
                     resume_grace_s=resume_grace_s)
     return _generate(state, cache, min_samples, wait_timeout_s, start_epoch, num_epochs)
-
-
-def order_identity(*, seed: int, shuffle: bool, samples_per_epoch: int | None,
-                   world: World) -> dict[str, Any]:
-    """What a rank's epoch order depends on besides the snapshot, and where the rank sits:
-    saved with its position, and compared on a resume."""
-    return {"seed": seed, "shuffle": bool(shuffle), "samples_per_epoch": samples_per_epoch,
-            "local_rank": world.local_rank, "local_world_size": world.local_world_size,
-            "node": world.node_rank, "rank": world.rank}
-
-
-def check_resume(resume: Any, *, seed: int, shuffle: bool, samples_per_epoch: int | None,
-                 world: World) -> list[NodeStates]:
-    """The states of ``epochs(resume=...)`` by node, refused (naming what differs) when the
-    epoch's order cannot be rebuilt from them (see :mod:`epochcache.data.elastic`)."""
-    groups = group_states(parse_states(resume))
-    check_groups(groups, {"seed": seed, "shuffle": bool(shuffle),
-                          "samples_per_epoch": samples_per_epoch}, world)
-    return groups
 
 
 RELEASE = ("progressive", "epoch")
