@@ -82,7 +82,7 @@ def _phase(tmp_path: Path, dirs: list[str], phase: int, nodes: int,
 
 
 @pytest.mark.parametrize(("before", "after"), [
-    ((1, 2), (1, 1)),  # two ranks to one on a node
+    pytest.param((1, 2), (1, 1), marks=pytest.mark.slow),  # two ranks to one (test_run_elastic)
     ((1, 1), (1, 2)),  # one rank to two
     ((2, 1), (1, 1)),  # two nodes to one: node 1's disk is gone
     pytest.param((1, 2), (2, 2), marks=pytest.mark.slow),  # a new node joins
