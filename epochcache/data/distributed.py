@@ -159,6 +159,14 @@ class NodeSync:
                                      group=self.prep_group)
         return int(value.item())
 
+    def gather_counts(self, row: list[int]) -> np.ndarray:
+        """Every rank's ``row`` of integers (the same length on all), in rank order (on the
+        background thread's group)."""
+        mine = torch.tensor(row, dtype=torch.int64)
+        rows = [torch.zeros_like(mine) for _ in range(self.world.world_size)]
+        torch.distributed.all_gather(rows, mine, group=self.prep_group)
+        return torch.stack(rows).numpy()
+
     def epoch_end(self) -> None:
         """Barrier on the training thread: nobody still reads when the leader releases.
 

@@ -59,7 +59,7 @@ class EpochLoader:
     @property
     def seqs(self) -> np.ndarray:
         """This rank's sample order for the epoch (sequence numbers)."""
-        return self._plan.order[: self._plan.n_batches * self._plan.batch_size]
+        return self._plan.order[: self._plan.samples(self._plan.n_batches)]
 
     def _maybe_trigger(self, done: int, gap_s: float) -> None:
         remaining = self._plan.n_batches - done
@@ -130,8 +130,17 @@ class EpochLoader:
         stop_workers(self._iterator)
 
     def state_dict(self) -> dict[str, Any]:
-        """Where the epoch is: enough to resume it exactly after the batches yielded so far
-        (``epochs(resume=state)``), on the same snapshot in the same order.
+        """Where this rank is in the epoch: enough to resume it exactly after the batches
+        yielded so far (``epochs(resume=...)``), on the same snapshot in the same order.
+
+        A few numbers: the epoch, the node's lease, this rank's place (``local_rank`` of
+        ``local_world_size``, ``node``, ``rank``), the length of its lane and how far along
+        it the loop has trained (``position``), and what the order depends on (seed,
+        shuffle, samples per epoch). To resume on the same layout each rank needs only its
+        own state; to resume on another number of ranks per node, give every rank the
+        states of all ranks (a list, or a dict by rank): the rest of each node's epoch is
+        then dealt anew (see :mod:`epochcache.data.elastic`). An epoch that was itself
+        resumed on another layout also records that earlier split (``"resumed"``).
 
         The first state taken in an epoch keeps the epoch's lease for a resume: however the
         job stops before the epoch's end (SIGTERM, Ctrl-C, a crash, a kill), the lease
@@ -139,9 +148,23 @@ class EpochLoader:
         plan = self._plan
         if self.resume_grace_s > 0 and not self._kept:
             self.keep_for_resume(self.resume_grace_s)
-        return {"kind": "epochcache.epochs", "version": 1, "epoch": self.epoch,
-                "lease": plan.dataset.lease_id, "position": plan.position(self.yielded),
-                "lane": plan.lane_length, "batches": self.yielded, **plan.identity}
+        state = {"kind": "epochcache.epochs", "version": 1, "epoch": self.epoch,
+                 "lease": plan.dataset.lease_id, "position": plan.position(self.yielded),
+                 "lane": plan.lane_length, "batches": self.yielded, **plan.identity}
+        if plan.resumed_split is not None:
+            state["resumed"] = plan.resumed_split
+        return state
+
+    @property
+    def resume_report(self) -> dict[str, int] | None:
+        """For the first epoch of ``epochs(resume=...)``: what the resume continued and what it
+        could not, over the whole job (the same on every rank), else None. Keys:
+        ``resume_batches`` (per rank), ``resume_continued`` (samples of the interrupted epoch
+        read again), ``resume_evicted`` (evicted since, skipped), ``resume_left_out`` (beyond
+        the agreed batch count, skipped), ``resume_fresh_ranks`` (ranks that started the
+        epoch on a fresh snapshot: a new node, or a lease gone), ``resume_departed`` and
+        ``resume_departed_nodes`` (the rest on nodes that did not come back, skipped)."""
+        return self._plan.resume_report
 
     def keep_for_resume(self, grace_s: float) -> None:
         """Keep the epoch's lease ``grace_s`` seconds after this process dies (a checkpoint

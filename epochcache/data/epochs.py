@@ -49,7 +49,17 @@ from ..store.plans import Releaser
 from .dataset import EpochDataset
 from .distributed import NodeSync, World, detect_world, dist_initialized, split_for_rank
 from .epoch_loader import EpochLoader, probe_workers, stop_workers
-from .resume import remaining_after, resumed_snapshot
+from .elastic import (
+    COUNT,
+    RESUMED,
+    NodeStates,
+    check_resume,
+    deal,
+    lease_tag,
+    order_identity,
+    report,
+)
+from .resume import adopt_node, ended_lease, log_resume, resume_rank
 from .plan import (
     EpochPlan,
     PlanSampler,
@@ -169,7 +179,7 @@ class _Epochs:
                  persistent: bool, reader: SampleReader, collate_fn: Callable[[Any], Any] | None,
                  worker_init_fn: Callable[[int], None] | None, stall_s: float | None,
                  stall_file: str | None, loader_kwargs: dict[str, Any], world: World,
-                 progressive: bool = True, resume: dict[str, Any] | None = None,
+                 progressive: bool = True, resume: list[NodeStates] | None = None,
                  resume_grace_s: float = 1800.0) -> None:
         self.cache, self.batch_size, self.num_workers = cache, batch_size, num_workers
         self.seed, self.shuffle, self.drop_last = seed, shuffle, drop_last
@@ -177,7 +187,7 @@ class _Epochs:
         self.collate_fn, self.worker_init_fn = collate_fn, worker_init_fn
         self.stall_s, self.stall_file, self.loader_kwargs = stall_s, stall_file, loader_kwargs
         self.world, self.progressive = world, progressive
-        self.resume = resume  # consumed by the first epoch's plan
+        self.resume = resume  # the states by node, consumed by the first epoch's plan
         self.resume_grace_s = resume_grace_s
         # CUDA's current device is per thread, and loaders are built on a lane thread, whose
         # device is GPU 0: DataLoader's pin-memory thread takes the builder's, so every rank
@@ -241,17 +251,17 @@ class _Epochs:
         parts = ((self.world.local_world_size if self.sync is not None else 1)
                  if self.progressive else 0)
 
-        resume, self.resume = self.resume, None
-        if resume is not None and int(resume["epoch"]) != epoch:
-            resume = None
+        groups, self.resume = self.resume, None
+        if groups is not None and groups[0].epoch != epoch:
+            groups = None
+        group: NodeStates | None = None
 
         def take() -> tuple[np.ndarray, str]:
-            nonlocal snapshot, resume
-            if resume is not None:
-                snapshot = resumed_snapshot(self.cache, resume, epoch)
+            nonlocal snapshot, group
+            if groups is not None:
+                snapshot, group = adopt_node(self.cache, groups, epoch, self.world)
                 if snapshot is not None:
                     return snapshot.seqs, snapshot.lease_id
-                resume = None  # the epoch's lease is gone: this epoch starts afresh
             snapshot = self.cache.snapshot(epoch=epoch, label=f"epochs() epoch {epoch}",
                                            plan_parts=parts)
             return snapshot.seqs, snapshot.lease_id
@@ -260,41 +270,59 @@ class _Epochs:
             raise _Cancelled
         seqs, lease_id = self.sync.share_seqs(take if self.world.local_rank == 0 else None) \
             if self.sync is not None else take()
-        if resume is not None and lease_id != resume["lease"]:
-            resume = None  # (non-leaders learn it here) the leader took a new snapshot
+        if groups is not None:  # (non-leaders learn here which node's states the leader found)
+            group = next((g for g in groups if g.lease and g.lease == lease_id), None)
         dataset = EpochDataset(self.reader, seqs, epoch, snapshot, lease_id)
         dataset.finished = False  # until the loop has read the epoch to its end
         try:
             order = epoch_order(seqs, epoch, self.seed, self.shuffle, self.samples_per_epoch)
-            order = split_for_rank(order, self.world)
-            full, rest = divmod(len(order), self.batch_size)
-            n_batches = full + (1 if rest and not self.drop_last else 0)
-            lane = order[: n_batches * self.batch_size]
-            offsets = None
-            if resume is not None:
-                lane = order[: int(resume["lane"])]  # the lane as planned before
-                order, offsets = remaining_after(self.cache, lane, int(resume["position"]),
-                                                 epoch)
-                full, rest = divmod(len(order), self.batch_size)
-                n_batches = full + (1 if rest and not self.drop_last else 0)
-            if self.sync is not None:
-                n_batches = self.sync.agree_batches(n_batches)
-            if n_batches == 0 and resume is None:
+            resumed = (resume_rank(self.cache, order, group, self.world)
+                       if group is not None else None)
+            order = split_for_rank(order, self.world) if resumed is None else resumed.rest
+            # Every rank's count, whether it continues the epoch, the node it found: the
+            # batch count is agreed from them (one collective per epoch, resumed or not).
+            found = (group.lease if group is not None
+                     else ended_lease(self.cache, groups) if groups is not None else "")
+            row = [len(order), int(resumed is not None), lease_tag(found),
+                   resumed.evicted if resumed is not None else 0]
+            rows = (self.sync.gather_counts(row) if self.sync is not None
+                    else np.array([row], dtype=np.int64))
+            agreed = deal(rows[:, COUNT].tolist(), (rows[:, RESUMED] == 1).tolist(),
+                          self.batch_size, self.drop_last)
+            n_batches, taken = agreed.batches, agreed.take(len(order))
+            if n_batches == 0 and groups is None:
                 log.warning("epoch %d has no batches: the snapshot holds %d samples (batch_size "
                             "%d); is the cache empty?", epoch, len(seqs), self.batch_size)
-            releaser = self._release_plan(lease_id, lane)
+            if resumed is None:
+                lane = order[:taken]  # what this rank reads: a resume's lane
+                releaser = self._release_plan(lease_id, lane)
+            else:
+                lane = resumed.lane.lane
+                # The rest dealt anew is read by other lanes than the release plan's: the
+                # lease was adopted whole, and protects it all until the epoch ends.
+                releaser = (None if resumed.lane.resumed is not None
+                            else self._release_plan(lease_id, lane))
         except BaseException:
             dataset.close()
             raise
         seconds = time.monotonic() - started
         self.last_plan_s = seconds
         plan = EpochPlan(epoch, dataset, order, self.batch_size, n_batches, seconds, releaser)
-        plan.lane_length, plan.offsets = len(lane), offsets
+        plan.lane_length = len(lane)
+        if groups is not None:
+            plan.bounds = agreed.bounds(len(order))
+            plan.resume_report = report(groups, rows, agreed)
+            if self.world.rank == 0:
+                log_resume(epoch, plan.resume_report, groups, self.world)
+        if resumed is not None:
+            plan.offsets, plan.resumed_from = resumed.offsets, resumed.lane.position
+            plan.resumed_split = resumed.lane.resumed
+            if taken < len(order):  # left out: a later resume must not read them either
+                plan.lane_length = (int(resumed.offsets[taken - 1]) + 1 if taken
+                                    else resumed.lane.position)
         plan.identity = order_identity(seed=self.seed, shuffle=self.shuffle,
                                        samples_per_epoch=self.samples_per_epoch,
                                        world=self.world)
-        if resume is not None:
-            plan.resumed_from = int(resume["position"])
         return plan
 
     def _release_plan(self, lease_id: str, lane: np.ndarray) -> Releaser | None:
@@ -601,10 +629,17 @@ def epochs(
         release: ``"progressive"``: a batch's samples may be evicted once the loop is done
             with it, so a full cache keeps turning over during the epoch (README
             "Turnover"); ``"epoch"``: the whole snapshot stays until the epoch ends.
-        resume: an :meth:`EpochLoader.state_dict` of an interrupted epoch (from a checkpoint):
-            the first epoch is that one, on the same snapshot in the same order, from the
-            sample after the state's position; ``start_epoch`` is ignored. Samples evicted
-            since are skipped and counted in the log.
+        resume: the :meth:`EpochLoader.state_dict` of an interrupted epoch (from a
+            checkpoint), or every rank's (a list, or a dict by rank: what ``epochcache run``
+            checkpoints): the first epoch is that one, on the same snapshot in the same order,
+            from the sample after the state's position; ``start_epoch`` is ignored. Samples
+            evicted since are skipped and counted. One rank's own state resumes on the layout
+            that ran the epoch; given every rank's, the job may come back in another shape:
+            each node's rest is dealt anew to its ranks (batches may then be smaller than
+            ``batch_size``, never empty, the same number on every rank), a new node starts
+            the epoch on a fresh snapshot, and the rest of a node that did not come back is
+            counted (:attr:`EpochLoader.resume_report`; see :mod:`epochcache.data.elastic`
+            and docs/guide/resume.md).
         resume_grace_s: once a loader's :meth:`~EpochLoader.state_dict` was taken, its
             epoch's lease outlives a stop before the epoch's end (SIGTERM, Ctrl-C, a crash,
             the process exiting) by this long, so that ``resume=`` finds its samples; an epoch
@@ -621,10 +656,11 @@ def epochs(
                   samples_per_epoch=samples_per_epoch, min_samples=min_samples)
     check_release(release)
     world = detect_world()
+    groups = None
     if resume is not None:
-        check_resume(resume, seed=seed, shuffle=shuffle, samples_per_epoch=samples_per_epoch,
-                     world=world)
-        start_epoch = int(resume["epoch"])
+        groups = check_resume(resume, seed=seed, shuffle=shuffle,
+                              samples_per_epoch=samples_per_epoch, world=world)
+        start_epoch = groups[0].epoch
     num_workers, persistent = _worker_settings(num_workers, transform, persistent_workers,
                                                dataloader_kwargs, world.local_world_size)
     reader = SampleReader(cache.path, decode=decode, transform=transform,
@@ -638,33 +674,9 @@ def epochs(
                     persistent=persistent, reader=reader, collate_fn=collate_fn,
                     worker_init_fn=worker_init_fn, stall_s=stall_s, stall_file=stall_file,
                     loader_kwargs=dataloader_kwargs, world=world,
-                    progressive=release == "progressive", resume=resume,
+                    progressive=release == "progressive", resume=groups,
                     resume_grace_s=resume_grace_s)
     return _generate(state, cache, min_samples, wait_timeout_s, start_epoch, num_epochs)
-
-
-def order_identity(*, seed: int, shuffle: bool, samples_per_epoch: int | None,
-                   world: World) -> dict[str, Any]:
-    """What a rank's epoch order depends on besides the snapshot: saved with its position,
-    and compared on a resume."""
-    return {"seed": seed, "shuffle": bool(shuffle), "samples_per_epoch": samples_per_epoch,
-            "local_rank": world.local_rank, "local_world_size": world.local_world_size}
-
-
-def check_resume(state: dict[str, Any], *, seed: int, shuffle: bool,
-                 samples_per_epoch: int | None, world: World) -> None:
-    """Refuse a resume state the epoch's order cannot be rebuilt from, naming what differs."""
-    if not isinstance(state, dict) or state.get("kind") != "epochcache.epochs":
-        raise ValueError("resume: expected an EpochLoader.state_dict() (from a checkpoint), "
-                         f"got {type(state).__name__}")
-    wanted = order_identity(seed=seed, shuffle=shuffle, samples_per_epoch=samples_per_epoch,
-                            world=world)
-    for name, value in wanted.items():
-        if state.get(name) != value:
-            raise ValueError(
-                f"resume: the interrupted epoch ran with {name}={state.get(name)!r}, this "
-                f"epochs() call has {name}={value!r}: its order cannot be continued; resume "
-                f"with the same {name}, or start the next epoch instead (start_epoch)")
 
 
 RELEASE = ("progressive", "epoch")

@@ -55,12 +55,28 @@ class EpochPlan:
         self.lane_length = n_batches * batch_size
         self.offsets: np.ndarray | None = None
         self.resumed_from = 0
+        #: Where each batch ends in ``order`` (``n_batches + 1`` counts from 0), when its
+        #: batches are not all ``batch_size`` long (a resumed epoch, see
+        #: :class:`~epochcache.data.elastic.Deal`); None: whole batches.
+        self.bounds: np.ndarray | None = None
+        #: The earlier split the lane was dealt from, for the state (see
+        #: :mod:`epochcache.data.elastic`); None: the epoch's own lanes.
+        self.resumed_split: dict[str, Any] | None = None
+        #: What the resume continued and could not, over the job (:func:`elastic.report`).
+        self.resume_report: dict[str, int] | None = None
         #: What a resume must match (seed, shuffle, ...), for :meth:`position_state`.
         self.identity: dict[str, Any] = {}
 
+    def samples(self, batches: int) -> int:
+        """How many samples of ``order`` the first ``batches`` batches hold."""
+        batches = max(0, min(batches, self.n_batches))
+        if self.bounds is not None:
+            return int(self.bounds[batches])
+        return min(batches * self.batch_size, len(self.order))
+
     def position(self, batches: int) -> int:
         """How far along the lane the first ``batches`` batches of ``order`` reach."""
-        n = min(batches * self.batch_size, len(self.order), self.n_batches * self.batch_size)
+        n = self.samples(batches)
         if self.offsets is None:
             return self.resumed_from + n
         return int(self.offsets[n - 1]) + 1 if n else self.resumed_from
@@ -72,6 +88,8 @@ class EpochPlan:
             self.releaser.release(self.position(batches))
 
     def batch(self, i: int) -> np.ndarray:
+        if self.bounds is not None:
+            return self.order[int(self.bounds[i]) : int(self.bounds[i + 1])]
         return self.order[i * self.batch_size : (i + 1) * self.batch_size]
 
 

@@ -153,6 +153,9 @@ class CacheStream(IterableDataset[Any]):
         self._worker_iters = 0  # iterations of this copy inside one (persistent) worker
         self.resume_grace_s = resume_grace_s
         self._resume: dict[str, Any] | None = None  # a loaded state, for the next iteration
+        # Counts load_state_dict() calls: with the lease, it names one resume, alike in every
+        # worker that received the state (see claim_share).
+        self._loads = 0
         self._at: dict[str, Any] | None = None  # this reader's epoch, split and lane
         self._pos = 0  # samples of the lane yielded so far
         self._kept = ""  # the lease last kept for a resume
@@ -315,18 +318,26 @@ class CacheStream(IterableDataset[Any]):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state``: this stream's :meth:`state_dict` (what a StatefulDataLoader
         gives back to each worker) or a whole StatefulDataLoader ``state_dict()`` (its
-        workers' states merged, to resume with any ``num_workers``). The next iteration yields
-        the rest of that epoch, on the same snapshot in the same order (samples evicted since
-        are skipped and counted); the one after it, the next epoch.
+        workers' states merged, to resume with any ``num_workers``: the rest of every
+        worker's lane is dealt anew). The next loader iteration yields the rest of that epoch,
+        on the same snapshot (samples evicted since are skipped and counted), whatever its
+        number of workers; the one after it, the next epoch, whole (one iteration resumes a
+        loaded state, however many loaders receive a copy of the stream).
+
+        Under torch.distributed the state of an interrupted epoch is refused (each rank's
+        state holds only its own readers): the message says how to go on.
 
         Raises:
             ValueError: not such a state, or one that cannot be resumed as asked (named).
         """
         merged = merge(worker_states(state))
+        if "epoch" in merged and detect_world().distributed:
+            _refuse_distributed(int(merged["epoch"]))
         self._next_epoch = int(merged["next_epoch"]) if "epoch" not in merged else (
             int(merged["epoch"]) + 1)
         self._epoch_given = False
         self._resume = merged if "epoch" in merged else None
+        self._loads += 1
 
     def _resumed_order(self, state: dict[str, Any]) -> np.ndarray:
         """The order of the epoch ``state`` was taken in, rebuilt from its snapshot."""
@@ -345,11 +356,10 @@ class CacheStream(IterableDataset[Any]):
                     f"load_state_dict: the interrupted epoch ran with {key}={state.get(key)!r}, "
                     f"this stream has {key}={value!r}: its order cannot be continued")
         if detect_world().distributed:
-            raise ValueError("load_state_dict: resuming a stream's epoch under "
-                             "torch.distributed is not supported; start the next epoch with "
-                             "set_epoch() instead")
+            _refuse_distributed(int(state["epoch"]))
         return Share(int(state["epoch"]), int(state["lo"]), int(state["hi"]),
-                     int(state["count"]), state.get("lease") or None, "resumed")
+                     int(state["count"]), state.get("lease") or None,
+                     f"resumed:{state.get('lease') or ''}:{state['epoch']}:{self._loads}")
 
     def _spec(self, share: Share, slot: int, slots: int, samples: int) -> dict[str, Any]:
         return {"epoch": share.epoch, "lease": share.lease or "", "lo": share.lo,
@@ -659,6 +669,19 @@ def _drop_quietly(cache: SampleStore, name: str, home_pid: int) -> None:
         log.debug("could not drop stream document %s", name, exc_info=True)
     finally:
         release_owner(cache)
+
+
+def _refuse_distributed(epoch: int) -> None:
+    """A stream's epoch is not resumed under torch.distributed: each rank's loader state
+    holds only that rank's readers (a framework's checkpoint often only rank 0's), and the
+    ranks would have to agree on the rest's sample counts in their main processes."""
+    raise ValueError(
+        f"load_state_dict: the state is of an interrupted epoch {epoch}, and a stream's epoch "
+        "cannot be resumed under torch.distributed. Resume without the loader's state (leave "
+        "the dataset or StatefulDataLoader state out of load_state_dict) and call "
+        f"set_epoch({epoch + 1}) on every rank to go on with the next epoch; to continue an "
+        "interrupted epoch exactly under DDP, on any number of ranks, train with "
+        "cache.epochs(resume=...) or `epochcache run --resume`")
 
 
 def _rank_order(seqs: np.ndarray, epoch: int, seed: int, shuffle: bool,

@@ -41,7 +41,7 @@ from ..redact import redact_url
 from ..store.status import describe_requests, request_delta, request_totals
 from .context import RunContext, TimedLoader
 from .midepoch import MidEpoch
-from .midepoch import loader_state as loader_state_of
+from .midepoch import loader_states
 from .metrics import TrainProgress, Turnover, train_metrics
 from .signals import Interrupted, StopSignals, Terminated, quiet_worker, shelter_forkserver
 from .trained import TrainedRecord, coverage_row, coverage_text
@@ -238,9 +238,9 @@ class Run:
         # start epoch (run directories not shared) waited for each other's epochs forever.
         checkpoint = resume_checkpoint(self.run_dir, self.node_rank) if self.resume else None
         start = 0 if checkpoint is None else int(checkpoint["epoch"]) + 1
-        loader_state = loader_state_of(checkpoint, self.rank, self.world_size)
-        if loader_state is not None:
-            start = int(loader_state["epoch"])  # the interrupted epoch, from its position
+        loader_state = loader_states(checkpoint)
+        if loader_state is not None:  # the interrupted epoch, from its positions
+            start = int(checkpoint["resume"]["epoch"])  # type: ignore[index]
         total = self.config.train.epochs
         if self.resume:
             self.metrics = _read_metrics(self.run_dir / METRICS, before=start, rewrite=self.is_main)
@@ -330,6 +330,8 @@ class Run:
             "requests": (requests := request_delta(requests_before, request_totals(cache))),
             "remote_requests": sum(int(v["gets"] + v["lists"]) for v in requests.values()),
             "remote_bytes": sum(int(v["bytes"]) for v in requests.values()),
+            # a resumed epoch: what it continued, and what it could not (counted, not silent)
+            **(getattr(loader, "resume_report", None) or {}),
             "time": time.time(),
         }
         self.metrics.append(row)

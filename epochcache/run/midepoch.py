@@ -6,8 +6,8 @@ Between two batches, every ``checkpoint_every_s`` seconds and when the run is as
 and only then, the samples the checkpoint covers are released for eviction
 (``release_as_consumed`` is off): everything after the checkpoint is still cached when the job
 dies, and the epoch's lease outlives it for ``cache.resume_grace_s``. ``--resume`` hands each
-rank its own state back (``epochs(resume=...)``): the same snapshot, the same order, from the
-next sample.
+rank every rank's state back (``epochs(resume=...)``): the same snapshot, the same order, from
+the next sample -- on another number of ranks or nodes too (the rest dealt anew).
 
 Under torch.distributed the ranks agree at every batch boundary (one small all-reduce on the
 bookkeeping group) whether a checkpoint is due or a rank is stopping, so all of them save at
@@ -120,19 +120,13 @@ def _gather(mine: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
-def loader_state(checkpoint: dict[str, Any] | None, rank: int,
-                 world_size: int) -> dict[str, Any] | None:
-    """This rank's loader state in a mid-epoch checkpoint (None: none, or the checkpoint came
-    from another number of ranks: then its epoch starts afresh, logged). Every rank holds the
-    same checkpoint (rank 0's), so every rank decides alike."""
+def loader_states(checkpoint: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Every rank's loader state in a mid-epoch checkpoint, by global rank (None: none). Every
+    rank resumes from all of them (``epochs(resume=...)``): on the layout that checkpointed,
+    each continues its own lane; on another number of ranks per node or of nodes, each node's
+    rest is dealt anew to its ranks and what stayed on nodes that did not come back is
+    counted (see :mod:`epochcache.data.elastic`)."""
     mid = (checkpoint or {}).get(RESUME_KEY)
-    if not mid:
+    if not mid or not mid.get("loaders"):
         return None
-    loaders = mid.get("loaders", {})
-    if len(loaders) != world_size or str(rank) not in loaders:
-        if rank == 0:
-            log.warning("--resume: epoch %d was checkpointed mid-epoch by %d ranks, this run has "
-                        "%d: the epoch starts afresh", mid.get("epoch"), len(loaders),
-                        world_size)
-        return None
-    return dict(loaders[str(rank)])
+    return {str(rank): dict(state) for rank, state in mid["loaders"].items()}

@@ -141,11 +141,19 @@ def claim_share(cache: SampleStore, name: str, group: str, worker: int, *,
     def run(txn: lmdb.Transaction) -> Share | None:
         doc = _load(txn, cache, name)
         if resumed is not None:
-            if doc is None or doc.get("lease") != resumed.lease:
+            marker = _resumed_key(name)
+            if txn.get(marker, db=cache.dbs[DB_STATE]) != resumed.token.encode():
+                # The first reader of this resume: the iteration ``group`` reads it. Recorded
+                # apart from the document, which the next epoch replaces: the main process's
+                # copy of the stream still holds the state, and every later loader's workers
+                # receive it again (a copy pickled into them), so without this record each
+                # later pass would resume the old epoch once more.
+                txn.put(marker, resumed.token.encode(), db=cache.dbs[DB_STATE])
                 _save(txn, cache, name, {**asdict(resumed), "group": group, "claimed": [worker],
                                          "done": 0, "release": True, "released": False})
                 return resumed
-            if (doc.get("group") == group and not doc.get("released")
+            if (doc is not None and doc.get("lease") == resumed.lease
+                    and doc.get("group") == group and not doc.get("released")
                     and worker not in doc.get("claimed", ())):
                 doc["claimed"] = [*doc.get("claimed", ()), worker]
                 _save(txn, cache, name, doc)
@@ -229,8 +237,14 @@ def drop_shares(cache: SampleStore, name: str) -> None:
                      reason="released when its stream was closed, before any state named "
                      "the lease")
         txn.delete(name.encode(), db=cache.dbs[DB_STATE])
+        txn.delete(_resumed_key(name), db=cache.dbs[DB_STATE])
 
     cache.store.write(run)
+
+
+def _resumed_key(name: str) -> bytes:
+    """Where the token of the last resume a loader iteration of ``name`` took is kept."""
+    return f"{name}/resumed".encode()
 
 
 def hold_owner(cache: SampleStore) -> str:
