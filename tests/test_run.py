@@ -322,15 +322,18 @@ def test_run_from_s3(s3_run: S3Run) -> None:
     rows = read_metrics(s3_run.run_dir)
     assert [row["epoch"] for row in rows] == [0, 1, 2]
     assert rows[-1]["loss"] < rows[0]["loss"], rows
-    # what each epoch cost the remote: the samplers kept turning the small cache over
+    # what each epoch cost the remote, in its row and its log line; how much fell in each
+    # epoch is the samplers' timing (a shard is one GET; CI once ran all three epochs, 0.05 to
+    # 1.3 s each, while the samplers waited for room), so the run's total is what is asserted
     for row in rows:
         cost = row["requests"]["source"]
         assert row["remote_requests"] == cost["gets"] + cost["lists"]
         assert row["remote_bytes"] == cost["bytes"] and cost["errors"] == 0
-    assert sum(row["requests"]["source"]["gets"] for row in rows) > 0
-    assert sum(row["remote_bytes"] for row in rows) > 0
-    assert "remote source: " in s3_run.result.stderr and " GETs, " in s3_run.result.stderr
+    assert s3_run.result.stderr.count("remote source: ") == 3
+    assert " GETs, " in s3_run.result.stderr
     total = stats["requests"]["source"]
+    assert total["gets"] >= 3 and total["lists"] >= 1  # min_samples took 3 shards of 100
+    assert total["bytes"] >= sum(r["remote_bytes"] for r in rows) and total["bytes"] > 0
     assert total["gets"] + total["lists"] >= sum(r["remote_requests"] for r in rows)
     assert (s3_run.run_dir / "checkpoint.pt").exists()
     assert_png(s3_run.run_dir / "run.png")

@@ -116,10 +116,17 @@ class RequestGate:
             time.sleep(delay)
         return time.monotonic()
 
-    def leave_sync(self, started: float, outcome: Outcome, nbytes: int = 0) -> None:
+    def leave_sync(self, started: float, outcome: Outcome, nbytes: int = 0,
+                   streamed: bool = False) -> None:
+        """``streamed``: the body's bytes were counted as they arrived (:meth:`received`)."""
         with self._lock:
             self.control.finished(outcome, nbytes, time.monotonic() - started)
-        self._count_outcome(outcome, nbytes)
+        self._count_outcome(outcome, 0 if streamed else nbytes)
+
+    def received(self, nbytes: int) -> None:
+        """Bytes of a streamed body (a tar shard), counted as they arrive: a shard of a GB
+        takes minutes, and an epoch's egress is what arrived during it."""
+        self.stats.add(bytes=nbytes)
 
     # -- counting ------------------------------------------------------------------------------
 

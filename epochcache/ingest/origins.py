@@ -24,7 +24,7 @@ from ..store import SampleStore
 from ..store.ledger import remap
 from ..store.listings import register_listing
 from ..store.origins import Origin
-from .sources import KeyTable, SampleRef, source_fingerprint
+from .sources import KeyTable, Part, SampleRef, source_fingerprint
 
 if TYPE_CHECKING:
     from .feed import Feed
@@ -111,7 +111,7 @@ class OriginTagger:
                 if i is not None and not isinstance(payload, BaseException):
                     out[feed.cache_key(ref.key)] = Origin(lid, int(i))
             return out
-        members: dict[str, int] = {}
+        members: dict[str, int] = {}  # a shard's results hold every sample (STREAMED too)
         for ref, _payload in results:
             if ref.shard is not None:
                 members[ref.shard] = members.get(ref.shard, 0) + 1
@@ -126,3 +126,17 @@ class OriginTagger:
             if i is not None and not isinstance(payload, BaseException):
                 out[feed.cache_key(ref.key)] = Origin(lid, int(i), member, members[shard])
         return out
+
+    def part_origins(self, feed: Feed, index: int, generation: str, part: Part
+                     ) -> dict[str, Origin]:
+        """The origin of each sample of a streamed part of the shard at ``index`` of the
+        listing of ``generation`` (see :meth:`origins`). Before its last part a shard's count
+        is not known: its samples say the count so far, and the coverage ledger takes the
+        largest it sees (:meth:`~epochcache.store.ledger.Ledger.slots_of`)."""
+        lid = self.listing_id(feed)
+        if generation != feed.generation:
+            return {}
+        members = part.members if part.members is not None else part.first + len(part.results)
+        return {feed.cache_key(ref.key): Origin(lid, int(index), part.first + i, members)
+                for i, (ref, payload) in enumerate(part.results)
+                if not isinstance(payload, BaseException)}

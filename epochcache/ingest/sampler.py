@@ -44,7 +44,7 @@ from .heap import reuse_freed_buffers
 from .inflight import ByteBudget
 from .lifeline import Lifeline, kill_with_parent
 from .origins import OriginTagger
-from .sources import STREAMED, SampleRef
+from .sources import STREAMED, Part, SampleRef
 
 __all__ = ["Sampler", "SamplerHealth", "StopFlag", "run_sampler", "state_name"]
 
@@ -299,7 +299,10 @@ class Sampler:
             self._in_flight.update(keys)
         streaming: dict[str, Any] = {}
         if feed.source.unit == "shard":
-            streaming = {"on_part": functools.partial(self._hand_over_part, feed),
+            shards = dict(zip((ref.key for ref in picked), indices))
+            generation = position.get("listing", feed.generation)
+            streaming = {"on_part": functools.partial(self._hand_over_part, feed, shards,
+                                                      generation),
                          "part_bytes": self.batch_bytes}
         future = self.pool.submit(feed.source.fetch_with_retries, picked,
                                   deadline_s=feed.deadline_s, **streaming)
@@ -381,10 +384,14 @@ class Sampler:
         self.committer.hand_over(Batch(records, fetching.position, keys, nbytes, feed.name,
                                        origins))
 
-    def _hand_over_part(self, feed: Feed, results: list[tuple[SampleRef, Any]]) -> None:
+    def _hand_over_part(self, feed: Feed, shards: dict[str, int], generation: str,
+                        part: Part) -> None:
         """A part of a tar shard being streamed, from its fetch thread: encoded and queued for
         commit once the in-flight budget has room for it (the wait bounds what a shard of any
-        size holds). It saves no position: the batch the shard belongs to does, after it."""
+        size holds), with the origin of each sample (``shards``: the listing index of each
+        shard of the batch, picked from the listing of ``generation``). It saves no
+        position: the batch the shard belongs to does, after it."""
+        results = part.results
         self.quarantined.update(
             feed.cache_key(ref.key) for ref, payload in results if isinstance(payload, CorruptSample))
         with self._encode_lock:
@@ -396,7 +403,10 @@ class Sampler:
         if not self.budget.wait(nbytes, self._stop_or_committer_dead):
             self.committer.check()  # dead: raises; stopping: what is fetched is committed
         self.budget.take(nbytes)
-        self.committer.hand_over(Batch(records, None, [], nbytes, feed.name))
+        index = shards.get(part.shard.key)
+        origins = ({} if index is None else
+                   self.tagger.part_origins(feed, index, generation, part))
+        self.committer.hand_over(Batch(records, None, [], nbytes, feed.name, origins))
 
     def _note_idle(self) -> None:
         """A source finished a pass that brought nothing new: with every source there, the

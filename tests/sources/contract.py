@@ -321,11 +321,20 @@ class SourceContract:
         backend.put("p/a.tar", tar_bytes(members))
         backend.put("p/b.tar", tar_bytes(members[:4]))
         source = open_source(backend.source("p", layout="tar"))
-        parts: list[list[Any]] = []
+        parts: list[Any] = []
         results = source.fetch_with_retries(source.list_keys(), on_part=parts.append,
                                             part_bytes=25_000)
-        handed = {ref.key: payload for part in parts for ref, payload in part}
-        assert len(parts) >= 4 and all(len(part) <= 3 for part in parts)
+        handed = {ref.key: payload for part in parts for ref, payload in part.results}
+        assert len(parts) >= 4 and all(len(part.results) <= 3 for part in parts)
+        # each part says its shard, its samples' ordinals there, and on the last the count
+        for shard, count in (("a.tar", 12), ("b.tar", 2)):
+            mine = [part for part in parts if part.shard.key == shard]
+            firsts = [part.first for part in mine]
+            assert firsts == sorted(firsts) and firsts[0] == 0
+            assert [part.members for part in mine] == [None] * (len(mine) - 1) + [count]
+            for part in mine:
+                assert [ref.key for ref, _ in part.results] == [
+                    f"{shard}/{i:03d}" for i in range(part.first, part.first + len(part.results))]
         assert sorted(handed) == sorted([f"a.tar/{i:03d}" for i in range(12)]
                                         + ["b.tar/000", "b.tar/001"])
         assert handed["a.tar/007"] == {"bin": bytes([7]) * 10_000, "cls": b"7"}

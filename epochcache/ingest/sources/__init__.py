@@ -29,7 +29,7 @@ from .listing import (
     source_fingerprint,
 )
 from .paging import ListingJob
-from .tar import TarSource
+from .tar import Part, TarSource
 
 __all__ = [
     "CHECKS",
@@ -39,6 +39,7 @@ __all__ = [
     "KeyTableBuilder",
     "Listing",
     "ListingJob",
+    "Part",
     "Payload",
     "STREAMED",
     "SampleRef",

@@ -26,6 +26,7 @@ import logging
 import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import BinaryIO
 
 import numpy as np
@@ -41,7 +42,7 @@ from .keytable import KeyTable, KeyTableBuilder, head_width, key_heads
 from .manifest import expand_braces
 from .shards import MAX_FIELD_BYTES, ReadFailed, iter_shard, open_tail, sample_bytes, split_member
 
-__all__ = ["MAX_FIELD_BYTES", "TarSource", "iter_shard", "split_member"]
+__all__ = ["MAX_FIELD_BYTES", "Part", "TarSource", "iter_shard", "split_member"]
 
 log = logging.getLogger(__name__)
 
@@ -50,9 +51,28 @@ READ_BYTES = 8 * 1024 * 1024
 #: What a fetch hands over at a time, when the caller does not say.
 PART_BYTES = 32 * 1024 * 1024
 
-#: Called with the results of a part of a shard, in the fetching thread; it may block (the
-#: sampler waits there for room in its in-flight budget).
-OnPart = Callable[[list[FetchResult]], None]
+#: Called with each part of a shard, in the fetching thread: ``on_part(part)``, a
+#: :class:`Part`. It may block (the sampler waits there for room in its in-flight budget).
+OnPart = Callable[["Part"], None]
+
+
+@dataclass(frozen=True)
+class Part:
+    """A part of a shard being streamed: what the sampler needs to commit it and to say where
+    each of its samples came from (its shard and ordinals, :mod:`..origins`).
+
+    Attributes:
+        shard: the shard's listed ref.
+        results: the part's samples in shard order (corrupt ones as their errors).
+        first: the shard ordinal of the first of them.
+        members: how many samples the shard holds, on its last part; before that, None (a
+            shard is a stream: its count is known at its end).
+    """
+
+    shard: SampleRef
+    results: list[FetchResult]
+    first: int
+    members: int | None = None
 
 
 #: What separates a shard's key from a sample's name in a sample key (``<shard>.tar/<name>``).
@@ -209,9 +229,8 @@ class TarSource(Source):
         the daemon's request budget) and is counted there, as the files layout's reads are."""
         received = [0]
         if self._local_root is not None:
-            results = self._read_shard(ref, resolved, on_part, part_bytes, received)
-            self.gate.stats.add(gets=1, bytes=received[0])
-            return results
+            self.gate.stats.add(gets=1)
+            return self._read_shard(ref, resolved, on_part, part_bytes, received)
         started = self.gate.enter_sync()
         outcome = Outcome.ERROR
         try:
@@ -221,7 +240,7 @@ class TarSource(Source):
                        and not isinstance(failed, CorruptSample) else Outcome.OK)
             return results
         finally:
-            self.gate.leave_sync(started, outcome, received[0])
+            self.gate.leave_sync(started, outcome, received[0], streamed=True)
 
     def _read_shard(self, ref: SampleRef, resolved: dict[str, str], on_part: OnPart | None,
                     part_bytes: int, received: list[int]) -> list[FetchResult]:
@@ -249,6 +268,7 @@ class TarSource(Source):
 
         def on_bytes(data: bytes) -> None:
             received[0] += len(data)
+            self.gate.received(len(data))
             if digest is not None:
                 digest.update(data)
             self._throttle(len(data))
@@ -256,6 +276,7 @@ class TarSource(Source):
         tail = open_tail(raw, on_bytes)
         handed: list[FetchResult] = []  # stand-ins of the samples on_part has
         pending: list[FetchResult] = []
+        ordinal = 0  # of the first sample in pending
         held = 0
         stand_in = SampleRef(ref.key, shard=ref.key)  # one for all: no key or names kept
         try:
@@ -267,13 +288,17 @@ class TarSource(Source):
                         log.warning("%s: corrupt sample: %s", url, cut_text(str(payload)))
                     elif not wants(sample_ref.key):
                         continue  # a manifest names other samples of this shard
-                    pending.append((sample_ref, payload))
-                    held += sample_bytes(sample_ref, payload)
-                    if streams and held >= part_bytes:
+                    size = sample_bytes(sample_ref, payload)
+                    # A part goes when the next sample would take it past part_bytes, so the
+                    # shard's last part is always handed after its end, with the count.
+                    if streams and pending and held + size > part_bytes:
                         assert on_part is not None
-                        on_part(pending)
+                        on_part(Part(ref, pending, ordinal))
                         handed.extend((stand_in, STREAMED) for _ in pending)
+                        ordinal += len(pending)
                         pending, held = [], 0
+                    pending.append((sample_ref, payload))
+                    held += size
                 if ("size" in self.checks and ref.size is not None) or digest is not None:
                     tail.drain()  # what follows the archive counts too
         except ReadFailed as exc:
@@ -291,7 +316,7 @@ class TarSource(Source):
             return [*handed, (ref, problem)]  # what was not handed over is dropped
         if streams and pending:
             assert on_part is not None
-            on_part(pending)
+            on_part(Part(ref, pending, ordinal, ordinal + len(pending)))
             handed.extend((stand_in, STREAMED) for _ in pending)
             pending = []
         return handed + pending
