@@ -27,20 +27,29 @@ from test_run_resume import _dataset
 pytestmark = pytest.mark.timeout(300)
 
 TRAINER = '''\
-"""Reads every batch of the epoch, slowly as options.sleep_s says."""
+"""Reads every batch of the epoch, slowly as options.sleep_s says; at options.hold's epoch
+and batch it waits for the test's go-file (so that the test sees it there, however busy the
+machine)."""
+import os
 import time
 
 
 def train_epoch(run, epoch, loader):
     batches = 0
+    hold = run.options["hold"]
     for batch in loader:
         batches += 1
+        if epoch == hold["epoch"] and batches == hold["batch"]:
+            deadline = time.monotonic() + 200
+            while not os.path.exists(hold["file"]) and time.monotonic() < deadline:
+                time.sleep(0.05)
         time.sleep(float(run.options["sleep_s"]))
     return {"loss": 0.0, "batches_read": batches}
 '''
 
 
-def _config(tmp_path: Path, name: str, epochs: int, sleep_s: float) -> Path:
+def _config(tmp_path: Path, name: str, epochs: int, sleep_s: float,
+            hold_at: tuple[int, int]) -> Path:
     config = {
         "source": {"url": (tmp_path / "data").as_uri(), "pattern": "*.npy"},
         # ~200 samples of ~200 B; the daemon brings ~20 a second: the cache turns over
@@ -50,7 +59,9 @@ def _config(tmp_path: Path, name: str, epochs: int, sleep_s: float) -> Path:
         "loader": {"batch_size": 10, "num_workers": 0},
         "train": {"epochs": epochs, "min_samples": 150, "entrypoint": "sweep_trainer:train_epoch",
                   "run_dir": str(tmp_path / name), "seed": len(name),
-                  "options": {"sleep_s": sleep_s}},
+                  "options": {"sleep_s": sleep_s, "hold": {
+                      "epoch": hold_at[0], "batch": hold_at[1],
+                      "file": str(tmp_path / f"{name}.go")}}},
     }
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -70,8 +81,11 @@ def _metrics(run_dir: Path) -> list[dict[str, Any]]:
 def test_two_runs_share_one_daemon_and_cache(tmp_path: Path, start_daemon: Any) -> None:
     _dataset(tmp_path / "data", 600)
     (tmp_path / "sweep_trainer.py").write_text(TRAINER)
-    fast_cfg = _config(tmp_path, "fast", epochs=8, sleep_s=0.01)
-    slow_cfg = _config(tmp_path, "slow", epochs=3, sleep_s=0.25)
+    # Each job holds at one batch until the test has seen what it looks for there: the fast
+    # one in epoch 0 until status showed it (its 8 epochs take ~2 s: status calls on a busy
+    # machine missed it), the slow one mid-epoch 1 until the cache turned over under it.
+    fast_cfg = _config(tmp_path, "fast", epochs=8, sleep_s=0.01, hold_at=(0, 1))
+    slow_cfg = _config(tmp_path, "slow", epochs=3, sleep_s=0.25, hold_at=(1, 5))
     daemon = start_daemon(fast_cfg)  # the node's daemon, shared by both jobs
     wait_running(daemon, tmp_path / "cache")
     env = cli_env(pythonpath=tmp_path)
@@ -82,8 +96,8 @@ def test_two_runs_share_one_daemon_and_cache(tmp_path: Path, start_daemon: Any) 
     try:
         seen: dict[str, dict[str, Any]] = {}
         evicted_during_slow_epoch = False
-        deadline = time.monotonic() + 200
-        last: dict[str, Any] | None = None
+        deadline = time.monotonic() + 240
+        held_at: int | None = None  # evictions when the slow job was seen held mid-epoch 1
         while any(job.poll() is None for job in jobs.values()):
             assert time.monotonic() < deadline, "the jobs did not finish"
             stats = _status(tmp_path)
@@ -91,14 +105,17 @@ def test_two_runs_share_one_daemon_and_cache(tmp_path: Path, start_daemon: Any) 
                 name = Path(str(job.get("run_dir", ""))).name
                 if name in jobs and job["pid"] == jobs[name].pid:
                     seen.setdefault(name, job)
-                    if name == "slow" and job["unread"] > 0:
+                    if name == "fast":
+                        (tmp_path / "fast.go").touch()
+                    if name == "slow" and job["epoch"] == 1 and job["unread"] > 0:
                         # The slow job is mid-epoch, protecting what it has not read: the
                         # cache turns over all the same (what it read, and what the fast
                         # job's snapshots no longer need, is evicted).
-                        if (last is not None and last.get("slow_epoch") == job["epoch"]
-                                and stats["evicted"] > last["evicted"]):
+                        if held_at is None:
+                            held_at = stats["evicted"]
+                        elif stats["evicted"] > held_at:
                             evicted_during_slow_epoch = True
-                        last = {"slow_epoch": job["epoch"], "evicted": stats["evicted"]}
+                            (tmp_path / "slow.go").touch()
             time.sleep(0.3)
         outputs = {name: job.communicate(timeout=60) for name, job in jobs.items()}
     finally:

@@ -94,3 +94,38 @@ def test_a_key_that_cannot_be_resolved_still_gets_a_report() -> None:
     assert "ZeroDivisionError" in activity.describe_key()
     activity.resolve = lambda token: "a/b.npy"
     assert activity.describe_key() == "'a/b.npy'"
+
+
+SLOW_START = """\
+import time
+time.sleep(3.0)  # a heavy import in each spawned worker (a model, a tokenizer, CUDA)
+
+
+def identity(x):
+    return x
+"""
+
+
+def test_a_stall_report_during_a_workers_start_up_does_not_kill_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stall report asks each worker for its stacks with a real-time signal, whose default
+    action ends a process: a spawned worker still importing (its handler not yet armed) was
+    killed by the report ('DataLoader worker exited unexpectedly', seen on a busy machine).
+    The report skips a worker that cannot answer yet and says so; with ``warn`` the epoch
+    then trains."""
+    (tmp_path / "slow_start_mod.py").write_text(SLOW_START)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # the spawned worker imports it too
+    import slow_start_mod  # type: ignore[import-not-found]
+
+    fill(str(tmp_path / "c"), 0, 8)
+    cache = Cache(tmp_path / "c", sync=False)
+    report = tmp_path / "stall.log"
+    for _epoch, loader in cache.epochs(1, batch_size=4, num_workers=1,
+                                       transform=slow_start_mod.identity, stall_s=0.5,
+                                       stall_file=str(report), shuffle=False,
+                                       multiprocessing_context="spawn", stall_action="warn"):
+        assert sum(len(b) for b in loader) == 8
+    text = report.read_text()
+    assert "STALL in training process" in text
+    assert "cannot dump its stacks yet" in text, text[-3000:]

@@ -441,12 +441,14 @@ class _Epochs:
         never is): a stall there is reported with the workers' stacks and ends the epoch."""
         if dog is None or pending.loader is None:
             return contextlib.nullcontext()
-        iterator = getattr(pending.loader, "_iterator", None)
+        loader = pending.loader
 
         def probe() -> Probe:
+            # Read when the stall is reported: spawned workers are started on the builder
+            # thread, whose iterator may not exist yet when the wait begins.
             found = Probe(lines=[f"epoch {pending.epoch}: its DataLoader workers are not "
                                  "ready (their start-up, or the first batches they prime)"])
-            probe_workers(iterator, found)
+            probe_workers(getattr(loader, "_iterator", None), found)
             return found
 
         @contextlib.contextmanager
@@ -454,7 +456,8 @@ class _Epochs:
             with dog.watch(f"epoch {pending.epoch} (starting its DataLoader workers)",
                            self.reader.stall_action) as activity:
                 activity.probe = probe
-                activity.on_raise = lambda _error: stop_workers(iterator)
+                activity.on_raise = lambda _error: stop_workers(getattr(loader, "_iterator",
+                                                                        None))
                 activity.cache_path = self.cache.path
                 yield
 

@@ -159,6 +159,17 @@ def process_state(pid: int) -> str:
     return f"{state} in {wchan}" if wchan and wchan != "0" else state
 
 
+def catches_signal(pid: int, signum: int) -> bool:
+    """Whether process ``pid`` has a handler for ``signum`` now (``SigCgt`` in
+    ``/proc/<pid>/status``); False where that cannot be read."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            mask = next((line.split(":", 1)[1] for line in f if line.startswith("SigCgt:")), "")
+        return bool(int(mask, 16) >> (signum - 1) & 1)
+    except (OSError, ValueError):
+        return False
+
+
 _waking: set[int] = set()  # threads with a StallError to raise (see _wake)
 
 
@@ -279,6 +290,12 @@ class Watchdog:
         for pid in probe.pids:  # each worker writes its own stacks (see arm_stack_dump)
             if DUMP_SIGNAL is None:
                 break
+            # The signal's default action ends a process: a worker that has not armed its
+            # handler yet (a spawned one still importing) would be killed by its report.
+            if not catches_signal(pid, DUMP_SIGNAL):
+                self._emit(f"epochcache: process {pid} cannot dump its stacks yet (still "
+                           f"starting up: {process_state(pid)}); it is left alone", dump=False)
+                continue
             try:
                 os.kill(pid, DUMP_SIGNAL)
             except OSError:
