@@ -78,7 +78,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 def _cmd_daemon(args: argparse.Namespace) -> int:
     from .config import load_config
-    from .ingest.daemon import run_daemon
+    from .ingest.supervisor import run_daemon
 
     config = load_config(args.config)
     if args.metrics_port is not None:

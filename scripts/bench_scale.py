@@ -127,7 +127,7 @@ def median_time(fn: Any, repeat: int = 5) -> float:
 
 def in_process_costs(cache_dir: Path) -> dict[str, float]:
     from epochcache import Cache
-    from epochcache.data.plan import epoch_order
+    from epochcache.data.schedule import epoch_order
 
     out: dict[str, float] = {}
     with Cache(cache_dir) as cache:

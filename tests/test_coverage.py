@@ -258,7 +258,7 @@ def test_daemon_metrics_export_coverage(tmp_path: Path, start_daemon: Any) -> No
             cache.record_trained(snap.seqs[:30])
     finally:
         cache.close()
-    from epochcache.ingest.metrics import MetricsServer, daemon_metrics
+    from epochcache.ingest.prometheus import MetricsServer, daemon_metrics
 
     store = Cache(cache_dir, readonly=True)
     server = MetricsServer(lambda: daemon_metrics(store), "127.0.0.1", 0, "daemon.metrics_port")

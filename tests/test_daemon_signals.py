@@ -36,16 +36,16 @@ def test_stop_signal_at_any_moment_of_the_supervision_wait_is_handled(tmp_path: 
     proc = spawn_script(tmp_path, "signals", """
         import os, random, signal, sys, threading
         from epochcache.config import EpochcacheConfig
-        from epochcache.ingest.daemon import Daemon
+        from epochcache.ingest.supervisor import Supervisor
 
         config = EpochcacheConfig.model_validate({
             "source": {"url": sys.argv[1]}, "cache": {"dir": sys.argv[2], "capacity": "1MiB"}})
         for trial in range(int(sys.argv[3])):
-            daemon = Daemon(config)
+            daemon = Supervisor(config)
             signal.signal(signal.SIGTERM, daemon.stop)  # what run_daemon installs
             timer = threading.Timer(random.uniform(0, 0.003), os.kill, (os.getpid(), signal.SIGTERM))
             timer.start()
-            while not daemon._stop.wait(0):  # the wait of Daemon.run's loop (HEARTBEAT_S -> 0)
+            while not daemon._stop.wait(0):  # the wait of Supervisor.run's loop (HEARTBEAT_S -> 0)
                 pass
             timer.join()
             if trial % 50 == 0:

@@ -64,7 +64,7 @@ def test_a_violation_breaks_its_contract(tmp_path: Path, module: str, violation:
 def test_ingest_and_the_daemon_command_never_import_torch(tmp_path: Path) -> None:
     code = (
         "import sys\n"
-        "import epochcache.ingest.daemon, epochcache.ingest.sampler, epochcache.store.verify\n"
+        "import epochcache.ingest.supervisor, epochcache.ingest.sampler, epochcache.store.verify\n"
         "from epochcache.cli import main\n"
         f"assert main(['daemon', {str(tmp_path / 'missing.yaml')!r}]) == 2\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"

@@ -102,7 +102,7 @@ def test_a_killed_daemon_ends_the_wait_of_a_run_attached_to_it(
 
 def test_an_in_process_daemon_that_gives_up_ends_the_wait_with_its_cause(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import epochcache.ingest.daemon as daemon_module
+    import epochcache.ingest.supervisor as daemon_module
     from epochcache.config import parse_config
     from epochcache.errors import MinSamplesUnreachable
     from epochcache.run import Run, ensure_demo_data

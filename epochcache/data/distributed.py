@@ -14,7 +14,7 @@ epoch-end barrier on the training thread.
 No collective may wait for a rank that will never come (a rank that failed in its training loop
 while another waits in a gradient all_reduce would otherwise hold both until the collective
 timeout, 30 minutes by default). So the background collectives start only once every rank's
-planner has arrived, which :meth:`NodeSync.rendezvous` finds out through the job's store (a
+scheduler has arrived, which :meth:`NodeSync.rendezvous` finds out through the job's store (a
 non-blocking check, polled, that gives up as soon as its caller is closing), and epochs() issues
 no collective at all on its error path.
 
@@ -104,7 +104,7 @@ class NodeSync:
 
     def rendezvous(self, epoch: int, cancelled: Callable[[], bool],
                    poll_s: tuple[float, float] = (0.001, 0.05)) -> bool:
-        """Wait until every rank's planner of ``epoch`` is here; False if ``cancelled()`` first.
+        """Wait until every rank's scheduler of ``epoch`` is here; False if ``cancelled()`` first.
 
         The collectives that follow then complete: every rank is about to issue them. A
         rank that fails is not waited for: its peers' training loops see the failure (their

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 from torch.utils.data import DataLoader
 
-from .plan import EpochPlan
+from .schedule import EpochSchedule
 from .stall import Probe, with_time_limit, process_state
 
 
@@ -31,11 +31,11 @@ class EpochLoader:
         loader: the underlying DataLoader.
     """
 
-    def __init__(self, epoch: int, plan: EpochPlan, loader: DataLoader[Any], iterator: Any,
+    def __init__(self, epoch: int, schedule: EpochSchedule, loader: DataLoader[Any], iterator: Any,
                  on_near_end: Callable[[], None], on_started: Callable[[], None], lead_s: float,
                  depth: int, stall: Any, stall_action: str = "raise") -> None:
-        self.epoch, self.dataset, self.loader = epoch, plan.dataset, loader
-        self._plan, self._iterator = plan, iterator
+        self.epoch, self.dataset, self.loader = epoch, schedule.dataset, loader
+        self._schedule, self._iterator = schedule, iterator
         self._on_near_end, self._lead_s, self._depth = on_near_end, lead_s, depth
         self._on_started: Callable[[], None] | None = on_started
         self._stall, self._stall_action = stall, stall_action
@@ -54,15 +54,15 @@ class EpochLoader:
         self._kept = False
 
     def __len__(self) -> int:
-        return self._plan.n_batches
+        return self._schedule.n_batches
 
     @property
     def seqs(self) -> np.ndarray:
         """This rank's sample order for the epoch (sequence numbers)."""
-        return self._plan.order[: self._plan.samples(self._plan.n_batches)]
+        return self._schedule.order[: self._schedule.samples(self._schedule.n_batches)]
 
     def _maybe_trigger(self, done: int, gap_s: float) -> None:
-        remaining = self._plan.n_batches - done
+        remaining = self._schedule.n_batches - done
         if remaining <= self._depth + 2 or (gap_s > 0 and remaining * gap_s <= self._lead_s):
             self._on_near_end()
 
@@ -71,7 +71,7 @@ class EpochLoader:
             raise RuntimeError(f"the loader of epoch {self.epoch} was already iterated; "
                                "epochs() yields a fresh one per epoch")
         self._used = True
-        it, n = self._iterator, self._plan.n_batches
+        it, n = self._iterator, self._schedule.n_batches
         gap, last = 0.0, time.monotonic()
         self._maybe_trigger(0, 0.0)
         for i in range(n):
@@ -86,7 +86,7 @@ class EpochLoader:
                 batch = next(it)
             now = time.monotonic()
             self.batch_times.append(now)
-            # An EMA of the gap between batches: the planner's lead time in batches. It starts
+            # An EMA of the gap between batches: the scheduler's lead time in batches. It starts
             # at the second batch: the first one often waited in the workers' prefetch queue,
             # and that near-zero wait taken as a gap triggered the next snapshot at once.
             if i == 1:
@@ -100,7 +100,7 @@ class EpochLoader:
             self.yielded = i + 1
             yield batch
             if self.release_as_consumed:
-                self._plan.release(i + 1)
+                self._schedule.release(i + 1)
         self.dataset.finished = True  # read to its end: its lease goes, checkpoint or not
         self.finish()
 
@@ -115,7 +115,7 @@ class EpochLoader:
         probe = Probe()
         if owner is not None and owner < len(workers):
             probe.worker = f"DataLoader worker {owner} (pid {workers[owner].pid})"
-        seqs = self._plan.batch(batch)
+        seqs = self._schedule.batch(batch)
         if len(seqs):
             cache = self.dataset.reader.cache
             probe.key = with_time_limit(lambda: repr(cache.info(int(seqs[0])).key),
@@ -145,14 +145,14 @@ class EpochLoader:
         The first state taken in an epoch keeps the epoch's lease for a resume: however the
         job stops before the epoch's end (SIGTERM, Ctrl-C, a crash, a kill), the lease
         outlives it by ``resume_grace_s`` (:meth:`keep_for_resume`)."""
-        plan = self._plan
+        schedule = self._schedule
         if self.resume_grace_s > 0 and not self._kept:
             self.keep_for_resume(self.resume_grace_s)
         state = {"kind": "epochcache.epochs", "version": 1, "epoch": self.epoch,
-                 "lease": plan.dataset.lease_id, "position": plan.position(self.yielded),
-                 "lane": plan.lane_length, "batches": self.yielded, **plan.identity}
-        if plan.resumed_split is not None:
-            state["resumed"] = plan.resumed_split
+                 "lease": schedule.dataset.lease_id, "position": schedule.position(self.yielded),
+                 "lane": schedule.lane_length, "batches": self.yielded, **schedule.identity}
+        if schedule.resumed_split is not None:
+            state["resumed"] = schedule.resumed_split
         return state
 
     @property
@@ -164,20 +164,20 @@ class EpochLoader:
         the agreed batch count, skipped), ``resume_fresh_ranks`` (ranks that started the
         epoch on a fresh snapshot: a new node, or a lease gone), ``resume_departed`` and
         ``resume_departed_nodes`` (the rest on nodes that did not come back, skipped)."""
-        return self._plan.resume_report
+        return self._schedule.resume_report
 
     def keep_for_resume(self, grace_s: float) -> None:
         """Keep the epoch's lease ``grace_s`` seconds after this process dies (a checkpoint
         names it), so that a resumed run finds its samples."""
-        lease_id = self._plan.dataset.lease_id
+        lease_id = self._schedule.dataset.lease_id
         self._kept = True
-        if lease_id and self._plan.dataset.snapshot is not None:  # this node's leader holds it
-            self._plan.dataset.reader.cache.keep_for_resume(lease_id, grace_s)
+        if lease_id and self._schedule.dataset.snapshot is not None:  # this node's leader holds it
+            self._schedule.dataset.reader.cache.keep_for_resume(lease_id, grace_s)
 
     def release(self, batches: int) -> None:
         """The first ``batches`` batches are done with for good: their samples may be
         evicted from now on (those no later snapshot protects)."""
-        self._plan.release(batches)
+        self._schedule.release(batches)
 
     def _start_next(self) -> None:
         hook, self._on_started = self._on_started, None

@@ -4,9 +4,9 @@ While epoch k runs, two background threads prepare epoch k+1:
 
 * the *builder* makes the DataLoader and calls ``iter()`` on it, which starts its workers (the
   expensive part: ~1 s per worker with ``spawn``) and primes their prefetch queue; the batch
-  sampler blocks in that priming until the plan exists;
-* the *planner* waits until epoch k is nearly over (a lead time estimated from the batch rate
-  and from how long the last plan took), then takes the snapshot, so epoch k+1 trains on what
+  sampler blocks in that priming until the schedule exists;
+* the *scheduler* waits until epoch k is nearly over (a lead time estimated from the batch rate
+  and from how long the last schedule took), then takes the snapshot, so epoch k+1 trains on what
   the cache gained during epoch k, shuffles it and agrees the batch count across ranks.
 
 So the boundary between epochs costs about one batch gap: the new workers are already up and
@@ -14,7 +14,7 @@ their first batches already read. A failure on either thread is re-raised in the
 ``from`` the original exception.
 
 Without workers and without DDP there is nothing to start and no collective to wait for, so the
-next epoch is planned in the training thread itself, two batches before the end of the current
+next epoch is scheduled in the training thread itself, two batches before the end of the current
 one (~0.3 ms: a snapshot and a shuffle), and the previous epoch's lease is released there too: on
 a background thread the same work cost the training thread several times that in GIL hand-offs.
 
@@ -60,9 +60,9 @@ from .elastic import (
     report,
 )
 from .resume import adopt_node, ended_lease, log_resume, resume_rank
-from .plan import (
-    EpochPlan,
-    PlanSampler,
+from .schedule import (
+    EpochSchedule,
+    ScheduleSampler,
     SeqBatches,
     epoch_order,
     identity,
@@ -116,14 +116,14 @@ def _seed_worker(user_init: Callable[[int], None] | None, stall_file: str | None
 
 
 class _Pending:
-    """Epoch k+1 in preparation: the planner's and the builder's futures."""
+    """Epoch k+1 in preparation: the scheduler's and the builder's futures."""
 
     def __init__(self, epoch: int) -> None:
         self.epoch = epoch
         self.trigger = threading.Event()
-        self.plan: cf.Future[EpochPlan] = cf.Future()
+        self.schedule: cf.Future[EpochSchedule] = cf.Future()
         self.loader: DataLoader[Any] | None = None
-        self.sampler: PlanSampler | None = None
+        self.sampler: ScheduleSampler | None = None
         self.iterator: cf.Future[Any] = cf.Future()
 
 
@@ -134,12 +134,12 @@ def _run_into(future: cf.Future[Any], fn: Callable[[], Any]) -> None:
         future.set_exception(exc)
 
 
-class _Lane:
+class _TaskThread:
     """A daemon thread that runs the tasks given to it in order.
 
-    One per kind of background work (planning, building, releasing), kept for the whole
+    One per kind of background work (scheduling, building, releasing), kept for the whole
     epochs() call: starting three threads per epoch cost ~1 ms of the training thread's time,
-    visible in short epochs. Daemon, so a planner still waiting for its trigger never holds up
+    visible in short epochs. Daemon, so a scheduler still waiting for its trigger never holds up
     the interpreter's exit.
     """
 
@@ -187,9 +187,9 @@ class _Epochs:
         self.collate_fn, self.worker_init_fn = collate_fn, worker_init_fn
         self.stall_s, self.stall_file, self.loader_kwargs = stall_s, stall_file, loader_kwargs
         self.world, self.progressive = world, progressive
-        self.resume = resume  # the states by node, consumed by the first epoch's plan
+        self.resume = resume  # the states by node, consumed by the first epoch's schedule
         self.resume_grace_s = resume_grace_s
-        # CUDA's current device is per thread, and loaders are built on a lane thread, whose
+        # CUDA's current device is per thread, and loaders are built on a task thread, whose
         # device is GPU 0: DataLoader's pin-memory thread takes the builder's, so every rank
         # would pin (and hold a CUDA context) on GPU 0. Built under the trainer's device.
         self.device_index = (torch.cuda.current_device() if loader_kwargs.get("pin_memory")
@@ -197,29 +197,29 @@ class _Epochs:
                              else None)
         self.sync = (NodeSync(self.world, cache_identity(cache.path), cache.path)
                      if dist_initialized() and self.world.distributed else None)
-        # In process and without DDP collectives, the next epoch is planned in the training
+        # In process and without DDP collectives, the next epoch is scheduled in the training
         # thread when triggered (~0.3 ms, once per epoch): on a background thread the same work
         # cost the training thread ~5x that in GIL hand-offs.
         self.inline = num_workers == 0 and self.sync is None
         self.forks = num_workers > 0 and start_method(
             loader_kwargs.get("multiprocessing_context")) == "fork"
-        self.slots: list[tuple[DataLoader[Any], PlanSampler]] = []
+        self.slots: list[tuple[DataLoader[Any], ScheduleSampler]] = []
         self.prepared = 0
-        self.last_plan_s = 0.05
+        self.last_schedule_s = 0.05
         self.abort = threading.Event()
         self.next: _Pending | None = None
         self.unreleased: EpochDataset | None = None  # the last epoch's, until started()
         self.want_next = False
-        self.lanes: dict[str, _Lane] = {}
+        self.threads: dict[str, _TaskThread] = {}
 
     # -- background work --------------------------------------------------------------------
 
-    def _make_loader(self, epoch: int) -> tuple[DataLoader[Any], PlanSampler]:
+    def _make_loader(self, epoch: int) -> tuple[DataLoader[Any], ScheduleSampler]:
         slot = self.prepared % 2
         self.prepared += 1
         if self.persistent and slot < len(self.slots):
             return self.slots[slot]  # alternate two loaders: one finishes while one prefetches
-        sampler = PlanSampler()
+        sampler = ScheduleSampler()
         generator = torch.Generator().manual_seed(loader_seed(self.seed, epoch, self.world.rank))
         kwargs = dict(self.loader_kwargs)
         if self.num_workers > 0:
@@ -238,7 +238,7 @@ class _Epochs:
             self.slots.append((loader, sampler))
         return loader, sampler
 
-    def _plan(self, pending: _Pending) -> EpochPlan:
+    def _schedule(self, pending: _Pending) -> EpochSchedule:
         while not pending.trigger.wait(0.5):
             if self.abort.is_set():
                 raise _Cancelled
@@ -247,7 +247,7 @@ class _Epochs:
         started = time.monotonic()
         epoch, snapshot = pending.epoch, None
 
-        # One plan part per rank of the node: each releases what its loop has trained on.
+        # One release-plan part per rank of the node: each releases what its loop trained on.
         parts = ((self.world.local_world_size if self.sync is not None else 1)
                  if self.progressive else 0)
 
@@ -306,24 +306,25 @@ class _Epochs:
             dataset.close()
             raise
         seconds = time.monotonic() - started
-        self.last_plan_s = seconds
-        plan = EpochPlan(epoch, dataset, order, self.batch_size, n_batches, seconds, releaser)
-        plan.lane_length = len(lane)
+        self.last_schedule_s = seconds
+        schedule = EpochSchedule(epoch, dataset, order, self.batch_size, n_batches, seconds,
+                                 releaser)
+        schedule.lane_length = len(lane)
         if groups is not None:
-            plan.bounds = agreed.bounds(len(order))
-            plan.resume_report = report(groups, rows, agreed)
+            schedule.bounds = agreed.bounds(len(order))
+            schedule.resume_report = report(groups, rows, agreed)
             if self.world.rank == 0:
-                log_resume(epoch, plan.resume_report, groups, self.world)
+                log_resume(epoch, schedule.resume_report, groups, self.world)
         if resumed is not None:
-            plan.offsets, plan.resumed_from = resumed.offsets, resumed.lane.position
-            plan.resumed_split = resumed.lane.resumed
+            schedule.offsets, schedule.resumed_from = resumed.offsets, resumed.lane.position
+            schedule.resumed_split = resumed.lane.resumed
             if taken < len(order):  # left out: a later resume must not read them either
-                plan.lane_length = (int(resumed.offsets[taken - 1]) + 1 if taken
+                schedule.lane_length = (int(resumed.offsets[taken - 1]) + 1 if taken
                                     else resumed.lane.position)
-        plan.identity = order_identity(seed=self.seed, shuffle=self.shuffle,
+        schedule.identity = order_identity(seed=self.seed, shuffle=self.shuffle,
                                        samples_per_epoch=self.samples_per_epoch,
                                        world=self.world)
-        return plan
+        return schedule
 
     def _release_plan(self, lease_id: str, lane: np.ndarray) -> Releaser | None:
         """Write this rank's part of the epoch's release plan: the samples its loop trains on,
@@ -344,12 +345,12 @@ class _Epochs:
             pending.loader, pending.sampler = self._make_loader(pending.epoch)
         loader, sampler = pending.loader, pending.sampler
         assert sampler is not None
-        sampler.plan = pending.plan
+        sampler.schedule = pending.schedule
         if self.num_workers == 0 and not loader.pin_memory:
             return in_process_batches(loader, sampler)
         with self._device():
             # With workers: they run already (_start_workers), this resets them for the epoch
-            # (no fork) and primes their queues, which waits for the plan.
+            # (no fork) and primes their queues, which waits for the schedule.
             return iter(loader)
 
     def _device(self) -> Any:
@@ -372,7 +373,7 @@ class _Epochs:
         if self.forks:
             start_workers(loader, sampler.warm_up, self._device)
         else:
-            self._lane("build").submit(
+            self._thread("build").submit(
                 functools.partial(start_workers, loader, sampler.warm_up, self._device))
 
     def prepare(self, epoch: int) -> _Pending:
@@ -382,28 +383,30 @@ class _Epochs:
             pending.loader, pending.sampler = self._make_loader(epoch)
             self._start_workers(pending)
         if not self.inline:
-            pending.plan = self._lane("plan").submit(functools.partial(self._plan, pending))
-            pending.iterator = self._lane("build").submit(
+            pending.schedule = self._thread("schedule").submit(
+                functools.partial(self._schedule, pending))
+            pending.iterator = self._thread("build").submit(
                 functools.partial(self._build, pending))
-        return pending  # inline: planned and built when triggered (see _trigger)
+        return pending  # inline: scheduled and built when triggered (see _trigger)
 
     def _lead_s(self) -> float:
-        """How long before the end of an epoch to trigger the next one's plan."""
-        # Inline planning is done when it returns: the snapshot can wait for the last batches.
-        return 0.0 if self.inline else max(0.3, 3 * self.last_plan_s)
+        """How long before the end of an epoch to trigger the next one's schedule."""
+        # Inline scheduling is done when it returns: the snapshot can wait for the last batches.
+        return 0.0 if self.inline else max(0.3, 3 * self.last_schedule_s)
 
     def _trigger(self, pending: _Pending) -> None:
-        """Plan ``pending`` now: wake its planner, or, inline, plan and build it right here."""
+        """Schedule ``pending`` now: wake its scheduler, or, inline, schedule and build it
+        right here."""
         pending.trigger.set()
-        if self.inline and not pending.plan.done():
-            _run_into(pending.plan, functools.partial(self._plan, pending))
+        if self.inline and not pending.schedule.done():
+            _run_into(pending.schedule, functools.partial(self._schedule, pending))
             _run_into(pending.iterator, functools.partial(self._build, pending))
 
-    def _lane(self, name: str) -> _Lane:
-        lane = self.lanes.get(name)
-        if lane is None:
-            lane = self.lanes[name] = _Lane(name)
-        return lane
+    def _thread(self, name: str) -> _TaskThread:
+        thread = self.threads.get(name)
+        if thread is None:
+            thread = self.threads[name] = _TaskThread(name)
+        return thread
 
     def release_later(self, dataset: EpochDataset) -> None:
         """Release an epoch's lease (a write transaction + fsync): off the training thread,
@@ -412,23 +415,23 @@ class _Epochs:
         if self.inline:
             dataset.close()
         else:
-            self._lane("release").submit(dataset.close)
+            self._thread("release").submit(dataset.close)
 
     def cancel(self, pending: _Pending) -> None:
         """Stop preparing ``pending`` and release what it took."""
         self.abort.set()
         pending.trigger.set()
-        if self.inline and not pending.plan.done():
-            return  # never planned: nothing was taken
+        if self.inline and not pending.schedule.done():
+            return  # never scheduled: nothing was taken
         try:
-            pending.plan.result(timeout=60).dataset.close()
+            pending.schedule.result(timeout=60).dataset.close()
         except BaseException:  # cancelled or failed: nothing was taken, or it is released
             pass
         try:
             pending.iterator.result(timeout=60)
         except BaseException:
             pass
-        # Shut down here, not by the garbage collector (see PlanSampler.__iter__): the
+        # Shut down here, not by the garbage collector (see ScheduleSampler.__iter__): the
         # workers may have been started without the epoch's iteration.
         iterator = getattr(pending.loader, "_iterator", None)
         if iterator is not None:
@@ -484,7 +487,7 @@ class _Epochs:
                     raise RuntimeError("epochcache: internal error, epoch not prepared")
                 self._trigger(current)
                 try:
-                    plan = current.plan.result()
+                    schedule = current.schedule.result()
                     with self._watch_start(dog, current):
                         iterator = current.iterator.result()
                 except StallError:
@@ -512,9 +515,10 @@ class _Epochs:
                             self._trigger(self.next)
 
                 previous = None
-                loader = EpochLoader(epoch, plan, current.loader, iterator,  # type: ignore[arg-type]
-                                     self._request_next, started, self._lead_s(),
-                                     depth, dog, self.reader.stall_action)
+                loader = EpochLoader(
+                    epoch, schedule, current.loader, iterator,  # type: ignore[arg-type]
+                    self._request_next, started, self._lead_s(), depth, dog,
+                    self.reader.stall_action)
                 loader.resume_grace_s = self.resume_grace_s
                 if epoch == start and self.persistent:
                     # The second loader's workers start now, alongside the first's, so even a
@@ -526,7 +530,7 @@ class _Epochs:
                     # Closed by an error in the training loop (or close()): the other ranks
                     # may be waiting in a collective this rank will never join, so nothing
                     # here may wait for them -- no barrier, no next epoch; the lease is
-                    # released locally and the planner, if it waits for the others, gives up.
+                    # released locally and the scheduler, if it waits for the others, gives up.
                     closing = True
                     self.abort.set()
                     raise
@@ -537,7 +541,7 @@ class _Epochs:
                         iterator._shutdown_workers()
                     if self.sync is not None and not closing:
                         self.sync.epoch_end()
-                    previous = plan.dataset
+                    previous = schedule.dataset
         finally:
             for done in (previous, self.unreleased):
                 if done is not None:
@@ -549,10 +553,10 @@ class _Epochs:
                 it = getattr(loader_, "_iterator", None)
                 if it is not None and hasattr(it, "_shutdown_workers"):
                     it._shutdown_workers()
-            for lane in self.lanes.values():
-                # Leases are released before epochs() returns, and no lane outlives this
-                # generator holding references to its state (see _Lane._run).
-                lane.close(timeout=60)
+            for thread in self.threads.values():
+                # Leases are released before epochs() returns, and no task thread outlives
+                # this generator holding references to its state (see _TaskThread._run).
+                thread.close(timeout=60)
             if self.sync is not None:
                 self.sync.close()
 

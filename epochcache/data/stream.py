@@ -49,7 +49,7 @@ from ..store.shares import (
 from .dataset import snapshot_gone
 from .epochs import check_release
 from .distributed import NodeSync, detect_world, dist_initialized
-from .plan import epoch_order
+from .schedule import epoch_order
 from .resume import lease_gone_reason
 from .stall import arm_stack_dump
 from .reader import SampleReader

@@ -1,7 +1,7 @@
 """The daemon process that :class:`epochcache.Daemon` starts: ``python -m epochcache.ingest.daemon_main``.
 
 It reads its config from stdin (JSON, :meth:`EpochcacheConfig.to_transfer`: credentials never touch
-a file or the command line), then runs :func:`~epochcache.ingest.daemon.run_daemon` as
+a file or the command line), then runs :func:`~epochcache.ingest.supervisor.run_daemon` as
 ``epochcache daemon`` does. One JSON line on stdout tells the parent how the start went::
 
     {"event": "ready", "pid": 1234}                                     samplers are starting
@@ -37,7 +37,7 @@ def main() -> int:
     for noisy in ("botocore", "aiobotocore", "s3fs", "fsspec", "urllib3", "asyncio"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     from ..config import EpochcacheConfig
-    from .daemon import run_daemon
+    from .supervisor import run_daemon
 
     started = False
 

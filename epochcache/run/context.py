@@ -13,7 +13,7 @@ from typing import Any
 from .checkpoint import save_checkpoint
 from ..config import EpochcacheConfig
 from ..data.devices import CPU, RunDevice
-from .metrics import TrainProgress, batch_len
+from .progress import TrainProgress, batch_len
 from .midepoch import MidEpoch
 from .signals import StopSignals
 

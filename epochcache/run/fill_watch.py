@@ -29,7 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import MinSamplesUnreachable
-from ..ingest.daemon import DaemonLock
+from ..ingest.supervisor import DaemonLock
 from ..store import SampleStore
 
 log = logging.getLogger(__name__)

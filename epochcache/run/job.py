@@ -35,14 +35,14 @@ from ..config import EpochcacheConfig, load_config
 from ..data.devices import CPU, RunDevice
 from ..data.world import World
 from ..errors import ConfigError, DaemonAlreadyRunning
-from ..ingest.daemon import Daemon, DaemonLock
-from ..ingest.metrics import MetricsServer, require_prometheus
+from ..ingest.supervisor import DaemonLock, Supervisor
+from ..ingest.prometheus import MetricsServer, require_prometheus
 from ..redact import redact_url
 from ..store.status import describe_requests, request_delta, request_totals
 from .context import RunContext, TimedLoader
 from .midepoch import MidEpoch
 from .midepoch import loader_states
-from .metrics import TrainProgress, Turnover, train_metrics
+from .progress import TrainProgress, Turnover, train_metrics
 from .signals import Interrupted, StopSignals, Terminated, quiet_worker, shelter_forkserver
 from .trained import TrainedRecord, coverage_row, coverage_text
 from ..units import format_size
@@ -158,7 +158,7 @@ class Run:
         self.run_dir = Path(config.train.run_dir)
         check_entrypoint(config.train.entrypoint)
         self._train_fn: TrainFn | None = None  # imported once the source is known to be there
-        self.daemon: Daemon | None = None
+        self.daemon: Supervisor | None = None
         self._daemon_thread: threading.Thread | None = None
         self._daemon_status: int | None = None
         self._daemon_error: BaseException | None = None
@@ -191,7 +191,7 @@ class Run:
         if DaemonLock.is_held(cache_dir):
             log.info("attaching to the daemon already filling %s", cache_dir)
             return
-        daemon = Daemon(self.config)
+        daemon = Supervisor(self.config)
         try:
             # Takes the daemon lock before opening the cache with the config's capacity, then
             # lists the source: raises SourceUnavailable before anything starts.

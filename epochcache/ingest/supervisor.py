@@ -1,4 +1,5 @@
-"""``epochcache daemon CONFIG``: supervise the sampler processes that keep a cache growing.
+"""The supervisor behind ``epochcache daemon CONFIG`` (and :class:`epochcache.Daemon`): the sampler
+processes that keep a cache growing, started, watched and restarted.
 
 The daemon validates the config and lists the source before starting anything (a bad config or
 an unreachable source exits 2 with nothing started), holds an exclusive lock on the cache so a
@@ -38,7 +39,7 @@ from ..store.leases import process_start_ticks
 from ..units import format_size
 from .daemon_sources import DaemonSources
 from .lifeline import Lifeline
-from .metrics import MetricsServer, daemon_metrics, require_prometheus
+from .prometheus import MetricsServer, daemon_metrics, require_prometheus
 from .sampler import StopFlag, run_sampler, state_name
 
 log = logging.getLogger(__name__)
@@ -162,7 +163,7 @@ class _Slot:
     restart_at: float | None = None  # a dead sampler waits out its backoff until then
 
 
-class Daemon:
+class Supervisor:
     """Supervises the samplers of one config. :meth:`run` blocks until :meth:`stop`.
 
     Args:
@@ -396,7 +397,7 @@ class Daemon:
 
 
 def run_daemon(config: EpochcacheConfig, *, parent_pid: int | None = None,
-               ready: Callable[[Daemon], None] | None = None) -> int:
+               ready: Callable[[Supervisor], None] | None = None) -> int:
     """Run a daemon in this process until SIGTERM/SIGINT; returns the exit status.
 
     Args:
@@ -404,7 +405,7 @@ def run_daemon(config: EpochcacheConfig, *, parent_pid: int | None = None,
         parent_pid: stop (in order) once this process is gone (see :mod:`epochcache.daemon`).
         ready: called once the lock is held and the source listed, before samplers start.
     """
-    daemon = Daemon(config, parent_pid=parent_pid)
+    daemon = Supervisor(config, parent_pid=parent_pid)
     daemon.prepare()
     # The handler is safe to run at any point of the main thread: see StopRequest.
     previous = {sig: signal.signal(sig, daemon.stop) for sig in (signal.SIGTERM, signal.SIGINT)}

@@ -1,9 +1,11 @@
-"""What one epoch reads, in which order, and how a batch of it is fetched.
+"""An epoch's schedule: what one epoch reads on one rank, in which order, in which batches.
 
-An :class:`EpochPlan` is one epoch on one rank: its dataset (holding the snapshot's lease on the
-node's leader) and its seeded sample order. The DataLoader epochs() builds is driven by a
-:class:`PlanSampler`, which yields batches of sequence numbers once the plan exists, over a
-:class:`SeqBatches` dataset that turns each such batch into a finished batch.
+An :class:`EpochSchedule` is one epoch on one rank: its dataset (holding the snapshot's lease
+on the node's leader), its seeded sample order and its batch count. (What a snapshot's readers
+have read, for eviction, is its *release plan*: :mod:`epochcache.store.plans`.) The DataLoader
+epochs() builds is driven by a :class:`ScheduleSampler`, which yields batches of sequence
+numbers once the schedule exists, over a :class:`SeqBatches` dataset that turns each such batch
+into a finished batch.
 """
 
 from __future__ import annotations
@@ -41,16 +43,17 @@ def epoch_order(seqs: np.ndarray, epoch: int, seed: int = 0, shuffle: bool = Tru
     return seqs[index[:want]]
 
 
-class EpochPlan:
+class EpochSchedule:
     """One epoch on this rank: its dataset (holding the lease on the leader) and batch order."""
 
     def __init__(self, epoch: int, dataset: EpochDataset, order: np.ndarray, batch_size: int,
                  n_batches: int, seconds: float, releaser: Releaser | None = None) -> None:
         self.epoch, self.dataset, self.order = epoch, dataset, order
         self.batch_size, self.n_batches, self.seconds = batch_size, n_batches, seconds
-        #: Releases the samples of the batches trained on (progressive release), if planned.
+        #: Releases the samples of the batches trained on (progressive release), when the
+        #: epoch has a release plan.
         self.releaser = releaser
-        #: The rank's lane: the epoch's order as planned (``order`` is what is left of it in
+        #: The rank's lane: the epoch's order as scheduled (``order`` is what is left of it in
         #: a resumed epoch), its length, and for a resumed epoch each sample's place in it.
         self.lane_length = n_batches * batch_size
         self.offsets: np.ndarray | None = None
@@ -102,37 +105,37 @@ class SeqBatch(NamedTuple):
     lease_id: str
 
 
-class PlanSampler(Sampler[SeqBatch]):
-    """Yields the current plan's batches of sequence numbers; waits for the plan first.
+class ScheduleSampler(Sampler[SeqBatch]):
+    """Yields the current schedule's batches of sequence numbers; waits for the schedule first.
 
     While ``warm_up`` is active it yields nothing: the loader's workers are being started by
     an iteration that reads nothing (see :func:`epochcache.data.workers.start_workers`).
     """
 
     def __init__(self) -> None:
-        self.plan: cf.Future[EpochPlan] | None = None
+        self.schedule: cf.Future[EpochSchedule] | None = None
         self.warm_up = WarmUp()
 
     def __iter__(self) -> Iterator[SeqBatch]:
         if self.warm_up.active:
             return
-        if self.plan is None:
-            raise RuntimeError("epochcache: loader used before its epoch was planned")
+        if self.schedule is None:
+            raise RuntimeError("epochcache: loader used before its epoch was scheduled")
         try:
-            plan = self.plan.result()
-        except BaseException:  # noqa: BLE001 - reported by epochs() from the plan itself
-            # Planning failed or was cancelled (a run stopping while workers start): no
+            schedule = self.schedule.result()
+        except BaseException:  # noqa: BLE001 - reported by epochs() from the schedule itself
+            # Scheduling failed or was cancelled (a run stopping while workers start): no
             # batches. Raised here, the error would escape DataLoader's iterator half-built,
             # its workers started and never shut down, left to the garbage collector, whose
             # finalizers run in any order: a queue's pipe closed under its feeder thread
             # ("Bad file descriptor", "semaphore or lock released too many times").
             return
-        epoch, lease_id = plan.epoch, plan.dataset.lease_id
-        for i in range(plan.n_batches):
-            yield SeqBatch(plan.batch(i), epoch, lease_id)
+        epoch, lease_id = schedule.epoch, schedule.dataset.lease_id
+        for i in range(schedule.n_batches):
+            yield SeqBatch(schedule.batch(i), epoch, lease_id)
 
     def __len__(self) -> int:
-        return self.plan.result().n_batches if self.plan is not None else 0
+        return self.schedule.result().n_batches if self.schedule is not None else 0
 
 
 class SeqBatches(Dataset[Any]):
@@ -154,7 +157,7 @@ def identity(batch: Any) -> Any:
     return batch
 
 
-def in_process_batches(loader: DataLoader[Any], sampler: PlanSampler) -> Iterator[Any]:
+def in_process_batches(loader: DataLoader[Any], sampler: ScheduleSampler) -> Iterator[Any]:
     """What iterating ``loader`` yields when it has no workers and pins nothing, without
     DataLoader's per-batch bookkeeping (a profiler ``record_function`` per batch: ~7% of the
     time of a batch of 64 KiB samples read in process).
