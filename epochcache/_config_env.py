@@ -12,7 +12,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from .errors import ConfigError, NodeLayoutError
-from .launcher import env_int, read_placement
+from .launcher import env_int, read_node
 from .redact import REDACTED, scrub, scrub_urls
 
 _VAR = re.compile(r"\$\$\{|\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
@@ -93,7 +93,11 @@ def resolve_node(
     rank = node_rank if node_rank is not None else read("EPOCHCACHE_NODE_RANK")
     count = num_nodes if num_nodes is not None else read("EPOCHCACHE_NUM_NODES")
     if rank is None or count is None:
-        launched = _launched_node(environ)
+        try:
+            launched = read_node(environ)
+        except NodeLayoutError as exc:
+            raise ConfigError(f"sampler.node_rank/num_nodes: {exc}; or set sampler.node_rank and "
+                              "sampler.num_nodes in the config") from None
         rank = launched[0] if rank is None else rank
         count = launched[1] if count is None else count
     if count < 1 or not 0 <= rank < count:
@@ -102,33 +106,6 @@ def resolve_node(
             "check sampler.node_rank, sampler.num_nodes or GROUP_RANK/GROUP_WORLD_SIZE"
         )
     return rank, count
-
-
-def _launched_node(environ: Mapping[str, str]) -> tuple[int, int]:
-    """``(node, nodes)`` from the launcher's variables; ``(0, 1)`` outside a distributed launch."""
-    try:
-        node, nodes = env_int(environ, "GROUP_RANK"), env_int(environ, "GROUP_WORLD_SIZE")
-        world, local = env_int(environ, "WORLD_SIZE") or 1, env_int(environ, "LOCAL_WORLD_SIZE")
-        if nodes is None and local and world % local == 0:
-            nodes = world // local  # torchrun: every node runs LOCAL_WORLD_SIZE ranks
-        if node is not None or nodes is not None:
-            if node is None or nodes is None:
-                raise NodeLayoutError(
-                    f"{'GROUP_RANK' if node is None else 'the number of nodes'} is unknown: set "
-                    "GROUP_RANK and GROUP_WORLD_SIZE (or EPOCHCACHE_NODE_RANK and "
-                    "EPOCHCACHE_NUM_NODES)")
-            return node, nodes
-        if world <= 1:
-            return 0, 1  # a daemon on its own: one node unless told otherwise
-        place = read_placement(environ)  # a distributed launch says where it is, or raises
-        if place.num_nodes is None:
-            raise NodeLayoutError(
-                f"the number of nodes is unknown ({place.launcher}: node {place.node_rank}, "
-                f"{place.world_size} ranks); set GROUP_WORLD_SIZE or EPOCHCACHE_NUM_NODES")
-        return place.node_rank, place.num_nodes
-    except NodeLayoutError as exc:
-        raise ConfigError(f"sampler.node_rank/num_nodes: {exc}; or set sampler.node_rank and "
-                          "sampler.num_nodes in the config") from None
 
 
 def _allowed_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str] | None:

@@ -50,6 +50,10 @@ class Placement:
     num_nodes: int | None = 1
     launcher: str = "single"
 
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
 
 def env_int(environ: Mapping[str, str], name: str) -> int | None:
     """The integer value of ``name``, None when unset or empty.
@@ -145,3 +149,32 @@ def read_placement(environ: Mapping[str, str], rank: int | None = None,
             f"{place.local_rank} of {place.local_world_size}, node {place.node_rank} of "
             f"{place.num_nodes}")
     return place
+
+
+def read_node(environ: Mapping[str, str]) -> tuple[int, int]:
+    """``(node, nodes)`` for a process outside the ranks (a node's daemon and samplers), from
+    torchrun's ``GROUP_RANK`` and ``GROUP_WORLD_SIZE`` (or ``WORLD_SIZE // LOCAL_WORLD_SIZE``),
+    else a distributed launch's :func:`read_placement`; ``(0, 1)`` outside a distributed launch.
+
+    Raises:
+        NodeLayoutError: a launch that says the one and not the other, or no number of nodes.
+    """
+    node, nodes = env_int(environ, "GROUP_RANK"), env_int(environ, "GROUP_WORLD_SIZE")
+    world, local = env_int(environ, "WORLD_SIZE") or 1, env_int(environ, "LOCAL_WORLD_SIZE")
+    if nodes is None and local and world % local == 0:
+        nodes = world // local  # torchrun: every node runs LOCAL_WORLD_SIZE ranks
+    if node is not None or nodes is not None:
+        if node is None or nodes is None:
+            raise NodeLayoutError(
+                f"{'GROUP_RANK' if node is None else 'the number of nodes'} is unknown: set "
+                "GROUP_RANK and GROUP_WORLD_SIZE (or EPOCHCACHE_NODE_RANK and "
+                "EPOCHCACHE_NUM_NODES)")
+        return node, nodes
+    if world <= 1:
+        return 0, 1  # a daemon on its own: one node unless told otherwise
+    place = read_placement(environ)  # a distributed launch says where it is, or raises
+    if place.num_nodes is None:
+        raise NodeLayoutError(
+            f"the number of nodes is unknown ({place.launcher}: node {place.node_rank}, "
+            f"{place.world_size} ranks); set GROUP_WORLD_SIZE or EPOCHCACHE_NUM_NODES")
+    return place.node_rank, place.num_nodes

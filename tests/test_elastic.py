@@ -19,7 +19,7 @@ from epochcache.data.elastic import (
     parse_states,
     rank_lane,
 )
-from epochcache.data.world import World
+from epochcache.data.placement import Placement
 
 WANTED = {"seed": 0, "shuffle": True, "samples_per_epoch": None}
 
@@ -34,8 +34,8 @@ def _state(rank: int, size: int, lane: int, position: int,
     return state
 
 
-def _world(rank: int, size: int) -> World:
-    return World(rank=rank, world_size=size, local_rank=rank, local_world_size=size)
+def _world(rank: int, size: int) -> Placement:
+    return Placement(rank=rank, world_size=size, local_rank=rank, local_world_size=size)
 
 
 @settings(max_examples=200, deadline=None)

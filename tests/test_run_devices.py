@@ -24,7 +24,7 @@ from conftest import free_port
 from test_run import demo_config, read_metrics
 
 from epochcache.data.devices import CPU, RunDevice, choose_device, joins_job
-from epochcache.data.world import World
+from epochcache.data.placement import Placement
 from epochcache.errors import NodeLayoutError
 
 # -- the decision ------------------------------------------------------------------------------
@@ -45,13 +45,13 @@ from epochcache.errors import NodeLayoutError
 def test_each_rank_gets_its_device_and_backend(local_rank: int, local_world_size: int,
                                                cuda_devices: int, nccl: bool,
                                                expected: RunDevice) -> None:
-    world = World(rank=local_rank, world_size=local_world_size, local_rank=local_rank,
+    world = Placement(rank=local_rank, world_size=local_world_size, local_rank=local_rank,
                   local_world_size=local_world_size)
     assert choose_device(world, cuda_devices=cuda_devices, nccl_available=nccl) == expected
 
 
 def test_a_rank_without_a_gpu_of_its_own_is_refused_with_the_fix() -> None:
-    world = World(rank=5, world_size=8, local_rank=3, local_world_size=4, node_rank=1)
+    world = Placement(rank=5, world_size=8, local_rank=3, local_world_size=4, node_rank=1)
     with pytest.raises(NodeLayoutError) as info:
         choose_device(world, cuda_devices=2, nccl_available=True, visible="0,1")
     message = str(info.value)
@@ -71,16 +71,16 @@ def test_device_names_are_what_torch_takes() -> None:
 def test_this_cpu_only_machine_trains_on_the_cpu_with_gloo() -> None:
     from epochcache.data.distributed import select_device
 
-    assert select_device(World(local_rank=1, local_world_size=2, world_size=2, rank=1)) == CPU
+    assert select_device(Placement(local_rank=1, local_world_size=2, world_size=2, rank=1)) == CPU
 
 
 def test_a_job_is_joined_when_the_launcher_says_there_is_one() -> None:
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "RANK": "0", "WORLD_SIZE": "1"}
-    assert joins_job(World(world_size=2), {})  # more than one rank
-    assert joins_job(World(), env)  # torchrun --nproc-per-node 1
-    assert not joins_job(World(), {})  # a plain `epochcache run`
+    assert joins_job(Placement(world_size=2), {})  # more than one rank
+    assert joins_job(Placement(), env)  # torchrun --nproc-per-node 1
+    assert not joins_job(Placement(), {})  # a plain `epochcache run`
     for name in env:
-        assert not joins_job(World(), {k: v for k, v in env.items() if k != name}), name
+        assert not joins_job(Placement(), {k: v for k, v in env.items() if k != name}), name
 
 
 def test_batches_are_pinned_for_a_gpu_unless_the_config_says_otherwise(tmp_path: Path) -> None:
@@ -138,7 +138,7 @@ def _bookkeeping(rank: int, port: int, out: str) -> None:
 
     _join_cuda_only(rank, port)
     try:
-        distributed.init_run_distributed(distributed.detect_world())
+        distributed.init_run_distributed(distributed.detect_placement())
         mean = distributed.mean_across_ranks({"loss": float(rank), "samples": 10 * rank,
                                               "name": "mlp"})
         distributed.barrier()

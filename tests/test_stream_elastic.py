@@ -77,7 +77,7 @@ def test_a_resumed_stream_under_ddp_is_refused_saying_what_to_do(
     state = stream.state_dict()
     del it
     stream.close()
-    # A rank of a two-rank torchrun job (the environment is what detect_world() reads).
+    # A rank of a two-rank torchrun job (the environment is what detect_placement() reads).
     for name, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0",
                         "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0"}.items():
         monkeypatch.setenv(name, value)

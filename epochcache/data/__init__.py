@@ -2,8 +2,8 @@
 
 Decoding by extension (``decode``, ``images`` for image formats, ``fields`` for field selection,
 ``rawnpy`` and ``rawfields`` for the raw ``.npy`` and multi-field fast paths, ``collate``), the
-per-epoch map-style dataset (``reader``, ``dataset``), epoch planning and the ``epochs()``
-loader (``plan``, ``epoch_loader``, ``epochs``), DDP (``world``, ``distributed``), the stall
+per-epoch map-style dataset (``reader``, ``dataset``), epoch schedules and the ``epochs()``
+loader (``schedule``, ``epoch_loader``, ``epochs``), DDP (``placement``, ``distributed``), the stall
 watchdog (``stall``) and waiting for the cache to fill (``wait``). This layer reads the cache
 through the store layer only; it never imports ``ingest`` or the face.
 """

@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..errors import NodeLayoutError
-from .world import World
+from .placement import Placement
 
 #: The variables of torch.distributed's ``env://`` rendezvous (torchrun sets all four).
 ENV_RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
@@ -57,12 +57,12 @@ class RunDevice:
 CPU = RunDevice()
 
 
-def choose_device(world: World, *, cuda_devices: int, nccl_available: bool,
+def choose_device(place: Placement, *, cuda_devices: int, nccl_available: bool,
                   visible: str | None = None) -> RunDevice:
     """This rank's device and backend (see the module docstring for the rules).
 
     Args:
-        world: this process's place (its local rank picks the GPU).
+        place: this process's place (its local rank picks the GPU).
         cuda_devices: ``torch.cuda.device_count()`` when CUDA is available, else 0.
         nccl_available: ``torch.distributed.is_nccl_available()``.
         visible: ``CUDA_VISIBLE_DEVICES``, only for the error message.
@@ -72,14 +72,14 @@ def choose_device(world: World, *, cuda_devices: int, nccl_available: bool,
     """
     if cuda_devices <= 0:
         return CPU
-    if world.local_rank < cuda_devices:
-        index = world.local_rank
+    if place.local_rank < cuda_devices:
+        index = place.local_rank
     elif cuda_devices == 1:
         index = 0  # one GPU per process: the launcher bound each rank to its own
     else:
         shown = "unset" if visible is None else repr(visible)
         raise NodeLayoutError(
-            f"local rank {world.local_rank} of {world.local_world_size} on node {world.node_rank} "
+            f"local rank {place.local_rank} of {place.local_world_size} on node {place.node_rank} "
             f"has no GPU of its own: this process sees {cuda_devices} CUDA devices "
             f"(CUDA_VISIBLE_DEVICES {shown}); start at most {cuda_devices} ranks per node "
             f"(torchrun --nproc-per-node {cuda_devices}), give each rank its own GPU, or set "
@@ -87,7 +87,7 @@ def choose_device(world: World, *, cuda_devices: int, nccl_available: bool,
     return RunDevice("cuda", index, "nccl" if nccl_available else "gloo")
 
 
-def joins_job(world: World, environ: Mapping[str, str]) -> bool:
+def joins_job(place: Placement, environ: Mapping[str, str]) -> bool:
     """Whether ``epochcache run`` joins a torch.distributed job: more than one rank, or a
     launcher's complete ``env://`` rendezvous for one (``torchrun --nproc-per-node 1``)."""
-    return world.distributed or all(environ.get(name, "").strip() for name in ENV_RENDEZVOUS)
+    return place.distributed or all(environ.get(name, "").strip() for name in ENV_RENDEZVOUS)

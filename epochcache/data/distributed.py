@@ -1,5 +1,5 @@
 """The collectives that keep the ranks of a distributed job in step (where a process sits in
-the job is :mod:`epochcache.data.world`, which needs no torch).
+the job is :mod:`epochcache.data.placement`, which needs no torch).
 
 Invariant 8 (DDP never deadlocks on unequal data): ranks sharing a node's cache train on one
 snapshot per epoch, taken by local rank 0 (which holds its lease) and broadcast to the node's
@@ -40,10 +40,10 @@ import torch
 
 from ..errors import NodeLayoutError
 from .devices import CPU, RunDevice, choose_device
-from .world import World, detect_world, dist_initialized
+from .placement import Placement, detect_placement, dist_initialized
 
-__all__ = ["NodeSync", "RunDevice", "World", "barrier", "bookkeeping_group", "check_layout",
-           "close_run_distributed", "detect_world", "dist_initialized", "init_run_distributed",
+__all__ = ["NodeSync", "RunDevice", "Placement", "barrier", "bookkeeping_group", "check_layout",
+           "close_run_distributed", "detect_placement", "dist_initialized", "init_run_distributed",
            "mean_across_ranks", "select_device", "split_for_rank"]
 
 log = logging.getLogger(__name__)
@@ -54,18 +54,18 @@ _LEASE_ID_BYTES = 32  # a lease id is 32 hex digits
 _BOOKKEEPING: Any = None
 
 
-def split_for_rank(order: np.ndarray, world: World) -> np.ndarray:
+def split_for_rank(order: np.ndarray, place: Placement) -> np.ndarray:
     """This rank's disjoint share of the node's epoch order (a strided slice, no copy)."""
-    if world.local_world_size <= 1:
+    if place.local_world_size <= 1:
         return order
-    return order[world.local_rank :: world.local_world_size]
+    return order[place.local_rank :: place.local_world_size]
 
 
 class NodeSync:
     """Collectives for epochs() under torch.distributed; every rank must create it together.
 
     Args:
-        world: this process's place (from :func:`detect_world`).
+        place: this process's place (from :func:`detect_placement`).
         cache_id: which cache this rank reads (:func:`~epochcache.store.env.cache_identity`).
         cache_path: its directory, for messages.
 
@@ -74,13 +74,13 @@ class NodeSync:
             local rank 0 (raised on every rank alike: nobody is left waiting).
     """
 
-    def __init__(self, world: World, cache_id: str = "", cache_path: str = "") -> None:
+    def __init__(self, place: Placement, cache_id: str = "", cache_path: str = "") -> None:
         dist = torch.distributed
-        self.world = world
+        self.place = place
         self.prep_group = dist.new_group(backend="gloo")
         self.main_group = dist.new_group(backend="gloo")
-        places: list[Any] = [None] * world.world_size
-        dist.all_gather_object(places, (world.node_rank, world.local_rank, uuid.uuid4().hex,
+        places: list[Any] = [None] * place.world_size
+        dist.all_gather_object(places, (place.node_rank, place.local_rank, uuid.uuid4().hex,
                                         cache_id, cache_path), group=self.prep_group)
         self.node_group: Any = None
         try:
@@ -91,15 +91,15 @@ class NodeSync:
         # Keys of this NodeSync in the job's store, named by rank 0's token (every rank sees it).
         self.store: Any = dist.PrefixStore(f"epochcache/{places[0][2]}/",
                                            dist.distributed_c10d._get_default_store())
-        self.leader = world.rank
+        self.leader = place.rank
         # new_group is itself collective: every rank creates every node's group, in one order.
         for node in sorted({p[0] for p in places}):
             ranks = [r for r, p in enumerate(places) if p[0] == node]
             group = dist.new_group(ranks=ranks, backend="gloo")
-            if node == world.node_rank:
+            if node == place.node_rank:
                 self.node_group = group
                 self.leader = next(r for r in ranks if places[r][1] == 0)
-        log.debug("NodeSync: rank %d on node %d, leader %d", world.rank, world.node_rank,
+        log.debug("NodeSync: rank %d on node %d, leader %d", place.rank, place.node_rank,
                   self.leader)
 
     def rendezvous(self, epoch: int, cancelled: Callable[[], bool],
@@ -111,7 +111,7 @@ class NodeSync:
         gradient collectives break when its process ends) and close, which cancels this wait.
         """
         store, key, done = self.store, f"{epoch}/arrived", f"{epoch}/all"
-        if int(store.add(key, 1)) == self.world.world_size:
+        if int(store.add(key, 1)) == self.place.world_size:
             store.set(done, b"1")
             for old in (f"{epoch - 1}/arrived", f"{epoch - 1}/all"):
                 try:  # every rank is past epoch - 1's rendezvous
@@ -132,7 +132,7 @@ class NodeSync:
         """Local rank 0 calls ``take()`` (a snapshot: its seqs and lease id); every rank of the
         node gets both (the lease id names the lease in the others' read errors)."""
         dist = torch.distributed
-        is_leader = self.world.rank == self.leader
+        is_leader = self.place.rank == self.leader
         head = torch.zeros(1 + _LEASE_ID_BYTES, dtype=torch.int64)  # count, then the lease id
         if is_leader:
             if take is None:
@@ -163,7 +163,7 @@ class NodeSync:
         """Every rank's ``row`` of integers (the same length on all), in rank order (on the
         background thread's group)."""
         mine = torch.tensor(row, dtype=torch.int64)
-        rows = [torch.zeros_like(mine) for _ in range(self.world.world_size)]
+        rows = [torch.zeros_like(mine) for _ in range(self.place.world_size)]
         torch.distributed.all_gather(rows, mine, group=self.prep_group)
         return torch.stack(rows).numpy()
 
@@ -219,7 +219,7 @@ def check_layout(places: list[Any]) -> None:
                 "variables) and the cache directory of every rank")
 
 
-def select_device(world: World) -> RunDevice:
+def select_device(place: Placement) -> RunDevice:
     """This rank's device and backend on this machine (:func:`~.devices.choose_device`).
 
     Raises:
@@ -227,11 +227,11 @@ def select_device(world: World) -> RunDevice:
     """
     cuda_devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
     nccl = torch.distributed.is_available() and torch.distributed.is_nccl_available()
-    return choose_device(world, cuda_devices=cuda_devices, nccl_available=nccl,
+    return choose_device(place, cuda_devices=cuda_devices, nccl_available=nccl,
                          visible=os.environ.get("CUDA_VISIBLE_DEVICES"))
 
 
-def init_run_distributed(world: World, device: RunDevice = CPU, *, join: bool = True) -> bool:
+def init_run_distributed(place: Placement, device: RunDevice = CPU, *, join: bool = True) -> bool:
     """Bind this process to ``device`` and join the launcher's job (``epochcache run``).
 
     On CUDA the rank's GPU becomes the current device before the process group exists (NCCL
@@ -257,7 +257,7 @@ def init_run_distributed(world: World, device: RunDevice = CPU, *, join: bool = 
         created = True
         log.info("joined the torchrun job: rank %d of %d (node %d, local rank %d), backend %s, "
                  "device %s", torch.distributed.get_rank(), torch.distributed.get_world_size(),
-                 world.node_rank, world.local_rank, device.backend, device.name)
+                 place.node_rank, place.local_rank, device.backend, device.name)
     _make_bookkeeping_group()
     return created
 

@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from .world import World
+from .placement import Placement
 
 KIND = "epochcache.epochs"
 #: What a rank's order depends on besides the snapshot and the layout.
@@ -134,7 +134,7 @@ def group_states(states: list[dict[str, Any]]) -> list[NodeStates]:
     return sorted(groups.values(), key=lambda g: (g.node is None, g.node or 0, g.lease))
 
 
-def check_groups(groups: list[NodeStates], wanted: dict[str, Any], world: World) -> None:
+def check_groups(groups: list[NodeStates], wanted: dict[str, Any], place: Placement) -> None:
     """Refuse states this call cannot continue, naming what differs and what to do.
 
     Raises:
@@ -154,16 +154,16 @@ def check_groups(groups: list[NodeStates], wanted: dict[str, Any], world: World)
     if not incomplete:
         return  # every node's states whole: any layout (each node's rest dealt anew)
     group = incomplete[0]
-    if len(groups) == 1 and (world.local_rank in group.states
-                             and group.local_world_size == world.local_world_size):
+    if len(groups) == 1 and (place.local_rank in group.states
+                             and group.local_world_size == place.local_world_size):
         return  # this rank's own state, on the layout that ran the epoch: as always
     if len(groups) == 1:
         ranks = sorted(group.states)
         raise ValueError(
             f"resume: the state{'s are' if len(ranks) > 1 else ' is'} of local rank"
             f"{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} of a node of "
-            f"{group.local_world_size} ranks; this is local rank {world.local_rank} of "
-            f"{world.local_world_size}: to go on with another number of ranks per node (or as "
+            f"{group.local_world_size} ranks; this is local rank {place.local_rank} of "
+            f"{place.local_world_size}: to go on with another number of ranks per node (or as "
             "another rank), pass every rank's state of the interrupted epoch (a list, or a "
             "dict by rank, as `epochcache run` checkpoints them), so the rest of the node's "
             "epoch can be dealt anew")
@@ -175,21 +175,21 @@ def check_groups(groups: list[NodeStates], wanted: dict[str, Any], world: World)
 
 
 def order_identity(*, seed: int, shuffle: bool, samples_per_epoch: int | None,
-                   world: World) -> dict[str, Any]:
+                   place: Placement) -> dict[str, Any]:
     """What a rank's epoch order depends on besides the snapshot, and where the rank sits:
     saved with its position, and compared on a resume."""
     return {"seed": seed, "shuffle": bool(shuffle), "samples_per_epoch": samples_per_epoch,
-            "local_rank": world.local_rank, "local_world_size": world.local_world_size,
-            "node": world.node_rank, "rank": world.rank}
+            "local_rank": place.local_rank, "local_world_size": place.local_world_size,
+            "node": place.node_rank, "rank": place.rank}
 
 
 def check_resume(resume: Any, *, seed: int, shuffle: bool, samples_per_epoch: int | None,
-                 world: World) -> list[NodeStates]:
+                 place: Placement) -> list[NodeStates]:
     """The states of ``epochs(resume=...)`` by node, refused (naming what differs) when the
     epoch's order cannot be rebuilt from them (see :mod:`epochcache.data.elastic`)."""
     groups = group_states(parse_states(resume))
     check_groups(groups, {"seed": seed, "shuffle": bool(shuffle),
-                          "samples_per_epoch": samples_per_epoch}, world)
+                          "samples_per_epoch": samples_per_epoch}, place)
     return groups
 
 
@@ -220,17 +220,17 @@ class RankLane:
     regrouped: bool  # dealt anew from the node's rest (another layout)
 
 
-def rank_lane(order: np.ndarray, group: NodeStates, world: World) -> RankLane:
+def rank_lane(order: np.ndarray, group: NodeStates, place: Placement) -> RankLane:
     """This rank's lane of the resumed epoch (see the module docstring)."""
     nested = group.nested
-    mine = group.states.get(world.local_rank)
-    if group.local_world_size == world.local_world_size and mine is not None:
+    mine = group.states.get(place.local_rank)
+    if group.local_world_size == place.local_world_size and mine is not None:
         base = order if nested is None else rest_of(order, nested)
-        lane = base[world.local_rank :: world.local_world_size][: int(mine["lane"])]
+        lane = base[place.local_rank :: place.local_world_size][: int(mine["lane"])]
         return RankLane(lane, int(mine["position"]), nested, False)
     split = group.split()
     rest = rest_of(order, split)
-    return RankLane(rest[world.local_rank :: world.local_world_size], 0, split, True)
+    return RankLane(rest[place.local_rank :: place.local_world_size], 0, split, True)
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,13 @@ from ..limits import DEFAULT_MAX_SAMPLE_BYTES
 from ..store.env import cache_identity
 from ..store.plans import Releaser
 from .dataset import EpochDataset
-from .distributed import NodeSync, World, detect_world, dist_initialized, split_for_rank
+from .distributed import (
+    NodeSync,
+    Placement,
+    detect_placement,
+    dist_initialized,
+    split_for_rank,
+)
 from .epoch_loader import EpochLoader, probe_workers, stop_workers
 from .elastic import (
     COUNT,
@@ -178,7 +184,7 @@ class _Epochs:
                  shuffle: bool, drop_last: bool, samples_per_epoch: int | None,
                  persistent: bool, reader: SampleReader, collate_fn: Callable[[Any], Any] | None,
                  worker_init_fn: Callable[[int], None] | None, stall_s: float | None,
-                 stall_file: str | None, loader_kwargs: dict[str, Any], world: World,
+                 stall_file: str | None, loader_kwargs: dict[str, Any], place: Placement,
                  progressive: bool = True, resume: list[NodeStates] | None = None,
                  resume_grace_s: float = 1800.0) -> None:
         self.cache, self.batch_size, self.num_workers = cache, batch_size, num_workers
@@ -186,7 +192,7 @@ class _Epochs:
         self.samples_per_epoch, self.persistent, self.reader = samples_per_epoch, persistent, reader
         self.collate_fn, self.worker_init_fn = collate_fn, worker_init_fn
         self.stall_s, self.stall_file, self.loader_kwargs = stall_s, stall_file, loader_kwargs
-        self.world, self.progressive = world, progressive
+        self.place, self.progressive = place, progressive
         self.resume = resume  # the states by node, consumed by the first epoch's schedule
         self.resume_grace_s = resume_grace_s
         # CUDA's current device is per thread, and loaders are built on a task thread, whose
@@ -195,8 +201,8 @@ class _Epochs:
         self.device_index = (torch.cuda.current_device() if loader_kwargs.get("pin_memory")
                              and torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
                              else None)
-        self.sync = (NodeSync(self.world, cache_identity(cache.path), cache.path)
-                     if dist_initialized() and self.world.distributed else None)
+        self.sync = (NodeSync(self.place, cache_identity(cache.path), cache.path)
+                     if dist_initialized() and self.place.distributed else None)
         # In process and without DDP collectives, the next epoch is scheduled in the training
         # thread when triggered (~0.3 ms, once per epoch): on a background thread the same work
         # cost the training thread ~5x that in GIL hand-offs.
@@ -220,7 +226,7 @@ class _Epochs:
         if self.persistent and slot < len(self.slots):
             return self.slots[slot]  # alternate two loaders: one finishes while one prefetches
         sampler = ScheduleSampler()
-        generator = torch.Generator().manual_seed(loader_seed(self.seed, epoch, self.world.rank))
+        generator = torch.Generator().manual_seed(loader_seed(self.seed, epoch, self.place.rank))
         kwargs = dict(self.loader_kwargs)
         if self.num_workers > 0:
             kwargs["worker_init_fn"] = functools.partial(_seed_worker, self.worker_init_fn,
@@ -248,7 +254,7 @@ class _Epochs:
         epoch, snapshot = pending.epoch, None
 
         # One release-plan part per rank of the node: each releases what its loop trained on.
-        parts = ((self.world.local_world_size if self.sync is not None else 1)
+        parts = ((self.place.local_world_size if self.sync is not None else 1)
                  if self.progressive else 0)
 
         groups, self.resume = self.resume, None
@@ -259,7 +265,7 @@ class _Epochs:
         def take() -> tuple[np.ndarray, str]:
             nonlocal snapshot, group
             if groups is not None:
-                snapshot, group = adopt_node(self.cache, groups, epoch, self.world)
+                snapshot, group = adopt_node(self.cache, groups, epoch, self.place)
                 if snapshot is not None:
                     return snapshot.seqs, snapshot.lease_id
             snapshot = self.cache.snapshot(epoch=epoch, label=f"epochs() epoch {epoch}",
@@ -268,7 +274,7 @@ class _Epochs:
 
         if self.sync is not None and not self.sync.rendezvous(epoch, self.abort.is_set):
             raise _Cancelled
-        seqs, lease_id = self.sync.share_seqs(take if self.world.local_rank == 0 else None) \
+        seqs, lease_id = self.sync.share_seqs(take if self.place.local_rank == 0 else None) \
             if self.sync is not None else take()
         if groups is not None:  # (non-leaders learn here which node's states the leader found)
             group = next((g for g in groups if g.lease and g.lease == lease_id), None)
@@ -276,9 +282,9 @@ class _Epochs:
         dataset.finished = False  # until the loop has read the epoch to its end
         try:
             order = epoch_order(seqs, epoch, self.seed, self.shuffle, self.samples_per_epoch)
-            resumed = (resume_rank(self.cache, order, group, self.world)
+            resumed = (resume_rank(self.cache, order, group, self.place)
                        if group is not None else None)
-            order = split_for_rank(order, self.world) if resumed is None else resumed.rest
+            order = split_for_rank(order, self.place) if resumed is None else resumed.rest
             # Every rank's count, whether it continues the epoch, the node it found: the
             # batch count is agreed from them (one collective per epoch, resumed or not).
             found = (group.lease if group is not None
@@ -313,8 +319,8 @@ class _Epochs:
         if groups is not None:
             schedule.bounds = agreed.bounds(len(order))
             schedule.resume_report = report(groups, rows, agreed)
-            if self.world.rank == 0:
-                log_resume(epoch, schedule.resume_report, groups, self.world)
+            if self.place.rank == 0:
+                log_resume(epoch, schedule.resume_report, groups, self.place)
         if resumed is not None:
             schedule.offsets, schedule.resumed_from = resumed.offsets, resumed.lane.position
             schedule.resumed_split = resumed.lane.resumed
@@ -323,7 +329,7 @@ class _Epochs:
                                     else resumed.lane.position)
         schedule.identity = order_identity(seed=self.seed, shuffle=self.shuffle,
                                        samples_per_epoch=self.samples_per_epoch,
-                                       world=self.world)
+                                       place=self.place)
         return schedule
 
     def _release_plan(self, lease_id: str, lane: np.ndarray) -> Releaser | None:
@@ -331,7 +337,7 @@ class _Epochs:
         in order (one lane); the loop releases them batch by batch."""
         if not lease_id or not len(lane) or not self.progressive:
             return None
-        part = self.world.local_rank if self.sync is not None else 0
+        part = self.place.local_rank if self.sync is not None else 0
         try:
             self.cache.write_plan_part(lease_id, part, [lane])
         except OSError as exc:  # a full or read-only disk: the snapshot stays protected whole
@@ -662,14 +668,14 @@ def epochs(
     _check_counts(num_epochs=num_epochs, batch_size=batch_size,
                   samples_per_epoch=samples_per_epoch, min_samples=min_samples)
     check_release(release)
-    world = detect_world()
+    place = detect_placement()
     groups = None
     if resume is not None:
         groups = check_resume(resume, seed=seed, shuffle=shuffle,
-                              samples_per_epoch=samples_per_epoch, world=world)
+                              samples_per_epoch=samples_per_epoch, place=place)
         start_epoch = groups[0].epoch
     num_workers, persistent = _worker_settings(num_workers, transform, persistent_workers,
-                                               dataloader_kwargs, world.local_world_size)
+                                               dataloader_kwargs, place.local_world_size)
     reader = SampleReader(cache.path, decode=decode, transform=transform,
                           allow_pickle=allow_pickle, max_sample_bytes=max_sample_bytes,
                           on_error=on_error, stall_s=stall_s, stall_file=stall_file,
@@ -680,7 +686,7 @@ def epochs(
                     shuffle=shuffle, drop_last=drop_last, samples_per_epoch=samples_per_epoch,
                     persistent=persistent, reader=reader, collate_fn=collate_fn,
                     worker_init_fn=worker_init_fn, stall_s=stall_s, stall_file=stall_file,
-                    loader_kwargs=dataloader_kwargs, world=world,
+                    loader_kwargs=dataloader_kwargs, place=place,
                     progressive=release == "progressive", resume=groups,
                     resume_grace_s=resume_grace_s)
     return _generate(state, cache, min_samples, wait_timeout_s, start_epoch, num_epochs)

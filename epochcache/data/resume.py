@@ -25,7 +25,7 @@ import numpy as np
 from ..store import Snapshot
 from ..store.schema import DB_SAMPLES, seq_key
 from .elastic import NodeStates, RankLane, rank_lane
-from .world import World
+from .placement import Placement
 
 if TYPE_CHECKING:
     from ..store import SampleStore
@@ -51,7 +51,7 @@ def resumed_snapshot(cache: SampleStore, state: dict[str, Any], epoch: int, *,
 
 
 def adopt_node(cache: SampleStore, groups: list[NodeStates], epoch: int,
-               world: World) -> tuple[Snapshot | None, NodeStates | None]:
+               place: Placement) -> tuple[Snapshot | None, NodeStates | None]:
     """Find the node among ``groups`` whose epoch this cache holds, adopt its lease and return
     its snapshot and states; ``(None, None)`` when none is here (logged): a new or replaced
     node, or a lease gone (this cache recorded its end), starts the epoch afresh.
@@ -62,9 +62,9 @@ def adopt_node(cache: SampleStore, groups: list[NodeStates], epoch: int,
     held = {lease.lease_id for lease in cache.leases()}
     # (One cache holding two nodes' leases: two simulated nodes on one directory. Its own
     # GROUP_RANK's first.)
-    for group in sorted(groups, key=lambda g: g.node != world.node_rank):
+    for group in sorted(groups, key=lambda g: g.node != place.node_rank):
         if group.lease and group.lease in held:
-            whole = (group.local_world_size != world.local_world_size
+            whole = (group.local_world_size != place.local_world_size
                      or group.nested is not None)
             snapshot = resumed_snapshot(cache, {"lease": group.lease}, epoch, whole=whole,
                                         quiet=len(groups) > 1)
@@ -109,9 +109,9 @@ class Resumed:
 
 
 def resume_rank(cache: SampleStore, order: np.ndarray, group: NodeStates,
-                world: World) -> Resumed:
+                place: Placement) -> Resumed:
     """This rank's part of its node's resumed epoch (see :func:`~.elastic.rank_lane`)."""
-    lane = rank_lane(order, group, world)
+    lane = rank_lane(order, group, place)
     rest, offsets = present_after(cache, lane.lane, lane.position)
     log.info("epoch %d resumes after sample %d of %d of this rank's lane%s", group.epoch,
              lane.position, len(lane.lane),
@@ -133,13 +133,14 @@ def present_after(cache: SampleStore, lane: np.ndarray,
     return rest[present], position + np.flatnonzero(present)
 
 
-def log_resume(epoch: int, done: dict[str, int], groups: list[NodeStates], world: World) -> None:
+def log_resume(epoch: int, done: dict[str, int], groups: list[NodeStates],
+               place: Placement) -> None:
     """Say once (global rank 0) what a resumed epoch continues and what it cannot."""
     layouts = sorted({g.local_world_size for g in groups})
     log.info("epoch %d resumes: %d samples of the interrupted epoch continue in %d batches per "
              "rank on %d ranks, %d per node (it ran on %d node(s) of %s rank(s))%s", epoch,
-             done["resume_continued"], done["resume_batches"], world.world_size,
-             world.local_world_size, len(groups), "/".join(map(str, layouts)),
+             done["resume_continued"], done["resume_batches"], place.world_size,
+             place.local_world_size, len(groups), "/".join(map(str, layouts)),
              f"; {done['resume_fresh_ranks']} ranks start it on a fresh snapshot"
              if done["resume_fresh_ranks"] else "")
     if done["resume_evicted"]:

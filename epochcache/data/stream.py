@@ -48,7 +48,7 @@ from ..store.shares import (
 )
 from .dataset import snapshot_gone
 from .epochs import check_release
-from .distributed import NodeSync, detect_world, dist_initialized
+from .distributed import NodeSync, detect_placement, dist_initialized
 from .schedule import epoch_order
 from .resume import lease_gone_reason
 from .stall import arm_stack_dump
@@ -223,15 +223,15 @@ class CacheStream(IterableDataset[Any]):
         cache = self.reader.cache
         if not self._finalizer.alive:  # closed before: documents are dropped again at GC
             self._finalizer = self._new_finalizer()
-        world = detect_world()
-        distributed = world.distributed and dist_initialized()
+        place = detect_placement()
+        distributed = place.distributed and dist_initialized()
         if distributed and self._sync is None:
             # collective: every rank prepares in step (and checks the node layout)
-            self._sync = NodeSync(world, cache_identity(cache.path), cache.path)
+            self._sync = NodeSync(place, cache_identity(cache.path), cache.path)
         label = f"stream {self.stream_id} epoch {epoch}"
         taken: list[Snapshot] = []
         # One plan part per rank of the node; its lanes are written by whoever reads it.
-        parts = (world.local_world_size if distributed else 1) if self.progressive else 0
+        parts = (place.local_world_size if distributed else 1) if self.progressive else 0
 
         def take() -> tuple[np.ndarray, str]:
             taken.append(cache.snapshot(epoch=epoch, label=label, plan_parts=parts))
@@ -240,14 +240,14 @@ class CacheStream(IterableDataset[Any]):
 
         if not distributed:
             self._release_snapshot()  # no other rank can still be reading it
-        seqs, lease_id = (self._sync.share_seqs(take if world.local_rank == 0 else None)
+        seqs, lease_id = (self._sync.share_seqs(take if place.local_rank == 0 else None)
                           if self._sync is not None else take())
         # Under DDP every rank is past the previous epoch once the snapshot was shared.
         self._release_snapshot()
         self._snapshot = taken[0] if taken else None
         try:
             order = epoch_order(seqs, epoch, self.seed, self.shuffle, self.samples_per_epoch)
-            slot, slots = ((world.local_rank, world.local_world_size) if self.split_ranks
+            slot, slots = ((place.local_rank, place.local_world_size) if self.split_ranks
                            else (0, 1))
             order = order[slot::slots]
             samples = len(order)
@@ -263,7 +263,7 @@ class CacheStream(IterableDataset[Any]):
         if len(seqs) == 0:
             log.warning("stream epoch %d: the cache at %s holds no samples", epoch, cache.path)
         self._prepared = _Prepared(share, slot, slots, samples, distributed,
-                                   world.local_rank if distributed else 0)
+                                   place.local_rank if distributed else 0)
         self._order, self._consumed = order[:samples], False
         self._next_epoch, self._epoch_given = epoch + 1, False
         return self._prepared
@@ -331,7 +331,7 @@ class CacheStream(IterableDataset[Any]):
             ValueError: not such a state, or one that cannot be resumed as asked (named).
         """
         merged = merge(worker_states(state))
-        if "epoch" in merged and detect_world().distributed:
+        if "epoch" in merged and detect_placement().distributed:
             _refuse_distributed(int(merged["epoch"]))
         self._next_epoch = int(merged["next_epoch"]) if "epoch" not in merged else (
             int(merged["epoch"]) + 1)
@@ -355,7 +355,7 @@ class CacheStream(IterableDataset[Any]):
                 raise ValueError(
                     f"load_state_dict: the interrupted epoch ran with {key}={state.get(key)!r}, "
                     f"this stream has {key}={value!r}: its order cannot be continued")
-        if detect_world().distributed:
+        if detect_placement().distributed:
             _refuse_distributed(int(state["epoch"]))
         return Share(int(state["epoch"]), int(state["lo"]), int(state["hi"]),
                      int(state["count"]), state.get("lease") or None,
@@ -439,7 +439,8 @@ class CacheStream(IterableDataset[Any]):
                 return resumed
             # (A copy of a stream whose state an earlier loader already resumed.)
         prepared = self._prepared if not self._consumed else None
-        distributed = prepared.distributed if prepared is not None else detect_world().distributed
+        distributed = (prepared.distributed if prepared is not None
+                       else detect_placement().distributed)
         name = self._doc_name()
         share = claim_share(cache, name, group, worker, progressive=self.progressive,
                             prepared=prepared.share if prepared is not None else None,

@@ -33,7 +33,7 @@ from ..cache import Cache
 from .checkpoint import resume_checkpoint
 from ..config import EpochcacheConfig, load_config
 from ..data.devices import CPU, RunDevice
-from ..data.world import World
+from ..data.placement import Placement
 from ..errors import ConfigError, DaemonAlreadyRunning
 from ..ingest.supervisor import DaemonLock, Supervisor
 from ..ingest.prometheus import MetricsServer, require_prometheus
@@ -403,17 +403,17 @@ def run_training(config: EpochcacheConfig, *, resume: bool = False) -> int:
     SIGINT and SIGTERM stop the run at its next safe point (:mod:`epochcache.run_signals`):
     exit 130 or 143.
     """
-    from ..data.world import detect_world
+    from ..data.placement import detect_placement
 
-    world = detect_world()
+    place = detect_placement()
     if config.train.metrics_port is not None:
         require_prometheus("train.metrics_port")  # before anything starts
     stop = StopSignals().install()
-    run = Run(config, resume=resume, is_main=world.rank == 0, node_rank=world.node_rank,
-              stop=stop, rank=world.rank, world_size=world.world_size)
+    run = Run(config, resume=resume, is_main=place.rank == 0, node_rank=place.node_rank,
+              stop=stop, rank=place.rank, world_size=place.world_size)
     try:
         try:
-            status = _run_job(run, world)
+            status = _run_job(run, place)
         except KeyboardInterrupt as exc:
             status = _stopped(exc)
         try:
@@ -436,16 +436,16 @@ def _stopped(exc: KeyboardInterrupt) -> int:
     return int(getattr(exc, "exit_status", Interrupted.exit_status))
 
 
-def _run_job(run: Run, world: World) -> int:
+def _run_job(run: Run, place: Placement) -> int:
     """:func:`run_training` from the demo data to the daemon stopped and the job left."""
     config, stop = run.config, run.stop
     created_group = joined = False
     try:
-        run.serve_metrics(world.local_rank)
-        if world.rank == 0:
+        run.serve_metrics(place.local_rank)
+        if place.rank == 0:
             ensure_demo_data(config)
             stop.check()
-        if world.local_rank == 0:
+        if place.local_rank == 0:
             # Lists the source first: an unreachable one exits 2 before the run dir is written
             # (and before torch is imported, which takes seconds).
             run.start_daemon()
@@ -455,9 +455,9 @@ def _run_job(run: Run, world: World) -> int:
         from ..data.devices import joins_job
         from ..data.distributed import barrier, init_run_distributed, select_device
 
-        run.device = select_device(world)  # torch: after the checks
-        joined = joins_job(world, os.environ)
-        created_group = init_run_distributed(world, run.device, join=joined)
+        run.device = select_device(place)  # torch: after the checks
+        joined = joins_job(place, os.environ)
+        created_group = init_run_distributed(place, run.device, join=joined)
         barrier()  # the demo data and the node's daemon exist before any rank trains
         stop.check()
         if run.is_main:

@@ -1,10 +1,11 @@
-"""Where this process sits in a distributed job: global rank, node, and rank within the node.
+"""Where this process sits in a distributed job, now: the launcher's :class:`Placement`, with
+torch.distributed's rank when it is initialised.
 
 A node is identified the way the launcher says -- torchrun's ``GROUP_RANK``, ``LOCAL_RANK``,
 ``LOCAL_WORLD_SIZE``, or Slurm's ``SLURM_NODEID``/``SLURM_LOCALID`` -- never by hostname, so two
 simulated nodes on one machine behave like two real ones; with neither, a distributed job
 raises :class:`~epochcache.errors.NodeLayoutError` (see :mod:`epochcache.launcher`). The
-variables are read when :func:`detect_world` is called, never at import. This module does not
+variables are read when :func:`detect_placement` is called, never at import. This module does not
 import torch.
 """
 
@@ -12,24 +13,10 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass
 
-from ..launcher import read_placement
+from ..launcher import Placement, read_placement
 
-
-@dataclass(frozen=True)
-class World:
-    """This process's place: global rank, node, and rank within the node."""
-
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-    local_world_size: int = 1
-    node_rank: int = 0
-
-    @property
-    def distributed(self) -> bool:
-        return self.world_size > 1
+__all__ = ["Placement", "detect_placement", "dist_initialized"]
 
 
 def dist_initialized() -> bool:
@@ -40,7 +27,7 @@ def dist_initialized() -> bool:
                 and torch.distributed.is_initialized())
 
 
-def detect_world() -> World:
+def detect_placement() -> Placement:
     """Read the launcher's variables now; with torch.distributed initialised its rank wins.
 
     Raises:
@@ -52,6 +39,4 @@ def detect_world() -> World:
         import torch.distributed
 
         rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    place = read_placement(os.environ, rank, world_size)
-    return World(place.rank, place.world_size, place.local_rank, place.local_world_size,
-                 place.node_rank)
+    return read_placement(os.environ, rank, world_size)
