@@ -1,31 +1,7 @@
-"""The run configuration: one validated model for ``epochcache daemon`` and ``epochcache run``.
+"""The config's model: its sections and fields, their validation, and what a config masks.
 
-A YAML file with five sections (and an optional sixth, ``daemon``); only ``source.url``,
-``cache.dir`` and ``cache.capacity`` are required::
-
-    source:  {url: "s3://bucket/train/", layout: files, pattern: "*.npy", storage_options: {}}
-    cache:   {dir: /nvme/epochcache, capacity: 200GiB}
-    sampler: {processes: 2, concurrency: auto, strategy: uniform, seed: 0}
-    loader:  {batch_size: 64, num_workers: null, decode: auto, allow_pickle: false}
-    train:   {epochs: 10, min_samples: 1000, entrypoint: "epochcache.examples:train_epoch"}
-
-Instead of ``source`` (one), ``sources`` lists several, each with the fields of ``source`` plus
-``name``, ``weight`` and ``optional``: the daemon samples them in proportion to their weights, and
-their samples are cached under ``<name>/<key>``.
-
-``${VAR}`` and ``${VAR:-default}`` in any string value are replaced from the environment before
-validation (``$${`` writes a literal ``${``), so secrets stay out of files. Values interpolated from a
-variable whose name contains KEY, SECRET, TOKEN, PASSWORD or CREDENTIAL, every credential-like key
-of ``source.storage_options``, and the credentials inside URLs (userinfo, presigned signature and
-token parameters, see :func:`epochcache.redact.redact_url`) are masked as ``***`` in ``repr()``,
-:meth:`EpochcacheConfig.redacted` and error messages. ``model_dump()`` keeps the real values
-(samplers need them): never log it. A config handed to another process goes as
-:meth:`EpochcacheConfig.to_transfer` and comes back with :meth:`EpochcacheConfig.from_transfer`,
-which keeps what must be masked (``model_validate`` alone would forget it).
-
-Sizes accept ints or strings such as ``200GiB``/``64MB``; durations ints, floats or ``30s``/``5m``.
-Every error is a :class:`~epochcache.errors.ConfigError` whose message names the field path, the bad
-value and what is allowed.
+Field descriptions are the reference (``scripts/gen_reference.py`` renders
+docs/reference/config.md from them); see :mod:`epochcache.config` for the format.
 """
 
 from __future__ import annotations
@@ -44,23 +20,22 @@ from pydantic import (
     ConfigDict,
     Field,
     PrivateAttr,
-    ValidationError,
     ValidationInfo,
     field_validator,
     model_validator,
 )
 
-from . import _config_env as env
-from .errors import ConfigError
-from .limits import (
+from ..limits import (
     DEFAULT_MANIFEST_MAX_BYTES,
     DEFAULT_MANIFEST_MAX_LINES,
     DEFAULT_MAX_SAMPLE_BYTES,
 )
-from .redact import REDACTED, redact_options, redact_tree, secret_values, url_secrets
-from .units import headroom_bytes, parse_duration, parse_headroom, parse_size
+from ..redact import REDACTED, redact_options, redact_tree
+from ..units import headroom_bytes, parse_duration, parse_headroom, parse_size
+from .environment import pyarrow_available, resolve_node
+from .secrets import found_secrets, set_path, set_secrets
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("epochcache.config")
 
 _ENTRYPOINT = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 #: A source name is the first component of its samples' cache keys: no "/", short.
@@ -207,7 +182,7 @@ class SourceConfig(_Section):
             fmt = self.manifest_format
             name = self.manifest.lower().removesuffix(".gz")
             parquet = fmt == "parquet" or (fmt == "auto" and name.endswith(".parquet"))
-            if parquet and not env.pyarrow_available():
+            if parquet and not pyarrow_available():
                 raise ValueError(
                     "a Parquet manifest needs pyarrow (pip install pyarrow); or use .csv/.jsonl/.txt"
                 )
@@ -371,7 +346,7 @@ class SamplerConfig(_Section):
         Raises:
             ConfigError: the environment gives an invalid pair.
         """
-        return env.resolve_node(
+        return resolve_node(
             self.node_rank, self.num_nodes, os.environ if environ is None else environ
         )
 
@@ -601,7 +576,7 @@ class EpochcacheConfig(_Section):
         for section in [data["source"]] if "source" in data else data["sources"]:
             section["storage_options"] = redact_options(section["storage_options"])
         for path in self._secret_paths:
-            _set_path(data, path.split("."), REDACTED)
+            set_path(data, path.split("."), REDACTED)
         return redact_tree(data, self._secret_values)  # type: ignore[no-any-return]
 
     @property
@@ -626,9 +601,9 @@ class EpochcacheConfig(_Section):
         if "config" not in data:
             data = {"config": data}
         config = cls.model_validate(data["config"])
-        _set_secrets(config, set(data.get("secret_paths", ())),
-                     set(data.get("secret_values", ())) | _found_secrets(data["config"]),
-                     str(data.get("origin", "<dict>")))
+        set_secrets(config, set(data.get("secret_paths", ())),
+                    set(data.get("secret_values", ())) | found_secrets(data["config"]),
+                    str(data.get("origin", "<dict>")))
         return config
 
     def redacted_yaml(self) -> str:
@@ -641,110 +616,3 @@ class EpochcacheConfig(_Section):
 
 
 Config = EpochcacheConfig
-
-
-def _set_path(data: Any, parts: list[str], value: Any) -> None:
-    for part in parts[:-1]:
-        if isinstance(data, dict) and part in data:
-            data = data[part]
-        elif isinstance(data, list) and part.isdigit() and int(part) < len(data):
-            data = data[int(part)]
-        else:
-            return
-    last = parts[-1]
-    if isinstance(data, dict) and last in data:
-        data[last] = value
-    elif isinstance(data, list) and last.isdigit() and int(last) < len(data):
-        data[int(last)] = value
-
-
-def _found_secrets(data: Any) -> set[str]:
-    """Secrets a resolved config carries in plain sight: credential-like storage options and
-    the credentials inside every URL-like string."""
-    found = secret_values(_get(data, ("source", "storage_options")))
-    entries = _get(data, ("sources",))
-    for entry in entries if isinstance(entries, list) else []:
-        options = _get(entry, ("storage_options",))
-        found |= secret_values(options if isinstance(options, Mapping) else None)
-
-    def visit(value: Any) -> None:
-        if isinstance(value, str):
-            found.update(url_secrets(value))
-        elif isinstance(value, Mapping):
-            for item in value.values():
-                visit(item)
-        elif isinstance(value, (list, tuple)):
-            for item in value:
-                visit(item)
-
-    visit(data)
-    return found
-
-
-def parse_config(
-    data: Any, *, origin: str = "<dict>", environ: Mapping[str, str] | None = None
-) -> EpochcacheConfig:
-    """Validate already-parsed YAML (a mapping), interpolating ``${VAR}`` from ``environ``.
-
-    Raises:
-        ConfigError: one paragraph naming every bad field path, its value and what is allowed.
-    """
-    if not isinstance(data, Mapping):
-        raise ConfigError(
-            f"{origin}: the config must be a mapping with sections source, cache, sampler, loader, "
-            f"train; got {type(data).__name__}"
-        )
-    environ = os.environ if environ is None else environ
-    resolved, secret_paths, secrets = env.interpolate(data, environ, origin)
-    secrets |= _found_secrets(resolved)
-    entries = _get(resolved, ("sources",))
-    entries = entries if isinstance(entries, list) else []
-    try:
-        config = EpochcacheConfig.model_validate(resolved)
-    except ValidationError as exc:
-        hidden = {p for p in secret_paths} | {"source.storage_options"}
-        hidden |= {f"sources.{i}.storage_options" for i in range(len(entries))}
-        raise ConfigError(
-            env.describe_errors(exc, origin, hidden, secrets, EpochcacheConfig)
-        ) from None
-    _set_secrets(config, secret_paths, secrets, origin)
-    return config
-
-
-def _set_secrets(config: EpochcacheConfig, paths: set[str], values: set[str], origin: str) -> None:
-    config._secret_paths = paths
-    config._secret_values = values
-    config._origin = origin
-    for entry in config.source_entries():
-        entry.config._secret_values = values
-
-
-def load_config(
-    path: str | os.PathLike[str], *, environ: Mapping[str, str] | None = None
-) -> EpochcacheConfig:
-    """Read, interpolate and validate a YAML config file.
-
-    Raises:
-        ConfigError: the file is missing, not YAML, or a field is invalid (the message names it).
-    """
-    origin = os.fspath(path)
-    try:
-        text = Path(origin).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"{origin}: cannot read the config ({exc.strerror or exc})") from exc
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise ConfigError(f"{origin}: not valid YAML{where}: {problem}") from None
-    return parse_config(data, origin=origin, environ=environ)
-
-
-def _get(data: Any, parts: tuple[str, ...]) -> Any:
-    for part in parts:
-        if not isinstance(data, Mapping):
-            return None
-        data = data.get(part)
-    return data

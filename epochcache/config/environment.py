@@ -1,19 +1,16 @@
-"""Helpers of :mod:`epochcache.config`: ``${VAR}`` interpolation, node detection from the
-environment, and turning pydantic's ValidationError into one readable paragraph."""
+"""What a config reads from the environment: ``${VAR}`` and ``${VAR:-default}`` in its strings,
+and the samplers' node (:func:`resolve_node`) when the config does not say."""
 
 from __future__ import annotations
 
 import importlib.util
 import re
-import typing
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import BaseModel, ValidationError
+from ..errors import ConfigError, NodeLayoutError
+from ..launcher import env_int, read_node
 
-from .errors import ConfigError, NodeLayoutError
-from .launcher import env_int, read_node
-from .redact import REDACTED, scrub, scrub_urls
 
 _VAR = re.compile(r"\$\$\{|\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 _SECRET_VAR = re.compile(r"KEY|SECRET|TOKEN|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
@@ -106,68 +103,3 @@ def resolve_node(
             "check sampler.node_rank, sampler.num_nodes or GROUP_RANK/GROUP_WORLD_SIZE"
         )
     return rank, count
-
-
-def _allowed_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str] | None:
-    """The field names of the model that holds ``loc[-1]``."""
-    current: Any = model
-    for part in loc[:-1]:
-        if isinstance(part, int):
-            continue  # an index into a list of sections (sources.0.url)
-        fields = getattr(_section_model(current), "model_fields", None)
-        if fields is None or part not in fields:
-            return None
-        current = fields[part].annotation
-    fields = getattr(_section_model(current), "model_fields", None)
-    return sorted(fields) if fields is not None else None
-
-
-def _section_model(annotation: Any) -> Any:
-    """The model inside ``X | None`` or ``list[X]`` (else the annotation itself)."""
-    if hasattr(annotation, "model_fields"):
-        return annotation
-    for arg in typing.get_args(annotation):
-        found = _section_model(arg)
-        if hasattr(found, "model_fields"):
-            return found
-    return annotation
-
-
-def _show(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def describe_errors(
-    exc: ValidationError,
-    origin: str,
-    hidden_paths: set[str],
-    secrets: set[str],
-    model: type[BaseModel],
-) -> str:
-    """One paragraph: every error as ``path: problem, got value (allowed)``; secrets masked."""
-    problems: list[str] = []
-    for error in exc.errors(include_url=False):
-        loc = tuple(error["loc"])
-        path = ".".join(str(part) for part in loc) or "<top>"
-        kind = error["type"]
-        message = str(error["msg"])
-        message = message.removeprefix("Value error, ").removeprefix("Assertion failed, ")
-        for prefix in ("size: ", "duration: ", "headroom: "):
-            message = message.removeprefix(prefix)
-        hidden = any(path == p or path.startswith(p + ".") for p in hidden_paths)
-        shown = REDACTED if hidden else _show(error.get("input"))
-        if kind == "extra_forbidden":
-            allowed = _allowed_keys(model, loc)
-            hint = f" (allowed: {', '.join(allowed)})" if allowed else ""
-            problems.append(f"{path}: unknown key{hint}")
-        elif kind == "missing":
-            problems.append(f"{path}: required but missing")
-        elif "got " in message or isinstance(error.get("input"), (dict, list)):
-            # our validators already name the value; a whole section is never echoed (secrets)
-            problems.append(f"{path}: {message}")
-        else:
-            problems.append(f"{path}: {message}, got {shown}")
-    count = len(problems)
-    head = f"{origin}: invalid config ({count} problem{'s' if count != 1 else ''}): "
-    return scrub(scrub_urls(head + "; ".join(problems) + "."), secrets)
