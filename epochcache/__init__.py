@@ -1,7 +1,8 @@
 """epochcache: a growing local sample cache for remote training datasets, for PyTorch.
 
-Importing the package does not import torch (``Cache.dataset`` and ``Cache.epochs`` do) nor the
-config model (``Daemon`` and ``load_config`` do).
+Importing the package does not import torch (``Cache.dataset``, ``Cache.epochs`` and
+``Cache.stream`` do, and so does the first use of ``EpochDataset``, ``CacheStream`` or
+``EpochLoader``) nor the config model (``Daemon`` and ``load_config`` do).
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ from .errors import (
     DecodeError,
     EpochcacheError,
     MinSamplesUnreachable,
+    MissingImageLibrary,
     NodeLayoutError,
     PermanentRemoteError,
     PickleNotAllowed,
+    PrepareFailed,
     RemoteTimeout,
     SampleRejected,
     SampleTooLarge,
@@ -32,6 +35,7 @@ from .errors import (
     SourceError,
     SourceUnavailable,
     StallError,
+    Throttled,
 )
 from .store import PutResult, Snapshot
 
@@ -48,17 +52,21 @@ def load_config(path: str) -> Config:
     return _load(path)
 
 
+#: Public names that import torch, and where they live: loaded when first asked for.
+_TORCH_NAMES = {
+    "EpochDataset": "epochcache.data.dataset",
+    "CacheStream": "epochcache.data.stream",
+    "EpochLoader": "epochcache.data.epoch_loader",
+}
+
+
 def __getattr__(name: str) -> Any:
-    # EpochDataset and CacheStream import torch: load them only when asked for.
-    if name == "EpochDataset":
-        from .data.dataset import EpochDataset
+    module = _TORCH_NAMES.get(name)
+    if module is None:
+        raise AttributeError(f"module 'epochcache' has no attribute {name!r}")
+    import importlib
 
-        return EpochDataset
-    if name == "CacheStream":
-        from .data.stream import CacheStream
-
-        return CacheStream
-    raise AttributeError(f"module 'epochcache' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
 
 
 __all__ = [
@@ -75,11 +83,14 @@ __all__ = [
     "DaemonAlreadyRunning",
     "DecodeError",
     "EpochDataset",
+    "EpochLoader",
     "EpochcacheError",
     "MinSamplesUnreachable",
+    "MissingImageLibrary",
     "NodeLayoutError",
     "PermanentRemoteError",
     "PickleNotAllowed",
+    "PrepareFailed",
     "PutResult",
     "RemoteTimeout",
     "SampleRejected",
@@ -89,6 +100,7 @@ __all__ = [
     "SourceError",
     "SourceUnavailable",
     "StallError",
+    "Throttled",
     "__version__",
     "load_config",
 ]

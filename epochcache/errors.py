@@ -12,6 +12,8 @@ callers can catch either::
     │                                                 names the setting and the cause
     ├─ StallError(EpochcacheError, TimeoutError)      a batch took longer than stall_s: names the
     │                                                 epoch, batch, sample key and worker
+    ├─ PrepareFailed(EpochcacheError, RuntimeError)   epochs() could not prepare an epoch (its
+    │                                                 snapshot, DataLoader or workers); chained
     ├─ SourceError                                    always carries the URL
     │  ├─ SourceUnavailable                           unreachable endpoint, missing bucket, empty prefix
     │  │  └─ Throttled                                HTTP 503 SlowDown / 429: a rate to adapt to
@@ -27,7 +29,8 @@ callers can catch either::
     │  ├─ DaemonAlreadyRunning                        a second daemon on the same cache
     │  └─ SnapshotClosed(CacheError, RuntimeError)    lifecycle misuse
     └─ DecodeError(EpochcacheError, ValueError)       key + codec
-       └─ PickleNotAllowed                            how to opt in
+       ├─ PickleNotAllowed                            how to opt in
+       └─ MissingImageLibrary(DecodeError, ImportError)  the images extra is not installed
 """
 
 from __future__ import annotations
@@ -145,6 +148,11 @@ class SnapshotClosed(CacheError, RuntimeError):
     """A snapshot or dataset was used after its lease was released."""
 
 
+class PrepareFailed(EpochcacheError, RuntimeError):
+    """Preparing an epoch of ``epochs()`` (its snapshot, DataLoader and workers, made in the
+    background while the previous epoch trains) failed; the cause is chained."""
+
+
 class DecodeError(EpochcacheError, ValueError):
     """A cached sample could not be decoded; the message names its key and codec."""
 
@@ -155,3 +163,8 @@ class DecodeError(EpochcacheError, ValueError):
 
 class PickleNotAllowed(DecodeError):
     """A sample would need pickle to decode and the config did not opt in."""
+
+
+class MissingImageLibrary(DecodeError, ImportError):
+    """Decoding an image needs the ``images`` extra (``pip install 'epochcache[images]'``);
+    never skipped by ``on_error='skip'``."""

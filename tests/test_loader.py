@@ -13,7 +13,8 @@ import torch
 
 from common.writer import Writer, fill
 from epochcache import Cache
-from epochcache.data.epochs import PrepareFailed, epoch_order
+from epochcache import PrepareFailed
+from epochcache.data.schedule import epoch_order
 
 
 def _ids(batch: torch.Tensor) -> list[int]:

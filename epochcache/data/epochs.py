@@ -42,7 +42,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from ..errors import EpochcacheError, StallError
+from ..errors import PrepareFailed, StallError
 from ..limits import DEFAULT_MAX_SAMPLE_BYTES
 from ..store.env import cache_identity
 from ..store.plans import Releaser
@@ -87,10 +87,6 @@ log = logging.getLogger(__name__)
 
 #: DataLoader arguments epochs() sets itself (the sampler is its own; shuffling is per epoch).
 _RESERVED = ("dataset", "sampler", "batch_sampler", "shuffle", "generator")
-
-
-class PrepareFailed(EpochcacheError, RuntimeError):
-    """Preparing an epoch (snapshot, DataLoader, workers) failed in the background."""
 
 
 class _Cancelled(Exception):

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import DecodeError
+from ..errors import DecodeError, MissingImageLibrary
 
 Buffer = bytes | bytearray | memoryview
 
@@ -43,10 +43,6 @@ DEFAULT_MAX_PIXELS = 89_478_485
 #: Pillow modes kept as they are; the rest convert to RGB (or RGBA when they carry alpha).
 _KEEP_MODES = frozenset({"RGB", "L", "RGBA", "I;16"})
 _ALPHA_MODES = frozenset({"LA", "La", "RGBa", "PA"})
-
-
-class MissingImageLibrary(DecodeError, ImportError):
-    """Decoding an image needs the ``images`` extra; never skipped by ``on_error='skip'``."""
 
 
 def check_form(image: str) -> str:
