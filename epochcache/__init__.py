@@ -37,6 +37,7 @@ from .errors import (
     StallError,
     Throttled,
 )
+from .options import ReaderOptions
 from .store import PutResult, Snapshot
 
 __version__ = "0.1.0"
@@ -92,6 +93,7 @@ __all__ = [
     "PickleNotAllowed",
     "PrepareFailed",
     "PutResult",
+    "ReaderOptions",
     "RemoteTimeout",
     "SampleRejected",
     "SampleTooLarge",

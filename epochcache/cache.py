@@ -1,44 +1,283 @@
-"""The public :class:`Cache`: the sample store plus the per-epoch torch Datasets and loaders.
+"""The public :class:`Cache`: a cache directory as users hold it.
 
-The store layer (:class:`epochcache.store.SampleStore`) knows nothing of torch; this facade
-adds :meth:`Cache.dataset`, :meth:`Cache.epochs` and :meth:`Cache.stream` on top of it,
-importing the data layer only when they are called, so ``import epochcache`` and sampler
-processes stay free of torch.
+It holds the store layer's :class:`~epochcache.store.SampleStore` (the LMDB environment, the
+limits, the write path, leases, snapshots) and shows users what they call: put and read
+samples, take snapshots, read the counters and the coverage, copy the cache, and the
+training side, ``dataset()``, ``epochs()`` and ``stream()``, which import the data layer (and
+torch) only when called, so ``import epochcache`` and sampler processes stay free of torch.
+
+What the library's own layers call on a cache (taking a snapshot inside a transaction,
+writing release-plan parts, heartbeats, side tables) is the store's, not this class's: it is
+no part of the public surface and may change between releases. Code that needs it (tests,
+tools) reaches it through :func:`epochcache.store.store_of`.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .store import SampleStore
+import numpy as np
+
+from .store import PutResult, SampleStore, Snapshot
+from .store.leases import DEFAULT_LEASE_TIMEOUT_S
 
 if TYPE_CHECKING:
     from .data.dataset import EpochDataset
     from .data.stream import CacheStream
+    from .store.codec import RecordInfo, Value
+    from .store.counters import Counters
+    from .store.eviction import Eviction
+    from .store.leases import Lease
 
 
-class Cache(SampleStore):
-    """A local sample cache bounded by ``capacity`` bytes, evicting oldest samples first.
+class Cache:
+    """A local sample cache bounded by ``capacity`` bytes, evicting its oldest samples first.
 
-    Takes the arguments of :class:`~epochcache.store.SampleStore` (path, capacity, headroom,
-    compression, sync, ...), and adds the training side.
+    Opening is cheap and safe in any process, DataLoader workers included; pickled, a cache
+    travels as its path and settings and reopens on the other side.
+
+    Args:
+        path: the cache directory (created private to the user).
+        capacity: stored bytes to keep, e.g. ``"200GiB"`` or ``10**9``. Required when creating
+            a cache; when opening an existing one, None keeps its stored capacity. A different
+            capacity (or headroom) replaces the stored one only when no other process has the
+            cache open for writing; otherwise the stored limits are kept, with a warning.
+        headroom: extra bytes writers may use while leases pin the oldest samples: a fraction
+            of capacity (default 0.1) or a size. At capacity + headroom writers wait.
+        compression: ``"zstd"`` or ``"none"``; incompressible samples are stored raw anyway.
+        level: the zstd level.
+        sync: fsync each commit (survives power loss as well as process crashes).
+        readonly: open for reading only.
+        max_map_size: cap on the LMDB map (defaults to a bound derived from capacity).
+        lease_timeout_s: a lease holder whose liveness cannot be tested is presumed dead after
+            this long without a heartbeat.
+
+    Raises:
+        CacheError: the directory holds no cache and no capacity was given, or it cannot be
+            opened.
     """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        capacity: int | str | None = None,
+        *,
+        headroom: float | int | str = 0.1,
+        compression: str = "zstd",
+        level: int = 3,
+        sync: bool = True,
+        readonly: bool = False,
+        max_map_size: int | str | None = None,
+        lease_timeout_s: float = DEFAULT_LEASE_TIMEOUT_S,
+    ) -> None:
+        self._store = SampleStore(path, capacity, headroom=headroom, compression=compression,
+                                  level=level, sync=sync, readonly=readonly,
+                                  max_map_size=max_map_size, lease_timeout_s=lease_timeout_s)
+
+    @classmethod
+    def _of(cls, store: SampleStore) -> Cache:
+        """A Cache over a store opened already (the library's own layers hold stores)."""
+        cache = cls.__new__(cls)
+        cache._store = store
+        return cache
+
+    # -- the cache ---------------------------------------------------------------------------
+
+    @property
+    def path(self) -> str:
+        """The cache directory (resolved)."""
+        return self._store.path
+
+    @property
+    def capacity_bytes(self) -> int:
+        """Stored bytes the cache keeps to (eviction makes room past it)."""
+        return self._store.capacity_bytes
+
+    @property
+    def headroom_bytes(self) -> int:
+        """What writers may store beyond the capacity while leases pin the oldest samples."""
+        return self._store.headroom_bytes
+
+    @property
+    def effective_capacity(self) -> int:
+        """The capacity in force: lower than :attr:`capacity_bytes` while a full disk (or
+        LMDB map) holds writers back."""
+        return self._store.effective_capacity
+
+    def stats(self) -> dict[str, Any]:
+        """Counters, capacity, leases, daemon and sampler health, requests and turnover, as a
+        JSON-able dict (what ``epochcache status --json`` prints)."""
+        return self._store.stats()
+
+    def counters(self) -> Counters:
+        """The cache's counters: samples and bytes stored, inserted, evicted, quarantined."""
+        return self._store.counters()
+
+    def coverage(self) -> dict[str, Any]:
+        """How much of each source training has seen: per source the samples listed, those
+        trained at least once, a histogram of epochs per sample, the growth rate and the time
+        to see every sample once (see :mod:`epochcache.store.coverage`)."""
+        return self._store.coverage()
+
+    def record_trained(self, seqs: Sequence[int] | np.ndarray, *, epoch: int | None = None,
+                       job: str = "") -> dict[str, Any]:
+        """Count ``seqs`` as trained in one more epoch (once each) in the coverage ledger of
+        their sources; call it when an epoch, or the part of one a checkpoint covers, is done
+        (``epochcache run`` does). Returns ``{"trained", "new", "unattributed"}``."""
+        return self._store.record_trained(seqs, epoch=epoch, job=job)
+
+    def history(self, limit: int | None = None) -> list[dict[str, Any]]:
+        """Stats history rows (what ``status`` rates and ``plot`` are drawn from), oldest
+        first."""
+        return self._store.history(limit)
+
+    def quarantined(self, limit: int = 100) -> list[dict[str, Any]]:
+        """The newest quarantine rows (key, reason, time, ...), oldest first."""
+        return self._store.quarantined(limit)
+
+    def file_bytes(self) -> int:
+        """The size of the LMDB data file on disk."""
+        return self._store.file_bytes()
+
+    def copy_to(self, dst: str | os.PathLike[str]) -> dict[str, Any]:
+        """Make a consistent, compacted copy of this cache in ``dst`` (new or empty), while
+        its daemon and trainers go on: samples, limits, listings and coverage are kept;
+        leases, plans and daemon state left behind (see :mod:`epochcache.store.copy_cache`).
+        Returns what was copied (``samples``, ``bytes``, ``file_bytes``, ``seconds``, ...).
+
+        Raises:
+            CacheError: ``dst`` exists and is not an empty directory.
+        """
+        return self._store.copy_to(dst)
+
+    # -- samples -----------------------------------------------------------------------------
+
+    def put(self, key: str, value: Value, **kwargs: Any) -> PutResult:
+        """Store one sample (see :meth:`put_many`)."""
+        return self._store.put(key, value, **kwargs)
+
+    def put_many(self, items: Iterable[tuple[str, Value]], *, wait: bool = True,
+                 timeout_s: float | None = None) -> PutResult:
+        """Store samples; samples whose key is already cached are skipped.
+
+        Eviction makes room, oldest first. When leases pin too much to stay within capacity +
+        headroom, the call waits (back-pressure) until space returns or ``timeout_s`` passes;
+        with ``wait=False`` it raises :class:`~epochcache.CacheFull` at once. When the call
+        returns, every sample is committed.
+
+        Args:
+            items: ``(key, value)`` pairs; a value is ``bytes`` or a dict of fields
+                (``{"jpg": ..., "cls": ...}``).
+
+        Raises:
+            CacheFull: no room and ``wait`` is False, or the timeout passed (``.result`` says
+                what was committed).
+            SampleTooLarge: a sample could never fit the capacity.
+            SampleRejected: a sample can never be stored otherwise.
+        """
+        return self._store.put_many(items, wait=wait, timeout_s=timeout_s)
+
+    def __len__(self) -> int:
+        """The samples cached now."""
+        return len(self._store)
+
+    def __contains__(self, key: object) -> bool:
+        """Whether ``key`` is cached."""
+        return key in self._store
+
+    def get(self, seq: int) -> bytes | dict[str, bytes]:
+        """The value of sample ``seq`` (bytes, or a dict of fields).
+
+        Raises:
+            KeyError: no such sample (never stored, or evicted).
+        """
+        return self._store.get(seq)
+
+    def get_many(self, seqs: Sequence[int] | np.ndarray) -> list[bytes | dict[str, bytes]]:
+        """Values of several samples, read in one transaction.
+
+        Raises:
+            KeyError: one of them is not cached.
+        """
+        return self._store.get_many(seqs)
+
+    def seq_of(self, key: str) -> int | None:
+        """The sequence number under which ``key`` is cached, or None."""
+        return self._store.seq_of(key)
+
+    def contains_many(self, keys: Sequence[str]) -> list[bool]:
+        """``key in cache`` for each key, in one read transaction."""
+        return self._store.contains_many(keys)
+
+    def info(self, seq: int) -> RecordInfo:
+        """How sample ``seq`` is stored: its key, sizes, codec, checksum, time added."""
+        return self._store.info(seq)
+
+    def evict(self, limit_bytes: int | None = None) -> Eviction:
+        """Evict the oldest samples no lease protects until at most ``limit_bytes`` (default:
+        the capacity) remain."""
+        return self._store.evict(limit_bytes)
+
+    # -- snapshots and leases ----------------------------------------------------------------
+
+    def snapshot(self, epoch: int | None = None, label: str = "") -> Snapshot:
+        """Freeze the newest samples that fit the capacity under a lease, which protects
+        them from eviction until :meth:`Snapshot.release` (a context manager)."""
+        return self._store.snapshot(epoch, label)
+
+    def leases(self) -> list[Lease]:
+        """The leases held now: each snapshot's range, holder and heartbeat."""
+        return self._store.leases()
+
+    def keep_for_resume(self, lease_id: str, grace_s: float) -> bool:
+        """A checkpoint names this lease: if its holder stops or dies before the epoch ends,
+        keep it ``grace_s`` seconds for a resumed run to adopt. Returns False if it is gone."""
+        return self._store.keep_for_resume(lease_id, grace_s)
+
+    def release_lease(self, lease_id: str) -> bool:
+        """Release a lease this process holds; whether it was there."""
+        return self._store.release_lease(lease_id)
+
+    # -- training ----------------------------------------------------------------------------
 
     def dataset(self, epoch: int = 0, **kwargs: Any) -> EpochDataset:
         """A map-style Dataset over a fresh snapshot (see :class:`epochcache.EpochDataset`)."""
         from .data.dataset import EpochDataset
 
-        return EpochDataset.from_cache(self, epoch=epoch, **kwargs)
+        return EpochDataset.from_cache(self._store, epoch=epoch, **kwargs)
 
     def stream(self, **kwargs: Any) -> CacheStream:
         """A torch IterableDataset taking a fresh snapshot per epoch (see
-        :class:`epochcache.data.stream.CacheStream`), for your own DataLoader."""
+        :class:`epochcache.CacheStream`), for your own DataLoader."""
         from .data.stream import CacheStream
 
-        return CacheStream(self, **kwargs)
+        return CacheStream(self._store, **kwargs)
 
     def epochs(self, num_epochs: int, **kwargs: Any) -> Any:
         """Yield ``(epoch, loader)``; see :func:`epochcache.data.epochs.epochs`."""
         from .data.epochs import epochs
 
-        return epochs(self, num_epochs, **kwargs)
+        return epochs(self._store, num_epochs, **kwargs)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close the cache in this process (its snapshots' leases go with it)."""
+        self._store.close()
+
+    def __enter__(self) -> Cache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return repr(self._store).replace("SampleStore(", "Cache(", 1)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"store": self._store}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._store = state["store"]

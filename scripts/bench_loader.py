@@ -169,6 +169,12 @@ def rate(loader: Any, passes: int = 2) -> float:
     return n / (time.perf_counter() - t0)
 
 
+def _store(cache: Any) -> Any:
+    """The store layer of a Cache (``Cache._store`` since the public Cache holds one; the
+    Cache itself in older versions, which an A/B run may import)."""
+    return getattr(cache, "_store", cache)
+
+
 def ours_rate(cache: Cache, epochs: int = 3, **kw: Any) -> float:
     n, t0 = 0, None
     for epoch, loader in cache.epochs(epochs + 1, batch_size=BATCH, **kw):
@@ -185,7 +191,7 @@ def bare_copy_rate(cache: Cache, seqs: np.ndarray) -> float:
     """The ceiling for any reader of this cache: per batch one read transaction, then per
     sample one LMDB get and one memcpy of the array into a reused buffer -- no checks, no
     DataLoader, nothing else."""
-    env, db = cache.store.env, cache.dbs[b"samples"]
+    env, db = _store(cache).store.env, _store(cache).dbs[b"samples"]
     nbytes = FLOATS * 4
     out = memoryview(np.empty(BATCH * nbytes, np.uint8))
     keys = [seq_key(int(s)) for s in seqs]
@@ -213,7 +219,7 @@ def getitem_rate(cache: Cache, order: np.ndarray) -> float:
 
 def raw_get_rate(cache: Cache, keys: list[bytes]) -> float:
     """Raw LMDB get + copy of the same records, all in one read transaction."""
-    env, db = cache.store.env, cache.dbs[b"samples"]
+    env, db = _store(cache).store.env, _store(cache).dbs[b"samples"]
     with env.begin(buffers=True) as txn:
         for _pass in range(2):  # a warm-up pass, then the timed one
             t0 = time.perf_counter()

@@ -49,7 +49,7 @@ sys.path.insert(0, str(REPO / "tests"))
 from common.s3server import S3ServerProcess  # the moto server of the fault tests
 
 from epochcache.errors import CacheError
-from epochcache.store import SampleStore
+from epochcache.store import SampleStore, store_of
 from epochcache.store.codec import read_info
 from epochcache.store.schema import DB_SAMPLES, seq_of
 
@@ -212,7 +212,7 @@ class Soak:
         return self._read(lambda cache: cache.stats(), {"samples": 0, "inserted": 0})  # type: ignore[no-any-return]
 
     def state(self) -> dict[str, Any]:
-        return self._read(lambda cache: cache.tables.get_state("daemon") or {}, {})  # type: ignore[no-any-return]
+        return self._read(lambda cache: store_of(cache).tables.get_state("daemon") or {}, {})  # type: ignore[no-any-return]
 
     def samplers_alive(self) -> bool:
         doc = self.state()
@@ -264,8 +264,8 @@ class Soak:
     def check_nothing_lost(self) -> list[str]:
         def read(cache: SampleStore) -> tuple[dict[int, tuple[str, int]], int, int]:
             present: dict[int, tuple[str, int]] = {}
-            with cache.store.read() as txn:
-                for raw, record in txn.cursor(db=cache.dbs[DB_SAMPLES]):
+            with store_of(cache).store.read() as txn:
+                for raw, record in txn.cursor(db=store_of(cache).dbs[DB_SAMPLES]):
                     info = read_info(record)
                     present[seq_of(bytes(raw))] = (info.key, info.crc32)
             counters = cache.counters()

@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from common.cachecheck import content_for
+
 from epochcache import Cache
+from epochcache.store import store_of
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -37,7 +38,7 @@ def cache_dir(tmp_path: Path) -> Path:
     path = tmp_path / "cache"
     with Cache(path, "1MiB", sync=False) as cache:
         cache.put_many([(f"k{i}", content_for(f"k{i}", 1000)) for i in range(20)])
-        cache.append_history()
+        store_of(cache).append_history()
     return path
 
 

@@ -16,26 +16,26 @@ from typing import Any
 
 import numpy as np
 import pytest
+from common.daemonproc import upload, wait_cached, wait_running, write_config
+from common.procs import run_processes
 
 from epochcache import Cache
 from epochcache.ingest.origins import index_map
 from epochcache.ingest.sources import KeyTable
+from epochcache.store import SampleStore, store_of
 from epochcache.store.codec import read_info
 from epochcache.store.ledger import Ledger, ledger_path, remap
 from epochcache.store.listings import register_listing
 from epochcache.store.origins import Origin
 from epochcache.store.schema import DB_ORIGINS, DB_SAMPLES
 
-from common.daemonproc import upload, wait_cached, wait_running, write_config
-from common.procs import run_processes
-
 pytestmark = pytest.mark.timeout(180)
 
 
 def _keys_by_seq(cache: Cache) -> dict[int, str]:
-    with cache.store.read() as txn:
+    with store_of(cache).store.read() as txn:
         return {int.from_bytes(bytes(k), "big"): read_info(v).key
-                for k, v in txn.cursor(db=cache.dbs[DB_SAMPLES])}
+                for k, v in txn.cursor(db=store_of(cache).dbs[DB_SAMPLES])}
 
 
 def _fill(tmp_path: Path, start_daemon: Any, n: int, layout: str = "files",
@@ -96,7 +96,7 @@ def _status(cache_dir: Path) -> str:
 def _fingerprint(cache: Cache) -> str:
     from epochcache.store.listings import listings
 
-    (info,) = listings(cache.store).values()
+    (info,) = listings(store_of(cache).store).values()
     return str(info["fingerprint"])
 
 
@@ -170,21 +170,21 @@ def test_a_new_listing_generation_is_mapped_by_key(tmp_path: Path) -> None:
         info = {"source": "", "fingerprint": "fp", "generation": "g1", "url": "mem://x",
                 "unit": "sample", "listed": 4, "gone": 0, "complete": False, "node_rank": 0,
                 "num_nodes": 1}
-        lid = register_listing(cache.store, info)
-        put = cache.put_many([(k, k.encode()) for k in old_keys],
+        lid = register_listing(store_of(cache).store, info)
+        put = store_of(cache).put_many([(k, k.encode()) for k in old_keys],
                              origins={k: Origin(lid, i) for i, k in enumerate(old_keys)})
         cache.record_trained(put.seqs[:2])  # k/b and k/c once
         new_keys = ["k/a", "k/b", "k/c", "k/e"]  # the finished listing: sorted, k/d gone
         mapping = index_map(KeyTable.from_refs(_refs(old_keys)), KeyTable.from_refs(_refs(new_keys)))
         assert mapping.tolist() == [1, 2, 0, -1]
-        remap(cache, info, {**info, "generation": "g2", "complete": True}, lid, mapping)
+        remap(store_of(cache), info, {**info, "generation": "g2", "complete": True}, lid, mapping)
         cache.record_trained(put.seqs)  # every sample once more: k/d has no key now
         ledger = Ledger.load(ledger_path(cache.path, "fp"))
         assert ledger is not None and ledger.header["generation"] == "g2"
         assert ledger.counts.tolist() == [1, 2, 2, 0]  # k/a, k/b, k/c, k/e
         assert cache.coverage()["unattributed"] == 1  # k/d: in no listing of this generation
         # No sampler held g2 when g3 came: the coverage starts afresh, the old totals kept.
-        register_listing(cache.store, {**info, "generation": "g3", "listed": 4})
+        register_listing(store_of(cache).store, {**info, "generation": "g3", "listed": 4})
         cache.record_trained(put.seqs[:1])
         (source,) = cache.coverage()["sources"]
         assert source["generation"] == "g3" and source["covered"] == 0
@@ -206,8 +206,8 @@ def test_a_cache_without_origins_counts_them_unattributed(tmp_path: Path) -> Non
     cache_dir = tmp_path / "cache"
     cache = Cache(cache_dir, capacity="1MiB")
     put = cache.put_many([(f"s/{i}", b"x" * 100) for i in range(20)])
-    with cache.store.env.begin(write=True) as txn:  # as an older version left it
-        txn.drop(cache.dbs[DB_ORIGINS], delete=True)
+    with store_of(cache).store.env.begin(write=True) as txn:  # as an older version left it
+        txn.drop(store_of(cache).dbs[DB_ORIGINS], delete=True)
     cache.close()
     old = Cache(cache_dir)
     try:
@@ -260,7 +260,7 @@ def test_daemon_metrics_export_coverage(tmp_path: Path, start_daemon: Any) -> No
         cache.close()
     from epochcache.ingest.prometheus import MetricsServer, daemon_metrics
 
-    store = Cache(cache_dir, readonly=True)
+    store = SampleStore(cache_dir, readonly=True)
     server = MetricsServer(lambda: daemon_metrics(store), "127.0.0.1", 0, "daemon.metrics_port")
     try:
         text = urllib.request.urlopen(server.url, timeout=10).read().decode()

@@ -18,12 +18,13 @@ import time
 from pathlib import Path
 
 import pytest
-
 from common.cachecheck import assert_consistent, content_for, full_check
 from common.procs import Proc, spawn_script
+
 from epochcache import Cache, CacheError, CacheFull
-from epochcache.store.leases import process_stat
+from epochcache.store import store_of
 from epochcache.store.env import Store
+from epochcache.store.leases import process_stat
 
 WRITER = """
 import os, sys
@@ -163,7 +164,7 @@ def _pinned_cache(tmp_path: Path) -> tuple[Cache, Proc, str]:
     with pytest.raises(CacheFull, match=str(holder.pid)):
         for i in range(50):
             cache.put(f"new{i}", content_for(f"new{i}", 2000, compressible=False), wait=False)
-    assert cache.reclaim_leases() == []
+    assert store_of(cache).reclaim_leases() == []
     state = assert_consistent(cache)
     assert state.first_seq == 0 and state.bytes > 40_000
     return cache, holder, lease_id
@@ -178,7 +179,7 @@ def test_lease_of_a_killed_holder_is_reclaimed(tmp_path: Path, reclaimer: str) -
         if reclaimer == "put_many":
             cache.put("after", content_for("after", 2000, compressible=False), wait=False)
         elif reclaimer == "reclaim_leases":
-            [dead] = cache.reclaim_leases()
+            [dead] = store_of(cache).reclaim_leases()
             assert dead.lease_id == lease_id and dead.pid == holder.pid
         else:
             cache.snapshot().release()
@@ -203,7 +204,7 @@ def test_lease_of_an_unreaped_zombie_holder_is_reclaimed(tmp_path: Path) -> None
             time.sleep(0.01)
         # The leader is a zombie once its own thread exited; the process's lock goes with its
         # last thread (the holder's heartbeat thread), a moment later.
-        while not (reclaimed := cache.reclaim_leases()):
+        while not (reclaimed := store_of(cache).reclaim_leases()):
             assert time.monotonic() < deadline, "the zombie's lease was not reclaimed"
             time.sleep(0.01)
         [dead] = reclaimed
@@ -226,13 +227,13 @@ def test_live_lease_on_a_recycled_pid_is_not_confused(tmp_path: Path) -> None:
         from epochcache.store.schema import DB_LEASES
 
         def age(txn):  # type: ignore[no-untyped-def]
-            [lease] = read_leases(txn, cache.dbs[DB_LEASES])
+            [lease] = read_leases(txn, store_of(cache).dbs[DB_LEASES])
             lease.start_ticks = (lease.start_ticks or 0) + 12345
             lease.owner = ""  # written by a version without owner locks
-            write_lease(txn, cache.dbs[DB_LEASES], lease)
+            write_lease(txn, store_of(cache).dbs[DB_LEASES], lease)
 
-        cache.store.write(age)
-        [dead] = cache.reclaim_leases()
+        store_of(cache).store.write(age)
+        [dead] = store_of(cache).reclaim_leases()
         assert dead.lease_id == snap.lease_id
         snap.release()
     finally:

@@ -17,13 +17,14 @@ from typing import Any
 
 import pytest
 import s3fs
-
 from common.cachecheck import full_check
 from common.daemonproc import (
+    SAMPLE_BYTES,
     cache_len,
     daemon_state,
     pid_running,
     sampler_states,
+    upload,
     wait_cached,
     wait_for,
     wait_running,
@@ -31,8 +32,8 @@ from common.daemonproc import (
 )
 from common.s3server import S3ServerProcess
 from conftest import S3Env, free_port, s3_options
+
 from epochcache.demo import make_samples
-from common.daemonproc import SAMPLE_BYTES, upload
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -264,6 +265,7 @@ def test_reader_opening_while_a_sampler_grows_the_map(tmp_path: Path) -> None:
     import threading
 
     from common.procs import spawn_script
+
     from epochcache import Cache
 
     cache_dir = tmp_path / "cache"
@@ -275,12 +277,13 @@ def test_reader_opening_while_a_sampler_grows_the_map(tmp_path: Path) -> None:
         """
         import sys
         from epochcache import Cache
+        from epochcache.store import store_of
         from epochcache.store.schema import DB_STATE
         cache = Cache(sys.argv[1], capacity="1GiB")
-        env = cache.store.env
+        env = store_of(cache).store.env
         txn = env.begin(write=True)
         for i in range(96):
-            txn.put(b"filler-%03d" % i, bytes(1 << 20), db=cache.dbs[DB_STATE])
+            txn.put(b"filler-%03d" % i, bytes(1 << 20), db=store_of(cache).dbs[DB_STATE])
         print("READY", flush=True)
         sys.stdin.readline()
         txn.commit()

@@ -18,6 +18,7 @@ import tempfile
 from dataclasses import dataclass, field
 
 import hypothesis.strategies as st
+from common.cachecheck import assert_consistent, content_for, digest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import (
     Bundle,
@@ -29,8 +30,8 @@ from hypothesis.stateful import (
     rule,
 )
 
-from common.cachecheck import assert_consistent, content_for, digest
 from epochcache import Cache, CacheFull, Snapshot
+from epochcache.store import store_of
 from epochcache.store.plans import Releaser
 
 KEYS = [f"k{i:02d}" for i in range(40)]  # a small pool, so keys repeat (dedupe)
@@ -136,7 +137,7 @@ class EvictionMachine(RuleBasedStateMachine):
         self.cache = Cache(self.path, capacity, headroom=headroom, sync=False)
         self.model = Model(capacity, self.cache.headroom_bytes)
         for key in KEYS:
-            self.size_of[key] = len(self.cache.encode(key, content_for(key)))
+            self.size_of[key] = len(store_of(self.cache).encode(key, content_for(key)))
 
     def teardown(self) -> None:
         for held in self.held.values():
@@ -210,8 +211,8 @@ class EvictionMachine(RuleBasedStateMachine):
 
         plans.write_seqs(cache.path, lease_id, np.array(sorted(set(sum(lanes, []))),
                                                         dtype=np.uint64))
-        cache.write_plan_part(lease_id, 0, [np.array(lane, dtype=np.uint64) for lane in lanes])
-        cache.store.write(lambda txn: write_lease(txn, cache.dbs[b"leases"], lease))
+        store_of(cache).write_plan_part(lease_id, 0, [np.array(lane, dtype=np.uint64) for lane in lanes])
+        store_of(cache).store.write(lambda txn: write_lease(txn, store_of(cache).dbs[b"leases"], lease))
         self.model.plans[lease_id] = (lanes, [0] * len(lanes))
         self.held[lease_id].releasers = [Releaser(cache.path, lease_id, 0, i)
                                          for i in range(len(lanes))]

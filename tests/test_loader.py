@@ -14,6 +14,7 @@ import torch
 from common.writer import Writer, fill
 from epochcache import Cache
 from epochcache import PrepareFailed
+from epochcache.store import store_of
 from epochcache.data.schedule import epoch_order
 
 
@@ -144,7 +145,8 @@ def _count_collate(samples: list[np.ndarray]) -> int:
 def test_background_failure_is_reraised_from_its_cause(tmp_path: Path) -> None:
     fill(str(tmp_path / "c"), 0, 20)
     cache = Cache(tmp_path / "c", sync=False)
-    original = cache.snapshot
+    store = store_of(cache)  # what epochs() takes its snapshots from
+    original = store.snapshot
 
     calls = []
 
@@ -154,7 +156,7 @@ def test_background_failure_is_reraised_from_its_cause(tmp_path: Path) -> None:
             raise OSError("disk on fire")
         return original(*args, **kwargs)  # type: ignore[arg-type]
 
-    cache.snapshot = failing_snapshot  # type: ignore[method-assign]
+    store.snapshot = failing_snapshot  # type: ignore[method-assign]
     with pytest.raises(PrepareFailed, match="epoch 1") as info:
         for _epoch, loader in cache.epochs(3, batch_size=5):
             list(loader)

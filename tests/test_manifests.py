@@ -21,16 +21,16 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from common.daemonproc import all_samplers, upload, wait_cached, wait_for, wait_running
+from test_run import cli, cli_env
+from test_run_resume import TRAINER, _config, _dataset, _rows, _start, _wait_to_die
 
 from epochcache import Cache
+from epochcache.store import store_of
 from epochcache.store.codec import read_info
 from epochcache.store.ledger import Ledger, ledgers
 from epochcache.store.manifests import ManifestWriter, epoch_keys, manifest_path
 from epochcache.store.schema import DB_SAMPLES
-
-from common.daemonproc import all_samplers, upload, wait_cached, wait_for, wait_running
-from test_run import cli, cli_env
-from test_run_resume import TRAINER, _config, _dataset, _rows, _start, _wait_to_die
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -100,7 +100,7 @@ def test_torn_record_is_ignored_and_cut_before_the_next(tmp_path: Path) -> None:
     try:
         put = cache.put_many([(f"k{i:03d}", b"x") for i in range(30)])
         seqs = np.array(put.seqs, dtype=np.uint64)
-        writer = ManifestWriter(cache, tmp_path / "run", epoch=0, rank=0, lease="L")
+        writer = ManifestWriter(store_of(cache), tmp_path / "run", epoch=0, rank=0, lease="L")
         writer.write(seqs[:10], 10)
         path = manifest_path(tmp_path / "run", 0, 0)
         whole = path.stat().st_size
@@ -108,7 +108,8 @@ def test_torn_record_is_ignored_and_cut_before_the_next(tmp_path: Path) -> None:
         with open(path, "r+b") as f:
             f.truncate(whole + 15)  # the second record torn
         assert epoch_keys(tmp_path / "run", 0) == [f"k{i:03d}" for i in range(10)]
-        resumed = ManifestWriter(cache, tmp_path / "run", epoch=0, rank=0, lease="L", position=10)
+        resumed = ManifestWriter(store_of(cache), tmp_path / "run", epoch=0, rank=0,
+                                  lease="L", position=10)
         resumed.write(seqs[10:30], 30)
         assert epoch_keys(tmp_path / "run", 0) == [f"k{i:03d}" for i in range(30)]
     finally:
@@ -135,8 +136,8 @@ def _daemon_config(path: Path, cache_dir: Path, sources: list[dict[str, Any]] | 
 def _cached_keys(cache_dir: Path) -> list[str]:
     cache = Cache(cache_dir, readonly=True)
     try:
-        with cache.store.read() as txn:
-            return [read_info(v).key for _k, v in txn.cursor(db=cache.dbs[DB_SAMPLES])]
+        with store_of(cache).store.read() as txn:
+            return [read_info(v).key for _k, v in txn.cursor(db=store_of(cache).dbs[DB_SAMPLES])]
     finally:
         cache.close()
 
@@ -147,7 +148,7 @@ def _train_one_epoch(cache_dir: Path, run_dir: Path, sources: list[str]) -> list
     try:
         for epoch, loader in cache.epochs(1, batch_size=16, min_samples=1, decode=None,
                                           collate_fn=len, samples_per_epoch=50):
-            writer = ManifestWriter(cache, run_dir, epoch=epoch, rank=0,
+            writer = ManifestWriter(store_of(cache), run_dir, epoch=epoch, rank=0,
                                     lease=loader.state_dict()["lease"], sources=sources)
             for _batch in loader:
                 pass

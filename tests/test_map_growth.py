@@ -15,6 +15,7 @@ from pathlib import Path
 
 from common.cachecheck import content_for
 from common.procs import spawn_script
+
 from epochcache import Cache
 
 SAMPLE = 64 * 1024
@@ -24,6 +25,7 @@ import faulthandler, hashlib, sys, threading, time
 faulthandler.enable()
 from common.cachecheck import content_for
 from epochcache import Cache
+from epochcache.store import store_of
 from epochcache.store.codec import decode_payload
 from epochcache.store.schema import seq_key
 
@@ -39,8 +41,8 @@ def hold_buffers(slot):
     # Read transactions that keep buffers into the map while they work on them.
     while not stop.is_set():
         try:
-            with cache.store.read() as txn:
-                db = cache.dbs[b"samples"]
+            with store_of(cache).store.read() as txn:
+                db = store_of(cache).dbs[b"samples"]
                 views = [txn.get(seq_key(s), db=db) for s in seqs[:8]]
                 time.sleep(0.001)
                 for s, view in zip(seqs, views):
@@ -72,7 +74,7 @@ sys.stdin.readline()
 stop.set()
 for t in threads:
     t.join()
-print("DONE", cache.store.map_size, reads[0], reads[1], "|".join(errors[:3]) or "ok", flush=True)
+print("DONE", store_of(cache).store.map_size, reads[0], reads[1], "|".join(errors[:3]) or "ok", flush=True)
 """
 
 

@@ -17,8 +17,8 @@ import pytest
 import yaml
 from common.cachecheck import full_check
 from common.daemonproc import (
-    all_samplers,
     REPO,
+    all_samplers,
     daemon_state,
     read_cache,
     wait_for,
@@ -28,6 +28,7 @@ from common.s3server import S3ServerProcess
 from conftest import free_port, s3_options
 
 from epochcache.demo import make_samples, write_demo_data
+from epochcache.store import store_of
 from epochcache.store.source_counters import recount
 
 pytestmark = pytest.mark.timeout(180)
@@ -60,7 +61,7 @@ def status_json(cache_dir: Path) -> dict[str, Any]:
 
 
 def source_stats(cache_dir: Path) -> dict[str, dict[str, int]]:
-    return read_cache(cache_dir, lambda c: c.source_stats()) or {}
+    return read_cache(cache_dir, lambda c: store_of(c).source_stats()) or {}
 
 
 def test_sources_are_mixed_by_weight_namespaced_and_counted_through_eviction(
@@ -103,8 +104,8 @@ def test_sources_are_mixed_by_weight_namespaced_and_counted_through_eviction(
 
 
 def _recount(cache: Any, names: list[str]) -> dict[str, dict[str, int]]:
-    with cache.store.read() as txn:
-        return recount(txn, cache.dbs, names)
+    with store_of(cache).store.read() as txn:
+        return recount(txn, store_of(cache).dbs, names)
 
 
 def test_an_unreachable_source_fails_the_start_unless_optional(

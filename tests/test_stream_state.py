@@ -17,11 +17,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from torch.utils.data import DataLoader
-
 from common.procs import spawn_script, wait_until_gone
 from common.writer import Writer, fill
+from torch.utils.data import DataLoader
+
 from epochcache import Cache
+from epochcache.store import store_of
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning"),  # torchdata
@@ -130,7 +131,7 @@ def test_sigkill_then_resume_from_the_saved_state(tmp_path: Path, release: str) 
     seen = checkpoint["seen"]
     (state,) = [w["dataset_state"] for w in
                 checkpoint["state"]["_snapshot"]["_worker_snapshots"].values()][:1]
-    snapshot = cache.plan_seqs(state["lease"])  # kept while the lease lives: None after
+    snapshot = store_of(cache).plan_seqs(state["lease"])  # kept while the lease lives: None after
     assert len(seen) == 70 and len(set(seen + rest)) == len(seen + rest)  # none twice
     if release == "epoch":
         assert len(seen + rest) == state["count"]  # none skipped

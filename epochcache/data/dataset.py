@@ -16,7 +16,7 @@ from torch.utils.data import Dataset
 
 from ..errors import SnapshotClosed
 from ..limits import DEFAULT_MAX_SAMPLE_BYTES
-from ..store import SampleStore, Snapshot
+from ..store import SampleStore, Snapshot, store_of
 from .decode import DecodeFn
 from .reader import SampleReader
 
@@ -71,7 +71,7 @@ class EpochDataset(Dataset[Any]):
     @classmethod
     def from_cache(
         cls,
-        cache: SampleStore,
+        cache: SampleStore | Any,
         epoch: int = 0,
         *,
         decode: str | DecodeFn | None = "auto",
@@ -94,6 +94,7 @@ class EpochDataset(Dataset[Any]):
         Raises:
             ValueError: an invalid option (the message names it).
         """
+        cache = store_of(cache)
         reader = SampleReader(cache.path, decode=decode, transform=transform,
                               allow_pickle=allow_pickle, max_sample_bytes=max_sample_bytes,
                               on_error=on_error, stall_s=stall_s, stall_file=stall_file,

@@ -44,6 +44,7 @@ from torch.utils.data import DataLoader
 
 from ..errors import PrepareFailed, StallError
 from ..limits import DEFAULT_MAX_SAMPLE_BYTES
+from ..store import store_of
 from ..store.env import cache_identity
 from ..store.plans import Releaser
 from .dataset import EpochDataset
@@ -564,7 +565,7 @@ class _Epochs:
 
 
 def epochs(
-    cache: SampleStore,
+    cache: SampleStore | Any,
     num_epochs: int,
     samples_per_epoch: int | None = None,
     min_samples: int = 1,
@@ -664,6 +665,7 @@ def epochs(
     _check_counts(num_epochs=num_epochs, batch_size=batch_size,
                   samples_per_epoch=samples_per_epoch, min_samples=min_samples)
     check_release(release)
+    cache = store_of(cache)
     place = detect_placement()
     groups = None
     if resume is not None:

@@ -33,6 +33,7 @@ import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 
 from ..limits import DEFAULT_MAX_SAMPLE_BYTES
+from ..store import store_of
 from ..store.env import cache_identity
 from ..store.plans import Releaser
 from ..store.shares import (
@@ -111,7 +112,7 @@ class CacheStream(IterableDataset[Any]):
 
     def __init__(
         self,
-        cache: SampleStore,
+        cache: SampleStore | Any,
         *,
         seed: int = 0,
         shuffle: bool = True,
@@ -136,6 +137,7 @@ class CacheStream(IterableDataset[Any]):
                                               or samples_per_epoch < 1):
             raise ValueError(f"samples_per_epoch: expected None or an int >= 1, "
                              f"got {samples_per_epoch!r}")
+        cache = store_of(cache)
         self.reader = SampleReader(cache.path, decode=decode, transform=transform,
                                    allow_pickle=allow_pickle, max_sample_bytes=max_sample_bytes,
                                    on_error=on_error, stall_s=stall_s, stall_file=stall_file,

@@ -29,7 +29,6 @@ from typing import Any
 
 import numpy as np
 
-from ..cache import Cache
 from .checkpoint import resume_checkpoint
 from ..config import EpochcacheConfig, load_config
 from ..data.devices import CPU, RunDevice
@@ -38,6 +37,7 @@ from ..errors import ConfigError, DaemonAlreadyRunning
 from ..ingest.supervisor import DaemonLock, Supervisor
 from ..ingest.prometheus import MetricsServer, require_prometheus
 from ..redact import redact_url
+from ..store import SampleStore
 from ..store.status import describe_requests, request_delta, request_totals
 from .context import RunContext, TimedLoader
 from .midepoch import MidEpoch
@@ -251,7 +251,7 @@ class Run:
             return 0
         context = RunContext(self.config, checkpoint, self.device)
         cfg = self.config.cache
-        cache = Cache(cfg.dir, capacity=cfg.capacity_bytes, headroom=cfg.headroom_bytes)
+        cache = SampleStore(cfg.dir, capacity=cfg.capacity_bytes, headroom=cfg.headroom_bytes)
         kwargs = _loader_kwargs(self.config, self.device)
         try:
             # The wait ends with an error naming train.min_samples (or starts on a smaller,
@@ -272,7 +272,10 @@ class Run:
         except BaseException:
             cache.close()
             raise
-        epochs = cache.epochs(total - start, start_epoch=start, resume=loader_state, **kwargs)
+        from ..data.epochs import epochs as each_epoch
+
+        epochs = each_epoch(cache, total - start, start_epoch=start, resume=loader_state,
+                            **kwargs)
         try:
             for epoch, loader in epochs:
                 self.stop.check()  # a stop requested at the epoch boundary: no new epoch
@@ -288,7 +291,7 @@ class Run:
             cache.close()
         return 0
 
-    def _run_epoch(self, cache: Cache, context: RunContext, epoch: int, loader: Any) -> None:
+    def _run_epoch(self, cache: SampleStore, context: RunContext, epoch: int, loader: Any) -> None:
         before = cache.counters()
         requests_before = request_totals(cache)
         mark = self.turnover.mark(cache)
@@ -354,7 +357,7 @@ class Run:
         for name, values in sorted(requests.items()):
             log.info("epoch %d: remote %s: %s", epoch, name, describe_requests(values))
 
-    def _trained_record(self, cache: Cache, loader: Any, epoch: int) -> TrainedRecord:
+    def _trained_record(self, cache: SampleStore, loader: Any, epoch: int) -> TrainedRecord:
         """The epoch's manifest and coverage recorder; and this job noted for ``status``."""
         from ..store.jobs import note_job
 
@@ -373,7 +376,7 @@ class Run:
             return None
         from ..store.coverage import history as coverage_history
 
-        cache = Cache(self.config.cache.dir, readonly=True)
+        cache = SampleStore(self.config.cache.dir, readonly=True)
         try:
             history = cache.history()
         finally:

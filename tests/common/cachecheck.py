@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from epochcache import Cache
+from epochcache.errors import CacheCorrupted
+from epochcache.store import store_of
 from epochcache.store.codec import check_record, decode_payload, pack_fields
 from epochcache.store.counters import Counters
-from epochcache.errors import CacheCorrupted
 from epochcache.store.leases import read_leases
 from epochcache.store.schema import (
     DB_KEYS,
@@ -78,7 +79,7 @@ class CacheState:
 def scan(cache: Cache) -> CacheState:
     """Read every record in one read transaction and cross-check counters and the key index."""
     state = CacheState()
-    store = cache.store
+    store = store_of(cache).store
     with store.read() as txn:
         dbs = store.dbs  # taken after the read began: the handles of this process's env
         state.counters = Counters.load(txn, dbs[DB_META])
