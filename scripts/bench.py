@@ -240,7 +240,8 @@ def _script_section(script: str, args: list[str], quick_args: list[str], json_fl
     def run(quick: bool) -> dict[str, Any]:
         import subprocess
 
-        out = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
+        with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as made:
+            out = made.name
         here = os.path.dirname(os.path.abspath(__file__))
         command = [sys.executable, os.path.join(here, script), *(quick_args if quick else args), json_flag, out]
         print(f"\n## {script}", flush=True)

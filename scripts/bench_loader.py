@@ -433,7 +433,7 @@ def main() -> None:
             try:
                 r[f"boundary_{method}"] = boundary(cache, 5, 12_000, num_workers=2,
                                                    multiprocessing_context=method)
-            except Exception as exc:  # report, keep measuring the rest
+            except Exception as exc:  # noqa: BLE001 - report, keep measuring the rest
                 r[f"boundary_{method}"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
         print("worker RSS ...", flush=True)
         r["worker_rss_growth_pct"] = rss_growth(cache)

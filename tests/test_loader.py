@@ -96,7 +96,7 @@ def test_user_collate_and_transform_with_workers(tmp_path: Path, context: str) -
                                        collate_fn=_count_collate, drop_last=True, timeout=60,
                                        pin_memory=False, prefetch_factor=2,
                                        multiprocessing_context=context):
-        assert [b for b in loader] == [8] * 8
+        assert list(loader) == [8] * 8
 
 
 _NO_ACCELERATOR = pytest.mark.filterwarnings("ignore:'pin_memory' argument is set as true")

@@ -49,7 +49,7 @@ from .images import IMAGE_EXTS, MissingImageLibrary, check_form, decode_image
 
 log = logging.getLogger(__name__)
 
-Buffer = Union[bytes, bytearray, memoryview]
+Buffer = bytes | bytearray | memoryview
 #: A user decoder: ``fn(key, value)`` where value is bytes or a dict of field bytes.
 DecodeFn = Callable[[str, Any], Any]
 

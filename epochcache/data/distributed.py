@@ -89,8 +89,8 @@ class NodeSync:
             self.close()
             raise
         # Keys of this NodeSync in the job's store, named by rank 0's token (every rank sees it).
-        self.store: Any = dist.PrefixStore(f"epochcache/{places[0][2]}/",
-                                           dist.distributed_c10d._get_default_store())
+        self.store: Any = dist.distributed_c10d.PrefixStore(
+            f"epochcache/{places[0][2]}/", dist.distributed_c10d._get_default_store())
         self.leader = world.rank
         # new_group is itself collective: every rank creates every node's group, in one order.
         for node in sorted({p[0] for p in places}):

@@ -130,7 +130,7 @@ class _Pending:
 def _run_into(future: cf.Future[Any], fn: Callable[[], Any]) -> None:
     try:
         future.set_result(fn())
-    except BaseException as exc:  # surfaced to the consumer through the future
+    except BaseException as exc:  # noqa: BLE001 - surfaced to the consumer through the future
         future.set_exception(exc)
 
 
@@ -422,11 +422,11 @@ class _Epochs:
             return  # never planned: nothing was taken
         try:
             pending.plan.result(timeout=60).dataset.close()
-        except BaseException:  # cancelled or failed: nothing was taken, or it is released
+        except BaseException:  # noqa: BLE001 - cancelled or failed: nothing taken, or released
             pass
         try:
             pending.iterator.result(timeout=60)
-        except BaseException:
+        except BaseException:  # noqa: BLE001 - the same: its failure was the consumer's to see
             pass
         # Shut down here, not by the garbage collector (see PlanSampler.__iter__): the
         # workers may have been started without the epoch's iteration.

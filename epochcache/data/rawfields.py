@@ -217,7 +217,7 @@ class FieldsBatch:
         more = [(columns[i][1], start, count) for i, start, count in template.arrays[1:]]
         labels = docs = None
         var_start = 0
-        for i, kind, var_start in template.var_outs:
+        for i, kind, var_start in template.var_outs:  # noqa: B007 - the last one is kept
             labels, docs = (columns[i], None) if kind == INT else (None, columns[i])
         names = [columns[i] for i in template.key_outs]
         hi, pos, end, width = lo + nbytes, 0, 0, LABEL_WIDTH

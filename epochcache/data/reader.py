@@ -381,7 +381,7 @@ class SampleReader:
                     if template is None:
                         raise _Fallback
                 batch = alloc_batch((len(keys), *template.shape), template.dtype)
-                out = memoryview(batch.numpy()).cast("B")
+                out = batch.numpy().data.cast("B")
                 size, hi, nbytes = template.size, template.hi, template.nbytes
                 check, expect = template.check, template.expect
                 if act is not None:

@@ -129,7 +129,7 @@ def with_time_limit(fn: Callable[[], str], what: str) -> str:
     def run() -> None:
         try:
             found.append(fn())
-        except Exception as exc:  # the report must still go out
+        except Exception as exc:  # noqa: BLE001 - the report must still go out
             found.append(f"({what}: {type(exc).__name__}: {exc})")
 
     helper = threading.Thread(target=run, name="epochcache-stall-key", daemon=True)
@@ -312,7 +312,7 @@ class Watchdog:
         stream: IO[str] | None = None
         try:
             if self.stall_file is not None:
-                stream = open(self.stall_file, "a", encoding="utf-8")
+                stream = open(self.stall_file, "a", encoding="utf-8")  # noqa: SIM115 - closed below
                 fd = stream.fileno()
             else:
                 fd = 2  # the real stderr: sys.stderr may be a capture object without a fileno

@@ -560,7 +560,7 @@ class CacheStream(IterableDataset[Any]):
         except KeyError:
             samples: list[Any] = []
             gone = 0
-            for index, seq in enumerate(chunk):
+            for index in range(len(chunk)):
                 one: list[int] = []
                 try:
                     got = self.reader.read_samples(chunk[index : index + 1], kept=one)

@@ -110,7 +110,7 @@ def coverage(cache: SampleStore | str) -> dict[str, Any]:
 def history(cache_path: str) -> list[dict[str, Any]]:
     """Every source's updates (time, covered, samples, ...), each with its ``source`` name:
     what the plot draws."""
-    rows = []
+    rows: list[dict[str, Any]] = []
     for ledger in ledgers(cache_path):
         name = ledger.header.get("source") or ledger.header.get("url") or ""
         rows.extend({**row, "source": name} for row in ledger.header.get("updates") or [])

@@ -131,7 +131,7 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def begin_read(env: lmdb.Environment) -> lmdb.Transaction:
+def begin_read(env: lmdb.Environment) -> lmdb.Transaction[memoryview]:
     """A read transaction (buffers into the map); survives another process growing the map.
 
     The caller ends it with :func:`end_read`. Hot paths call this directly instead of
@@ -156,7 +156,7 @@ def begin_read(env: lmdb.Environment) -> lmdb.Transaction:
         raise
 
 
-def end_read(txn: lmdb.Transaction) -> None:
+def end_read(txn: lmdb.Transaction[memoryview]) -> None:
     """End a transaction of :func:`begin_read` (its buffers are invalid from here on)."""
     try:
         txn.abort()
@@ -444,7 +444,7 @@ class Store:
     # -- transactions -----------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def read(self) -> Iterator[lmdb.Transaction]:
+    def read(self) -> Iterator[lmdb.Transaction[memoryview]]:
         """A short read transaction; survives another process growing the map."""
         txn = begin_read(self.env)
         try:
@@ -504,7 +504,8 @@ class Store:
                 gate.leave()
             # Outside the transaction: replacing the map waits for other threads' to end.
             if resize is None:
-                gate.remap(lambda: env.set_mapsize(0))  # adopt the size another process set
+                # adopt the size another process set (the lambda is called at once)
+                gate.remap(lambda: env.set_mapsize(0))  # noqa: B023
             elif not self._grow_map():
                 raise resize
 

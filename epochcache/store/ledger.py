@@ -407,7 +407,7 @@ def retag_origins(cache: SampleStore, old_lid: int, new_lid: int, mapping: np.nd
         def run(txn: lmdb.Transaction) -> tuple[int, int | None]:
             done = 0
             cursor = txn.cursor(db=db)
-            if not cursor.set_range(seq_key(position)):
+            if not cursor.set_range(seq_key(position)):  # noqa: B023 - run at once, per round
                 return 0, None
             for rows_seen, (key, value) in enumerate(cursor.iternext()):
                 if rows_seen >= 256:  # short transactions: samplers commit meanwhile

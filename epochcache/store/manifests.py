@@ -165,7 +165,7 @@ def cut_torn_tail(path: Path) -> None:
     except FileNotFoundError:
         return
     end = 0
-    for end, _header, _payload in _records(data):
+    for end, _header, _payload in _records(data):  # noqa: B007 - the last record's end
         pass
     if end != len(data):
         with open(path, "r+b") as f:

@@ -50,13 +50,13 @@ class Origin(NamedTuple):
 
     Attributes:
         lid: the listing's id in this cache (:mod:`.listings`); :data:`UNKNOWN` for none.
-        index: the index of its listed ref (an object, or a tar shard) in that listing.
+        ref_index: the index of its listed ref (an object, or a tar shard) in that listing.
         member: a tar sample's ordinal among the samples of its shard (0 otherwise).
         members: how many samples its shard held when fetched (0: not a tar sample).
     """
 
     lid: int
-    index: int
+    ref_index: int
     member: int = 0
     members: int = 0
 

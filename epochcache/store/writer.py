@@ -159,7 +159,7 @@ class Writer:
                 self.protection.preload(leases)
             try:
                 result, pending, blocked = self._write(
-                    lambda txn: self._put_txn(txn, pending, limit, origin_of)
+                    lambda txn: self._put_txn(txn, pending, limit, origin_of)  # noqa: B023 - now
                 )
             except lmdb.Error as exc:
                 if not is_disk_full(exc):

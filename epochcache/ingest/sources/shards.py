@@ -23,7 +23,7 @@ import collections
 import io
 import tarfile
 from collections.abc import Callable, Iterator
-from typing import Any, BinaryIO
+from typing import Any, Protocol
 
 from ...errors import CorruptSample
 from ...limits import DEFAULT_MAX_SAMPLE_BYTES
@@ -66,13 +66,19 @@ class ReadFailed(Exception):
     not damaged, its fetch failed."""
 
 
+class Readable(Protocol):
+    """What a shard is read from: a file object of the remote, or a :class:`_Tail` around one."""
+
+    def read(self, size: int = -1, /) -> bytes: ...
+
+
 class _Tail(io.RawIOBase):
     """The shard's stream as tarfile reads it: counts the bytes, feeds ``on_bytes`` (a
     digest, a bandwidth limit), remembers what tarfile may have read past a header (its last
     reads, :data:`_READ_BYTES` and two blocks), and turns a failed read into
     :class:`ReadFailed` (tarfile would take an ``OSError`` for damage)."""
 
-    def __init__(self, raw: BinaryIO, on_bytes: Callable[[bytes], None] | None = None) -> None:
+    def __init__(self, raw: Readable, on_bytes: Callable[[bytes], None] | None = None) -> None:
         super().__init__()
         self._raw, self._on_bytes = raw, on_bytes
         self.count = 0
@@ -186,7 +192,7 @@ def _members(archive: tarfile.TarFile) -> Iterator[tuple[tarfile.TarInfo, str, s
 
 
 def iter_shard(
-    shard_key: str, data: bytes | BinaryIO, *, check_formats: bool = True, url: str = "",
+    shard_key: str, data: bytes | Readable, *, check_formats: bool = True, url: str = "",
     max_bytes: int = DEFAULT_MAX_SAMPLE_BYTES, tail: _Tail | None = None,
 ) -> Iterator[tuple[SampleRef, Payload | CorruptSample]]:
     """Yield ``(ref, fields or CorruptSample)`` for every sample of a tar shard, reading it as a
@@ -205,7 +211,7 @@ def iter_shard(
     try:
         # Not a `with`: the generator yields between open and close; `finally` below closes it.
         archive = tarfile.open(fileobj=tail, mode="r|", bufsize=_READ_BYTES,  # noqa: SIM115
-                               tarinfo=_BoundedInfo)  # type: ignore[call-overload]
+                               tarinfo=_BoundedInfo)
     except (tarfile.TarError, EOFError, OSError) as exc:
         yield shard_failure(shard_key, f"not a readable tar shard ({exc})", url)
         return
@@ -255,7 +261,7 @@ def iter_shard(
         yield sample.result(check_formats, url, max_bytes)
 
 
-def open_tail(raw: BinaryIO, on_bytes: Callable[[bytes], None] | None = None) -> _Tail:
+def open_tail(raw: Readable, on_bytes: Callable[[bytes], None] | None = None) -> _Tail:
     """``raw`` wrapped for :func:`iter_shard` (see :class:`_Tail`)."""
     return _Tail(raw, on_bytes)
 
