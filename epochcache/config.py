@@ -103,7 +103,6 @@ def _headroom(value: Any) -> Any:
 
 Check = Literal["size", "checksum", "format"]
 _ALL_CHECKS: tuple[Check, ...] = ("size", "checksum", "format")
-Size = Annotated[int, BeforeValidator(_size), Field(ge=0)]
 Duration = Annotated[float, BeforeValidator(_duration), Field(gt=0)]
 
 

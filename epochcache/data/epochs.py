@@ -627,8 +627,8 @@ def epochs(
             (``("jpg;png", "cls")``; see :mod:`epochcache.data.fields`).
         image: images decode to ``"numpy"`` HWC arrays, ``"torch"`` CHW tensors or ``"pil"``.
         release: ``"progressive"``: a batch's samples may be evicted once the loop is done
-            with it, so a full cache keeps turning over during the epoch (README
-            "Turnover"); ``"epoch"``: the whole snapshot stays until the epoch ends.
+            with it, so a full cache keeps turning over during the epoch
+            (docs/guide/turnover.md); ``"epoch"``: the whole snapshot stays until the epoch ends.
         resume: the :meth:`EpochLoader.state_dict` of an interrupted epoch (from a
             checkpoint), or every rank's (a list, or a dict by rank: what ``epochcache run``
             checkpoints): the first epoch is that one, on the same snapshot in the same order,

@@ -44,7 +44,6 @@ from ..errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-CLIENTS = ("auto", "s3fs", "obstore")
 INSTALL_HINT = "pip install 'epochcache[obstore]' (or obstore)"
 #: s3fs options that tune only s3fs (its caches, threads, retries): no meaning for obstore.
 _S3FS_ONLY = frozenset({"skip_instance_cache", "use_listings_cache", "listings_expiry_time",

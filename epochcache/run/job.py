@@ -47,7 +47,7 @@ from .signals import Interrupted, StopSignals, Terminated, quiet_worker, shelter
 from .trained import TrainedRecord, coverage_row, coverage_text
 from ..units import format_size
 
-# RunContext and Terminated are re-exported: trainers' type hints (README), callers' except.
+# RunContext and Terminated are re-exported: trainers' type hints (docs/howto/runs.md), callers' except.
 __all__ = ["Run", "RunContext", "Terminated", "add_config_parser", "add_run_parser",
            "check_entrypoint", "ensure_demo_data", "resolve_entrypoint", "run_training"]
 

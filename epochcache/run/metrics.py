@@ -1,7 +1,7 @@
 """What ``epochcache run`` measures per epoch besides the loss: turnover, and its /metrics.
 
 **Turnover.** An epoch releases each batch's samples once it has trained on them (progressive
-release, README "Turnover"), so once the cache is full the samplers replace what the epoch has
+release, docs/guide/turnover.md), so once the cache is full the samplers replace what the epoch has
 trained on while it goes on: the new data per epoch is about ``min(ingest rate x epoch time,
 what the epoch trains on)``. :class:`Turnover` reports, per epoch, the samples new to the
 epoch's snapshot (sequence numbers above the previous snapshot's) and the fraction of the epoch

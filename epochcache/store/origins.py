@@ -259,8 +259,3 @@ def prune_bound(txn: lmdb.Transaction, dbs: dict[bytes, lmdb._Database],
     cursor = txn.cursor(db=dbs[DB_SAMPLES])
     oldest = seq_of(bytes(cursor.key())) if cursor.first() else 2**63
     return min([oldest, *lease_los])
-
-
-def count_rows(txn: lmdb.Transaction, dbs: dict[bytes, lmdb._Database]) -> int:
-    db = dbs.get(DB_ORIGINS)
-    return 0 if db is None else int(txn.stat(db)["entries"])

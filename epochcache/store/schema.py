@@ -55,7 +55,6 @@ C_FORMAT = b"format_version"
 #: A lowered capacity stored by earlier versions; now a runtime back-off, so this key is ignored
 #: and deleted when a cache is opened for writing (:mod:`epochcache.store.backoff`).
 C_EFFECTIVE_CAPACITY = b"effective_capacity"
-COUNTERS = (C_SAMPLES, C_BYTES, C_NEXT_SEQ, C_EVICTED, C_EVICTED_BYTES, C_INSERTED, C_QUARANTINED)
 
 HISTORY_MAX_ROWS = 20_000
 QUARANTINE_MAX_ROWS = 10_000

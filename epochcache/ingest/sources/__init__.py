@@ -21,7 +21,6 @@ from .keytable import KeyTable, KeyTableBuilder
 from .listing import (
     Listing,
     listing_path,
-    load_listing,
     merge_listing,
     read_listing,
     read_listing_header,
@@ -50,7 +49,6 @@ __all__ = [
     "listing_cached",
     "listing_for_sampling",
     "listing_path",
-    "load_listing",
     "merge_listing",
     "open_source",
     "read_listing",

@@ -238,11 +238,6 @@ _FORMAT_CHECKS: dict[str, Callable[[bytes], Any]] = {
 }
 
 
-def format_checkable(name: str) -> bool:
-    """Whether :func:`check_format` has a check for this name's last extension."""
-    return name.rsplit(".", 1)[-1].lower() in _FORMAT_CHECKS
-
-
 def check_format(key: str, name: str, data: bytes, url: str = "",
                  max_bytes: int = DEFAULT_MAX_SAMPLE_BYTES) -> None:
     """Run the cheap check for the last extension of ``name`` (a key or a tar field).

@@ -250,14 +250,6 @@ def _read_header(handle: Any, fingerprint: str) -> dict[str, Any]:
     return header
 
 
-def load_listing(
-    cache_dir: str | os.PathLike[str], fingerprint: str, *, max_age_s: float | None = None
-) -> list[SampleRef] | None:
-    """Return the saved refs, or None when there is no usable listing (missing, stale, damaged)."""
-    listing = read_listing(cache_dir, fingerprint, max_age_s=max_age_s)
-    return None if listing is None else listing.refs
-
-
 def read_listing(
     cache_dir: str | os.PathLike[str], fingerprint: str, *, max_age_s: float | None = None
 ) -> Listing | None:
