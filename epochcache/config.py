@@ -57,7 +57,14 @@ from .limits import (
     DEFAULT_MANIFEST_MAX_LINES,
     DEFAULT_MAX_SAMPLE_BYTES,
 )
-from .redact import REDACTED, redact_options, redact_tree, secret_values, url_secrets
+from .redact import (
+    REDACTED,
+    is_secret_key,
+    redact_options,
+    redact_tree,
+    secret_values,
+    url_secrets,
+)
 from .units import headroom_bytes, parse_duration, parse_headroom, parse_size
 
 log = logging.getLogger(__name__)
@@ -150,7 +157,9 @@ class SourceConfig(_Section):
     storage_options: dict[str, Any] = Field(
         default_factory=dict,
         description="passed to the fsspec filesystem (s3fs: key, secret, endpoint_url, ...); "
-                    "credential-like values are masked everywhere",
+                    "credential-like values are masked everywhere; an empty one (`${VAR:-}` "
+                    "unset) is left out, so the filesystem's own credential chain applies "
+                    "(environment, ~/.aws, instance role)",
     )
     client: Literal["auto", "s3fs", "obstore"] = Field(
         default="auto",
@@ -190,6 +199,15 @@ class SourceConfig(_Section):
     )
 
     _secret_values: set[str] = PrivateAttr(default_factory=set)
+
+    @field_validator("storage_options")
+    @classmethod
+    def _drop_empty_credentials(cls, options: dict[str, Any]) -> dict[str, Any]:
+        # `key: ${MY_KEY:-}` with the variable unset: an empty key would be sent and refused
+        # (403); left out, the filesystem finds credentials its usual way (environment,
+        # ~/.aws, the instance role).
+        return {name: value for name, value in options.items()
+                if not (value == "" and is_secret_key(str(name)))}
 
     @property
     def effective_pattern(self) -> str:
