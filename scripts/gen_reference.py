@@ -122,7 +122,15 @@ def _allowed(annotation: Any, info: FieldInfo) -> str:
     return ", ".join(list(dict.fromkeys(bounds)) + literals)
 
 
-def _default(info: FieldInfo) -> str:
+def _size_text(num_bytes: int) -> str:
+    """A size as a config writes it: ``4GiB``, ``512MiB`` (bytes only when no unit divides it)."""
+    for unit, factor in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if num_bytes >= factor and num_bytes % factor == 0:
+            return f"{num_bytes // factor}{unit}"
+    return str(num_bytes)
+
+
+def _default(info: FieldInfo, kind: str = "") -> str:
     if info.is_required():
         return "**required**"
     if info.default_factory is not None:
@@ -139,6 +147,8 @@ def _default(info: FieldInfo) -> str:
         return f"`{str(value).lower()}`"
     if isinstance(value, Path):
         return f"`{value}`"
+    if kind.startswith("size") and isinstance(value, int):
+        return f"`{_size_text(value)}`"
     return f"`{value!r}`" if isinstance(value, str) else f"`{value}`"
 
 
@@ -153,8 +163,9 @@ def _section_rows(model: type[BaseModel], prefix: str, skip: set[str] = frozense
         if name in skip:
             continue
         annotation = info.annotation
-        rows.append(f"| `{prefix}{name}` | {_escape(_type(annotation, info))} | "
-                    f"{_escape(_default(info))} | {_escape(_allowed(annotation, info))} | "
+        kind = _type(annotation, info)
+        rows.append(f"| `{prefix}{name}` | {_escape(kind)} | "
+                    f"{_escape(_default(info, kind))} | {_escape(_allowed(annotation, info))} | "
                     f"{_escape(info.description or '')} |")
     return rows
 

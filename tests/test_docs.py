@@ -34,6 +34,22 @@ def test_generated_references_are_current() -> None:
     assert stale == [], f"stale: {stale}; run .venv/bin/python scripts/gen_reference.py"
 
 
+def test_the_config_reference_writes_sizes_as_a_config_would() -> None:
+    """Size defaults showed as raw bytes (``4294967296``, ``536870912``): a default is written
+    as a config would write it (``4GiB``), and reads back as the default itself."""
+    from epochcache.units import parse_size
+
+    page = (REPO / "docs" / "reference" / "config.md").read_text()
+    rows = [row.split("|") for row in page.splitlines() if row.startswith("| `")]
+    sizes = {cells[1].strip(" `"): cells[3].strip(" `") for cells in rows
+             if cells[2].strip().startswith("size")}
+    assert sizes["source.manifest_max_bytes"] == "4GiB", sizes
+    for key, shown in sizes.items():
+        if shown not in ("null", "**required**"):
+            assert not shown.isdigit() or int(shown) < 1024, f"{key}: {shown}"
+            assert parse_size(shown) > 0, f"{key}: {shown}"
+
+
 def test_every_config_key_has_a_description() -> None:
     from pydantic import BaseModel
 
