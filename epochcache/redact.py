@@ -132,6 +132,15 @@ _USERINFO = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://)([^/?#]*)@")  # up to the 
 _SECRET_PARAM = re.compile(
     r"sig|signature|token|secret|password|passwd|credential|key|auth|session", re.IGNORECASE)
 _PARAM = re.compile(r"([?&;])([^=&;#]+)=([^&;#]*)")
+#: Parameters whose names match the pattern above but carry no credential: S3's paging (an
+#: unreachable endpoint's message shows the listing URL; ``max-keys=***`` hid the page size).
+_PLAIN_PARAMS = frozenset({"max-keys", "key-marker", "version-id-marker", "upload-id-marker"})
+
+
+def _secret_param(name: str) -> bool:
+    """Whether a query parameter's name says its value is a credential."""
+    name = urllib.parse.unquote_plus(name)
+    return name.lower() not in _PLAIN_PARAMS and bool(_SECRET_PARAM.search(name))
 #: Credentials outside URLs: the fields of Azure connection strings (their value runs to the
 #: next ``;``: a SharedAccessSignature holds ``&``s), and credential parameters of a SAS token
 #: or query string written on its own (``sv=...&sig=...``), each after a separator.
@@ -161,7 +170,7 @@ def redact_url(url: str) -> str:
 
 def _mask_param(match: re.Match[str]) -> str:
     sep, name, value = match.group(1), match.group(2), match.group(3)
-    if value and _SECRET_PARAM.search(urllib.parse.unquote_plus(name)):
+    if value and _secret_param(name):
         return f"{sep}{name}={REDACTED}"
     return match.group(0)
 
@@ -183,7 +192,7 @@ def url_secrets(url: str) -> set[str]:
     if sep:
         for match in _PARAM.finditer("?" + tail):
             name, value = match.group(2), match.group(3)
-            if value and _SECRET_PARAM.search(urllib.parse.unquote_plus(name)):
+            if value and _secret_param(name):
                 found |= {value, urllib.parse.unquote_plus(value)}
     return {value for value in found if len(value) >= 4}
 
