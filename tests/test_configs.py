@@ -71,9 +71,12 @@ def test_ddp_config_takes_node_identity_from_torchrun() -> None:
              "EPOCHCACHE_CACHE_DIR": "/scratch"}
     config = load_config(REPO / "configs" / "ddp.yaml", environ=node1)
     assert config.sampler.node(node1) == (1, 2)
-    assert str(config.cache.dir) == "/scratch/node-1"  # one cache per node
+    # One cache per node, on its local disk: the path does not follow GROUP_RANK, which the c10d
+    # rendezvous may hand another node at the next launch (the cache would start cold beside
+    # the old one, twice the disk).
+    assert str(config.cache.dir) == "/scratch"
     node0 = {**node1, "GROUP_RANK": "0"}
-    assert str(load_config(REPO / "configs" / "ddp.yaml", environ=node0).cache.dir) == "/scratch/node-0"
+    assert str(load_config(REPO / "configs" / "ddp.yaml", environ=node0).cache.dir) == "/scratch"
     # torchrun's WORLD_SIZE/LOCAL_WORLD_SIZE alone also give the node count
     env = {**ENV, "GROUP_RANK": "1", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}
     assert load_config(REPO / "configs" / "ddp.yaml", environ=env).sampler.node(env) == (1, 2)

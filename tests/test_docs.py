@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 MARKED = re.compile(r"<!-- test: run -->\n```(\w+)\n(.*?)```", re.S)
@@ -48,6 +49,31 @@ def test_the_config_reference_writes_sizes_as_a_config_would() -> None:
         if shown not in ("null", "**required**"):
             assert not shown.isdigit() or int(shown) < 1024, f"{key}: {shown}"
             assert parse_size(shown) > 0, f"{key}: {shown}"
+
+
+def _torchrun_commands(text: str) -> list[str]:
+    """Each ``torchrun ...`` command in ``text`` (continuation lines and ``# `` comment
+    prefixes joined), whitespace normalised."""
+    text = re.sub(r"^#\s?", "", text, flags=re.M).replace("\\\n", " ")
+    return [" ".join(line.split()) for line in text.splitlines()
+            if line.strip().startswith("torchrun ")]
+
+
+def test_the_multi_node_page_and_configs_ddp_agree() -> None:
+    """docs/howto/multi-node.md and configs/ddp.yaml disagreed: the config put each node's cache
+    under node-${GROUP_RANK}, the page told shared filesystems to; both passed --node-rank to
+    torchrun with the c10d rendezvous, which ignores it (it numbers the nodes as they join)."""
+    page = (REPO / "docs" / "howto" / "multi-node.md").read_text()
+    config = (REPO / "configs" / "ddp.yaml").read_text()
+    in_page, in_config = _torchrun_commands(page), _torchrun_commands(config)
+    assert in_page and in_page[0] == in_config[0], (in_page, in_config)
+    for command in in_page + in_config:
+        assert not ("--rdzv-backend c10d" in command and "--node-rank" in command), command
+    assert "GROUP_RANK" not in yaml.safe_load(config.replace("${", "$(")).get("cache", {}).get(
+        "dir", "")
+    for text in (page, config):
+        assert "local disk" in text and "never on a filesystem the nodes share" in " ".join(
+            text.replace("#", " ").split())
 
 
 def test_every_config_key_has_a_description() -> None:
