@@ -7,7 +7,7 @@ waits for ``train.min_samples``, then calls the trainer named by ``train.entrypo
 epoch through :meth:`Cache.epochs`. After each epoch it logs loss, samples, cache fill,
 evictions and the data-wait fraction, appends them to ``metrics.jsonl`` and checkpoints to the
 run directory; ``--resume`` continues at the next epoch. Ctrl-C (or SIGTERM) stops cleanly at
-the next batch (:mod:`epochcache.run_signals`): the lease is released, the daemon stopped if the
+the next batch (:mod:`epochcache.run.signals`): the lease is released, the daemon stopped if the
 run started it, the last checkpoint kept. On a CUDA node each rank trains on its own GPU
 (``RunContext.device``; :mod:`epochcache.data.devices`).
 """
@@ -400,7 +400,7 @@ def run_training(config: EpochcacheConfig, *, resume: bool = False) -> int:
     Under torchrun, the process group is joined first; global rank 0 writes the demo data and
     the run directory (config, metrics, checkpoints, plots), local rank 0 of each node runs the
     node's daemon, and the other ranks of a node share its cache through ``cache.epochs()``.
-    SIGINT and SIGTERM stop the run at its next safe point (:mod:`epochcache.run_signals`):
+    SIGINT and SIGTERM stop the run at its next safe point (:mod:`epochcache.run.signals`):
     exit 130 or 143.
     """
     from ..data.world import detect_world
