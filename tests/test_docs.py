@@ -198,8 +198,7 @@ def _check_the_python_api_page(page: Path) -> None:
     shown = html.unescape(re.sub(r"<[^>]+>", "", text))
     assert "Cache(path, capacity=None" in shown, "the constructor's signature is missing"
     raw = re.findall(r":(?:class|meth|func|mod|data|attr|exc|obj):\S+", shown)
-    assert not raw, f"raw Sphinx roles on the Python API page: {raw[:10]} (re-run " \
-                    "/work/tools/convert_roles.py, see docs/contributing.md)"
+    assert not raw, f"raw Sphinx roles on the Python API page: {raw[:10]}"
 
 
 def test_docstrings_use_cross_references_mkdocstrings_understands() -> None:
