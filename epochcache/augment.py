@@ -4,11 +4,11 @@ Random resized crop (torchvision's parameters: scale 0.08-1 of the area, aspect 
 bilinear), horizontal flip with probability 0.5, and normalisation by the ImageNet mean and
 standard deviation. Two shapes of the same thing:
 
-* :class:`RandomResizedCrop`: a per-sample transform (HWC ``uint8`` numpy array or CHW
+* `RandomResizedCrop`: a per-sample transform (HWC ``uint8`` numpy array or CHW
   ``uint8`` tensor in, normalised CHW ``float32`` tensor out), picklable, for
   ``cache.epochs(transform=...)`` or any Dataset; randomness from Python's ``random`` (seeded
   per DataLoader worker);
-* :func:`augment_batch`: the same crop, flip and normalisation for a whole ``uint8`` batch at
+* `augment_batch`: the same crop, flip and normalisation for a whole ``uint8`` batch at
   once (one ``affine_grid`` + ``grid_sample``), for a training loop that augments batches.
 
 The example trainer and ``scripts/bench_images.py`` use these (the latter for every contender).

@@ -1,6 +1,6 @@
-"""The public :class:`Cache`: a cache directory as users hold it.
+"""The public [`Cache`][epochcache.Cache]: a cache directory as users hold it.
 
-It holds the store layer's :class:`~epochcache.store.SampleStore` (the LMDB environment, the
+It holds the store layer's `SampleStore` (the LMDB environment, the
 limits, the write path, leases, snapshots) and shows users what they call: put and read
 samples, take snapshots, read the counters and the coverage, copy the cache, and the
 training side, ``dataset()``, ``epochs()`` and ``stream()``, which import the data layer (and
@@ -9,7 +9,7 @@ torch) only when called, so ``import epochcache`` and sampler processes stay fre
 What the library's own layers call on a cache (taking a snapshot inside a transaction,
 writing release-plan parts, heartbeats, side tables) is the store's, not this class's: it is
 no part of the public surface and may change between releases. Code that needs it (tests,
-tools) reaches it through :func:`epochcache.store.store_of`.
+tools) reaches it through `epochcache.store.store_of`.
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ class Cache:
 
     @property
     def effective_capacity(self) -> int:
-        """The capacity in force: lower than :attr:`capacity_bytes` while a full disk (or
+        """The capacity in force: lower than `capacity_bytes` while a full disk (or
         LMDB map) holds writers back."""
         return self._store.effective_capacity
 
@@ -118,7 +118,7 @@ class Cache:
     def coverage(self) -> dict[str, Any]:
         """How much of each source training has seen: per source the samples listed, those
         trained at least once, a histogram of epochs per sample, the growth rate and the time
-        to see every sample once (see :mod:`epochcache.store.coverage`)."""
+        to see every sample once (see `epochcache.store.coverage`)."""
         return self._store.coverage()
 
     def record_trained(self, seqs: Sequence[int] | np.ndarray, *, epoch: int | None = None,
@@ -144,7 +144,7 @@ class Cache:
     def copy_to(self, dst: str | os.PathLike[str]) -> dict[str, Any]:
         """Make a consistent, compacted copy of this cache in ``dst`` (new or empty), while
         its daemon and trainers go on: samples, limits, listings and coverage are kept;
-        leases, plans and daemon state left behind (see :mod:`epochcache.store.copy_cache`).
+        leases, plans and daemon state left behind (see `epochcache.store.copy_cache`).
         Returns what was copied (``samples``, ``bytes``, ``file_bytes``, ``seconds``, ...).
 
         Raises:
@@ -155,7 +155,7 @@ class Cache:
     # -- samples -----------------------------------------------------------------------------
 
     def put(self, key: str, value: Value, **kwargs: Any) -> PutResult:
-        """Store one sample (see :meth:`put_many`)."""
+        """Store one sample (see `put_many`)."""
         return self._store.put(key, value, **kwargs)
 
     def put_many(self, items: Iterable[tuple[str, Value]], *, wait: bool = True,
@@ -164,7 +164,7 @@ class Cache:
 
         Eviction makes room, oldest first. When leases pin too much to stay within capacity +
         headroom, the call waits (back-pressure) until space returns or ``timeout_s`` passes;
-        with ``wait=False`` it raises :class:`~epochcache.CacheFull` at once. When the call
+        with ``wait=False`` it raises [`CacheFull`][epochcache.CacheFull] at once. When the call
         returns, every sample is committed.
 
         Args:
@@ -224,7 +224,7 @@ class Cache:
 
     def snapshot(self, epoch: int | None = None, label: str = "") -> Snapshot:
         """Freeze the newest samples that fit the capacity under a lease, which protects
-        them from eviction until :meth:`Snapshot.release` (a context manager)."""
+        them from eviction until [`Snapshot.release`][epochcache.Snapshot.release] (a context manager)."""
         return self._store.snapshot(epoch, label)
 
     def leases(self) -> list[Lease]:
@@ -243,20 +243,20 @@ class Cache:
     # -- training ----------------------------------------------------------------------------
 
     def dataset(self, epoch: int = 0, **kwargs: Any) -> EpochDataset:
-        """A map-style Dataset over a fresh snapshot (see :class:`epochcache.EpochDataset`)."""
+        """A map-style Dataset over a fresh snapshot (see [`epochcache.EpochDataset`][epochcache.data.dataset.EpochDataset])."""
         from .data.dataset import EpochDataset
 
         return EpochDataset.from_cache(self._store, epoch=epoch, **kwargs)
 
     def stream(self, **kwargs: Any) -> CacheStream:
         """A torch IterableDataset taking a fresh snapshot per epoch (see
-        :class:`epochcache.CacheStream`), for your own DataLoader."""
+        [`epochcache.CacheStream`][epochcache.data.stream.CacheStream]), for your own DataLoader."""
         from .data.stream import CacheStream
 
         return CacheStream(self._store, **kwargs)
 
     def epochs(self, num_epochs: int, **kwargs: Any) -> Any:
-        """Yield ``(epoch, loader)``; see :func:`epochcache.data.epochs.epochs`."""
+        """Yield ``(epoch, loader)``; see [`epochcache.data.epochs.epochs`][epochcache.data.epochs.epochs]."""
         from .data.epochs import epochs
 
         return epochs(self._store, num_epochs, **kwargs)

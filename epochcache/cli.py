@@ -6,7 +6,7 @@ unreachable at start (nothing was started). argparse already exits 2 on bad usag
 Logging goes to stderr, at INFO by default; ``-v`` is DEBUG for epochcache (``-vv`` for the
 libraries too), ``-q`` WARNING, before or after the subcommand. stdout carries only what a
 command prints (``status --json`` pipes into ``jq``). Log lines and error messages have the
-credentials inside URLs masked (:mod:`epochcache.redact`).
+credentials inside URLs masked (`epochcache.redact`).
 """
 
 from __future__ import annotations

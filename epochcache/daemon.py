@@ -17,12 +17,12 @@ not in a thread of the caller, because that is what survives both places people 
   its parent gone within a second and stops in order (samplers commit what they fetched).
   Its log lines are relayed into this process's ``logging`` (logger ``epochcache.daemon``).
 
-Errors at start are raised by :meth:`Daemon.start` as ``epochcache daemon`` exits 2 on them:
-:class:`~epochcache.errors.ConfigError`, :class:`~epochcache.errors.SourceUnavailable` (the
-source and URL named), :class:`~epochcache.errors.DaemonAlreadyRunning` (the single-instance
+Errors at start are raised by [`Daemon.start`][epochcache.Daemon.start] as ``epochcache daemon`` exits 2 on them:
+[`ConfigError`][epochcache.ConfigError], [`SourceUnavailable`][epochcache.SourceUnavailable] (the
+source and URL named), [`DaemonAlreadyRunning`][epochcache.DaemonAlreadyRunning] (the single-instance
 lock applies). Credentials go to the child through a pipe, never through a file or argv.
 
-Importing this module imports nothing heavy; the config model is loaded by :class:`Daemon`.
+Importing this module imports nothing heavy; the config model is loaded by [`Daemon`][epochcache.Daemon].
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ log = logging.getLogger("epochcache.daemon")
 
 #: ``LEVEL logger: message`` lines of the child (see ``daemon_main.LOG_FORMAT``).
 LOG_LINE = re.compile(r"^(DEBUG|INFO|WARNING|ERROR|CRITICAL) ([\w.]+): (.*)$")
-#: How long :meth:`Daemon.stop` waits by default: the samplers' own grace period, and a margin.
+#: How long [`Daemon.stop`][epochcache.Daemon.stop] waits by default: the samplers' own grace period, and a margin.
 STOP_TIMEOUT_S = 45.0
 
 
@@ -117,7 +117,7 @@ class Daemon:
 
     Args:
         config: a path to a YAML config, a dict in the YAML schema, or a ``Config``
-            (:func:`epochcache.load_config`). Validated here.
+            ([`epochcache.load_config`][epochcache.load_config]). Validated here.
 
     Raises:
         ConfigError: the config is invalid (nothing is started).
@@ -234,7 +234,7 @@ class Daemon:
 
     @property
     def pid(self) -> int | None:
-        """The daemon process's pid (None before :meth:`start`)."""
+        """The daemon process's pid (None before [`start`][epochcache.Daemon.start])."""
         return None if self._popen is None else self._popen.pid
 
     @property

@@ -11,7 +11,7 @@ pattern plus unit Gaussian noise, so a tiny model learns to tell them apart. Sam
   ASCII digits) per sample, plus manifests whose rows are shards (``key,size,checksum``).
 
 With ``kind="jpg"`` the samples are instead 64x64 JPEG images of ten procedurally drawn
-shapes (see :mod:`epochcache.demo_images`): ``sample-000000.jpg`` (files) or ``000000.jpg`` +
+shapes (see `epochcache.demo_images`): ``sample-000000.jpg`` (files) or ``000000.jpg`` +
 ``000000.cls`` (tar); this is what ``configs/demo.yaml`` trains a CNN on.
 
 Checksums are SHA-256, bare lowercase hex (64 digits; the manifest reader infers the algorithm).
@@ -205,7 +205,8 @@ def _write_objects(fs: Any, root: str, url: str, objects: dict[str, bytes]) -> N
 
 
 def add_demo_data_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Register ``demo-data URL [--samples N] [--layout L] [--kind K] [--sample-bytes B]``.
+    """Register ``demo-data URL [--samples N] [--layout L] [--kind K] [--sample-bytes B]
+    [--endpoint-url URL] [--storage-option KEY=VALUE ...]``.
 
     The parser's ``func`` default runs it and returns exit status 0.
     """
@@ -224,8 +225,45 @@ def add_demo_data_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--kind", choices=["npy", "jpg"], default="npy",
                         help="npy arrays (default) or jpg images of shapes")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--endpoint-url", default=None, metavar="URL",
+        help="an S3-compatible store's endpoint (MinIO, Ceph, R2, ...): the storage option "
+             "endpoint_url; credentials come from the environment, ~/.aws or an instance role")
+    parser.add_argument(
+        "--storage-option", action="append", default=[], type=_storage_option,
+        metavar="KEY=VALUE", dest="storage_options",
+        help="a storage option for the URL's filesystem, as source.storage_options takes it "
+             "(repeatable; VALUE is read as YAML: anon=true; a dotted KEY nests: "
+             "client_kwargs.region_name=eu-west-1); never put a secret on a command line")
     parser.set_defaults(func=_run_demo_data)
     return parser
+
+
+def _storage_option(text: str) -> tuple[list[str], Any]:
+    """``KEY=VALUE`` of ``--storage-option``: the key's path and the value read as YAML."""
+    import yaml
+
+    name, sep, value = text.partition("=")
+    path = name.strip().split(".")
+    if not sep or not all(path):
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE (e.g. anon=true), got {text!r}")
+    try:
+        parsed = yaml.safe_load(value) if value else ""
+    except yaml.YAMLError:
+        parsed = value
+    return path, value if isinstance(parsed, (dict, list)) or parsed is None else parsed
+
+
+def _options_of(args: argparse.Namespace) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    for path, value in args.storage_options:
+        node = options
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = value
+    if args.endpoint_url:
+        options["endpoint_url"] = args.endpoint_url
+    return options
 
 
 def _run_demo_data(args: argparse.Namespace) -> int:
@@ -233,6 +271,7 @@ def _run_demo_data(args: argparse.Namespace) -> int:
         args.url,
         args.samples,
         args.layout,
+        _options_of(args) or None,
         sample_bytes=args.sample_bytes,
         samples_per_shard=args.samples_per_shard,
         seed=args.seed,

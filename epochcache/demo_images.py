@@ -5,7 +5,7 @@ ellipse, crescent) drawn at a random position, size and rotation on a noisy grad
 background, in a colour around a hue of the class's own that overlaps its neighbours' hues: the
 colour is a hint, the shape decides. A small CNN needs several epochs and never gets every
 augmented crop right. Sample ``i`` has class ``i % 10``; the
-images are deterministic in the seed. Written by :func:`epochcache.demo.write_demo_data` with
+images are deterministic in the seed. Written by `epochcache.demo.write_demo_data` with
 ``kind="jpg"`` (``000123.jpg`` + ``000123.cls`` per sample in each ``shard-NNNNNN.tar``).
 """
 

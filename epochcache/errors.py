@@ -1,6 +1,6 @@
 """Exceptions raised by epochcache.
 
-Every error subclasses :class:`EpochcacheError` and, where one fits, the matching builtin, so
+Every error subclasses [`EpochcacheError`][epochcache.EpochcacheError] and, where one fits, the matching builtin, so
 callers can catch either::
 
     EpochcacheError

@@ -1,7 +1,7 @@
 """The built-in example trainers: a small CNN on the demo images, an MLP on the npy demo data.
 
-``epochcache run configs/demo.yaml`` trains :func:`train_image_classifier` (JPEG images of ten
-shapes, with augmentation); ``configs/demo-npy.yaml`` trains :func:`train_epoch` (an MLP on
+``epochcache run configs/demo.yaml`` trains `train_image_classifier` (JPEG images of ten
+shapes, with augmentation); ``configs/demo-npy.yaml`` trains `train_epoch` (an MLP on
 float arrays). They double as the reference for writing a trainer of your own::
 
     def train_epoch(run: RunContext, epoch: int, loader) -> dict[str, float]:

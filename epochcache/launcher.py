@@ -13,7 +13,7 @@ read, never guessed, from one of two launchers:
   match the job's rank and size (under ``srun torchrun ...`` they describe the torchrun agents,
   and torchrun's own variables are used).
 
-A distributed job (more than one rank) with neither raises :class:`NodeLayoutError` naming the
+A distributed job (more than one rank) with neither raises [`NodeLayoutError`][epochcache.NodeLayoutError] naming the
 variables to set. The variables are read when called, never at import; no torch here.
 """
 
@@ -154,7 +154,7 @@ def read_placement(environ: Mapping[str, str], rank: int | None = None,
 def read_node(environ: Mapping[str, str]) -> tuple[int, int]:
     """``(node, nodes)`` for a process outside the ranks (a node's daemon and samplers), from
     torchrun's ``GROUP_RANK`` and ``GROUP_WORLD_SIZE`` (or ``WORLD_SIZE // LOCAL_WORLD_SIZE``),
-    else a distributed launch's :func:`read_placement`; ``(0, 1)`` outside a distributed launch.
+    else a distributed launch's `read_placement`; ``(0, 1)`` outside a distributed launch.
 
     Raises:
         NodeLayoutError: a launch that says the one and not the other, or no number of nodes.

@@ -1,21 +1,21 @@
 """Bounds on untrusted input: a source is someone else's bucket.
 
-* :data:`DEFAULT_MAX_SAMPLE_BYTES` (256 MiB, ``loader.max_sample_bytes``) is the largest sample
+* `DEFAULT_MAX_SAMPLE_BYTES` (256 MiB, ``loader.max_sample_bytes``) is the largest sample
   epochcache accepts: samplers refuse (quarantine) an object listed larger, or larger than the
   cache capacity, before downloading it, and read at most that much of one whose size is not
   listed; decompression (gzip) stops there on ingest and in the loader;
-* :func:`gunzip` decompresses gzip in a stream and gives up as soon as the output passes the
+* `gunzip` decompresses gzip in a stream and gives up as soon as the output passes the
   bound, so a 4 MiB bomb that would expand to 4 GiB costs at most the bound;
-* manifests are read as a stream (:func:`gunzip_chunks` for ``.gz``), a line at a time: a
-  line longer than :data:`MANIFEST_MAX_LINE_BYTES` is an error, the keys kept may take at
-  most :data:`DEFAULT_MANIFEST_MAX_BYTES` (``source.manifest_max_bytes``) and at most
-  :data:`DEFAULT_MANIFEST_MAX_LINES` lines are read (``source.manifest_max_lines``), so
+* manifests are read as a stream (`gunzip_chunks` for ``.gz``), a line at a time: a
+  line longer than `MANIFEST_MAX_LINE_BYTES` is an error, the keys kept may take at
+  most `DEFAULT_MANIFEST_MAX_BYTES` (``source.manifest_max_bytes``) and at most
+  `DEFAULT_MANIFEST_MAX_LINES` lines are read (``source.manifest_max_lines``), so
   memory follows the keys kept, never the file or what it inflates to;
-* :data:`NPY_MAX_HEADER_BYTES` caps a ``.npy`` header before it is parsed, as numpy does;
+* `NPY_MAX_HEADER_BYTES` caps a ``.npy`` header before it is parsed, as numpy does;
 * keys are someone else's names too (a tar member's name may be megabytes long): wherever one
   is kept or printed beside the samples (the quarantine, logs, ``status``, ``verify``), it is
-  :func:`cut_key` to :data:`KEY_SHOWN_CHARS` with a digest of the whole, and messages that
-  carry one are :func:`cut_text`.
+  `cut_key` to `KEY_SHOWN_CHARS` with a digest of the whole, and messages that
+  carry one are `cut_text`.
 
 A base module: no layer, no fsspec, no torch. Callers turn the ``ValueError`` it raises into
 their own error that names the key (``DecodeError``, ``CorruptSample``).
@@ -143,7 +143,7 @@ def key_digest(key: str) -> str:
 
 def cut_key(key: str, limit: int = KEY_SHOWN_CHARS) -> str:
     """``key`` as it is shown and kept beside the samples: whole up to ``limit`` characters,
-    else its first 160 and last 40 characters with its length and :func:`key_digest` between
+    else its first 160 and last 40 characters with its length and `key_digest` between
     them (the tail keeps the extension), so that two long keys stay told apart."""
     if len(key) <= limit:
         return key
@@ -151,8 +151,8 @@ def cut_key(key: str, limit: int = KEY_SHOWN_CHARS) -> str:
 
 
 def cut_text(text: str, limit: int = TEXT_SHOWN_CHARS, keys: Iterable[str] = ()) -> str:
-    """``text`` (a message, a reason) with each of ``keys`` in it cut (:func:`cut_key`, so its
-    digest is the key's), then any other run of more than :data:`KEY_SHOWN_CHARS`
+    """``text`` (a message, a reason) with each of ``keys`` in it cut (`cut_key`, so its
+    digest is the key's), then any other run of more than `KEY_SHOWN_CHARS`
     non-blank characters, then the whole cut to ``limit`` characters (its head and tail, and
     how long it was). Linear in the text."""
     for key in keys:

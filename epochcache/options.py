@@ -1,4 +1,4 @@
-"""How a cache's samples are read: one :class:`ReaderOptions` value for every reader.
+"""How a cache's samples are read: one [`ReaderOptions`][epochcache.ReaderOptions] value for every reader.
 
 ``cache.dataset()``, ``cache.epochs()``, ``cache.stream()`` and a run's ``loader:`` section all
 read samples the same way: decode them, maybe transform them, pick fields, bound what a sample
@@ -10,7 +10,7 @@ keyword arguments, which override it::
     for epoch, loader in cache.epochs(10, batch_size=64, options=opts): ...
     stream = cache.stream(seed=0, fields=("npy", "cls"))      # the same, as keywords
 
-A run's config maps onto it once (:meth:`epochcache.config.LoaderConfig.reader_options`). No
+A run's config maps onto it once (`epochcache.config.LoaderConfig.reader_options`). No
 torch here: the value travels to DataLoader workers and sampler-free tools as it is.
 """
 
@@ -123,7 +123,7 @@ NAMES = frozenset(field.name for field in dataclasses.fields(ReaderOptions))
 
 
 class ReaderKwargs(TypedDict, total=False):
-    """The keyword form of :class:`ReaderOptions` (for type checkers: ``**reader``)."""
+    """The keyword form of [`ReaderOptions`][epochcache.ReaderOptions] (for type checkers: ``**reader``)."""
 
     decode: str | DecodeFn | None
     transform: Callable[[Any], Any] | None

@@ -156,7 +156,7 @@ def _share_time_axis(axes: Sequence[Axes]) -> None:
 def plot_cache(history: Sequence[dict[str, Any]], out: str | os.PathLike[str], title: str = "",
                coverage: Sequence[dict[str, Any]] = ()) -> None:
     """Cache fill against capacity, and ingest/eviction rates, over time; with ``coverage``
-    (:func:`epochcache.store.coverage.history`) the coverage curve beside them."""
+    (`epochcache.store.coverage.history`) the coverage curve beside them."""
     plt = _pyplot()
     if coverage:
         fig, (ax_fill, ax_rate, ax_cov) = plt.subplots(1, 3, figsize=(16, 4),
@@ -242,8 +242,8 @@ def plot_run(
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
-    from .store import SampleStore
     from .errors import CacheError
+    from .store import SampleStore
 
     if not available():
         print(f"epochcache plot: needs matplotlib ({INSTALL_HINT})", file=sys.stderr)

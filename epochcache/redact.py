@@ -4,22 +4,22 @@ Credentials are masked as ``***`` *by structure*, wherever they sit, whatever th
 
 * ``storage_options`` values under a credential-like name (``key``, ``secret``, ``token``,
   ``password``, ``session_token``, ``account_key``, ``sas_token``, ``connection_string``,
-  ``client_secret``, ...), in nested mappings and lists too (:func:`redact_options`);
+  ``client_secret``, ...), in nested mappings and lists too (`redact_options`);
 * URLs: userinfo (``https://user:token@host/...``) and the signature or token parameters of
   presigned URLs (``X-Amz-Signature=``, ``X-Amz-Credential=``, ``X-Goog-Signature=``, Azure's
-  ``sig=``, ``token=``, ...): :func:`redact_url` masks them in one URL (``https://***@host/
+  ``sig=``, ``token=``, ...): `redact_url` masks them in one URL (``https://***@host/
   ...?X-Amz-Signature=***``);
 * text that is not a URL: the fields of connection strings (``AccountKey=``,
   ``SharedAccessSignature=``, ``SharedAccessKey=``) and credential parameters of a SAS token
   or query string (``sig=``, ``X-Amz-Signature=``, ``token=``, ...).
 
-:func:`scrub_urls` masks all of these in any text, :func:`redact_tree` in every string of a
-JSON-like tree, and :class:`RedactingFilter` in every log record a handler emits (third-party
+`scrub_urls` masks all of these in any text, `redact_tree` in every string of a
+JSON-like tree, and `RedactingFilter` in every log record a handler emits (third-party
 libraries log URLs too). Sources keep the real URL for fsspec and show only the redacted one.
 
 A secret known only by its value (a ``${AWS_SECRET_ACCESS_KEY}`` interpolated into a config) is
-also replaced wherever it occurs (:func:`scrub`), but only when it is at least
-:data:`MIN_SCRUB_CHARS` long: masking a short value by value garbles unrelated text (a key id
+also replaced wherever it occurs (`scrub`), but only when it is at least
+`MIN_SCRUB_CHARS` long: masking a short value by value garbles unrelated text (a key id
 ``test`` turned ``/tmp/pytest-1/test_x`` into ``/tmp/py***-1/***_x``); short ones are masked
 by structure only. Every pattern here is linear in the text (a log line may carry a key of
 megabytes). A base module: no fsspec, no torch, nothing of epochcache.
@@ -54,7 +54,7 @@ def redact_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
     A value under a credential-like name is masked whole, whatever it holds (a string, or the
     mapping of a service account's JSON). Other nested mappings (``client_kwargs``,
     ``config_kwargs``) and lists are redacted recursively, and credentials inside their strings
-    (a URL's userinfo, a connection string's ``AccountKey=``) are masked by :func:`scrub_urls`.
+    (a URL's userinfo, a connection string's ``AccountKey=``) are masked by `scrub_urls`.
     """
     result: dict[str, Any] = {}
     for name, value in (options or {}).items():
@@ -113,7 +113,7 @@ def secret_values(options: Any) -> set[str]:
 
 
 def scrub(text: str, secrets: set[str] | frozenset[str]) -> str:
-    """Replace every occurrence of each secret of at least :data:`MIN_SCRUB_CHARS` characters
+    """Replace every occurrence of each secret of at least `MIN_SCRUB_CHARS` characters
     in ``text`` by ``***`` (shorter ones are masked by structure only: see the module)."""
     for value in sorted(secrets, key=len, reverse=True):
         if len(value) >= MIN_SCRUB_CHARS:
@@ -132,6 +132,15 @@ _USERINFO = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://)([^/?#]*)@")  # up to the 
 _SECRET_PARAM = re.compile(
     r"sig|signature|token|secret|password|passwd|credential|key|auth|session", re.IGNORECASE)
 _PARAM = re.compile(r"([?&;])([^=&;#]+)=([^&;#]*)")
+#: Parameters whose names match the pattern above but carry no credential: S3's paging (an
+#: unreachable endpoint's message shows the listing URL; ``max-keys=***`` hid the page size).
+_PLAIN_PARAMS = frozenset({"max-keys", "key-marker", "version-id-marker", "upload-id-marker"})
+
+
+def _secret_param(name: str) -> bool:
+    """Whether a query parameter's name says its value is a credential."""
+    name = urllib.parse.unquote_plus(name)
+    return name.lower() not in _PLAIN_PARAMS and bool(_SECRET_PARAM.search(name))
 #: Credentials outside URLs: the fields of Azure connection strings (their value runs to the
 #: next ``;``: a SharedAccessSignature holds ``&``s), and credential parameters of a SAS token
 #: or query string written on its own (``sv=...&sig=...``), each after a separator.
@@ -161,7 +170,7 @@ def redact_url(url: str) -> str:
 
 def _mask_param(match: re.Match[str]) -> str:
     sep, name, value = match.group(1), match.group(2), match.group(3)
-    if value and _SECRET_PARAM.search(urllib.parse.unquote_plus(name)):
+    if value and _secret_param(name):
         return f"{sep}{name}={REDACTED}"
     return match.group(0)
 
@@ -183,13 +192,13 @@ def url_secrets(url: str) -> set[str]:
     if sep:
         for match in _PARAM.finditer("?" + tail):
             name, value = match.group(2), match.group(3)
-            if value and _SECRET_PARAM.search(urllib.parse.unquote_plus(name)):
+            if value and _secret_param(name):
                 found |= {value, urllib.parse.unquote_plus(value)}
     return {value for value in found if len(value) >= 4}
 
 
 def scrub_urls(text: str) -> str:
-    """``text`` with every URL in it passed through :func:`redact_url`, and the credentials of
+    """``text`` with every URL in it passed through `redact_url`, and the credentials of
     connection strings and SAS tokens outside URLs masked (see the module docstring)."""
     if "://" in text:
         text = _URL.sub(lambda m: redact_url(m.group(0)), text)
@@ -244,7 +253,7 @@ class RedactingFilter(logging.Filter):
 
 def install_log_redaction(logger: logging.Logger | None = None,
                           secrets: set[str] | None = None) -> None:
-    """Add a :class:`RedactingFilter` to every handler of ``logger`` (default: the root)."""
+    """Add a `RedactingFilter` to every handler of ``logger`` (default: the root)."""
     for handler in (logger or logging.getLogger()).handlers:
         if not any(isinstance(f, RedactingFilter) for f in handler.filters):
             handler.addFilter(RedactingFilter(secrets))

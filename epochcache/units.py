@@ -74,7 +74,7 @@ def parse_duration(value: int | float | str, *, name: str = "duration") -> float
 
 def parse_headroom(value: float | int | str, *, name: str = "headroom") -> float | int:
     """A fraction of capacity (``0.1``, ``"10%"``) as a float, or a size (``"2GiB"``, ``500``) as
-    int bytes: :func:`headroom_bytes` turns either into bytes for a given capacity.
+    int bytes: `headroom_bytes` turns either into bytes for a given capacity.
 
     Raises:
         ValueError: a fraction outside [0, 10] or not a size; the message names ``name``.
@@ -93,7 +93,7 @@ def parse_headroom(value: float | int | str, *, name: str = "headroom") -> float
 
 
 def headroom_bytes(headroom: float | int, capacity_bytes: int) -> int:
-    """Bytes of a headroom from :func:`parse_headroom`: a fraction of the capacity, or a size."""
+    """Bytes of a headroom from `parse_headroom`: a fraction of the capacity, or a size."""
     return int(capacity_bytes * headroom) if isinstance(headroom, float) else int(headroom)
 
 

@@ -37,8 +37,8 @@ import lmdb
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from epochcache import Cache  # noqa: E402
-from epochcache.store.schema import seq_key  # noqa: E402
+from epochcache import Cache
+from epochcache.store.schema import seq_key
 
 BATCH = 64
 
@@ -240,7 +240,8 @@ def _script_section(script: str, args: list[str], quick_args: list[str], json_fl
     def run(quick: bool) -> dict[str, Any]:
         import subprocess
 
-        out = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
+        with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as made:
+            out = made.name
         here = os.path.dirname(os.path.abspath(__file__))
         command = [sys.executable, os.path.join(here, script), *(quick_args if quick else args), json_flag, out]
         print(f"\n## {script}", flush=True)

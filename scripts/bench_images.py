@@ -45,8 +45,8 @@ import torch
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from epochcache import Cache  # noqa: E402
-from epochcache.augment import RandomResizedCrop  # noqa: E402
+from epochcache import Cache
+from epochcache.augment import RandomResizedCrop
 
 BATCH = 64
 PER_SHARD = 1000

@@ -42,8 +42,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from epochcache import Cache  # noqa: E402
-from epochcache.store.schema import seq_key  # noqa: E402
+from epochcache import Cache
+from epochcache.store.schema import seq_key
 
 FLOATS = 16384  # 64 KiB of float32
 BATCH = 64
@@ -439,7 +439,7 @@ def main() -> None:
             try:
                 r[f"boundary_{method}"] = boundary(cache, 5, 12_000, num_workers=2,
                                                    multiprocessing_context=method)
-            except Exception as exc:  # report, keep measuring the rest
+            except Exception as exc:  # noqa: BLE001 - report, keep measuring the rest
                 r[f"boundary_{method}"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
         print("worker RSS ...", flush=True)
         r["worker_rss_growth_pct"] = rss_growth(cache)

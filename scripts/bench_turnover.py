@@ -11,7 +11,7 @@ For every epoch once the cache is full it prints:
 * new: samples of the epoch's snapshot that the previous snapshot did not have, against
   0.9 x min(ingest rate x epoch time, capacity) (target: at least that);
 * the most stored bytes seen (sampled every 20 ms) against capacity + headroom, and the data
-  file against its bound (twice capacity + headroom, see README).
+  file against its bound (twice capacity + headroom, see docs/guide/cache.md).
 
 Then two costs of progressive release on a large cache, in process:
 

@@ -249,8 +249,8 @@ def daemon_fill(source: dict[str, Any], count: int, workdir: Path, *, processes:
     import yaml
 
     from epochcache import Cache
-    from epochcache.store import store_of
     from epochcache.errors import CacheError
+    from epochcache.store import store_of
 
     cache_dir = workdir / "cache"
     shutil.rmtree(cache_dir, ignore_errors=True)

@@ -46,12 +46,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 
-from common.s3server import S3ServerProcess  # the moto server of the fault tests
+from common.s3server import S3ServerProcess  # noqa: E402 - the moto server of the fault tests
 
-from epochcache.errors import CacheError
-from epochcache.store import SampleStore, store_of
-from epochcache.store.codec import read_info
-from epochcache.store.schema import DB_SAMPLES, seq_of
+from epochcache.errors import CacheError  # noqa: E402
+from epochcache.store import SampleStore, store_of  # noqa: E402
+from epochcache.store.codec import read_info  # noqa: E402
+from epochcache.store.schema import DB_SAMPLES, seq_of  # noqa: E402
 
 BUCKET = "soak"
 SAMPLES = 1500

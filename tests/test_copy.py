@@ -18,9 +18,6 @@ from typing import Any
 
 import pytest
 import yaml
-
-from epochcache import Cache
-
 from common.daemonproc import (
     all_samplers,
     cache_len,
@@ -31,6 +28,8 @@ from common.daemonproc import (
     wait_running,
     write_config,
 )
+
+from epochcache import Cache
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -268,7 +268,8 @@ def test_daemon_metrics_export_coverage(tmp_path: Path, start_daemon: Any) -> No
         server.close()
         store.close()
     assert 'epochcache_coverage_covered_samples{source="' in text
-    line = next(l for l in text.splitlines() if l.startswith("epochcache_coverage_covered_samples{"))
+    line = next(row for row in text.splitlines()
+                if row.startswith("epochcache_coverage_covered_samples{"))
     assert line.endswith(" 30.0")
     assert 'epochcache_coverage_epochs_samples{epochs="0"' in text
     assert "epochcache_coverage_listed_samples" in text

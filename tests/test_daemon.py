@@ -16,10 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from epochcache import Cache
-from epochcache.ingest.keyorder import KeyOrder
-
 from common.cachecheck import full_check, scan
 from common.daemonproc import (
     SAMPLE_BYTES,
@@ -34,6 +30,9 @@ from common.daemonproc import (
     write_config,
 )
 from conftest import S3Env
+
+from epochcache import Cache
+from epochcache.ingest.keyorder import KeyOrder
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -300,7 +300,7 @@ def test_reader_opening_while_a_sampler_grows_the_map(tmp_path: Path) -> None:
             try:
                 with Cache(cache_dir, readonly=True) as cache:  # status, a trainer, a test poller
                     outcome.append(len(cache))
-            except BaseException as exc:  # noqa: BLE001 - reported below
+            except BaseException as exc:
                 outcome.append(exc)
 
         reader = threading.Thread(target=read)

@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from common.writer import fill, sample_array
 from torch.utils.data import DataLoader
 
-from common.writer import fill, sample_array
 from epochcache import Cache, SnapshotClosed
 from epochcache.data.dataset import EpochDataset
 

@@ -13,7 +13,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as tmp
-
 from common.writer import fill
 from conftest import free_port
 

@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
 from common.writer import fill
 from conftest import free_port
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from common.writer import npy_bytes
+
 from epochcache import Cache, DecodeError, PickleNotAllowed
 from epochcache.data.decode import AutoDecoder, decode_sample, make_decoder
 

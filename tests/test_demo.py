@@ -7,6 +7,9 @@ import csv
 import hashlib
 import io
 import json
+import os
+import subprocess
+import sys
 import tarfile
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -14,12 +17,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pytest
 
-from epochcache.ingest.sources import SourceSpec
 from epochcache.demo import add_demo_data_parser, make_samples, write_demo_data
-from epochcache.ingest.sources import open_source
+from epochcache.ingest.sources import SourceSpec, open_source
 
 if TYPE_CHECKING:
-    from .conftest import S3Env
+    from conftest import S3Env
 
 
 def test_both_layouts_on_local_disk(tmp_path: Path) -> None:
@@ -135,3 +137,40 @@ def test_jpg_kind_writes_images_of_ten_shapes(tmp_path: Path) -> None:
     assert rows[7]["key"] == "sample-000007.jpg" and rows[7]["label"] == "7"
     with pytest.raises(ValueError, match="kind"):
         write_demo_data(f"file://{tmp_path}/x", samples=1, kind="png")  # type: ignore[arg-type]
+
+
+def _demo_data_cli(*args: str, env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "epochcache", "demo-data", *args], cwd=cwd,
+                          env=env, capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_cli_writes_to_an_s3_compatible_endpoint(s3: S3Env, tmp_path: Path) -> None:
+    """``epochcache demo-data s3://...`` reached only AWS itself: a MinIO/Ceph/R2 endpoint could
+    be given through an undocumented variable alone. ``--endpoint-url`` (and any storage option
+    with ``--storage-option KEY=VALUE``) does it; credentials stay in the environment."""
+    env = {**os.environ, "AWS_ACCESS_KEY_ID": s3.storage_options["key"],
+           "AWS_SECRET_ACCESS_KEY": s3.storage_options["secret"]}
+    env.pop("AWS_ENDPOINT_URL", None)
+    done = _demo_data_cli(s3.url("cli"), "--samples", "20", "--layout", "tar",
+                          "--samples-per-shard", "10", "--endpoint-url", s3.endpoint_url,
+                          env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "tar: 2 keys" in done.stdout
+    tar = open_source(SourceSpec(url=s3.url("cli"), layout="tar",
+                                 storage_options=s3.storage_options))
+    assert sum(1 for _ in tar.fetch_many(tar.list_keys())) == 20
+    done = _demo_data_cli(s3.url("opt"), "--samples", "3", "--layout", "files",
+                          "--storage-option", f"endpoint_url={s3.endpoint_url}",
+                          "--storage-option", "client_kwargs.region_name=us-west-2",
+                          env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    files = open_source(SourceSpec(url=s3.url("opt"), pattern="*.npy",
+                                   storage_options=s3.storage_options))
+    assert len(files.list_keys()) == 3
+    # botocore's own variable still works, as before
+    done = _demo_data_cli(s3.url("env"), "--samples", "3", "--layout", "files",
+                          env={**env, "AWS_ENDPOINT_URL": s3.endpoint_url}, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    bad = _demo_data_cli(s3.url("bad"), "--storage-option", "no-equals-sign", env=env,
+                         cwd=tmp_path)
+    assert bad.returncode == 2 and "KEY=VALUE" in bad.stderr, bad.stderr

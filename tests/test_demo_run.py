@@ -16,7 +16,6 @@ from typing import Any
 
 import pytest
 import yaml
-
 from test_run import Result, assert_no_traceback, assert_png, cli, write_yaml
 
 REPO = Path(__file__).resolve().parents[1]

@@ -17,7 +17,6 @@ from typing import Any
 
 import pytest
 import torch
-
 from common.procs import run_processes
 from common.writer import fill
 from conftest import free_port

@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from common.procs import kill_job, spawn_script
 from common.writer import Writer, fill
+
 from epochcache import Cache
 
 TRAINER = """

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from common.writer import npy_bytes
+
 from epochcache import Cache, DecodeError
 from epochcache.data.fields import FieldSelector, parse_fields
 

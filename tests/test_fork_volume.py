@@ -136,6 +136,6 @@ def test_reader_slots_of_a_forked_child_are_its_own(cache: Cache) -> None:
 def _read_many_times(cache: Cache, times: int, queue: object) -> None:
     try:
         ok = sum(cache.get(i % SAMPLES) is not None for i in range(times))
-    except Exception as exc:  # noqa: BLE001 - reported, so the parent does not hang
+    except Exception as exc:
         ok = repr(exc)  # type: ignore[assignment]
     queue.put(ok)  # type: ignore[attr-defined]

@@ -13,9 +13,8 @@ import pytest
 import torch
 from PIL import Image
 
-from epochcache import Cache, DecodeError
+from epochcache import Cache, DecodeError, MissingImageLibrary
 from epochcache.data.decode import AutoDecoder, decode_sample
-from epochcache.data.images import MissingImageLibrary
 
 
 def _encode(array: np.ndarray, fmt: str, **kw: object) -> bytes:

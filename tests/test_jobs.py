@@ -19,7 +19,6 @@ from typing import Any
 
 import pytest
 import yaml
-
 from common.daemonproc import wait_running
 from test_run import cli_env
 from test_run_resume import _dataset

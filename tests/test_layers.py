@@ -1,6 +1,6 @@
 """The layering is a test: import contracts (import-linter) and a torch-free ingest layer.
 
-README "Layout" describes the layers; pyproject.toml's ``[tool.importlinter]`` states them as
+docs/contributing.md "Layout" describes the layers; pyproject.toml's ``[tool.importlinter]`` states them as
 contracts. These tests run the real ``lint-imports`` on the package, show that it fails on a
 deliberate violation (so the contracts are not vacuous), and check at run time that the ingest
 layer and the daemon command never import torch.

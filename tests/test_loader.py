@@ -10,12 +10,11 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-
 from common.writer import Writer, fill
-from epochcache import Cache
-from epochcache import PrepareFailed
-from epochcache.store import store_of
+
+from epochcache import Cache, PrepareFailed
 from epochcache.data.schedule import epoch_order
+from epochcache.store import store_of
 
 
 def _ids(batch: torch.Tensor) -> list[int]:
@@ -98,7 +97,7 @@ def test_user_collate_and_transform_with_workers(tmp_path: Path, context: str) -
                                        collate_fn=_count_collate, drop_last=True, timeout=60,
                                        pin_memory=False, prefetch_factor=2,
                                        multiprocessing_context=context):
-        assert [b for b in loader] == [8] * 8
+        assert list(loader) == [8] * 8
 
 
 _NO_ACCELERATOR = pytest.mark.filterwarnings("ignore:'pin_memory' argument is set as true")

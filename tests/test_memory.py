@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from common.writer import fill
+
 from epochcache import Cache
 
 
@@ -17,7 +18,7 @@ def rss_kib(pid: int) -> int:
 
 
 def _worker_pids(loader: object) -> list[int]:
-    iterator = getattr(getattr(loader, "loader"), "_iterator", None)
+    iterator = getattr(loader.loader, "_iterator", None)
     return [w.pid for w in getattr(iterator, "_workers", [])]
 
 

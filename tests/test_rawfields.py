@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-
 from common.writer import npy_bytes, sample_array
+
 from epochcache import Cache
 from epochcache.data.collate import collate_samples
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from common.writer import npy_bytes, sample_array
+
 from epochcache import Cache
 from epochcache.data.rawnpy import NpyTemplate
 
@@ -96,8 +96,8 @@ def test_batches_with_an_odd_sample_give_what_the_general_path_gives(cache: Cach
     with cache.dataset() as ds:
         keys = [ds.key(i) for i in range(len(ds))]
         for indices in ([3, 4, keys.index(odd), 6], [keys.index(odd), 4]):
-            got = _outcome(lambda: ds.get_batch(indices))
-            want = _outcome(lambda: collate_samples(_general(cache, ds, indices)))
+            got = _outcome(lambda: ds.get_batch(indices))  # noqa: B023 - called at once
+            want = _outcome(lambda: collate_samples(_general(cache, ds, indices)))  # noqa: B023
             if isinstance(want, type):
                 assert got is want, (odd, got)
             elif isinstance(want, list):

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 import yaml
-
 from common.httpserver import credential_server
+
 from epochcache.config import EpochcacheConfig, parse_config
 from epochcache.demo import write_demo_data
 from epochcache.redact import RedactingFilter, redact_url, scrub_urls, url_secrets
@@ -290,3 +290,16 @@ def test_masking_a_log_line_with_a_huge_key_ends() -> None:
         subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
     except subprocess.TimeoutExpired:
         pytest.fail("masking one log line of 600,000 characters did not end in 120 s")
+
+
+def test_parameters_that_only_look_secret_stay_readable() -> None:
+    """An unreachable endpoint's message showed S3's listing URL as ``...&max-keys=***&...``:
+    a parameter whose name merely contains ``key`` was masked. S3's paging parameters are
+    shown; credentials in the same URL are still masked."""
+    url = ("http://127.0.0.1:1/my-bucket?list-type=2&prefix=train%2F&max-keys=1000"
+           "&key-marker=a%2Fb&encoding-type=url&X-Amz-Signature=0123456789abcdef")
+    shown = redact_url(url)
+    assert "max-keys=1000" in shown and "key-marker=a%2Fb" in shown, shown
+    assert "X-Amz-Signature=***" in shown and "0123456789abcdef" not in shown
+    assert "max-keys=1000" in scrub_urls(f"cannot list ({url}); retrying")
+    assert url_secrets(url) == {"0123456789abcdef"}

@@ -42,7 +42,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from common.jobs import describe
 from common.resume_cell import STOP_EPOCH, Cell, Checkpoint, Way, flat, stream_readahead
 

@@ -23,11 +23,10 @@ from typing import Any
 
 import pytest
 import yaml
-
 from common.procs import kill_job
-from epochcache.demo import write_demo_data
-
 from conftest import s3_options
+
+from epochcache.demo import write_demo_data
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SAMPLES = 2000

@@ -11,7 +11,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from test_run import RUN_TIMEOUT_S, demo_config, read_metrics, status_json, torchrun, write_yaml
 
 

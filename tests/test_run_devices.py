@@ -133,8 +133,8 @@ def _join_cuda_only(rank: int, port: int) -> None:
 def _bookkeeping(rank: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
-    from epochcache.run.checkpoint import resume_checkpoint
     from epochcache.data import distributed
+    from epochcache.run.checkpoint import resume_checkpoint
 
     _join_cuda_only(rank, port)
     try:

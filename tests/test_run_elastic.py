@@ -22,7 +22,6 @@ from typing import Any
 import pytest
 import torch
 import yaml
-
 from common.procs import Job
 from conftest import free_port
 from test_run import cli_env, torchrun

@@ -19,7 +19,6 @@ import numpy as np
 import pytest
 import torch
 import yaml
-
 from common.procs import Job
 from test_run import cli, cli_env
 

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
-
 from conftest import free_port
-from epochcache.demo import write_demo_data
+from prometheus_client.parser import text_string_to_metric_families
 from test_run import cli, cli_env, read_metrics, status_json
+
+from epochcache.demo import write_demo_data
 
 pytestmark = pytest.mark.timeout(240)
 

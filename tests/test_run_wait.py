@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from common.daemonproc import DaemonProc, wait_for
 from common.procs import kill_job
 from test_run import cli_env, demo_config, write_yaml

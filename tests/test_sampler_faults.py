@@ -20,8 +20,8 @@ import pytest
 import s3fs
 from common.cachecheck import full_check
 from common.daemonproc import (
-    all_samplers,
     SAMPLE_BYTES,
+    all_samplers,
     cache_len,
     daemon_state,
     pid_running,

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from common.cachecheck import full_check
 from common.procs import spawn_script
+
 from epochcache import Cache
 
 CAPACITY = 512 * 1024

@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from common.writer import fill
+
 from epochcache import Cache
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from common.writer import fill
+
 from epochcache.store import store_of
 
 SCRIPT = """

@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from torch.utils.data import DataLoader
-
 from common.procs import spawn_script
 from common.writer import fill
+from torch.utils.data import DataLoader
+
 from epochcache import Cache
 
 pytestmark = [  # torchdata's
@@ -56,7 +56,7 @@ def test_epochs_closed_after_a_state_resumes_exactly(tmp_path: Path) -> None:
     cache = _full_cache(path)
     epochs = cache.epochs(2, batch_size=10, seed=5, resume_grace_s=600)
     seen: list[int] = []
-    for epoch, loader in epochs:
+    for _epoch, loader in epochs:
         order = [_id(cache, s) for s in loader.seqs]
         for i, batch in enumerate(loader):
             seen.extend(_ids(batch))
@@ -148,7 +148,7 @@ def test_a_resume_whose_lease_ran_out_says_why(tmp_path: Path,
     time.sleep(1.0)  # longer than the grace
     _turn_over(path, 1000, 20)  # a writer reclaims the lease that ran out
     with caplog.at_level(logging.WARNING, logger="epochcache"):
-        for _epoch, loader in cache.epochs(1, batch_size=10, resume=state):
+        for _epoch, _loader in cache.epochs(1, batch_size=10, resume=state):
             pass
     assert "longer than the resume grace" in caplog.text, caplog.text
     assert "cache.resume_grace_s" in caplog.text

@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from common.writer import fill
 from torch.utils.data import DataLoader
 
-from common.writer import fill
 from epochcache import Cache
 
 pytestmark = [

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 import torch
+from common.writer import fill
 from torch.utils.data import DataLoader
 
-from common.writer import fill
 from epochcache import Cache
 
 pytestmark = [

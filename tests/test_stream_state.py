@@ -89,7 +89,8 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from epochcache import Cache
 cache = Cache(sys.argv[1])
 # release="epoch": what the workers read ahead of the last checkpoint stays cached, so the
-# resume is exact while writers turn the cache over (see README "Resuming a stream").
+# resume is exact while writers turn the cache over (docs/guide/resume.md, "cache.stream()
+# with StatefulDataLoader and Lightning").
 loader = StatefulDataLoader(cache.stream(seed=3, release=sys.argv[3]), batch_size=10,
                             num_workers=2)
 seen = []

@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 import torch
+from common.writer import Writer, fill, npy_bytes, sample_array
 from torch.utils.data import DataLoader
 
-from common.writer import Writer, fill, npy_bytes, sample_array
 from epochcache import Cache, CacheFull
 
 # ~380 B records: 200 KiB holds ~540 samples; a headroom of 8 KiB only ~20 of them.

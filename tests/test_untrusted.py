@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 from common.cachecheck import full_check
 from common.daemonproc import (
     daemon_state,
@@ -19,8 +18,9 @@ from common.daemonproc import (
     wait_running,
     write_config,
 )
-from epochcache import Cache
 from sources.contract import npy_bytes, tar_bytes
+
+from epochcache import Cache
 
 
 def test_the_daemon_quarantines_keys_outside_the_root_and_objects_too_large(

@@ -17,14 +17,14 @@ their samples are cached under ``<name>/<key>``.
 validation (``$${`` writes a literal ``${``), so secrets stay out of files. Values interpolated from a
 variable whose name contains KEY, SECRET, TOKEN, PASSWORD or CREDENTIAL, every credential-like key
 of ``source.storage_options``, and the credentials inside URLs (userinfo, presigned signature and
-token parameters, see :func:`epochcache.redact.redact_url`) are masked as ``***`` in ``repr()``,
-:meth:`EpochcacheConfig.redacted` and error messages. ``model_dump()`` keeps the real values
+token parameters, see `epochcache.redact.redact_url`) are masked as ``***`` in ``repr()``,
+`EpochcacheConfig.redacted` and error messages. ``model_dump()`` keeps the real values
 (samplers need them): never log it. A config handed to another process goes as
-:meth:`EpochcacheConfig.to_transfer` and comes back with :meth:`EpochcacheConfig.from_transfer`,
+`EpochcacheConfig.to_transfer` and comes back with `EpochcacheConfig.from_transfer`,
 which keeps what must be masked (``model_validate`` alone would forget it).
 
 Sizes accept ints or strings such as ``200GiB``/``64MB``; durations ints, floats or ``30s``/``5m``.
-Every error is a :class:`~epochcache.errors.ConfigError` whose message names the field path, the bad
+Every error is a [`ConfigError`][epochcache.ConfigError] whose message names the field path, the bad
 value and what is allowed.
 """
 

@@ -40,7 +40,7 @@ def parse_config(
     try:
         config = EpochcacheConfig.model_validate(resolved)
     except ValidationError as exc:
-        hidden = {p for p in secret_paths} | {"source.storage_options"}
+        hidden = set(secret_paths) | {"source.storage_options"}
         hidden |= {f"sources.{i}.storage_options" for i in range(len(entries))}
         raise ConfigError(
             describe_errors(exc, origin, hidden, secrets, EpochcacheConfig)

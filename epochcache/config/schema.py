@@ -1,7 +1,7 @@
 """The config's model: its sections and fields, their validation, and what a config masks.
 
 Field descriptions are the reference (``scripts/gen_reference.py`` renders
-docs/reference/config.md from them); see :mod:`epochcache.config` for the format.
+docs/reference/config.md from them); see `epochcache.config` for the format.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from ..limits import (
     DEFAULT_MANIFEST_MAX_LINES,
     DEFAULT_MAX_SAMPLE_BYTES,
 )
-from ..redact import REDACTED, redact_options, redact_tree
+from ..redact import REDACTED, is_secret_key, redact_options, redact_tree
 from ..units import headroom_bytes, parse_duration, parse_headroom, parse_size
 from .environment import pyarrow_available, resolve_node
 from .secrets import found_secrets, set_path, set_secrets
@@ -78,7 +78,6 @@ def _headroom(value: Any) -> Any:
 
 Check = Literal["size", "checksum", "format"]
 _ALL_CHECKS: tuple[Check, ...] = ("size", "checksum", "format")
-Size = Annotated[int, BeforeValidator(_size), Field(ge=0)]
 Duration = Annotated[float, BeforeValidator(_duration), Field(gt=0)]
 
 
@@ -126,7 +125,9 @@ class SourceConfig(_Section):
     storage_options: dict[str, Any] = Field(
         default_factory=dict,
         description="passed to the fsspec filesystem (s3fs: key, secret, endpoint_url, ...); "
-                    "credential-like values are masked everywhere",
+                    "credential-like values are masked everywhere; an empty one (`${VAR:-}` "
+                    "unset) is left out, so the filesystem's own credential chain applies "
+                    "(environment, ~/.aws, instance role)",
     )
     client: Literal["auto", "s3fs", "obstore"] = Field(
         default="auto",
@@ -166,6 +167,15 @@ class SourceConfig(_Section):
     )
 
     _secret_values: set[str] = PrivateAttr(default_factory=set)
+
+    @field_validator("storage_options")
+    @classmethod
+    def _drop_empty_credentials(cls, options: dict[str, Any]) -> dict[str, Any]:
+        # `key: ${MY_KEY:-}` with the variable unset: an empty key would be sent and refused
+        # (403); left out, the filesystem finds credentials its usual way (environment,
+        # ~/.aws, the instance role).
+        return {name: value for name, value in options.items()
+                if not (value == "" and is_secret_key(str(name)))}
 
     @property
     def effective_pattern(self) -> str:
@@ -286,7 +296,7 @@ class SamplerConfig(_Section):
     """The background samplers (section ``sampler``).
 
     Timeouts and retries of remote calls are ``source.timeout_s`` and ``source.retries``.
-    ``node_rank``/``num_nodes`` default to the torchrun environment, read by :meth:`node`.
+    ``node_rank``/``num_nodes`` default to the torchrun environment, read by `node`.
     """
 
     processes: int = Field(default=2, ge=1, le=256, description="sampler subprocesses")
@@ -596,7 +606,7 @@ class EpochcacheConfig(_Section):
 
     @classmethod
     def from_transfer(cls, data: Mapping[str, Any]) -> EpochcacheConfig:
-        """The config :meth:`to_transfer` gave, masking what the original masked (a plain
+        """The config `to_transfer` gave, masking what the original masked (a plain
         ``model_dump()`` is accepted too: then what can be found in it is masked)."""
         if "config" not in data:
             data = {"config": data}
@@ -607,7 +617,7 @@ class EpochcacheConfig(_Section):
         return config
 
     def redacted_yaml(self) -> str:
-        """:meth:`redacted` as YAML (what ``epochcache config`` prints and runs save)."""
+        """`redacted` as YAML (what ``epochcache config`` prints and runs save)."""
         text: str = yaml.safe_dump(self.redacted(), sort_keys=False)
         return text
 

@@ -1,6 +1,6 @@
 """What a config masks: the secrets it carries, found in a resolved config or named by the
 ``${VAR}`` interpolation, and set on a model so that its ``repr()``, ``redacted()`` and error
-messages hide them (:mod:`epochcache.redact` does the masking)."""
+messages hide them (`epochcache.redact` does the masking)."""
 
 from __future__ import annotations
 

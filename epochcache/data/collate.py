@@ -19,7 +19,6 @@ import numpy as np
 import torch
 from torch.utils.data import default_collate, get_worker_info
 
-
 #: Batch buffers of the training process, reused once nothing refers to them any more. A fresh
 #: multi-MiB tensor per batch comes from mmap and page-faults on every write (measured: 3x the
 #: cost of the copy itself at 64 KiB x 64 samples).
@@ -87,8 +86,10 @@ def alloc_batch(shape: tuple[int, ...], dtype: np.dtype[Any] | torch.dtype) -> t
     numel = int(np.prod(shape, dtype=np.int64))
     # As default_collate does: allocate the shared storage directly instead of moving a
     # finished tensor into shared memory (which would copy the batch once more).
-    storage = torch.empty(0, dtype=tdtype)._typed_storage()._new_shared(numel)
-    return torch.empty(0, dtype=tdtype).new(storage).view(shape)  # type: ignore[call-overload]
+    # (torch's private storage API is unannotated)
+    typed = torch.empty(0, dtype=tdtype)._typed_storage()  # type: ignore[no-untyped-call]
+    storage = typed._new_shared(numel)
+    return torch.empty(0, dtype=tdtype).new(storage).view(shape)
 
 
 def _stack_arrays(samples: Sequence[Any]) -> torch.Tensor | None:

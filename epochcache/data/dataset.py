@@ -2,7 +2,7 @@
 
 Invariant 7: the dataset's index is the snapshot's ``uint64`` array (8 bytes per sample, no
 Python object per sample), so forked workers do not copy it page by page through refcounts. The
-dataset pickles as its :class:`~epochcache.data.reader.SampleReader` (the cache path and the
+dataset pickles as its `SampleReader` (the cache path and the
 decoding options) and that array -- never an LMDB handle or the lease.
 """
 
@@ -44,15 +44,15 @@ def snapshot_gone(reader: SampleReader, lease_id: str, epoch: int | None,
 class EpochDataset(Dataset[Any]):
     """Map-style Dataset over one epoch's snapshot: ``ds[i]`` is the i-th snapshot sample.
 
-    Made by :meth:`Cache.dataset` (see :meth:`from_cache`). Use it as a context manager, or call
-    :meth:`close`, to release the snapshot's lease. Only the process that took the snapshot
+    Made by [`Cache.dataset`][epochcache.Cache.dataset] (see [`from_cache`][epochcache.data.dataset.EpochDataset.from_cache]). Use it as a context manager, or call
+    [`close`][epochcache.data.dataset.EpochDataset.close], to release the snapshot's lease. Only the process that took the snapshot
     holds the lease; copies pickled into DataLoader workers read under it.
 
     Args:
         reader: reads and decodes samples.
         seqs: the snapshot's sequence numbers.
         epoch: the epoch number (for messages).
-        snapshot: the lease-holding snapshot, released by :meth:`close`.
+        snapshot: the lease-holding snapshot, released by [`close`][epochcache.data.dataset.EpochDataset.close].
     """
 
     def __init__(self, reader: SampleReader, seqs: np.ndarray, epoch: int | None = None,
@@ -65,7 +65,7 @@ class EpochDataset(Dataset[Any]):
         # that finds a sample gone says so, naming it, when the lease no longer exists.
         self.lease_id = snapshot.lease_id if snapshot is not None else lease_id
         #: Whether the epoch was read to its end: an unfinished one's lease is left for a
-        #: resume when a checkpoint named it (see :meth:`close`). epochs() sets it.
+        #: resume when a checkpoint named it (see `close`). epochs() sets it.
         self.finished = True
 
     @classmethod
@@ -88,7 +88,7 @@ class EpochDataset(Dataset[Any]):
     ) -> EpochDataset:
         """Take a snapshot of ``cache`` under a lease (or adopt ``snapshot``) and wrap it.
 
-        The options are :class:`~epochcache.data.reader.SampleReader`'s: ``fields=("jpg;png",
+        The options are `SampleReader`'s: ``fields=("jpg;png",
         "cls")`` makes each sample a tuple, ``image`` picks numpy, torch or pil images.
 
         Raises:
@@ -162,8 +162,8 @@ class EpochDataset(Dataset[Any]):
 
     def close(self) -> None:
         """Release the snapshot's lease (in the process that took it). Idempotent. The lease
-        of an epoch not read to its end (:attr:`finished`) that a checkpoint named is left
-        for its resume instead (:meth:`SampleStore.release_lease`)."""
+        of an epoch not read to its end (`finished`) that a checkpoint named is left
+        for its resume instead (`SampleStore.release_lease`)."""
         if self._snapshot is not None:
             self._snapshot.release(finished=self.finished)
 

@@ -4,12 +4,12 @@
 for tar samples stored as a dict of fields, from each field's name (``{"npy": ..., "cls": ...}``):
 
 =============  ===============================================================
-``npy``        :class:`numpy.ndarray` (never unpickles object arrays unless opted in)
+``npy``        `numpy.ndarray` (never unpickles object arrays unless opted in)
 ``pt``/``pth`` ``torch.load(..., weights_only=True)``
 ``json``       the parsed document
 ``txt``        ``str``; ``cls``/``cls2``/``index`` an ``int`` when the text is one
 ``jpg`` ...    images (``jpg/jpeg/png/webp/bmp/tif/tiff``): an HWC ``uint8`` array, a CHW
-               tensor or a PIL image by ``image=`` (see :mod:`epochcache.data.images`)
+               tensor or a PIL image by ``image=`` (see `epochcache.data.images`)
 ``gz``         gunzip (at most ``max_sample_bytes``), then decode what is inside by the next
                extension
 ``pkl``        ``pickle.loads`` -- only with ``allow_pickle=True`` (it runs code)
@@ -23,9 +23,9 @@ Untrusted input is bounded: gzip is decompressed in a stream that stops past
 ``max_sample_bytes`` (``loader.max_sample_bytes``, default 256 MiB: a gzip bomb costs at most
 that), and a ``.npy`` header longer than numpy's 10000-byte limit is refused before it is parsed.
 
-Errors: a sample that cannot be decoded raises :class:`~epochcache.errors.DecodeError` naming its
+Errors: a sample that cannot be decoded raises [`DecodeError`][epochcache.DecodeError] naming its
 key and the codec; a pickle sample without the opt-in raises
-:class:`~epochcache.errors.PickleNotAllowed` whatever the error policy, because skipping would
+[`PickleNotAllowed`][epochcache.PickleNotAllowed] whatever the error policy, because skipping would
 silently drop every sample of such a dataset.
 """
 
@@ -38,18 +38,18 @@ import logging
 import pickle
 import zlib
 from collections.abc import Callable, Mapping
-from typing import Any, Union
+from typing import Any
 
 import numpy as np
 
-from ..errors import DecodeError, PickleNotAllowed
+from ..errors import DecodeError, MissingImageLibrary, PickleNotAllowed
 from ..limits import DEFAULT_MAX_SAMPLE_BYTES, NPY_MAX_HEADER_BYTES, gunzip
 from ..store.codec import Value
-from .images import IMAGE_EXTS, MissingImageLibrary, check_form, decode_image
+from .images import IMAGE_EXTS, check_form, decode_image
 
 log = logging.getLogger(__name__)
 
-Buffer = Union[bytes, bytearray, memoryview]
+Buffer = bytes | bytearray | memoryview
 #: A user decoder: ``fn(key, value)`` where value is bytes or a dict of field bytes.
 DecodeFn = Callable[[str, Any], Any]
 

@@ -1,7 +1,7 @@
 """Which device a rank of ``epochcache run`` computes on, and which backend joins its job.
 
-The decision is a pure function of what the launcher and the machine say (:func:`choose_device`),
-so that it is tested on CPU-only machines; :func:`epochcache.data.distributed.init_run_distributed`
+The decision is a pure function of what the launcher and the machine say (`choose_device`),
+so that it is tested on CPU-only machines; `epochcache.data.distributed.init_run_distributed`
 applies it with torch. The rules:
 
 * no CUDA device visible: the CPU and gloo, as on every CPU-only node;

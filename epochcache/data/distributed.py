@@ -1,12 +1,12 @@
 """The collectives that keep the ranks of a distributed job in step (where a process sits in
-the job is :mod:`epochcache.data.placement`, which needs no torch).
+the job is `epochcache.data.placement`, which needs no torch).
 
 Invariant 8 (DDP never deadlocks on unequal data): ranks sharing a node's cache train on one
 snapshot per epoch, taken by local rank 0 (which holds its lease) and broadcast to the node's
 other ranks, each taking a disjoint slice; the number of batches is the MIN over all ranks, so a
 node with a smaller cache never leaves the others waiting in a collective.
 
-:class:`NodeSync` uses its own gloo groups: its collectives run on epochs()' background thread
+`NodeSync` uses its own gloo groups: its collectives run on epochs()' background thread
 while the training loop runs DDP's on the default group, and collectives on one group must be
 issued in the same order by every rank. One group serves the background thread, another the
 epoch-end barrier on the training thread.
@@ -14,15 +14,15 @@ epoch-end barrier on the training thread.
 No collective may wait for a rank that will never come (a rank that failed in its training loop
 while another waits in a gradient all_reduce would otherwise hold both until the collective
 timeout, 30 minutes by default). So the background collectives start only once every rank's
-scheduler has arrived, which :meth:`NodeSync.rendezvous` finds out through the job's store (a
+scheduler has arrived, which `NodeSync.rendezvous` finds out through the job's store (a
 non-blocking check, polled, that gives up as soon as its caller is closing), and epochs() issues
 no collective at all on its error path.
 
-``epochcache run`` joins the launcher's job with :func:`init_run_distributed`: on CUDA the rank's
+``epochcache run`` joins the launcher's job with `init_run_distributed`: on CUDA the rank's
 GPU is its current device before the default group exists, and the group is NCCL, bound to that
 device. NCCL reduces CUDA tensors only, so the run's own collectives of CPU tensors and Python
 objects (metrics, the start-up barrier, the checkpoint agreed at ``--resume``) go through
-:func:`bookkeeping_group`, a gloo group of all ranks made once, right after joining.
+`bookkeeping_group`, a gloo group of all ranks made once, right after joining.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 
 _LEASE_ID_BYTES = 32  # a lease id is 32 hex digits
 
-#: The gloo group of :func:`bookkeeping_group` when the default group is not gloo (NCCL).
+#: The gloo group of `bookkeeping_group` when the default group is not gloo (NCCL).
 _BOOKKEEPING: Any = None
 
 
@@ -65,8 +65,8 @@ class NodeSync:
     """Collectives for epochs() under torch.distributed; every rank must create it together.
 
     Args:
-        place: this process's place (from :func:`detect_placement`).
-        cache_id: which cache this rank reads (:func:`~epochcache.store.env.cache_identity`).
+        place: this process's place (from `detect_placement`).
+        cache_id: which cache this rank reads (`cache_identity`).
         cache_path: its directory, for messages.
 
     Raises:
@@ -89,8 +89,8 @@ class NodeSync:
             self.close()
             raise
         # Keys of this NodeSync in the job's store, named by rank 0's token (every rank sees it).
-        self.store: Any = dist.PrefixStore(f"epochcache/{places[0][2]}/",
-                                           dist.distributed_c10d._get_default_store())
+        self.store: Any = dist.distributed_c10d.PrefixStore(
+            f"epochcache/{places[0][2]}/", dist.distributed_c10d._get_default_store())
         self.leader = place.rank
         # new_group is itself collective: every rank creates every node's group, in one order.
         for node in sorted({p[0] for p in places}):
@@ -220,7 +220,7 @@ def check_layout(places: list[Any]) -> None:
 
 
 def select_device(place: Placement) -> RunDevice:
-    """This rank's device and backend on this machine (:func:`~.devices.choose_device`).
+    """This rank's device and backend on this machine (`choose_device`).
 
     Raises:
         NodeLayoutError: CUDA is there but this local rank has no GPU of its own.
@@ -238,10 +238,10 @@ def init_run_distributed(place: Placement, device: RunDevice = CPU, *, join: boo
     and the object collectives use the current device), and ``init_process_group`` is bound
     to it (``device_id``: the NCCL communicator is formed at once, so a bad GPU or network
     fails here rather than at the first collective). Then the bookkeeping group is made (see
-    :func:`bookkeeping_group`). Without a job (``join`` False) only the device is set.
+    `bookkeeping_group`). Without a job (``join`` False) only the device is set.
 
     Returns whether this call created the default process group (and so should destroy it,
-    with :func:`close_run_distributed`).
+    with `close_run_distributed`).
     """
     if device.is_cuda:
         torch.cuda.set_device(device.index)
@@ -285,7 +285,7 @@ def bookkeeping_group() -> Any:
 
     NCCL reduces CUDA tensors only ("No backend type associated with device type cpu"), so
     under NCCL these go through a gloo group of all ranks, made once by
-    :func:`init_run_distributed`.
+    `init_run_distributed`.
 
     Raises:
         RuntimeError: the default group cannot reduce CPU tensors and no gloo group was made.
@@ -299,7 +299,7 @@ def bookkeeping_group() -> Any:
 
 def close_run_distributed(created: bool) -> None:
     """Destroy the bookkeeping group, and the default group when ``created`` (on the training
-    thread: see :meth:`NodeSync.close`)."""
+    thread: see `NodeSync.close`)."""
     global _BOOKKEEPING
     group, _BOOKKEEPING = _BOOKKEEPING, None
     if not dist_initialized():
@@ -319,7 +319,7 @@ def mean_across_ranks(metrics: dict[str, Any]) -> dict[str, Any]:
     """Average numeric metrics over all ranks (every rank calls this with the same keys).
 
     Plain Python numbers in, plain numbers out: the sum runs on the CPU, in the bookkeeping
-    group (see :func:`bookkeeping_group`), whatever the training backend.
+    group (see `bookkeeping_group`), whatever the training backend.
     """
     if not dist_initialized():
         return metrics

@@ -3,13 +3,13 @@ that resume it, on the layout that ran it or on another one (issue 28: elastic r
 
 An epoch of ``epochs()`` is one order per node (the node's snapshot, shuffled by seed and
 epoch) dealt to the node's ranks: rank ``r`` of ``W`` reads the *lane* ``order[r::W]`` cut to
-its length. A rank's :meth:`~epochcache.data.epoch_loader.EpochLoader.state_dict` names the
+its length. A rank's [`state_dict`][epochcache.data.epoch_loader.EpochLoader.state_dict] names the
 node's lease, the rank's place (``local_rank`` of ``local_world_size``), the length of its lane
 and how far along it the loop had trained (``position``). The states of one node's ranks are a
-:class:`NodeStates`, found by their lease: each node has its own cache, and only that cache
+`NodeStates`, found by their lease: each node has its own cache, and only that cache
 holds the lease.
 
-What a resumed node reads (see :func:`rank_lane`):
+What a resumed node reads (see `rank_lane`):
 
 * on the layout that ran the epoch, each rank continues its own lane after its position;
 * on another number of ranks per node, the *rest* of the node's epoch -- for each old rank in
@@ -20,7 +20,7 @@ What a resumed node reads (see :func:`rank_lane`):
 Samples evicted since are skipped (counted) where they are read; the lanes themselves never
 depend on what is cached, so a second resume rebuilds the same lanes.
 
-Every rank of the job then reads the same number of batches (:func:`deal`): with nothing
+Every rank of the job then reads the same number of batches (`deal`): with nothing
 resumed, the MIN over ranks of each one's batch count (as every epoch); with a resumed epoch,
 the MAX over the resuming ranks of ``ceil(count / batch_size)``, so none of the rest is left
 out, a rank with fewer samples spreading them over smaller batches; where a rank has fewer
@@ -82,7 +82,7 @@ class NodeStates:
 
 
 def parse_states(resume: Any) -> list[dict[str, Any]]:
-    """The states in ``resume``: one :meth:`EpochLoader.state_dict`, a list of them, or a dict
+    """The states in ``resume``: one [`EpochLoader.state_dict`][epochcache.data.epoch_loader.EpochLoader.state_dict], a list of them, or a dict
     of them by rank (``epochcache run``'s mid-epoch checkpoint holds ``{rank: state}``).
 
     Raises:
@@ -186,7 +186,7 @@ def order_identity(*, seed: int, shuffle: bool, samples_per_epoch: int | None,
 def check_resume(resume: Any, *, seed: int, shuffle: bool, samples_per_epoch: int | None,
                  place: Placement) -> list[NodeStates]:
     """The states of ``epochs(resume=...)`` by node, refused (naming what differs) when the
-    epoch's order cannot be rebuilt from them (see :mod:`epochcache.data.elastic`)."""
+    epoch's order cannot be rebuilt from them (see `epochcache.data.elastic`)."""
     groups = group_states(parse_states(resume))
     check_groups(groups, {"seed": seed, "shuffle": bool(shuffle),
                           "samples_per_epoch": samples_per_epoch}, place)
@@ -236,7 +236,7 @@ def rank_lane(order: np.ndarray, group: NodeStates, place: Placement) -> RankLan
 @dataclass(frozen=True)
 class Deal:
     """The agreed batches of an epoch: ``batches`` per rank, and how many samples a rank with
-    ``count`` samples reads (:meth:`take`) in batches ending where :meth:`bounds` says."""
+    ``count`` samples reads (`take`) in batches ending where `bounds` says."""
 
     batches: int
     batch_size: int
@@ -288,7 +288,7 @@ def lease_tag(lease: str) -> int:
         return 0
 
 
-#: The columns of the row each rank contributes to an epoch's agreement (see :func:`report`).
+#: The columns of the row each rank contributes to an epoch's agreement (see `report`).
 COUNT, RESUMED, TAG, EVICTED = range(4)
 
 

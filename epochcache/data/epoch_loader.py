@@ -19,7 +19,7 @@ import numpy as np
 from torch.utils.data import DataLoader
 
 from .schedule import EpochSchedule
-from .stall import Probe, with_time_limit, process_state
+from .stall import Probe, process_state, with_time_limit
 
 
 class EpochLoader:
@@ -27,7 +27,7 @@ class EpochLoader:
 
     Attributes:
         epoch: the epoch number.
-        dataset: the epoch's :class:`EpochDataset` (its snapshot, on this node's leader).
+        dataset: the epoch's [`EpochDataset`][epochcache.data.dataset.EpochDataset] (its snapshot, on this node's leader).
         loader: the underlying DataLoader.
     """
 
@@ -43,12 +43,12 @@ class EpochLoader:
         self.batch_times: list[float] = []
         #: Release each batch's samples once the loop asks for the next batch (progressive
         #: release). A run that checkpoints mid-epoch turns this off and calls
-        #: :meth:`release` with what its last checkpoint covers, so that a resumed epoch
+        #: `release` with what its last checkpoint covers, so that a resumed epoch
         #: finds every sample after that checkpoint.
         self.release_as_consumed = True
         #: Batches handed to the loop so far.
         self.yielded = 0
-        #: Once :meth:`state_dict` was taken, the epoch's lease outlives an abandoned epoch
+        #: Once [`state_dict`][epochcache.data.epoch_loader.EpochLoader.state_dict] was taken, the epoch's lease outlives an abandoned epoch
         #: (a stop, a crash) by this long, for a resume (epochs()' ``resume_grace_s``).
         self.resume_grace_s = 0.0
         self._kept = False
@@ -139,12 +139,12 @@ class EpochLoader:
         shuffle, samples per epoch). To resume on the same layout each rank needs only its
         own state; to resume on another number of ranks per node, give every rank the
         states of all ranks (a list, or a dict by rank): the rest of each node's epoch is
-        then dealt anew (see :mod:`epochcache.data.elastic`). An epoch that was itself
+        then dealt anew (see `epochcache.data.elastic`). An epoch that was itself
         resumed on another layout also records that earlier split (``"resumed"``).
 
         The first state taken in an epoch keeps the epoch's lease for a resume: however the
         job stops before the epoch's end (SIGTERM, Ctrl-C, a crash, a kill), the lease
-        outlives it by ``resume_grace_s`` (:meth:`keep_for_resume`)."""
+        outlives it by ``resume_grace_s`` ([`keep_for_resume`][epochcache.data.epoch_loader.EpochLoader.keep_for_resume])."""
         schedule = self._schedule
         if self.resume_grace_s > 0 and not self._kept:
             self.keep_for_resume(self.resume_grace_s)

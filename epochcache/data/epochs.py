@@ -19,7 +19,7 @@ one (~0.3 ms: a snapshot and a shuffle), and the previous epoch's lease is relea
 a background thread the same work cost the training thread several times that in GIL hand-offs.
 
 The loader reads whole batches: its sampler yields arrays of sequence numbers and the dataset
-returns finished batches (see :meth:`SampleReader.read_batch`), so no per-sample work happens in
+returns finished batches (see `SampleReader.read_batch`), so no per-sample work happens in
 ``collate``. Without a transform the default is ``num_workers=0``: reading 64 KiB from LMDB's
 shared pages in the training process beats shipping batches from workers through shared memory.
 """
@@ -55,7 +55,6 @@ from .distributed import (
     dist_initialized,
     split_for_rank,
 )
-from .epoch_loader import EpochLoader, probe_workers, stop_workers
 from .elastic import (
     COUNT,
     RESUMED,
@@ -66,6 +65,8 @@ from .elastic import (
     order_identity,
     report,
 )
+from .epoch_loader import EpochLoader, probe_workers, stop_workers
+from .reader import SampleReader
 from .resume import adopt_node, ended_lease, log_resume, resume_rank
 from .schedule import (
     EpochSchedule,
@@ -75,7 +76,6 @@ from .schedule import (
     identity,
     in_process_batches,
 )
-from .reader import SampleReader
 from .stall import Probe, arm_stack_dump, get_watchdog
 from .wait import wait_for_samples
 from .workers import start_method, start_workers
@@ -133,7 +133,7 @@ class _Pending:
 def _run_into(future: cf.Future[Any], fn: Callable[[], Any]) -> None:
     try:
         future.set_result(fn())
-    except BaseException as exc:  # surfaced to the consumer through the future
+    except BaseException as exc:  # noqa: BLE001 - surfaced to the consumer through the future
         future.set_exception(exc)
 
 
@@ -175,7 +175,7 @@ class _TaskThread:
 
 
 class _Epochs:
-    """The state behind one epochs() call (see :func:`epochs` for the arguments)."""
+    """The state behind one epochs() call (see [`epochs`][epochcache.data.epochs.epochs] for the arguments)."""
 
     def __init__(self, cache: SampleStore, *, batch_size: int, num_workers: int, seed: int,
                  shuffle: bool, drop_last: bool, samples_per_epoch: int | None,
@@ -363,7 +363,7 @@ class _Epochs:
         return torch.cuda.device(self.device_index)
 
     def _start_workers(self, pending: _Pending) -> None:
-        """Start the workers of ``pending``'s loader (see :mod:`epochcache.data.workers`).
+        """Start the workers of ``pending``'s loader (see `epochcache.data.workers`).
 
         Forked workers are started here, on the thread that iterates epochs(), inside our own
         code: a fork from a background thread while the training loop runs user code copied
@@ -428,11 +428,11 @@ class _Epochs:
             return  # never scheduled: nothing was taken
         try:
             pending.schedule.result(timeout=60).dataset.close()
-        except BaseException:  # cancelled or failed: nothing was taken, or it is released
+        except BaseException:  # noqa: BLE001 - cancelled or failed: nothing taken, or released
             pass
         try:
             pending.iterator.result(timeout=60)
-        except BaseException:
+        except BaseException:  # noqa: BLE001 - the same: its failure was the consumer's to see
             pass
         # Shut down here, not by the garbage collector (see ScheduleSampler.__iter__): the
         # workers may have been started without the epoch's iteration.
@@ -618,7 +618,7 @@ def epochs(
         batch_size: samples per batch.
         num_workers: DataLoader workers. None (the default): 0 without a transform (reading
             in the training process is fastest) and with one the cores this process may use
-            divided by the ranks of its node (see :func:`default_num_workers`).
+            divided by the ranks of its node (see `default_num_workers`).
         transform: applied to each decoded sample (in the workers).
         max_sample_bytes: the most a sample may decompress to (a gzip bomb raises a
             ``DecodeError`` naming its key); ``loader.max_sample_bytes``, default 256 MiB.
@@ -630,16 +630,16 @@ def epochs(
         wait_timeout_s: give up waiting for ``min_samples`` after this long.
         stall_file: where stall reports go (default stderr).
         stall_action: ``"raise"`` (the default): after the report the loop fails with a
-            :class:`~epochcache.errors.StallError` naming the epoch, batch, key and worker
+            [`StallError`][epochcache.StallError] naming the epoch, batch, key and worker
             (its workers are stopped), so the job ends instead of hanging and a restart
             resumes it; ``"warn"``: report and keep waiting.
         fields: yield each sample as a tuple of these fields, WebDataset's ``to_tuple``
-            (``("jpg;png", "cls")``; see :mod:`epochcache.data.fields`).
+            (``("jpg;png", "cls")``; see `epochcache.data.fields`).
         image: images decode to ``"numpy"`` HWC arrays, ``"torch"`` CHW tensors or ``"pil"``.
         release: ``"progressive"``: a batch's samples may be evicted once the loop is done
-            with it, so a full cache keeps turning over during the epoch (README
-            "Turnover"); ``"epoch"``: the whole snapshot stays until the epoch ends.
-        resume: the :meth:`EpochLoader.state_dict` of an interrupted epoch (from a
+            with it, so a full cache keeps turning over during the epoch
+            (docs/guide/turnover.md); ``"epoch"``: the whole snapshot stays until the epoch ends.
+        resume: the [`EpochLoader.state_dict`][epochcache.data.epoch_loader.EpochLoader.state_dict] of an interrupted epoch (from a
             checkpoint), or every rank's (a list, or a dict by rank: what ``epochcache run``
             checkpoints): the first epoch is that one, on the same snapshot in the same order,
             from the sample after the state's position; ``start_epoch`` is ignored. Samples
@@ -648,9 +648,9 @@ def epochs(
             each node's rest is dealt anew to its ranks (batches may then be smaller than
             ``batch_size``, never empty, the same number on every rank), a new node starts
             the epoch on a fresh snapshot, and the rest of a node that did not come back is
-            counted (:attr:`EpochLoader.resume_report`; see :mod:`epochcache.data.elastic`
+            counted ([`EpochLoader.resume_report`][epochcache.data.epoch_loader.EpochLoader.resume_report]; see `epochcache.data.elastic`
             and docs/guide/resume.md).
-        resume_grace_s: once a loader's :meth:`~EpochLoader.state_dict` was taken, its
+        resume_grace_s: once a loader's [`state_dict`][epochcache.data.epoch_loader.EpochLoader.state_dict] was taken, its
             epoch's lease outlives a stop before the epoch's end (SIGTERM, Ctrl-C, a crash,
             the process exiting) by this long, so that ``resume=`` finds its samples; an epoch
             read to its end releases its lease at once. 0 disables.

@@ -7,7 +7,7 @@ ignoring case; ``__key__`` is the sample's key. A sample stored as one object (`
 has one field, named by its key's extensions (``a/000123.jpg`` is ``jpg``, ``x.npy.gz`` is
 ``npy.gz``, also answering to ``npy``). With ``decode="auto"`` only the selected fields are decoded.
 
-A sample without a wanted field raises :class:`~epochcache.errors.DecodeError` naming its key,
+A sample without a wanted field raises [`DecodeError`][epochcache.DecodeError] naming its key,
 the field and the fields it has; with ``on_error="skip"`` it is skipped and counted instead.
 """
 
@@ -17,8 +17,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..errors import DecodeError
-from ..store.codec import Value
 from ..limits import DEFAULT_MAX_SAMPLE_BYTES
+from ..store.codec import Value
 from .decode import DecodeFn, decode_bytes, extensions, make_decoder
 
 KEY_FIELD = "__key__"
@@ -104,7 +104,7 @@ class FieldSelector:
         fields: the selection (see the module docstring).
         decode: ``"auto"`` decodes only the selected fields; ``"raw"`` gives their bytes; a
             callable ``fn(key, value)`` runs first and must return a dict of fields.
-        allow_pickle: as for :class:`~epochcache.data.decode.AutoDecoder`.
+        allow_pickle: as for `AutoDecoder`.
         image: the form images decode to.
         max_sample_bytes: the most a selected field may decompress to.
     """

@@ -5,7 +5,7 @@ JPEG goes through simplejpeg (libjpeg-turbo straight into a numpy array): on the
 against 2.2k-3.1k, pixel-identical; see ``docs/benchmarks.md``). Everything else, and JPEGs
 simplejpeg cannot convert (CMYK), go through Pillow. Both are the ``images`` extra
 (``pip install 'epochcache[images]'``); decoding an image without them raises
-:class:`MissingImageLibrary`, which no error policy skips (it would drop every image).
+[`MissingImageLibrary`][epochcache.MissingImageLibrary], which no error policy skips (it would drop every image).
 
 Forms (``image=``):
 
@@ -19,7 +19,7 @@ Forms (``image=``):
 
 Decoding is bounded like every other decoder: an image of more than Pillow's
 ``Image.MAX_IMAGE_PIXELS`` pixels (read when called: raise it there to allow bigger images)
-raises :class:`~epochcache.errors.DecodeError` before any pixel is decoded.
+raises [`DecodeError`][epochcache.DecodeError] before any pixel is decoded.
 """
 
 from __future__ import annotations

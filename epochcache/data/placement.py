@@ -1,11 +1,11 @@
-"""Where this process sits in a distributed job, now: the launcher's :class:`Placement`, with
+"""Where this process sits in a distributed job, now: the launcher's `Placement`, with
 torch.distributed's rank when it is initialised.
 
 A node is identified the way the launcher says -- torchrun's ``GROUP_RANK``, ``LOCAL_RANK``,
 ``LOCAL_WORLD_SIZE``, or Slurm's ``SLURM_NODEID``/``SLURM_LOCALID`` -- never by hostname, so two
 simulated nodes on one machine behave like two real ones; with neither, a distributed job
-raises :class:`~epochcache.errors.NodeLayoutError` (see :mod:`epochcache.launcher`). The
-variables are read when :func:`detect_placement` is called, never at import. This module does not
+raises [`NodeLayoutError`][epochcache.NodeLayoutError] (see `epochcache.launcher`). The
+variables are read when `detect_placement` is called, never at import. This module does not
 import torch.
 """
 

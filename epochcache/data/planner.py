@@ -1,24 +1,24 @@
 """Planning an epoch, for both loaders: the node's snapshot, this rank's order, the release plan.
 
-``epochs()`` (:mod:`.epochs`) and ``stream()`` (:mod:`.stream`) plan an epoch the same way, and
+``epochs()`` (`epochs`) and ``stream()`` (`stream`) plan an epoch the same way, and
 do it here, once:
 
 1. **The snapshot is the node's.** The node's leader (local rank 0) takes it under a lease
-   whose release plan has one *part* per rank of the node (:meth:`Planner.parts`; none with
+   whose release plan has one *part* per rank of the node (`Planner.parts`; none with
    ``release="epoch"``), and shares its sequence numbers with the node's other ranks
-   (:meth:`Planner.share`: one collective under DDP).
+   (`Planner.share`: one collective under DDP).
 2. **The order is the seed's.** The epoch's order is a seeded permutation of the snapshot
-   (:func:`~.schedule.epoch_order`): every rank and worker that computes it, or a resume that
+   (`epoch_order`): every rank and worker that computes it, or a resume that
    computes it again, gets the same one. Each rank reads its disjoint slot of it
-   (:meth:`Planner.rank_order`).
+   (`Planner.rank_order`).
 3. **What a rank reads is its part of the release plan.** Its lanes (the rank's loop, or each
    DataLoader worker of a stream) go into the part that rank owns
-   (:func:`write_release_part`), so eviction may take each sample once every lane that reads
+   (`write_release_part`), so eviction may take each sample once every lane that reads
    it is past it. A disk that cannot hold the plan leaves the snapshot protected whole.
 
 What differs stays with each loader: ``epochs()`` agrees a batch count across ranks (and
-resumes by node, :mod:`.elastic`), a stream agrees a sample count and publishes the epoch to
-its DataLoader workers as a share (:mod:`epochcache.store.shares`).
+resumes by node, `elastic`), a stream agrees a sample count and publishes the epoch to
+its DataLoader workers as a share (`epochcache.store.shares`).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: ``take()`` of :meth:`Planner.share`: the snapshot's sequence numbers and lease id.
+#: ``take()`` of `Planner.share`: the snapshot's sequence numbers and lease id.
 Take = Callable[[], "tuple[np.ndarray, str]"]
 
 
@@ -88,7 +88,7 @@ class Planner:
 
     def snapshot(self, epoch: int, label: str) -> tuple[np.ndarray, str, object]:
         """Take the epoch's snapshot here (the node's leader): ``(seqs, lease_id, snapshot)``,
-        under a lease whose release plan has :attr:`parts` parts."""
+        under a lease whose release plan has `parts` parts."""
         snapshot = self.cache.snapshot(epoch=epoch, label=label, plan_parts=self.parts)
         return snapshot.seqs, snapshot.lease_id, snapshot
 
@@ -116,7 +116,7 @@ class Planner:
 
     def release_part(self, lease_id: str, lanes: Sequence[np.ndarray],
                      lane: int = 0) -> Releaser | None:
-        """Write this rank's part of the release plan (see :func:`write_release_part`); None
+        """Write this rank's part of the release plan (see `write_release_part`); None
         without release plans."""
         if not self.progressive:
             return None

@@ -1,11 +1,11 @@
 """Raw multi-field records (``{npy, cls}``, ``{npy, json}``): recognised by a template, copied
 into per-field batch tensors with no per-sample dict.
 
-The multi-field sibling of :mod:`epochcache.data.rawnpy`. A WebDataset-style dataset stores
+The multi-field sibling of `epochcache.data.rawnpy`. A WebDataset-style dataset stores
 records that differ only in their key, checksum, timestamp, array data and the *contents* of
 their small fields (a label's digits, a JSON document): the codec, flags, key length, the field
 table's names and the array fields' lengths and ``.npy`` headers are byte-for-byte the same. The
-first such record is parsed once into a :class:`FieldsTemplate`; every later one is checked
+first such record is parsed once into a `FieldsTemplate`; every later one is checked
 with one struct unpack and one tuple compare, its variable lengths read from the same unpack.
 Then each array field costs one copy into its batch tensor, each integer label one copy of its
 digits into a fixed-width buffer (all labels of the batch are converted by one numpy
@@ -217,7 +217,7 @@ class FieldsBatch:
         more = [(columns[i][1], start, count) for i, start, count in template.arrays[1:]]
         labels = docs = None
         var_start = 0
-        for i, kind, var_start in template.var_outs:
+        for i, kind, var_start in template.var_outs:  # noqa: B007 - the last one is kept
             labels, docs = (columns[i], None) if kind == INT else (None, columns[i])
         names = [columns[i] for i in template.key_outs]
         hi, pos, end, width = lo + nbytes, 0, 0, LABEL_WIDTH

@@ -3,7 +3,7 @@
 The loader's hot path. A dataset of fixed-shape arrays stores records that differ only in their
 key, checksum, timestamp and array data: the codec, flags, key length, the key's ``.npy``
 suffix and the whole ``.npy`` header (magic, dtype, shape, padding) are byte-for-byte the same.
-So the first record of such a dataset is parsed once into an :class:`NpyTemplate`, and every
+So the first record of such a dataset is parsed once into an `NpyTemplate`, and every
 later record is checked against it with three cheap comparisons (its length, three header
 fields, and the bytes from the key's suffix to the end of the ``.npy`` header) before its data
 is copied straight out of the LMDB map. Anything that does not match takes the general decoder,
@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from .decode import parse_npy_header
 from ..store.schema import HEADER, Codec, RecordFlags
+from .decode import parse_npy_header
 
 #: codec, flags and key length of a record header (the fields a template pins).
 _FIELDS = struct.Struct("<xBH20xH")

@@ -1,15 +1,15 @@
 """SampleReader: reads and decodes cached samples by sequence number, one or a batch at a time.
 
-The read path is built for batches. :meth:`SampleReader.read_batch` reads a whole batch in one
+The read path is built for batches. `SampleReader.read_batch` reads a whole batch in one
 LMDB read transaction and, when the samples are fixed-shape ``.npy`` arrays stored raw, copies
 each one straight from the memory map into one preallocated batch tensor: one ``memcpy`` per
 sample, no per-sample tensor, no ``default_collate`` stacking, no header parsing (records are
-recognised by a template, see :mod:`epochcache.data.rawnpy`). In a DataLoader worker that
+recognised by a template, see `epochcache.data.rawnpy`). In a DataLoader worker that
 tensor is allocated in shared memory, so handing it to the trainer costs no further copy.
 WebDataset-style records of ``.npy`` arrays with ``.cls`` labels or ``.json`` documents get the
-same treatment field by field (:mod:`epochcache.data.rawfields`): one batch tensor per array
+same treatment field by field (`epochcache.data.rawfields`): one batch tensor per array
 field, the labels of a batch converted at once. ``fields=`` selects and orders fields into
-tuples (:mod:`epochcache.data.fields`) on either path.
+tuples (`epochcache.data.fields`) on either path.
 
 A reader pickles as the cache path and its options -- never an LMDB handle: each process opens
 an environment of its own on first read (a forked worker too: it never uses the inherited one).
@@ -18,7 +18,6 @@ an environment of its own on first read (a forked worker too: it never uses the 
 from __future__ import annotations
 
 import contextlib
-
 import logging
 import os
 import struct
@@ -29,7 +28,7 @@ import lmdb
 import numpy as np
 import torch
 
-from ..errors import DecodeError, PickleNotAllowed
+from ..errors import DecodeError, MissingImageLibrary, PickleNotAllowed
 from ..limits import DEFAULT_MAX_SAMPLE_BYTES
 from ..store import SampleStore
 from ..store.codec import decode_payload, source_key
@@ -38,7 +37,6 @@ from ..store.schema import DB_SAMPLES, HEADER, Codec, RecordFlags, seq_keys
 from ..store.schema import seq_key as _pack_seq
 from .collate import alloc_batch, collate_samples
 from .decode import DecodeFn, decode_sample, make_decoder
-from .images import MissingImageLibrary
 from .fields import FieldSelector, parse_fields
 from .rawfields import FieldsBatch, FieldsTemplate, Mismatch
 from .rawnpy import NpyTemplate, fields_of
@@ -65,16 +63,16 @@ class SampleReader:
         transform: applied to each decoded sample.
         allow_pickle: let ``decode="auto"`` unpickle ``.pkl`` samples (runs code: trust the data).
         max_sample_bytes: the most ``decode="auto"`` lets a sample decompress to (gzip);
-            a sample past it raises a :class:`DecodeError` naming its key.
-        on_error: ``"raise"`` a :class:`DecodeError` naming the key, or ``"skip"`` the sample
-            (logged with its key and counted in :attr:`skipped`, per process).
-        stall_s: report a batch slower than this (see :mod:`epochcache.data.stall`); None
+            a sample past it raises a [`DecodeError`][epochcache.DecodeError] naming its key.
+        on_error: ``"raise"`` a [`DecodeError`][epochcache.DecodeError] naming the key, or ``"skip"`` the sample
+            (logged with its key and counted in `skipped`, per process).
+        stall_s: report a batch slower than this (see `epochcache.data.stall`); None
             disables.
         stall_file: where stall reports go (default stderr).
-        stall_action: after the report, ``"raise"`` a :class:`StallError` where the batch
+        stall_action: after the report, ``"raise"`` a [`StallError`][epochcache.StallError] where the batch
             stalled (ending the job), or ``"warn"`` only.
         fields: return each sample as a tuple of these fields (``("jpg;png", "cls")``, see
-            :mod:`epochcache.data.fields`); None keeps samples as they are.
+            `epochcache.data.fields`); None keeps samples as they are.
         image: the form images decode to: ``"numpy"`` (HWC uint8), ``"torch"`` (CHW) or
             ``"pil"``.
     """
@@ -381,7 +379,7 @@ class SampleReader:
                     if template is None:
                         raise _Fallback
                 batch = alloc_batch((len(keys), *template.shape), template.dtype)
-                out = memoryview(batch.numpy()).cast("B")
+                out = batch.numpy().data.cast("B")
                 size, hi, nbytes = template.size, template.hi, template.nbytes
                 check, expect = template.check, template.expect
                 if act is not None:

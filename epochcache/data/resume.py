@@ -1,17 +1,17 @@
 """Resuming an interrupted epoch: its snapshot adopted, its order continued where it stopped.
 
-A run that checkpoints mid-epoch saves :meth:`EpochLoader.state_dict`: the epoch, its lease, and
+A run that checkpoints mid-epoch saves [`EpochLoader.state_dict`][epochcache.data.epoch_loader.EpochLoader.state_dict]: the epoch, its lease, and
 how far along this rank's lane (the epoch's order on this rank) the loop had trained. Its lease
-outlives the dead run for ``cache.resume_grace_s`` (see :meth:`SampleStore.keep_for_resume`);
+outlives the dead run for ``cache.resume_grace_s`` (see `SampleStore.keep_for_resume`);
 the resumed run adopts it, rebuilds the same order from the snapshot saved with the plan (or
 from the lease's range), and reads the samples after that position. The run released only what
 its checkpoints covered, so nothing after the position was evicted; anything that is gone
 anyway (a lease reclaimed and taken again, a repaired cache) is skipped and counted.
 
 Given every rank's states, the job may come back in another shape: each node's leader finds
-the states whose lease its own cache holds (:func:`adopt_node`), and its ranks read their part
-of the node's rest (:mod:`epochcache.data.elastic`); what no node found is counted
-(:func:`log_resume`).
+the states whose lease its own cache holds (`adopt_node`), and its ranks read their part
+of the node's rest (`epochcache.data.elastic`); what no node found is counted
+(`log_resume`).
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ class Resumed:
 
 def resume_rank(cache: SampleStore, order: np.ndarray, group: NodeStates,
                 place: Placement) -> Resumed:
-    """This rank's part of its node's resumed epoch (see :func:`~.elastic.rank_lane`)."""
+    """This rank's part of its node's resumed epoch (see `rank_lane`)."""
     lane = rank_lane(order, group, place)
     rest, offsets = present_after(cache, lane.lane, lane.position)
     log.info("epoch %d resumes after sample %d of %d of this rank's lane%s", group.epoch,

@@ -1,10 +1,10 @@
 """An epoch's schedule: what one epoch reads on one rank, in which order, in which batches.
 
-An :class:`EpochSchedule` is one epoch on one rank: its dataset (holding the snapshot's lease
+An `EpochSchedule` is one epoch on one rank: its dataset (holding the snapshot's lease
 on the node's leader), its seeded sample order and its batch count. (What a snapshot's readers
-have read, for eviction, is its *release plan*: :mod:`epochcache.store.plans`.) The DataLoader
-epochs() builds is driven by a :class:`ScheduleSampler`, which yields batches of sequence
-numbers once the schedule exists, over a :class:`SeqBatches` dataset that turns each such batch
+have read, for eviction, is its *release plan*: `epochcache.store.plans`.) The DataLoader
+epochs() builds is driven by a `ScheduleSampler`, which yields batches of sequence
+numbers once the schedule exists, over a `SeqBatches` dataset that turns each such batch
 into a finished batch.
 """
 
@@ -60,14 +60,14 @@ class EpochSchedule:
         self.resumed_from = 0
         #: Where each batch ends in ``order`` (``n_batches + 1`` counts from 0), when its
         #: batches are not all ``batch_size`` long (a resumed epoch, see
-        #: :class:`~epochcache.data.elastic.Deal`); None: whole batches.
+        #: `Deal`); None: whole batches.
         self.bounds: np.ndarray | None = None
         #: The earlier split the lane was dealt from, for the state (see
-        #: :mod:`epochcache.data.elastic`); None: the epoch's own lanes.
+        #: `epochcache.data.elastic`); None: the epoch's own lanes.
         self.resumed_split: dict[str, Any] | None = None
-        #: What the resume continued and could not, over the job (:func:`elastic.report`).
+        #: What the resume continued and could not, over the job (`elastic.report`).
         self.resume_report: dict[str, int] | None = None
-        #: What a resume must match (seed, shuffle, ...), for :meth:`position_state`.
+        #: What a resume must match (seed, shuffle, ...), for `position_state`.
         self.identity: dict[str, Any] = {}
 
     def samples(self, batches: int) -> int:
@@ -98,7 +98,7 @@ class EpochSchedule:
 
 class SeqBatch(NamedTuple):
     """One batch to read: its sequence numbers, and the epoch and lease they belong to (a
-    sample found gone is reported as its lease's loss, see :func:`snapshot_gone`)."""
+    sample found gone is reported as its lease's loss, see `snapshot_gone`)."""
 
     seqs: np.ndarray
     epoch: int
@@ -109,7 +109,7 @@ class ScheduleSampler(Sampler[SeqBatch]):
     """Yields the current schedule's batches of sequence numbers; waits for the schedule first.
 
     While ``warm_up`` is active it yields nothing: the loader's workers are being started by
-    an iteration that reads nothing (see :func:`epochcache.data.workers.start_workers`).
+    an iteration that reads nothing (see `epochcache.data.workers.start_workers`).
     """
 
     def __init__(self) -> None:

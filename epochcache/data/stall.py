@@ -1,25 +1,25 @@
 """Stall watchdog: a batch slower than ``stall_s`` dumps the stacks, names the sample key, and
-(by default) ends the job with :class:`~epochcache.errors.StallError`.
+(by default) ends the job with [`StallError`][epochcache.StallError].
 
 Invariant 6 (no hangs). Every process that reads samples (the training process and each
-DataLoader worker) gets one :class:`Watchdog`, started on first use, with a daemon thread that
-wakes a few times per ``stall_s``. Readers wrap each batch in :meth:`Watchdog.watch` and write
-the key of the sample being read into the returned :class:`Activity` (one attribute store per
+DataLoader worker) gets one `Watchdog`, started on first use, with a daemon thread that
+wakes a few times per ``stall_s``. Readers wrap each batch in `Watchdog.watch` and write
+the key of the sample being read into the returned `Activity` (one attribute store per
 sample, so it costs nothing measurable). When an activity runs past the limit the thread writes
 one line naming the process, the duration and the key, then ``faulthandler`` dumps every thread's
 stack -- the only way to see where a C call (a stuck NFS read, a deadlocked transform) sits.
 A training process waiting for its DataLoader workers also names the worker that owes the
-batch and has each worker dump its own stacks: :func:`arm_stack_dump` registers
-``faulthandler`` on :data:`DUMP_SIGNAL` in the trainer, whose forked workers inherit it
+batch and has each worker dump its own stacks: `arm_stack_dump` registers
+``faulthandler`` on `DUMP_SIGNAL` in the trainer, whose forked workers inherit it
 (handled in C, so a worker deadlocked at start-up still answers), and in spawned ones.
 
 Then, with the action ``raise`` (``loader.stall_action``, the default), the stalled work fails
-with a :class:`StallError` naming the epoch, batch, key and worker: a reader raises it where it
+with a [`StallError`][epochcache.StallError] naming the epoch, batch, key and worker: a reader raises it where it
 stalled (an asynchronous exception in its thread, turned into the full error when it leaves
-:meth:`Watchdog.watch`); a trainer waiting for workers stops them, and their loss becomes the
+`Watchdog.watch`); a trainer waiting for workers stops them, and their loss becomes the
 error. A thread stuck in C code that never returns to Python cannot be interrupted: when it is
 still stuck ``stall_s`` after the error (at least 30 s), the process ends with status
-:data:`STALL_EXIT_STATUS` (75, "temporary failure": a scheduler's restart and ``--resume``
+`STALL_EXIT_STATUS` (75, "temporary failure": a scheduler's restart and ``--resume``
 recover, the lease kept for the resume). ``warn`` only reports. A report is also recorded in
 the cache directory (``stalls/<pid>.json``), where ``epochcache status`` shows it.
 
@@ -47,16 +47,16 @@ from ..store.stalls import forget_stall, record_stall
 
 log = logging.getLogger(__name__)
 
-#: How long a report waits for a lazily named key (see :attr:`Activity.resolve`).
+#: How long a report waits for a lazily named key (see `Activity.resolve`).
 RESOLVE_TIMEOUT_S = 2.0
-#: ``loader.stall_action``: end the job with :class:`StallError`, or only report.
+#: ``loader.stall_action``: end the job with [`StallError`][epochcache.StallError], or only report.
 STALL_ACTIONS = ("raise", "warn")
 #: The exit status of a process whose stalled thread could not be interrupted (EX_TEMPFAIL).
 STALL_EXIT_STATUS = 75
-#: The signal on which a reading process dumps its threads' stacks (see :func:`arm_stack_dump`).
+#: The signal on which a reading process dumps its threads' stacks (see `arm_stack_dump`).
 DUMP_SIGNAL: int | None = (signal.SIGRTMIN + 4) if hasattr(signal, "SIGRTMIN") else None
 #: The signal that wakes a main thread blocked in a system call (a lock, a sleep, a read) so
-#: that its StallError is raised there (see :func:`_raise_in`).
+#: that its StallError is raised there (see `_raise_in`).
 WAKE_SIGNAL: int | None = (signal.SIGRTMIN + 5) if hasattr(signal, "SIGRTMIN") else None
 #: How long a report waits for a worker to write its stacks before the next one.
 _WORKER_DUMP_WAIT_S = 0.5
@@ -70,7 +70,7 @@ def check_stall_action(action: str) -> None:
 @dataclass
 class Probe:
     """What a stalled activity waits for, found when a report is due (see
-    :attr:`Activity.probe`): lines for the report, the pids of the processes whose stacks
+    `Activity.probe`): lines for the report, the pids of the processes whose stacks
     to dump, and the worker and key for the error."""
 
     lines: list[str] = field(default_factory=list)
@@ -129,7 +129,7 @@ def with_time_limit(fn: Callable[[], str], what: str) -> str:
     def run() -> None:
         try:
             found.append(fn())
-        except Exception as exc:  # the report must still go out
+        except Exception as exc:  # noqa: BLE001 - the report must still go out
             found.append(f"({what}: {type(exc).__name__}: {exc})")
 
     helper = threading.Thread(target=run, name="epochcache-stall-key", daemon=True)
@@ -180,7 +180,7 @@ def _wake(signum: int, frame: Any) -> None:
 
 def _raise_in(thread: int) -> None:
     """Raise StallError in ``thread`` at its next Python instruction; a main thread blocked in
-    a system call (where that instruction never comes) is woken by :data:`WAKE_SIGNAL`."""
+    a system call (where that instruction never comes) is woken by `WAKE_SIGNAL`."""
     ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread),
                                                ctypes.py_object(StallError))
     if (thread == threading.main_thread().ident and WAKE_SIGNAL is not None
@@ -228,7 +228,7 @@ class Watchdog:
     def watch(self, label: str, action: str = "warn") -> Iterator[Activity]:
         """Watch the calling thread's work on ``label`` until the block exits.
 
-        With ``action="raise"`` a stall makes the block fail with :class:`StallError`.
+        With ``action="raise"`` a stall makes the block fail with [`StallError`][epochcache.StallError].
         """
         activity = Activity(label, action)
         ident = activity.thread
@@ -329,7 +329,7 @@ class Watchdog:
         stream: IO[str] | None = None
         try:
             if self.stall_file is not None:
-                stream = open(self.stall_file, "a", encoding="utf-8")
+                stream = open(self.stall_file, "a", encoding="utf-8")  # noqa: SIM115 - closed below
                 fd = stream.fileno()
             else:
                 fd = 2  # the real stderr: sys.stderr may be a capture object without a fileno
@@ -367,9 +367,9 @@ _armed: dict[int, Any] = {}  # pid -> the file the stack dump goes to (kept open
 
 
 def arm_stack_dump(stall_file: str | None = None) -> None:
-    """Make this process dump every thread's stack on :data:`DUMP_SIGNAL` (once per process;
+    """Make this process dump every thread's stack on `DUMP_SIGNAL` (once per process;
     processes forked from it inherit the handler), and, called in the main thread, let
-    :data:`WAKE_SIGNAL` raise a decided StallError there. Real-time signals no launcher or
+    `WAKE_SIGNAL` raise a decided StallError there. Real-time signals no launcher or
     framework uses (Slurm and Lightning use SIGUSR1/SIGUSR2); a handler someone else put on
     them is left alone."""
     if (WAKE_SIGNAL is not None and threading.current_thread() is threading.main_thread()

@@ -8,10 +8,10 @@ sample of the share is yielded once, in an order fixed by ``(seed, epoch)``.
 
 Where the epoch is prepared (snapshot, shuffle, and under DDP the collectives):
 
-* in the main process, by :meth:`CacheStream.set_epoch` (the HF Trainer and accelerate call it
+* in the main process, by [`CacheStream.set_epoch`][epochcache.data.stream.CacheStream.set_epoch] (the HF Trainer and accelerate call it
   before every epoch; so can a Lightning hook), or by ``iter()`` itself without workers. Workers
   started afterwards receive the prepared share with the dataset (pickled or forked) and claim
-  it (see :mod:`epochcache.store.shares`);
+  it (see `epochcache.store.shares`);
 * otherwise inside the workers: the first worker of a loader iteration takes the next epoch's
   snapshot and the others adopt it, agreed through the cache. The main process of a DataLoader
   with workers never runs ``iter()`` on the dataset, so this is how a plain loop or Lightning
@@ -48,12 +48,12 @@ from ..store.shares import (
     unwatch,
 )
 from .dataset import snapshot_gone
-from .epochs import check_release
 from .distributed import NodeSync, detect_placement, dist_initialized
-from .schedule import epoch_order
-from .resume import lease_gone_reason
-from .stall import arm_stack_dump
+from .epochs import check_release
 from .reader import SampleReader
+from .resume import lease_gone_reason
+from .schedule import epoch_order
+from .stall import arm_stack_dump
 from .stream_state import KIND, ORDER_KEYS, merge, resume_split, worker_states
 
 if TYPE_CHECKING:
@@ -81,7 +81,7 @@ class _Prepared:
 class CacheStream(IterableDataset[Any]):
     """A torch ``IterableDataset`` over the cache: a fresh snapshot on every ``iter()``.
 
-    Made by :meth:`epochcache.Cache.stream`. Use it as the dataset of your own DataLoader.
+    Made by [`epochcache.Cache.stream`][epochcache.Cache.stream]. Use it as the dataset of your own DataLoader.
 
     Args:
         cache: the cache to read.
@@ -92,19 +92,19 @@ class CacheStream(IterableDataset[Any]):
         split_ranks: split each epoch across the ranks of a DDP node. Pass False when the
             framework splits the data itself (accelerate's ``prepare``, the HF Trainer): every
             rank then yields the node's whole epoch, in the same order.
-        decode: as for :meth:`epochcache.Cache.dataset`; so are ``transform``,
+        decode: as for [`epochcache.Cache.dataset`][epochcache.Cache.dataset]; so are ``transform``,
             ``allow_pickle``, ``max_sample_bytes``, ``on_error``, ``stall_s``, ``stall_file``,
             ``stall_action`` (with ``stall_s`` set, a sample read slower than it is reported
             with the stacks of the reading process, then, with ``"raise"``, the default,
-            raises :class:`~epochcache.errors.StallError` there: in a worker, DataLoader
+            raises [`StallError`][epochcache.StallError] there: in a worker, DataLoader
             re-raises it in the training loop),
             ``fields`` (``("jpg;png", "cls")`` yields tuples) and ``image`` (numpy, torch or
             pil images).
         release: ``"progressive"`` (each worker releases what it has read, so a full cache
             keeps turning over during the epoch) or ``"epoch"`` (the whole snapshot stays
-            until the epoch ends); see :func:`epochcache.data.epochs.epochs`.
-        resume_grace_s: once :meth:`state_dict` was taken in an epoch, its lease outlives
-            this process by this long, for a resumed run (see :meth:`load_state_dict`).
+            until the epoch ends); see [`epochcache.data.epochs.epochs`][epochcache.data.epochs.epochs].
+        resume_grace_s: once [`state_dict`][epochcache.data.stream.CacheStream.state_dict] was taken in an epoch, its lease outlives
+            this process by this long, for a resumed run (see [`load_state_dict`][epochcache.data.stream.CacheStream.load_state_dict]).
 
     Raises:
         ValueError: an invalid argument (named in the message).
@@ -168,7 +168,7 @@ class CacheStream(IterableDataset[Any]):
     def _init_home(self) -> None:
         """Make this process the one that holds leases and runs the collectives.
 
-        The stream's id names its document in the cache (see :mod:`epochcache.store.shares`):
+        The stream's id names its document in the cache (see `epochcache.store.shares`):
         a new one per home, so copies unpickled in several DDP ranks never share one.
         """
         self.stream_id = uuid.uuid4().hex[:12]
@@ -279,7 +279,7 @@ class CacheStream(IterableDataset[Any]):
         """Release the leases this stream holds and leave DDP's groups. Idempotent.
 
         The lease of an epoch not read to its end whose state was taken
-        (:meth:`state_dict`) is left for ``resume_grace_s``, for :meth:`load_state_dict`.
+        ([`state_dict`][epochcache.data.stream.CacheStream.state_dict]) is left for ``resume_grace_s``, for [`load_state_dict`][epochcache.data.stream.CacheStream.load_state_dict].
         """
         if self._finalizer is None or self._home_pid != os.getpid():
             return  # a copy in a worker, or never used outside one: holds nothing
@@ -299,7 +299,7 @@ class CacheStream(IterableDataset[Any]):
 
     def state_dict(self) -> dict[str, Any]:
         """Where this reader is in its epoch (a few numbers, see
-        :mod:`~epochcache.data.stream_state`): a StatefulDataLoader takes it in each worker
+        `stream_state`): a StatefulDataLoader takes it in each worker
         with every batch. The first one taken in an epoch keeps the epoch's lease for
         ``resume_grace_s`` after this process dies, so a resumed run finds its samples."""
         at = self._at
@@ -318,7 +318,7 @@ class CacheStream(IterableDataset[Any]):
                 "next_epoch": int(at["spec"]["epoch"]) + 1}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from ``state``: this stream's :meth:`state_dict` (what a StatefulDataLoader
+        """Continue from ``state``: this stream's [`state_dict`][epochcache.data.stream.CacheStream.state_dict] (what a StatefulDataLoader
         gives back to each worker) or a whole StatefulDataLoader ``state_dict()`` (its
         workers' states merged, to resume with any ``num_workers``: the rest of every
         worker's lane is dealt anew). The next loader iteration yields the rest of that epoch,
@@ -520,7 +520,7 @@ class CacheStream(IterableDataset[Any]):
         agreed count.
 
         ``base`` is where ``order`` starts in this reader's lane (a resumed epoch), for the
-        position :meth:`state_dict` reports; in a ``resumed`` epoch samples evicted before the
+        position [`state_dict`][epochcache.data.stream.CacheStream.state_dict] reports; in a ``resumed`` epoch samples evicted before the
         resume are skipped and counted.
 
         Raises:
@@ -563,7 +563,7 @@ class CacheStream(IterableDataset[Any]):
         except KeyError:
             samples: list[Any] = []
             gone = 0
-            for index, seq in enumerate(chunk):
+            for index in range(len(chunk)):
                 one: list[int] = []
                 try:
                     got = self.reader.read_samples(chunk[index : index + 1], kept=one)
@@ -638,7 +638,7 @@ class _Once:
 class _Reporting(Iterator[Any]):
     """A worker's samples that report their end once: exhausted (complete), or closed or
     collected before that (the worker shut down or exiting because its main process is
-    gone: not complete, see :func:`~epochcache.store.shares.finish_share`)."""
+    gone: not complete, see `finish_share`)."""
 
     def __init__(self, samples: Iterator[Any], done: _Once) -> None:
         self._samples, self._done = samples, done

@@ -1,6 +1,6 @@
 """The state of a stream's epoch, for StatefulDataLoader, Lightning and resumed runs.
 
-An epoch of :class:`~epochcache.data.stream.CacheStream` is one order over one snapshot, split
+An epoch of [`CacheStream`][epochcache.data.stream.CacheStream] is one order over one snapshot, split
 into *lanes*, one per reader (the main process, or each DataLoader worker: lane ``w`` is
 ``order[w::workers]``). Its state names the snapshot (lease and range), what the order
 depends on (seed, shuffle, samples per epoch, this rank's slot), the number of lanes, and how

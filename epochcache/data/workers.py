@@ -12,11 +12,11 @@ start is a plain script) and starts a worker in milliseconds:
 
 1. **Workers are forked by the training thread, inside epochcache's own code** -- never by a
    background thread while the training loop runs user code. ``epochs()`` starts each
-   loader's workers with an empty warm-up iteration (:func:`start_workers`) on the thread that
+   loader's workers with an empty warm-up iteration (`start_workers`) on the thread that
    iterates it, at a point where that thread holds none of its own locks; the real epoch is
    then primed in the background without forking (a persistent iterator's ``_reset``).
 2. **The locks a worker's start-up takes are held across every fork of the process**
-   (:func:`_before_fork`): torch's lazy-initialisation locks and numpy's global
+   (`_before_fork`): torch's lazy-initialisation locks and numpy's global
    ``RandomState`` lock, the way CPython itself holds ``logging``'s locks across a fork. A
    user thread inside ``torch.manual_seed`` or ``np.random`` delays a fork by microseconds
    instead of deadlocking the child. epochcache's own locks are renewed in the child by the
@@ -28,7 +28,7 @@ taken again by a transform in the worker; the ``forkserver`` and ``spawn`` start
 (``multiprocessing_context=`` of ``epochs()`` or the DataLoader) isolate workers from every
 thread of the trainer, at the price of a picklable dataset and a guarded script
 (docs/howto/tuning.md). A worker that blocks anyway is caught by the stall watchdog, which
-dumps its stacks and ends the job (:mod:`epochcache.data.stall`).
+dumps its stacks and ends the job (`epochcache.data.stall`).
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ def start_method(context: Any) -> str:
 
 class WarmUp:
     """Set while a loader's workers start: its sampler yields nothing (see
-    :func:`start_workers`)."""
+    `start_workers`)."""
 
     def __init__(self) -> None:
         self.active = False

@@ -1,7 +1,7 @@
 """What each source cost in requests and egress, counted where the requests are made.
 
-Every remote request of a source passes through its request gate (:mod:`.gate`) or its
-listing (:mod:`.sources.paging`), which count it here, per source and per process:
+Every remote request of a source passes through its request gate (`gate`) or its
+listing (`sources.paging`), which count it here, per source and per process:
 
 * ``gets``: object reads sent (throttled ones included: the remote answered them);
 * ``lists``: listing pages asked for (the daemon's listings and re-listings);
@@ -15,7 +15,7 @@ A sampler keeps its counters in its health document (``sampler/<i>`` in the cach
 written with its commits, about twice a second) and the daemon its listings' in its own
 (``daemon``); they start from what the document held, so they go on across restarts. Summed,
 they are what ``status`` (``requests``), the Prometheus metrics (``epochcache_remote_*``) and a
-run's per-epoch log show (:func:`epochcache.store.status.request_totals`). A process killed
+run's per-epoch log show (`epochcache.store.status.request_totals`). A process killed
 with ``kill -9`` loses the counts of its last half second.
 """
 

@@ -3,7 +3,7 @@
 The budget is a token bucket in its GCRA form (one "theoretical arrival time"), kept in a
 small file in the cache directory that every sampler process maps: a request reserves the next
 free instant and waits until it comes, so the samplers together send at most the budget per
-second on average, with bursts of :data:`BURST_S` seconds' worth after a quiet spell. The file
+second on average, with bursts of `BURST_S` seconds' worth after a quiet spell. The file
 is updated under ``flock``, which the kernel releases when its holder dies: a sampler killed
 with ``kill -9`` in the middle cannot wedge the others (a process-shared lock would stay held
 forever). A reservation costs a few microseconds.

@@ -24,7 +24,7 @@ follows a bucket into its region on its own, obstore signs for one), else ``AWS_
 ``AWS_DEFAULT_REGION`` or botocore's configuration, else ``us-east-1``.
 
 Timeouts are ours (``source.timeout_s``, ``connect_timeout_s``) and obstore retries nothing:
-retrying is the request gate's and the sampler's job (:mod:`.remote`, :mod:`.gate`).
+retrying is the request gate's and the sampler's job (`remote`, `gate`).
 """
 
 from __future__ import annotations
@@ -44,7 +44,6 @@ from ..errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-CLIENTS = ("auto", "s3fs", "obstore")
 INSTALL_HINT = "pip install 'epochcache[obstore]' (or obstore)"
 #: s3fs options that tune only s3fs (its caches, threads, retries): no meaning for obstore.
 _S3FS_ONLY = frozenset({"skip_instance_cache", "use_listings_cache", "listings_expiry_time",

@@ -7,13 +7,13 @@ What it must never do is stall its sampler silently:
 * any other error on a batch is retried record by record: records that fail alone while the
   others commit are quarantined (the cache works, the record does not); when every record
   fails, the cache itself is failing and the committer dies with that error;
-* a dead committer is seen by the fetch loop at its next hand-over (:meth:`Committer.hand_over`
+* a dead committer is seen by the fetch loop at its next hand-over (`Committer.hand_over`
   never blocks on a full queue for long), and the sampler process exits non-zero so that the
   daemon restarts it;
-* while the cache is full behind a lease it waits in rounds of :data:`HEALTH_INTERVAL_S`,
+* while the cache is full behind a lease it waits in rounds of `HEALTH_INTERVAL_S`,
   writing its health each round and checking ``should_stop`` (stop asked, or daemon gone);
 * batches that queued up behind a slow commit are committed together (one transaction and
-  one fsync for all, up to :data:`GROUP_BYTES`);
+  one fsync for all, up to `GROUP_BYTES`);
 * a sample larger than the headroom is set aside when leases hold the cache full: while
   epochs train, snapshots pin the newest capacity's worth of samples, so it could never get in
   and would hold up every batch behind it. It is counted (``deferred``), logged once with its
@@ -74,7 +74,7 @@ class Batch:
         keys: every key the batch was fetched for (committed or not): no longer in flight.
         nbytes: bytes this batch holds against the sampler's in-flight budget.
         source: the ``sources:`` entry it was fetched from ("" for a single ``source:``).
-        origins: where each record's sample came from, by key (:mod:`.origins`).
+        origins: where each record's sample came from, by key (`origins`).
     """
 
     records: list[tuple[str, bytes]]
@@ -146,7 +146,7 @@ class Committer(threading.Thread):
                 continue  # the committer is busy (or waiting for space): check it again
 
     def check(self) -> None:
-        """Raise :class:`CommitterDied` if the committer has died."""
+        """Raise `CommitterDied` if the committer has died."""
         if self.error is not None:
             raise CommitterDied(f"sampler {self.health.index}: the committer failed: "
                                 f"{type(self.error).__name__}: {self.error}") from self.error
@@ -209,7 +209,7 @@ class Committer(threading.Thread):
                       type(exc).__name__, exc, exc_info=exc)
 
     def _group(self, batch: Batch) -> tuple[list[Batch], bool]:
-        """``batch`` and the batches queued behind it, up to :data:`GROUP_BYTES`, to commit in
+        """``batch`` and the batches queued behind it, up to `GROUP_BYTES`, to commit in
         one transaction; and whether the end (None) was queued among them.
 
         Batches queue up while a commit is slow (an fsync on a busy disk, a wait for a lease):

@@ -3,33 +3,33 @@
 With a first-byte latency ``L``, a sampler that wants ``r`` objects per second needs about
 ``r * L`` requests in flight: 16 is plenty on loopback and far too few against a bucket 30 ms
 away, and no fixed number fits both, nor a bucket that throttles. ``sampler.concurrency: auto``
-(the default) finds the number per source and sampler process with :class:`AutoConcurrency`:
+(the default) finds the number per source and sampler process with `AutoConcurrency`:
 
 * **start**: the limit doubles each *round* (about one round trip of requests) while goodput
-  (bytes per second fetched) grows by at least :data:`START_GAIN`;
-* **hold**: then it holds, and every :data:`HOLD_S` (doubling up to :data:`HOLD_MAX_S` while
-  probes fail) it *probes* a step higher (:data:`PROBE_STEP`), keeping the step only if goodput
+  (bytes per second fetched) grows by at least `START_GAIN`;
+* **hold**: then it holds, and every `HOLD_S` (doubling up to `HOLD_MAX_S` while
+  probes fail) it *probes* a step higher (`PROBE_STEP`), keeping the step only if goodput
   grew by at least half of it, else going back: so it follows a link that got faster, and
   settles where more requests bring nothing (a busy CPU, the link's bandwidth, the byte budget);
 * **back-off**: a throttled answer (503 SlowDown, 429) or a timeout backs off at once (at most
   once per round trip): a probe goes back to the limit that was fine; a timeout multiplies the
-  limit by :data:`BACKOFF`; a throttled answer *paces* the source's requests (:mod:`.pace`:
+  limit by `BACKOFF`; a throttled answer *paces* the source's requests (`pace`:
   AIMD on the rate, shared by the daemon's samplers: a remote that throttles at 100 requests/s
   with 20 ms of latency needs two requests in flight, a window too coarse to settle on). A
   limit that was throttled is remembered as a ceiling that later probes approach by halving
   the distance. So a throttled sampler settles just below the remote's rate instead of sawing
   between it and a fraction of it;
 * the limit stays within ``[1, cap]``; the cap is ``sampler.max_bytes_in_flight`` over the mean
-  object size (and at most :data:`MAX_CONCURRENCY`).
+  object size (and at most `MAX_CONCURRENCY`).
 
-A round ends once at least ``limit`` requests (and :data:`MIN_ROUND_REQUESTS`) completed and
-:data:`MIN_ROUND_S` or two round trips passed. A round in which the requests in flight never
+A round ends once at least ``limit`` requests (and `MIN_ROUND_REQUESTS`) completed and
+`MIN_ROUND_S` or two round trips passed. A round in which the requests in flight never
 reached the limit says nothing about a higher one (the sampler could not supply more: the
 byte budget, the CPU): the limit does not grow on it.
 
-:class:`FixedConcurrency` is an explicit ``concurrency: N``: the limit is N, always.
+`FixedConcurrency` is an explicit ``concurrency: N``: the limit is N, always.
 
-Both are driven by the request gate (:mod:`.gate`): ``started()`` when a request goes out,
+Both are driven by the request gate (`gate`): ``started()`` when a request goes out,
 ``finished()`` with its outcome. They hold no lock: the gate calls them from one thread (the
 IO loop) or under its own lock. Time is injected (``clock``) so that tests can simulate.
 """
@@ -77,7 +77,7 @@ class Outcome(enum.IntEnum):
 
 
 class Phase(enum.IntEnum):
-    """Where :class:`AutoConcurrency` is. START -> HOLD (goodput stopped growing, or a
+    """Where `AutoConcurrency` is. START -> HOLD (goodput stopped growing, or a
     back-off); HOLD -> PROBE (a probe is due); PROBE -> PROBE (it paid: the next step) or
     HOLD (it did not, or it was throttled)."""
 
@@ -88,7 +88,7 @@ class Phase(enum.IntEnum):
 
 class FixedConcurrency:
     """An explicit ``sampler.concurrency: N``: N requests in flight at most, whatever happens;
-    a throttled remote is still answered by a pace (:mod:`.pace`).
+    a throttled remote is still answered by a pace (`pace`).
 
     Args:
         limit: requests in flight at most; at least 1.
@@ -161,7 +161,7 @@ class AutoConcurrency(FixedConcurrency):
 
     Args:
         start: the first limit.
-        cap: the highest limit (see :meth:`set_cap`).
+        cap: the highest limit (see `set_cap`).
         clock: seconds, monotonic (injected by tests).
         pacer: the source's pace after throttling (default: this process's own).
     """

@@ -1,7 +1,7 @@
-"""The daemon process that :class:`epochcache.Daemon` starts: ``python -m epochcache.ingest.daemon_main``.
+"""The daemon process that [`epochcache.Daemon`][epochcache.Daemon] starts: ``python -m epochcache.ingest.daemon_main``.
 
-It reads its config from stdin (JSON, :meth:`EpochcacheConfig.to_transfer`: credentials never touch
-a file or the command line), then runs :func:`~epochcache.ingest.supervisor.run_daemon` as
+It reads its config from stdin (JSON, `EpochcacheConfig.to_transfer`: credentials never touch
+a file or the command line), then runs `run_daemon` as
 ``epochcache daemon`` does. One JSON line on stdout tells the parent how the start went::
 
     {"event": "ready", "pid": 1234}                                     samplers are starting
@@ -21,7 +21,7 @@ from typing import Any
 
 from ..errors import EpochcacheError
 
-#: The log line format the parent parses (:data:`epochcache.daemon.LOG_LINE`).
+#: The log line format the parent parses (`epochcache.daemon.LOG_LINE`).
 LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"
 
 

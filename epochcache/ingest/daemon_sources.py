@@ -3,17 +3,17 @@
 At start every source is listed (or its saved listing reused). A source that cannot be reached
 fails the start, naming it (``epochcache daemon`` exits 2, nothing is started), unless its
 ``sources:`` entry says ``optional: true``: then the daemon starts without it, logs why, and
-lists it again every :data:`RETRY_S` in a background thread. Once it answers, the daemon
+lists it again every `RETRY_S` in a background thread. Once it answers, the daemon
 restarts its samplers in order so that they take it in (each commits what it fetched first).
 
-A large bucket (no manifest, no shard pattern) is listed page by page (:mod:`.sources.paging`):
-the start waits for the first :data:`~.sources.paging.START_KEYS` keys only, unless
+A large bucket (no manifest, no shard pattern) is listed page by page (`sources.paging`):
+the start waits for the first `START_KEYS` keys only, unless
 ``sample_while_listing`` is false or the strategy is ``weighted``; the rest is listed in a
 background thread, saved as it goes (the samplers follow the saved listing), and a page that
-fails after its retries is tried again :data:`RETRY_S` later, from where it stopped. A listing
+fails after its retries is tried again `RETRY_S` later, from where it stopped. A listing
 interrupted by a stop or a crash goes on from its last save at the next start.
 
-Each reachable source with ``listing_ttl_s`` gets a :class:`~.relist.Relister` of its own, once
+Each reachable source with ``listing_ttl_s`` gets a `Relister` of its own, once
 its listing is complete.
 """
 
@@ -180,7 +180,7 @@ class DaemonSources:
 
     def requests(self) -> dict[str, dict[str, float]]:
         """The request counters of the daemon's listings, by source (``lists``; see
-        :mod:`.accounting`), for its state document."""
+        `accounting`), for its state document."""
         saved = self.saved.get("requests")
         out = {str(k): v for k, v in saved.items()} if isinstance(saved, dict) else {}
         with self._lock:
@@ -239,7 +239,7 @@ class DaemonSources:
 
     def stop(self) -> None:
         """Stop the background threads: a listing under way saves what it listed (waited for
-        up to :data:`STOP_JOIN_S`); a re-list under way is abandoned."""
+        up to `STOP_JOIN_S`); a re-list under way is abandoned."""
         self._stop.set()
         for relister in self._relisters:
             relister.stop()

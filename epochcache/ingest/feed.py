@@ -1,8 +1,8 @@
 """One source as a sampler process samples it, and the choice of which source goes next.
 
-A sampler process holds a :class:`Feed` per source it samples (one for ``source:``, one per
+A sampler process holds a `Feed` per source it samples (one for ``source:``, one per
 entry of ``sources:``): the source, its listing and key order, the refs taken but not fetched
-yet, and its state as the mixer sees it. :func:`next_feed` picks the feed whose share of the
+yet, and its state as the mixer sees it. `next_feed` picks the feed whose share of the
 samples taken so far lags its weight most, so that over many batches the samples taken from
 each source are in proportion to the weights; each sampler process does the same, so the
 cache's intake is too.
@@ -15,19 +15,19 @@ one batch (``sampler.batch_size`` samples, or up to 4 shards) ahead of or behind
 A feed whose batch failed as a whole (the remote is down) *rests*: it is left out for a backoff
 of 1 s doubling to 60 s, then tried with one batch again, while the others take its share. A
 feed whose whole pass brought nothing new (everything cached, corrupt or failing) goes idle
-(:mod:`.idle`): it retries only the keys that failed, and scans again only when the cache lost
+(`idle`): it retries only the keys that failed, and scans again only when the cache lost
 samples or its listing changed. A resting feed keeps pace on paper (its count is moved up with
 the others'), so that when it is back it takes its share from then on instead of catching up in
 a burst that would starve the others. So does a feed whose remote throttles it (503 SlowDown,
 429) while all its batches are in fetch: the mix follows the weights while every remote keeps
 up, never a remote's rate limit.
 
-Each feed's source reads through a request gate (:mod:`.gate`): requests in flight per
-``sampler.concurrency`` (``auto``: :mod:`.concurrency`), shared by the batches of the feed in
-fetch (two, or more while the concurrency needs them: :attr:`Feed.max_in_fetch`), the pace
-after throttling (:mod:`.pace`), the daemon's request budget, and the request counters.
+Each feed's source reads through a request gate (`gate`): requests in flight per
+``sampler.concurrency`` (``auto``: `concurrency`), shared by the batches of the feed in
+fetch (two, or more while the concurrency needs them: `Feed.max_in_fetch`), the pace
+after throttling (`pace`), the daemon's request budget, and the request counters.
 
-The listing is held as a :class:`~.sources.KeyTable` (no object per key). A listing still under
+The listing is held as a `KeyTable` (no object per key). A listing still under
 way (a large bucket) is sampled as it grows; once it is complete it is saved as a new
 *generation*, and the key order starts afresh over all keys. Saved positions name their
 generation: one saved over another listing (another ``source.url``, a listing made afresh) is
@@ -61,10 +61,10 @@ from .budget import RequestBudget
 from .concurrency import AutoConcurrency, FixedConcurrency
 from .from_config import open_configured_source
 from .gate import RequestGate
-from .pace import Pace, SharedPaceState
 from .idle import IdleState
 from .inflight import SizeEstimate
 from .keyorder import KeyOrder, key_hashes
+from .pace import Pace, SharedPaceState
 from .relist import ListingFollower, listing_mtime
 from .sources import KeyTable, Listing, SampleRef, listing_for_sampling
 
@@ -319,7 +319,7 @@ class Feed:
         return self.fruitless >= pass_keys
 
     def tend(self, now: float) -> bool:
-        """Move the feed between scanning, retrying and idle (see :mod:`.idle`); True when it
+        """Move the feed between scanning, retrying and idle (see `idle`); True when it
         just came to rest with nothing new to fetch."""
         idle = self.idle
         if idle.mode == "idle":
@@ -347,7 +347,7 @@ class Feed:
 
     @property
     def resting(self) -> bool:
-        """Idle, or waiting to retry what failed (see :mod:`.idle`)."""
+        """Idle, or waiting to retry what failed (see `idle`)."""
         return self.idle.mode != "scan"
 
     @property
@@ -364,7 +364,7 @@ class Feed:
 
     @property
     def max_in_fetch(self) -> int:
-        """Batches fetched at once (see :data:`MAX_BATCHES`): enough to keep the requests
+        """Batches fetched at once (see `MAX_BATCHES`): enough to keep the requests
         allowed in flight busy, plus one to draining."""
         needed = -(-self.gate.slots // max(1, self.per_batch)) + 1
         return max(FETCH_DEPTH, min(MAX_BATCHES, needed))
@@ -389,7 +389,7 @@ class Feed:
         return self.gate.control.throttled_within(THROTTLED_RECENTLY_S, now)
 
     def stalled(self, now: float) -> bool:
-        """Its oldest batch in fetch has taken longer than :attr:`stall_s`."""
+        """Its oldest batch in fetch has taken longer than `stall_s`."""
         return bool(self.fetch_started) and now - self.fetch_started[0] > self.stall_s
 
     def available(self, now: float) -> bool:
@@ -472,7 +472,7 @@ class Feed:
 
 
 def next_feed(feeds: Sequence[Feed], now: float) -> Feed | None:
-    """The feed due for the next batch: of those :meth:`~Feed.available`, the one whose samples
+    """The feed due for the next batch: of those `available`, the one whose samples
     taken lag its weight most; None when none is. The others are moved up to the chosen one's
     pace (see the module docstring). A feed that is due but has its batches in fetch already
     is waited for, not passed over: the mix follows the weights, not the fastest remote."""

@@ -1,6 +1,6 @@
 """The edge between the run config and the ingest layer.
 
-Sources and samplers take plain arguments (:class:`~epochcache.ingest.sources.SourceSpec`,
+Sources and samplers take plain arguments (`SourceSpec`,
 numbers); this module is the one place that reads the validated config's sections into them.
 """
 
@@ -13,7 +13,7 @@ from .sources import Source, SourceSpec, open_source
 
 
 def source_spec(config: SourceConfig) -> SourceSpec:
-    """The :class:`SourceSpec` of a validated ``source`` section."""
+    """The `SourceSpec` of a validated ``source`` section."""
     return SourceSpec(
         url=config.url,
         layout=config.layout,
@@ -47,7 +47,7 @@ AUTO_START_CONCURRENCY = 16
 def open_configured_source(config: EpochcacheConfig,
                            section: SourceConfig | None = None) -> Source:
     """A source of a whole config (``section``, default the first), as one sampler process
-    opens it: ``sampler.concurrency`` (``auto``: :data:`AUTO_START_CONCURRENCY`; a sampler's
+    opens it: ``sampler.concurrency`` (``auto``: `AUTO_START_CONCURRENCY`; a sampler's
     feed then finds it), checks off when ``sampler.check`` is false, and
     ``sampler.bandwidth_limit`` split evenly among ``sampler.processes`` (a sampler shares its
     limiter among its sources: see ``Sampler``)."""

@@ -2,22 +2,22 @@
 
 It keeps three promises, one request at a time:
 
-* at most ``control.slots`` requests are in flight (:mod:`.concurrency`: a fixed number, or
+* at most ``control.slots`` requests are in flight (`concurrency`: a fixed number, or
   ``auto``), shared by all the batches of the source being fetched; each request's outcome
   (bytes, throttled, timed out) goes back to the control, which moves the limit;
 * requests wait for the control's pace (after throttling) and for the daemon's shared budget
-  (``sampler.max_requests_per_s``, :mod:`.budget`) before they are sent;
-* every request is counted (:mod:`.accounting`).
+  (``sampler.max_requests_per_s``, `budget`) before they are sent;
+* every request is counted (`accounting`).
 
 It also says how a throttled request is answered: it gives up its slot, waits a backoff
-(:func:`throttle_delay`, growing per attempt, jittered) and asks for the *same* object again,
+(`throttle_delay`, growing per attempt, jittered) and asks for the *same* object again,
 until its deadline; throttling is a rate to adapt to, not a fault of the object, so it never
 ends in quarantine (a request still throttled at its deadline fails like a transient error: the
 object is fetched again on a later pass).
 
-The asynchronous side (:meth:`RequestGate.enter`, :meth:`RequestGate.leave`) runs on fsspec's
+The asynchronous side (`RequestGate.enter`, `RequestGate.leave`) runs on fsspec's
 IO loop, where all the source's requests of a process run; the synchronous side
-(:meth:`RequestGate.enter_sync`) serves filesystems read from threads.
+(`RequestGate.enter_sync`) serves filesystems read from threads.
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ class RequestGate:
     # -- synchronous: from threads -------------------------------------------------------------
 
     def enter_sync(self, retry: bool = False) -> float:
-        """:meth:`enter` for a request made from a thread (the caller bounds the threads)."""
+        """`enter` for a request made from a thread (the caller bounds the threads)."""
         with self._lock:
             self.control.started()
             delay = self.control.reserve()
@@ -118,7 +118,7 @@ class RequestGate:
 
     def leave_sync(self, started: float, outcome: Outcome, nbytes: int = 0,
                    streamed: bool = False) -> None:
-        """``streamed``: the body's bytes were counted as they arrived (:meth:`received`)."""
+        """``streamed``: the body's bytes were counted as they arrived (`received`)."""
         with self._lock:
             self.control.finished(outcome, nbytes, time.monotonic() - started)
         self._count_outcome(outcome, 0 if streamed else nbytes)

@@ -5,14 +5,14 @@ used to be followed by another pass a second later, forever: a scan of the whole
 per second (8% of a core per sampler at 20k keys, linear in keys). Now such a feed is *idle*
 and does no scan until something may have changed:
 
-* **retry**: keys whose fetch failed in the pass (at most :data:`FAILED_MAX`; more, and the
-  whole pass is retried) are fetched again alone, after :data:`RETRY_FIRST_S` doubling to
-  :data:`RETRY_MAX_S`, until a round of them fails nowhere;
-* **idle**: once nothing failed, the feed waits. It looks, every :data:`CHECK_S`, at one
+* **retry**: keys whose fetch failed in the pass (at most `FAILED_MAX`; more, and the
+  whole pass is retried) are fetched again alone, after `RETRY_FIRST_S` doubling to
+  `RETRY_MAX_S`, until a round of them fails nowhere;
+* **idle**: once nothing failed, the feed waits. It looks, every `CHECK_S`, at one
   counter of the cache, the samples removed from it (evicted or repaired away: ``inserted -
   samples``), and the sampler tells it when its listing changed. Either wakes a new pass. As
-  a safety net (keys deleted some other way) it also rescans after :data:`RESCAN_FIRST_S`,
-  doubling to :data:`RESCAN_MAX_S` while nothing is found.
+  a safety net (keys deleted some other way) it also rescans after `RESCAN_FIRST_S`,
+  doubling to `RESCAN_MAX_S` while nothing is found.
 
 So an idle sampler reads one counter a second, whatever the size of its listing.
 """
@@ -38,9 +38,9 @@ Mode = Literal["scan", "retry", "idle"]
 
 
 class IdleState:
-    """The rest of one feed (see the module docstring). The feed drives it: :meth:`round_over`
-    when a pass (or a round of retries) brought nothing new, :meth:`changed` while idle,
-    :meth:`wake` to scan again.
+    """The rest of one feed (see the module docstring). The feed drives it: `round_over`
+    when a pass (or a round of retries) brought nothing new, `changed` while idle,
+    `wake` to scan again.
 
     Args:
         removed: reads the cache's count of removed samples (one read transaction).
@@ -91,7 +91,7 @@ class IdleState:
 
     def changed(self, now: float) -> bool:
         """Idle mode: whether a new pass is due (samples were removed from the cache, or the
-        safety interval passed). Reads the counter at most every :data:`CHECK_S`."""
+        safety interval passed). Reads the counter at most every `CHECK_S`."""
         if now >= self.until:
             return True
         if now < self._check_at:

@@ -1,6 +1,6 @@
 """What a sampler holds between fetching and committing, bounded in bytes as well as requests.
 
-A sampler fetches several batches at once (:data:`~epochcache.ingest.feed.FETCH_DEPTH` or
+A sampler fetches several batches at once (`FETCH_DEPTH` or
 more) while the committer writes another: with skewed object sizes (or tar shards of a GiB) a
 bound on requests alone lets a sampler hold many GiB. Each batch reserves its expected bytes
 before it is fetched (the listed or manifest size, else an estimate learnt from what was

@@ -19,7 +19,7 @@ listing of millions of keys costs a few bytes per key:
    how many added keys it took in this pass); it is a small JSON-able dict, saved in the cache
    and restored after a restart so the daemon continues its permutation instead of refetching
    the first keys.
-5. **Added keys.** Keys a re-list found later (:meth:`KeyOrder.add_block`, uniform only) are
+5. **Added keys.** Keys a re-list found later (`KeyOrder.add_block`, uniform only) are
    owned by a hash of the key, not by their index: ``h % num_nodes`` picks the node and
    ``h // num_nodes % num_processes`` the process, so nodes that re-listed at different times
    still agree. A process takes its added keys after its share of the original keys, in every
@@ -55,7 +55,7 @@ class Position:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Position:
-        """Inverse of :meth:`to_dict`.
+        """Inverse of `to_dict`.
 
         Raises:
             ValueError: the dict is not a saved position.
@@ -259,7 +259,7 @@ class KeyOrder:
         return sum(len(block) for block in self._blocks)
 
     def add_block(self, indices: np.ndarray | Sequence[int], hashes: np.ndarray) -> int:
-        """Add keys a re-list found (their listing indices, and :func:`key_hashes` of their
+        """Add keys a re-list found (their listing indices, and `key_hashes` of their
         keys); keep those this node and process own. Returns how many it kept.
 
         Raises:

@@ -6,7 +6,7 @@ Two mechanisms, because either alone leaves a gap:
   parent dies, whatever the sampler is doing (waiting for space behind a lease, blocked in a
   fetch). Nothing committed is lost: a commit is durable when it returns, and a sampler killed
   mid-commit leaves the cache as a ``kill -9`` does (LMDB rolls the transaction back);
-* everywhere, :meth:`Lifeline.parent_gone`, which every wait loop of a sampler checks, so a
+* everywhere, `Lifeline.parent_gone`, which every wait loop of a sampler checks, so a
   platform without ``prctl`` still stops within about a second.
 """
 

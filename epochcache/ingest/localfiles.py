@@ -5,11 +5,11 @@ many remote objects at once and the wrong way to read files that are in the page
 read takes microseconds, and 16 threads taking turns at the GIL for each one cost far more than
 the reads (measured on 2 cores, 64 KiB files: 250 us per file that way, 19 us with ``os.read``
 one after the other in one thread; docs/benchmarks.md). A slow filesystem (NFS, Lustre, a cold
-disk) is the opposite case, where reads in parallel hide the latency. So :class:`LocalFiles`
+disk) is the opposite case, where reads in parallel hide the latency. So `LocalFiles`
 reads a batch in one thread while its files come back quickly, and spreads the next batches
-over ``concurrency`` threads once a file waits :data:`SLOW_READ_S` or more on average (back to
+over ``concurrency`` threads once a file waits `SLOW_READ_S` or more on average (back to
 one thread as soon as one read of a batch is quick again). A read's wait is its time less what
-its size explains (:data:`COPY_BYTES_PER_S`): a large file in the page cache is not slow.
+its size explains (`COPY_BYTES_PER_S`): a large file in the page cache is not slow.
 
 Every read stays bounded in time as a remote call is (invariant 6): the reads run in threads the
 caller waits on, and a thread that makes no progress for ``timeout_s`` (a hung NFS mount, a FIFO
@@ -50,7 +50,7 @@ def read_wait(seconds: float, nbytes: int) -> float:
 
 def judge_reads(slow: bool, lanes: int, waits: Sequence[float]) -> bool:
     """Whether the next batch should read in many threads, after a batch read in ``lanes``
-    threads whose reads waited ``waits`` seconds each (see :func:`read_wait`)."""
+    threads whose reads waited ``waits`` seconds each (see `read_wait`)."""
     if waits and lanes == 1:
         return sum(waits) / len(waits) >= SLOW_READ_S
     if waits and min(waits) < QUICK_READ_S:

@@ -2,11 +2,11 @@
 
 The sampler knows where every sample it fetched comes from: the listing its feed samples and
 the index of the ref it picked there (for a ``tar`` sample, the shard's index, and the sample's
-ordinal among the samples the shard yielded). :class:`OriginTagger` registers each listing
-with the cache (:mod:`epochcache.store.listings`), hands the committer an
-:class:`~epochcache.store.origins.Origin` per sample, and when a feed takes in a new generation
+ordinal among the samples the shard yielded). `OriginTagger` registers each listing
+with the cache (`epochcache.store.listings`), hands the committer an
+`Origin` per sample, and when a feed takes in a new generation
 of its listing maps the coverage ledger and the old generation's origin rows onto it by key
-(:func:`index_map`, :func:`epochcache.store.ledger.remap`). Cost per batch: a dict of the
+(`index_map`, `epochcache.store.ledger.remap`). Cost per batch: a dict of the
 batch's samples; per listing change: one write transaction (a new generation: a sort of both
 listings' keys, as a re-list's merge does).
 """
@@ -130,9 +130,9 @@ class OriginTagger:
     def part_origins(self, feed: Feed, index: int, generation: str, part: Part
                      ) -> dict[str, Origin]:
         """The origin of each sample of a streamed part of the shard at ``index`` of the
-        listing of ``generation`` (see :meth:`origins`). Before its last part a shard's count
+        listing of ``generation`` (see `origins`). Before its last part a shard's count
         is not known: its samples say the count so far, and the coverage ledger takes the
-        largest it sees (:meth:`~epochcache.store.ledger.Ledger.slots_of`)."""
+        largest it sees (`slots_of`)."""
         lid = self.listing_id(feed)
         if generation != feed.generation:
             return {}

@@ -3,25 +3,25 @@
 A remote that answers ``503 SlowDown`` (or 429) has a rate; a window of requests in flight is
 too coarse a way to keep to it (at 100 requests/s and 20 ms of latency, two in flight ask for
 exactly the limit, one for half). So the first throttled answer *paces* the source's requests:
-each waits for its instant (a GCRA, like :mod:`.budget`), and the pace moves by AIMD on the rate:
+each waits for its instant (a GCRA, like `budget`), and the pace moves by AIMD on the rate:
 
 * **back-off** (multiplicative decrease): a throttled answer multiplies the pace by the share
-  of answers that were not throttled since the last back-off, at most :data:`BACKOFF` and at
-  least :data:`BACKOFF_MIN` (retries bunch up: a share measured over a quarter second swings), at most once per :data:`HOLD_S` (a burst of 503s answers the requests sent
+  of answers that were not throttled since the last back-off, at most `BACKOFF` and at
+  least `BACKOFF_MIN` (retries bunch up: a share measured over a quarter second swings), at most once per `HOLD_S` (a burst of 503s answers the requests sent
   before the last back-off could take effect). The first one starts from the rate that was
   getting through;
-* **growth**: while the pace holds requests back it grows by :data:`GROWTH` a second (at least
-  :data:`STEP_MIN` requests/s), the growth doubling every :data:`DOUBLING_S` without a
-  throttled answer (up to :data:`GROWTH_MAX`): back at the remote's rate in well under a
+* **growth**: while the pace holds requests back it grows by `GROWTH` a second (at least
+  `STEP_MIN` requests/s), the growth doubling every `DOUBLING_S` without a
+  throttled answer (up to `GROWTH_MAX`): back at the remote's rate in well under a
   second after a back-off, a few 503s, and again; a pace left low (the remote's limit raised)
   catches up in seconds;
-* a pace that held nothing back for :data:`FORGET_S` is dropped: demand stayed below it.
+* a pace that held nothing back for `FORGET_S` is dropped: demand stayed below it.
 
-The samplers of a daemon share one pace per source (:class:`SharedPaceState`, a small file in
+The samplers of a daemon share one pace per source (`SharedPaceState`, a small file in
 the cache directory under ``flock``, which the kernel releases when a holder dies): the
 remote's rate is shared by all of them, so a sampler that has nothing to fetch leaves the whole
 rate to the others at once, and none is starved by another's larger share. Tests and the
-simulation use :class:`LocalPaceState`.
+simulation use `LocalPaceState`.
 """
 
 from __future__ import annotations
@@ -161,7 +161,7 @@ class Pace:
         """A throttled answer: the pace times ``share`` (the answers not throttled since this
         process's last back-off; bounded, see the module docstring), or ``first`` (the rate
         that was getting through) times that when not paced yet. False when a back-off was
-        made less than :data:`HOLD_S` ago (by any sampler)."""
+        made less than `HOLD_S` ago (by any sampler)."""
         now = self._clock()
         with self._state.locked() as cells:
             cells[5] = now

@@ -35,7 +35,7 @@ ERROR_KINDS = ("timeout", "throttled", "unavailable", "permanent", "other")
 
 
 def require_prometheus(field: str) -> None:
-    """Raise a :class:`ConfigError` naming ``field`` if prometheus-client is missing."""
+    """Raise a [`ConfigError`][epochcache.ConfigError] naming ``field`` if prometheus-client is missing."""
     try:
         import prometheus_client  # noqa: F401
     except ImportError:
@@ -49,7 +49,7 @@ class MetricsServer:
     Args:
         collect: yields the metric families of one scrape.
         host: the address to listen on.
-        port: the port (0: any free one; see :attr:`port`).
+        port: the port (0: any free one; see `port`).
         field: the config field that asked for it (named in errors).
 
     Raises:

@@ -1,10 +1,10 @@
 """Re-listing a growing source (``source.listing_ttl_s``): the daemon lists, samplers follow.
 
-The daemon's :class:`Relister` thread lists the source again once the saved listing is older
+The daemon's `Relister` thread lists the source again once the saved listing is older
 than the TTL, in the background, and saves it grown (new keys appended as a block; see
-:mod:`.sources.listing`). Each sampler's :class:`ListingFollower` notices the new file and loads
+`sources.listing`). Each sampler's `ListingFollower` notices the new file and loads
 it off the fetch loop; the sampler then adds the new keys to its key order without restarting
-its pass (:meth:`~epochcache.ingest.keyorder.KeyOrder.add_block`). Listing happens once per
+its pass (`add_block`). Listing happens once per
 node, not once per sampler. A failed re-list is logged and tried again a minute later; the
 samplers go on with the keys they have.
 """
@@ -82,7 +82,7 @@ class ListingFollower:
         source: this sampler's source (names the listing file).
         cache_dir: where the listing is saved.
         mtime: the file's modification time when the listing in use was read (see
-            :func:`listing_mtime`; taken before reading, so a save in between is not missed).
+            `listing_mtime`; taken before reading, so a save in between is not missed).
     """
 
     def __init__(self, source: Source, cache_dir: str, mtime: int | None = None) -> None:

@@ -11,13 +11,13 @@ Everything that touches a remote goes through this module so that three rules ho
       FileNotFoundError, PermissionError, HTTP 401/403/404            -> PermanentRemoteError
       connection errors, other HTTP 5xx, other OSError                -> SourceUnavailable (transient)
 
-* only transient errors are retried, by :func:`retry`, with exponential backoff, full jitter, bounded
+* only transient errors are retried, by `retry`, with exponential backoff, full jitter, bounded
   attempts and an overall deadline. Filesystems are built so that s3fs and botocore do not retry
   underneath us (``total_max_attempts=1``, ``fs.retries=1``): one owner of retrying keeps the timing
   honest (and the count of requests true).
 
 Credentials in ``storage_options`` never reach a log line: use
-:func:`epochcache.redact.redact_options` whenever options could be printed.
+`epochcache.redact.redact_options` whenever options could be printed.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ import contextlib
 import logging
 import random
 import re
-import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -63,7 +62,7 @@ def open_fs(
     """Build the filesystem for ``url`` and return it with the path inside it.
 
     For ``s3://`` the botocore client gets our connect/read timeouts and a single attempt, and s3fs's
-    own retry loop is disabled, because :func:`retry` owns retrying.
+    own retry loop is disabled, because `retry` owns retrying.
 
     Raises:
         SourceUnavailable: the protocol is unknown or its package is not installed.
@@ -270,7 +269,7 @@ def retry(
 ) -> T:
     """Call ``fn`` until it succeeds, retrying transient errors with backoff and full jitter.
 
-    Library exceptions are translated (:func:`translate_errors`) before they are classified, so
+    Library exceptions are translated (`translate_errors`) before they are classified, so
     ``fn`` may call fsspec directly. Permanent errors are raised at once.
 
     Args:
@@ -327,7 +326,7 @@ def fetch_many(
     downloaded (a ranged read), so a caller that asks for one byte more than it accepts can
     tell an object that is too large without holding all of it.
 
-    Every request passes through ``gate`` (:mod:`.gate`: the requests in flight, shared with
+    Every request passes through ``gate`` (`gate`: the requests in flight, shared with
     the other calls using it, the pace and budget, the counting); without one, at most
     ``concurrency`` are in flight. A throttled request (503 SlowDown, 429) is asked again for
     the same object after a backoff, for up to ``throttled_for_s`` seconds (0: not at all).
@@ -373,7 +372,7 @@ def outcome_of(error: SourceError) -> Outcome:
 
 
 class _Fetch:
-    """One :func:`fetch_many` call: each object through the gate, retried while throttled."""
+    """One `fetch_many` call: each object through the gate, retried while throttled."""
 
     def __init__(self, fs: fsspec.AbstractFileSystem, gate: RequestGate, timeout_s: float,
                  throttled_for_s: float, url_of: Callable[[str], str]) -> None:

@@ -2,17 +2,17 @@
 
 A sampler runs until its stop flag is set or its daemon disappears. Fetching and committing
 overlap: the next batches are fetched (their requests through each source's gate: how many in
-flight, the pace after throttling, the counters; see :mod:`.feed`) while a committer thread
-(:mod:`.committer`) writes the previous one, so the cache's write lock and fsync never leave the network idle; what it holds
-in flight is bounded in bytes (:mod:`.inflight`). Its position in the key order is saved in the
+flight, the pace after throttling, the counters; see `feed`) while a committer thread
+(`committer`) writes the previous one, so the cache's write lock and fsync never leave the network idle; what it holds
+in flight is bounded in bytes (`inflight`). Its position in the key order is saved in the
 cache after each commit, so a restarted sampler goes on where it stopped instead of fetching the
-same first samples again. With several sources (``sources:``) it holds a :class:`~.feed.Feed`
+same first samples again. With several sources (``sources:``) it holds a `Feed`
 per source and takes batches from each in proportion to its weight; a source that is down
-rests while the others go on (see :mod:`.feed`). Per-sample faults never stop it: corrupt objects and samples the cache
+rests while the others go on (see `feed`). Per-sample faults never stop it: corrupt objects and samples the cache
 cannot hold are quarantined, failed fetches counted and logged with their key and retried on a
 later pass. A fault that is not per-sample (the committer dies) ends the process with exit
 status 1 within seconds, so that the daemon restarts it; the death of the daemon ends it at
-once (:mod:`.lifeline`).
+once (`lifeline`).
 
 This module must not import torch: sampler processes stay small.
 """
@@ -141,7 +141,7 @@ class Sampler:
     Args:
         config: the validated config.
         index: this sampler's index among ``sampler.processes``.
-        stop: the daemon's :class:`StopFlag` (anything with ``is_set``/``wait``/``set``).
+        stop: the daemon's `StopFlag` (anything with ``is_set``/``wait``/``set``).
         parent_pid: the daemon; if it disappears, the sampler stops too (no orphans).
         sources: names of the ``sources:`` entries to sample (default all; the daemon leaves
             out optional ones it could not reach).
@@ -319,7 +319,7 @@ class Sampler:
         """The oldest batch that is fetched and has no older batch of its feed still being
         fetched (so each feed's positions are saved in order, while a source that is down holds
         up no other), once there is one; None if the daemon is gone meanwhile. A dead committer
-        raises (:meth:`Committer.check`).
+        raises (`Committer.check`).
 
         Only each feed's oldest batch is waited on: a later batch that is done already would
         make ``wait(FIRST_COMPLETED)`` return at once, and the loop would spin holding the GIL
@@ -339,7 +339,7 @@ class Sampler:
                 return None
 
     def _hand_over(self) -> None:
-        """Wait for a fetched batch (see :meth:`_wait_fetched`) and queue it for commit."""
+        """Wait for a fetched batch (see `_wait_fetched`) and queue it for commit."""
         fetching = self._wait_fetched()
         if fetching is None:  # the daemon is gone: nobody will read what we would commit
             self.stop.set()
@@ -478,7 +478,7 @@ class Sampler:
     def quarantine(self, key: str, reason: str) -> None:
         """Count, log (with its URL) and record a sample that cannot be cached (``key``: its
         cache key); it is not fetched again by this process. The key is someone else's name:
-        it is logged and kept cut (:func:`~epochcache.limits.cut_key`), and a failure to
+        it is logged and kept cut (`cut_key`), and a failure to
         record it (a full map) is logged, never the end of the sampler."""
         feed = self._feed_of(key)
         source_key = key[len(feed.prefix):]
@@ -550,7 +550,7 @@ def run_sampler(config_data: dict[str, Any], index: int, stop: Any,
     Args:
         config_data: the validated config, as ``EpochcacheConfig.to_transfer()``.
         index: this sampler's index among ``sampler.processes``.
-        stop: the daemon's :class:`StopFlag`; set, the sampler stops after committing what it
+        stop: the daemon's `StopFlag`; set, the sampler stops after committing what it
             has fetched.
         parent_pid: the daemon; if it disappears, the sampler stops too (no orphans).
         sources: the ``sources:`` entries to sample (default all).

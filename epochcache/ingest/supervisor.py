@@ -1,4 +1,4 @@
-"""The supervisor behind ``epochcache daemon CONFIG`` (and :class:`epochcache.Daemon`): the sampler
+"""The supervisor behind ``epochcache daemon CONFIG`` (and [`epochcache.Daemon`][epochcache.Daemon]): the sampler
 processes that keep a cache growing, started, watched and restarted.
 
 The daemon validates the config and lists the source before starting anything (a bad config or
@@ -11,8 +11,8 @@ sampler (sent to the whole process group or control group: Slurm, systemd, ``tim
 the daemon the same way: a sampler stopped by a signal is not a crash to restart.
 
 The lock is taken before the cache is opened with the config's capacity, so a refused daemon
-changes nothing. Samplers die with the daemon (see :mod:`.lifeline`). The signal handler only
-sets a flag and writes to a pipe (:class:`StopRequest`): the supervision loop waits on that pipe,
+changes nothing. Samplers die with the daemon (see `lifeline`). The signal handler only
+sets a flag and writes to a pipe (`StopRequest`): the supervision loop waits on that pipe,
 never on a lock a handler could need.
 """
 
@@ -108,7 +108,7 @@ class StopRequest:
     ``threading.Event`` is not safe for that: ``Event.set()`` takes the lock that ``Event.wait()``
     holds around its condition variable, and a handler runs in the main thread, between two
     bytecodes of that very ``wait()``: the main thread then waits for itself forever. Here
-    :meth:`set` assigns a flag and writes a byte to a pipe (no lock); :meth:`wait` sleeps in
+    `set` assigns a flag and writes a byte to a pipe (no lock); `wait` sleeps in
     ``select`` on the pipe. Safe from signal handlers and from other threads.
     """
 
@@ -130,7 +130,7 @@ class StopRequest:
         return self._flag
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Sleep until :meth:`set` or ``timeout``; return whether it is set."""
+        """Sleep until `set` or ``timeout``; return whether it is set."""
         if not self._flag:
             if self._read < 0:
                 raise ValueError("StopRequest is closed")
@@ -143,7 +143,7 @@ class StopRequest:
         return self._flag
 
     def close(self) -> None:
-        """Close the pipe (:meth:`set` still sets the flag afterwards)."""
+        """Close the pipe (`set` still sets the flag afterwards)."""
         fds, self._read, self._write = (self._read, self._write), -1, -1
         for fd in fds:
             if fd >= 0:
@@ -164,7 +164,7 @@ class _Slot:
 
 
 class Supervisor:
-    """Supervises the samplers of one config. :meth:`run` blocks until :meth:`stop`.
+    """Supervises the samplers of one config. `run` blocks until `stop`.
 
     Args:
         config: a validated config (``source`` or ``sources``, ``cache``, ``sampler``).
@@ -184,7 +184,7 @@ class Supervisor:
         self.cache: SampleStore | None = None
         self.sources = DaemonSources(config)
         self.metrics: MetricsServer | None = None
-        #: Why :meth:`run` gave up (exit status 1), also in the daemon's state document.
+        #: Why `run` gave up (exit status 1), also in the daemon's state document.
         self.failure: str | None = None
 
     def prepare(self) -> int:
@@ -402,7 +402,7 @@ def run_daemon(config: EpochcacheConfig, *, parent_pid: int | None = None,
 
     Args:
         config: the validated config.
-        parent_pid: stop (in order) once this process is gone (see :mod:`epochcache.daemon`).
+        parent_pid: stop (in order) once this process is gone (see `epochcache.daemon`).
         ready: called once the lock is held and the source listed, before samplers start.
     """
     daemon = Supervisor(config, parent_pid=parent_pid)

@@ -1,9 +1,9 @@
 """``epochcache run``: YAML-configured training runs.
 
-The run itself (:mod:`.job`: daemon, epochs, metrics, checkpoints, plots, the process group
-under torchrun), what a trainer gets (:mod:`.context`), how a run stops on a signal
-(:mod:`.signals`), its per-epoch figures (:mod:`.metrics`), its checkpoints and their agreement
-across ranks (:mod:`.checkpoint`), and the wait for ``train.min_samples`` (:mod:`.fill_watch`).
+The run itself (`job`: daemon, epochs, metrics, checkpoints, plots, the process group
+under torchrun), what a trainer gets (`context`), how a run stops on a signal
+(`signals`), its per-epoch figures and turnover (`progress`), its checkpoints and their agreement
+across ranks (`checkpoint`), and the wait for ``train.min_samples`` (`fill_watch`).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""What a trainer of ``epochcache run`` gets: its :class:`RunContext`, and the loader wrapped
-in a :class:`TimedLoader` (which times the waits for batches and stops between two batches when
+"""What a trainer of ``epochcache run`` gets: its `RunContext`, and the loader wrapped
+in a `TimedLoader` (which times the waits for batches and stops between two batches when
 the run was asked to stop).
 """
 
@@ -10,11 +10,11 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from .checkpoint import save_checkpoint
 from ..config import EpochcacheConfig
 from ..data.devices import CPU, RunDevice
-from .progress import TrainProgress, batch_len
+from .checkpoint import save_checkpoint
 from .midepoch import MidEpoch
+from .progress import TrainProgress, batch_len
 from .signals import StopSignals
 
 
@@ -56,7 +56,7 @@ class RunContext:
     def save_checkpoint(self, epoch: int, metrics: Mapping[str, Any],
                         resume: Mapping[str, Any] | None = None) -> Path:
         """Checkpoint after ``epoch`` (the last completed); ``resume``: where the epoch after
-        it stands, for a mid-epoch checkpoint (see :mod:`.midepoch`)."""
+        it stands, for a mid-epoch checkpoint (see `midepoch`)."""
         payload: dict[str, Any] = {
             "epoch": epoch,
             "metrics": dict(metrics),

@@ -1,7 +1,7 @@
 """Whether a run's wait for ``train.min_samples`` can still end, judged while it waits.
 
 ``epochcache run`` waits until the cache holds ``train.min_samples`` samples. It used to wait
-forever when that could not happen. While it waits, :class:`FillWatch` reads the daemon's state
+forever when that could not happen. While it waits, `FillWatch` reads the daemon's state
 documents in the cache (the daemon's heartbeat, each sampler's health) and ends the wait as
 soon as the number is known to be out of reach:
 
@@ -10,14 +10,13 @@ soon as the number is known to be out of reach:
   with a warning -- waiting longer cannot add a sample, and min_samples exists so that
   training does not start on a small prefix of a larger dataset;
 * **the daemon is gone** (its thread in this process ended, or no process holds the cache's
-  daemon lock): :class:`~epochcache.errors.MinSamplesUnreachable` with its exit status and
+  daemon lock): [`MinSamplesUnreachable`][epochcache.MinSamplesUnreachable] with its exit status and
   the cause it recorded (e.g. a sampler that kept dying, and that sampler's last error);
 * **every fetch has failed** for ``EPOCHCACHE_MIN_SAMPLES_FAILING_S`` seconds (default 60,
   read when the wait starts): no sample cached, no fetch succeeded, and fetches failed in that
   time -- the error names the last fetch error (403, 404, unreachable endpoint, ...).
 
-A cache full at its capacity before reaching min_samples is :func:`~epochcache.data.wait.
-wait_for_samples`' own check.
+A cache full at its capacity before reaching min_samples is `wait_for_samples`' own check.
 """
 
 from __future__ import annotations

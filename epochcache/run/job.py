@@ -4,12 +4,12 @@ The run validates the whole config and reaches the source before anything starts
 unreachable source: exit 2), writes the demo dataset on first use when ``source.demo_samples`` is
 set, starts the sampler daemon in this process (or attaches to one already filling the cache),
 waits for ``train.min_samples``, then calls the trainer named by ``train.entrypoint`` once per
-epoch through :meth:`Cache.epochs`. After each epoch it logs loss, samples, cache fill,
+epoch through [`Cache.epochs`][epochcache.Cache.epochs]. After each epoch it logs loss, samples, cache fill,
 evictions and the data-wait fraction, appends them to ``metrics.jsonl`` and checkpoints to the
 run directory; ``--resume`` continues at the next epoch. Ctrl-C (or SIGTERM) stops cleanly at
-the next batch (:mod:`epochcache.run_signals`): the lease is released, the daemon stopped if the
+the next batch (`epochcache.run.signals`): the lease is released, the daemon stopped if the
 run started it, the last checkpoint kept. On a CUDA node each rank trains on its own GPU
-(``RunContext.device``; :mod:`epochcache.data.devices`).
+(``RunContext.device``; `epochcache.data.devices`).
 """
 
 from __future__ import annotations
@@ -29,25 +29,24 @@ from typing import Any
 
 import numpy as np
 
-from .checkpoint import resume_checkpoint
 from ..config import EpochcacheConfig, load_config
 from ..data.devices import CPU, RunDevice
 from ..data.placement import Placement
 from ..errors import ConfigError, DaemonAlreadyRunning
-from ..ingest.supervisor import DaemonLock, Supervisor
 from ..ingest.prometheus import MetricsServer, require_prometheus
+from ..ingest.supervisor import DaemonLock, Supervisor
 from ..redact import redact_url
 from ..store import SampleStore
 from ..store.status import describe_requests, request_delta, request_totals
+from ..units import format_size
+from .checkpoint import resume_checkpoint
 from .context import RunContext, TimedLoader
-from .midepoch import MidEpoch
-from .midepoch import loader_states
+from .midepoch import MidEpoch, loader_states
 from .progress import TrainProgress, Turnover, train_metrics
 from .signals import Interrupted, StopSignals, Terminated, quiet_worker, shelter_forkserver
 from .trained import TrainedRecord, coverage_row, coverage_text
-from ..units import format_size
 
-# RunContext and Terminated are re-exported: trainers' type hints (README), callers' except.
+# RunContext and Terminated are re-exported: trainers' type hints (docs/howto/runs.md), callers' except.
 __all__ = ["Run", "RunContext", "Terminated", "add_config_parser", "add_run_parser",
            "check_entrypoint", "ensure_demo_data", "resolve_entrypoint", "run_training"]
 
@@ -403,7 +402,7 @@ def run_training(config: EpochcacheConfig, *, resume: bool = False) -> int:
     Under torchrun, the process group is joined first; global rank 0 writes the demo data and
     the run directory (config, metrics, checkpoints, plots), local rank 0 of each node runs the
     node's daemon, and the other ranks of a node share its cache through ``cache.epochs()``.
-    SIGINT and SIGTERM stop the run at its next safe point (:mod:`epochcache.run_signals`):
+    SIGINT and SIGTERM stop the run at its next safe point (`epochcache.run.signals`):
     exit 130 or 143.
     """
     from ..data.placement import detect_placement
@@ -440,7 +439,7 @@ def _stopped(exc: KeyboardInterrupt) -> int:
 
 
 def _run_job(run: Run, place: Placement) -> int:
-    """:func:`run_training` from the demo data to the daemon stopped and the job left."""
+    """`run_training` from the demo data to the daemon stopped and the job left."""
     config, stop = run.config, run.stop
     created_group = joined = False
     try:

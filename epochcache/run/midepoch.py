@@ -2,7 +2,7 @@
 
 Between two batches, every ``checkpoint_every_s`` seconds and when the run is asked to stop
 (SIGTERM from a scheduler, Ctrl-C), the run saves the model, the optimizer and each rank's
-:meth:`EpochLoader.state_dict` (the epoch's lease and the rank's position in its order). Then,
+[`EpochLoader.state_dict`][epochcache.data.epoch_loader.EpochLoader.state_dict] (the epoch's lease and the rank's position in its order). Then,
 and only then, the samples the checkpoint covers are released for eviction
 (``release_as_consumed`` is off): everything after the checkpoint is still cached when the job
 dies, and the epoch's lease outlives it for ``cache.resume_grace_s``. ``--resume`` hands each
@@ -38,7 +38,7 @@ class MidEpoch:
 
     Args:
         context: the trainer's context (what it registered for checkpoints).
-        loader: the epoch's :class:`~epochcache.data.epoch_loader.EpochLoader`.
+        loader: the epoch's [`EpochLoader`][epochcache.data.epoch_loader.EpochLoader].
         epoch: the epoch.
         every_s: seconds between checkpoints.
         grace_s: how long the epoch's lease outlives a dead run (``cache.resume_grace_s``).
@@ -125,7 +125,7 @@ def loader_states(checkpoint: dict[str, Any] | None) -> dict[str, Any] | None:
     rank resumes from all of them (``epochs(resume=...)``): on the layout that checkpointed,
     each continues its own lane; on another number of ranks per node or of nodes, each node's
     rest is dealt anew to its ranks and what stayed on nodes that did not come back is
-    counted (see :mod:`epochcache.data.elastic`)."""
+    counted (see `epochcache.data.elastic`)."""
     mid = (checkpoint or {}).get(RESUME_KEY)
     if not mid or not mid.get("loaders"):
         return None

@@ -1,9 +1,9 @@
 """What ``epochcache run`` measures per epoch besides the loss: turnover, and its /metrics.
 
 **Turnover.** An epoch releases each batch's samples once it has trained on them (progressive
-release, README "Turnover"), so once the cache is full the samplers replace what the epoch has
+release, docs/guide/turnover.md), so once the cache is full the samplers replace what the epoch has
 trained on while it goes on: the new data per epoch is about ``min(ingest rate x epoch time,
-what the epoch trains on)``. :class:`Turnover` reports, per epoch, the samples new to the
+what the epoch trains on)``. `Turnover` reports, per epoch, the samples new to the
 epoch's snapshot (sequence numbers above the previous snapshot's) and the fraction of the epoch
 the samplers spent waiting for space (from their health documents, which lag by up to 2 s).
 Samplers that wait most of an epoch bring samples faster than training uses them up; the log
@@ -51,7 +51,7 @@ def batch_len(batch: Any) -> int:
 
 @dataclass
 class TrainProgress:
-    """Counters of the training loop, read by :func:`train_metrics` at scrape time."""
+    """Counters of the training loop, read by `train_metrics` at scrape time."""
 
     data_wait_s: float = 0.0
     batches: int = 0

@@ -3,8 +3,8 @@
 A Python signal handler runs in the main thread between any two bytecodes. Raising from it (as
 Python's SIGINT handler does) lands the exception anywhere: inside DataLoader start-up, between
 a map-gate entry of the store and its ``try`` (a later map resize then waits forever for that
-entry), half-way through a multiprocessing queue. So :class:`StopSignals` only records the
-first SIGINT or SIGTERM; the run checks it (:meth:`StopSignals.check`) at its own safe points --
+entry), half-way through a multiprocessing queue. So `StopSignals` only records the
+first SIGINT or SIGTERM; the run checks it (`StopSignals.check`) at its own safe points --
 between start-up steps, every poll of the wait for ``train.min_samples``, before and after each
 batch, at each epoch boundary -- and stops there: epochs closed, lease released, daemon stopped,
 the last checkpoint kept, one line saying so, exit 130 (SIGINT) or 143 (SIGTERM). A second
@@ -12,13 +12,13 @@ signal does not wait: SIGINT raises at once, SIGTERM takes its previous action (
 process ends at once).
 
 A terminal's Ctrl-C, torchrun and Slurm signal the run's whole process group, DataLoader workers
-included. Workers started by the run ignore SIGINT (:func:`quiet_worker`, their
+included. Workers started by the run ignore SIGINT (`quiet_worker`, their
 ``worker_init_fn``): the run stops them in order itself, where a worker that Ctrl-C interrupts
 quits mid-epoch or, while it starts, prints a KeyboardInterrupt traceback. SIGTERM keeps torch's
 handler in them (they end at once, silently); what that breaks in the run's loader is taken for
 the stop it is. Workers started from multiprocessing's forkserver come from a process in the
 same group, which a group SIGTERM used to end (every worker start after it failed, half-way)
-and a Ctrl-C while it started to print a traceback: :func:`shelter_forkserver` starts it with
+and a Ctrl-C while it started to print a traceback: `shelter_forkserver` starts it with
 both signals blocked.
 """
 
@@ -95,11 +95,11 @@ class StopSignals:
         return self.signum is not None
 
     def exception(self) -> KeyboardInterrupt:
-        """What the run raises to stop: :class:`Terminated` or :class:`Interrupted`."""
+        """What the run raises to stop: `Terminated` or `Interrupted`."""
         return Terminated() if self.signum == signal.SIGTERM else Interrupted()
 
     def check(self) -> None:
-        """Raise :meth:`exception` when a stop was requested (a safe point of the run)."""
+        """Raise `exception` when a stop was requested (a safe point of the run)."""
         if self.signum is not None:
             raise self.exception()
 
@@ -115,7 +115,7 @@ def quiet_worker(worker_id: int) -> None:
 
 def shelter_forkserver() -> None:
     """Start multiprocessing's forkserver now, with SIGINT and SIGTERM blocked in it and in the
-    processes it forks (the run's DataLoader workers, see :func:`quiet_worker`).
+    processes it forks (the run's DataLoader workers, see `quiet_worker`).
 
     A SIGTERM to the run's process group (torchrun, Slurm) would otherwise end the forkserver
     while the run still starts workers from it (the next epoch's, prepared in the background),
@@ -125,7 +125,7 @@ def shelter_forkserver() -> None:
     the run does (it watches the run's end of a pipe). Call it in the main thread, before any
     worker is started; a forkserver already running is left as it is. Where workers are forked
     from the run instead, it only costs an idle process. Processes it forks start with both
-    signals blocked: the run's workers unblock them (:func:`quiet_worker`); another forkserver
+    signals blocked: the run's workers unblock them (`quiet_worker`); another forkserver
     process a trainer starts must do the same if it relies on them.
     """
     if threading.current_thread() is not threading.main_thread():

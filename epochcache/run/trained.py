@@ -1,8 +1,8 @@
 """What an epoch of ``epochcache run`` trained on: its manifest and its coverage, per rank.
 
 A run records the samples of an epoch in two places once the model has kept them: the epoch's
-manifest in the run directory (:mod:`epochcache.store.manifests`: the keys, in order) and the
-cache's coverage ledger (:mod:`epochcache.store.ledger`: one more epoch for each sample). It
+manifest in the run directory (`epochcache.store.manifests`: the keys, in order) and the
+cache's coverage ledger (`epochcache.store.ledger`: one more epoch for each sample). It
 does so when a mid-epoch checkpoint covers part of the epoch (``train.checkpoint_every_s``)
 and when the epoch ends, each time for the batches since the last time. So an epoch stopped
 and resumed from its checkpoint records each of its samples once, and an epoch a job dies in
@@ -30,7 +30,7 @@ class TrainedRecord:
 
     Args:
         cache: the cache the epoch reads.
-        loader: the epoch's :class:`~epochcache.data.epoch_loader.EpochLoader`.
+        loader: the epoch's [`EpochLoader`][epochcache.data.epoch_loader.EpochLoader].
         epoch: the epoch.
         batch_size: samples per batch (the loader's).
         run_dir: where the manifest goes; None writes none (``train.manifests: false``).
@@ -96,7 +96,7 @@ def coverage_row(cache: SampleStore, record: TrainedRecord) -> dict[str, Any]:
 
 
 def coverage_text(row: dict[str, Any]) -> str:
-    """The run log's words for :func:`coverage_row`."""
+    """The run log's words for `coverage_row`."""
     from ..store.coverage import format_duration
 
     if not row["samples"]:

@@ -2,7 +2,7 @@
 
 A cache directory is one LMDB environment (``env``) holding the samples by insertion sequence
 (``schema``, ``codec``), their counters, the snapshot leases, eviction by age, and side tables
-(quarantine, state documents, stats history). :class:`SampleStore` puts it together; ``verify``
+(quarantine, state documents, stats history). `SampleStore` puts it together; ``verify``
 and ``status`` read it. This layer imports nothing from ``ingest``, ``data`` or the face, and
 never torch: sampler processes use it as it is.
 """
@@ -17,7 +17,7 @@ __all__ = ["PutResult", "SampleStore", "Snapshot", "store_of"]
 
 
 def store_of(cache: object) -> SampleStore:
-    """The :class:`SampleStore` of a cache: an :class:`epochcache.Cache` holds one (the public
+    """The `SampleStore` of a cache: an [`epochcache.Cache`][epochcache.Cache] holds one (the public
     surface stops at the Cache; the library's layers, tools and tests work on its store), and a
     store is its own.
 

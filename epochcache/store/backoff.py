@@ -81,7 +81,7 @@ class Lowered:
         reason: why, for logs and ``status``.
         cause: ``disk`` (room on the disk can be measured) or ``map`` (it cannot).
         since: when the limit was first lowered (``time.time()``).
-        room: :func:`disk_room` when it was last lowered or raised.
+        room: `disk_room` when it was last lowered or raised.
         probe_s: the current probe interval.
         next_probe: ``time.monotonic()`` of the next probe.
         raised: the last probe raised the limit (if it fails again, probes slow down).
@@ -174,7 +174,7 @@ class BackOff:
             format_size(self.capacity_bytes), interval,
         )
         # Not published here: on a full map even that small write takes the last free pages
-        # that eviction needs; published after the next successful write (:meth:`settle`).
+        # that eviction needs; published after the next successful write (`settle`).
         self.state = Lowered(new_limit, reason, cause, since, room, interval, now + interval)
         self._publish_pending = True
 

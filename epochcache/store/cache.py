@@ -1,11 +1,11 @@
 """SampleStore: a byte-bounded LMDB sample store that evicts its oldest samples.
 
-Writers (the sampler processes) call :meth:`SampleStore.put_many`; trainers take a
-:meth:`SampleStore.snapshot` per epoch, which protects that epoch's samples from eviction until
+Writers (the sampler processes) call `SampleStore.put_many`; trainers take a
+`SampleStore.snapshot` per epoch, which protects that epoch's samples from eviction until
 it is released. The parts are objects of their own that the store holds: the LMDB environment
 (``store``), the limits (``capacity``), the write path (``writer``) and the side tables
 (``tables``); counters, leases, eviction and snapshots are modules of their own. The public
-:class:`epochcache.Cache` adds the torch-side ``dataset()`` and ``epochs()`` on top of this
+[`epochcache.Cache`][epochcache.Cache] adds the torch-side ``dataset()`` and ``epochs()`` on top of this
 class, so that this layer never imports torch.
 """
 
@@ -28,7 +28,6 @@ from .codec import Value
 from .counters import Counters
 from .env import Store, map_bound
 from .eviction import Eviction
-from .origins import Origin
 from .leases import (
     DEFAULT_LEASE_TIMEOUT_S,
     Lease,
@@ -39,6 +38,7 @@ from .leases import (
     read_leases,
     write_lease,
 )
+from .origins import Origin
 from .owners import begin_lease, end_lease, heartbeats, sweep_dead_owners
 from .schema import (
     DB_KEYS,
@@ -63,7 +63,7 @@ class SampleStore:
     """A local sample cache bounded by ``capacity`` bytes, evicting oldest samples first.
 
     Opening is cheap and safe in any process. A forked child (a DataLoader worker) opens an
-    LMDB environment of its own on first use (see :mod:`epochcache.store.env`), so a store
+    LMDB environment of its own on first use (see `epochcache.store.env`), so a store
     opened in the parent can be read in workers; pickled, it travels as its path and reopens on the other side.
 
     Args:
@@ -82,7 +82,7 @@ class SampleStore:
         max_map_size: cap on the LMDB map (defaults to a bound derived from capacity).
         lease_timeout_s: a lease holder whose owner lock cannot be tested is presumed dead
             after this long without a heartbeat; this process's open snapshots refresh theirs
-            every quarter of it (see :mod:`epochcache.store.owners`).
+            every quarter of it (see `epochcache.store.owners`).
 
     Raises:
         CacheError: the directory holds no cache and no capacity was given, or it cannot be
@@ -185,7 +185,7 @@ class SampleStore:
     @property
     def effective_capacity(self) -> int:
         """Capacity in force: the configured one, unless this process or another live writer
-        runs lowered while the disk (or the LMDB map) is full; see :meth:`capacity_lowered`."""
+        runs lowered while the disk (or the LMDB map) is full; see `capacity_lowered`."""
         lowered = self.capacity.lowered()
         own = self.capacity.effective
         return own if lowered is None else min(own, int(lowered["limit"]))
@@ -194,7 +194,7 @@ class SampleStore:
         """The lowest capacity in force in a live process, when lower than the configured one:
         ``limit``, ``capacity``, ``reason``, ``since``, ``pid``; None otherwise. A lowered
         capacity is a runtime back-off that recovers by itself and is never stored
-        (:mod:`epochcache.store.backoff`)."""
+        (`epochcache.store.backoff`)."""
         return self.capacity.lowered()
 
     @property
@@ -212,7 +212,7 @@ class SampleStore:
 
     def encode(self, key: str, value: Value, *, adaptive: bool = False) -> bytes:
         """Frame one sample as a record (samplers do it before they take the write lock, with
-        ``adaptive``: see :meth:`~.writer.Writer.encode`)."""
+        ``adaptive``: see `encode`)."""
         return self.writer.encode(key, value, adaptive=adaptive)
 
     def put(self, key: str, value: Value, **kwargs: Any) -> PutResult:
@@ -233,20 +233,20 @@ class SampleStore:
 
         Eviction makes room, oldest first. When leases pin too much to stay within capacity +
         headroom, the call waits (back-pressure) until space returns, ``timeout_s`` passes or
-        ``stop`` is set; with ``wait=False`` it raises :class:`CacheFull` at once. Samples are
+        ``stop`` is set; with ``wait=False`` it raises [`CacheFull`][epochcache.CacheFull] at once. Samples are
         committed in order, as many per transaction as fit; when the call returns, every
-        sample is committed. A :class:`CacheFull` carries ``.result``, what was committed.
+        sample is committed. A [`CacheFull`][epochcache.CacheFull] carries ``.result``, what was committed.
 
         Args:
             items: ``(source key, value)`` pairs; a value is ``bytes`` or a dict of fields. A
                 key may be any length: keys LMDB cannot hold are indexed under a digest.
-            encoded: the values are records already made by :meth:`encode`.
+            encoded: the values are records already made by `encode`.
             on_reject: ``on_reject(key, error)`` for each sample that can never be stored
-                (:class:`SampleRejected`); the others are committed. Without it, such a sample
+                ([`SampleRejected`][epochcache.SampleRejected]); the others are committed. Without it, such a sample
                 raises before anything is committed.
             origins: where samples came from, by key (samplers give it; see
-                :mod:`epochcache.store.origins`); samples without one are unattributed in
-                :meth:`coverage`.
+                `epochcache.store.origins`); samples without one are unattributed in
+                `coverage`.
 
         Raises:
             CacheFull: no room and ``wait`` is False, the timeout passed, or ``stop`` was set.
@@ -338,7 +338,7 @@ class SampleStore:
 
     def register_sources(self, names: Iterable[str]) -> list[str]:
         """Count samples per source from now on (keys ``<name>/...``; see
-        :mod:`epochcache.store.source_counters`); return the names that were new."""
+        `epochcache.store.source_counters`); return the names that were new."""
         return self.store.write(
             lambda txn: register_sources(txn, self.dbs, self.dbs[DB_META], list(names)))
 
@@ -358,7 +358,7 @@ class SampleStore:
         The snapshot's samples stay readable, unchanged, until it is released, however much
         is written meanwhile (invariant 1). With ``plan_parts``, its readers will release
         what they have read before that, progressively, through a plan of that many parts
-        (:meth:`write_plan_part`; until every part is written the whole snapshot is protected).
+        (`write_plan_part`; until every part is written the whole snapshot is protected).
         """
         name = label or (f"epoch {epoch}" if epoch is not None else "snapshot")
         limit = self.effective_capacity  # outside the write transaction: it may read the cache
@@ -382,7 +382,7 @@ class SampleStore:
                       plan_parts: int = 0) -> tuple[np.ndarray, str]:
         """In ``txn``: select the newest samples that fit ``limit`` bytes (the effective
         capacity, read before the transaction) and write their lease, held by ``owner`` (this
-        process's owner lock, see :func:`~.owners.begin_lease`) or else by ``pid`` on this host
+        process's owner lock, see `begin_lease`) or else by ``pid`` on this host
         (default: this process); returns ``(seqs, lease_id)``. The caller owns the release.
         With ``plan_parts``, the snapshot's samples are saved for its release plan."""
         self.writer.reclaim(txn)
@@ -400,18 +400,18 @@ class SampleStore:
 
     def write_plan_part(self, lease_id: str, part: int, lanes: Sequence[np.ndarray]) -> None:
         """Save part ``part`` of a lease's release plan: ``lanes[i]`` is the order in which
-        reader ``i`` of the part reads its samples (see :mod:`~.plans`). Each reader then
-        releases what it has read with a :class:`~.plans.Releaser`."""
+        reader ``i`` of the part reads its samples (see `plans`). Each reader then
+        releases what it has read with a `Releaser`."""
         plans.write_part(self.path, lease_id, part, lanes)
 
     def leased_seqs(self, lo: int, hi: int, count: int) -> np.ndarray:
         """The sequence numbers of a snapshot known by its lease's range and count.
 
         A snapshot is every sample in ``[lo, hi)`` (the newest that fit, see
-        :func:`select_snapshot`) and a lease without a plan keeps them there, so any process
+        `select_snapshot`) and a lease without a plan keeps them there, so any process
         can rebuild it from these three numbers: a range when it has no gaps, else the stored
         keys in it. (A lease with a plan may have lost released samples: see
-        :meth:`plan_seqs`.)
+        `plan_seqs`.)
         """
         if hi - lo == count:
             return np.arange(lo, hi, dtype=np.uint64)
@@ -432,7 +432,7 @@ class SampleStore:
 
     def snapshot_seqs(self, lease_id: str | None, lo: int, hi: int, count: int) -> np.ndarray:
         """The samples of a leased snapshot as taken: from its plan when it has one (see
-        :meth:`plan_seqs`), else from its range (:meth:`leased_seqs`)."""
+        `plan_seqs`), else from its range (`leased_seqs`)."""
         seqs = self.plan_seqs(lease_id) if lease_id else None
         return self.leased_seqs(lo, hi, count) if seqs is None else seqs
 
@@ -445,11 +445,11 @@ class SampleStore:
         """This process is done with the lease: delete it; whether it was there.
 
         ``finished=False`` says its epoch was abandoned before its end (a stop, an error, the
-        process exiting): a lease a checkpoint named (:meth:`keep_for_resume`) is then *left*
+        process exiting): a lease a checkpoint named (`keep_for_resume`) is then *left*
         for the resumed run instead -- no longer refreshed nor held by this process, kept
         ``resume_grace_s`` past its last heartbeat -- as if its holder had been killed
         (invariant 10: every stop is a resume point). ``reason`` is recorded for a resume that
-        finds it gone (:func:`~.leases.end_reason`).
+        finds it gone (`end_reason`).
         """
         ours = heartbeats().remove(self.path, lease_id)
         pid = os.getpid()
@@ -510,7 +510,7 @@ class SampleStore:
                     whole: bool = False) -> Lease | None:
         """Hold the lease of an interrupted epoch from now on (a resumed run): this process's
         owner lock keeps it, and its heartbeat is refreshed while the returned lease is not
-        released (:meth:`release_lease`). None when it is gone (reclaimed: its holder died
+        released (`release_lease`). None when it is gone (reclaimed: its holder died
         longer than its grace ago, or no checkpoint named it).
 
         Args:
@@ -608,7 +608,7 @@ class SampleStore:
     def coverage(self) -> dict[str, Any]:
         """How much of each source training has seen: per source the samples listed, those
         trained at least once, a histogram of epochs per sample, the growth rate and the time
-        to see every sample once (see :mod:`epochcache.store.coverage`)."""
+        to see every sample once (see `epochcache.store.coverage`)."""
         from .coverage import coverage
 
         return coverage(self)
@@ -625,7 +625,7 @@ class SampleStore:
     def copy_to(self, dst: str | os.PathLike[str]) -> dict[str, Any]:
         """Make a consistent, compacted copy of this cache in ``dst`` (new or empty), while
         its daemon and trainers go on: samples, limits, listings and coverage are kept;
-        leases, plans and daemon state left behind (see :mod:`epochcache.store.copy_cache`).
+        leases, plans and daemon state left behind (see `epochcache.store.copy_cache`).
         Returns what was copied (``samples``, ``bytes``, ``file_bytes``, ``seconds``, ...).
 
         Raises:

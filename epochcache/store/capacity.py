@@ -4,7 +4,7 @@ Capacity and headroom are stored in the cache's ``meta`` table, so every process
 the cache (samplers, trainers, ``status``) works to the same limits. The limit in force, the
 *effective capacity*, is the configured capacity unless the disk cannot hold it: then it is a
 runtime back-off of the process that found out (at open, or after a full disk or LMDB map),
-which recovers by itself and is never stored as a limit (:mod:`epochcache.store.backoff`).
+which recovers by itself and is never stored as a limit (`epochcache.store.backoff`).
 Headroom shrinks in proportion with it.
 """
 
@@ -128,7 +128,7 @@ class Capacity:
 
     def lower(self, exc: Exception, incoming: int) -> None:
         """A write failed on a full disk or map, with nothing left to evict: lower the limit
-        in force below what is stored (a back-off that :meth:`probe` lifts)."""
+        in force below what is stored (a back-off that `probe` lifts)."""
         with self.store.read() as txn:
             stored = Counters.load(txn, self.store.dbs[DB_META]).bytes
         self.backoff.lower(exc, stored, incoming)

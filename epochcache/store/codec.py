@@ -76,7 +76,7 @@ def pack_fields(fields: Mapping[str, bytes]) -> bytes:
 
 
 def field_spans(payload: bytes | memoryview) -> tuple[list[tuple[str, int, int]], int]:
-    """Where each field of a :func:`pack_fields` payload lies: ``([(name, start, length)],
+    """Where each field of a `pack_fields` payload lies: ``([(name, start, length)],
     end of the table)``, offsets into ``payload``.
 
     Raises:
@@ -104,7 +104,7 @@ def field_spans(payload: bytes | memoryview) -> tuple[list[tuple[str, int, int]]
 
 
 def unpack_fields(payload: bytes | memoryview) -> dict[str, bytes]:
-    """Inverse of :func:`pack_fields`."""
+    """Inverse of `pack_fields`."""
     view = memoryview(payload)
     return {name: bytes(view[start : start + length])
             for name, start, length in field_spans(view)[0]}
@@ -115,8 +115,8 @@ class CompressGate:
 
     Incompressible samples (images, float noise from instruments) are common; probing each
     one costs a compression pass over 64 KiB (~13% of a sampler's main thread at 1 MiB per
-    sample). After :data:`GATE_MISSES` incompressible samples of a kind in a row, only one in
-    :data:`GATE_EVERY` of that kind is probed, so a change of content is still noticed; one
+    sample). After `GATE_MISSES` incompressible samples of a kind in a row, only one in
+    `GATE_EVERY` of that kind is probed, so a change of content is still noticed; one
     that compresses opens the gate again. One gate per writer (per sampler process).
     """
 
@@ -161,7 +161,7 @@ def encode_record(key: str, value: Value, *, level: int = 3, compress: bool = Tr
     """Frame one sample as a record: header, source key, payload (zstd or raw).
 
     ``gate`` (optional) skips the compression attempt for kinds of samples that have not
-    compressed lately (see :class:`CompressGate`).
+    compressed lately (see `CompressGate`).
     """
     # Plain ints and a bytes check first: ABC isinstance checks and enum arithmetic cost
     # microseconds, as much as compressing a small sample.
@@ -221,7 +221,7 @@ class RecordInfo:
 
 
 def record_key(record: bytes | memoryview) -> bytes:
-    """The key index entry of a record's source key (see :func:`~.schema.index_key`)."""
+    """The key index entry of a record's source key (see `index_key`)."""
     return index_key(bytes(record[_HEADER_SIZE : _HEADER_SIZE + (record[24] | record[25] << 8)]))
 
 
@@ -274,7 +274,7 @@ def decode_payload(record: bytes | memoryview) -> bytes | dict[str, bytes]:
 
 
 def check_record(record: bytes | memoryview) -> RecordInfo:
-    """Verify a record's checksum and sizes; raise :class:`CacheCorrupted` if it is damaged."""
+    """Verify a record's checksum and sizes; raise [`CacheCorrupted`][epochcache.CacheCorrupted] if it is damaged."""
     if len(record) < HEADER.size:
         raise CacheCorrupted("record is shorter than its header")
     info = read_info(record)

@@ -38,7 +38,7 @@ LISTINGS_DIR = "listings"
 
 
 def check_destination(dst: str) -> None:
-    """Raise :class:`CacheError` unless ``dst`` is a new or empty directory."""
+    """Raise [`CacheError`][epochcache.CacheError] unless ``dst`` is a new or empty directory."""
     if os.path.lexists(dst) and not os.path.isdir(dst):
         raise CacheError(f"{dst}: exists and is not a directory; `epochcache copy` writes a new "
                          "cache into a new or empty directory")

@@ -37,7 +37,7 @@ _KEYS = {
 
 @dataclass
 class Counters:
-    """A transaction's working copy of the counters; :meth:`save` writes all of them back."""
+    """A transaction's working copy of the counters; `save` writes all of them back."""
 
     samples: int = 0
     bytes: int = 0

@@ -1,6 +1,6 @@
 """``cache.coverage()``: how much of each source training has seen, how fast, how long to go.
 
-Read from the ledgers' headers (:mod:`.ledger`): no count array is loaded, so ``status``, its
+Read from the ledgers' headers (`ledger`): no count array is loaded, so ``status``, its
 ``--json`` and a metrics scrape pay a few small file reads. Per source:
 
 * ``samples``: what its listing holds (``estimated`` for a ``tar`` source until every shard was
@@ -12,7 +12,7 @@ Read from the ledgers' headers (:mod:`.ledger`): no count array is loaded, so ``
 * ``histogram``: samples by the number of epochs they were trained in (``"0"``: never; buckets
   double from 4 on; ``"255+"``: the count saturates there);
 * ``coverage_per_s`` and ``ingest_per_s``: the growth of ``covered`` and of the samples the
-  cache ingested from the source, over the last :data:`RATE_WINDOW_S` of updates;
+  cache ingested from the source, over the last `RATE_WINDOW_S` of updates;
   ``eta_s``: the time to have trained on every sample of this node's share once at the current
   ingest rate (sampling is without replacement per pass, so during the first pass every sample
   ingested is new), None while nothing is ingested;
@@ -43,7 +43,7 @@ BUCKETS: tuple[tuple[str, int, int], ...] = (
 
 
 def bucketed(histogram: list[int]) -> dict[str, int]:
-    """A 256-entry histogram as :data:`BUCKETS`."""
+    """A 256-entry histogram as `BUCKETS`."""
     return {label: int(sum(histogram[lo : hi + 1])) for label, lo, hi in BUCKETS}
 
 
@@ -110,7 +110,7 @@ def coverage(cache: SampleStore | str) -> dict[str, Any]:
 def history(cache_path: str) -> list[dict[str, Any]]:
     """Every source's updates (time, covered, samples, ...), each with its ``source`` name:
     what the plot draws."""
-    rows = []
+    rows: list[dict[str, Any]] = []
     for ledger in ledgers(cache_path):
         name = ledger.header.get("source") or ledger.header.get("url") or ""
         rows.extend({**row, "source": name} for row in ledger.header.get("updates") or [])

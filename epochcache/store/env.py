@@ -3,7 +3,7 @@
 All process-level LMDB concerns live here:
 
 * one ``lmdb.Environment`` per cache directory per process (LMDB forbids opening the same
-  file twice in one process), shared by every :class:`Store` on that path;
+  file twice in one process), shared by every `Store` on that path;
 * fork: a forked child (a DataLoader worker) opens an environment of its own on first use and
   never touches the one it inherited (see ``_after_fork_in_child``); sampler processes are
   started with ``spawn`` and open their own;
@@ -12,7 +12,7 @@ All process-level LMDB concerns live here:
 * a private directory (0700) and private files (0600), since samples may be sensitive;
 * who holds the cache: every process with a writable handle holds a shared ``flock`` on
   ``holders.lock`` (released by the kernel when it dies), so that a process may change the
-  stored capacity only when it is alone (:meth:`Store.alone`).
+  stored capacity only when it is alone (`Store.alone`).
 """
 
 from __future__ import annotations
@@ -46,11 +46,11 @@ MAX_READERS = 1024
 #: An EIO from a write with less free space than this is the short write of a full disk.
 NEARLY_FULL_BYTES = 16 * 1024 * 1024
 
-#: Held shared by every process with a writable handle on the cache (see :meth:`Store.alone`).
+#: Held shared by every process with a writable handle on the cache (see `Store.alone`).
 HOLDERS_FILE = "holders.lock"
 #: Serialises the processes that want to change a cache's limits.
 LIMITS_FILE = "limits.lock"
-#: How long :meth:`Store.alone` waits for another process changing the limits.
+#: How long `Store.alone` waits for another process changing the limits.
 LIMITS_WAIT_S = 30.0
 
 _lock = threading.Lock()
@@ -82,7 +82,7 @@ def _after_fork_in_child() -> None:
     table, so the parent's snapshots would no longer be protected from page reuse) and may wait
     forever on state of the parent's other threads. So the child leaves the inherited handles
     alone for good (pinned: not even interpreter exit may free them) and opens its own on first
-    use (:func:`_open_lmdb`). That is safe: fcntl locks, the reason LMDB forbids a second open
+    use (`_open_lmdb`). That is safe: fcntl locks, the reason LMDB forbids a second open
     in one process, are not inherited by fork(), so only the child's own environment holds any.
     """
     global _lock
@@ -111,7 +111,7 @@ def _open_lmdb(path: str, **kwargs: Any) -> lmdb.Environment:
 
     py-lmdb refuses a second open of the same files in one process (it would share and then
     drop LMDB's fcntl locks) and identifies files by ``lmdb._envid.env_keys``. A forked child's
-    inherited environment holds no locks in the child (see :func:`_after_fork_in_child`), so
+    inherited environment holds no locks in the child (see `_after_fork_in_child`), so
     for it the child's own open is told apart from the inherited one by the child's pid.
     """
     if path not in _inherited_paths:
@@ -131,12 +131,12 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def begin_read(env: lmdb.Environment) -> lmdb.Transaction:
+def begin_read(env: lmdb.Environment) -> lmdb.Transaction[memoryview]:
     """A read transaction (buffers into the map); survives another process growing the map.
 
-    The caller ends it with :func:`end_read`. Hot paths call this directly instead of
-    :meth:`Store.read`. Adopting a map another process grew waits until no other thread of
-    this process has a transaction open (:mod:`epochcache.store.mapgate`).
+    The caller ends it with `end_read`. Hot paths call this directly instead of
+    `Store.read`. Adopting a map another process grew waits until no other thread of
+    this process has a transaction open (`epochcache.store.mapgate`).
     """
     gate = mapgate.GATE
     gate.enter()
@@ -156,8 +156,8 @@ def begin_read(env: lmdb.Environment) -> lmdb.Transaction:
         raise
 
 
-def end_read(txn: lmdb.Transaction) -> None:
-    """End a transaction of :func:`begin_read` (its buffers are invalid from here on)."""
+def end_read(txn: lmdb.Transaction[memoryview]) -> None:
+    """End a transaction of `begin_read` (its buffers are invalid from here on)."""
     try:
         txn.abort()
     finally:
@@ -444,7 +444,7 @@ class Store:
     # -- transactions -----------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def read(self) -> Iterator[lmdb.Transaction]:
+    def read(self) -> Iterator[lmdb.Transaction[memoryview]]:
         """A short read transaction; survives another process growing the map."""
         txn = begin_read(self.env)
         try:
@@ -504,7 +504,8 @@ class Store:
                 gate.leave()
             # Outside the transaction: replacing the map waits for other threads' to end.
             if resize is None:
-                gate.remap(lambda: env.set_mapsize(0))  # adopt the size another process set
+                # adopt the size another process set (the lambda is called at once)
+                gate.remap(lambda: env.set_mapsize(0))  # noqa: B023
             elif not self._grow_map():
                 raise resize
 

@@ -4,8 +4,8 @@ Eviction takes the cache's oldest sample that no lease protects (invariant 3), a
 newer than every snapshot (those have not been trained on: evicting them for newer ones would
 only waste the remote's bandwidth; writers wait instead). A lease without a plan protects its
 whole range; a lease with a plan only its samples not yet read (progressive release, see
-:mod:`epochcache.store.release`). So the samples present are no longer one contiguous run: a
-snapshot reads the keys when there are gaps (:func:`~.snapshot.select_snapshot`).
+`epochcache.store.release`). So the samples present are no longer one contiguous run: a
+snapshot reads the keys when there are gaps (`select_snapshot`).
 
 Each victim is the older of two candidates: the first sample outside every lease's range
 (found by a cursor seek per gap between ranges), and the oldest released sample of the plan

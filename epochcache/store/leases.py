@@ -2,7 +2,7 @@
 
 A lease protects the sequence range ``[lo, hi)`` of one snapshot from eviction. It names its
 owner (a lock file the holding process keeps locked while it lives, see
-:mod:`epochcache.store.owners`), the holder's pid, host and start time (for ``status``), its
+`epochcache.store.owners`), the holder's pid, host and start time (for ``status``), its
 heartbeat and the timeout after which a holder whose lock cannot be tested is presumed dead. A
 lease whose holder is gone is reclaimed, so a crashed trainer cannot pin the cache forever
 (invariant 1), while a live one is kept however long its epoch runs, whatever PID namespace or
@@ -95,12 +95,12 @@ class Lease:
     label: str = ""
     owner: str = ""  # the holder's owner lock (owners/<owner>.lock); "" from older versions
     timeout_s: float = 0.0  # the holder's heartbeat timeout; 0: the judge's own
-    #: Parts of its release plan (see :mod:`epochcache.store.plans`); 0: no plan, the whole
+    #: Parts of its release plan (see `epochcache.store.plans`); 0: no plan, the whole
     #: range is protected until the lease ends.
     plan_parts: int = 0
     #: Set when a checkpoint names this lease (a run that can resume mid-epoch): after its
     #: holder dies the lease is kept this long past its last heartbeat, for the resumed run to
-    #: adopt (:func:`adopt`), then reclaimed as any other. 0: reclaimed as soon as it is dead.
+    #: adopt (`adopt`), then reclaimed as any other. 0: reclaimed as soon as it is dead.
     resume_grace_s: float = 0.0
 
     @classmethod
@@ -139,7 +139,7 @@ class Lease:
 
     def awaits_resume(self, now_ns: int) -> bool:
         """Whether a checkpoint names this lease and its grace after the last heartbeat
-        (:attr:`resume_grace_s`) has not run out: kept even if its holder is dead."""
+        (`resume_grace_s`) has not run out: kept even if its holder is dead."""
         return (self.resume_grace_s > 0
                 and now_ns - self.heartbeat_ns < self.resume_grace_s * 1e9)
 
@@ -173,7 +173,7 @@ def delete_lease(txn: lmdb.Transaction, db: lmdb._Database, lease_id: str) -> bo
 
 
 #: The ``state`` document that keeps why the last leases ended, for a resume that finds the
-#: lease of its checkpoint gone: it says why instead of guessing (see :func:`end_reason`).
+#: lease of its checkpoint gone: it says why instead of guessing (see `end_reason`).
 ENDS_DOC = b"lease-ends"
 _ENDS_KEPT = 64
 
@@ -189,7 +189,7 @@ def note_end(txn: lmdb.Transaction, state_db: lmdb._Database, lease_id: str,
 
 
 def end_reason(txn: lmdb.Transaction, state_db: lmdb._Database, lease_id: str) -> str | None:
-    """Why lease ``lease_id`` ended, with when, if it ended recently (see :func:`note_end`)."""
+    """Why lease ``lease_id`` ended, with when, if it ended recently (see `note_end`)."""
     raw = txn.get(ENDS_DOC, db=state_db)
     for ended, at, reason in reversed([] if raw is None else json.loads(bytes(raw))):
         if ended == lease_id:
@@ -212,7 +212,7 @@ def reclaim_dead(
     *, path: str = "", state_db: lmdb._Database | None = None,
 ) -> list[Lease]:
     """Delete the leases whose holders are gone, log each with ``path`` (and, with
-    ``state_db``, record why: :func:`note_end`); return them."""
+    ``state_db``, record why: `note_end`); return them."""
     now = time.time_ns()
     leases = read_leases(txn, db)
     dead = [lease for lease in leases if not lease.is_alive(now, timeout_s, path)

@@ -1,8 +1,8 @@
 """The coverage ledger: how many epochs each listed sample of a source was trained in.
 
 **What is counted.** When an epoch ends (or a mid-epoch checkpoint covers part of it), the
-trainer hands the sequence numbers it trained on to :func:`record_trained`. Their origin rows
-(:mod:`.origins`) say which listing and which index each came from; the ledger of that source
+trainer hands the sequence numbers it trained on to `record_trained`. Their origin rows
+(`origins`) say which listing and which index each came from; the ledger of that source
 adds one to a saturating ``uint8`` per listed sample (255 means "255 or more"), once per
 sample per call however often it occurs in it. What an *interrupted* epoch trained on is what
 a checkpoint covers: ``epochcache run`` records the part of an epoch each mid-epoch checkpoint
@@ -10,7 +10,7 @@ covers, so an epoch killed and resumed counts each of its samples once, and a jo
 without a checkpoint counts nothing of its last epoch (its model never kept it either).
 
 **Bounded.** One file per source fingerprint, ``<cache>/coverage/<fingerprint>.ledger``: a JSON
-header (the listing it indexes, a summary, the last :data:`MAX_UPDATES` updates) and the counts,
+header (the listing it indexes, a summary, the last `MAX_UPDATES` updates) and the counts,
 one byte per listed sample: 10 MB at ten million keys, read and rewritten whole (atomically,
 under ``coverage/ledger.lock``) at each update, so an update costs milliseconds and a killed
 process leaves the old ledger or the new one. ``status`` and the metrics read the header only.
@@ -24,7 +24,7 @@ estimated from the mean of those that were (``estimated`` in the report).
 **Listings that change.** A re-list keeps every index (new keys are appended, missing ones
 marked gone), so the ledger grows with it. A new *generation* of a listing (a large bucket's
 listing finishing, a listing made afresh) orders the keys anew: the sampler that takes it in
-while it still holds the old one maps the counts by key (:func:`remap`), and rewrites the
+while it still holds the old one maps the counts by key (`remap`), and rewrites the
 origin rows of the old generation. A ledger found on a generation nobody can map from (the
 samplers restarted in between) starts afresh, and keeps the old totals in ``previous``.
 
@@ -407,7 +407,7 @@ def retag_origins(cache: SampleStore, old_lid: int, new_lid: int, mapping: np.nd
         def run(txn: lmdb.Transaction) -> tuple[int, int | None]:
             done = 0
             cursor = txn.cursor(db=db)
-            if not cursor.set_range(seq_key(position)):
+            if not cursor.set_range(seq_key(position)):  # noqa: B023 - run at once, per round
                 return 0, None
             for rows_seen, (key, value) in enumerate(cursor.iternext()):
                 if rows_seen >= 256:  # short transactions: samplers commit meanwhile

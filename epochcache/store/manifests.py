@@ -1,9 +1,9 @@
 """Training manifests: the sample keys each epoch trained on, per rank, in order.
 
 ``epochcache run`` writes one file per epoch and rank, ``<run dir>/manifests/epoch-000012.rank-00000.ecm``,
-through a :class:`ManifestWriter` (``epochs()`` and ``stream()`` can do the same: the writer
+through a [`ManifestWriter`][epochcache.store.manifests.ManifestWriter] (``epochs()`` and ``stream()`` can do the same: the writer
 needs only the cache and, per part of an epoch, its sequence numbers). The keys come from the
-cache's origin rows (:mod:`.origins`), which outlive the samples' eviction as long as the
+cache's origin rows (`origins`), which outlive the samples' eviction as long as the
 epoch's lease lives, so a manifest names every sample even under progressive release.
 
 **Records.** A file is a sequence of records, each the keys of a run of batches:
@@ -18,11 +18,11 @@ next append, and readers ignore one.
 kept. A resumed epoch appends records from the checkpoint's position on; a record that a
 later one starts at or before (the job died after writing it, before its checkpoint) was
 trained again and is dropped when reading, and so are the records of an attempt that could
-not be continued (another lease: the epoch started afresh). So :func:`epoch_keys` gives each
+not be continued (another lease: the epoch started afresh). So [`epoch_keys`][epochcache.store.manifests.epoch_keys] gives each
 sample trained once, in order, however often the epoch was stopped and resumed.
 
 Keys are cache keys: ``<name>/<key>`` for an entry of ``sources:``; for a ``tar`` sample
-``<shard>/<sample>``. Fed back as ``source.manifest`` (per source: :func:`epoch_keys` with
+``<shard>/<sample>``. Fed back as ``source.manifest`` (per source: [`epoch_keys`][epochcache.store.manifests.epoch_keys] with
 ``source=``), they fetch exactly those samples again (see docs/howto/runs.md).
 """
 
@@ -165,7 +165,7 @@ def cut_torn_tail(path: Path) -> None:
     except FileNotFoundError:
         return
     end = 0
-    for end, _header, _payload in _records(data):
+    for end, _header, _payload in _records(data):  # noqa: B007 - the last record's end
         pass
     if end != len(data):
         with open(path, "r+b") as f:

@@ -8,8 +8,8 @@ memory: a thread copying a sample out of the map at that moment crashes the proc
 (segmentation fault) or fails with "Attempt to operate on closed/deleted/dropped object".
 LMDB's rule is that no transaction of the process may be open while the map is replaced.
 
-:data:`GATE` enforces it per process: every transaction (read or write) is an *entry*, and
-:meth:`MapGate.remap` waits until every entry of other threads has left, keeps new ones out
+`GATE` enforces it per process: every transaction (read or write) is an *entry*, and
+`MapGate.remap` waits until every entry of other threads has left, keeps new ones out
 while it runs, then lets them in. Entering costs a list append and a flag check (no lock: the
 hot read path takes one per sample), which is safe because list ``append``/``remove`` are atomic
 and ordered (the GIL): a reader either entered before the remapper raised its flag (and is
@@ -37,7 +37,7 @@ class MapGate:
         self._cond = threading.Condition(threading.Lock())
 
     def enter(self) -> None:
-        """Before beginning a transaction; pair with :meth:`leave`."""
+        """Before beginning a transaction; pair with `leave`."""
         ident = threading.get_ident()
         while True:
             self._active.append(ident)

@@ -9,7 +9,7 @@ holding for each sample of the commit, in sequence order:
 * its source key (the cache key: ``<name>/<key>`` for an entry of ``sources:``), so that a
   manifest can name samples evicted since (progressive release frees them while the epoch
   still runs);
-* its *origin*: the listing it was picked from (a small id, see :mod:`.listings`) and its
+* its *origin*: the listing it was picked from (a small id, see `listings`) and its
   index there, and for a ``tar`` sample its ordinal among the samples of its shard and how
   many samples the shard held. Samples put without an origin (the Python API, a cache written
   by an older version, which has no rows at all) are *unattributed*.
@@ -17,8 +17,8 @@ holding for each sample of the commit, in sequence order:
 A row costs its keys plus 14 (files) or 22 (tar) bytes a sample and one ``put`` per commit,
 nothing per sample on the write path beyond packing (``scripts/bench_ingest.py`` measures it).
 Rows are deleted once nothing can ask for them: when eviction passes their last sample and no
-lease holds a range that reaches back to them (:func:`prune`). Reading the origins of an
-epoch's samples (:func:`read_origins`) walks the rows of its range: a few thousand rows and
+lease holds a range that reaches back to them (`prune`). Reading the origins of an
+epoch's samples (`read_origins`) walks the rows of its range: a few thousand rows and
 numpy slicing for a million samples.
 
 Row layout (little-endian): ``u8 version, u8 flags, u16 reserved, u32 n``, then ``u16 lid[n]``,
@@ -49,14 +49,14 @@ class Origin(NamedTuple):
     """Where one sample came from (a tuple: samplers make one per sample).
 
     Attributes:
-        lid: the listing's id in this cache (:mod:`.listings`); :data:`UNKNOWN` for none.
-        index: the index of its listed ref (an object, or a tar shard) in that listing.
+        lid: the listing's id in this cache (`listings`); `UNKNOWN` for none.
+        ref_index: the index of its listed ref (an object, or a tar shard) in that listing.
         member: a tar sample's ordinal among the samples of its shard (0 otherwise).
         members: how many samples its shard held when fetched (0: not a tar sample).
     """
 
     lid: int
-    index: int
+    ref_index: int
     member: int = 0
     members: int = 0
 
@@ -89,7 +89,7 @@ class Rows:
 
     ``found`` is False where no row names the sample (its key is then unknown too). With keys
     asked for, ``blob`` holds them and ``key_start``/``key_len`` where each entry's is in it
-    (no Python object per key: :meth:`joined` makes a manifest's payload in numpy).
+    (no Python object per key: `joined` makes a manifest's payload in numpy).
     """
 
     lid: np.ndarray
@@ -129,7 +129,7 @@ class Rows:
         return b"".join(parts)[:-1]
 
 
-#: Keys gathered per numpy step by :meth:`Rows.joined`.
+#: Keys gathered per numpy step by `Rows.joined`.
 _GATHER = 65536
 
 
@@ -255,12 +255,7 @@ def prune(txn: lmdb.Transaction, dbs: dict[bytes, lmdb._Database], bound: int) -
 
 def prune_bound(txn: lmdb.Transaction, dbs: dict[bytes, lmdb._Database],
                 lease_los: Sequence[int]) -> int:
-    """What :func:`prune` may delete below: the oldest cached sample, or a lease's start."""
+    """What `prune` may delete below: the oldest cached sample, or a lease's start."""
     cursor = txn.cursor(db=dbs[DB_SAMPLES])
     oldest = seq_of(bytes(cursor.key())) if cursor.first() else 2**63
     return min([oldest, *lease_los])
-
-
-def count_rows(txn: lmdb.Transaction, dbs: dict[bytes, lmdb._Database]) -> int:
-    db = dbs.get(DB_ORIGINS)
-    return 0 if db is None else int(txn.stat(db)["entries"])

@@ -18,12 +18,12 @@ judges itself dead. A forked child (a DataLoader worker) forgets the parent's ow
 its own if it ever takes a snapshot. The file is removed with the process's last lease on the
 cache, or at exit when it holds none; a process that exits holding leases leaves it (unlocked: its leases are then reclaimed,
 and the file with them), and files left by dead processes are swept by
-:func:`sweep_dead_owners`.
+`sweep_dead_owners`.
 
 Where the lock cannot serve -- the owner file could not be created or locked (a read-only or
 lock-less filesystem, no owners directory), or it has disappeared -- liveness falls back to the
 lease's heartbeat: while any snapshot of this process is open, a daemon thread refreshes the
-heartbeat of its leases every quarter of the lease timeout (:class:`Heartbeats`), and a lease is
+heartbeat of its leases every quarter of the lease timeout (`Heartbeats`), and a lease is
 presumed dead after its timeout without one. The timeout travels in the lease itself, so the
 holder's promise is what every judge uses.
 """
@@ -117,7 +117,7 @@ def _create(cache_path: str) -> tuple[str, int]:
 
 def begin_lease(cache_path: str) -> str:
     """This process's owner id for a lease about to be written on ``cache_path`` (the owner
-    lock is taken with the first one); pair with :func:`end_lease`."""
+    lock is taken with the first one); pair with `end_lease`."""
     with _lock:
         entry = _owners.get(cache_path)
         if entry is None:
@@ -269,7 +269,7 @@ _heartbeats = Heartbeats()
 
 
 def heartbeats() -> Heartbeats:
-    """This process's heartbeat thread (see :class:`Heartbeats`)."""
+    """This process's heartbeat thread (see `Heartbeats`)."""
     return _heartbeats
 
 

@@ -1,7 +1,7 @@
 """What the live leases protect, as one evicting process sees it: ranges and released samples.
 
 A lease without a plan (``cache.dataset()``, or one whose plan is not complete yet) protects
-its whole range ``[lo, hi)``. A lease with a plan (:mod:`epochcache.store.plans`) protects only
+its whole range ``[lo, hi)``. A lease with a plan (`epochcache.store.plans`) protects only
 the samples its readers have not read yet: a sample is *released* once every occurrence of it
 in the plan's lanes lies behind its lane's position. Eviction takes, oldest first, what nothing
 protects, up to the end of the newest snapshot: samples newer than every snapshot have not
@@ -15,8 +15,8 @@ takes the newly read samples from the lane (only those), and finds the oldest fr
 the block counts: O(new reads + evicted x log n) per commit, never a scan of the snapshot.
 Loading a plan (once per lease and process) and a lease ending (once per epoch) cost O(n).
 
-What eviction marks gone stands only once its transaction commits (:meth:`Protection.begin`,
-:meth:`~Protection.commit`, :meth:`~Protection.rollback`): a transaction undone by a full map
+What eviction marks gone stands only once its transaction commits (`Protection.begin`,
+`commit`, `rollback`): a transaction undone by a full map
 or disk leaves its samples in the cache, and they must stay candidates, or this process would
 never evict them while their lease lives.
 """
@@ -104,7 +104,7 @@ class _Planned:
     def mark(self, idx: np.ndarray, state: int) -> np.ndarray:
         """Positions ``idx`` are no candidates any more: ``_GONE`` (evicted) or
         ``_PROTECTED`` (another lease still protects them). Returns their states before, in
-        the order of ``np.unique(idx)``, for :meth:`restore`."""
+        the order of ``np.unique(idx)``, for `restore`."""
         if not len(idx):
             return np.empty(0, dtype=np.uint8)
         idx = np.unique(idx)
@@ -114,7 +114,7 @@ class _Planned:
         return before
 
     def restore(self, idx: np.ndarray, before: np.ndarray) -> None:
-        """Undo :meth:`mark` (``idx`` unique, ``before`` what it returned)."""
+        """Undo `mark` (``idx`` unique, ``before`` what it returned)."""
         back = idx[(before == _FREE) & (self.state[idx] != _FREE)]
         self.state[idx] = before
         self._free_counted(back)
@@ -155,7 +155,7 @@ class Protection:
         self.leases: list[Lease] = []
         self._whole: list[Lease] = []
         self._live: set[str] = set()  # every lease id of the last sync
-        # What :meth:`evicted` marked gone in the write transaction under way, to undo if it
+        # What `evicted` marked gone in the write transaction under way, to undo if it
         # does not commit: (plan, positions, their states before).
         self._undo: list[tuple[_Planned, np.ndarray, np.ndarray]] = []
 
@@ -204,10 +204,10 @@ class Protection:
     def preload(self, leases: Sequence[Lease]) -> None:
         """Load the plans of new leases now, outside any transaction: a plan of a million
         samples takes a fraction of a second to index, which the write lock should not wait
-        for (:meth:`sync`, inside the writer's transaction, then finds them loaded).
+        for (`sync`, inside the writer's transaction, then finds them loaded).
 
         The plans of leases that ended are dropped here too, with their mappings and file
-        descriptors: :meth:`sync` only runs when this process evicts, and a writer that never
+        descriptors: `sync` only runs when this process evicts, and a writer that never
         needs to (a sampler below capacity) kept every epoch's plan, about 25 MiB and two
         descriptors on deleted files per million-sample epoch, for as long as it lived."""
         planned_live = {lease.lease_id for lease in leases if lease.plan_parts}
@@ -271,7 +271,7 @@ class Protection:
         """The oldest released samples of the plan leases that no other lease protects, at
         least ``want`` if there are: their sequence numbers, sorted. Candidates found
         protected by another lease are set aside until a lease ends
-        (:meth:`_Planned.refree`)."""
+        (`_Planned.refree`)."""
         seqs: list[np.ndarray] = []
         for planned in self._planned.values():
             pos = planned.free_positions(want)
@@ -292,7 +292,7 @@ class Protection:
 
     def evicted(self, seqs: np.ndarray) -> None:
         """``seqs`` left the cache in the write transaction under way: they are no candidates
-        of any plan lease any more, once it commits (:meth:`commit`, :meth:`rollback`)."""
+        of any plan lease any more, once it commits (`commit`, `rollback`)."""
         if len(seqs):
             for planned in self._planned.values():
                 idx = np.unique(planned.positions_of(seqs))

@@ -13,7 +13,7 @@ Record layout (little-endian header, then the source key, then the payload)::
 
 The ``keys`` index maps a source key to its sequence number. LMDB keys are at most 511 bytes
 and never empty, while S3 keys go to 1024 bytes: such keys are indexed under
-:func:`index_key`, a fixed-length digest key; the record itself keeps the full source key.
+`index_key`, a fixed-length digest key; the record itself keeps the full source key.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ FORMAT_VERSION = 1
 #: sequence number, ``leases`` the live snapshot leases, ``state`` JSON documents written by the
 #: daemon (heartbeat, sampler positions), ``history`` time-keyed stats rows, ``quarantine`` the
 #: most recent rejected remote objects, ``origins`` where each sample came from (its source key,
-#: listing and index, one row per commit: :mod:`epochcache.store.origins`).
+#: listing and index, one row per commit: `epochcache.store.origins`).
 DB_SAMPLES = b"samples"
 DB_KEYS = b"keys"
 DB_META = b"meta"
@@ -53,9 +53,8 @@ C_INSERTED = b"inserted"
 C_QUARANTINED = b"quarantined"
 C_FORMAT = b"format_version"
 #: A lowered capacity stored by earlier versions; now a runtime back-off, so this key is ignored
-#: and deleted when a cache is opened for writing (:mod:`epochcache.store.backoff`).
+#: and deleted when a cache is opened for writing (`epochcache.store.backoff`).
 C_EFFECTIVE_CAPACITY = b"effective_capacity"
-COUNTERS = (C_SAMPLES, C_BYTES, C_NEXT_SEQ, C_EVICTED, C_EVICTED_BYTES, C_INSERTED, C_QUARANTINED)
 
 HISTORY_MAX_ROWS = 20_000
 QUARANTINE_MAX_ROWS = 10_000
@@ -97,7 +96,7 @@ def index_key(key: bytes) -> bytes:
     """The ``keys`` index entry of a source key given as UTF-8 bytes.
 
     A key LMDB can store is its own entry. One it cannot (empty, or longer than
-    :data:`MAX_KEY_BYTES`) becomes its first 478 bytes, 0xFF and its SHA-256: 511 bytes,
+    `MAX_KEY_BYTES`) becomes its first 478 bytes, 0xFF and its SHA-256: 511 bytes,
     unique, and still found by a prefix scan for a prefix of up to 478 bytes (the empty key
     is 0xFF and its digest).
     """

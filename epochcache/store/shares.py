@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING, Any
 import lmdb
 
 from .leases import Lease, delete_lease, note_end, write_lease
-from .plans import remove_plan
 from .owners import begin_lease, end_lease, heartbeats
+from .plans import remove_plan
 from .schema import DB_LEASES, DB_STATE
 
 if TYPE_CHECKING:
@@ -54,7 +54,7 @@ class Share:
     lease: str | None  # None on DDP ranks that are not their node's leader
     token: str = ""
     #: Read again from its start by a new loader iteration, after one that stopped before
-    #: its end (see :func:`claim_share`): samples that one released may be gone.
+    #: its end (see `claim_share`): samples that one released may be gone.
     restarted: bool = False
 
 
@@ -78,7 +78,7 @@ def _release_old(txn: lmdb.Transaction, cache: SampleStore, doc: dict[str, Any] 
 
     ``finished=False``: the epoch was abandoned before its end (the stream closed or
     collected, its main process exiting or killed): a lease a state named for a resume
-    (``resume_grace_s``, set by :meth:`CacheStream.state_dict`) is then left for the resumed
+    (``resume_grace_s``, set by [`CacheStream.state_dict`][epochcache.data.stream.CacheStream.state_dict]) is then left for the resumed
     run -- held by no process, kept for its grace -- never released by a worker.
     """
     if doc is None or not doc.get("lease") or not doc.get("release") or doc.get("released"):
@@ -124,7 +124,7 @@ def claim_share(cache: SampleStore, name: str, group: str, worker: int, *,
     too, or the share was released: then this is a new iteration); the ``prepared`` share,
     if no iteration claimed it yet; else, when ``take``, a new snapshot for the epoch after the
     last one recorded (or ``first_epoch``), leased in the name of ``home_pid`` and its owner
-    lock ``home_owner`` (see :func:`hold_owner`). Returns None
+    lock ``home_owner`` (see `hold_owner`). Returns None
     when a new snapshot is needed but ``take`` is false (under DDP, where only the main
     process may agree on one). With ``resumed`` (the rest of an interrupted epoch, its lease
     adopted), the iteration reads that share and its last worker releases its lease; None
@@ -199,7 +199,7 @@ def finish_share(cache: SampleStore, name: str, group: str, workers: int, *,
     """One worker of ``group`` is done: ``complete`` when it read its whole part, not when it
     stopped early (shut down, its main process gone). The last of ``workers`` releases the
     lease, unless the group stopped early and a state named the lease for a resume: then it
-    is left for the resume (see :func:`_release_old`) -- a trainer killed alone (the OOM
+    is left for the resume (see `_release_old`) -- a trainer killed alone (the OOM
     killer, a segfault) must find its epoch when it resumes, though its workers exit
     normally when they see it gone."""
 
@@ -249,7 +249,7 @@ def _resumed_key(name: str) -> bytes:
 
 def hold_owner(cache: SampleStore) -> str:
     """Take this process's owner lock on ``cache`` for a stream's lifetime (pair with
-    :func:`release_owner`): the leases its workers take name it, so they live while this
+    `release_owner`): the leases its workers take name it, so they live while this
     process does and are reclaimed when it dies (workers have owner locks of their own)."""
     return begin_lease(cache.path)
 
@@ -261,6 +261,6 @@ def release_owner(cache: SampleStore) -> None:
 def unwatch(cache: SampleStore, lease_id: str) -> None:
     """Stop heartbeating a snapshot whose lease a share now manages: its workers may release
     it, which the heartbeat would report as a reclaim. The stream's owner lock
-    (:func:`hold_owner`) keeps the lease alive instead, so the snapshot's count is returned."""
+    (`hold_owner`) keeps the lease alive instead, so the snapshot's count is returned."""
     if heartbeats().remove(cache.path, lease_id):
         end_lease(cache.path)

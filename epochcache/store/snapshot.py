@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 import lmdb
 import numpy as np
 
-from .counters import Counters
 from ..errors import SnapshotClosed
+from .counters import Counters
 from .schema import seq_of
 
 if TYPE_CHECKING:
@@ -59,13 +59,13 @@ def select_snapshot(
 
 
 class Snapshot:
-    """The samples of one epoch, frozen and protected from eviction until :meth:`release`.
+    """The samples of one epoch, frozen and protected from eviction until `release`.
 
-    Obtained from :meth:`SampleStore.snapshot`. Use it as a context manager, or call
-    :meth:`release`; a snapshot dropped without release is released when garbage collected
+    Obtained from `SampleStore.snapshot`. Use it as a context manager, or call
+    `release`; a snapshot dropped without release is released when garbage collected
     (in the process that took it only), and its lease is reclaimed if that process dies. While
     it is open its lease lives, however long: this process holds the lease's owner lock, and
-    a thread refreshes its heartbeat (:mod:`epochcache.store.owners`).
+    a thread refreshes its heartbeat (`epochcache.store.owners`).
     """
 
     def __init__(self, cache: SampleStore, seqs: np.ndarray, lease_id: str, epoch: int | None) -> None:
@@ -98,7 +98,7 @@ class Snapshot:
 
     def heartbeat(self) -> None:
         """Refresh the lease's heartbeat now (a thread of this process already does it while
-        the snapshot is open; see :mod:`epochcache.store.owners`)."""
+        the snapshot is open; see `epochcache.store.owners`)."""
         self.check_open()
         self.cache.heartbeat_lease(self.lease_id)
 
@@ -106,7 +106,7 @@ class Snapshot:
         """Release the lease: its samples may be evicted from now on. Idempotent.
 
         ``finished=False``: the epoch was abandoned before its end; a lease a checkpoint named
-        is then left for the resumed run (see :meth:`SampleStore.release_lease`).
+        is then left for the resumed run (see `SampleStore.release_lease`).
         """
         if self._released:
             return

@@ -1,9 +1,9 @@
 """Per-source counters of a cache fed by several sources (``sources:`` in the config).
 
 A cache fed by several sources keys each sample ``<name>/<key>``. The daemon registers the
-names (:func:`register_sources`); from then on every transaction that inserts, evicts or
+names (`register_sources`); from then on every transaction that inserts, evicts or
 quarantines a sample of a registered source also updates that source's counters, in ``meta``
-next to the global ones, so they never drift from the records (like :mod:`.counters`). A cache
+next to the global ones, so they never drift from the records (like `counters`). A cache
 with no registered source (one ``source:``) pays one ``get`` per transaction and nothing else.
 
 Registering a name counts what the cache already holds under its prefix, so the counters are

@@ -1,6 +1,6 @@
 """Stall records in a cache directory: the trainers reading it that a stall watchdog caught.
 
-A process whose batch stalled (see :mod:`epochcache.data.stall`) writes ``stalls/<pid>.json``
+A process whose batch stalled (see `epochcache.data.stall`) writes ``stalls/<pid>.json``
 -- what stalled, since when, the sample key and worker, and the action taken -- and removes it
 when the batch finishes after all. ``epochcache status`` shows the records of processes that
 still run: a trainer stuck on a batch (action ``warn``), or one ending with its StallError.

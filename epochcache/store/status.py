@@ -94,7 +94,7 @@ def request_totals(cache: SampleStore) -> dict[str, dict[str, float]]:
 
 def request_delta(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]
                   ) -> dict[str, dict[str, float]]:
-    """The counters of :func:`request_totals` between two readings (the gauges as they are
+    """The counters of `request_totals` between two readings (the gauges as they are
     at the second): what an epoch cost."""
     out = {}
     for label, values in after.items():
@@ -194,7 +194,7 @@ def _collect(cache: SampleStore) -> dict[str, Any]:
 
 
 def render(stats: dict[str, Any]) -> RenderableType:
-    """A human table of :func:`collect_stats` output."""
+    """A human table of `collect_stats` output."""
     from rich.console import Group
     from rich.markup import escape
     from rich.table import Table

@@ -6,9 +6,9 @@ heartbeat, each sampler's position and health), and ``history`` the bounded time
 ``status`` rates and ``plot`` are drawn from.
 
 A quarantined key is someone else's name (a tar member's may be megabytes): a row keeps it
-cut (:func:`~epochcache.limits.cut_key`: whole up to 1,024 characters, else head, tail, length
+cut (`cut_key`: whole up to 1,024 characters, else head, tail, length
 and digest, the digest also under ``key_sha256``) and its reason and URL cut, and the table is
-bounded in bytes (:data:`~.schema.QUARANTINE_MAX_BYTES`) as well as rows, the oldest rows
+bounded in bytes (`QUARANTINE_MAX_BYTES`) as well as rows, the oldest rows
 dropped and counted (``quarantine_dropped``). 800 names of 100 kB grew a 1 MiB cache's file to
 57 MiB and then filled its map on every restart.
 """
@@ -152,8 +152,8 @@ def _cut_row(row: dict[str, Any]) -> dict[str, Any]:
 
 def _append_quarantine(txn: lmdb.Transaction, dbs: dict[bytes, lmdb._Database],
                        row: bytes) -> None:
-    """Append a quarantine row and drop the oldest past :data:`QUARANTINE_MAX_ROWS` rows or
-    :data:`QUARANTINE_MAX_BYTES` bytes, counting them."""
+    """Append a quarantine row and drop the oldest past `QUARANTINE_MAX_ROWS` rows or
+    `QUARANTINE_MAX_BYTES` bytes, counting them."""
     db, meta = dbs[DB_QUARANTINE], dbs[DB_META]
     raw = txn.get(C_QUARANTINE_BYTES, db=meta)
     if raw is None:  # a table written before its bytes were counted: once

@@ -2,8 +2,8 @@
 
 A read transaction pins every page freed while it is open, so one transaction over a whole
 cache of a live daemon would let the LMDB map fill up. ``verify`` therefore reads the samples
-in chunks, each in a short transaction of its own (at most :data:`CHUNK_RECORDS` records,
-:data:`CHUNK_BYTES` bytes or :data:`CHUNK_S` seconds), while samplers keep writing:
+in chunks, each in a short transaction of its own (at most `CHUNK_RECORDS` records,
+`CHUNK_BYTES` bytes or `CHUNK_S` seconds), while samplers keep writing:
 
 * each record's checksum, decompression and key index entry are checked in its chunk's
   transaction (records never change once written);
@@ -17,7 +17,7 @@ in chunks, each in a short transaction of its own (at most :data:`CHUNK_RECORDS`
 
 ``--repair`` removes corrupt records, fixes the key index (missing or wrong entries, entries
 of no sample, duplicate samples of one key) and rewrites the counters from the records, in
-short write transactions (see :mod:`epochcache.store.repair`), then verifies again: the report
+short write transactions (see `epochcache.store.repair`), then verifies again: the report
 says what was found, what was repaired, and whether the cache is consistent now.
 """
 
@@ -51,7 +51,7 @@ _TAIL_PASSES = 8
 
 @dataclass
 class VerifyReport:
-    """The outcome of :func:`verify_cache`.
+    """The outcome of `verify_cache`.
 
     ``corrupt``, ``counter_mismatches`` and ``index_problems`` are what the scan found;
     ``repairs`` what ``--repair`` did (``repaired`` counts them); ``ok`` is True when the cache

@@ -1,11 +1,11 @@
 """The write path of a cache: framing, commits in batches, eviction and back-pressure.
 
-:meth:`Writer.put_many` commits as many samples per transaction as fit within capacity +
+`Writer.put_many` commits as many samples per transaction as fit within capacity +
 headroom, evicting the oldest unleased samples first; when leases pin the rest it waits
 (back-pressure) instead of failing or overfilling. A full disk or LMDB map is met by evicting in
 a transaction of its own and then lowering the effective capacity for a while (a back-off that
-recovers by itself, see :mod:`epochcache.store.backoff`), never by corrupting the cache. A disk
-that fails a write with EIO stops the writer (:class:`~epochcache.errors.CacheIOError`).
+recovers by itself, see `epochcache.store.backoff`), never by corrupting the cache. A disk
+that fails a write with EIO stops the writer ([`CacheIOError`][epochcache.CacheIOError]).
 """
 
 from __future__ import annotations
@@ -39,18 +39,18 @@ _MAX_DISK_FULL_ROUNDS = 16
 #: Label of the blocker when not even eviction can commit (the writer waits for readers).
 _STUCK = "(none: too full to evict)"
 _NO_ROOM = "(none: nothing left to evict)"
-#: ``meta`` key written to advance LMDB's transaction id on a full disk (:meth:`Writer._advance`).
+#: ``meta`` key written to advance LMDB's transaction id on a full disk (`Writer._advance`).
 _M_FULL_MARK = b"last_full_disk_ns"
 
 T = TypeVar("T")
 
-#: Called with each sample :meth:`Writer.put_many` leaves out instead of raising.
+#: Called with each sample `Writer.put_many` leaves out instead of raising.
 OnReject = Callable[[str, SampleRejected], None]
 
 
 @dataclass
 class PutResult:
-    """What :meth:`Cache.put_many` committed."""
+    """What [`Cache.put_many`][epochcache.Cache.put_many] committed."""
 
     inserted: int = 0
     skipped: int = 0
@@ -66,7 +66,7 @@ class PutResult:
 
 def is_disk_full(exc: lmdb.Error) -> bool:
     """MapFullError, ENOSPC, or the EIO LMDB reports for a short write on a full disk (any
-    other EIO is raised by :meth:`Store.write` as :class:`~epochcache.errors.CacheIOError`)."""
+    other EIO is raised by `Store.write` as [`CacheIOError`][epochcache.CacheIOError])."""
     if isinstance(exc, (lmdb.MapFullError, lmdb.DiskError)):
         return True
     text = str(exc)
@@ -103,7 +103,7 @@ class Writer:
         capacity: the cache's limits.
         compress: zstd-compress samples that shrink (incompressible ones are stored raw).
         level: the zstd level.
-        lease_timeout_s: see :class:`~epochcache.store.leases.Lease`.
+        lease_timeout_s: see `Lease`.
     """
 
     def __init__(self, store: Store, capacity: Capacity, *, compress: bool, level: int,
@@ -127,7 +127,7 @@ class Writer:
         """Frame one sample as a record (done by samplers before they take the write lock).
 
         ``adaptive`` (samplers) skips compression attempts for kinds of samples that have not
-        compressed lately (:class:`~.codec.CompressGate`); then a record's size depends on what
+        compressed lately (`CompressGate`); then a record's size depends on what
         was framed before, so it is off for everything else (a record is a function of its
         sample)."""
         return codec.encode_record(key, value, level=self.level, compress=self.compress,
@@ -144,7 +144,7 @@ class Writer:
         on_reject: OnReject | None = None,
         origins: dict[str, Origin] | None = None,
     ) -> PutResult:
-        """See :meth:`epochcache.store.SampleStore.put_many`."""
+        """See `epochcache.store.SampleStore.put_many`."""
         # origin_of: by key index entry (what the transaction sees), for each commit's row
         pending, origin_of = self._frame(items, encoded, on_reject, origins)
         total = PutResult()
@@ -159,7 +159,7 @@ class Writer:
                 self.protection.preload(leases)
             try:
                 result, pending, blocked = self._write(
-                    lambda txn: self._put_txn(txn, pending, limit, origin_of)
+                    lambda txn: self._put_txn(txn, pending, limit, origin_of)  # noqa: B023 - now
                 )
             except lmdb.Error as exc:
                 if not is_disk_full(exc):
@@ -189,7 +189,7 @@ class Writer:
 
     def _write(self, fn: Callable[[lmdb.Transaction], T]) -> T:
         """``store.write(fn)`` for a transaction that may evict. What eviction marks gone in
-        :attr:`protection` stands once the transaction commits: an attempt that a full map or
+        `protection` stands once the transaction commits: an attempt that a full map or
         disk undoes, or that is run again after the map grew, leaves its samples in the cache,
         and they stay candidates (they used to be left unevictable by this process for as long
         as their lease lived)."""

@@ -69,7 +69,8 @@ class Job:
         self.name = name
         self.tag = job_tag()
         self.out_path, self.err_path = logdir / f"{name}.out", logdir / f"{name}.err"
-        self._files: list[IO[Any]] = [open(self.out_path, "wb"), open(self.err_path, "wb")]
+        self._files: list[IO[Any]] = [open(self.out_path, "wb"),  # noqa: SIM115 - closed by close()
+                                      open(self.err_path, "wb")]  # noqa: SIM115
         self.popen = subprocess.Popen(
             list(argv), cwd=cwd, env={**env, self.tag[0]: self.tag[1]},
             stdin=subprocess.DEVNULL, stdout=self._files[0], stderr=self._files[1],

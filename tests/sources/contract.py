@@ -18,10 +18,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from epochcache.ingest.sources import SourceSpec
 from epochcache.demo import write_demo_data
 from epochcache.errors import CorruptSample, PermanentRemoteError, SourceUnavailable
-from epochcache.ingest.sources import list_keys_cached, open_source, source_fingerprint
+from epochcache.ingest.sources import SourceSpec, list_keys_cached, open_source, source_fingerprint
 
 
 @dataclass
@@ -71,9 +70,8 @@ class SourceContract:
     def test_glob_levels(self, backend: Backend) -> None:
         for key in ("a.npy", "x/b.npy", "x/y/c.npy", "x/notes.txt"):
             backend.put(f"g/{key}", npy_bytes())
-        keys = lambda pattern: [
-            r.key for r in open_source(backend.source("g", pattern=pattern)).list_keys()
-        ]
+        def keys(pattern: str) -> list[str]:
+            return [r.key for r in open_source(backend.source("g", pattern=pattern)).list_keys()]
         assert keys("*.npy") == ["a.npy"]
         assert keys("**/*.npy") == ["a.npy", "x/b.npy", "x/y/c.npy"]
         assert keys("x/*") == ["x/b.npy", "x/notes.txt"]

@@ -8,9 +8,8 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import s3fs
 
-from epochcache.ingest.sources import SourceSpec
 from epochcache.errors import SourceUnavailable
-from epochcache.ingest.sources import open_source
+from epochcache.ingest.sources import SourceSpec, open_source
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -1,11 +1,11 @@
 """Remote sources: enumerate and fetch the samples of a dataset on any fsspec URL.
 
-``open_source(spec)`` returns a :class:`Source` for the spec's layout; ``listing_cached``
+``open_source(spec)`` returns a `Source` for the spec's layout; ``listing_cached``
 lists through the listing cache in the cache directory (page by page, saved as it goes and
-resumed: :mod:`.paging`), and ``relist`` lists again and appends what is new to it
-(``source.listing_ttl_s``). Listings are held as compact :class:`KeyTable` arrays, not an
-object per key. Sources take a :class:`SourceSpec`, never the run config:
-:mod:`epochcache.ingest.from_config` converts at the edge.
+resumed: `paging`), and ``relist`` lists again and appends what is new to it
+(``source.listing_ttl_s``). Listings are held as compact `KeyTable` arrays, not an
+object per key. Sources take a `SourceSpec`, never the run config:
+`epochcache.ingest.from_config` converts at the edge.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from .keytable import KeyTable, KeyTableBuilder
 from .listing import (
     Listing,
     listing_path,
-    load_listing,
     merge_listing,
     read_listing,
     read_listing_header,
@@ -50,7 +49,6 @@ __all__ = [
     "listing_cached",
     "listing_for_sampling",
     "listing_path",
-    "load_listing",
     "merge_listing",
     "open_source",
     "read_listing",
@@ -70,7 +68,7 @@ def open_source(
     checks: Sequence[str] | None = None,
     bandwidth_limit: float | None = None,
 ) -> Source:
-    """The :class:`Source` for ``spec.layout`` (nothing is listed or fetched yet).
+    """The `Source` for ``spec.layout`` (nothing is listed or fetched yet).
 
     Args:
         spec: where the dataset is and how to read it.
@@ -95,7 +93,7 @@ def list_keys_cached(
 def listing_cached(
     source: Source, cache_dir: str | os.PathLike[str], *, max_age_s: float | None = None
 ) -> Listing:
-    """The complete :class:`Listing` saved in ``cache_dir`` when it is still valid, else a new
+    """The complete `Listing` saved in ``cache_dir`` when it is still valid, else a new
     one, saved. A listing that was saved unfinished is gone on with from where it stopped."""
     fingerprint = source_fingerprint(source.spec)
     listing = read_listing(cache_dir, fingerprint, max_age_s=max_age_s)
@@ -117,7 +115,7 @@ def listing_for_sampling(source: Source, cache_dir: str | os.PathLike[str]) -> L
 
 
 def relist(source: Source, cache_dir: str | os.PathLike[str]) -> tuple[Listing, int]:
-    """List ``source`` again and merge it into its saved listing (see :func:`merge_listing`);
+    """List ``source`` again and merge it into its saved listing (see `merge_listing`);
     return the saved listing and how many keys are new.
 
     Raises:

@@ -1,7 +1,7 @@
 """The Source interface: enumerate the sample references of a remote dataset and fetch them.
 
-A source never raises for one bad object: :meth:`Source.fetch_many` returns one
-``(ref, payload or exception)`` per result, where the exception is a :class:`~epochcache.errors.SourceError`
+A source never raises for one bad object: `Source.fetch_many` returns one
+``(ref, payload or exception)`` per result, where the exception is a [`SourceError`][epochcache.SourceError]
 (``CorruptSample``, ``PermanentRemoteError``, ``RemoteTimeout``, ``SourceUnavailable``) so that the
 sampler can quarantine, count, retry or skip it. Payloads:
 
@@ -14,7 +14,7 @@ source lists one ref per shard (listing every member would mean reading every sh
 shard ref yields one result per sample in it, each with its own ref (``shard`` and ``members`` set).
 Sampling without replacement over shards still covers every sample once per pass.
 
-A source is someone else's bucket, so what it lists is not trusted (:meth:`Source.refusal`):
+A source is someone else's bucket, so what it lists is not trusted (`Source.refusal`):
 
 * a key that leaves the source root (an absolute path, a ``..`` segment, or on a local
   filesystem a path that resolves outside the root, through a symlink) is never read: it
@@ -88,10 +88,10 @@ CHECKS: tuple[str, ...] = ("size", "checksum", "format")
 
 @dataclass(frozen=True)
 class SourceSpec:
-    """Where a remote dataset lives and how to read it: what a :class:`Source` is opened with.
+    """Where a remote dataset lives and how to read it: what a `Source` is opened with.
 
     The run config's ``source`` section converts to this at the edge
-    (:func:`epochcache.ingest.from_config.source_spec`); sources never see the config itself.
+    (`epochcache.ingest.from_config.source_spec`); sources never see the config itself.
 
     Attributes:
         url: the dataset root, any fsspec URL or local path.
@@ -105,13 +105,13 @@ class SourceSpec:
         connect_timeout_s: per connection attempt.
         list_deadline_s: listing at start fails within this (an unreachable remote fails fast).
         retries: attempts per object for transient errors.
-        checks: content checks on ingest, a subset of :data:`CHECKS`.
+        checks: content checks on ingest, a subset of `CHECKS`.
         max_sample_bytes: the largest object (``files``) or tar member accepted, and the most a
             gzip or zip check decompresses; larger ones are quarantined, not downloaded.
         manifest_max_bytes: the most memory the keys of a manifest may take.
         manifest_max_lines: the most lines read from a manifest.
         client: who reads an ``s3://`` source's objects: ``auto``, ``s3fs`` or ``obstore``
-            (:mod:`..clients`).
+            (`clients`).
     """
 
     url: str
@@ -169,7 +169,7 @@ class SampleRef:
 
     @classmethod
     def from_row(cls, row: Sequence[Any]) -> SampleRef:
-        """Inverse of :meth:`to_row`."""
+        """Inverse of `to_row`."""
         key, size, weight, checksum = (list(row) + [None, None, None])[:4]
         return cls(str(key), size, weight, checksum)
 
@@ -183,7 +183,7 @@ class Source(abc.ABC):
 
     Args:
         spec: where the dataset is and how to read it.
-        concurrency: requests in flight at most (its :attr:`gate` may be replaced by one with an
+        concurrency: requests in flight at most (its `gate` may be replaced by one with an
             ``auto`` concurrency, a request budget and shared counters: the sampler's feed
             does).
         checks: content checks to run (``size``, ``checksum``, ``format``); defaults to
@@ -267,7 +267,7 @@ class Source(abc.ABC):
     @abc.abstractmethod
     def list_table(self) -> KeyTable:
         """Enumerate the refs to sample from, sorted by key, from the manifest or a listing
-        (page by page, see :mod:`.paging`), as a compact :class:`~.keytable.KeyTable`.
+        (page by page, see `paging`), as a compact `KeyTable`.
 
         Raises:
             SourceUnavailable: the endpoint, bucket or prefix is unreachable or nothing matches;
@@ -275,7 +275,7 @@ class Source(abc.ABC):
         """
 
     def list_keys(self) -> list[SampleRef]:
-        """:meth:`list_table` as a list of refs (small sources and tests)."""
+        """`list_table` as a list of refs (small sources and tests)."""
         return self.list_table().refs()
 
     @property
@@ -285,7 +285,7 @@ class Source(abc.ABC):
         return self.spec.manifest is None and self.spec.shards is None
 
     def pager(self, state: dict[str, Any] | None = None) -> Pager:
-        """The pages of this source's listing, resumed at ``state`` (see :mod:`.paging`)."""
+        """The pages of this source's listing, resumed at ``state`` (see `paging`)."""
         from .paging import make_pager
 
         return make_pager(self.fs, self.root, self._local_root is not None, state)
@@ -294,7 +294,7 @@ class Source(abc.ABC):
 
     def fetch_grouped(self, refs: Sequence[SampleRef], on_part: Any = None,
                       part_bytes: int = 0) -> list[list[FetchResult]]:
-        """Like :meth:`fetch_many`, but one list of results per input ref (a shard gives many).
+        """Like `fetch_many`, but one list of results per input ref (a shard gives many).
         ``on_part`` and ``part_bytes`` are for layouts that stream a ref's samples (``tar``);
         whole objects ignore them."""
         resolved: dict[str, str] = {}  # per call: most keys of a batch share a directory
@@ -377,7 +377,7 @@ class Source(abc.ABC):
             "cache.capacity when smaller); not downloaded or cached", url, key)
 
     def _escape(self, key: str, resolved: dict[str, str]) -> str:
-        """How ``key`` leaves the root ("" when it does not); see :meth:`refusal`."""
+        """How ``key`` leaves the root ("" when it does not); see `refusal`."""
         if key.startswith(("/", "\\")) or posixpath.isabs(key):
             return "an absolute path"
         if ".." in key and ".." in key.replace("\\", "/").split("/"):
@@ -421,12 +421,12 @@ class Source(abc.ABC):
         on_part: Any = None,
         part_bytes: int = 0,
     ) -> list[FetchResult]:
-        """:meth:`fetch_many`, re-fetching refs that failed transiently (``SourceUnavailable``,
+        """`fetch_many`, re-fetching refs that failed transiently (``SourceUnavailable``,
         ``RemoteTimeout``) with exponential backoff and full jitter, until ``attempts``
         (default ``spec.retries``) or ``deadline_s`` run out. Permanent and corrupt results are
         final at once, and so is a ref still throttled after its own retries (the request gate
-        asked for it again for :attr:`throttled_for_s`). Whatever still fails is returned as
-        its last error. ``on_part`` and ``part_bytes``: see :meth:`fetch_grouped` (a shard
+        asked for it again for `throttled_for_s`). Whatever still fails is returned as
+        its last error. ``on_part`` and ``part_bytes``: see `fetch_grouped` (a shard
         that failed after handing parts over is streamed again from its start; the cache
         skips what it has).
         """

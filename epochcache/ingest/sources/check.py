@@ -7,7 +7,7 @@
   steps to at most ``max_bytes`` in all; stored, deflate and bzip2 members), ``.tar`` (member
   integrity). Unknown extensions pass.
 
-Every failure raises :class:`~epochcache.errors.CorruptSample` naming the key and what was wrong.
+Every failure raises [`CorruptSample`][epochcache.CorruptSample] naming the key and what was wrong.
 """
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ def _check_json(data: bytes) -> None:
 def _check_zip(data: bytes, max_bytes: int = DEFAULT_MAX_SAMPLE_BYTES) -> None:
     """Every member's CRC, inflating at most ``max_bytes`` in all (``zipfile.testzip`` inflates
     every member whole: a 1 MiB ``.npz`` of 1 GiB of zeros cost 3.5 s of CPU, bzip2 members
-    hours). Members are inflated in steps of :data:`_ZIP_STEP` output bytes, counted as they
+    hours). Members are inflated in steps of `_ZIP_STEP` output bytes, counted as they
     come, so a bomb stops at the bound whatever its headers claim."""
     with zipfile.ZipFile(io.BytesIO(data)) as archive:
         members = archive.infolist()
@@ -167,7 +167,7 @@ _ZIP_STEP = 1024 * 1024
 
 
 def _inflate(data: bytes, info: zipfile.ZipInfo, budget: int) -> Iterator[bytes]:
-    """A member's bytes, in steps of at most :data:`_ZIP_STEP`; ValueError past ``budget``
+    """A member's bytes, in steps of at most `_ZIP_STEP`; ValueError past ``budget``
     bytes or the member's own size."""
     start = info.header_offset
     if data[start : start + 4] != b"PK\x03\x04":
@@ -199,7 +199,7 @@ def _inflate(data: bytes, info: zipfile.ZipInfo, budget: int) -> Iterator[bytes]
 
 
 def _stream(decompressor: Any, raw: memoryview) -> Iterator[bytes]:
-    """Inflate ``raw`` in steps of at most :data:`_ZIP_STEP` output bytes."""
+    """Inflate ``raw`` in steps of at most `_ZIP_STEP` output bytes."""
     if isinstance(decompressor, bz2.BZ2Decompressor):
         piece = decompressor.decompress(bytes(raw), _ZIP_STEP)
         while True:
@@ -236,11 +236,6 @@ _FORMAT_CHECKS: dict[str, Callable[[bytes], Any]] = {
     "zip": _check_zip,
     "tar": _check_tar,
 }
-
-
-def format_checkable(name: str) -> bool:
-    """Whether :func:`check_format` has a check for this name's last extension."""
-    return name.rsplit(".", 1)[-1].lower() in _FORMAT_CHECKS
 
 
 def check_format(key: str, name: str, data: bytes, url: str = "",

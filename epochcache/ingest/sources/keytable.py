@@ -1,8 +1,8 @@
 """A listing held compactly: every key in one UTF-8 blob with offsets, sizes in a numpy array.
 
-A bucket of ten million objects listed as one :class:`~.base.SampleRef` per key costs ~250
+A bucket of ten million objects listed as one `SampleRef` per key costs ~250
 bytes a key in every process that holds it (the object, its key string, the list slot), and
-as much again while it is parsed. A :class:`KeyTable` holds the same refs in a few arrays:
+as much again while it is parsed. A `KeyTable` holds the same refs in a few arrays:
 
 * ``blob``: the keys' UTF-8 bytes one after another, ``offsets`` (``n + 1``) where each starts
   (``uint32`` while the blob is under 4 GiB);
@@ -11,9 +11,9 @@ as much again while it is parsed. A :class:`KeyTable` holds the same refs in a f
 * ``weights`` (``float64``, NaN for none) and ``checksums`` (a second blob with offsets) only
   when some ref has one (manifests).
 
-So a key costs its length plus 8 bytes (plus 8 with weights). :class:`SampleRef` objects are
-made only for the keys a sampler picks (:meth:`KeyTable.ref`). Tables are built with a
-:class:`KeyTableBuilder` (listing pages, manifest rows), and sorted, merged and saved as arrays.
+So a key costs its length plus 8 bytes (plus 8 with weights). `SampleRef` objects are
+made only for the keys a sampler picks (`KeyTable.ref`). Tables are built with a
+`KeyTableBuilder` (listing pages, manifest rows), and sorted, merged and saved as arrays.
 """
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ class KeyTable:
         return [blob[a:b] for a, b in itertools.pairwise(bounds)]
 
     def ref(self, i: int) -> SampleRef:
-        """The :class:`SampleRef` of index ``i`` (made on demand)."""
+        """The `SampleRef` of index ``i`` (made on demand)."""
         size = int(self.sizes[i])
         weight = None
         if self.weights is not None:
@@ -209,7 +209,7 @@ class KeyTable:
 
         numpy sorts fixed-width byte strings in C, ~5x faster than ``sorted()`` on a list of
         keys, but a fixed width is the longest key's: one legal 1 KiB key among 300,000 short
-        ones made 300 MiB of each array. So the keys up to :func:`head_width` (about twice the
+        ones made 300 MiB of each array. So the keys up to `head_width` (about twice the
         mean) are sorted as fixed-width strings, and the few longer ones as Python bytes, then
         merged in: memory follows the keys' bytes, never their count times the longest.
         """
@@ -308,7 +308,7 @@ def key_heads(blob: bytes, offsets: np.ndarray, indices: np.ndarray, width: int)
 
 def find_keys(table: KeyTable, wanted: KeyTable) -> np.ndarray:
     """For each key of ``wanted``, the lowest index in ``table`` of an equal key, -1 where
-    there is none: a join in C on fixed-width heads (see :meth:`KeyTable.sort_order`), with
+    there is none: a join in C on fixed-width heads (see `KeyTable.sort_order`), with
     the few keys longer than the heads looked up in a dict. Memory follows the keys' bytes
     (a dict of ten million keys would cost gigabytes)."""
     old_lengths, new_lengths = table.lengths(), wanted.lengths()
@@ -342,7 +342,7 @@ def find_keys(table: KeyTable, wanted: KeyTable) -> np.ndarray:
 
 
 class KeyTableBuilder:
-    """Collects refs into a :class:`KeyTable` without an object per key: bytes are appended
+    """Collects refs into a `KeyTable` without an object per key: bytes are appended
     to one ``bytearray`` and numbers to ``array`` buffers."""
 
     def __init__(self) -> None:

@@ -3,7 +3,7 @@
 One file per source fingerprint, ``<cache_dir>/listings/<fingerprint>.keys``: a magic line, a
 JSON header (format version, fingerprint, generation, count, creation time, blocks, whether
 the listing is complete and where an unfinished one goes on), then the columns of its
-:class:`~.keytable.KeyTable` (key bytes, key lengths, sizes; weights and checksums from
+`KeyTable` (key bytes, key lengths, sizes; weights and checksums from
 manifests; the indices of gone keys), each compressed with zstandard. Loading 1M keys takes
 tens of milliseconds and no object per key (the gzip'd JSON lines of version 1 took seconds
 and ~250 bytes a key); version 1 files are still read. Files are written atomically (temp
@@ -16,7 +16,7 @@ positions in the key order stay valid. ``blocks`` are the cumulative counts at t
 block (the first is the original listing); ``gone`` the indices of keys the last re-list did
 not find (samplers skip them; they come back if the key does).
 
-A listing under way (a large bucket, :mod:`.paging`) is saved as it goes: ``complete`` is
+A listing under way (a large bucket, `paging`) is saved as it goes: ``complete`` is
 false, ``resume`` says where to go on, and each save adds the keys listed since as a block, so
 samplers can start from them. The finished listing is saved sorted, as one block, under a new
 ``generation``: the key order starts afresh over all keys then (a saved sampler position names
@@ -99,7 +99,7 @@ class Listing:
         generation: the id of the listing this one grew from; a sampler's saved position is
             valid only in the generation it was taken in.
         complete: False while a large bucket is still being listed.
-        resume: where an unfinished listing goes on (see :mod:`.paging`).
+        resume: where an unfinished listing goes on (see `paging`).
     """
 
     table: KeyTable
@@ -118,7 +118,7 @@ class Listing:
 
     @property
     def refs(self) -> list[SampleRef]:
-        """Every ref as an object (small listings and tests; samplers use :attr:`table`)."""
+        """Every ref as an object (small listings and tests; samplers use `table`)."""
         return self.table.refs()
 
     def __len__(self) -> int:
@@ -174,7 +174,7 @@ def save_listing(
     gone: set[int] | None = None,
 ) -> Path:
     """Write a listing atomically; return the file written. ``refs`` is a whole
-    :class:`Listing` (its blocks, gone keys, generation and state are saved), or a table or
+    `Listing` (its blocks, gone keys, generation and state are saved), or a table or
     list of refs saved as a complete listing with ``blocks`` and ``gone``."""
     if isinstance(refs, Listing):
         listing = refs
@@ -250,18 +250,10 @@ def _read_header(handle: Any, fingerprint: str) -> dict[str, Any]:
     return header
 
 
-def load_listing(
-    cache_dir: str | os.PathLike[str], fingerprint: str, *, max_age_s: float | None = None
-) -> list[SampleRef] | None:
-    """Return the saved refs, or None when there is no usable listing (missing, stale, damaged)."""
-    listing = read_listing(cache_dir, fingerprint, max_age_s=max_age_s)
-    return None if listing is None else listing.refs
-
-
 def read_listing(
     cache_dir: str | os.PathLike[str], fingerprint: str, *, max_age_s: float | None = None
 ) -> Listing | None:
-    """The saved :class:`Listing`, or None when there is none usable (missing, stale, damaged)."""
+    """The saved `Listing`, or None when there is none usable (missing, stale, damaged)."""
     path = listing_path(cache_dir, fingerprint)
     try:
         with open(path, "rb") as handle:

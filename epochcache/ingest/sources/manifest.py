@@ -14,7 +14,7 @@ S3 keys are at most 1,024 bytes, and its columns), the keys kept may take at mos
 ``source.manifest_max_bytes`` and at most ``source.manifest_max_lines`` lines are read; past a
 bound the listing fails with an error naming the manifest and the setting. So a 4 MiB gzip
 that inflates to 4 GiB in one line costs a line's memory, not 4 GiB. Keys are kept compactly
-(:mod:`.keytable`).
+(`keytable`).
 
 Keys are relative to the source root. For the ``tar`` layout a manifest lists shards. ``checksum``
 is ``"algo:hex"`` (``sha256``, ``sha1``, ``md5``, ``crc32``) or bare hex, whose algorithm is told by its
@@ -146,7 +146,7 @@ def read_manifest(
     """Read a manifest into a table of refs (in file order), within bounds: a manifest is
     someone else's file too. It is read as a stream, a line at a time (``.gz`` decompressed
     as it goes), so memory follows the keys kept: a line longer than
-    :data:`~epochcache.limits.MANIFEST_MAX_LINE_BYTES` is refused, the keys kept may take at
+    `MANIFEST_MAX_LINE_BYTES` is refused, the keys kept may take at
     most ``max_bytes``, and at most ``max_lines`` lines (rows) are read. Each read has the
     filesystem's timeouts; a transient failure reads the manifest once more, within
     ``deadline_s``.
@@ -192,7 +192,7 @@ def read_manifest(
 def _open(fs: fsspec.AbstractFileSystem, path: str) -> Iterator[Any]:
     """The manifest as a file object read in chunks. Over HTTP it is one streamed GET (many
     servers answer no ranged reads); other filesystems read it in blocks. Every read has the
-    filesystem's timeouts (:func:`~epochcache.ingest.remote.open_fs`)."""
+    filesystem's timeouts (`open_fs`)."""
     protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
     options = {"block_size": 0} if protocol in ("http", "https") else {}
     with fs.open(path, "rb", **options) as handle:
@@ -230,7 +230,7 @@ class _Bounds:
 
 def _lines(chunks: Iterable[bytes], bounds: _Bounds) -> Iterator[bytes]:
     """The lines of a stream of chunks (without their newline), none longer than
-    :data:`MANIFEST_MAX_LINE_BYTES`: what is held is a chunk and a line."""
+    `MANIFEST_MAX_LINE_BYTES`: what is held is a chunk and a line."""
     pending = bytearray()
     for chunk in chunks:
         parts = chunk.split(b"\n")

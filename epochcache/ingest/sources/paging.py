@@ -5,16 +5,16 @@ A bucket of a million objects takes 30-100 s to list at ordinary page latency; u
 timeout for the whole listing it could never finish. Here every page is one remote call with
 ``source.timeout_s`` and ``source.retries`` of its own:
 
-* ``s3://``: ``list_objects_v2`` pages of :data:`PAGE_KEYS` keys, in key order, each asked
+* ``s3://``: ``list_objects_v2`` pages of `PAGE_KEYS` keys, in key order, each asked
   ``StartAfter`` the last key listed (so a listing resumes from its last key, with no
   continuation token to expire);
 * any other filesystem: one directory per page (``ls``), walked depth first; local
   directories with ``os.scandir``.
 
-:class:`ListingJob` drives a pager for the daemon: it logs progress every :data:`PROGRESS_S`
-("listed 2,300,000 keys in 45 s"), and saves the listing as it goes (:mod:`.listing`: not
-complete, with where to go on): first once :data:`START_KEYS` keys are listed, then whenever
-the keys listed doubled or :data:`CHECKPOINT_S` passed. A restarted daemon goes on from the
+`ListingJob` drives a pager for the daemon: it logs progress every `PROGRESS_S`
+("listed 2,300,000 keys in 45 s"), and saves the listing as it goes (`listing`: not
+complete, with where to go on): first once `START_KEYS` keys are listed, then whenever
+the keys listed doubled or `CHECKPOINT_S` passed. A restarted daemon goes on from the
 last save instead of from the first page, and samplers may start from the keys saved so far.
 """
 
@@ -56,20 +56,20 @@ Entry = tuple[str, "int | None"]
 
 
 class Pager(abc.ABC):
-    """One remote listing, a page at a time. :meth:`page` changes nothing when it raises, so a
-    failed page is asked again; :attr:`state` says where the listing goes on."""
+    """One remote listing, a page at a time. `page` changes nothing when it raises, so a
+    failed page is asked again; `state` says where the listing goes on."""
 
     done: bool = False
     pages: int = 0
 
     @abc.abstractmethod
     def page(self, timeout_s: float) -> list[Entry]:
-        """The next page's objects (relative keys, sizes); sets :attr:`done` after the last."""
+        """The next page's objects (relative keys, sizes); sets `done` after the last."""
 
     @property
     @abc.abstractmethod
     def state(self) -> dict[str, Any]:
-        """JSON-able: pass it back to :func:`make_pager` to go on from here."""
+        """JSON-able: pass it back to `make_pager` to go on from here."""
 
 
 class S3Pager(Pager):
@@ -242,7 +242,7 @@ class ListingJob:
     Args:
         source: the source (its ``pager()`` gives the pages).
         cache_dir: where the listing is saved; None lists without saving anything.
-        stop: set to end :meth:`run` at the next page (what was listed is saved).
+        stop: set to end `run` at the next page (what was listed is saved).
         saved: the saved listing (or None) where the caller has already read it: an
             unfinished one is gone on with. Read from ``cache_dir`` when not given.
     """

@@ -7,14 +7,14 @@ members with the same prefix form one sample, and field names are lowercased. Th
 is ``"<shard key>/<prefix>"`` so keys stay unique across shards.
 
 Damage is contained: a sample with a truncated or invalid member becomes a
-:class:`~epochcache.errors.CorruptSample`, and a shard whose header stream breaks yields the
+[`CorruptSample`][epochcache.CorruptSample], and a shard whose header stream breaks yields the
 samples before the break plus one ``CorruptSample`` for the rest. A shard is someone else's
 file, so what tarfile would hold whole is bounded too: a member larger than ``max_bytes`` is
 skipped unread (its sample refused), and an extended header (a GNU long name, a PAX record)
-larger than :data:`MAX_HEADER_BYTES` ends the shard as damaged.
+larger than `MAX_HEADER_BYTES` ends the shard as damaged.
 
 A failure of the stream itself (the network) is not damage: it is raised as
-:class:`ReadFailed`, for the caller to retry the shard.
+`ReadFailed`, for the caller to retry the shard.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import collections
 import io
 import tarfile
 from collections.abc import Callable, Iterator
-from typing import Any, BinaryIO
+from typing import Any, Protocol
 
 from ...errors import CorruptSample
 from ...limits import DEFAULT_MAX_SAMPLE_BYTES
@@ -66,13 +66,19 @@ class ReadFailed(Exception):
     not damaged, its fetch failed."""
 
 
+class Readable(Protocol):
+    """What a shard is read from: a file object of the remote, or a `_Tail` around one."""
+
+    def read(self, size: int = -1, /) -> bytes: ...
+
+
 class _Tail(io.RawIOBase):
     """The shard's stream as tarfile reads it: counts the bytes, feeds ``on_bytes`` (a
     digest, a bandwidth limit), remembers what tarfile may have read past a header (its last
-    reads, :data:`_READ_BYTES` and two blocks), and turns a failed read into
-    :class:`ReadFailed` (tarfile would take an ``OSError`` for damage)."""
+    reads, `_READ_BYTES` and two blocks), and turns a failed read into
+    `ReadFailed` (tarfile would take an ``OSError`` for damage)."""
 
-    def __init__(self, raw: BinaryIO, on_bytes: Callable[[bytes], None] | None = None) -> None:
+    def __init__(self, raw: Readable, on_bytes: Callable[[bytes], None] | None = None) -> None:
         super().__init__()
         self._raw, self._on_bytes = raw, on_bytes
         self.count = 0
@@ -85,7 +91,7 @@ class _Tail(io.RawIOBase):
     def read(self, size: int = -1) -> bytes:
         try:
             data: bytes = self._raw.read(size)
-        except Exception as exc:  # noqa: BLE001 - the caller translates it (network, OS)
+        except Exception as exc:
             raise ReadFailed(f"{type(exc).__name__}: {exc}") from exc
         if data:
             if self._on_bytes is not None:
@@ -120,7 +126,7 @@ class _Tail(io.RawIOBase):
 
 
 class _BoundedInfo(tarfile.TarInfo):
-    """A tar header that refuses extended headers larger than :data:`MAX_HEADER_BYTES`."""
+    """A tar header that refuses extended headers larger than `MAX_HEADER_BYTES`."""
 
     def _proc_member(self, tarfile_: tarfile.TarFile) -> tarfile.TarInfo:
         extended = (tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK, tarfile.XHDTYPE,
@@ -186,7 +192,7 @@ def _members(archive: tarfile.TarFile) -> Iterator[tuple[tarfile.TarInfo, str, s
 
 
 def iter_shard(
-    shard_key: str, data: bytes | BinaryIO, *, check_formats: bool = True, url: str = "",
+    shard_key: str, data: bytes | Readable, *, check_formats: bool = True, url: str = "",
     max_bytes: int = DEFAULT_MAX_SAMPLE_BYTES, tail: _Tail | None = None,
 ) -> Iterator[tuple[SampleRef, Payload | CorruptSample]]:
     """Yield ``(ref, fields or CorruptSample)`` for every sample of a tar shard, reading it as a
@@ -195,7 +201,7 @@ def iter_shard(
     A member larger than ``max_bytes`` is not read: its sample becomes a CorruptSample.
 
     Args:
-        tail: ``data`` already wrapped (by :func:`open_tail`), to read its count afterwards.
+        tail: ``data`` already wrapped (by `open_tail`), to read its count afterwards.
 
     Raises:
         ReadFailed: the stream failed (not the shard): fetch it again.
@@ -205,7 +211,7 @@ def iter_shard(
     try:
         # Not a `with`: the generator yields between open and close; `finally` below closes it.
         archive = tarfile.open(fileobj=tail, mode="r|", bufsize=_READ_BYTES,  # noqa: SIM115
-                               tarinfo=_BoundedInfo)  # type: ignore[call-overload]
+                               tarinfo=_BoundedInfo)
     except (tarfile.TarError, EOFError, OSError) as exc:
         yield shard_failure(shard_key, f"not a readable tar shard ({exc})", url)
         return
@@ -255,8 +261,8 @@ def iter_shard(
         yield sample.result(check_formats, url, max_bytes)
 
 
-def open_tail(raw: BinaryIO, on_bytes: Callable[[bytes], None] | None = None) -> _Tail:
-    """``raw`` wrapped for :func:`iter_shard` (see :class:`_Tail`)."""
+def open_tail(raw: Readable, on_bytes: Callable[[bytes], None] | None = None) -> _Tail:
+    """``raw`` wrapped for `iter_shard` (see `_Tail`)."""
     return _Tail(raw, on_bytes)
 
 

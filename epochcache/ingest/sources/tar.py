@@ -1,10 +1,10 @@
 """The ``tar`` layout: WebDataset-style shards, a sample being the members that share a prefix.
 
 Shards are listed (or brace-expanded) but not opened at listing time; fetching a shard ref reads
-the shard as a stream, member by member (:mod:`.shards`: grouping, damage, bounds), and yields
+the shard as a stream, member by member (`shards`: grouping, damage, bounds), and yields
 every sample in it. A shard is never held whole: with ``on_part`` (the sampler's), its samples
 are handed over a part of ``part_bytes`` at a time as they are read, so what a shard of any
-size costs is a part, one member and the read-ahead of its stream (:data:`READ_BYTES`), and
+size costs is a part, one member and the read-ahead of its stream (`READ_BYTES`), and
 ``sampler.max_bytes_in_flight`` bounds the parts waiting for the cache. A shard whose manifest
 names a checksum is the exception: it cannot be trusted before its last byte is read, so its
 samples are held (as much as the shard, and reserved so) until the checksum matches; the
@@ -16,7 +16,7 @@ samples already handed over are not lost (the cache skips them when they come ag
 
 A manifest may name single samples as well as shards (``train-000.tar/000123``, as
 ``epochcache manifest`` prints an epoch's keys): their shards are listed, and fetching one
-yields only the samples the manifest names (:class:`SampleFilter`).
+yields only the samples the manifest names (`SampleFilter`).
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ import numpy as np
 
 from ...errors import CorruptSample, SourceError, SourceUnavailable
 from ...limits import cut_text
-from ..localfiles import OPEN_FLAGS
 from ..concurrency import Outcome
+from ..localfiles import OPEN_FLAGS
 from ..remote import call, outcome_of, retry, translate_error, translate_errors
 from .base import STREAMED, FetchResult, SampleRef, Source
 from .check import StreamDigest
@@ -52,14 +52,14 @@ READ_BYTES = 8 * 1024 * 1024
 PART_BYTES = 32 * 1024 * 1024
 
 #: Called with each part of a shard, in the fetching thread: ``on_part(part)``, a
-#: :class:`Part`. It may block (the sampler waits there for room in its in-flight budget).
+#: `Part`. It may block (the sampler waits there for room in its in-flight budget).
 OnPart = Callable[["Part"], None]
 
 
 @dataclass(frozen=True)
 class Part:
     """A part of a shard being streamed: what the sampler needs to commit it and to say where
-    each of its samples came from (its shard and ordinals, :mod:`..origins`).
+    each of its samples came from (its shard and ordinals, `origins`).
 
     Attributes:
         shard: the shard's listed ref.
@@ -92,7 +92,7 @@ class SampleFilter:
     """The samples a manifest names inside shards: a shard it names whole yields every
     sample; one it names samples of yields those only. The sample keys are held as sorted
     fixed-width heads of the usual key's width plus the few longer keys as they are
-    (:func:`~.keytable.head_width`): memory follows the keys' bytes, never their count times
+    (`head_width`): memory follows the keys' bytes, never their count times
     the longest (a manifest is someone else's input).
 
     Args:
@@ -224,7 +224,7 @@ class TarSource(Source):
 
     def _stream_shard(self, ref: SampleRef, resolved: dict[str, str], on_part: OnPart | None,
                       part_bytes: int) -> list[FetchResult]:
-        """One shard's samples (see :meth:`fetch_grouped`). Reading a remote shard is one
+        """One shard's samples (see `fetch_grouped`). Reading a remote shard is one
         request: it passes the source's request gate (its slots, its pace after throttling,
         the daemon's request budget) and is counted there, as the files layout's reads are."""
         received = [0]
@@ -324,7 +324,7 @@ class TarSource(Source):
     def _open_shard(self, ref: SampleRef, resolved: dict[str, str]) -> BinaryIO:
         """The shard as a stream: a local file opened at the path its root check resolved (a
         link met here is checked like one met by a read: see Source._read_local), else the
-        remote object read ahead :data:`READ_BYTES` at a time (over HTTP, one streamed GET).
+        remote object read ahead `READ_BYTES` at a time (over HTTP, one streamed GET).
 
         Raises:
             SourceError: it cannot be opened (translated, URL named); a ``CorruptSample`` when

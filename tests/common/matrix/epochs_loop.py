@@ -14,8 +14,8 @@ import os
 import sys
 
 import torch
-
 import trainer_io as tio
+
 from epochcache import Cache
 
 

@@ -4,7 +4,7 @@ StatefulDataLoader over ``cache.stream()`` with 2 workers.
 A callback saves ``last.ckpt`` every ``CKPT_EVERY`` batches of an epoch (Lightning stores the
 loader's state in it); the resumed fit passes ``ckpt_path``. The training step takes its batch
 from ``dataloader_iter``, so Lightning fetches no batch ahead and the saved loader state covers
-exactly the batches trained on (README "Resuming a stream").
+exactly the batches trained on (docs/guide/resume.md, "cache.stream() with StatefulDataLoader").
 
 argv: CACHE_DIR RUN_DIR
 """
@@ -18,8 +18,8 @@ import warnings
 from typing import Any
 
 import torch
-
 import trainer_io as tio
+
 from epochcache import Cache
 
 

@@ -16,7 +16,6 @@ import time
 from typing import Any
 
 import torch
-
 import trainer_io as tio
 
 

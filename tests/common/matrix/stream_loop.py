@@ -14,8 +14,8 @@ import sys
 import warnings
 
 import torch
-
 import trainer_io as tio
+
 from epochcache import Cache
 
 

@@ -51,7 +51,7 @@ class Log:
     """The trainer's JSON-lines log; each row one write, flushed (a SIGKILL loses none)."""
 
     def __init__(self, path: str) -> None:
-        self._file = open(path, "a", buffering=1)
+        self._file = open(path, "a", buffering=1)  # noqa: SIM115 - lives with the trainer
 
     def write(self, **row: Any) -> None:
         row.setdefault("pid", os.getpid())
