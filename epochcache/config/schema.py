@@ -30,6 +30,7 @@ from ..limits import (
     DEFAULT_MANIFEST_MAX_LINES,
     DEFAULT_MAX_SAMPLE_BYTES,
 )
+from ..options import DEFAULT_STALL_S, ReaderOptions
 from ..redact import REDACTED, is_secret_key, redact_options, redact_tree
 from ..units import headroom_bytes, parse_duration, parse_headroom, parse_size
 from .environment import pyarrow_available, resolve_node
@@ -395,7 +396,7 @@ class LoaderConfig(_Section):
         default=None, description="keep workers across epochs; null: true with workers",
     )
     stall_s: Duration = Field(
-        default=300.0,
+        default=DEFAULT_STALL_S,
         description="a batch slower than this is a stall: the stacks of the trainer and its "
                     "DataLoader workers are dumped, the sample key and worker named",
     )
@@ -417,6 +418,15 @@ class LoaderConfig(_Section):
         default="numpy",
         description="images decode to HWC uint8 arrays, CHW uint8 tensors, or PIL images",
     )
+
+    def reader_options(self) -> ReaderOptions:
+        """How a run's loaders read samples: this section's reader options, as one
+        [`ReaderOptions`][epochcache.ReaderOptions] (the API's defaults for the rest)."""
+        return ReaderOptions(decode=self.decode, allow_pickle=self.allow_pickle,
+                             max_sample_bytes=self.max_sample_bytes,
+                             fields=None if self.fields is None else tuple(self.fields),
+                             image=self.image, stall_s=self.stall_s,
+                             stall_action=self.stall_action)
 
     @field_validator("timeout")
     @classmethod

@@ -8,16 +8,15 @@ decoding options) and that array -- never an LMDB handle or the lease.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 from torch.utils.data import Dataset
 
 from ..errors import SnapshotClosed
-from ..limits import DEFAULT_MAX_SAMPLE_BYTES
+from ..options import ReaderOptions
 from ..store import SampleStore, Snapshot, store_of
-from .decode import DecodeFn
 from .reader import SampleReader
 
 
@@ -74,34 +73,30 @@ class EpochDataset(Dataset[Any]):
         cache: SampleStore | Any,
         epoch: int = 0,
         *,
-        decode: str | DecodeFn | None = "auto",
-        transform: Callable[[Any], Any] | None = None,
-        allow_pickle: bool = False,
-        max_sample_bytes: int = DEFAULT_MAX_SAMPLE_BYTES,
-        on_error: str = "raise",
-        stall_s: float | None = None,
-        stall_file: str | None = None,
         snapshot: Snapshot | None = None,
-        fields: str | Sequence[str] | None = None,
-        image: str = "numpy",
-        stall_action: str = "raise",
+        options: ReaderOptions | None = None,
+        **reader: Any,
     ) -> EpochDataset:
         """Take a snapshot of ``cache`` under a lease (or adopt ``snapshot``) and wrap it.
 
-        The options are `SampleReader`'s: ``fields=("jpg;png",
-        "cls")`` makes each sample a tuple, ``image`` picks numpy, torch or pil images.
+        Args:
+            cache: an [`epochcache.Cache`][epochcache.Cache] (or its store).
+            epoch: the epoch the snapshot is taken for (its lease's label).
+            snapshot: a snapshot taken already, to wrap instead of taking one.
+            options: how samples are read ([`ReaderOptions`][epochcache.ReaderOptions]);
+                ``**reader`` (its attribute names: ``fields=("jpg;png", "cls")``,
+                ``image="torch"``, ``transform=...``) overrides it.
 
         Raises:
             ValueError: an invalid option (the message names it).
+            TypeError: a keyword that is no reader option.
         """
         cache = store_of(cache)
-        reader = SampleReader(cache.path, decode=decode, transform=transform,
-                              allow_pickle=allow_pickle, max_sample_bytes=max_sample_bytes,
-                              on_error=on_error, stall_s=stall_s, stall_file=stall_file,
-                              fields=fields, image=image, stall_action=stall_action)
-        reader.bind(cache)
+        opts = ReaderOptions.resolve(options, reader, "cache.dataset()")
+        reader_ = SampleReader(cache.path, opts)
+        reader_.bind(cache)
         snap = snapshot if snapshot is not None else cache.snapshot(epoch=epoch)
-        return cls(reader, snap.seqs, epoch, snap)
+        return cls(reader_, snap.seqs, epoch, snap)
 
     def __len__(self) -> int:
         return int(self.seqs.shape[0])

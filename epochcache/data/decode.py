@@ -37,21 +37,20 @@ import json
 import logging
 import pickle
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from ..errors import DecodeError, MissingImageLibrary, PickleNotAllowed
 from ..limits import DEFAULT_MAX_SAMPLE_BYTES, NPY_MAX_HEADER_BYTES, gunzip
+from ..options import DecodeFn
 from ..store.codec import Value
 from .images import IMAGE_EXTS, check_form, decode_image
 
 log = logging.getLogger(__name__)
 
 Buffer = bytes | bytearray | memoryview
-#: A user decoder: ``fn(key, value)`` where value is bytes or a dict of field bytes.
-DecodeFn = Callable[[str, Any], Any]
 
 _NPY_MAGIC = b"\x93NUMPY"
 _PICKLE_EXTS = frozenset({"pkl", "pickle"})

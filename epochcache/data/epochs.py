@@ -35,7 +35,7 @@ import queue
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -43,7 +43,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from ..errors import PrepareFailed, StallError
-from ..limits import DEFAULT_MAX_SAMPLE_BYTES
+from ..options import NAMES as READER_OPTIONS
+from ..options import ReaderOptions
 from ..store import store_of
 from ..store.env import cache_identity
 from ..store.plans import Releaser
@@ -82,7 +83,6 @@ from .workers import start_method, start_workers
 
 if TYPE_CHECKING:
     from ..store import SampleStore
-    from .decode import DecodeFn
 
 log = logging.getLogger(__name__)
 
@@ -567,33 +567,24 @@ class _Epochs:
 def epochs(
     cache: SampleStore | Any,
     num_epochs: int,
-    samples_per_epoch: int | None = None,
-    min_samples: int = 1,
-    seed: int = 0,
-    stall_s: float | None = 300.0,
     *,
     batch_size: int = 64,
     num_workers: int | None = None,
+    seed: int = 0,
     shuffle: bool = True,
     drop_last: bool = False,
-    decode: str | DecodeFn | None = "auto",
-    transform: Callable[[Any], Any] | None = None,
-    allow_pickle: bool = False,
-    max_sample_bytes: int = DEFAULT_MAX_SAMPLE_BYTES,
-    on_error: str = "raise",
+    samples_per_epoch: int | None = None,
+    min_samples: int = 1,
+    wait_timeout_s: float | None = None,
+    start_epoch: int = 0,
+    release: str = "progressive",
+    resume: dict[str, Any] | list[Any] | None = None,
+    resume_grace_s: float = 1800.0,
     collate_fn: Callable[[Any], Any] | None = None,
     persistent_workers: bool | None = None,
     worker_init_fn: Callable[[int], None] | None = None,
-    start_epoch: int = 0,
-    wait_timeout_s: float | None = None,
-    stall_file: str | None = None,
-    stall_action: str = "raise",
-    fields: str | Sequence[str] | None = None,
-    image: str = "numpy",
-    release: str = "progressive",
-    resume: dict[str, Any] | None = None,
-    resume_grace_s: float = 1800.0,
-    **dataloader_kwargs: Any,
+    options: ReaderOptions | None = None,
+    **kwargs: Any,
 ) -> Iterator[tuple[int, EpochLoader]]:
     """Yield ``(epoch, loader)`` for ``num_epochs`` epochs, each over a fresh snapshot.
 
@@ -611,31 +602,16 @@ def epochs(
             workers' torch, numpy and ``random`` state, from (seed, epoch, global rank, worker
             id): reproducible, and different on every rank. Without workers a transform draws
             from the training process's own random state.
-        stall_s: a batch slower than this is a stall: its report (the stacks of the
-            training process and of its DataLoader workers, the sample key, the worker that
-            owes the batch) goes to ``stall_file``, then ``stall_action`` applies. None
-            disables the watchdog.
         batch_size: samples per batch.
         num_workers: DataLoader workers. None (the default): 0 without a transform (reading
             in the training process is fastest) and with one the cores this process may use
             divided by the ranks of its node (see `default_num_workers`).
-        transform: applied to each decoded sample (in the workers).
-        max_sample_bytes: the most a sample may decompress to (a gzip bomb raises a
-            ``DecodeError`` naming its key); ``loader.max_sample_bytes``, default 256 MiB.
         collate_fn: replaces the built-in batch assembly; it receives a list of samples.
         persistent_workers: keep workers across epochs (two loaders alternate, so the next
             epoch's workers prefetch while this one finishes). None (the default): True with
             workers; False starts fresh workers every epoch.
         start_epoch: the first epoch's number (for resuming).
         wait_timeout_s: give up waiting for ``min_samples`` after this long.
-        stall_file: where stall reports go (default stderr).
-        stall_action: ``"raise"`` (the default): after the report the loop fails with a
-            [`StallError`][epochcache.StallError] naming the epoch, batch, key and worker
-            (its workers are stopped), so the job ends instead of hanging and a restart
-            resumes it; ``"warn"``: report and keep waiting.
-        fields: yield each sample as a tuple of these fields, WebDataset's ``to_tuple``
-            (``("jpg;png", "cls")``; see `epochcache.data.fields`).
-        image: images decode to ``"numpy"`` HWC arrays, ``"torch"`` CHW tensors or ``"pil"``.
         release: ``"progressive"``: a batch's samples may be evicted once the loop is done
             with it, so a full cache keeps turning over during the epoch
             (docs/guide/turnover.md); ``"epoch"``: the whole snapshot stays until the epoch ends.
@@ -654,8 +630,16 @@ def epochs(
             epoch's lease outlives a stop before the epoch's end (SIGTERM, Ctrl-C, a crash,
             the process exiting) by this long, so that ``resume=`` finds its samples; an epoch
             read to its end releases its lease at once. 0 disables.
-        **dataloader_kwargs: passed to DataLoader (``pin_memory``, ``prefetch_factor``,
-            ``timeout``, ``multiprocessing_context``, ...).
+        options: how samples are read: decoding, fields, images, the transform (applied in
+            the workers, if any) and the stall watchdog
+            ([`ReaderOptions`][epochcache.ReaderOptions]; by default a batch slower than
+            300 s is reported with the stacks of the training process and of its workers,
+            then fails the loop with [`StallError`][epochcache.StallError], so that the job
+            ends instead of hanging and a restart resumes it).
+        **kwargs: reader options by name (``fields=("jpg;png", "cls")``, ``transform=...``,
+            ``stall_s=...``: they override ``options``); the rest go to each epoch's
+            DataLoader (``pin_memory``, ``prefetch_factor``, ``timeout``,
+            ``multiprocessing_context``, ...).
 
     Raises:
         ValueError: an invalid argument (named in the message).
@@ -672,19 +656,18 @@ def epochs(
         groups = check_resume(resume, seed=seed, shuffle=shuffle,
                               samples_per_epoch=samples_per_epoch, place=place)
         start_epoch = groups[0].epoch
-    num_workers, persistent = _worker_settings(num_workers, transform, persistent_workers,
+    overrides = {name: kwargs.pop(name) for name in list(kwargs) if name in READER_OPTIONS}
+    opts = ReaderOptions.resolve(options, overrides, "cache.epochs()")
+    dataloader_kwargs = kwargs  # what is left goes to each epoch's DataLoader
+    num_workers, persistent = _worker_settings(num_workers, opts.transform, persistent_workers,
                                                dataloader_kwargs, place.local_world_size)
-    reader = SampleReader(cache.path, decode=decode, transform=transform,
-                          allow_pickle=allow_pickle, max_sample_bytes=max_sample_bytes,
-                          on_error=on_error, stall_s=stall_s, stall_file=stall_file,
-                          stall_action=stall_action,
-                          fields=fields, image=image)
+    reader = SampleReader(cache.path, opts)
     reader.bind(cache)
     state = _Epochs(cache, batch_size=batch_size, num_workers=num_workers, seed=seed,
                     shuffle=shuffle, drop_last=drop_last, samples_per_epoch=samples_per_epoch,
                     persistent=persistent, reader=reader, collate_fn=collate_fn,
-                    worker_init_fn=worker_init_fn, stall_s=stall_s, stall_file=stall_file,
-                    loader_kwargs=dataloader_kwargs, place=place,
+                    worker_init_fn=worker_init_fn, stall_s=opts.stall_s,
+                    stall_file=opts.stall_file, loader_kwargs=dataloader_kwargs, place=place,
                     progressive=release == "progressive", resume=groups,
                     resume_grace_s=resume_grace_s)
     return _generate(state, cache, min_samples, wait_timeout_s, start_epoch, num_epochs)

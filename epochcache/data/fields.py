@@ -18,8 +18,9 @@ from typing import Any
 
 from ..errors import DecodeError
 from ..limits import DEFAULT_MAX_SAMPLE_BYTES
+from ..options import DecodeFn
 from ..store.codec import Value
-from .decode import DecodeFn, decode_bytes, extensions, make_decoder
+from .decode import decode_bytes, extensions, make_decoder
 
 KEY_FIELD = "__key__"
 Selection = tuple[tuple[str, ...], ...]

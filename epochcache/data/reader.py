@@ -21,7 +21,7 @@ import contextlib
 import logging
 import os
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import lmdb
@@ -29,25 +29,24 @@ import numpy as np
 import torch
 
 from ..errors import DecodeError, MissingImageLibrary, PickleNotAllowed
-from ..limits import DEFAULT_MAX_SAMPLE_BYTES
+from ..options import ReaderOptions
 from ..store import SampleStore
 from ..store.codec import decode_payload, source_key
 from ..store.env import PROCESS, begin_read, end_read
 from ..store.schema import DB_SAMPLES, HEADER, Codec, RecordFlags, seq_keys
 from ..store.schema import seq_key as _pack_seq
 from .collate import alloc_batch, collate_samples
-from .decode import DecodeFn, decode_sample, make_decoder
+from .decode import decode_sample, make_decoder
 from .fields import FieldSelector, parse_fields
 from .rawfields import FieldsBatch, FieldsTemplate, Mismatch
 from .rawnpy import NpyTemplate, fields_of
-from .stall import Activity, check_stall_action, watching
+from .stall import Activity, watching
 
 log = logging.getLogger(__name__)
 
 _H = HEADER.size
 _unpack = HEADER.unpack_from
 _RAW, _FIELDS = int(Codec.RAW), int(RecordFlags.FIELDS)
-ON_ERROR = ("raise", "skip")
 
 
 class _Fallback(Exception):
@@ -59,62 +58,35 @@ class SampleReader:
 
     Args:
         path: the cache directory.
-        decode: ``"auto"``, ``"raw"`` or ``fn(key, value)``.
-        transform: applied to each decoded sample.
-        allow_pickle: let ``decode="auto"`` unpickle ``.pkl`` samples (runs code: trust the data).
-        max_sample_bytes: the most ``decode="auto"`` lets a sample decompress to (gzip);
-            a sample past it raises a [`DecodeError`][epochcache.DecodeError] naming its key.
-        on_error: ``"raise"`` a [`DecodeError`][epochcache.DecodeError] naming the key, or ``"skip"`` the sample
-            (logged with its key and counted in `skipped`, per process).
-        stall_s: report a batch slower than this (see `epochcache.data.stall`); None
-            disables.
-        stall_file: where stall reports go (default stderr).
-        stall_action: after the report, ``"raise"`` a [`StallError`][epochcache.StallError] where the batch
-            stalled (ending the job), or ``"warn"`` only.
-        fields: return each sample as a tuple of these fields (``("jpg;png", "cls")``, see
-            `epochcache.data.fields`); None keeps samples as they are.
-        image: the form images decode to: ``"numpy"`` (HWC uint8), ``"torch"`` (CHW) or
-            ``"pil"``.
+        options: how samples are decoded, transformed and watched
+            ([`ReaderOptions`][epochcache.ReaderOptions]; the defaults when None).
     """
 
-    def __init__(
-        self,
-        path: str,
-        *,
-        decode: str | DecodeFn | None = "auto",
-        transform: Callable[[Any], Any] | None = None,
-        allow_pickle: bool = False,
-        max_sample_bytes: int = DEFAULT_MAX_SAMPLE_BYTES,
-        on_error: str = "raise",
-        stall_s: float | None = None,
-        stall_file: str | None = None,
-        fields: str | Sequence[str] | None = None,
-        image: str = "numpy",
-        stall_action: str = "raise",
-    ) -> None:
-        check_stall_action(stall_action)
-        if on_error not in ON_ERROR:
-            raise ValueError(f"on_error: expected 'raise' or 'skip', got {on_error!r}")
-        if transform is not None and not callable(transform):
-            raise TypeError(f"transform: expected a callable, got {transform!r}")
+    def __init__(self, path: str, options: ReaderOptions | None = None) -> None:
+        options = options if options is not None else ReaderOptions()
         self.path = path
+        self.options = options
+        decode, fields, image = options.decode, options.fields, options.image
         self.decode = decode
         self.fields = None if fields is None else parse_fields(fields)
         self.image = image
-        self.max_sample_bytes = max_sample_bytes
-        self.decoder = (make_decoder(decode, allow_pickle, image, max_sample_bytes)
+        self.max_sample_bytes = options.max_sample_bytes
+        self.decoder = (make_decoder(decode, options.allow_pickle, image, self.max_sample_bytes)
                         if fields is None
-                        else FieldSelector(fields, decode, allow_pickle, image, max_sample_bytes))
-        self.transform = transform
-        self.allow_pickle = allow_pickle
-        self.on_error = on_error
-        self.stall_s = stall_s
-        self.stall_file = stall_file
-        self.stall_action = stall_action
+                        else FieldSelector(fields, decode, options.allow_pickle, image,
+                                           self.max_sample_bytes))
+        self.transform = options.transform
+        self.allow_pickle = options.allow_pickle
+        self.on_error = options.on_error
+        self.stall_s = options.stall_s
+        self.stall_file = options.stall_file
+        self.stall_action = options.stall_action
         self.skipped = 0
-        self._fast = decode == "auto" and transform is None
-        # dataset[i] without a watchdog or a selection
-        self._fast_one = self._fast and stall_s is None and fields is None
+        self._fast = decode == "auto" and options.transform is None
+        # dataset[i] of a whole sample, decoded by the general rules. It is not watched for
+        # stalls: a watch costs ~6 us, as much as reading the sample; DataLoader reads a
+        # map-style dataset a batch at a time (__getitems__), and batches are watched.
+        self._fast_one = self._fast and fields is None
         self._cache: SampleStore | None = None
         self._pid = -1
         self._env_db: tuple[Any, Any, object] = (None, None, None)

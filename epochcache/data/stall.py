@@ -49,8 +49,6 @@ log = logging.getLogger(__name__)
 
 #: How long a report waits for a lazily named key (see `Activity.resolve`).
 RESOLVE_TIMEOUT_S = 2.0
-#: ``loader.stall_action``: end the job with [`StallError`][epochcache.StallError], or only report.
-STALL_ACTIONS = ("raise", "warn")
 #: The exit status of a process whose stalled thread could not be interrupted (EX_TEMPFAIL).
 STALL_EXIT_STATUS = 75
 #: The signal on which a reading process dumps its threads' stacks (see `arm_stack_dump`).
@@ -60,11 +58,6 @@ DUMP_SIGNAL: int | None = (signal.SIGRTMIN + 4) if hasattr(signal, "SIGRTMIN") e
 WAKE_SIGNAL: int | None = (signal.SIGRTMIN + 5) if hasattr(signal, "SIGRTMIN") else None
 #: How long a report waits for a worker to write its stacks before the next one.
 _WORKER_DUMP_WAIT_S = 0.5
-
-
-def check_stall_action(action: str) -> None:
-    if action not in STALL_ACTIONS:
-        raise ValueError(f"stall_action: expected 'raise' or 'warn', got {action!r}")
 
 
 @dataclass

@@ -25,14 +25,14 @@ import logging
 import os
 import uuid
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 
-from ..limits import DEFAULT_MAX_SAMPLE_BYTES
+from ..options import ReaderOptions
 from ..store import store_of
 from ..store.env import cache_identity
 from ..store.plans import Releaser
@@ -58,7 +58,6 @@ from .stream_state import KIND, ORDER_KEYS, merge, resume_split, worker_states
 
 if TYPE_CHECKING:
     from ..store import SampleStore, Snapshot
-    from .decode import DecodeFn
 
 log = logging.getLogger(__name__)
 
@@ -92,14 +91,13 @@ class CacheStream(IterableDataset[Any]):
         split_ranks: split each epoch across the ranks of a DDP node. Pass False when the
             framework splits the data itself (accelerate's ``prepare``, the HF Trainer): every
             rank then yields the node's whole epoch, in the same order.
-        decode: as for [`epochcache.Cache.dataset`][epochcache.Cache.dataset]; so are ``transform``,
-            ``allow_pickle``, ``max_sample_bytes``, ``on_error``, ``stall_s``, ``stall_file``,
-            ``stall_action`` (with ``stall_s`` set, a sample read slower than it is reported
-            with the stacks of the reading process, then, with ``"raise"``, the default,
-            raises [`StallError`][epochcache.StallError] there: in a worker, DataLoader
-            re-raises it in the training loop),
-            ``fields`` (``("jpg;png", "cls")`` yields tuples) and ``image`` (numpy, torch or
-            pil images).
+        options: how samples are read ([`ReaderOptions`][epochcache.ReaderOptions]: decoding,
+            fields, images, transform, the stall watchdog); ``**reader`` (its attribute
+            names, e.g. ``fields=("jpg;png", "cls")``) overrides it. A sample read slower than
+            ``stall_s`` is reported with the stacks of the reading process and then, with
+            ``stall_action="raise"`` (the default), raises
+            [`StallError`][epochcache.StallError] there: in a worker, DataLoader re-raises it
+            in the training loop.
         release: ``"progressive"`` (each worker releases what it has read, so a full cache
             keeps turning over during the epoch) or ``"epoch"`` (the whole snapshot stays
             until the epoch ends); see [`epochcache.data.epochs.epochs`][epochcache.data.epochs.epochs].
@@ -108,6 +106,7 @@ class CacheStream(IterableDataset[Any]):
 
     Raises:
         ValueError: an invalid argument (named in the message).
+        TypeError: a keyword that is no reader option.
     """
 
     def __init__(
@@ -118,18 +117,10 @@ class CacheStream(IterableDataset[Any]):
         shuffle: bool = True,
         samples_per_epoch: int | None = None,
         split_ranks: bool = True,
-        decode: str | DecodeFn | None = "auto",
-        transform: Callable[[Any], Any] | None = None,
-        allow_pickle: bool = False,
-        max_sample_bytes: int = DEFAULT_MAX_SAMPLE_BYTES,
-        on_error: str = "raise",
-        stall_s: float | None = None,
-        stall_file: str | None = None,
-        fields: str | Sequence[str] | None = None,
-        image: str = "numpy",
         release: str = "progressive",
         resume_grace_s: float = 1800.0,
-        stall_action: str = "raise",
+        options: ReaderOptions | None = None,
+        **reader: Any,
     ) -> None:
         if not isinstance(seed, int):
             raise ValueError(f"seed: expected an int, got {seed!r}")
@@ -138,10 +129,8 @@ class CacheStream(IterableDataset[Any]):
             raise ValueError(f"samples_per_epoch: expected None or an int >= 1, "
                              f"got {samples_per_epoch!r}")
         cache = store_of(cache)
-        self.reader = SampleReader(cache.path, decode=decode, transform=transform,
-                                   allow_pickle=allow_pickle, max_sample_bytes=max_sample_bytes,
-                                   on_error=on_error, stall_s=stall_s, stall_file=stall_file,
-                                   fields=fields, image=image, stall_action=stall_action)
+        self.reader = SampleReader(cache.path, ReaderOptions.resolve(options, reader,
+                                                                     "cache.stream()"))
         check_release(release)
         self.reader.bind(cache)
         self.progressive = release == "progressive"
