@@ -47,14 +47,12 @@ from ..options import NAMES as READER_OPTIONS
 from ..options import ReaderOptions
 from ..store import store_of
 from ..store.env import cache_identity
-from ..store.plans import Releaser
 from .dataset import EpochDataset
 from .distributed import (
     NodeSync,
     Placement,
     detect_placement,
     dist_initialized,
-    split_for_rank,
 )
 from .elastic import (
     COUNT,
@@ -67,13 +65,13 @@ from .elastic import (
     report,
 )
 from .epoch_loader import EpochLoader, probe_workers, stop_workers
+from .planner import Planner
 from .reader import SampleReader
 from .resume import adopt_node, ended_lease, log_resume, resume_rank
 from .schedule import (
     EpochSchedule,
     ScheduleSampler,
     SeqBatches,
-    epoch_order,
     identity,
     in_process_batches,
 )
@@ -200,6 +198,8 @@ class _Epochs:
                              else None)
         self.sync = (NodeSync(self.place, cache_identity(cache.path), cache.path)
                      if dist_initialized() and self.place.distributed else None)
+        self.planner = Planner(cache, place, self.sync, seed=seed, shuffle=shuffle,
+                               samples_per_epoch=samples_per_epoch, progressive=progressive)
         # In process and without DDP collectives, the next epoch is scheduled in the training
         # thread when triggered (~0.3 ms, once per epoch): on a background thread the same work
         # cost the training thread ~5x that in GIL hand-offs.
@@ -249,11 +249,7 @@ class _Epochs:
             raise _Cancelled
         started = time.monotonic()
         epoch, snapshot = pending.epoch, None
-
-        # One release-plan part per rank of the node: each releases what its loop trained on.
-        parts = ((self.place.local_world_size if self.sync is not None else 1)
-                 if self.progressive else 0)
-
+        planner = self.planner
         groups, self.resume = self.resume, None
         if groups is not None and groups[0].epoch != epoch:
             groups = None
@@ -265,23 +261,21 @@ class _Epochs:
                 snapshot, group = adopt_node(self.cache, groups, epoch, self.place)
                 if snapshot is not None:
                     return snapshot.seqs, snapshot.lease_id
-            snapshot = self.cache.snapshot(epoch=epoch, label=f"epochs() epoch {epoch}",
-                                           plan_parts=parts)
-            return snapshot.seqs, snapshot.lease_id
+            seqs, lease_id, snapshot = planner.snapshot(epoch, f"epochs() epoch {epoch}")
+            return seqs, lease_id
 
         if self.sync is not None and not self.sync.rendezvous(epoch, self.abort.is_set):
             raise _Cancelled
-        seqs, lease_id = self.sync.share_seqs(take if self.place.local_rank == 0 else None) \
-            if self.sync is not None else take()
+        seqs, lease_id = planner.share(take)
         if groups is not None:  # (non-leaders learn here which node's states the leader found)
             group = next((g for g in groups if g.lease and g.lease == lease_id), None)
         dataset = EpochDataset(self.reader, seqs, epoch, snapshot, lease_id)
         dataset.finished = False  # until the loop has read the epoch to its end
         try:
-            order = epoch_order(seqs, epoch, self.seed, self.shuffle, self.samples_per_epoch)
+            order = planner.order(seqs, epoch)
             resumed = (resume_rank(self.cache, order, group, self.place)
                        if group is not None else None)
-            order = split_for_rank(order, self.place) if resumed is None else resumed.rest
+            order = planner.split(order) if resumed is None else resumed.rest
             # Every rank's count, whether it continues the epoch, the node it found: the
             # batch count is agreed from them (one collective per epoch, resumed or not).
             found = (group.lease if group is not None
@@ -298,13 +292,14 @@ class _Epochs:
                             "%d); is the cache empty?", epoch, len(seqs), self.batch_size)
             if resumed is None:
                 lane = order[:taken]  # what this rank reads: a resume's lane
-                releaser = self._release_plan(lease_id, lane)
+                # the loop releases its lane batch by batch
+                releaser = planner.release_part(lease_id, [lane])
             else:
                 lane = resumed.lane.lane
                 # The rest dealt anew is read by other lanes than the release plan's: the
                 # lease was adopted whole, and protects it all until the epoch ends.
                 releaser = (None if resumed.lane.resumed is not None
-                            else self._release_plan(lease_id, lane))
+                            else planner.release_part(lease_id, [lane]))
         except BaseException:
             dataset.close()
             raise
@@ -328,20 +323,6 @@ class _Epochs:
                                        samples_per_epoch=self.samples_per_epoch,
                                        place=self.place)
         return schedule
-
-    def _release_plan(self, lease_id: str, lane: np.ndarray) -> Releaser | None:
-        """Write this rank's part of the epoch's release plan: the samples its loop trains on,
-        in order (one lane); the loop releases them batch by batch."""
-        if not lease_id or not len(lane) or not self.progressive:
-            return None
-        part = self.place.local_rank if self.sync is not None else 0
-        try:
-            self.cache.write_plan_part(lease_id, part, [lane])
-        except OSError as exc:  # a full or read-only disk: the snapshot stays protected whole
-            log.warning("%s: could not write the epoch's release plan (%s): its samples stay "
-                        "protected until it ends", self.cache.path, exc)
-            return None
-        return Releaser(self.cache.path, lease_id, part, 0)
 
     def _build(self, pending: _Pending) -> Any:
         if pending.loader is None:

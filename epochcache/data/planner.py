@@ -34,7 +34,7 @@ from .placement import Placement
 from .schedule import epoch_order
 
 if TYPE_CHECKING:
-    from ..store import SampleStore
+    from ..store import SampleStore, Snapshot
     from .distributed import NodeSync
 
 log = logging.getLogger(__name__)
@@ -82,11 +82,11 @@ class Planner:
     @property
     def slot(self) -> tuple[int, int]:
         """``(slot, slots)``: which slice of the node's order this rank reads."""
-        if self.distributed and self.split_ranks:
+        if self.split_ranks:
             return self.place.local_rank, self.place.local_world_size
         return 0, 1
 
-    def snapshot(self, epoch: int, label: str) -> tuple[np.ndarray, str, object]:
+    def snapshot(self, epoch: int, label: str) -> tuple[np.ndarray, str, Snapshot]:
         """Take the epoch's snapshot here (the node's leader): ``(seqs, lease_id, snapshot)``,
         under a lease whose release plan has `parts` parts."""
         snapshot = self.cache.snapshot(epoch=epoch, label=label, plan_parts=self.parts)

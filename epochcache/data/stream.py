@@ -50,9 +50,9 @@ from ..store.shares import (
 from .dataset import snapshot_gone
 from .distributed import NodeSync, detect_placement, dist_initialized
 from .epochs import check_release
+from .planner import Planner, rank_order, write_release_part
 from .reader import SampleReader
 from .resume import lease_gone_reason
-from .schedule import epoch_order
 from .stall import arm_stack_dump
 from .stream_state import KIND, ORDER_KEYS, merge, resume_split, worker_states
 
@@ -219,28 +219,29 @@ class CacheStream(IterableDataset[Any]):
         if distributed and self._sync is None:
             # collective: every rank prepares in step (and checks the node layout)
             self._sync = NodeSync(place, cache_identity(cache.path), cache.path)
-        label = f"stream {self.stream_id} epoch {epoch}"
+        planner = Planner(cache, place, self._sync, seed=self.seed, shuffle=self.shuffle,
+                          samples_per_epoch=self.samples_per_epoch,
+                          progressive=self.progressive, split_ranks=self.split_ranks)
         taken: list[Snapshot] = []
-        # One plan part per rank of the node; its lanes are written by whoever reads it.
-        parts = (place.local_world_size if distributed else 1) if self.progressive else 0
 
         def take() -> tuple[np.ndarray, str]:
-            taken.append(cache.snapshot(epoch=epoch, label=label, plan_parts=parts))
-            unwatch(cache, taken[0].lease_id)  # the share manages it; our owner lock keeps it
-            return taken[0].seqs, taken[0].lease_id
+            # The release plan's lanes are written by whoever reads them (the loop or each
+            # DataLoader worker: write_release_part).
+            seqs, lease_id, snapshot = planner.snapshot(epoch,
+                                                        f"stream {self.stream_id} epoch {epoch}")
+            taken.append(snapshot)
+            unwatch(cache, lease_id)  # the share manages it; our owner lock keeps it
+            return seqs, lease_id
 
         if not distributed:
             self._release_snapshot()  # no other rank can still be reading it
-        seqs, lease_id = (self._sync.share_seqs(take if place.local_rank == 0 else None)
-                          if self._sync is not None else take())
+        seqs, lease_id = planner.share(take)
         # Under DDP every rank is past the previous epoch once the snapshot was shared.
         self._release_snapshot()
         self._snapshot = taken[0] if taken else None
         try:
-            order = epoch_order(seqs, epoch, self.seed, self.shuffle, self.samples_per_epoch)
-            slot, slots = ((place.local_rank, place.local_world_size) if self.split_ranks
-                           else (0, 1))
-            order = order[slot::slots]
+            order = planner.rank_order(seqs, epoch)
+            slot, slots = planner.slot
             samples = len(order)
             if self._sync is not None:
                 samples = self._sync.agree_batches(samples)  # MIN over all ranks
@@ -334,7 +335,7 @@ class CacheStream(IterableDataset[Any]):
         """The order of the epoch ``state`` was taken in, rebuilt from its snapshot."""
         seqs = self.reader.cache.snapshot_seqs(state.get("lease"), int(state["lo"]),
                                                int(state["hi"]), int(state["count"]))
-        return _rank_order(seqs, int(state["epoch"]), int(state["seed"]),
+        return rank_order(seqs, int(state["epoch"]), int(state["seed"]),
                            bool(state["shuffle"]), state["samples_per_epoch"],
                            int(state["slot"]), int(state["slots"]), int(state["samples"]))
 
@@ -399,7 +400,8 @@ class CacheStream(IterableDataset[Any]):
             prepared = self._prepare(epoch)
         self._consumed = True
         order = self._order if self._order is not None else np.empty(0, dtype=np.uint64)
-        releaser = (_plan_lanes(self.reader.cache, prepared.share, prepared.part, [order], 0)
+        releaser = (write_release_part(self.reader.cache, prepared.share.lease or "",
+                                       prepared.part, [order])
                     if self.progressive else None)
         self._at = {"spec": self._spec(prepared.share, prepared.slot, prepared.slots,
                                        prepared.samples),
@@ -455,10 +457,10 @@ class CacheStream(IterableDataset[Any]):
             else:
                 slot, slots, samples, part = 0, 1, -1, 0
             seqs = cache.snapshot_seqs(share.lease, share.lo, share.hi, share.count)
-            order = _rank_order(seqs, share.epoch, self.seed, self.shuffle,
+            order = rank_order(seqs, share.epoch, self.seed, self.shuffle,
                                 self.samples_per_epoch, slot, slots, samples)
             lanes = [order[w::workers] for w in range(workers)]
-            releaser = (_plan_lanes(cache, share, part, lanes, worker)
+            releaser = (write_release_part(cache, share.lease or "", part, lanes, worker)
                         if self.progressive else None)
         except BaseException:
             done(False)
@@ -597,21 +599,6 @@ class CacheStream(IterableDataset[Any]):
                 f"epoch={self.epoch}, split_ranks={self.split_ranks})")
 
 
-def _plan_lanes(cache: SampleStore, share: Share, part: int, lanes: list[np.ndarray],
-                lane: int) -> Releaser | None:
-    """Write this rank's part of the share's release plan (the first reader to get here does;
-    the lanes are the same for all), and return the releaser of ``lane``."""
-    if not share.lease or not any(len(one) for one in lanes):
-        return None
-    try:
-        cache.write_plan_part(share.lease, part, lanes)
-    except OSError as exc:  # a full or read-only disk: the snapshot stays protected whole
-        log.warning("%s: could not write the epoch's release plan (%s): its samples stay "
-                    "protected until it ends", cache.path, exc)
-        return None
-    return Releaser(cache.path, share.lease, part, lane)
-
-
 class _Once:
     """Calls ``fn(complete)`` the first time it is called, never again."""
 
@@ -674,12 +661,3 @@ def _refuse_distributed(epoch: int) -> None:
         f"set_epoch({epoch + 1}) on every rank to go on with the next epoch; to continue an "
         "interrupted epoch exactly under DDP, on any number of ranks, train with "
         "cache.epochs(resume=...) or `epochcache run --resume`")
-
-
-def _rank_order(seqs: np.ndarray, epoch: int, seed: int, shuffle: bool,
-                samples_per_epoch: int | None, slot: int, slots: int,
-                samples: int) -> np.ndarray:
-    """The epoch's order over a snapshot, this rank's slot of it, cut to ``samples`` (all
-    when negative): the same on every process that reads the epoch or resumes it."""
-    order = epoch_order(seqs, epoch, seed, shuffle, samples_per_epoch)[slot::slots]
-    return order if samples < 0 else order[:samples]
