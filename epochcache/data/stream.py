@@ -77,6 +77,18 @@ class _Prepared:
     part: int  # this rank's part of the epoch's release plan
 
 
+@dataclass(frozen=True)
+class _Reading:
+    """Where this reader (the main process's loop, or one DataLoader worker) is reading: what
+    its state names (`ORDER_KEYS`: the epoch, the snapshot, the seed, the
+    rank's slot), how the epoch is split among the readers, and which reader this is. With
+    ``CacheStream._pos`` (the samples of its lane yielded), a ``state_dict()``."""
+
+    spec: dict[str, Any]
+    split: dict[str, Any]
+    worker: int
+
+
 class CacheStream(IterableDataset[Any]):
     """A torch ``IterableDataset`` over the cache: a fresh snapshot on every ``iter()``.
 
@@ -147,7 +159,7 @@ class CacheStream(IterableDataset[Any]):
         # Counts load_state_dict() calls: with the lease, it names one resume, alike in every
         # worker that received the state (see claim_share).
         self._loads = 0
-        self._at: dict[str, Any] | None = None  # this reader's epoch, split and lane
+        self._at: _Reading | None = None  # this reader's epoch, split and lane
         self._pos = 0  # samples of the lane yielded so far
         self._kept = ""  # the lease last kept for a resume
         self._init_home()
@@ -295,17 +307,17 @@ class CacheStream(IterableDataset[Any]):
         at = self._at
         if at is None:
             return {"kind": KIND, "version": 1, "next_epoch": self._next_epoch}
-        lease = at["spec"]["lease"]
+        lease = at.spec["lease"]
         if lease and self._kept != lease:
             self._kept = lease
             try:
                 self.reader.cache.keep_for_resume(lease, self.resume_grace_s)
             except Exception as exc:  # noqa: BLE001 - a state must not fail a training step
                 log.warning("stream: could not keep the lease of epoch %d for a resume: %s",
-                            at["spec"]["epoch"], exc)
-        return {"kind": KIND, "version": 1, **at["spec"], **at["split"],
-                "positions": {str(at["worker"]): self._pos},
-                "next_epoch": int(at["spec"]["epoch"]) + 1}
+                            at.spec["epoch"], exc)
+        return {"kind": KIND, "version": 1, **at.spec, **at.split,
+                "positions": {str(at.worker): self._pos},
+                "next_epoch": int(at.spec["epoch"]) + 1}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state``: this stream's [`state_dict`][epochcache.data.stream.CacheStream.state_dict] (what a StatefulDataLoader
@@ -381,8 +393,7 @@ class CacheStream(IterableDataset[Any]):
                 finished = False
                 try:
                     split, lane, start = resume_split(self._resumed_order(state), state, 1, 0)
-                    self._at = {"spec": {k: state[k] for k in ORDER_KEYS},
-                                "split": split, "worker": 0}
+                    self._at = _Reading({k: state[k] for k in ORDER_KEYS}, split, 0)
                     yield from self._samples(lane[start:], False, share, None, base=start,
                                              resumed=True)
                     finished = True
@@ -403,9 +414,8 @@ class CacheStream(IterableDataset[Any]):
         releaser = (write_release_part(self.reader.cache, prepared.share.lease or "",
                                        prepared.part, [order])
                     if self.progressive else None)
-        self._at = {"spec": self._spec(prepared.share, prepared.slot, prepared.slots,
-                                       prepared.samples),
-                    "split": {"workers": 1}, "worker": 0}
+        self._at = _Reading(self._spec(prepared.share, prepared.slot, prepared.slots,
+                                       prepared.samples), {"workers": 1}, 0)
         self._active += 1
         finished = False
         try:
@@ -465,8 +475,8 @@ class CacheStream(IterableDataset[Any]):
         except BaseException:
             done(False)
             raise
-        self._at = {"spec": self._spec(share, slot, slots, samples),
-                    "split": {"workers": workers}, "worker": worker}
+        self._at = _Reading(self._spec(share, slot, slots, samples), {"workers": workers},
+                            worker)
         if share.restarted:
             log.info("stream epoch %d: a new loader iteration reads it from its start (the "
                      "previous one stopped before its end)", share.epoch)
@@ -497,8 +507,7 @@ class CacheStream(IterableDataset[Any]):
         except BaseException:
             done(False)
             raise
-        self._at = {"spec": {k: state[k] for k in ORDER_KEYS}, "split": split,
-                    "worker": worker}
+        self._at = _Reading({k: state[k] for k in ORDER_KEYS}, split, worker)
         return _Reporting(self._samples(lane[start:], False, share, None, base=start,
                                         resumed=True), done)
 
