@@ -20,7 +20,7 @@ from epochcache.ingest.localfiles import (
     read_wait,
 )
 from epochcache.ingest.sources import SampleRef
-from epochcache.ingest.sources.base import SourceSpec
+from epochcache.ingest.sources import SourceSpec
 from epochcache.ingest.sources.files import FilesSource
 
 

@@ -15,9 +15,10 @@ import os
 import time
 from collections.abc import Sequence
 
-from .base import CHECKS, STREAMED, FetchResult, Payload, SampleRef, Source, SourceSpec
+from .base import Source
 from .files import FilesSource
 from .keytable import KeyTable, KeyTableBuilder
+from .layouts import layout_of, layouts, register_layout
 from .listing import (
     Listing,
     listing_path,
@@ -29,6 +30,7 @@ from .listing import (
 )
 from .paging import ListingJob
 from .tar import Part, TarSource
+from .types import CHECKS, STREAMED, FetchResult, Payload, SampleRef, SourceSpec
 
 __all__ = [
     "CHECKS",
@@ -45,6 +47,8 @@ __all__ = [
     "Source",
     "SourceSpec",
     "TarSource",
+    "layout_of",
+    "layouts",
     "list_keys_cached",
     "listing_cached",
     "listing_for_sampling",
@@ -53,12 +57,16 @@ __all__ = [
     "open_source",
     "read_listing",
     "read_listing_header",
+    "register_layout",
     "relist",
     "save_listing",
     "source_fingerprint",
 ]
 
 log = logging.getLogger(__name__)
+
+register_layout(FilesSource)
+register_layout(TarSource)
 
 
 def open_source(
@@ -79,7 +87,7 @@ def open_source(
     Raises:
         SourceUnavailable: the URL's protocol cannot be opened.
     """
-    kind = TarSource if spec.layout == "tar" else FilesSource
+    kind = layout_of(spec.layout)
     return kind(spec, concurrency=concurrency, checks=checks, bandwidth_limit=bandwidth_limit)
 
 

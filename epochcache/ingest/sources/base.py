@@ -36,18 +36,12 @@ import os
 import posixpath
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import fsspec
 
 from ...errors import CorruptSample, SourceError, Throttled
-from ...limits import (
-    DEFAULT_MANIFEST_MAX_BYTES,
-    DEFAULT_MANIFEST_MAX_LINES,
-    DEFAULT_MAX_SAMPLE_BYTES,
-)
-from ...redact import redact_options, redact_url
+from ...redact import redact_url
 from ...units import format_size
 from ..clients import bucket_region, obstore_filesystem, resolve_client
 from ..concurrency import FixedConcurrency
@@ -61,122 +55,12 @@ from ..remote import (
     open_fs,
     translate_error,
 )
-
-if TYPE_CHECKING:  # they import this module
-    from .keytable import KeyTable
-    from .paging import Pager
+from .keytable import KeyTable
+from .manifest import read_manifest
+from .paging import Pager, list_all, make_pager
+from .types import FetchResult, SampleRef, SourceSpec
 
 log = logging.getLogger(__name__)
-
-#: what a fetch returns for one sample: whole-object bytes, or tar fields by extension
-Payload = bytes | dict[str, bytes]
-
-
-class Streamed:
-    """The payload of a sample handed over already (a tar shard is streamed a part at a time
-    to the fetch's ``on_part``): it stands in the fetch's results so that they still count
-    every sample of the shard."""
-
-    def __repr__(self) -> str:
-        return "STREAMED"
-
-
-STREAMED = Streamed()
-
-CHECKS: tuple[str, ...] = ("size", "checksum", "format")
-
-
-@dataclass(frozen=True)
-class SourceSpec:
-    """Where a remote dataset lives and how to read it: what a `Source` is opened with.
-
-    The run config's ``source`` section converts to this at the edge
-    (`epochcache.ingest.from_config.source_spec`); sources never see the config itself.
-
-    Attributes:
-        url: the dataset root, any fsspec URL or local path.
-        layout: ``files`` (one object per sample) or ``tar`` (WebDataset shards).
-        pattern: glob under ``url``; None means ``**`` (files) or ``**/*.tar`` (tar).
-        shards: tar shards as a brace pattern (``train-{000..009}.tar``) instead of listing.
-        manifest: URL, or path relative to ``url``, of a key manifest instead of listing.
-        manifest_format: ``auto`` (by extension), ``txt``, ``csv``, ``jsonl`` or ``parquet``.
-        storage_options: passed to fsspec; masked in ``repr``.
-        timeout_s: per remote call.
-        connect_timeout_s: per connection attempt.
-        list_deadline_s: listing at start fails within this (an unreachable remote fails fast).
-        retries: attempts per object for transient errors.
-        checks: content checks on ingest, a subset of `CHECKS`.
-        max_sample_bytes: the largest object (``files``) or tar member accepted, and the most a
-            gzip or zip check decompresses; larger ones are quarantined, not downloaded.
-        manifest_max_bytes: the most memory the keys of a manifest may take.
-        manifest_max_lines: the most lines read from a manifest.
-        client: who reads an ``s3://`` source's objects: ``auto``, ``s3fs`` or ``obstore``
-            (`clients`).
-    """
-
-    url: str
-    layout: Literal["files", "tar"] = "files"
-    pattern: str | None = None
-    shards: str | None = None
-    manifest: str | None = None
-    manifest_format: str = "auto"
-    storage_options: dict[str, Any] = field(default_factory=dict)
-    timeout_s: float = 30.0
-    connect_timeout_s: float = 5.0
-    list_deadline_s: float = 6.0
-    retries: int = 5
-    checks: Sequence[str] = CHECKS
-    max_sample_bytes: int = DEFAULT_MAX_SAMPLE_BYTES
-    manifest_max_bytes: int = DEFAULT_MANIFEST_MAX_BYTES
-    manifest_max_lines: int = DEFAULT_MANIFEST_MAX_LINES
-    client: str = "auto"
-
-    @property
-    def effective_pattern(self) -> str:
-        """The glob used for listing when no manifest or shard pattern is given."""
-        if self.pattern is not None:
-            return self.pattern
-        return "**/*.tar" if self.layout == "tar" else "**"
-
-    def __repr__(self) -> str:
-        return (f"SourceSpec(url={redact_url(self.url)!r}, layout={self.layout!r}, "
-                f"storage_options={redact_options(self.storage_options)!r})")
-
-
-@dataclass(frozen=True, slots=True)
-class SampleRef:
-    """One fetchable unit (an object, a tar shard, or a sample inside a shard).
-
-    Attributes:
-        key: path relative to the source root (a tar sample: ``"<shard>/<member prefix>"``).
-        size: expected size in bytes of the fetched object, from a listing or manifest.
-        weight: sampling weight from a manifest (``None`` reads as 1.0).
-        checksum: expected digest of the fetched object, ``"algo:hex"`` or bare hex.
-        shard: for a tar sample, the shard key it came from.
-        members: for a tar sample, the member names that formed it.
-    """
-
-    key: str
-    size: int | None = None
-    weight: float | None = None
-    checksum: str | None = None
-    shard: str | None = None
-    members: tuple[str, ...] = field(default=())
-
-    def to_row(self) -> list[Any]:
-        """Compact JSON-able form used by the listing cache."""
-        return [self.key, self.size, self.weight, self.checksum]
-
-    @classmethod
-    def from_row(cls, row: Sequence[Any]) -> SampleRef:
-        """Inverse of `to_row`."""
-        key, size, weight, checksum = (list(row) + [None, None, None])[:4]
-        return cls(str(key), size, weight, checksum)
-
-
-#: one fetched sample: its ref and its payload, or the error that replaced it (or STREAMED)
-FetchResult = tuple[SampleRef, Payload | SourceError | Streamed]
-
 
 class Source(abc.ABC):
     """A remote dataset reachable through fsspec.
@@ -191,7 +75,10 @@ class Source(abc.ABC):
         bandwidth_limit: bytes per second this source may read on average (this process only).
     """
 
-    layout: Literal["files", "tar"]
+    #: the layout's name (`.layouts`), as ``SourceSpec.layout`` gives it
+    layout: str
+    #: what is listed when the spec gives no pattern, manifest or shard list
+    default_pattern: str = "**"
     #: what one listed ref stands for: a single sample or a shard of samples
     unit: Literal["sample", "shard"]
 
@@ -286,8 +173,6 @@ class Source(abc.ABC):
 
     def pager(self, state: dict[str, Any] | None = None) -> Pager:
         """The pages of this source's listing, resumed at ``state`` (see `paging`)."""
-        from .paging import make_pager
-
         return make_pager(self.fs, self.root, self._local_root is not None, state)
 
     # -- fetching --------------------------------------------------------------------------------
@@ -478,13 +363,9 @@ class Source(abc.ABC):
     def _list_files(self) -> KeyTable:
         """List objects under the root whose relative path matches the pattern, page by page;
         fail fast if none."""
-        from .paging import list_all
-
         return list_all(self)
 
     def _read_manifest(self) -> KeyTable:
-        from .manifest import read_manifest
-
         manifest = self.spec.manifest
         if manifest is None:
             raise ValueError("no manifest configured")

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .base import SampleRef
+from .types import SampleRef
 
 #: Offsets are 4 bytes while the blob is smaller than this.
 _U32_LIMIT = 2**32 - 1

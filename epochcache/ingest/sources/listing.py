@@ -42,8 +42,8 @@ import numpy as np
 import zstandard
 
 from ...atomic import atomic_write
-from .base import SampleRef, SourceSpec
 from .keytable import KeyTable, KeyTableBuilder, compact_sizes, find_keys, offsets_of
+from .types import SampleRef, SourceSpec
 
 log = logging.getLogger(__name__)
 

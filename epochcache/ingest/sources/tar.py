@@ -36,11 +36,12 @@ from ...limits import cut_text
 from ..concurrency import Outcome
 from ..localfiles import OPEN_FLAGS
 from ..remote import call, outcome_of, retry, translate_error, translate_errors
-from .base import STREAMED, FetchResult, SampleRef, Source
+from .base import Source
 from .check import StreamDigest
 from .keytable import KeyTable, KeyTableBuilder, head_width, key_heads
 from .manifest import expand_braces
 from .shards import MAX_FIELD_BYTES, ReadFailed, iter_shard, open_tail, sample_bytes, split_member
+from .types import STREAMED, FetchResult, SampleRef
 
 __all__ = ["MAX_FIELD_BYTES", "Part", "TarSource", "iter_shard", "split_member"]
 
@@ -145,6 +146,7 @@ class TarSource(Source):
     """
 
     layout = "tar"
+    default_pattern = "**/*.tar"
     unit = "shard"
     _filter: SampleFilter | None = None
 
