@@ -2,7 +2,7 @@
 (`SourceSpec`), one fetchable unit (`SampleRef`) and what its fetch gives (`FetchResult`).
 
 No module of ``sources/`` imports another to use these: they live here, below all of them,
-so that a new layout (:mod:`.layouts`) imports them and nothing else of its siblings.
+so that a new layout (`layouts`) imports them and nothing else of its siblings.
 """
 
 from __future__ import annotations
