@@ -201,8 +201,8 @@ def test_an_epoch_whose_lease_was_reclaimed_raises_snapshot_closed(tmp_path: Pat
             lease_id = loader.dataset.lease_id
             for i, _batch in enumerate(loader):
                 if i == 0:
-                    other.store.write(lambda txn: delete_lease(
-                        txn, other.dbs[DB_LEASES], lease_id))  # noqa: B023 - called at once
+                    store_of(other).store.write(lambda txn: delete_lease(
+                        txn, store_of(other).dbs[DB_LEASES], lease_id))  # noqa: B023 - at once
                     _fill(other, "new", 25)
     assert lease_id[:8] in str(info.value)
     other.close()

@@ -1,4 +1,16 @@
-"""Oldest-first eviction of the samples no live lease protects.
+"""Eviction: which samples go when a writer needs room. The policy is a seam; the one in use
+is oldest-first.
+
+What every policy keeps: it never takes a sample a lease protects (a snapshot's sample its
+epoch has not delivered yet, `epochcache.store.release`), it stops where everything left is
+protected (naming a lease in the way, so writers wait: back-pressure), it deletes through
+`_take` (the record, its key's index entry, the counters), and once it took samples it prunes
+the origin rows nothing reaches back to any more (`prune`).
+[`EvictionPolicy`][epochcache.store.eviction.EvictionPolicy] is the interface;
+`register_policy` makes one selectable by name (the writer's ``eviction``); a
+least-read-first policy, say, is one module with its class and one registration.
+
+**Oldest first** (`OldestFirst`, the default, invariant 3):
 
 Eviction takes the cache's oldest sample that no lease protects (invariant 3), and never one
 newer than every snapshot (those have not been trained on: evicting them for newer ones would
@@ -15,8 +27,10 @@ old samples below every lease.
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import lmdb
 
@@ -35,6 +49,60 @@ class Eviction:
     count: int = 0
     bytes: int = 0
     blocked_by: Lease | None = None
+
+
+class EvictionPolicy(abc.ABC):
+    """Chooses what eviction takes, inside a writer's transaction (see the module docstring).
+
+    One instance per writer (per process and cache): it may keep state across passes.
+    """
+
+    #: The name it is registered and selected under.
+    name: ClassVar[str]
+
+    @abc.abstractmethod
+    def evict(self, txn: lmdb.Transaction, dbs: dict[bytes, lmdb._Database],
+              counters: Counters, limit_bytes: int, leases: Sequence[Lease],
+              protection: Protection) -> Eviction:
+        """Take samples no lease protects until ``counters.bytes <= limit_bytes``, or until
+        everything left is protected (then ``blocked_by`` names a lease in the way).
+        ``counters`` is updated in place; the caller saves it in the same transaction."""
+
+
+class OldestFirst(EvictionPolicy):
+    """The oldest sample no lease protects, and never one newer than every snapshot."""
+
+    name = "oldest"
+
+    def evict(self, txn: lmdb.Transaction, dbs: dict[bytes, lmdb._Database],
+              counters: Counters, limit_bytes: int, leases: Sequence[Lease],
+              protection: Protection) -> Eviction:
+        return evict_oldest(txn, dbs, counters, limit_bytes, leases, protection)
+
+
+_POLICIES: dict[str, type[EvictionPolicy]] = {}
+
+
+def register_policy(cls: type[EvictionPolicy]) -> type[EvictionPolicy]:
+    """Make ``cls`` selectable by its ``name`` (usable as a class decorator)."""
+    _POLICIES[cls.name] = cls
+    return cls
+
+
+def policy_of(name: str) -> EvictionPolicy:
+    """A new instance of the policy registered as ``name``.
+
+    Raises:
+        ValueError: no policy has that name (the message lists those that do).
+    """
+    try:
+        return _POLICIES[name]()
+    except KeyError:
+        raise ValueError(f"eviction: expected one of {', '.join(sorted(_POLICIES))}, got "
+                         f"{name!r}") from None
+
+
+register_policy(OldestFirst)
 
 
 def evict_oldest(
@@ -82,19 +150,7 @@ def evict_oldest(
             if not cursor.set_key(seq_key(next_released)):
                 continue  # another process evicted it
             walk.moved()
-        record = cursor.value()
-        size = len(record)
-        key = record_key(record)
-        txn.delete(key, db=keys_db)
-        if counters.sources is not None:
-            counters.sources.evicted(key, size)
-        counters.samples -= 1
-        counters.bytes -= size
-        counters.evicted += 1
-        counters.evicted_bytes += size
-        result.count += 1
-        result.bytes += size
-        cursor.delete()
+        _take(txn, cursor, keys_db, counters, result)
     # The candidates used up are gone (evicted here, or by another process): no candidates
     # of any plan lease any more.
     protection.evicted(released[:taken])
@@ -103,6 +159,25 @@ def evict_oldest(
         # samples released and evicted mid-epoch keep theirs, for the epoch's manifest.
         prune(txn, dbs, prune_bound(txn, dbs, [lease.lo for lease in leases]))
     return result
+
+
+def _take(txn: lmdb.Transaction, cursor: lmdb.Cursor, keys_db: lmdb._Database,
+          counters: Counters, result: Eviction) -> None:
+    """Delete the sample under ``cursor`` (its record, its key's index entry) and count it:
+    what every policy's victim goes through."""
+    record = cursor.value()
+    size = len(record)
+    key = record_key(record)
+    txn.delete(key, db=keys_db)
+    if counters.sources is not None:
+        counters.sources.evicted(key, size)
+    counters.samples -= 1
+    counters.bytes -= size
+    counters.evicted += 1
+    counters.evicted_bytes += size
+    result.count += 1
+    result.bytes += size
+    cursor.delete()
 
 
 class _Gaps:

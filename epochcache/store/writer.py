@@ -26,7 +26,7 @@ from .capacity import Capacity
 from .codec import Value
 from .counters import Counters
 from .env import Store
-from .eviction import Eviction, evict_oldest
+from .eviction import Eviction, policy_of
 from .leases import Lease, read_leases, reclaim_dead
 from .origins import Origin, write_row
 from .release import Protection
@@ -107,8 +107,10 @@ class Writer:
     """
 
     def __init__(self, store: Store, capacity: Capacity, *, compress: bool, level: int,
-                 lease_timeout_s: float) -> None:
+                 lease_timeout_s: float, eviction: str = "oldest") -> None:
         self.store, self.capacity = store, capacity
+        #: What eviction takes (`epochcache.store.eviction`).
+        self.policy = policy_of(eviction)
         self.compress, self.level, self.lease_timeout_s = compress, level, lease_timeout_s
         self._full_logged = 0.0
         #: Seconds put_many has waited for leases to free space (back-pressure), in total.
@@ -343,12 +345,12 @@ class Writer:
         first. ``counters`` is updated in place."""
         dbs = self.store.dbs
         target = max(0, limit - incoming)
-        evicted = evict_oldest(txn, dbs, counters, target, read_leases(txn, dbs[DB_LEASES]),
-                               self.protection)
+        evicted = self.policy.evict(txn, dbs, counters, target,
+                                    read_leases(txn, dbs[DB_LEASES]), self.protection)
         over_headroom = counters.bytes + incoming > limit + self.capacity.headroom_for(limit)
         if over_headroom and self.reclaim(txn):
-            more = evict_oldest(txn, dbs, counters, target, read_leases(txn, dbs[DB_LEASES]),
-                               self.protection)
+            more = self.policy.evict(txn, dbs, counters, target,
+                                     read_leases(txn, dbs[DB_LEASES]), self.protection)
             evicted = Eviction(evicted.count + more.count, evicted.bytes + more.bytes,
                                more.blocked_by)
         return evicted
@@ -387,8 +389,8 @@ class Writer:
 
         def run(txn: lmdb.Transaction) -> Eviction:
             counters = Counters.load(txn, dbs[DB_META])
-            result = evict_oldest(txn, dbs, counters, limit, read_leases(txn, dbs[DB_LEASES]),
-                               self.protection)
+            result = self.policy.evict(txn, dbs, counters, limit,
+                                       read_leases(txn, dbs[DB_LEASES]), self.protection)
             counters.save(txn, dbs[DB_META])
             return result
 
