@@ -105,3 +105,17 @@ def format_size(num_bytes: float) -> str:
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
+
+
+def format_duration(seconds: float | None) -> str:
+    """``3h 20m``, ``2d 4h``, ``45s``; ``unknown`` for None."""
+    if seconds is None:
+        return "unknown"
+    seconds = max(0.0, float(seconds))
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            major = int(seconds // size)
+            rest = seconds - major * size
+            sub = {"d": ("h", 3600), "h": ("m", 60), "m": ("s", 1)}[unit]
+            return f"{major}{unit} {int(rest // sub[1])}{sub[0]}"
+    return f"{seconds:.0f}s"

@@ -32,19 +32,19 @@ import numpy as np
 from ..config import EpochcacheConfig, load_config
 from ..data.devices import CPU, RunDevice
 from ..data.placement import Placement
+from ..epoch_record import history_row, log_line
 from ..errors import ConfigError, DaemonAlreadyRunning
 from ..ingest.prometheus import MetricsServer, require_prometheus
 from ..ingest.supervisor import DaemonLock, Supervisor
 from ..redact import redact_url
 from ..store import SampleStore
 from ..store.status import describe_requests, request_delta, request_totals
-from ..units import format_size
 from .checkpoint import resume_checkpoint
 from .context import RunContext, TimedLoader
 from .midepoch import MidEpoch, loader_states
 from .progress import TrainProgress, Turnover, train_metrics
 from .signals import Interrupted, StopSignals, Terminated, quiet_worker, shelter_forkserver
-from .trained import TrainedRecord, coverage_row, coverage_text
+from .trained import TrainedRecord, coverage_row
 
 # RunContext and Terminated are re-exported: trainers' type hints (docs/howto/runs.md), callers' except.
 __all__ = ["Run", "RunContext", "Terminated", "add_config_parser", "add_run_parser",
@@ -306,9 +306,6 @@ class Run:
         after = cache.counters()
         dataset = getattr(loader, "dataset", None)
         turnover = self.turnover.measure(cache, mark, getattr(dataset, "seqs", np.empty(0)))
-        self.progress.new_samples = turnover["new_samples"]
-        self.progress.snapshot_samples = turnover["snapshot_samples"]
-        self.progress.writer_wait_fraction = turnover["writer_wait_fraction"] or 0.0
         row = {
             "epoch": epoch,
             **result,
@@ -331,22 +328,14 @@ class Run:
             "time": time.time(),
         }
         self.metrics.append(row)
+        self.progress.last_epoch = row  # the training side's /metrics serve its gauges
         if not self.is_main:
             return
-        cache.append_history({"epoch": epoch, **turnover})
+        cache.append_history(history_row(row))
         with open(self.run_dir / METRICS, "a") as f:
             f.write(json.dumps(row) + "\n")
         context.save_checkpoint(epoch, row)
-        loss = row.get("loss")
-        wait = turnover["writer_wait_fraction"]
-        log.info(
-            "epoch %d: loss %s, %d samples in %d batches, %.1fs, data wait %.1f%%, cache %s (%d samples), evicted %d, "
-            "new to the snapshot %d, writers waited %s; %s",
-            epoch, f"{loss:.4f}" if isinstance(loss, float) else loss, row.get("samples", row["snapshot_samples"]),
-            timed.batches, elapsed, 100 * row["data_wait_fraction"], format_size(after.bytes), after.samples,
-            row["evicted"], turnover["new_samples"], "n/a" if wait is None else f"{100 * wait:.0f}%",
-            coverage_text(row["coverage"]),
-        )
+        log.info("%s", log_line(row))
         for name, values in sorted(requests.items()):
             log.info("epoch %d: remote %s: %s", epoch, name, describe_requests(values))
 

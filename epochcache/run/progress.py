@@ -19,11 +19,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from ..epoch_record import GAUGES
 from ..store import SampleStore
 from ..units import format_size
 
@@ -57,9 +58,8 @@ class TrainProgress:
     batches: int = 0
     samples: int = 0
     epoch: int = -1
-    new_samples: int = 0
-    snapshot_samples: int = 0
-    writer_wait_fraction: float = 0.0
+    #: The last finished epoch's row (`epochcache.epoch_record`): its gauges.
+    last_epoch: dict[str, Any] = field(default_factory=dict)
 
 
 def train_metrics(progress: TrainProgress) -> Iterator[Any]:
@@ -75,14 +75,11 @@ def train_metrics(progress: TrainProgress) -> Iterator[Any]:
                               value=progress.samples)
     yield GaugeMetricFamily("epochcache_train_epoch", "The epoch training now (-1 before "
                             "the first).", value=progress.epoch)
-    yield GaugeMetricFamily("epochcache_train_epoch_new_samples", "Samples of the last "
-                            "finished epoch's snapshot that the one before did not have.",
-                            value=progress.new_samples)
-    yield GaugeMetricFamily("epochcache_train_epoch_snapshot_samples", "Samples in the last "
-                            "finished epoch's snapshot.", value=progress.snapshot_samples)
-    yield GaugeMetricFamily("epochcache_train_epoch_writer_wait_ratio", "Fraction of the last "
-                            "finished epoch the samplers waited on leases (0-1).",
-                            value=progress.writer_wait_fraction)
+    for figure in GAUGES:  # the last finished epoch's figures (epochcache.epoch_record)
+        assert figure.gauge is not None
+        value = progress.last_epoch.get(figure.name)
+        yield GaugeMetricFamily(figure.gauge, f"The last finished epoch: {figure.help}.",
+                                value=0.0 if value is None else float(value))
 
 
 @dataclass

@@ -93,14 +93,3 @@ def coverage_row(cache: SampleStore, record: TrainedRecord) -> dict[str, Any]:
             "histogram": histogram,
             "eta_s": None if not etas or None in etas else max(etas),
             "unattributed": report["unattributed"]}
-
-
-def coverage_text(row: dict[str, Any]) -> str:
-    """The run log's words for `coverage_row`."""
-    from ..store.coverage import format_duration
-
-    if not row["samples"]:
-        return "coverage: no origins recorded (a cache filled by an older version?)"
-    return (f"coverage {row['covered']:,} of {row['samples']:,} samples "
-            f"({100 * row['fraction']:.1f}%, {row['new']:,} new this epoch on this rank), all "
-            f"seen in {format_duration(row['eta_s'])}")

@@ -116,17 +116,3 @@ def history(cache_path: str) -> list[dict[str, Any]]:
         rows.extend({**row, "source": name} for row in ledger.header.get("updates") or [])
     rows.sort(key=lambda row: row["time"])
     return rows
-
-
-def format_duration(seconds: float | None) -> str:
-    """``3h 20m``, ``2d 4h``, ``45s``; ``unknown`` for None."""
-    if seconds is None:
-        return "unknown"
-    seconds = max(0.0, float(seconds))
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= size:
-            major = int(seconds // size)
-            rest = seconds - major * size
-            sub = {"d": ("h", 3600), "h": ("m", 60), "m": ("s", 1)}[unit]
-            return f"{major}{unit} {int(rest // sub[1])}{sub[0]}"
-    return f"{seconds:.0f}s"

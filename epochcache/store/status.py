@@ -6,6 +6,7 @@ import socket
 import time
 from typing import TYPE_CHECKING, Any
 
+from ..epoch_record import HISTORY, history_row, is_epoch_row, status_cell
 from ..redact import redact_tree
 from ..units import format_size
 from .jobs import jobs
@@ -126,9 +127,8 @@ TURNOVER_SCAN_ROWS = 5000
 def recent_epochs(cache: SampleStore, count: int = 5) -> list[dict[str, Any]]:
     """The turnover of the last ``count`` epochs ``epochcache run`` recorded: epoch, samples
     new to its snapshot, snapshot size, fraction of the epoch writers waited on leases."""
-    rows = [row for row in cache.history(limit=TURNOVER_SCAN_ROWS) if "new_samples" in row]
-    keys = ("epoch", "new_samples", "snapshot_samples", "writer_wait_fraction", "time")
-    return [{key: row.get(key) for key in keys} for row in rows[-count:]]
+    rows = [row for row in cache.history(limit=TURNOVER_SCAN_ROWS) if is_epoch_row(row)]
+    return [history_row(row) for row in rows[-count:]]
 
 
 def collect_stats(cache: SampleStore) -> dict[str, Any]:
@@ -265,13 +265,11 @@ def render(stats: dict[str, Any]) -> RenderableType:
         parts.append(table_jobs)
     if stats.get("turnover"):
         turnover = Table(title="turnover (epochs of epochcache run)", title_justify="left")
-        for column in ("epoch", "new samples", "snapshot", "writers waited"):
-            turnover.add_column(column)
+        columns = [f for f in HISTORY if f.label]  # the epoch record's fields status shows
+        for f in columns:
+            turnover.add_column(f.label)
         for row in stats["turnover"]:
-            wait = row["writer_wait_fraction"]
-            turnover.add_row(str(row["epoch"]), f"{row['new_samples']:,}",
-                             f"{row['snapshot_samples']:,}",
-                             "n/a" if wait is None else f"{wait:.0%}")
+            turnover.add_row(*(status_cell(f, row.get(f.name)) for f in columns))
         parts.append(turnover)
     coverage_table = _coverage_table(stats.get("coverage") or {})
     if coverage_table is not None:
@@ -290,7 +288,7 @@ def _coverage_table(coverage: dict[str, Any]) -> RenderableType | None:
     """What training has seen of each source (``cache.coverage()``), or None before any."""
     from rich.table import Table
 
-    from .coverage import format_duration
+    from ..units import format_duration
 
     sources = coverage.get("sources") or []
     if not sources:

@@ -1,0 +1,139 @@
+"""What one epoch of a run records, defined once: where a new per-epoch figure is added.
+
+``epochcache run`` writes a row per epoch to ``metrics.jsonl``, logs a line, serves the last
+finished epoch's figures as Prometheus gauges (``train.metrics_port``), and keeps its
+turnover in the cache's history, where ``epochcache status`` reads it. All four derive from
+`FIELDS`: a figure is one `Field` here (its help text, the gauge it is served as, whether the
+cache's history keeps it for ``status``, and its words in the log line), and the run fills
+its value in the row (``epochcache/run/job.py``). Adding a figure is a `Field` and the code
+that measures it.
+
+A base module: the store layer (``status``) and the run layer both read it; it imports no
+layer and no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .units import format_duration, format_size
+
+Row = Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class Field:
+    """One per-epoch figure of a run.
+
+    Attributes:
+        name: its key in the row (``metrics.jsonl``).
+        help: what it is: the gauge's help text, and the docs'.
+        gauge: the Prometheus gauge that serves the last finished epoch's value (None: none).
+        history: the cache's history keeps it, and ``status`` shows it (its turnover table,
+            under ``label``).
+        show: its words in the run's log line, from the row (None: not in the line).
+        label: its column in ``status``.
+    """
+
+    name: str
+    help: str
+    gauge: str | None = None
+    history: bool = False
+    show: Callable[[Row], str] | None = None
+    label: str = ""
+
+
+def _percent(value: Any, digits: int = 0) -> str:
+    return "n/a" if value is None else f"{100 * float(value):.{digits}f}%"
+
+
+def _count(value: Any) -> str:
+    return "n/a" if value is None else f"{int(value):,}"
+
+
+def _loss(row: Row) -> str:
+    loss = row.get("loss")
+    return f"loss {loss:.4f}" if isinstance(loss, float) else f"loss {loss}"
+
+
+def coverage_words(coverage: Row | None) -> str:
+    """The log's words for an epoch's coverage (see ``cache.coverage()``)."""
+    if not coverage or not coverage.get("samples"):
+        return "coverage: no origins recorded (a cache filled by an older version?)"
+    return (f"coverage {coverage['covered']:,} of {coverage['samples']:,} samples "
+            f"({100 * coverage['fraction']:.1f}%, {coverage['new']:,} new this epoch on this "
+            f"rank), all seen in {format_duration(coverage['eta_s'])}")
+
+
+#: The figures of one epoch, in the order the log line gives them. (A trainer's own figures,
+#: its loss and accuracy, are in the row as it returned them.)
+FIELDS: tuple[Field, ...] = (
+    Field("epoch", "the epoch", history=True, label="epoch"),
+    Field("loss", "the trainer's loss, as its train_epoch returned it", show=_loss),
+    Field("samples", "samples the epoch trained on (the trainer's count, else the snapshot's)",
+          show=lambda row: f"{row.get('samples', row.get('snapshot_samples'))} samples in "
+                           f"{row['batches']} batches"),
+    Field("batches", "batches the epoch took"),
+    Field("epoch_s", "seconds the epoch took", show=lambda row: f"{row['epoch_s']:.1f}s"),
+    Field("data_wait_fraction", "fraction of the epoch the training loop waited for batches",
+          show=lambda row: f"data wait {_percent(row['data_wait_fraction'], 1)}"),
+    Field("cache_samples", "samples in the cache at the epoch's end",
+          show=lambda row: f"cache {format_size(row['cache_bytes'])} "
+                           f"({row['cache_samples']} samples)"),
+    Field("cache_bytes", "bytes stored in the cache at the epoch's end"),
+    Field("evicted", "samples evicted during the epoch",
+          show=lambda row: f"evicted {row['evicted']}"),
+    Field("snapshot_samples", "samples in the epoch's snapshot",
+          gauge="epochcache_train_epoch_snapshot_samples", history=True, label="snapshot"),
+    Field("new_samples", "samples of the epoch's snapshot the epoch before did not have",
+          gauge="epochcache_train_epoch_new_samples", history=True, label="new samples",
+          show=lambda row: f"new to the snapshot {_count(row['new_samples'])}"),
+    Field("writer_wait_fraction",
+          "fraction of the epoch the samplers waited on leases (0-1; null without samplers)",
+          gauge="epochcache_train_epoch_writer_wait_ratio", history=True,
+          label="writers waited",
+          show=lambda row: f"writers waited {_percent(row['writer_wait_fraction'])}"),
+    Field("coverage", "how much of each source training has seen (see cache.coverage())",
+          show=lambda row: coverage_words(row.get("coverage"))),
+    Field("requests", "what the epoch cost each source: GETs, LISTs, bytes, throttled, ..."),
+    Field("remote_requests", "requests the epoch sent the remote (GETs and LISTs)"),
+    Field("remote_bytes", "bytes the epoch received from the remote (egress)"),
+    Field("time", "when the epoch ended (Unix time)", history=True),
+)
+
+_BY_NAME = {field.name: field for field in FIELDS}
+#: The fields the cache's history keeps (``status``'s turnover table).
+HISTORY: tuple[Field, ...] = tuple(field for field in FIELDS if field.history)
+#: The fields served as Prometheus gauges.
+GAUGES: tuple[Field, ...] = tuple(field for field in FIELDS if field.gauge)
+
+
+def field(name: str) -> Field:
+    return _BY_NAME[name]
+
+
+def history_row(row: Row) -> dict[str, Any]:
+    """What the cache's history keeps of an epoch's row."""
+    return {f.name: row.get(f.name) for f in HISTORY}
+
+
+def is_epoch_row(row: Row) -> bool:
+    """Whether a history row is an epoch's (the daemon writes rows of its own)."""
+    return all(f.name in row for f in HISTORY if f.name != "time")
+
+
+def log_line(row: Row) -> str:
+    """The run's log line for an epoch: ``epoch N: loss ..., ...; coverage ...``."""
+    words = [f.show(row) for f in FIELDS if f.show is not None and f.name != "coverage"]
+    return f"epoch {row['epoch']}: " + ", ".join(words) + "; " + field("coverage").show(row)  # type: ignore[misc]
+
+
+def status_cell(f: Field, value: Any) -> str:
+    """A history field's value in ``status``'s turnover table."""
+    if f.name == "writer_wait_fraction":
+        return _percent(value)
+    if f.name == "epoch":
+        return str(value)
+    return _count(value) if isinstance(value, int) else ("-" if value is None else str(value))
