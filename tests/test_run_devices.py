@@ -23,9 +23,9 @@ from common.procs import run_processes
 from conftest import free_port
 from test_run import demo_config, read_metrics
 
-from epochcache.data.devices import CPU, RunDevice, choose_device, joins_job
 from epochcache.data.placement import Placement
 from epochcache.errors import NodeLayoutError
+from epochcache.run.devices import CPU, RunDevice, choose_device, joins_job
 
 # -- the decision ------------------------------------------------------------------------------
 
@@ -69,7 +69,7 @@ def test_device_names_are_what_torch_takes() -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
 def test_this_cpu_only_machine_trains_on_the_cpu_with_gloo() -> None:
-    from epochcache.data.distributed import select_device
+    from epochcache.run.process_group import select_device
 
     assert select_device(Placement(local_rank=1, local_world_size=2, world_size=2, rank=1)) == CPU
 
@@ -134,21 +134,22 @@ def _bookkeeping(rank: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
     from epochcache.data import distributed
+    from epochcache.run import process_group
     from epochcache.run.checkpoint import resume_checkpoint
 
     _join_cuda_only(rank, port)
     try:
-        distributed.init_run_distributed(distributed.detect_placement())
-        mean = distributed.mean_across_ranks({"loss": float(rank), "samples": 10 * rank,
-                                              "name": "mlp"})
-        distributed.barrier()
+        process_group.init_run_distributed(distributed.detect_placement())
+        mean = process_group.mean_across_ranks({"loss": float(rank), "samples": 10 * rank,
+                                                "name": "mlp"})
+        process_group.barrier()
         run_dir = Path(out, f"run{rank}")  # only rank 0's holds a checkpoint
         checkpoint = resume_checkpoint(run_dir, node_rank=0)
         Path(out, f"rank{rank}.ok").write_text(json.dumps([mean, checkpoint]))
     except Exception as exc:
         Path(out, f"rank{rank}.err").write_text(f"{type(exc).__name__}: {exc}")
     finally:
-        distributed.close_run_distributed(False)
+        process_group.close_run_distributed(False)
         dist.destroy_process_group()
 
 

@@ -87,7 +87,7 @@ def resume_checkpoint(run_dir: Path, node_rank: int = 0) -> dict[str, Any] | Non
         return load_checkpoint(run_dir)
     import torch.distributed as dist
 
-    from ..data.distributed import bookkeeping_group
+    from .process_group import bookkeeping_group
 
     if dist.get_world_size() == 1:
         return load_checkpoint(run_dir)

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from ..config import EpochcacheConfig
-from ..data.devices import CPU, RunDevice
 from .checkpoint import save_checkpoint
+from .devices import CPU, RunDevice
 from .midepoch import MidEpoch
 from .progress import TrainProgress, batch_len
 from .signals import StopSignals

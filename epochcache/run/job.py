@@ -9,7 +9,7 @@ evictions and the data-wait fraction, appends them to ``metrics.jsonl`` and chec
 run directory; ``--resume`` continues at the next epoch. Ctrl-C (or SIGTERM) stops cleanly at
 the next batch (`epochcache.run.signals`): the lease is released, the daemon stopped if the
 run started it, the last checkpoint kept. On a CUDA node each rank trains on its own GPU
-(``RunContext.device``; `epochcache.data.devices`).
+(``RunContext.device``; `epochcache.run.devices`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from typing import Any
 import numpy as np
 
 from ..config import EpochcacheConfig, load_config
-from ..data.devices import CPU, RunDevice
 from ..data.placement import Placement
 from ..epoch_record import history_row, log_line
 from ..errors import ConfigError, DaemonAlreadyRunning
@@ -41,6 +40,7 @@ from ..store import SampleStore
 from ..store.status import describe_requests, request_delta, request_totals
 from .checkpoint import resume_checkpoint
 from .context import RunContext, TimedLoader
+from .devices import CPU, RunDevice
 from .midepoch import MidEpoch, loader_states
 from .progress import TrainProgress, Turnover, train_metrics
 from .signals import Interrupted, StopSignals, Terminated, quiet_worker, shelter_forkserver
@@ -298,7 +298,7 @@ class Run:
             midepoch.on_save = record.cover
         timed = TimedLoader(loader, self.progress, self.stop, midepoch)
         started = time.perf_counter()
-        from ..data.distributed import mean_across_ranks
+        from .process_group import mean_across_ranks
 
         result = mean_across_ranks(dict(self.train_fn(context, epoch, timed) or {}))
         elapsed = time.perf_counter() - started
@@ -437,8 +437,8 @@ def _run_job(run: Run, place: Placement) -> int:
             stop.check()
         run.train_fn  # noqa: B018 - import the trainer now: a missing function is a bad config
         stop.check()
-        from ..data.devices import joins_job
-        from ..data.distributed import barrier, init_run_distributed, select_device
+        from .devices import joins_job
+        from .process_group import barrier, init_run_distributed, select_device
 
         run.device = select_device(place)  # torch: after the checks
         joined = joins_job(place, os.environ)
@@ -465,7 +465,7 @@ def _run_job(run: Run, place: Placement) -> int:
             run.stop_daemon()
         finally:
             if joined:
-                from ..data.distributed import close_run_distributed
+                from .process_group import close_run_distributed
 
                 close_run_distributed(created_group)
 

@@ -84,7 +84,7 @@ class MidEpoch:
         if self.is_main:
             self.context.save_checkpoint(self.epoch - 1, {}, resume={
                 "epoch": self.epoch, "batches": batches, "loaders": states})
-        from ..data.distributed import barrier
+        from .process_group import barrier
 
         barrier()  # the file is written before any rank lets the samples go
         self.loader.release(batches)
@@ -96,7 +96,7 @@ def _agree(due: bool, stopping: bool) -> tuple[bool, bool]:
     import torch
     import torch.distributed as dist
 
-    from ..data.distributed import bookkeeping_group
+    from .process_group import bookkeeping_group
 
     flags = torch.tensor([int(due), int(stopping)], dtype=torch.int32)
     dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=bookkeeping_group())
@@ -110,7 +110,7 @@ def _gather(mine: dict[str, Any]) -> dict[str, Any]:
         return mine
     import torch.distributed as dist
 
-    from ..data.distributed import bookkeeping_group
+    from .process_group import bookkeeping_group
 
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine, group=bookkeeping_group())

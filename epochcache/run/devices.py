@@ -1,7 +1,7 @@
 """Which device a rank of ``epochcache run`` computes on, and which backend joins its job.
 
 The decision is a pure function of what the launcher and the machine say (`choose_device`),
-so that it is tested on CPU-only machines; `epochcache.data.distributed.init_run_distributed`
+so that it is tested on CPU-only machines; `epochcache.run.process_group.init_run_distributed`
 applies it with torch. The rules:
 
 * no CUDA device visible: the CPU and gloo, as on every CPU-only node;
@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..errors import NodeLayoutError
-from .placement import Placement
+from ..data.placement import Placement
 
 #: The variables of torch.distributed's ``env://`` rendezvous (torchrun sets all four).
 ENV_RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
