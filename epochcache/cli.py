@@ -1,4 +1,8 @@
-"""The ``epochcache`` command: one entry point, a subcommand per job.
+"""The ``epochcache`` command: one entry point, a subcommand per job, all defined here.
+
+Every subcommand's arguments are here (`build_parser`), and its handler is a small function
+here that imports what it runs when it runs (the run, the plot, the demo data), so ``epochcache
+--help`` and ``status`` load neither torch nor matplotlib.
 
 Exit status: 0 success, 1 a failure at run time, 2 bad usage, bad config, or a source that is
 unreachable at start (nothing was started). argparse already exits 2 on bad usage.
@@ -17,23 +21,16 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from .errors import CacheError, ConfigError, EpochcacheError, SourceUnavailable
-from .redact import install_log_redaction, scrub_urls
+from .redact import install_log_redaction, redact_url, scrub_urls
 
 log = logging.getLogger("epochcache")
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
-#: Subcommand modules register themselves here: (module, function adding the parser).
-_EXTENSIONS: list[tuple[str, str]] = [
-    ("epochcache.demo", "add_demo_data_parser"),
-    ("epochcache.run", "add_run_parser"),
-    ("epochcache.run", "add_config_parser"),
-    ("epochcache.plot", "add_plot_parser"),
-]
 
 
 def _version() -> str:
@@ -216,6 +213,147 @@ def _port(text: str) -> int:
     return port
 
 
+def _cmd_run(args: argparse.Namespace) -> int:
+    from .config import load_config
+    from .run import run_training
+
+    config = load_config(args.config)
+    if args.epochs is not None:
+        config.train.epochs = args.epochs
+    return run_training(config, resume=args.resume)
+
+
+def _cmd_config(args: argparse.Namespace) -> int:
+    from .config import load_config
+
+    print(load_config(args.config).redacted_yaml(), end="")
+    return 0
+
+
+def _add_run(subparsers: Any) -> None:
+    parser: argparse.ArgumentParser = subparsers.add_parser("run", help="a YAML-configured training run")
+    parser.add_argument("config", help="YAML config (see configs/demo.yaml)")
+    parser.add_argument("--resume", action="store_true", help="continue from the run's last checkpoint")
+    parser.add_argument("--epochs", type=int, default=None, help="override train.epochs")
+    parser.set_defaults(func=_cmd_run)
+
+
+def _add_config(subparsers: Any) -> None:
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "config", help="print the resolved config, secrets redacted"
+    )
+    parser.add_argument("config", help="YAML config to print, resolved, with secrets masked")
+    parser.set_defaults(func=_cmd_config)
+
+
+def _storage_option(text: str) -> tuple[list[str], Any]:
+    """``KEY=VALUE`` of ``--storage-option``: the key's path and the value read as YAML."""
+    import yaml
+
+    name, sep, value = text.partition("=")
+    path = name.strip().split(".")
+    if not sep or not all(path):
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE (e.g. anon=true), got {text!r}")
+    try:
+        parsed = yaml.safe_load(value) if value else ""
+    except yaml.YAMLError:
+        parsed = value
+    return path, value if isinstance(parsed, (dict, list)) or parsed is None else parsed
+
+
+def _options_of(args: argparse.Namespace) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    for path, value in args.storage_options:
+        node = options
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = value
+    if args.endpoint_url:
+        options["endpoint_url"] = args.endpoint_url
+    return options
+
+
+def _cmd_demo_data(args: argparse.Namespace) -> int:
+    from .demo import write_demo_data
+
+    summary = write_demo_data(
+        args.url,
+        args.samples,
+        args.layout,
+        _options_of(args) or None,
+        sample_bytes=args.sample_bytes,
+        samples_per_shard=args.samples_per_shard,
+        seed=args.seed,
+        kind=args.kind,
+    )
+    for name, info in summary["layouts"].items():
+        print(
+            f"{name}: {info['keys']} keys, {info['objects']} objects, {info['bytes']} bytes at "
+            f"{redact_url(info['url'])}"
+        )
+    return 0
+
+
+def _cmd_plot(args: argparse.Namespace) -> int:
+    from .plot import INSTALL_HINT, available, plot_cache
+    from .store import SampleStore
+
+    if not available():
+        print(f"epochcache plot: needs matplotlib ({INSTALL_HINT})", file=sys.stderr)
+        return 2
+    if not os.path.isdir(args.cache_dir):
+        raise CacheError(f"{args.cache_dir}: no such directory")
+    from .store.coverage import history as coverage_history
+
+    cache = SampleStore(args.cache_dir, readonly=True)
+    try:
+        history = cache.history()
+    finally:
+        cache.close()
+    plot_cache(history, args.output, title=f"epochcache {cache.path}",
+               coverage=coverage_history(cache.path))
+    print(f"wrote {args.output} ({len(history)} stats rows)")
+    return 0
+
+
+def _add_plot(subparsers: Any) -> None:
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "plot", help="plot cache fill, ingest rate and evictions over time"
+    )
+    parser.add_argument("cache_dir", help="the cache directory (cache.dir of a config)")
+    parser.add_argument("-o", "--output", default="fill.png", help="PNG file to write")
+    parser.set_defaults(func=_cmd_plot)
+
+
+def _add_demo_data(subparsers: Any) -> None:
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "demo-data", help="write a small synthetic dataset to any fsspec URL"
+    )
+    parser.add_argument("url", help="destination, e.g. file:///tmp/demo or s3://bucket/demo")
+    parser.add_argument(
+        "--samples", type=int, default=1000, help="number of samples (default 1000)"
+    )
+    parser.add_argument("--layout", choices=["files", "tar", "both"], default="both")
+    parser.add_argument(
+        "--sample-bytes", type=int, default=None, help="approximate bytes per sample"
+    )
+    parser.add_argument("--samples-per-shard", type=int, default=100)
+    parser.add_argument("--kind", choices=["npy", "jpg"], default="npy",
+                        help="npy arrays (default) or jpg images of shapes")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--endpoint-url", default=None, metavar="URL",
+        help="an S3-compatible store's endpoint (MinIO, Ceph, R2, ...): the storage option "
+             "endpoint_url; credentials come from the environment, ~/.aws or an instance role")
+    parser.add_argument(
+        "--storage-option", action="append", default=[], type=_storage_option,
+        metavar="KEY=VALUE", dest="storage_options",
+        help="a storage option for the URL's filesystem, as source.storage_options takes it "
+             "(repeatable; VALUE is read as YAML: anon=true; a dotted KEY nests: "
+             "client_kwargs.region_name=eu-west-1); never put a secret on a command line")
+    parser.set_defaults(func=_cmd_demo_data)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="epochcache",
@@ -271,11 +409,10 @@ def build_parser() -> argparse.ArgumentParser:
                           help="output format (auto: by --output's extension, else txt)")
     manifest.set_defaults(func=_cmd_manifest)
 
-    import importlib
-
-    for module_name, function in _EXTENSIONS:
-        add: Callable[[Any], Any] = getattr(importlib.import_module(module_name), function)
-        add(sub)
+    _add_demo_data(sub)
+    _add_run(sub)
+    _add_config(sub)
+    _add_plot(sub)
     for command in sub.choices.values():  # `epochcache status DIR -v` works too
         _add_verbosity(command, argparse.SUPPRESS)
     return parser

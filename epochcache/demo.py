@@ -20,7 +20,6 @@ With ``layout="both"`` the two layouts go to ``<url>/files/`` and ``<url>/tar/``
 
 from __future__ import annotations
 
-import argparse
 import csv
 import hashlib
 import io
@@ -33,7 +32,6 @@ from typing import Any, Literal
 import numpy as np
 
 from .ingest.remote import join_url, open_fs, translate_errors
-from .redact import redact_url
 
 log = logging.getLogger(__name__)
 
@@ -202,84 +200,3 @@ def _write_objects(fs: Any, root: str, url: str, objects: dict[str, bytes]) -> N
         for start in range(0, len(items), _WRITE_BATCH):
             batch = {join_url(root, key): data for key, data in items[start : start + _WRITE_BATCH]}
             fs.pipe(batch)
-
-
-def add_demo_data_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Register ``demo-data URL [--samples N] [--layout L] [--kind K] [--sample-bytes B]
-    [--endpoint-url URL] [--storage-option KEY=VALUE ...]``.
-
-    The parser's ``func`` default runs it and returns exit status 0.
-    """
-    parser: argparse.ArgumentParser = subparsers.add_parser(
-        "demo-data", help="write a small synthetic dataset to any fsspec URL"
-    )
-    parser.add_argument("url", help="destination, e.g. file:///tmp/demo or s3://bucket/demo")
-    parser.add_argument(
-        "--samples", type=int, default=1000, help="number of samples (default 1000)"
-    )
-    parser.add_argument("--layout", choices=["files", "tar", "both"], default="both")
-    parser.add_argument(
-        "--sample-bytes", type=int, default=None, help="approximate bytes per sample"
-    )
-    parser.add_argument("--samples-per-shard", type=int, default=100)
-    parser.add_argument("--kind", choices=["npy", "jpg"], default="npy",
-                        help="npy arrays (default) or jpg images of shapes")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--endpoint-url", default=None, metavar="URL",
-        help="an S3-compatible store's endpoint (MinIO, Ceph, R2, ...): the storage option "
-             "endpoint_url; credentials come from the environment, ~/.aws or an instance role")
-    parser.add_argument(
-        "--storage-option", action="append", default=[], type=_storage_option,
-        metavar="KEY=VALUE", dest="storage_options",
-        help="a storage option for the URL's filesystem, as source.storage_options takes it "
-             "(repeatable; VALUE is read as YAML: anon=true; a dotted KEY nests: "
-             "client_kwargs.region_name=eu-west-1); never put a secret on a command line")
-    parser.set_defaults(func=_run_demo_data)
-    return parser
-
-
-def _storage_option(text: str) -> tuple[list[str], Any]:
-    """``KEY=VALUE`` of ``--storage-option``: the key's path and the value read as YAML."""
-    import yaml
-
-    name, sep, value = text.partition("=")
-    path = name.strip().split(".")
-    if not sep or not all(path):
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE (e.g. anon=true), got {text!r}")
-    try:
-        parsed = yaml.safe_load(value) if value else ""
-    except yaml.YAMLError:
-        parsed = value
-    return path, value if isinstance(parsed, (dict, list)) or parsed is None else parsed
-
-
-def _options_of(args: argparse.Namespace) -> dict[str, Any]:
-    options: dict[str, Any] = {}
-    for path, value in args.storage_options:
-        node = options
-        for part in path[:-1]:
-            node = node.setdefault(part, {})
-        node[path[-1]] = value
-    if args.endpoint_url:
-        options["endpoint_url"] = args.endpoint_url
-    return options
-
-
-def _run_demo_data(args: argparse.Namespace) -> int:
-    summary = write_demo_data(
-        args.url,
-        args.samples,
-        args.layout,
-        _options_of(args) or None,
-        sample_bytes=args.sample_bytes,
-        samples_per_shard=args.samples_per_shard,
-        seed=args.seed,
-        kind=args.kind,
-    )
-    for name, info in summary["layouts"].items():
-        print(
-            f"{name}: {info['keys']} keys, {info['objects']} objects, {info['bytes']} bytes at "
-            f"{redact_url(info['url'])}"
-        )
-    return 0

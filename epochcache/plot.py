@@ -10,10 +10,8 @@ fraction per epoch.
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import os
-import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -239,35 +237,3 @@ def plot_run(
         fig.suptitle(title)
     fig.savefig(out, dpi=110)
     plt.close(fig)
-
-
-def _cmd_plot(args: argparse.Namespace) -> int:
-    from .errors import CacheError
-    from .store import SampleStore
-
-    if not available():
-        print(f"epochcache plot: needs matplotlib ({INSTALL_HINT})", file=sys.stderr)
-        return 2
-    if not os.path.isdir(args.cache_dir):
-        raise CacheError(f"{args.cache_dir}: no such directory")
-    from .store.coverage import history as coverage_history
-
-    cache = SampleStore(args.cache_dir, readonly=True)
-    try:
-        history = cache.history()
-    finally:
-        cache.close()
-    plot_cache(history, args.output, title=f"epochcache {cache.path}",
-               coverage=coverage_history(cache.path))
-    print(f"wrote {args.output} ({len(history)} stats rows)")
-    return 0
-
-
-def add_plot_parser(subparsers: Any) -> argparse.ArgumentParser:
-    parser: argparse.ArgumentParser = subparsers.add_parser(
-        "plot", help="plot cache fill, ingest rate and evictions over time"
-    )
-    parser.add_argument("cache_dir", help="the cache directory (cache.dir of a config)")
-    parser.add_argument("-o", "--output", default="fill.png", help="PNG file to write")
-    parser.set_defaults(func=_cmd_plot)
-    return parser

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import csv
 import hashlib
 import io
@@ -17,7 +16,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pytest
 
-from epochcache.demo import add_demo_data_parser, make_samples, write_demo_data
+from epochcache.cli import build_parser
+from epochcache.demo import make_samples, write_demo_data
 from epochcache.ingest.sources import SourceSpec, open_source
 
 if TYPE_CHECKING:
@@ -112,9 +112,7 @@ def test_bad_arguments() -> None:
 
 
 def test_cli_parser_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    parser = argparse.ArgumentParser()
-    add_demo_data_parser(parser.add_subparsers())
-    args = parser.parse_args(
+    args = build_parser().parse_args(
         ["demo-data", f"file://{tmp_path}", "--samples", "4", "--layout", "files"]
     )
     assert args.func(args) == 0

@@ -11,8 +11,6 @@ from __future__ import annotations
 from .context import RunContext
 from .job import (
     Run,
-    add_config_parser,
-    add_run_parser,
     check_entrypoint,
     ensure_demo_data,
     resolve_entrypoint,
@@ -20,5 +18,5 @@ from .job import (
 )
 from .signals import Terminated
 
-__all__ = ["Run", "RunContext", "Terminated", "add_config_parser", "add_run_parser",
+__all__ = ["Run", "RunContext", "Terminated",
            "check_entrypoint", "ensure_demo_data", "resolve_entrypoint", "run_training"]

@@ -14,7 +14,6 @@ run started it, the last checkpoint kept. On a CUDA node each rank trains on its
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import importlib.util
 import json
@@ -29,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from ..config import EpochcacheConfig, load_config
+from ..config import EpochcacheConfig
 from ..data.placement import Placement
 from ..epoch_record import history_row, log_line
 from ..errors import ConfigError, DaemonAlreadyRunning
@@ -47,7 +46,7 @@ from .signals import Interrupted, StopSignals, Terminated, quiet_worker, shelter
 from .trained import TrainedRecord, coverage_row
 
 # RunContext and Terminated are re-exported: trainers' type hints (docs/howto/runs.md), callers' except.
-__all__ = ["Run", "RunContext", "Terminated", "add_config_parser", "add_run_parser",
+__all__ = ["Run", "RunContext", "Terminated",
            "check_entrypoint", "ensure_demo_data", "resolve_entrypoint", "run_training"]
 
 log = logging.getLogger(__name__)
@@ -468,33 +467,3 @@ def _run_job(run: Run, place: Placement) -> int:
                 from .process_group import close_run_distributed
 
                 close_run_distributed(created_group)
-
-
-def _cmd_run(args: argparse.Namespace) -> int:
-    config = load_config(args.config)
-    if args.epochs is not None:
-        config.train.epochs = args.epochs
-    return run_training(config, resume=args.resume)
-
-
-def _cmd_config(args: argparse.Namespace) -> int:
-    print(load_config(args.config).redacted_yaml(), end="")
-    return 0
-
-
-def add_run_parser(subparsers: Any) -> argparse.ArgumentParser:
-    parser: argparse.ArgumentParser = subparsers.add_parser("run", help="a YAML-configured training run")
-    parser.add_argument("config", help="YAML config (see configs/demo.yaml)")
-    parser.add_argument("--resume", action="store_true", help="continue from the run's last checkpoint")
-    parser.add_argument("--epochs", type=int, default=None, help="override train.epochs")
-    parser.set_defaults(func=_cmd_run)
-    return parser
-
-
-def add_config_parser(subparsers: Any) -> argparse.ArgumentParser:
-    parser: argparse.ArgumentParser = subparsers.add_parser(
-        "config", help="print the resolved config, secrets redacted"
-    )
-    parser.add_argument("config", help="YAML config to print, resolved, with secrets masked")
-    parser.set_defaults(func=_cmd_config)
-    return parser
