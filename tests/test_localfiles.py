@@ -19,8 +19,7 @@ from epochcache.ingest.localfiles import (
     read_file,
     read_wait,
 )
-from epochcache.ingest.sources import SampleRef
-from epochcache.ingest.sources import SourceSpec
+from epochcache.ingest.sources import SampleRef, SourceSpec
 from epochcache.ingest.sources.files import FilesSource
 
 
