@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import threading
 import zlib
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -164,3 +165,14 @@ def cut_text(text: str, limit: int = TEXT_SHOWN_CHARS, keys: Iterable[str] = ())
         return text
     tail = limit // 8
     return f"{text[: limit - tail]}...[{len(text):,} characters]...{text[-tail:]}"
+
+
+#: Held around every parse of an ``.npy`` header (``ast.literal_eval``, also inside numpy's
+#: ``read_array_header``). CPython before 3.13 keeps the AST converter's recursion depth in
+#: interpreter-wide state: two threads converting at once (a thread switch during a garbage
+#: collection inside one) fail with "SystemError: AST constructor recursion depth mismatch",
+#: and the sampler's content check then quarantined a valid sample (seen once in an S3 ingest
+#: with concurrent fetch threads; python/cpython#106905). A parse takes microseconds and
+#: parsed headers are cached, so the lock costs nothing measurable.
+AST_LOCK = threading.Lock()
+

@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import DecodeError, MissingImageLibrary, PickleNotAllowed
-from ..limits import DEFAULT_MAX_SAMPLE_BYTES, NPY_MAX_HEADER_BYTES, gunzip
+from ..limits import AST_LOCK, DEFAULT_MAX_SAMPLE_BYTES, NPY_MAX_HEADER_BYTES, gunzip
 from ..options import DecodeFn
 from ..store.codec import Value
 from .images import IMAGE_EXTS, check_form, decode_image
@@ -106,7 +106,8 @@ def parse_npy_header(data: Buffer) -> NpyHeader:
         return header
     if len(raw) != hlen:
         raise ValueError("truncated .npy header")
-    meta = ast.literal_eval(raw.decode("latin1"))
+    with AST_LOCK:  # see limits.AST_LOCK
+        meta = ast.literal_eval(raw.decode("latin1"))
     if not isinstance(meta, dict) or not {"descr", "fortran_order", "shape"} <= meta.keys():
         raise ValueError(f"malformed .npy header {raw[:80]!r}")
     dtype = np.lib.format.descr_to_dtype(meta["descr"])
@@ -134,7 +135,8 @@ def decode_npy(data: Buffer, allow_pickle: bool = False) -> np.ndarray:
     if header.dtype.hasobject:
         if not allow_pickle:
             raise PickleNotAllowed("object arrays need pickle to load")
-        return np.load(io.BytesIO(bytes(data)), allow_pickle=True)  # type: ignore[no-any-return]
+        with AST_LOCK:  # its header is parsed with ast.literal_eval (see limits.AST_LOCK)
+            return np.load(io.BytesIO(bytes(data)), allow_pickle=True)  # type: ignore[no-any-return]
     return npy_view(data, header).copy()  # own the memory: writable, outlives the txn
 
 

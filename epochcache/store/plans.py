@@ -33,6 +33,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..atomic import atomic_write
+from ..limits import AST_LOCK
 
 log = logging.getLogger("epochcache.cache")
 
@@ -62,7 +63,8 @@ def write_seqs(cache_path: str, lease_id: str, seqs: np.ndarray) -> None:
 def read_seqs(cache_path: str, lease_id: str) -> np.ndarray | None:
     """A snapshot's sorted sequence numbers (memory-mapped), or None without a plan."""
     try:
-        seqs: np.ndarray = np.load(seqs_path(cache_path, lease_id), mmap_mode="r")
+        with AST_LOCK:  # the header is parsed with ast.literal_eval (see limits.AST_LOCK)
+            seqs: np.ndarray = np.load(seqs_path(cache_path, lease_id), mmap_mode="r")
     except (OSError, ValueError):
         return None
     return seqs

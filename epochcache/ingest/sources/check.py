@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from ...errors import CorruptSample
-from ...limits import DEFAULT_MAX_SAMPLE_BYTES, gunzip
+from ...limits import AST_LOCK, DEFAULT_MAX_SAMPLE_BYTES, gunzip
 from ...units import format_size
 from .types import CHECKS
 
@@ -124,10 +124,11 @@ def _check_gzip(data: bytes, max_bytes: int = DEFAULT_MAX_SAMPLE_BYTES) -> None:
 def _check_npy(data: bytes) -> None:
     buffer = io.BytesIO(data)
     version = np.lib.format.read_magic(buffer)
-    if version == (1, 0):
-        shape, _fortran, dtype = np.lib.format.read_array_header_1_0(buffer)
-    else:
-        shape, _fortran, dtype = np.lib.format.read_array_header_2_0(buffer)
+    with AST_LOCK:  # numpy parses the header with ast.literal_eval (see limits.AST_LOCK)
+        if version == (1, 0):
+            shape, _fortran, dtype = np.lib.format.read_array_header_1_0(buffer)
+        else:
+            shape, _fortran, dtype = np.lib.format.read_array_header_2_0(buffer)
     if dtype.hasobject:
         return  # pickled payload: its length cannot be told from the header
     expected = buffer.tell() + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
