@@ -89,6 +89,53 @@ class _Reading:
     worker: int
 
 
+class _Home:
+    """The process that holds a stream's leases and runs its collectives: where it was made,
+    or where a copy was unpickled outside a DataLoader worker (a spawned DDP rank, a deep
+    copy), which becomes a stream of its own. It holds the stream's id (its document in the
+    cache, `epochcache.store.shares`, and its leases' labels: a new one per home, so copies in
+    several DDP ranks never share one), this process's owner lock (the leases its workers
+    take name it), the prepared epoch's snapshot and order, the node's collectives, and the
+    finalizer that drops the document, a worker-taken lease and the lock when the stream is
+    closed or collected.
+
+    A copy in a worker keeps the id, the home's pid and owner (what its claims of the epoch
+    name) and nothing else: the snapshot, order, collectives and finalizer stay home.
+    """
+
+    def __init__(self, stream: CacheStream) -> None:
+        cache = stream.reader.cache
+        self.stream_id = uuid.uuid4().hex[:12]
+        self.pid = os.getpid()
+        self.snapshot: Snapshot | None = None
+        self.order: np.ndarray | None = None  # the prepared epoch's order on this rank
+        self.sync: NodeSync | None = None
+        self.owner = hold_owner(cache)
+        self.finalizer: weakref.finalize[Any, Any] | None = weakref.finalize(
+            stream, _drop_quietly, cache, self.doc_name, self.pid)
+
+    @property
+    def doc_name(self) -> str:
+        return f"stream/{self.stream_id}"
+
+    def here(self) -> bool:
+        """Whether this process is the home (a copy's home is elsewhere)."""
+        return self.finalizer is not None and self.pid == os.getpid()
+
+    def new_finalizer(self, stream: CacheStream) -> None:
+        """Hold the owner lock and the finalizer again (after a close)."""
+        cache = stream.reader.cache
+        self.owner = hold_owner(cache)
+        self.finalizer = weakref.finalize(stream, _drop_quietly, cache, self.doc_name, self.pid)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"stream_id": self.stream_id, "pid": self.pid, "owner": self.owner}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.snapshot, self.order, self.sync, self.finalizer = None, None, None, None
+
+
 class CacheStream(IterableDataset[Any]):
     """A torch ``IterableDataset`` over the cache: a fresh snapshot on every ``iter()``.
 
@@ -167,33 +214,21 @@ class CacheStream(IterableDataset[Any]):
     # -- the main process ("home") ----------------------------------------------------------
 
     def _init_home(self) -> None:
-        """Make this process the one that holds leases and runs the collectives.
+        """Make this process the stream's home (see `_Home`)."""
+        self._home = _Home(self)
 
-        The stream's id names its document in the cache (see `epochcache.store.shares`):
-        a new one per home, so copies unpickled in several DDP ranks never share one.
-        """
-        self.stream_id = uuid.uuid4().hex[:12]
-        self._home_pid = os.getpid()
-        self._snapshot: Snapshot | None = None
-        self._order: np.ndarray | None = None  # the prepared epoch's order on this rank
-        self._sync: NodeSync | None = None
-        self._finalizer = self._new_finalizer()
-
-    def _new_finalizer(self) -> weakref.finalize[Any, Any]:
-        # Holds this process's owner lock while the stream lives (the leases its workers take
-        # name it); drops the document, a worker-taken lease and the lock when the stream is
-        # closed or collected.
-        self._owner = hold_owner(self.reader.cache)
-        return weakref.finalize(self, _drop_quietly, self.reader.cache, self._doc_name(),
-                                self._home_pid)
+    @property
+    def stream_id(self) -> str:
+        """Names the stream's document in the cache and its leases (a new one per home)."""
+        return self._home.stream_id
 
     def _doc_name(self) -> str:
-        return f"stream/{self.stream_id}"
+        return self._home.doc_name
 
     def _adopt_home(self) -> None:
         # A copy unpickled outside a worker (a spawned DDP rank, a deep copy) becomes a stream
         # of its own: its own id, document and leases.
-        if self._finalizer is None or self._home_pid != os.getpid():
+        if not self._home.here():
             self._init_home()
             self._prepared, self._consumed = None, False
 
@@ -224,14 +259,15 @@ class CacheStream(IterableDataset[Any]):
     def _prepare(self, epoch: int) -> _Prepared:
         """Take the epoch's snapshot (the node's leader under DDP) and this rank's part."""
         cache = self.reader.cache
-        if not self._finalizer.alive:  # closed before: documents are dropped again at GC
-            self._finalizer = self._new_finalizer()
+        finalizer = self._home.finalizer
+        if finalizer is None or not finalizer.alive:  # closed before: dropped again at GC
+            self._home.new_finalizer(self)
         place = detect_placement()
         distributed = place.distributed and dist_initialized()
-        if distributed and self._sync is None:
+        if distributed and self._home.sync is None:
             # collective: every rank prepares in step (and checks the node layout)
-            self._sync = NodeSync(place, cache_identity(cache.path), cache.path)
-        planner = Planner(cache, place, self._sync, seed=self.seed, shuffle=self.shuffle,
+            self._home.sync = NodeSync(place, cache_identity(cache.path), cache.path)
+        planner = Planner(cache, place, self._home.sync, seed=self.seed, shuffle=self.shuffle,
                           samples_per_epoch=self.samples_per_epoch,
                           progressive=self.progressive, split_ranks=self.split_ranks)
         taken: list[Snapshot] = []
@@ -250,13 +286,13 @@ class CacheStream(IterableDataset[Any]):
         seqs, lease_id = planner.share(take)
         # Under DDP every rank is past the previous epoch once the snapshot was shared.
         self._release_snapshot()
-        self._snapshot = taken[0] if taken else None
+        self._home.snapshot = taken[0] if taken else None
         try:
             order = planner.rank_order(seqs, epoch)
             slot, slots = planner.slot
             samples = len(order)
-            if self._sync is not None:
-                samples = self._sync.agree_batches(samples)  # MIN over all ranks
+            if self._home.sync is not None:
+                samples = self._home.sync.agree_batches(samples)  # MIN over all ranks
             lo = int(seqs[0]) if len(seqs) else 0
             hi = int(seqs[-1]) + 1 if len(seqs) else 0
             share = Share(epoch, lo, hi, len(seqs), lease_id or None, uuid.uuid4().hex)
@@ -268,12 +304,12 @@ class CacheStream(IterableDataset[Any]):
             log.warning("stream epoch %d: the cache at %s holds no samples", epoch, cache.path)
         self._prepared = _Prepared(share, slot, slots, samples, distributed,
                                    place.local_rank if distributed else 0)
-        self._order, self._consumed = order[:samples], False
+        self._home.order, self._consumed = order[:samples], False
         self._next_epoch, self._epoch_given = epoch + 1, False
         return self._prepared
 
     def _release_snapshot(self, *, finished: bool = True) -> None:
-        snapshot, self._snapshot = self._snapshot, None
+        snapshot, self._home.snapshot = self._home.snapshot, None
         if snapshot is not None:
             snapshot.release(finished=finished)
 
@@ -283,13 +319,14 @@ class CacheStream(IterableDataset[Any]):
         The lease of an epoch not read to its end whose state was taken
         ([`state_dict`][epochcache.data.stream.CacheStream.state_dict]) is left for ``resume_grace_s``, for [`load_state_dict`][epochcache.data.stream.CacheStream.load_state_dict].
         """
-        if self._finalizer is None or self._home_pid != os.getpid():
+        if not self._home.here():
             return  # a copy in a worker, or never used outside one: holds nothing
         self._release_snapshot(finished=False)
-        self._finalizer()
-        if self._sync is not None:
-            self._sync.close()
-            self._sync = None
+        assert self._home.finalizer is not None  # (here() says so)
+        self._home.finalizer()
+        if self._home.sync is not None:
+            self._home.sync.close()
+            self._home.sync = None
 
     def __enter__(self) -> CacheStream:
         return self
@@ -410,7 +447,7 @@ class CacheStream(IterableDataset[Any]):
                     epoch = recorded + 1
             prepared = self._prepare(epoch)
         self._consumed = True
-        order = self._order if self._order is not None else np.empty(0, dtype=np.uint64)
+        order = self._home.order if self._home.order is not None else np.empty(0, dtype=np.uint64)
         releaser = (write_release_part(self.reader.cache, prepared.share.lease or "",
                                        prepared.part, [order])
                     if self.progressive else None)
@@ -447,8 +484,8 @@ class CacheStream(IterableDataset[Any]):
         name = self._doc_name()
         share = claim_share(cache, name, group, worker, progressive=self.progressive,
                             prepared=prepared.share if prepared is not None else None,
-                            first_epoch=self._next_epoch, home_pid=self._home_pid,
-                            home_owner=self._owner,
+                            first_epoch=self._next_epoch, home_pid=self._home.pid,
+                            home_owner=self._home.owner,
                             label=f"stream {self.stream_id}", take=not distributed,
                             workers=workers)
         if share is None:
@@ -493,12 +530,12 @@ class CacheStream(IterableDataset[Any]):
         share = self._check_resumable(state)
         name = self._doc_name()
         if claim_share(cache, name, group, worker, prepared=None, first_epoch=share.epoch,
-                       home_pid=self._home_pid, home_owner=self._owner, label="", take=False,
+                       home_pid=self._home.pid, home_owner=self._home.owner, label="", take=False,
                        resumed=share) is None:
             self._next_epoch = max(self._next_epoch, share.epoch + 1)
             return None
         if share.lease:
-            cache.adopt_lease(share.lease, owner=self._owner, pid=self._home_pid, whole=True)
+            cache.adopt_lease(share.lease, owner=self._home.owner, pid=self._home.pid, whole=True)
         done = _Once(lambda complete: finish_share(cache, name, group, workers,
                                                    complete=complete))
         try:
@@ -593,15 +630,7 @@ class CacheStream(IterableDataset[Any]):
 
     # -- pickling into workers and other processes ------------------------------------------
 
-    def __getstate__(self) -> dict[str, Any]:
-        state = {k: v for k, v in self.__dict__.items()
-                 if k not in ("_snapshot", "_order", "_sync", "_finalizer")}
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._snapshot, self._order, self._sync = None, None, None
-        self._finalizer = None  # type: ignore[assignment]
+    # (Pickled, a stream keeps all but what only its home holds: see _Home.__getstate__.)
 
     def __repr__(self) -> str:
         return (f"CacheStream(cache={self.reader.path!r}, seed={self.seed}, "
