@@ -101,3 +101,44 @@ def test_sigterm_that_reaches_the_samplers_stops_the_daemon_without_restarting_t
     healths = sampler_states(cache_dir)
     # A stop in order: everything fetched was committed.
     assert sum(h["committed"] for h in healths.values()) == len(checked.keys), healths
+
+
+SLOW_START = """\
+import os, sys, time
+# A sampler process that takes a while to start (a slow disk, a loaded machine, heavy imports):
+# it says it is starting, then sleeps before anything of epochcache runs.
+marker = os.environ.get("EPOCHCACHE_TEST_SLOW_SPAWN")
+if marker and any("spawn_main" in arg for arg in getattr(sys, "orig_argv", ())):
+    open(os.path.join(marker, str(os.getpid())), "w").close()
+    time.sleep(3)
+"""
+
+
+def test_a_signal_while_a_sampler_starts_stops_the_daemon_in_order(
+    tmp_path: Path, start_daemon: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C (SIGINT to the process group) while a sampler process is still starting: it
+    died with a KeyboardInterrupt traceback from the middle of its start-up, before its
+    handlers existed, and the daemon took that for a crash ("exited with -2; restarting it").
+    Samplers start with both signals blocked and handle them once they can: the daemon stops
+    in order, and no traceback is printed."""
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(SLOW_START)
+    starting = tmp_path / "starting"
+    starting.mkdir()
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "site"))
+    monkeypatch.setenv("EPOCHCACHE_TEST_SLOW_SPAWN", str(starting))
+    upload(lambda prefix: (tmp_path / prefix).as_uri(), {}, "ds", 50, "files")
+    config = write_config(tmp_path / "cfg.yaml", url=(tmp_path / "ds").as_uri(),
+                          cache_dir=tmp_path / "cache", storage_options={})
+    daemon = start_daemon(config)
+    deadline = time.monotonic() + 90
+    while not any(starting.iterdir()):  # a sampler process is in its start-up
+        assert time.monotonic() < deadline, daemon.logs()[-3000:]
+        assert daemon.popen.poll() is None, daemon.logs()[-3000:]
+        time.sleep(0.05)
+    os.killpg(daemon.pid, signal.SIGINT)
+    assert daemon.wait(60) == 0, daemon.logs()[-3000:]
+    logs = daemon.logs()
+    assert "Traceback" not in logs and "KeyboardInterrupt" not in logs, logs[-3000:]
+    assert "restarting" not in logs, logs[-3000:]

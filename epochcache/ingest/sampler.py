@@ -562,6 +562,9 @@ def run_sampler(config_data: dict[str, Any], index: int, stop: Any,
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the daemon, which stops us in order
     # SIGTERM to the whole process group (systemd, timeout): stop after the batch in flight.
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    # The daemon started us with both blocked (Supervisor._start): one that came meanwhile is
+    # handled now.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
     reuse_freed_buffers()
     config = EpochcacheConfig.from_transfer(config_data)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s sampler {index}: %(message)s")

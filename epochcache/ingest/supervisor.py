@@ -28,6 +28,7 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from multiprocessing import resource_tracker
 from typing import Any
 
 from ..config import EpochcacheConfig
@@ -291,7 +292,18 @@ class Supervisor:
             name=f"epochcache-sampler-{slot.index}",
             daemon=False,
         )
-        slot.process.start()
+        # Started with SIGINT and SIGTERM blocked (the mask survives spawn's exec): a signal to
+        # the process group while the sampler still imports would end it with a
+        # KeyboardInterrupt traceback, or kill it before its handler exists (a crash to
+        # restart). Blocked, not lost: run_sampler unblocks them once its handlers are set.
+        # multiprocessing's resource tracker is started first: starting it unblocks both
+        # signals in the calling thread afterwards.
+        resource_tracker.ensure_running()
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        try:
+            slot.process.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
         slot.started = time.monotonic()
 
     def _supervise(self) -> bool:
