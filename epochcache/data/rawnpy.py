@@ -36,7 +36,7 @@ class NpyTemplate:
     """
 
     __slots__ = ("size", "head", "lo", "hi", "dtype", "shape", "nbytes", "flat", "check",
-                 "expect")
+                 "expect", "data", "_destinations")
 
     def __init__(self, record: memoryview, key_len: int, header_len: int, dtype: np.dtype[Any],
                  count: int, shape: tuple[int, ...], nbytes: int) -> None:
@@ -49,6 +49,8 @@ class NpyTemplate:
         self.check = struct.Struct(
             f"{_FIELDS.format}{self.lo - HEADER.size}x{self.hi - self.lo}s").unpack_from
         self.expect = (*self.head, bytes(record[self.lo : self.hi]))
+        self.data = slice(self.hi, None)  # a record's array data
+        self._destinations: list[slice] = []
 
     @classmethod
     def of(cls, record: memoryview) -> NpyTemplate | None:
@@ -70,6 +72,13 @@ class NpyTemplate:
             return None
         return cls(record, key_len, header.offset, header.dtype, header.count, header.shape,
                    header.nbytes)
+
+    def destinations(self, count: int) -> list[slice]:
+        """Where the arrays of a batch of ``count`` records go in its flat buffer."""
+        if len(self._destinations) != count:  # made once per batch size, not per batch
+            nbytes = self.nbytes
+            self._destinations = [slice(i * nbytes, (i + 1) * nbytes) for i in range(count)]
+        return self._destinations
 
     def matches(self, record: memoryview) -> bool:
         return len(record) == self.size and self.check(record) == self.expect

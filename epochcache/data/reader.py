@@ -23,6 +23,8 @@ import logging
 import os
 import struct
 from collections.abc import Callable, Sequence
+from itertools import repeat
+from operator import getitem, setitem
 from typing import Any
 
 import lmdb
@@ -368,11 +370,22 @@ class SampleReader:
         keys = seq_keys(seqs)
         if not keys:
             return torch.empty(0)
-        store, db = self.cache.store, self.cache.dbs[DB_SAMPLES]
+        env, db, opened_by = self._env_db
+        if opened_by is not PROCESS[0]:
+            env, db = self._handles()
         with self._watching(len(keys)) as act:
-            with store.read() as txn:
-                get = txn.get
-                first = get(keys[0], None, db)
+            txn = begin_read(env)
+            try:
+                # Each stage runs over the whole batch in one C loop (map), filling a list
+                # one sample at a time: no Python bytecode per sample. A stall report names
+                # the sample the current stage is on (see _Progress).
+                records: list[memoryview | None] = []
+                progress = None
+                if act is not None:
+                    progress = _Progress(keys, records)
+                    act.key, act.resolve = progress, self._key_at
+                records.extend(map(txn.get, keys, repeat(None), repeat(db)))
+                first = records[0]
                 if first is None:
                     raise self._missing(int(seqs[0]))
                 template = self._template
@@ -382,26 +395,82 @@ class SampleReader:
                         raise _Fallback
                 batch = alloc_batch((len(keys), *template.shape), template.dtype)
                 out = memoryview(batch.numpy()).cast("B")
-                size, hi, nbytes = template.size, template.hi, template.nbytes
-                check, expect = template.check, template.expect
-                if act is not None:
-                    act.resolve = self.key_of  # names act.key only if a stall is reported
-                pos = 0
-                # One get, two comparisons and one memcpy per sample: this loop is the
-                # loader's throughput (see scripts/bench_loader.py). ``db`` is passed
-                # positionally: py-lmdb parses keyword arguments at ~0.25 us a call.
-                for lmdb_key in keys:
-                    if act is not None:
-                        act.key = lmdb_key
-                    record = get(lmdb_key, None, db)
-                    if record is None:
-                        raise self._missing(int.from_bytes(lmdb_key, "big"))
-                    if len(record) == size and check(record) == expect:
-                        out[pos : pos + nbytes] = record[hi:]
-                    else:  # e.g. another key length: same array layout, another template
-                        other = self._template_of(record)
-                        if other is None or not template.same_array(other):
-                            raise _Fallback
-                        out[pos : pos + nbytes] = record[other.hi :]
-                    pos += nbytes
+                if not _copy_uniform(template, records, out, progress):
+                    self._copy_each(template, keys, records, out, progress)
+            finally:
+                end_read(txn)
         return batch
+
+    def _copy_each(self, template: NpyTemplate, keys: list[bytes],
+                   records: list[memoryview | None], out: memoryview,
+                   progress: _Progress | None) -> None:
+        """Copy the batch's records one by one: some are missing, or of another key length
+        (the same array layout under another template), or not raw ``.npy`` at all.
+
+        Raises:
+            KeyError: a sample is missing.
+            _Fallback: a sample is not a raw ``.npy`` array of the first one's layout.
+        """
+        size, hi, nbytes = template.size, template.hi, template.nbytes
+        check, expect = template.check, template.expect
+        done: list[None] = []
+        if progress is not None:
+            progress.done = done
+        pos = 0
+        for index, record in enumerate(records):
+            if record is None:
+                raise self._missing(int.from_bytes(keys[index], "big"))
+            if len(record) == size and check(record) == expect:
+                out[pos : pos + nbytes] = record[hi:]
+            else:
+                other = self._template_of(record)
+                if other is None or not template.same_array(other):
+                    raise _Fallback
+                out[pos : pos + nbytes] = record[other.hi :]
+            pos += nbytes
+            done.append(None)
+
+    def _key_at(self, progress: _Progress) -> str:
+        """The source key of the sample a stalled batch read is on (for stall reports)."""
+        keys = progress.keys
+        return self.key_of(keys[min(len(progress.done), len(keys) - 1)])
+
+
+class _Progress:
+    """Where a batch read is, for a stall report: the batch's LMDB keys, and the list the
+    current stage fills one sample at a time (its length is the index of the sample the
+    stage is on). Resolved to a source key only if a report needs it."""
+
+    __slots__ = ("keys", "done")
+
+    def __init__(self, keys: list[bytes], done: list[Any]) -> None:
+        self.keys, self.done = keys, done
+
+
+def _copy_uniform(template: NpyTemplate, records: list[memoryview | None], out: memoryview,
+                  progress: _Progress | None) -> bool:
+    """Check every record against ``template`` and copy its array into ``out``, each step
+    one C loop over the batch (map): the loader's throughput at small samples, where Python
+    per sample cost more than the copy (see scripts/bench_loader.py). False, with ``out``
+    partly written, when a record is missing or does not match: the caller goes one by one.
+    """
+    checks: list[tuple[Any, ...]] = []
+    if progress is not None:
+        progress.done = checks
+    try:
+        checks.extend(map(template.check, records))
+    except (TypeError, struct.error):  # a missing record (None), or a short one
+        return False
+    if checks.count(template.expect) != len(records):
+        return False
+    copied: list[None] = []
+    if progress is not None:
+        progress.done = copied
+    try:
+        # A record longer or shorter than the template's makes the slice assignment fail:
+        # so the lengths are checked by the copy itself.
+        copied.extend(map(setitem, repeat(out), template.destinations(len(records)),
+                          map(getitem, records, repeat(template.data))))
+    except ValueError:
+        return False
+    return True
