@@ -297,11 +297,14 @@ def main() -> None:
                         help="the loader rows of COMMIT (A) and of this checkout (B) side by side")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of --rows and --ab")
     parser.add_argument("--quick", action="store_true", help="--rows/--ab: fewer samples")
+    parser.add_argument("--sizes", default="1024,65536",
+                        help="--rows/--ab: sample sizes in bytes, comma-separated")
     args = parser.parse_args()
     if args.rows or args.ab:
         import loader_rows
 
-        result = loader_rows.run(args.ab, rounds=args.rounds, quick=args.quick)
+        result = loader_rows.run(args.ab, rounds=args.rounds, quick=args.quick,
+                                 sizes=tuple(int(size) for size in args.sizes.split(",")))
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
         return

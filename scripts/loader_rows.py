@@ -10,8 +10,10 @@ Rows, for 1 KiB and 64 KiB random float32 ``.npy`` samples (stored raw, page cac
 of bench_loader.py, each in process and with 2 workers: a Dataset of one file per sample, the
 plain LMDB Dataset (a ``get`` per ``__getitem__``), and a plain LMDB Dataset that reads a batch
 at once (DataLoader's ``__getitems__`` with py-lmdb's ``Cursor.getmulti``: what a careful
-hand-written reader does). "Best peer" is the best of the first two in either setting, as in
-bench_loader.py; the batched one has a column of its own.
+hand-written reader does). "Best peer" is the faster of the first two with as many workers (the
+issue's measure); the batched one has a column of its own. Each row is measured twice over:
+samples per second (what a training job sees) and CPU microseconds per sample, of the process
+and its DataLoader workers (what the other jobs of a shared machine disturb least).
 
 Each side runs in a process of its own started with this venv's python and ``PYTHONPATH`` set to
 its tree, so each imports its own epochcache and builds its own cache of the same samples: A is
@@ -25,15 +27,16 @@ pair run back to back drifts together.
 
 from __future__ import annotations
 
+import glob
 import io
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from typing import Any
 
 import lmdb
@@ -119,34 +122,68 @@ def samples(size: int, count: int) -> list[bytes]:
             for _ in range(count)]
 
 
-def rate(loader: Any, min_s: float, passes: int = 2) -> float:
-    """Samples/s over at least ``passes`` full passes and ``min_s`` seconds, after a warm-up
-    pass."""
+def cpu_s() -> float:
+    """CPU seconds of this process (all its threads) and of its live children (DataLoader
+    workers): what a row costs, which a shared machine disturbs far less than the time it
+    takes."""
+    reaped = resource.getrusage(resource.RUSAGE_CHILDREN)  # workers that ended and were waited for
+    total = time.process_time() + reaped.ru_utime + reaped.ru_stime
+    tick = os.sysconf("SC_CLK_TCK")
+    for tasks in glob.glob(f"/proc/{os.getpid()}/task/*/children"):
+        try:
+            with open(tasks) as f:
+                children = f.read().split()
+        except OSError:
+            continue
+        for pid in children:
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:  # gone meanwhile
+                continue
+            total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return total
+
+
+class Timer:
+    """Samples counted over a timed stretch: samples per second and CPU microseconds per
+    sample (of the process and its workers)."""
+
+    def __init__(self) -> None:
+        self.n, self.wall, self.cpu = 0, time.perf_counter(), cpu_s()
+
+    def result(self) -> dict[str, float]:
+        wall, cpu = time.perf_counter() - self.wall, cpu_s() - self.cpu
+        return {"rate": self.n / wall, "cpu_us": cpu / self.n * 1e6}
+
+
+def rate(loader: Any, min_s: float, passes: int = 2) -> dict[str, float]:
+    """Over at least ``passes`` full passes and ``min_s`` seconds after a warm-up pass."""
     for _ in loader:
         pass
-    n, done, t0 = 0, 0, time.perf_counter()
-    while done < passes or time.perf_counter() - t0 < min_s:
+    done, timer = 0, Timer()
+    while done < passes or time.perf_counter() - timer.wall < min_s:
         for batch in loader:
-            n += len(batch)
+            timer.n += len(batch)
         done += 1
-    return n / (time.perf_counter() - t0)
+    return timer.result()
 
 
-def ours_rate(cache: Any, min_s: float, epochs: int = 2, **kw: Any) -> float:
-    """``cache.epochs()`` samples/s over at least ``epochs`` epochs and ``min_s`` seconds after
-    a warm-up epoch (workers start, pages mapped); epoch boundaries included."""
-    n, t0 = 0, 0.0
+def ours_rate(cache: Any, min_s: float, epochs: int = 2, **kw: Any) -> dict[str, float]:
+    """``cache.epochs()`` over at least ``epochs`` epochs and ``min_s`` seconds after a warm-up
+    epoch (workers start, pages mapped); epoch boundaries included."""
+    timer = Timer()
     for epoch, loader in cache.epochs(1 << 30, batch_size=BATCH, **kw):
         if epoch == 0:
             for _ in loader:
                 pass
-            t0 = time.perf_counter()
+            timer = Timer()
             continue
         for batch in loader:
-            n += len(batch)
-        if epoch >= epochs and time.perf_counter() - t0 >= min_s:
-            break
-    return n / (time.perf_counter() - t0)
+            timer.n += len(batch)
+        if epoch >= epochs and time.perf_counter() - timer.wall >= min_s:
+            return timer.result()  # before epochs() shuts its workers down
+    raise AssertionError("unreachable")
 
 
 # -- a side's process ---------------------------------------------------------------------------
@@ -189,7 +226,7 @@ class _Server:
         env.close()
         self.peers[size] = (files, plain, count)
 
-    def measure(self, row: str, size: int, workers: int, min_s: float) -> float:
+    def measure(self, row: str, size: int, workers: int, min_s: float) -> dict[str, float]:
         if row == "ours":
             return ours_rate(self.caches[size], min_s, num_workers=workers)
         files, plain, count = self.peers[size]
@@ -297,13 +334,14 @@ def run(ab: str | None = None, *, rounds: int = 3, sizes: tuple[int, ...] = SIZE
             for workers in (0, 2):
                 rows += [(name, "ours", size, workers) for name in names]
                 rows += [("peers", peer, size, workers) for peer in PEERS]
-        measured: dict[str, list[float]] = result["measured"]
+        measured: dict[str, dict[str, list[float]]] = result["measured"]
         for rnd in range(rounds):
             print(f"round {rnd + 1}/{rounds} ...", flush=True)
             for side, row, size, workers in (rows if rnd % 2 == 0 else rows[::-1]):
                 key = f"{side if row == 'ours' else row}/{size}/w{workers}"
-                measured.setdefault(key, []).append(
-                    sides[side].call("measure", row, size, workers, min_s))
+                got = sides[side].call("measure", row, size, workers, min_s)
+                for metric, value in got.items():
+                    measured.setdefault(key, {}).setdefault(metric, []).append(value)
     finally:
         for side in sides.values():
             side.close()
@@ -319,39 +357,56 @@ def _median(values: list[float]) -> float:
     return float(np.median(values))
 
 
+def _ratio(a: list[float], b: list[float]) -> str:
+    """The median of the per-round ratios a/b, and their range."""
+    ratios = [x / y for x, y in zip(a, b)]
+    return f"{_median(ratios):.2f}x [{min(ratios):.2f}-{max(ratios):.2f}]"
+
+
 def report(result: dict[str, Any], names: list[str], sizes: tuple[int, ...]) -> None:
+    """Two tables: throughput (samples/s, what a training job sees), and CPU cost (CPU
+    microseconds per sample, of the process and its workers: what a busy machine disturbs
+    least). Ratios are per round, A and B and the peers of a round run back to back."""
     m = result["measured"]
-    rows: list[tuple[str, ...]] = []
-    ratio: Callable[[list[float], list[float]], str] = (
-        lambda a, b: f"{_median([x / y for x, y in zip(a, b)]):.2f}x "
-                     f"[{min(x / y for x, y in zip(a, b)):.2f}-{max(x / y for x, y in zip(a, b)):.2f}]")
-    for size in sizes:
-        best = [max(vals) for vals in zip(*(m[f"{p}/{size}/w{w}"] for p in ("files", "lmdb")
-                                            for w in (0, 2)))]
-        for workers in (0, 2):
-            label = f"{size // 1024} KiB, {'in process' if workers == 0 else '2 workers'}"
-            plain, batched = m[f"lmdb/{size}/w{workers}"], m[f"lmdb_batched/{size}/w{workers}"]
-            for name in names:
-                ours = m[f"{name}/{size}/w{workers}"]
-                rows.append((f"{label}: epochs() {name}", f"{_median(ours):,.0f}/s",
-                             ratio(ours, plain), ratio(ours, best), ratio(ours, batched),
-                             ratio(ours, m[f"A/{size}/w{workers}"]) if name == "B" and
-                             "A" in names else ""))
-        for peer, title in (("files", "file per sample"), ("lmdb", "plain LMDB"),
-                            ("lmdb_batched", "plain LMDB, batched")):
-            rows.append((f"{size // 1024} KiB peer: {title}, in process / 2 workers",
-                         f"{_median(m[f'{peer}/{size}/w0']):,.0f} / "
-                         f"{_median(m[f'{peer}/{size}/w2']):,.0f}/s", "", "", "", ""))
-    head = ("row", "samples/s (median)", "vs plain LMDB", "vs best peer", "vs batched LMDB",
-            "B/A")
     print()
     if "A" in result:
         print(f"A = {result['A']}")
     print(f"B = {result['B']}")
-    print(f"{result['rounds']} rounds; ratios are medians of per-round ratios [range]")
-    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
-    for r in [head, *rows]:
-        print("  ".join(cell.ljust(widths[i]) for i, cell in enumerate(r)).rstrip())
+    print(f"{result['rounds']} rounds, batches of {result['batch']}; each ratio is the median of "
+          "its per-round ratios [their range]; best peer = the faster of the file-per-sample and "
+          "plain LMDB Datasets with as many workers")
+    for metric, title in (("rate", "samples/s"), ("cpu_us", "CPU us/sample")):
+        # A ratio reads "how many times better": samples/s over samples/s, or the other
+        # side's CPU per sample over this one's.
+        def better(a: list[float], b: list[float]) -> str:
+            return _ratio(a, b) if metric == "rate" else _ratio(b, a)
+
+        head = (f"row ({title}, median)", "value", "vs plain LMDB", "vs best peer",
+                "vs batched LMDB", "B/A" if "A" in names else "")
+        rows: list[tuple[str, ...]] = []
+        for size in sizes:
+            for workers in (0, 2):
+                label = f"{size // 1024} KiB, {'in process' if workers == 0 else '2 workers'}"
+                plain = m[f"lmdb/{size}/w{workers}"][metric]
+                batched = m[f"lmdb_batched/{size}/w{workers}"][metric]
+                pick = max if metric == "rate" else min
+                best = [pick(pair) for pair in zip(m[f"files/{size}/w{workers}"][metric], plain)]
+                for name in names:
+                    ours = m[f"{name}/{size}/w{workers}"][metric]
+                    rows.append((f"{label}: epochs() {name}", f"{_median(ours):,.{0 if metric == 'rate' else 2}f}",
+                                 better(ours, plain), better(ours, best), better(ours, batched),
+                                 better(ours, m[f"A/{size}/w{workers}"][metric])
+                                 if name == "B" and "A" in names else ""))
+            for peer, peer_title in (("files", "file per sample"), ("lmdb", "plain LMDB"),
+                                     ("lmdb_batched", "plain LMDB, batched")):
+                values = [_median(m[f"{peer}/{size}/w{w}"][metric]) for w in (0, 2)]
+                rows.append((f"{size // 1024} KiB peer: {peer_title}, in process / 2 workers",
+                             " / ".join(f"{v:,.{0 if metric == 'rate' else 2}f}" for v in values),
+                             "", "", "", ""))
+        print()
+        widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+        for r in [head, *rows]:
+            print("  ".join(cell.ljust(widths[i]) for i, cell in enumerate(r)).rstrip())
 
 
 if __name__ == "__main__":

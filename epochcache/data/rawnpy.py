@@ -5,9 +5,10 @@ key, checksum, timestamp and array data: the codec, flags, key length, the key's
 suffix and the whole ``.npy`` header (magic, dtype, shape, padding) are byte-for-byte the same.
 So the first record of such a dataset is parsed once into an :class:`NpyTemplate`, and every
 later record is checked against it with three cheap comparisons (its length, three header
-fields, and the bytes from the key's suffix to the end of the ``.npy`` header) before its data
-is copied straight out of the LMDB map. Anything that does not match takes the general decoder,
-which names the key on error.
+fields, and the bytes from the key's suffix to the end of the ``.npy`` header) as its data is
+copied straight out of the LMDB map (the batch path checks the length by the copy itself:
+:attr:`NpyTemplate.destinations` are exactly ``nbytes`` long). Anything that does not match
+takes the general decoder, which names the key on error.
 """
 
 from __future__ import annotations

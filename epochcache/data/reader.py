@@ -4,8 +4,11 @@ The read path is built for batches. :meth:`SampleReader.read_batch` reads a whol
 LMDB read transaction and, when the samples are fixed-shape ``.npy`` arrays stored raw, copies
 each one straight from the memory map into one preallocated batch tensor: one ``memcpy`` per
 sample, no per-sample tensor, no ``default_collate`` stacking, no header parsing (records are
-recognised by a template, see :mod:`epochcache.data.rawnpy`). In a DataLoader worker that
-tensor is allocated in shared memory, so handing it to the trainer costs no further copy.
+recognised by a template, see :mod:`epochcache.data.rawnpy`), and no Python bytecode per
+sample: get, check and copy run record by record in one C loop of chained iterators
+(:func:`_copy_uniform`), which at 1 KiB is where the time had gone. In a DataLoader worker that
+tensor is allocated in shared memory, so handing it to the trainer costs no further copy, or,
+when small, leaves through the worker's pipe (:func:`epochcache.data.collate.piped`).
 WebDataset-style records of ``.npy`` arrays with ``.cls`` labels or ``.json`` documents get the
 same treatment field by field (:mod:`epochcache.data.rawfields`): one batch tensor per array
 field, the labels of a batch converted at once. ``fields=`` selects and orders fields into
@@ -23,8 +26,8 @@ import logging
 import os
 import struct
 from collections.abc import Callable, Sequence
-from itertools import repeat
-from operator import getitem, setitem
+from itertools import chain, islice, repeat, tee
+from operator import getitem, itemgetter, setitem
 from typing import Any
 
 import lmdb
@@ -51,6 +54,7 @@ log = logging.getLogger(__name__)
 _H = HEADER.size
 _unpack = HEADER.unpack_from
 _RAW, _FIELDS = int(Codec.RAW), int(RecordFlags.FIELDS)
+_first = itemgetter(0)
 ON_ERROR = ("raise", "skip")
 
 
@@ -376,16 +380,8 @@ class SampleReader:
         with self._watching(len(keys)) as act:
             txn = begin_read(env)
             try:
-                # Each stage runs over the whole batch in one C loop (map), filling a list
-                # one sample at a time: no Python bytecode per sample. A stall report names
-                # the sample the current stage is on (see _Progress).
-                records: list[memoryview | None] = []
-                progress = None
-                if act is not None:
-                    progress = _Progress(keys, records)
-                    act.key, act.resolve = progress, self._key_at
-                records.extend(map(txn.get, keys, repeat(None), repeat(db)))
-                first = records[0]
+                get = txn.get
+                first = get(keys[0], None, db)
                 if first is None:
                     raise self._missing(int(seqs[0]))
                 template = self._template
@@ -395,15 +391,19 @@ class SampleReader:
                         raise _Fallback
                 batch = alloc_batch((len(keys), *template.shape), template.dtype)
                 out = memoryview(batch.numpy()).cast("B")
-                if not _copy_uniform(template, records, out, progress):
-                    self._copy_each(template, keys, records, out, progress)
+                # Filled one entry per sample as the batch is read: how far it got, for a
+                # stall report (see _Progress).
+                done: list[Any] = []
+                if act is not None:
+                    act.key, act.resolve = _Progress(keys, done), self._key_at
+                if not _copy_uniform(template, first, get, db, keys, out, done):
+                    self._copy_each(template, get, db, keys, out, done)
             finally:
                 end_read(txn)
         return batch
 
-    def _copy_each(self, template: NpyTemplate, keys: list[bytes],
-                   records: list[memoryview | None], out: memoryview,
-                   progress: _Progress | None) -> None:
+    def _copy_each(self, template: NpyTemplate, get: Callable[..., Any], db: Any,
+                   keys: list[bytes], out: memoryview, done: list[Any]) -> None:
         """Copy the batch's records one by one: some are missing, or of another key length
         (the same array layout under another template), or not raw ``.npy`` at all.
 
@@ -413,13 +413,12 @@ class SampleReader:
         """
         size, hi, nbytes = template.size, template.hi, template.nbytes
         check, expect = template.check, template.expect
-        done: list[None] = []
-        if progress is not None:
-            progress.done = done
+        done.clear()
         pos = 0
-        for index, record in enumerate(records):
+        for lmdb_key in keys:
+            record = get(lmdb_key, None, db)
             if record is None:
-                raise self._missing(int.from_bytes(keys[index], "big"))
+                raise self._missing(int.from_bytes(lmdb_key, "big"))
             if len(record) == size and check(record) == expect:
                 out[pos : pos + nbytes] = record[hi:]
             else:
@@ -437,9 +436,9 @@ class SampleReader:
 
 
 class _Progress:
-    """Where a batch read is, for a stall report: the batch's LMDB keys, and the list the
-    current stage fills one sample at a time (its length is the index of the sample the
-    stage is on). Resolved to a source key only if a report needs it."""
+    """Where a batch read is, for a stall report: the batch's LMDB keys, and a list that
+    grows by one entry per sample read (its length is the index of the sample being read).
+    Resolved to a source key only if a report needs it."""
 
     __slots__ = ("keys", "done")
 
@@ -447,30 +446,26 @@ class _Progress:
         self.keys, self.done = keys, done
 
 
-def _copy_uniform(template: NpyTemplate, records: list[memoryview | None], out: memoryview,
-                  progress: _Progress | None) -> bool:
-    """Check every record against ``template`` and copy its array into ``out``, each step
-    one C loop over the batch (map): the loader's throughput at small samples, where Python
-    per sample cost more than the copy (see scripts/bench_loader.py). False, with ``out``
-    partly written, when a record is missing or does not match: the caller goes one by one.
+def _copy_uniform(template: NpyTemplate, first: memoryview, get: Callable[..., Any], db: Any,
+                  keys: list[bytes], out: memoryview, done: list[Any]) -> bool:
+    """Read every record of the batch, check it against ``template`` and copy its array into
+    ``out``, in one C loop: no Python bytecode per sample, the per-sample cost that dominated
+    batches of small samples (``scripts/bench_loader.py --rows``). Chained iterators run the
+    steps record by record (get, check, copy, then the next), as a Python loop would: reading
+    all records first and copying them after cost 6% more at 64 KiB, the copy no longer
+    finding the pages the get had just touched.
+
+    Returns False, with ``out`` partly written, when a record is missing or does not match:
+    the caller then goes one by one.
     """
-    checks: list[tuple[Any, ...]] = []
-    if progress is not None:
-        progress.done = checks
+    for_check, for_copy = tee(chain((first,), map(get, islice(keys, 1, None), repeat(None),
+                                                  repeat(db))))
     try:
-        checks.extend(map(template.check, records))
-    except (TypeError, struct.error):  # a missing record (None), or a short one
+        # A record longer or shorter than the template's fails the slice assignment: the
+        # copy checks the length.
+        done.extend(zip(map(template.check, for_check),
+                        map(setitem, repeat(out), template.destinations(len(keys)),
+                            map(getitem, for_copy, repeat(template.data)))))
+    except (TypeError, struct.error, ValueError):  # a missing record (None), or a bad one
         return False
-    if checks.count(template.expect) != len(records):
-        return False
-    copied: list[None] = []
-    if progress is not None:
-        progress.done = copied
-    try:
-        # A record longer or shorter than the template's makes the slice assignment fail:
-        # so the lengths are checked by the copy itself.
-        copied.extend(map(setitem, repeat(out), template.destinations(len(records)),
-                          map(getitem, records, repeat(template.data))))
-    except ValueError:
-        return False
-    return True
+    return list(map(_first, done)).count(template.expect) == len(keys)
