@@ -5,10 +5,9 @@ key, checksum, timestamp and array data: the codec, flags, key length, the key's
 suffix and the whole ``.npy`` header (magic, dtype, shape, padding) are byte-for-byte the same.
 So the first record of such a dataset is parsed once into an :class:`NpyTemplate`, and every
 later record is checked against it with three cheap comparisons (its length, three header
-fields, and the bytes from the key's suffix to the end of the ``.npy`` header) as its data is
-copied straight out of the LMDB map (the batch path checks the length by the copy itself:
-:attr:`NpyTemplate.destinations` are exactly ``nbytes`` long). Anything that does not match
-takes the general decoder, which names the key on error.
+fields, and the bytes from the key's suffix to the end of the ``.npy`` header) before its data
+is copied straight out of the LMDB map. Anything that does not match takes the general decoder,
+which names the key on error.
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ class NpyTemplate:
     """
 
     __slots__ = ("size", "head", "lo", "hi", "dtype", "shape", "nbytes", "flat", "check",
-                 "expect", "data", "_destinations")
+                 "expect")
 
     def __init__(self, record: memoryview, key_len: int, header_len: int, dtype: np.dtype[Any],
                  count: int, shape: tuple[int, ...], nbytes: int) -> None:
@@ -50,8 +49,6 @@ class NpyTemplate:
         self.check = struct.Struct(
             f"{_FIELDS.format}{self.lo - HEADER.size}x{self.hi - self.lo}s").unpack_from
         self.expect = (*self.head, bytes(record[self.lo : self.hi]))
-        self.data = slice(self.hi, None)  # a record's array data
-        self._destinations: list[slice] = []
 
     @classmethod
     def of(cls, record: memoryview) -> NpyTemplate | None:
@@ -73,13 +70,6 @@ class NpyTemplate:
             return None
         return cls(record, key_len, header.offset, header.dtype, header.count, header.shape,
                    header.nbytes)
-
-    def destinations(self, count: int) -> list[slice]:
-        """Where the arrays of a batch of ``count`` records go in its flat buffer."""
-        if len(self._destinations) != count:  # made once per batch size, not per batch
-            nbytes = self.nbytes
-            self._destinations = [slice(i * nbytes, (i + 1) * nbytes) for i in range(count)]
-        return self._destinations
 
     def matches(self, record: memoryview) -> bool:
         return len(record) == self.size and self.check(record) == self.expect

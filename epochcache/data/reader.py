@@ -4,9 +4,7 @@ The read path is built for batches. :meth:`SampleReader.read_batch` reads a whol
 LMDB read transaction and, when the samples are fixed-shape ``.npy`` arrays stored raw, copies
 each one straight from the memory map into one preallocated batch tensor: one ``memcpy`` per
 sample, no per-sample tensor, no ``default_collate`` stacking, no header parsing (records are
-recognised by a template, see :mod:`epochcache.data.rawnpy`), and no Python bytecode per
-sample: get, check and copy run record by record in one C loop of chained iterators
-(:func:`_copy_uniform`), which at 1 KiB is where the time had gone. In a DataLoader worker that
+recognised by a template, see :mod:`epochcache.data.rawnpy`). In a DataLoader worker that
 tensor is allocated in shared memory, so handing it to the trainer costs no further copy, or,
 when small, leaves through the worker's pipe (:func:`epochcache.data.collate.piped`).
 WebDataset-style records of ``.npy`` arrays with ``.cls`` labels or ``.json`` documents get the
@@ -26,8 +24,6 @@ import logging
 import os
 import struct
 from collections.abc import Callable, Sequence
-from itertools import chain, islice, repeat, tee
-from operator import getitem, itemgetter, setitem
 from typing import Any
 
 import lmdb
@@ -54,7 +50,6 @@ log = logging.getLogger(__name__)
 _H = HEADER.size
 _unpack = HEADER.unpack_from
 _RAW, _FIELDS = int(Codec.RAW), int(RecordFlags.FIELDS)
-_first = itemgetter(0)
 ON_ERROR = ("raise", "skip")
 
 
@@ -391,81 +386,32 @@ class SampleReader:
                         raise _Fallback
                 batch = alloc_batch((len(keys), *template.shape), template.dtype)
                 out = memoryview(batch.numpy()).cast("B")
-                # Filled one entry per sample as the batch is read: how far it got, for a
-                # stall report (see _Progress).
-                done: list[Any] = []
+                size, hi, nbytes = template.size, template.hi, template.nbytes
+                check, expect = template.check, template.expect
                 if act is not None:
-                    act.key, act.resolve = _Progress(keys, done), self._key_at
-                if not _copy_uniform(template, first, get, db, keys, out, done):
-                    self._copy_each(template, get, db, keys, out, done)
+                    act.resolve = self.key_of  # names act.key only if a stall is reported
+                pos = 0
+                # One get, two comparisons and one memcpy per sample: this loop is the
+                # loader's throughput (see scripts/bench_loader.py). ``db`` is passed
+                # positionally: py-lmdb parses keyword arguments at ~0.25 us a call. The
+                # same steps as C loops over the batch (map, tee and zip: no bytecode per
+                # sample) measured 2% slower at 1 KiB and 3% at 64 KiB, and py-lmdb's
+                # Cursor.getmulti slower still (two cursor operations and a tuple per key):
+                # what a sample costs here is LMDB's lookup and the copy, not the loop.
+                for lmdb_key in keys:
+                    if act is not None:
+                        act.key = lmdb_key
+                    record = get(lmdb_key, None, db)
+                    if record is None:
+                        raise self._missing(int.from_bytes(lmdb_key, "big"))
+                    if len(record) == size and check(record) == expect:
+                        out[pos : pos + nbytes] = record[hi:]
+                    else:  # e.g. another key length: same array layout, another template
+                        other = self._template_of(record)
+                        if other is None or not template.same_array(other):
+                            raise _Fallback
+                        out[pos : pos + nbytes] = record[other.hi :]
+                    pos += nbytes
             finally:
                 end_read(txn)
         return batch
-
-    def _copy_each(self, template: NpyTemplate, get: Callable[..., Any], db: Any,
-                   keys: list[bytes], out: memoryview, done: list[Any]) -> None:
-        """Copy the batch's records one by one: some are missing, or of another key length
-        (the same array layout under another template), or not raw ``.npy`` at all.
-
-        Raises:
-            KeyError: a sample is missing.
-            _Fallback: a sample is not a raw ``.npy`` array of the first one's layout.
-        """
-        size, hi, nbytes = template.size, template.hi, template.nbytes
-        check, expect = template.check, template.expect
-        done.clear()
-        pos = 0
-        for lmdb_key in keys:
-            record = get(lmdb_key, None, db)
-            if record is None:
-                raise self._missing(int.from_bytes(lmdb_key, "big"))
-            if len(record) == size and check(record) == expect:
-                out[pos : pos + nbytes] = record[hi:]
-            else:
-                other = self._template_of(record)
-                if other is None or not template.same_array(other):
-                    raise _Fallback
-                out[pos : pos + nbytes] = record[other.hi :]
-            pos += nbytes
-            done.append(None)
-
-    def _key_at(self, progress: _Progress) -> str:
-        """The source key of the sample a stalled batch read is on (for stall reports)."""
-        keys = progress.keys
-        return self.key_of(keys[min(len(progress.done), len(keys) - 1)])
-
-
-class _Progress:
-    """Where a batch read is, for a stall report: the batch's LMDB keys, and a list that
-    grows by one entry per sample read (its length is the index of the sample being read).
-    Resolved to a source key only if a report needs it."""
-
-    __slots__ = ("keys", "done")
-
-    def __init__(self, keys: list[bytes], done: list[Any]) -> None:
-        self.keys, self.done = keys, done
-
-
-def _copy_uniform(template: NpyTemplate, first: memoryview, get: Callable[..., Any], db: Any,
-                  keys: list[bytes], out: memoryview, done: list[Any]) -> bool:
-    """Read every record of the batch, check it against ``template`` and copy its array into
-    ``out``, in one C loop: no Python bytecode per sample, the per-sample cost that dominated
-    batches of small samples (``scripts/bench_loader.py --rows``). Chained iterators run the
-    steps record by record (get, check, copy, then the next), as a Python loop would: reading
-    all records first and copying them after cost 6% more at 64 KiB, the copy no longer
-    finding the pages the get had just touched.
-
-    Returns False, with ``out`` partly written, when a record is missing or does not match:
-    the caller then goes one by one.
-    """
-    for_check, for_copy = tee(chain((first,), map(get, islice(keys, 1, None), repeat(None),
-                                                  repeat(db))))
-    try:
-        # A record longer or shorter than the template's fails the slice assignment: the
-        # copy checks the length.
-        done.extend(zip(map(template.check, for_check),
-                        map(setitem, repeat(out), template.destinations(len(keys)),
-                            map(getitem, for_copy, repeat(template.data)))))
-    except (TypeError, struct.error, ValueError):  # a missing record (None), or a bad one
-        return False
-    return list(map(_first, done)).count(template.expect) == len(keys)

@@ -3,10 +3,9 @@
 
 Invariant 6 (no hangs). Every process that reads samples (the training process and each
 DataLoader worker) gets one :class:`Watchdog`, started on first use, with a daemon thread that
-wakes a few times per ``stall_s``. Readers wrap each batch in :meth:`Watchdog.watch` and tell
-the returned :class:`Activity` which sample they are on: its key, or a token resolved to the
-key only if a report needs it (the raw ``.npy`` path reads a batch in C loops and leaves a
-token from which the sample each loop is on can be told, at no cost per sample). When an activity runs past the limit the thread writes
+wakes a few times per ``stall_s``. Readers wrap each batch in :meth:`Watchdog.watch` and write
+the key of the sample being read into the returned :class:`Activity` (one attribute store per
+sample, so it costs nothing measurable). When an activity runs past the limit the thread writes
 one line naming the process, the duration and the key, then ``faulthandler`` dumps every thread's
 stack -- the only way to see where a C call (a stuck NFS read, a deadlocked transform) sits.
 A training process waiting for its DataLoader workers also names the worker that owes the
