@@ -47,9 +47,10 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from loader_rows import FileDataset, LmdbDataset, fast_npy, npy  # noqa: E402
+
 from epochcache import Cache  # noqa: E402
 from epochcache.store.schema import seq_key  # noqa: E402
-from loader_rows import FileDataset, LmdbDataset, fast_npy, npy  # noqa: E402
 
 FLOATS = 16384  # 64 KiB of float32
 BATCH = 64

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """The loader rows side by side: cache.epochs() against its peers, and against another commit.
 
     .venv/bin/python scripts/bench_loader.py --rows [--json F]      this checkout and the peers
@@ -245,7 +244,7 @@ def serve() -> None:
         request = json.loads(line)
         try:
             reply: dict[str, Any] = {"ok": getattr(server, request["op"])(*request["args"])}
-        except Exception as exc:  # reported by the driver, which stops the run
+        except Exception as exc:  # noqa: BLE001 - reported by the driver, which stops the run
             reply = {"error": f"{type(exc).__name__}: {exc}"}
         sys.stdout.write(_REPLY + json.dumps(reply) + "\n")
         sys.stdout.flush()
@@ -363,6 +362,10 @@ def _ratio(a: list[float], b: list[float]) -> str:
     return f"{_median(ratios):.2f}x [{min(ratios):.2f}-{max(ratios):.2f}]"
 
 
+def _inverse_ratio(a: list[float], b: list[float]) -> str:
+    return _ratio(b, a)
+
+
 def report(result: dict[str, Any], names: list[str], sizes: tuple[int, ...]) -> None:
     """Two tables: throughput (samples/s, what a training job sees), and CPU cost (CPU
     microseconds per sample, of the process and its workers: what a busy machine disturbs
@@ -378,9 +381,7 @@ def report(result: dict[str, Any], names: list[str], sizes: tuple[int, ...]) -> 
     for metric, title in (("rate", "samples/s"), ("cpu_us", "CPU us/sample")):
         # A ratio reads "how many times better": samples/s over samples/s, or the other
         # side's CPU per sample over this one's.
-        def better(a: list[float], b: list[float]) -> str:
-            return _ratio(a, b) if metric == "rate" else _ratio(b, a)
-
+        better = _ratio if metric == "rate" else _inverse_ratio
         head = (f"row ({title}, median)", "value", "vs plain LMDB", "vs best peer",
                 "vs batched LMDB", "B/A" if "A" in names else "")
         rows: list[tuple[str, ...]] = []
