@@ -17,11 +17,11 @@ and its DataLoader workers (what the other jobs of a shared machine disturb leas
 Each side runs in a process of its own started with this venv's python and ``PYTHONPATH`` set to
 its tree, so each imports its own epochcache and builds its own cache of the same samples: A is
 COMMIT checked out into a temporary ``git worktree`` (no venv needed; removed afterwards), B this
-checkout as it is on disk. The peers run in a third process. In each round every row runs once,
-the two sides of a row back to back (A then B, B then A in the next round: the whole order is
-reversed every other round); a rate is the median of its rounds and a ratio the median of its
-per-round ratios, since these shared 2-core machines drift by up to 2x within minutes and a
-pair run back to back drifts together.
+checkout as it is on disk. The peers run in a third process. In each round every row runs, the
+two sides of a row back to back as A, B, B, A (each side's figure of the round is the mean of its
+two, so neither always runs first; the whole order is reversed every other round); a rate is the
+median of its rounds and a ratio the median of its per-round ratios, since these shared 2-core
+machines drift by up to 2x within minutes and a pair run back to back drifts together.
 """
 
 from __future__ import annotations
@@ -328,19 +328,28 @@ def run(ab: str | None = None, *, rounds: int = 3, sizes: tuple[int, ...] = SIZE
                 os.makedirs(os.path.join(root, name), exist_ok=True)
                 side.call("prepare", "peers" if name == "peers" else "ours",
                           os.path.join(root, name), size, counts[size])
+        # With two sides each row runs A, B, B, A in a round (the round's figure of a side is
+        # the mean of its two): a run right after another's teardown measured up to 15% more
+        # CPU with workers, so each side goes first as often as second.
+        order = [*names, *names[::-1]] if len(names) > 1 else names
         rows: list[tuple[str, str, int, int]] = []  # (side, row, size, workers)
         for size in sizes:
             for workers in (0, 2):
-                rows += [(name, "ours", size, workers) for name in names]
+                rows += [(name, "ours", size, workers) for name in order]
                 rows += [("peers", peer, size, workers) for peer in PEERS]
         measured: dict[str, dict[str, list[float]]] = result["measured"]
         for rnd in range(rounds):
             print(f"round {rnd + 1}/{rounds} ...", flush=True)
+            this_round: dict[str, dict[str, list[float]]] = {}
             for side, row, size, workers in (rows if rnd % 2 == 0 else rows[::-1]):
                 key = f"{side if row == 'ours' else row}/{size}/w{workers}"
                 got = sides[side].call("measure", row, size, workers, min_s)
                 for metric, value in got.items():
-                    measured.setdefault(key, {}).setdefault(metric, []).append(value)
+                    this_round.setdefault(key, {}).setdefault(metric, []).append(value)
+            for key, metrics in this_round.items():
+                for metric, values in metrics.items():
+                    measured.setdefault(key, {}).setdefault(metric, []).append(
+                        float(np.mean(values)))
     finally:
         for side in sides.values():
             side.close()
