@@ -81,8 +81,8 @@ def _from_pool(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 
 #: A worker's batches of up to this many bytes travel pickled through its result pipe (see
-#: :func:`piped`); larger ones in shared memory. Measured with 2 workers: the pipe carried 2-3x
-#: the batches a second of 64-256 KiB, about the same at 512 KiB, half at 1 MiB and beyond.
+#: :func:`piped`); larger ones in shared memory. Measured with 2 workers: the pipe carried
+#: 1.2-3.9x the batches a second of 64-256 KiB, 1.0-1.4x at 512 KiB, 0.47x at 1 MiB.
 PIPE_MAX_BYTES = 256 << 10
 
 #: What :class:`_Piped` carries: the dtypes with a numpy equivalent (it pickles ``.numpy()``).
