@@ -301,8 +301,9 @@ def _git(*args: str) -> str:
 
 
 def describe_checkout() -> str:
-    dirty = " + uncommitted changes" if _git("status", "--porcelain", "--untracked-files=no") else ""
-    return f"{_git('rev-parse', '--abbrev-ref', 'HEAD')} at {_git('rev-parse', '--short', 'HEAD')}{dirty}"
+    dirty = _git("status", "--porcelain", "--untracked-files=no")
+    branch, commit = _git("rev-parse", "--abbrev-ref", "HEAD"), _git("rev-parse", "--short", "HEAD")
+    return f"{branch} at {commit}" + (" + uncommitted changes" if dirty else "")
 
 
 def run(ab: str | None = None, *, rounds: int = 3, sizes: tuple[int, ...] = SIZES,
@@ -408,9 +409,10 @@ def report(result: dict[str, Any], names: list[str], sizes: tuple[int, ...]) -> 
                 batched = m[f"lmdb_batched/{size}/w{workers}"][metric]
                 pick = max if metric == "rate" else min
                 best = [pick(pair) for pair in zip(m[f"files/{size}/w{workers}"][metric], plain)]
+                digits = 0 if metric == "rate" else 2
                 for name in names:
                     ours = m[f"{name}/{size}/w{workers}"][metric]
-                    rows.append((f"{label}: epochs() {name}", f"{_median(ours):,.{0 if metric == 'rate' else 2}f}",
+                    rows.append((f"{label}: epochs() {name}", f"{_median(ours):,.{digits}f}",
                                  better(ours, plain), better(ours, best), better(ours, batched),
                                  better(ours, m[f"A/{size}/w{workers}"][metric])
                                  if name == "B" and "A" in names else ""))

@@ -327,7 +327,7 @@ def test_one_num_workers_default_for_runs_and_the_api(tmp_path: Path,
 
 @pytest.mark.parametrize("floats", [256, 16384])  # 1 KiB samples: batches through the
 def test_worker_batches_are_the_in_process_batches(tmp_path: Path, floats: int) -> None:
-    # pipe (collate.piped); 64 KiB: batches in shared memory. Either way the trainer gets
+    # pipe (collate.pipe_small); 64 KiB: batches in shared memory. Either way the trainer gets
     # the same writable tensors as in process, a field named twice as one tensor twice.
     from common.writer import npy_bytes, sample_array
 

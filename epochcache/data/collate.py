@@ -6,11 +6,11 @@ worker, already lives in shared memory (so sending it to the trainer copies noth
 Everything else (dicts of fields, tuples, numbers, strings) is collated field by field, ending
 in ``default_collate`` for types this module has no faster path for.
 
-Small batches leave a worker another way (:func:`piped`): torch hands a shared-memory tensor
-to the trainer as a new shared-memory file per batch whose descriptor goes over a socket and is
-mapped again, ~0.5-1 ms a batch here, while pickling up to :data:`PIPE_MAX_BYTES` of bytes
-through the worker's result pipe costs a few copies of them (a batch of 64 1 KiB samples: 2x
-the batches a second with 2 workers, ``scripts/bench_loader.py --rows``).
+Small batches leave a worker another way (:func:`pipe_small`): torch hands a shared-memory
+tensor to the trainer as a new shared-memory file per batch whose descriptor goes over a socket
+and is mapped again, ~0.5-1 ms a batch here, while pickling up to :data:`PIPE_MAX_BYTES` of
+bytes through the worker's result pipe costs a few copies of them (a batch of 64 1 KiB samples:
+2x the batches a second with 2 workers, ``scripts/bench_loader.py --rows``).
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def _from_pool(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 
 #: A worker's batches of up to this many bytes travel pickled through its result pipe (see
-#: :func:`piped`); larger ones in shared memory. Measured with 2 workers: the pipe carried
+#: :func:`pipe_small`); larger ones in shared memory. Measured with 2 workers: the pipe carried
 #: 1.2-3.9x the batches a second of 64-256 KiB, 1.0-1.4x at 512 KiB, 0.47x at 1 MiB.
 PIPE_MAX_BYTES = 256 << 10
 
@@ -104,7 +104,7 @@ def _torch_dtype(dtype: np.dtype[Any] | torch.dtype) -> torch.dtype:
 
 def alloc_batch(shape: tuple[int, ...], dtype: np.dtype[Any] | torch.dtype) -> torch.Tensor:
     """An uninitialised tensor for a batch; in shared memory inside a DataLoader worker,
-    unless it is small enough to leave the worker through its pipe (:func:`piped`).
+    unless it is small enough to leave the worker through its pipe (:func:`pipe_small`).
 
     In the training process the tensor may be one handed out before and since dropped by
     every holder (checked through reference counts), so its pages are already mapped.
@@ -114,9 +114,9 @@ def alloc_batch(shape: tuple[int, ...], dtype: np.dtype[Any] | torch.dtype) -> t
         return _from_pool(tuple(shape), tdtype)
     numel = int(np.prod(shape, dtype=np.int64))
     if numel * tdtype.itemsize <= PIPE_MAX_BYTES:
-        # Never pooled in a worker: a tensor that leaves without piped() is moved into shared
-        # memory in place by torch's pickler, and reusing it would write into a batch the
-        # trainer already holds.
+        # Never pooled in a worker: a tensor that leaves without pipe_small() is moved into
+        # shared memory in place by torch's pickler, and reusing it would write into a batch
+        # the trainer already holds.
         return torch.empty(shape, dtype=tdtype)
     # As default_collate does: allocate the shared storage directly instead of moving a
     # finished tensor into shared memory (which would copy the batch once more).
@@ -145,7 +145,7 @@ def _unpipe(data: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Te
     return torch.frombuffer(bytearray(data), dtype=dtype).view(shape)
 
 
-def piped(batch: Any) -> Any:
+def pipe_small(batch: Any) -> Any:
     """``batch`` as a DataLoader worker returns it: its tensors of up to
     :data:`PIPE_MAX_BYTES` (alone, or in a tuple or dict) wrapped to travel through the result
     pipe, arriving in the trainer as tensors; in the training process ``batch`` itself.

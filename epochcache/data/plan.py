@@ -17,7 +17,7 @@ import numpy as np
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from ..store.plans import Releaser
-from .collate import piped
+from .collate import pipe_small
 from .dataset import EpochDataset, snapshot_gone
 from .reader import SampleReader
 from .workers import WarmUp
@@ -170,7 +170,7 @@ class SeqBatches(Dataset[Any]):
     def __getitem__(self, batch: SeqBatch) -> Any:
         try:
             if self.collated:
-                return piped(self.reader.read_batch(batch.seqs))
+                return pipe_small(self.reader.read_batch(batch.seqs))
             return self.reader.read_samples(batch.seqs)
         except KeyError as exc:
             raise snapshot_gone(self.reader, batch.lease_id, batch.epoch, exc) from exc

@@ -6,7 +6,8 @@ each one straight from the memory map into one preallocated batch tensor: one ``
 sample, no per-sample tensor, no ``default_collate`` stacking, no header parsing (records are
 recognised by a template, see :mod:`epochcache.data.rawnpy`). In a DataLoader worker that
 tensor is allocated in shared memory, so handing it to the trainer costs no further copy, or,
-when small, leaves through the worker's pipe (:func:`epochcache.data.collate.piped`).
+when small, leaves through the worker's pipe
+(:func:`epochcache.data.collate.pipe_small`).
 WebDataset-style records of ``.npy`` arrays with ``.cls`` labels or ``.json`` documents get the
 same treatment field by field (:mod:`epochcache.data.rawfields`): one batch tensor per array
 field, the labels of a batch converted at once. ``fields=`` selects and orders fields into
