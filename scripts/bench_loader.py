@@ -44,11 +44,10 @@ from typing import Any
 import lmdb
 import numpy as np
 import torch
+from loader_rows import FileDataset, LmdbDataset, fast_npy, npy
 from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from loader_rows import FileDataset, LmdbDataset, fast_npy, npy  # noqa: E402
-
 from epochcache import Cache  # noqa: E402
 from epochcache.store.schema import seq_key  # noqa: E402
 

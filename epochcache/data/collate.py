@@ -6,9 +6,9 @@ worker, already lives in shared memory (so sending it to the trainer copies noth
 Everything else (dicts of fields, tuples, numbers, strings) is collated field by field, ending
 in ``default_collate`` for types this module has no faster path for.
 
-Small batches leave a worker another way (:func:`pipe_small`): torch hands a shared-memory
+Small batches leave a worker another way (`pipe_small`): torch hands a shared-memory
 tensor to the trainer as a new shared-memory file per batch whose descriptor goes over a socket
-and is mapped again, ~0.5-1 ms a batch here, while pickling up to :data:`PIPE_MAX_BYTES` of
+and is mapped again, ~0.5-1 ms a batch here, while pickling up to `PIPE_MAX_BYTES` of
 bytes through the worker's result pipe costs a few copies of them (a batch of 64 1 KiB samples:
 2x the batches a second with 2 workers, ``scripts/bench_loader.py --rows``).
 """
@@ -81,11 +81,11 @@ def _from_pool(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 
 #: A worker's batches of up to this many bytes travel pickled through its result pipe (see
-#: :func:`pipe_small`); larger ones in shared memory. Measured with 2 workers: the pipe carried
+#: `pipe_small`); larger ones in shared memory. Measured with 2 workers: the pipe carried
 #: 1.2-3.9x the batches a second of 64-256 KiB, 1.0-1.4x at 512 KiB, 0.47x at 1 MiB.
 PIPE_MAX_BYTES = 256 << 10
 
-#: What :class:`_Piped` carries: the dtypes with a numpy equivalent (it pickles ``.numpy()``).
+#: What `_Piped` carries: the dtypes with a numpy equivalent (it pickles ``.numpy()``).
 _PIPEABLE = frozenset((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32,
                        torch.int64, torch.float16, torch.float32, torch.float64,
                        torch.complex64, torch.complex128))
@@ -104,7 +104,7 @@ def _torch_dtype(dtype: np.dtype[Any] | torch.dtype) -> torch.dtype:
 
 def alloc_batch(shape: tuple[int, ...], dtype: np.dtype[Any] | torch.dtype) -> torch.Tensor:
     """An uninitialised tensor for a batch; in shared memory inside a DataLoader worker,
-    unless it is small enough to leave the worker through its pipe (:func:`pipe_small`).
+    unless it is small enough to leave the worker through its pipe (`pipe_small`).
 
     In the training process the tensor may be one handed out before and since dropped by
     every holder (checked through reference counts), so its pages are already mapped.
@@ -126,7 +126,7 @@ def alloc_batch(shape: tuple[int, ...], dtype: np.dtype[Any] | torch.dtype) -> t
 
 class _Piped:
     """A small batch tensor on its way out of a DataLoader worker: pickles as its bytes, and
-    unpickles in the trainer as a tensor again (:func:`_unpipe`)."""
+    unpickles in the trainer as a tensor again (`_unpipe`)."""
 
     __slots__ = ("tensor",)
 
@@ -147,7 +147,7 @@ def _unpipe(data: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Te
 
 def pipe_small(batch: Any) -> Any:
     """``batch`` as a DataLoader worker returns it: its tensors of up to
-    :data:`PIPE_MAX_BYTES` (alone, or in a tuple or dict) wrapped to travel through the result
+    `PIPE_MAX_BYTES` (alone, or in a tuple or dict) wrapped to travel through the result
     pipe, arriving in the trainer as tensors; in the training process ``batch`` itself.
 
     Anything not wrapped still travels the usual way (torch moves it into shared memory), so

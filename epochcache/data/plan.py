@@ -97,7 +97,7 @@ class EpochPlan:
         releaser.release(ends[batches])
 
     def _positions(self) -> list[int]:
-        """:meth:`position` after each number of batches, 0 to ``n_batches``: computed once
+        """`position` after each number of batches, 0 to ``n_batches``: computed once
         per epoch with numpy (the plan is complete by the first release), so a release per
         batch is a list lookup instead of two method calls."""
         batches = np.arange(self.n_batches + 1, dtype=np.int64)

@@ -5,9 +5,7 @@ LMDB read transaction and, when the samples are fixed-shape ``.npy`` arrays stor
 each one straight from the memory map into one preallocated batch tensor: one ``memcpy`` per
 sample, no per-sample tensor, no ``default_collate`` stacking, no header parsing (records are
 recognised by a template, see :mod:`epochcache.data.rawnpy`). In a DataLoader worker that
-tensor is allocated in shared memory, so handing it to the trainer costs no further copy, or,
-when small, leaves through the worker's pipe
-(:func:`epochcache.data.collate.pipe_small`).
+tensor is allocated in shared memory, so handing it to the trainer costs no further copy.
 WebDataset-style records of ``.npy`` arrays with ``.cls`` labels or ``.json`` documents get the
 same treatment field by field (:mod:`epochcache.data.rawfields`): one batch tensor per array
 field, the labels of a batch converted at once. ``fields=`` selects and orders fields into
@@ -15,6 +13,9 @@ tuples (:mod:`epochcache.data.fields`) on either path.
 
 A reader pickles as the cache path and its options -- never an LMDB handle: each process opens
 an environment of its own on first read (a forked worker too: it never uses the inherited one).
+
+A worker's small batches leave it through its result pipe rather than in shared memory
+(`epochcache.data.collate.pipe_small`: torch's shared-memory hand-off costs more below 256 KiB).
 """
 
 from __future__ import annotations

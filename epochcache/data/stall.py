@@ -303,7 +303,7 @@ class Watchdog:
 
 
 class _Watch:
-    """One :meth:`Watchdog.watch` block: the activity is watched from ``__enter__`` to
+    """One `Watchdog.watch` block: the activity is watched from ``__enter__`` to
     ``__exit__``. A class, not a generator: readers open one per batch, and two nested
     generator context managers cost 7 us a batch (3% of a batch of 64 1 KiB samples)."""
 
