@@ -2,6 +2,7 @@
 """epochcache benchmarks: every number is a ratio to a baseline measured in the same run.
 
     .venv/bin/python scripts/bench.py [--quick] [--out bench-results.json] [--only cache,...]
+    .venv/bin/python scripts/bench.py --ab COMMIT [--rounds 3] [--quick]
 
 Sections:
   cache    read path (Cache.get_many / Cache.get) vs raw lmdb get+copy vs one file per sample,
@@ -17,6 +18,10 @@ Sections:
            WebDataset on local tar shards, 0 and 2 workers; Pillow vs simplejpeg decoding
            (needs the bench extra: webdataset).
 Each section prints its own table; all results go into one JSON file.
+
+--ab COMMIT runs only the loader rows (scripts/loader_rows.py: epochs() at 1 KiB and 64 KiB, in
+process and with 2 workers, against the peers) for COMMIT, checked out into a temporary git
+worktree, and for this checkout, side by side in alternating rounds, with the ratio B/A per row.
 """
 
 from __future__ import annotations
@@ -272,12 +277,18 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="smaller sizes (a smoke run)")
     parser.add_argument("--out", default="bench-results.json")
     parser.add_argument("--only", default=",".join(SECTIONS), help="comma-separated sections")
+    parser.add_argument("--ab", metavar="COMMIT",
+                        help="only the loader rows, of COMMIT (A) and this checkout (B) side by side")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of --ab")
     args = parser.parse_args()
     results: dict[str, Any] = {
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "lmdb": lmdb.__version__},
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
-    for name in args.only.split(","):
+    if args.ab:
+        ab = ["--ab", args.ab, "--rounds", str(args.rounds)]
+        results["loader_ab"] = _script_section("bench_loader.py", ab, [*ab, "--quick"], "--json")(args.quick)
+    for name in [] if args.ab else args.only.split(","):
         run, show = SECTIONS[name]
         results[name] = run(args.quick)
         show(results[name])

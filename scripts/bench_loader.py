@@ -19,8 +19,13 @@ per-round ratios (these shared 2-core machines drift by up to 2x within minutes)
 epochs() with 0, 1 and 2 workers, without a transform and with the heavy one, three rounds in
 alternating order.
 
+`--rows` runs only the loader rows at 1 KiB and 64 KiB (epochs() in process and with 2 workers,
+against the peers), and `--ab COMMIT` the same rows for COMMIT and this checkout side by side
+(scripts/loader_rows.py).
+
 Usage: .venv/bin/python scripts/bench_loader.py [--samples 3000] [--json bench_loader.json]
        .venv/bin/python scripts/bench_loader.py --workers
+       .venv/bin/python scripts/bench_loader.py --rows | --ab COMMIT [--rounds 3] [--quick]
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from typing import Any
 import lmdb
 import numpy as np
 import torch
+from loader_rows import FileDataset, LmdbDataset, fast_npy, npy
 from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
@@ -51,52 +57,12 @@ ROUNDS = 5
 HEAVY = 3000  # samples per heavy-transform run (~1 s: shorter runs were too noisy)
 
 
-def npy(array: np.ndarray) -> bytes:
-    buf = io.BytesIO()
-    np.save(buf, array)
-    return buf.getvalue()
-
-
 def heavy(x: Any) -> torch.Tensor:
     """A CPU-heavy transform (~0.5 ms per sample), the same for every contender."""
     t = torch.as_tensor(x).reshape(128, 128).nan_to_num(0.0).clamp(-1, 1)
     for _ in range(6):
         t = torch.tanh(t @ t.T * 0.01)
     return t.reshape(-1)
-
-
-def _fast_npy(data: Any) -> np.ndarray:
-    # Peers get a fast decoder too (no np.load parsing): the data starts after the header.
-    return np.frombuffer(data, np.float32, count=FLOATS, offset=len(data) - FLOATS * 4).copy()
-
-
-class FileDataset(Dataset[Any]):
-    def __init__(self, paths: list[str]) -> None:
-        self.paths = paths
-
-    def __len__(self) -> int:
-        return len(self.paths)
-
-    def __getitem__(self, i: int) -> Any:
-        with open(self.paths[i], "rb") as f:
-            return _fast_npy(f.read())
-
-
-class LmdbDataset(Dataset[Any]):
-    def __init__(self, path: str, n: int) -> None:
-        self.path, self.n, self.env = path, n, None
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> Any:
-        if self.env is None:
-            self.env = lmdb.open(self.path, readonly=True, lock=False, readahead=False)
-        with self.env.begin(buffers=True) as txn:
-            return _fast_npy(txn.get(b"%08d" % i))
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"path": self.path, "n": self.n, "env": None}
 
 
 class NoIODataset(Dataset[Any]):
@@ -116,7 +82,7 @@ class NoIODataset(Dataset[Any]):
 
 
 def _wds_sample(sample: dict[str, Any]) -> tuple[np.ndarray, int]:
-    return _fast_npy(sample["npy"]), int(sample["cls"])
+    return fast_npy(sample["npy"], FLOATS), int(sample["cls"])
 
 
 def _wds_batch(samples: list[tuple[np.ndarray, int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -330,7 +296,24 @@ def main() -> None:
     parser.add_argument("--json", default="bench_loader.json")
     parser.add_argument("--workers", action="store_true",
                         help="only the num_workers sweep behind epochs()' default")
+    parser.add_argument("--rows", action="store_true",
+                        help="only the loader rows, 1 KiB and 64 KiB, against the peers "
+                             "(scripts/loader_rows.py)")
+    parser.add_argument("--ab", metavar="COMMIT",
+                        help="the loader rows of COMMIT (A) and of this checkout (B) side by side")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of --rows and --ab")
+    parser.add_argument("--quick", action="store_true", help="--rows/--ab: fewer samples")
+    parser.add_argument("--sizes", default="1024,65536",
+                        help="--rows/--ab: sample sizes in bytes, comma-separated")
     args = parser.parse_args()
+    if args.rows or args.ab:
+        import loader_rows
+
+        result = loader_rows.run(args.ab, rounds=args.rounds, quick=args.quick,
+                                 sizes=tuple(int(size) for size in args.sizes.split(",")))
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+        return
     if args.workers:
         result = workers_sweep(args.samples)
         with open(args.json, "w") as f:
@@ -381,8 +364,8 @@ def main() -> None:
             measure = {
                 "ours_default": lambda: ours_rate(cache),
                 "bare_copy": lambda: bare_copy_rate(cache, seqs_shuffled),
-                "files_inproc": lambda: rate(DataLoader(FileDataset(files), BATCH, shuffle=True)),
-                "lmdb_inproc": lambda: rate(DataLoader(LmdbDataset(plain, n), BATCH,
+                "files_inproc": lambda: rate(DataLoader(FileDataset(files, FLOATS), BATCH, shuffle=True)),
+                "lmdb_inproc": lambda: rate(DataLoader(LmdbDataset(plain, n, FLOATS), BATCH,
                                                        shuffle=True)),
                 # Both sides start workers the platform's way (fork on Linux) and are timed
                 # over two epochs after a warm-up one: a forked worker's first epoch in a
@@ -409,9 +392,9 @@ def main() -> None:
         for name, values in rounds.items():
             r[name] = float(np.median(values))
         # Workers are slow here (IPC-bound, see the issue): one run each is enough to show it.
-        r["files_w2"] = rate(DataLoader(FileDataset(files), BATCH, shuffle=True, num_workers=2,
+        r["files_w2"] = rate(DataLoader(FileDataset(files, FLOATS), BATCH, shuffle=True, num_workers=2,
                                         persistent_workers=True))
-        r["lmdb_w2"] = rate(DataLoader(LmdbDataset(plain, n), BATCH, shuffle=True, num_workers=2,
+        r["lmdb_w2"] = rate(DataLoader(LmdbDataset(plain, n, FLOATS), BATCH, shuffle=True, num_workers=2,
                                        persistent_workers=True))
         r["fields_wds_w2"] = rate(wds_loader(shards, 2))
         r["fields_vs_npy_rounds"] = [a / b for a, b in zip(rounds["fields_ours"],

@@ -325,3 +325,24 @@ def test_one_num_workers_default_for_runs_and_the_api(tmp_path: Path,
     # Under DDP the ranks of a node share its cores: cores // local world size each, at least 1.
     assert default_num_workers(_pid, 2) == max(1, cores // 2)
     assert default_num_workers(_pid, 4 * cores) == 1
+
+
+@pytest.mark.parametrize("floats", [256, 16384])  # 1 KiB samples: batches through the
+def test_worker_batches_are_the_in_process_batches(tmp_path: Path, floats: int) -> None:
+    # pipe (collate.pipe_small); 64 KiB: batches in shared memory. Either way the trainer gets
+    # the same writable tensors as in process, a field named twice as one tensor twice.
+    from common.writer import npy_bytes, sample_array
+
+    cache = Cache(tmp_path / "c", "64MiB", sync=False)
+    cache.put_many([(f"s/{i:07d}.npy", npy_bytes(sample_array(i, floats))) for i in range(40)])
+    got: dict[int, list[bytes]] = {}
+    for workers in (0, 2):
+        got[workers] = []
+        for _epoch, loader in cache.epochs(1, batch_size=16, num_workers=workers, seed=3,
+                                           fields=("npy", "npy")):
+            for first, second in loader:
+                assert first is second and isinstance(first, torch.Tensor)
+                assert first.shape[1:] == (floats,) and first.dtype == torch.float32
+                got[workers].append(first.numpy().tobytes())
+                first.add_(1)  # a batch is the trainer's to change
+    assert got[0] == got[2] and len(got[0]) == 3

@@ -1,0 +1,435 @@
+"""The loader rows side by side: cache.epochs() against its peers, and against another commit.
+
+    .venv/bin/python scripts/bench_loader.py --rows [--json F]      this checkout and the peers
+    .venv/bin/python scripts/bench_loader.py --ab COMMIT [--json F] COMMIT (A) vs this checkout (B)
+    .venv/bin/python scripts/bench.py --ab COMMIT                   the same, from bench.py
+
+Rows, for 1 KiB and 64 KiB random float32 ``.npy`` samples (stored raw, page cache warm):
+``cache.epochs()`` with its default loader in process and with ``num_workers=2``, and the peers
+of bench_loader.py, each in process and with 2 workers: a Dataset of one file per sample, the
+plain LMDB Dataset (a ``get`` per ``__getitem__``), and a plain LMDB Dataset that reads a batch
+at once (DataLoader's ``__getitems__`` with py-lmdb's ``Cursor.getmulti``: what a careful
+hand-written reader does). "Best peer" is the faster of the first two with as many workers (the
+issue's measure); the batched one has a column of its own. Each row is measured twice over:
+samples per second (what a training job sees) and CPU microseconds per sample, of the process
+and its DataLoader workers (what the other jobs of a shared machine disturb least).
+
+Each side runs in a process of its own started with this venv's python and ``PYTHONPATH`` set to
+its tree, so each imports its own epochcache and builds its own cache of the same samples: A is
+COMMIT checked out into a temporary ``git worktree`` (no venv needed; removed afterwards), B this
+checkout as it is on disk. The peers run in a third process. In each round every row runs, the
+two sides of a row back to back as A, B, B, A (each side's figure of the round is the mean of its
+two, so neither always runs first; the whole order is reversed every other round); a rate is the
+median of its rounds and a ratio the median of its per-round ratios, since these shared 2-core
+machines drift by up to 2x within minutes and a pair run back to back drifts together.
+"""
+
+from __future__ import annotations
+
+import glob
+import io
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import lmdb
+import numpy as np
+from torch.utils.data import DataLoader, Dataset
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+BATCH = 64
+SIZES = (1024, 64 * 1024)
+#: Samples per size: an epoch of 0.05-0.5 s in process, over a second with workers.
+SAMPLES = {1024: 50_000, 64 * 1024: 4_000}
+QUICK = {1024: 10_000, 64 * 1024: 800}
+PEERS = ("files", "lmdb", "lmdb_batched")
+_REPLY = "@@loader_rows "  # marks a server's replies among whatever else it prints
+
+
+# -- the peers (also bench_loader.py's) -------------------------------------------------------
+
+
+def npy(array: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, array)
+    return buf.getvalue()
+
+
+def fast_npy(data: Any, floats: int) -> np.ndarray:
+    """Peers get a fast decoder too (no np.load parsing): the data ends the record."""
+    return np.frombuffer(data, np.float32, count=floats, offset=len(data) - floats * 4).copy()
+
+
+class FileDataset(Dataset[Any]):
+    def __init__(self, paths: list[str], floats: int) -> None:
+        self.paths, self.floats = paths, floats
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, i: int) -> Any:
+        with open(self.paths[i], "rb") as f:
+            return fast_npy(f.read(), self.floats)
+
+
+class LmdbDataset(Dataset[Any]):
+    """The plain LMDB peer: one read transaction and one get per sample."""
+
+    def __init__(self, path: str, n: int, floats: int) -> None:
+        self.path, self.n, self.floats = path, n, floats
+        self.env: lmdb.Environment | None = None
+
+    def __len__(self) -> int:
+        return self.n
+
+    def _env(self) -> lmdb.Environment:
+        if self.env is None:
+            self.env = lmdb.open(self.path, readonly=True, lock=False, readahead=False)
+        return self.env
+
+    def __getitem__(self, i: int) -> Any:
+        with self._env().begin(buffers=True) as txn:
+            return fast_npy(txn.get(b"%08d" % i), self.floats)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"path": self.path, "n": self.n, "floats": self.floats, "env": None}
+
+
+class LmdbBatchedDataset(LmdbDataset):
+    """The plain LMDB peer reading a batch at once: DataLoader hands ``__getitems__`` the batch's
+    indices; one transaction and one ``Cursor.getmulti`` for them all."""
+
+    def __getitems__(self, indices: list[int]) -> list[np.ndarray]:
+        with self._env().begin(buffers=True) as txn:
+            pairs = txn.cursor().getmulti([b"%08d" % i for i in indices])
+            return [fast_npy(value, self.floats) for _key, value in pairs]
+
+
+def samples(size: int, count: int) -> list[bytes]:
+    """The benchmark's samples: ``count`` random float32 arrays of ``size`` bytes, the same on
+    every call (random bit patterns: incompressible, stored raw)."""
+    rng = np.random.default_rng(size)
+    floats = size // 4
+    return [npy(rng.integers(0, 2**32, floats, dtype=np.uint32).view(np.float32))
+            for _ in range(count)]
+
+
+def cpu_s() -> float:
+    """CPU seconds of this process (all its threads) and of its live descendants (DataLoader
+    workers, forked by it or by a forkserver it started): what a row costs, which a shared
+    machine disturbs far less than the time it takes."""
+    reaped = resource.getrusage(resource.RUSAGE_CHILDREN)  # children that ended, waited for
+    total = time.process_time() + reaped.ru_utime + reaped.ru_stime
+    tick = os.sysconf("SC_CLK_TCK")
+    pending, seen = [os.getpid()], set()
+    while pending:
+        parent = pending.pop()
+        for tasks in glob.glob(f"/proc/{parent}/task/*/children"):
+            try:
+                with open(tasks) as f:
+                    children = [int(pid) for pid in f.read().split()]
+            except OSError:  # gone meanwhile
+                continue
+            for pid in children:
+                if pid in seen:
+                    continue
+                seen.add(pid)
+                pending.append(pid)
+                try:
+                    with open(f"/proc/{pid}/stat") as f:
+                        fields = f.read().rsplit(")", 1)[1].split()
+                except OSError:
+                    continue
+                total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return total
+
+
+class Timer:
+    """Samples counted over a timed stretch: samples per second and CPU microseconds per
+    sample (of the process and its workers)."""
+
+    def __init__(self) -> None:
+        self.n, self.wall, self.cpu = 0, time.perf_counter(), cpu_s()
+
+    def result(self) -> dict[str, float]:
+        wall, cpu = time.perf_counter() - self.wall, cpu_s() - self.cpu
+        return {"rate": self.n / wall, "cpu_us": cpu / self.n * 1e6}
+
+
+def rate(loader: Any, min_s: float, passes: int = 2) -> dict[str, float]:
+    """Over at least ``passes`` full passes and ``min_s`` seconds after a warm-up pass."""
+    for _ in loader:
+        pass
+    done, timer = 0, Timer()
+    while done < passes or time.perf_counter() - timer.wall < min_s:
+        for batch in loader:
+            timer.n += len(batch)
+        done += 1
+    return timer.result()
+
+
+def ours_rate(cache: Any, min_s: float, epochs: int = 2, **kw: Any) -> dict[str, float]:
+    """``cache.epochs()`` over at least ``epochs`` epochs and ``min_s`` seconds after a warm-up
+    epoch (workers start, pages mapped); epoch boundaries included."""
+    timer = Timer()
+    for epoch, loader in cache.epochs(1 << 30, batch_size=BATCH, **kw):
+        if epoch == 0:
+            for _ in loader:
+                pass
+            timer = Timer()
+            continue
+        for batch in loader:
+            timer.n += len(batch)
+        if epoch >= epochs and time.perf_counter() - timer.wall >= min_s:
+            return timer.result()  # before epochs() shuts its workers down
+    raise AssertionError("unreachable")
+
+
+# -- a side's process ---------------------------------------------------------------------------
+
+
+class _Server:
+    """What one process holds: the caches it built (ours) or the peers' files and LMDB."""
+
+    def __init__(self) -> None:
+        self.caches: dict[int, Any] = {}
+        self.peers: dict[int, tuple[list[str], str, int]] = {}
+
+    def where(self) -> str:
+        import epochcache
+
+        return os.path.dirname(os.path.dirname(os.path.abspath(epochcache.__file__)))
+
+    def prepare(self, kind: str, root: str, size: int, count: int) -> None:
+        blobs = samples(size, count)
+        if kind == "ours":
+            from epochcache import Cache
+
+            cache = Cache(os.path.join(root, f"ours-{size}"), "4GiB", sync=False)
+            for start in range(0, count, 1000):
+                cache.put_many([(f"train/{i:07d}.npy", blobs[i])
+                                for i in range(start, min(count, start + 1000))])
+            self.caches[size] = cache
+            return
+        files = []
+        os.makedirs(os.path.join(root, f"files-{size}"))
+        for i, blob in enumerate(blobs):
+            files.append(os.path.join(root, f"files-{size}", f"{i:07d}.npy"))
+            with open(files[-1], "wb") as f:
+                f.write(blob)
+        plain = os.path.join(root, f"plain-{size}")
+        env = lmdb.open(plain, map_size=4 << 30)
+        with env.begin(write=True) as txn:
+            for i, blob in enumerate(blobs):
+                txn.put(b"%08d" % i, blob)
+        env.close()
+        self.peers[size] = (files, plain, count)
+
+    def measure(self, row: str, size: int, workers: int, min_s: float) -> dict[str, float]:
+        if row == "ours":
+            return ours_rate(self.caches[size], min_s, num_workers=workers)
+        files, plain, count = self.peers[size]
+        floats = size // 4
+        dataset: Dataset[Any] = (FileDataset(files, floats) if row == "files"
+                                 else LmdbDataset(plain, count, floats) if row == "lmdb"
+                                 else LmdbBatchedDataset(plain, count, floats))
+        return rate(DataLoader(dataset, BATCH, shuffle=True, num_workers=workers,
+                               persistent_workers=workers > 0), min_s)
+
+
+def serve() -> None:
+    """Answer the driver's requests, one JSON line each, until stdin ends."""
+    server = _Server()
+    for line in sys.stdin:
+        request = json.loads(line)
+        try:
+            reply: dict[str, Any] = {"ok": getattr(server, request["op"])(*request["args"])}
+        except Exception as exc:  # noqa: BLE001 - reported by the driver, which stops the run
+            reply = {"error": f"{type(exc).__name__}: {exc}"}
+        sys.stdout.write(_REPLY + json.dumps(reply) + "\n")
+        sys.stdout.flush()
+
+
+class _Side:
+    """The driver's handle on a side's process."""
+
+    def __init__(self, name: str, tree: str) -> None:
+        self.name, self.tree = name, tree
+        env = dict(os.environ, PYTHONPATH=tree)
+        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     env=env, cwd=tree)
+
+    def call(self, op: str, *args: Any) -> Any:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps({"op": op, "args": args}) + "\n")
+        self.proc.stdin.flush()
+        for line in self.proc.stdout:
+            if line.startswith(_REPLY):
+                reply = json.loads(line[len(_REPLY):])
+                if "error" in reply:
+                    raise RuntimeError(f"side {self.name} ({self.tree}): {op}{args}: "
+                                       f"{reply['error']}")
+                return reply["ok"]
+            sys.stdout.write(line)  # something the side printed
+        raise RuntimeError(f"side {self.name} ({self.tree}) exited "
+                           f"({self.proc.wait()}) during {op}{args}")
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+# -- the driver ---------------------------------------------------------------------------------
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", "-C", REPO, *args], check=True, capture_output=True,
+                          text=True).stdout.strip()
+
+
+def describe_checkout() -> str:
+    dirty = _git("status", "--porcelain", "--untracked-files=no")
+    branch, commit = _git("rev-parse", "--abbrev-ref", "HEAD"), _git("rev-parse", "--short", "HEAD")
+    return f"{branch} at {commit}" + (" + uncommitted changes" if dirty else "")
+
+
+def run(ab: str | None = None, *, rounds: int = 3, sizes: tuple[int, ...] = SIZES,
+        quick: bool = False, min_s: float = 1.0) -> dict[str, Any]:
+    """Measure the rows for this checkout (and, with ``ab``, that commit); print the table."""
+    root = tempfile.mkdtemp(prefix="bench-rows-", dir=os.environ.get("EPOCHCACHE_BENCH_DIR"))
+    tree_a = os.path.join(root, "tree-a")
+    counts = QUICK if quick else SAMPLES
+    sides: dict[str, _Side] = {}
+    result: dict[str, Any] = {"rounds": rounds, "batch": BATCH, "cpus": os.cpu_count(),
+                              "samples": {str(s): counts[s] for s in sizes},
+                              "B": describe_checkout(), "measured": {}}
+    try:
+        names = ["B"]
+        if ab is not None:
+            _git("worktree", "add", "--detach", tree_a, ab)
+            result["A"] = _git("-C", tree_a, "log", "-1", "--format=%h %s")[:100]
+            names = ["A", "B"]
+        for name in names:
+            sides[name] = _Side(name, tree_a if name == "A" else REPO)
+        sides["peers"] = _Side("peers", REPO)
+        for name, side in sides.items():
+            where = side.call("where")
+            expected = tree_a if name == "A" else REPO
+            if os.path.realpath(where) != os.path.realpath(expected):
+                raise RuntimeError(f"side {name} imports epochcache from {where}, not {expected}")
+        for size in sizes:
+            print(f"preparing {counts[size]} samples of {size} bytes ...", flush=True)
+            for name, side in sides.items():
+                os.makedirs(os.path.join(root, name), exist_ok=True)
+                side.call("prepare", "peers" if name == "peers" else "ours",
+                          os.path.join(root, name), size, counts[size])
+        # With two sides each row runs A, B, B, A in a round (the round's figure of a side is
+        # the mean of its two): a run right after another's teardown measured up to 15% more
+        # CPU with workers, so each side goes first as often as second.
+        order = [*names, *names[::-1]] if len(names) > 1 else names
+        rows: list[tuple[str, str, int, int]] = []  # (side, row, size, workers)
+        for size in sizes:
+            for workers in (0, 2):
+                rows += [(name, "ours", size, workers) for name in order]
+                rows += [("peers", peer, size, workers) for peer in PEERS]
+        measured: dict[str, dict[str, list[float]]] = result["measured"]
+        for rnd in range(rounds):
+            print(f"round {rnd + 1}/{rounds} ...", flush=True)
+            this_round: dict[str, dict[str, list[float]]] = {}
+            for side, row, size, workers in (rows if rnd % 2 == 0 else rows[::-1]):
+                key = f"{side if row == 'ours' else row}/{size}/w{workers}"
+                got = sides[side].call("measure", row, size, workers, min_s)
+                for metric, value in got.items():
+                    this_round.setdefault(key, {}).setdefault(metric, []).append(value)
+            for key, metrics in this_round.items():
+                for metric, values in metrics.items():
+                    measured.setdefault(key, {}).setdefault(metric, []).append(
+                        float(np.mean(values)))
+    finally:
+        for side in sides.values():
+            side.close()
+        if os.path.exists(tree_a):
+            subprocess.run(["git", "-C", REPO, "worktree", "remove", "--force", tree_a],
+                           check=False)
+        shutil.rmtree(root, ignore_errors=True)
+    report(result, names, sizes)
+    return result
+
+
+def _median(values: list[float]) -> float:
+    return float(np.median(values))
+
+
+def _ratio(a: list[float], b: list[float]) -> str:
+    """The median of the per-round ratios a/b, and their range."""
+    ratios = [x / y for x, y in zip(a, b)]
+    return f"{_median(ratios):.2f}x [{min(ratios):.2f}-{max(ratios):.2f}]"
+
+
+def _inverse_ratio(a: list[float], b: list[float]) -> str:
+    return _ratio(b, a)
+
+
+def report(result: dict[str, Any], names: list[str], sizes: tuple[int, ...]) -> None:
+    """Two tables: throughput (samples/s, what a training job sees), and CPU cost (CPU
+    microseconds per sample, of the process and its workers: what a busy machine disturbs
+    least). Ratios are per round, A and B and the peers of a round run back to back."""
+    m = result["measured"]
+    print()
+    if "A" in result:
+        print(f"A = {result['A']}")
+    print(f"B = {result['B']}")
+    print(f"{result['rounds']} rounds, batches of {result['batch']}; each ratio is the median of "
+          "its per-round ratios [their range]; best peer = the faster of the file-per-sample and "
+          "plain LMDB Datasets with as many workers")
+    for metric, title in (("rate", "samples/s"), ("cpu_us", "CPU us/sample")):
+        # A ratio reads "how many times better": samples/s over samples/s, or the other
+        # side's CPU per sample over this one's.
+        better = _ratio if metric == "rate" else _inverse_ratio
+        head = (f"row ({title}, median)", "value", "vs plain LMDB", "vs best peer",
+                "vs batched LMDB", "B/A" if "A" in names else "")
+        rows: list[tuple[str, ...]] = []
+        for size in sizes:
+            for workers in (0, 2):
+                label = f"{size // 1024} KiB, {'in process' if workers == 0 else '2 workers'}"
+                plain = m[f"lmdb/{size}/w{workers}"][metric]
+                batched = m[f"lmdb_batched/{size}/w{workers}"][metric]
+                pick = max if metric == "rate" else min
+                best = [pick(pair) for pair in zip(m[f"files/{size}/w{workers}"][metric], plain)]
+                digits = 0 if metric == "rate" else 2
+                for name in names:
+                    ours = m[f"{name}/{size}/w{workers}"][metric]
+                    rows.append((f"{label}: epochs() {name}", f"{_median(ours):,.{digits}f}",
+                                 better(ours, plain), better(ours, best), better(ours, batched),
+                                 better(ours, m[f"A/{size}/w{workers}"][metric])
+                                 if name == "B" and "A" in names else ""))
+            for peer, peer_title in (("files", "file per sample"), ("lmdb", "plain LMDB"),
+                                     ("lmdb_batched", "plain LMDB, batched")):
+                values = [_median(m[f"{peer}/{size}/w{w}"][metric]) for w in (0, 2)]
+                rows.append((f"{size // 1024} KiB peer: {peer_title}, in process / 2 workers",
+                             " / ".join(f"{v:,.{0 if metric == 'rate' else 2}f}" for v in values),
+                             "", "", "", ""))
+        print()
+        widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+        for r in [head, *rows]:
+            print("  ".join(cell.ljust(widths[i]) for i, cell in enumerate(r)).rstrip())
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--serve"]:
+        serve()
+    else:
+        raise SystemExit("run through scripts/bench_loader.py --rows or --ab COMMIT")
