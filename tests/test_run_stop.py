@@ -385,3 +385,53 @@ def test_run_workers_ignore_ctrl_c_and_still_end_on_sigterm(tmp_path: Path, cont
     assert expected in proc.stdout, proc.stdout + proc.stderr
     if context == "forkserver":
         assert "forkserver blocks ['SIGINT', 'SIGTERM']" in proc.stdout, proc.stdout
+
+
+WORKER_DEATHS = """\
+import os, signal, subprocess, sys, time
+import numpy as np
+from torch.utils.data import DataLoader, Dataset
+from epochcache.run.signals import StopSignals
+
+
+class Slow(Dataset):
+    def __len__(self):
+        return 1000
+
+    def __getitem__(self, i):
+        time.sleep(0.05)
+        return np.zeros(4)
+
+
+if __name__ == "__main__":
+    stop = StopSignals().install()
+    it = iter(DataLoader(Slow(), batch_size=2, num_workers=2))  # torch's SIGCHLD handler is set
+    next(it)
+    # A group SIGTERM from outside (a worker exits quietly on its parent's SIGTERM only): the
+    # run's stop request, and its workers' end.
+    pids = [os.getpid()] + [worker.pid for worker in it._workers]
+    subprocess.run(["kill", "-TERM", *map(str, pids)], check=True)
+    try:
+        for _ in range(40):  # the run's clean-up: a lease released, a log line written
+            time.sleep(0.05)
+            print("cleaning up", file=sys.stderr, flush=True)
+    except RuntimeError as exc:
+        print("RAISED", exc, flush=True)
+        sys.exit(3)
+    assert stop.requested
+    print("CLEAN", flush=True)
+"""
+
+
+def test_workers_that_a_group_sigterm_ends_do_not_raise_into_the_runs_clean_up(
+        tmp_path: Path) -> None:
+    """A group SIGTERM ends the run's DataLoader workers at once, and torch's SIGCHLD handler
+    raised their deaths from wherever the run's main thread was: inside a log call of its
+    clean-up, a 'Logging error' traceback in the output (test_a_group_sigterm_during_a_long_step
+    failed on it in a full run). Once the run has been asked to stop, their deaths no longer
+    raise; the loader still says so where it is read."""
+    script = tmp_path / "deaths.py"
+    script.write_text(WORKER_DEATHS)
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                            timeout=120, cwd=tmp_path, check=False)
+    assert result.returncode == 0 and "CLEAN" in result.stdout, result.stdout + result.stderr

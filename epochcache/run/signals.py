@@ -16,7 +16,8 @@ included. Workers started by the run ignore SIGINT (`quiet_worker`, their
 ``worker_init_fn``): the run stops them in order itself, where a worker that Ctrl-C interrupts
 quits mid-epoch or, while it starts, prints a KeyboardInterrupt traceback. SIGTERM keeps torch's
 handler in them (they end at once, silently); what that breaks in the run's loader is taken for
-the stop it is. Workers started from multiprocessing's forkserver come from a process in the
+the stop it is, and torch's SIGCHLD handler, which would raise their deaths from anywhere in the
+run (its clean-up included), is taken out once the run stops. Workers started from multiprocessing's forkserver come from a process in the
 same group, which a group SIGTERM used to end (every worker start after it failed, half-way)
 and a Ctrl-C while it started to print a traceback: `shelter_forkserver` starts it with
 both signals blocked.
@@ -80,6 +81,7 @@ class StopSignals:
         # No logging, no locks here: the main thread may be inside either.
         if self.signum is None:
             self.signum = signum
+            _quiet_worker_deaths()
             if signum == signal.SIGTERM and signal.SIGTERM in self._previous:
                 # A second SIGTERM ends the process at once (the previous action).
                 signal.signal(signal.SIGTERM, self._previous[signal.SIGTERM])
@@ -102,6 +104,17 @@ class StopSignals:
         """Raise `exception` when a stop was requested (a safe point of the run)."""
         if self.signum is not None:
             raise self.exception()
+
+
+def _quiet_worker_deaths() -> None:
+    """Once the run stops, its DataLoader workers' deaths are expected (a group SIGTERM ends
+    them at once): take torch's SIGCHLD handler out, which raised "DataLoader worker ... is
+    killed by signal" from wherever the main thread was, inside a logging call of the
+    run's clean-up too (a "Logging error" traceback in the run's output). A loader whose
+    workers are gone still says so where it is read, at a point the run expects it."""
+    handler = signal.getsignal(signal.SIGCHLD) if hasattr(signal, "SIGCHLD") else None
+    if callable(handler) and getattr(handler, "__module__", "").startswith("torch.utils.data"):
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
 
 
 def quiet_worker(worker_id: int) -> None:
