@@ -82,6 +82,7 @@ def test_ddp_config_takes_node_identity_from_torchrun() -> None:
     assert load_config(REPO / "configs" / "ddp.yaml", environ=env).sampler.node(env) == (1, 2)
 
 
+@pytest.mark.slow  # the default suite runs configs/s3.yaml against moto in docs/howto/runs.md
 def test_s3_config_runs_one_epoch_against_moto(s3: S3Env, tmp_path: Path) -> None:
     write_demo_data(s3.url("train"), 2000, "tar", s3.storage_options)
     env = dict(os.environ)

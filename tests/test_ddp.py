@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as tmp
+from common.procs import platform_start_method
 from common.writer import fill
 from conftest import free_port
 
@@ -20,6 +21,7 @@ NODES, LOCAL = 2, 2
 
 
 def _rank_main(local_rank: int, node: int, port: int, dirs: list[str], out: str) -> None:
+    platform_start_method()
     rank = node * LOCAL + local_rank
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(NODES * LOCAL),
                        "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(LOCAL),

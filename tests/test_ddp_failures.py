@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from common.procs import as_launched
 from common.writer import fill
 from conftest import free_port
 
@@ -33,7 +34,8 @@ def _join_env(rank: int, world_size: int, port: int, local_world_size: int | Non
 
 def _start_ranks(target: Any, world_size: int, *args: Any) -> list[Any]:
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=target, args=(rank, *args)) for rank in range(world_size)]
+    procs = [ctx.Process(target=as_launched, args=(target, rank, *args))
+             for rank in range(world_size)]
     for p in procs:
         p.start()
     return procs
@@ -146,7 +148,8 @@ def _two_ranks(tmp_path: Path, envs: list[dict[str, str]], paths: list[str]) -> 
     """Run :func:`_read_epoch` on two ranks; each one's ids (as text) or error."""
     ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=_read_epoch, args=(r, port, envs[r], paths[r], str(tmp_path)))
+    procs = [ctx.Process(target=as_launched,
+                         args=(_read_epoch, r, port, envs[r], paths[r], str(tmp_path)))
              for r in range(2)]
     for p in procs:
         p.start()

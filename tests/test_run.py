@@ -493,9 +493,12 @@ def wait_for_file(path: Path, proc: subprocess.Popen[str], timeout_s: float) -> 
     ("target", "workers"),
     [
         ("process", 0),
-        ("group", 0),
-        ("group", 2),  # DataLoader workers (forkserver) must not be orphaned either
-        ("sigterm", 0),  # a scheduler preempting the job (Slurm, Kubernetes), or torchrun
+        # Slow: test_run_stop's matrix stops a run with a group SIGINT and a SIGTERM at each
+        # moment in the default suite, and the resume matrix resumes a run after a SIGTERM.
+        pytest.param("group", 0, marks=pytest.mark.slow),
+        ("group", 2),  # DataLoader workers must not be orphaned either
+        # a scheduler preempting the job (Slurm, Kubernetes), or torchrun
+        pytest.param("sigterm", 0, marks=pytest.mark.slow),
     ],
 )
 def test_ctrl_c_mid_epoch_stops_cleanly(tmp_path: Path, target: str, workers: int) -> None:
