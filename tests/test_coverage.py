@@ -280,7 +280,7 @@ def test_run_logs_coverage_per_epoch_and_plots_it(tmp_path: Path) -> None:
     plot and ``epochcache plot`` draw the coverage curve beside the fill panels."""
     from test_run import assert_png, cli, demo_config, read_metrics, write_yaml
 
-    write_yaml(tmp_path / "cfg.yaml", demo_config(tmp_path, train={"epochs": 2}))
+    write_yaml(tmp_path / "cfg.yaml", demo_config(tmp_path, train={"epochs": 2, "plot": True}))
     result = cli("run", "cfg.yaml", cwd=tmp_path)
     assert result.returncode == 0, result
     assert "coverage " in result.stderr and "samples (" in result.stderr, result

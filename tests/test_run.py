@@ -110,6 +110,8 @@ def demo_config(workdir: Path, **sections: dict[str, Any]) -> dict[str, Any]:
             "run_dir": "runs/demo",
             "seed": 0,
             "options": {"lr": 0.05, "hidden": 64},
+            # run.png takes a second of CPU per run: the tests that look at it ask for it
+            "plot": False,
         },
     }
     for name, values in sections.items():
@@ -185,7 +187,7 @@ class DemoRun:
 def demo_run(tmp_path_factory: pytest.TempPathFactory) -> DemoRun:
     """The README's main command on a fresh directory: ``epochcache run cfg.yaml``."""
     workdir = tmp_path_factory.mktemp("demo")
-    config_path = write_yaml(workdir / "cfg.yaml", demo_config(workdir))
+    config_path = write_yaml(workdir / "cfg.yaml", demo_config(workdir, train={"plot": True}))
     result = cli("run", "cfg.yaml", cwd=workdir)
     return DemoRun(workdir, config_path, result)
 
@@ -385,6 +387,7 @@ def test_resume_continues_at_the_next_epoch(tmp_path: Path) -> None:
     assert first.returncode == 0, first
     assert [row["epoch"] for row in read_metrics(run_dir)] == [0, 1]
     assert load_checkpoint(run_dir / "checkpoint.pt")["epoch"] == 1
+    assert not (run_dir / "run.png").exists()  # train.plot: false
     before = read_metrics(run_dir)
 
     second = cli("run", "cfg.yaml", "--resume", cwd=tmp_path)  # train.epochs: 3

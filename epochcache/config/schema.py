@@ -518,6 +518,11 @@ class TrainConfig(_Section):
                     "run_dir/manifests/ (zstd, a few bytes a sample; `epochcache manifest` "
                     "prints them, ready to feed back as source.manifest)",
     )
+    plot: bool = Field(
+        default=True,
+        description="write run_dir/run.png (loss, data wait, fill, turnover, coverage) when the "
+                    "run ends, if matplotlib is installed (about a second of CPU)",
+    )
 
     @field_validator("entrypoint")
     @classmethod

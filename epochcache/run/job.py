@@ -402,7 +402,8 @@ def run_training(config: EpochcacheConfig, *, resume: bool = False) -> int:
             status = _stopped(exc)
         try:
             # Not before the run directory exists: a run stopped in its start-up has no plot.
-            plot = run.write_plots() if run.is_main and run.run_dir.is_dir() else None
+            plot = (run.write_plots() if run.is_main and run.config.train.plot
+                    and run.run_dir.is_dir() else None)
             if plot is not None:
                 log.info("wrote %s", plot)
             if status == 0:
