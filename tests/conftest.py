@@ -34,6 +34,14 @@ _LEAKY_ENV_NAMES = (
 )
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # Two tests run at once on the suite's two cores, often each with several processes using
+    # torch, whose thread pool is sized to every core and whose idle threads spin: the suite
+    # spent CPU on oversubscription. One thread a process, as torchrun gives its ranks by
+    # default (no test asserts a speed); inherited by every process a test starts.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
 # -- no process left behind -------------------------------------------------------------------
 
 #: How long the processes a test started may take to end after it (a daemon stopping its
