@@ -35,6 +35,7 @@ def test_run_under_torchrun_two_ranks_share_one_daemon(tmp_path: Path) -> None:
     assert stats["leases"] == 0 and stats["samples"] > 0
 
 
+@pytest.mark.slow  # two torchrun jobs, 32 CPU seconds; test_ddp_failures resumes ranks from rank 0's checkpoint
 def test_resume_without_a_shared_run_dir_agrees_on_rank_0s_checkpoint(tmp_path: Path) -> None:
     """Each rank has its own run directory (as on nodes without a shared filesystem): only rank
     0's holds the checkpoint. Rank 1 started again at epoch 0 while rank 0 resumed at 1, and
