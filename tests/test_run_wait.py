@@ -47,6 +47,22 @@ def test_a_source_smaller_than_min_samples_trains_on_what_there_is(tmp_path: Pat
     assert "the whole source (this node's share of it) is cached: 150 samples, fewer than " \
            "train.min_samples=1000" in out, out[-3000:]
     assert "epoch 0:" in out
+    # The run watches the daemon it started: it does not ask the user whether one runs.
+    assert "waiting until 1000 samples are cached" in out and "daemon running?" not in out, out
+
+
+def test_a_loader_waiting_on_its_own_asks_whether_a_daemon_runs(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from epochcache.data.wait import wait_for_samples
+    from epochcache.store import SampleStore
+
+    cache = SampleStore(str(tmp_path / "cache"))
+    try:
+        with caplog.at_level("INFO", logger="epochcache"), pytest.raises(TimeoutError):
+            wait_for_samples(cache, 10, timeout_s=0.3, poll_s=0.1)
+    finally:
+        cache.close()
+    assert "waiting until 10 samples are cached (0 now); is the daemon running?" in caplog.text
 
 
 def test_every_fetch_failing_ends_the_wait_naming_the_error(tmp_path: Path) -> None:

@@ -33,8 +33,10 @@ def wait_for_samples(cache: SampleStore, min_samples: int, timeout_s: float | No
     if count >= min_samples:
         return count
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    log.info("%s: waiting until %d samples are cached (%d now); is the daemon running?",
-             cache.path, min_samples, count)
+    # With a judge the caller watches the daemon itself (`epochcache run`, which may have just
+    # started it): asking whether it runs only puzzled a new user's first run.
+    log.info("%s: waiting until %d samples are cached (%d now)%s", cache.path, min_samples,
+             count, "" if judge is not None else "; is the daemon running?")
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
