@@ -56,7 +56,7 @@ def test_a_loader_waiting_on_its_own_asks_whether_a_daemon_runs(
     from epochcache.data.wait import wait_for_samples
     from epochcache.store import SampleStore
 
-    cache = SampleStore(str(tmp_path / "cache"))
+    cache = SampleStore(str(tmp_path / "cache"), capacity=1 << 20)
     try:
         with caplog.at_level("INFO", logger="epochcache"), pytest.raises(TimeoutError):
             wait_for_samples(cache, 10, timeout_s=0.3, poll_s=0.1)
