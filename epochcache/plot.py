@@ -110,8 +110,9 @@ def _fill_axes(
         for index, (epoch, end) in enumerate(epoch_ends):
             ax.axvline((end - t0) / unit_s, color="grey", lw=0.8, ls=":",
                        label="end of an epoch" if index == 0 else None)
-            ax.annotate(str(epoch), ((end - t0) / unit_s, 1.0), xycoords=("data", "axes fraction"),
-                        ha="center", va="bottom", fontsize=7, color="grey")
+            # Inside the top edge: above it the numbers ran into the panel's title.
+            ax.annotate(str(epoch), ((end - t0) / unit_s, 0.99), xycoords=("data", "axes fraction"),
+                        ha="left", va="top", fontsize=7, color="grey")
         ax.legend(loc="best", fontsize=8)
     ax_rate.set_xlim(ax_fill.get_xlim())  # one time axis for both panels
     if not rate_times:
