@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import re
 import urllib.parse
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 REDACTED = "***"
@@ -81,27 +81,29 @@ def _redact_value(value: Any) -> Any:
     return value
 
 
+def strings_in(value: Any) -> Iterator[str]:
+    """Every string in ``value``, itself one or inside nested mappings (their values), lists
+    and tuples."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, Mapping):
+        for item in value.values():
+            yield from strings_in(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from strings_in(item)
+
+
 def secret_values(options: Any) -> set[str]:
     """The credential strings held in ``storage_options`` (to scrub them from any text): every
     string under a credential-like name, in nested mappings and lists too."""
     found: set[str] = set()
 
-    def strings(value: Any) -> None:
-        if isinstance(value, str):
-            if len(value) >= 4:
-                found.add(value)
-        elif isinstance(value, Mapping):
-            for item in value.values():
-                strings(item)
-        elif isinstance(value, (list, tuple)):
-            for item in value:
-                strings(item)
-
     def visit(value: Any) -> None:
         if isinstance(value, Mapping):
             for name, item in value.items():
                 if is_secret_key(str(name)):
-                    strings(item)
+                    found.update(text for text in strings_in(item) if len(text) >= 4)
                 else:
                     visit(item)
         elif isinstance(value, (list, tuple)):

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from ..redact import secret_values, url_secrets
+from ..redact import secret_values, strings_in, url_secrets
 
 if TYPE_CHECKING:
     from .schema import EpochcacheConfig
@@ -36,18 +36,8 @@ def found_secrets(data: Any) -> set[str]:
     for entry in entries if isinstance(entries, list) else []:
         options = get_path(entry, ("storage_options",))
         found |= secret_values(options if isinstance(options, Mapping) else None)
-
-    def visit(value: Any) -> None:
-        if isinstance(value, str):
-            found.update(url_secrets(value))
-        elif isinstance(value, Mapping):
-            for item in value.values():
-                visit(item)
-        elif isinstance(value, (list, tuple)):
-            for item in value:
-                visit(item)
-
-    visit(data)
+    for text in strings_in(data):
+        found.update(url_secrets(text))
     return found
 
 
