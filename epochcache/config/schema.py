@@ -512,6 +512,12 @@ class TrainConfig(_Section):
                     "and the epoch's position; `run --resume` then continues the interrupted "
                     "epoch exactly where its last checkpoint was (null: at epoch ends only)",
     )
+    resume: bool | Literal["auto"] = Field(
+        default=False,
+        description="continue from run_dir's checkpoint: auto when there is one, else start "
+                    "at epoch 0 (a requeued Slurm job resumes by itself); true always, as "
+                    "`run --resume`; false never (`--resume` overrides it)",
+    )
     manifests: bool = Field(
         default=True,
         description="write the sample keys each epoch trains on, per rank and in order, to "
