@@ -31,6 +31,7 @@ import pytest
 import torch
 from common.jobs import wait_for
 from common.preempt import COMMON, check_exactly_once, holding, metrics_epochs, write_config
+from common.slurm import SlurmCluster
 from test_docs import REPO, files
 
 # One worker runs them all (scripts/test: --dist loadgroup): one cluster, one job at a time.
@@ -64,10 +65,10 @@ def _script(tmp: Path, name: str) -> Path:
     return path
 
 
-def _submit(slurm: object, tmp: Path, script: Path, *args: str, options: tuple[str, ...] = (),
+def _submit(slurm: SlurmCluster, tmp: Path, script: Path, *args: str, options: tuple[str, ...] = (),
             ) -> str:
-    done = slurm.command("sbatch", "--parsable", f"--chdir={tmp}",  # type: ignore[attr-defined]
-                         f"--output={tmp}/job-%j.out", *options, str(script), *args, env=_env())
+    done = slurm.command("sbatch", "--parsable", f"--chdir={tmp}", f"--output={tmp}/job-%j.out",
+                         *options, str(script), *args, env=_env())
     return done.stdout.strip().split(";")[0]
 
 
@@ -76,14 +77,14 @@ def _output(tmp: Path, job: str) -> str:
     return path.read_text(errors="replace") if path.exists() else ""
 
 
-def _wait_holding(slurm: object, tmp: Path, job: str, ranks: int) -> None:
+def _wait_holding(slurm: SlurmCluster, tmp: Path, job: str, ranks: int) -> None:
     """Until every rank holds mid-epoch (the trainer waits there for the stop)."""
     ended = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL")
 
     def ready() -> bool:
         if holding(tmp / "logs", ranks):
             return True
-        if slurm.job(job).get("JobState") in ended:  # type: ignore[attr-defined]
+        if slurm.job(job).get("JobState") in ended:
             raise AssertionError(f"job {job} ended before its stop point:\n"
                                  f"{_output(tmp, job)[-6000:]}")
         return False
@@ -91,12 +92,12 @@ def _wait_holding(slurm: object, tmp: Path, job: str, ranks: int) -> None:
     wait_for(ready, JOB_S, f"job {job}: every rank at its stop point", poll_s=0.2)
 
 
-def _resume_and_check(slurm: object, tmp: Path, script: Path, config: Path, job: str,
+def _resume_and_check(slurm: SlurmCluster, tmp: Path, script: Path, config: Path, job: str,
                       ranks: int, options: tuple[str, ...]) -> str:
     """The stopped job's checkpoint, a second job with ``--resume``, and the exact check."""
     checkpoint = torch.load(tmp / "run" / "checkpoint.pt", weights_only=True)
     second = _submit(slurm, tmp, script, str(config), "--resume", options=options)
-    info = slurm.wait_job(second, JOB_S)  # type: ignore[attr-defined]
+    info = slurm.wait_job(second, JOB_S)
     out = _output(tmp, second)
     assert info["JobState"] == "COMPLETED", f"{info}\n{out[-6000:]}"
     report = check_exactly_once(tmp, ranks, checkpoint)
@@ -116,7 +117,7 @@ def _stopped(out: str) -> None:
 # -- default: the page's two scripts, a requeue and a step signal ------------------------------
 
 
-def test_the_torchrun_script_requeued_resumes_by_itself_exactly(slurm: object,
+def test_the_torchrun_script_requeued_resumes_by_itself_exactly(slurm: SlurmCluster,
                                                                tmp_path: Path) -> None:
     """The page's torchrun script, ``scontrol requeue``d mid-epoch: each rank gets SIGTERM from
     Slurm and from torchrun, checkpoints, stops; the job runs again under its id
@@ -125,20 +126,22 @@ def test_the_torchrun_script_requeued_resumes_by_itself_exactly(slurm: object,
     script = _script(tmp_path, TORCHRUN)
     job = _submit(slurm, tmp_path, script, str(config), options=("--cpus-per-task=2",))
     _wait_holding(slurm, tmp_path, job, 2)
-    slurm.command("scontrol", "requeue", job)  # type: ignore[attr-defined]
-    wait_for(lambda: slurm.job(job).get("Restarts") == "1", 60,  # type: ignore[attr-defined]
+    slurm.command("scontrol", "requeue", job)
+    wait_for(lambda: slurm.job(job).get("Restarts") == "1", 60,
              f"job {job} requeued")
-    info = slurm.wait_job(job, JOB_S)  # type: ignore[attr-defined]
+    info = slurm.wait_job(job, JOB_S)
     out = _output(tmp_path, job)
     assert info["JobState"] == "COMPLETED", f"{info}\n{out[-6000:]}"
     _stopped(out)
-    assert f"train.resume: auto: resuming at epoch 1 (Slurm job {job}, restart 1)" in out, out[-6000:]
+    assert "train.resume: auto: no checkpoint in " in out, out[-6000:]  # the first run
+    assert f"train.resume: auto: resuming at epoch 1 (Slurm job {job}, restart 1)" in out, \
+        out[-6000:]
     report = check_exactly_once(tmp_path, 2, None)
     assert report.problems == [], (report.problems, out[-6000:])
     assert metrics_epochs(tmp_path / "run") == [0, 1, 2]
 
 
-def test_the_srun_script_signalled_resumes_exactly(slurm: object, tmp_path: Path) -> None:
+def test_the_srun_script_signalled_resumes_exactly(slurm: SlurmCluster, tmp_path: Path) -> None:
     """The page's srun script (one task per rank, no torchrun), ``scancel --signal=TERM`` as
     ``#SBATCH --signal=TERM@N`` does it: each task checkpoints and exits 143 (the job fails
     with 143); a second job with ``--resume`` continues the epoch exactly."""
@@ -147,8 +150,8 @@ def test_the_srun_script_signalled_resumes_exactly(slurm: object, tmp_path: Path
     options = ("--ntasks=2",)
     job = _submit(slurm, tmp_path, script, str(config), options=options)
     _wait_holding(slurm, tmp_path, job, 2)
-    slurm.command("scancel", "--signal=TERM", job)  # type: ignore[attr-defined]
-    info = slurm.wait_job(job, JOB_S)  # type: ignore[attr-defined]
+    slurm.command("scancel", "--signal=TERM", job)
+    info = slurm.wait_job(job, JOB_S)
     out = _output(tmp_path, job)
     assert (info["JobState"], info["ExitCode"]) == ("FAILED", "143:0"), f"{info}\n{out[-6000:]}"
     assert "joined the slurm job: rank 1 of 2" in out, out[-6000:]
@@ -160,7 +163,7 @@ def test_the_srun_script_signalled_resumes_exactly(slurm: object, tmp_path: Path
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [TORCHRUN, SRUN])
-def test_a_cancelled_job_resumes_exactly(slurm: object, tmp_path: Path, name: str) -> None:
+def test_a_cancelled_job_resumes_exactly(slurm: SlurmCluster, tmp_path: Path, name: str) -> None:
     """``scancel``: SIGTERM to every process, SIGKILL after KillWait (5 s here). Under torchrun
     every rank gets SIGTERM twice: before the fix the second ended it before its checkpoint
     (exit -15) and the resume trained the epoch's first 3 batches again."""
@@ -169,14 +172,14 @@ def test_a_cancelled_job_resumes_exactly(slurm: object, tmp_path: Path, name: st
     options = ("--cpus-per-task=2",) if name == TORCHRUN else ("--ntasks=2",)
     job = _submit(slurm, tmp_path, script, str(config), options=options)
     _wait_holding(slurm, tmp_path, job, 2)
-    slurm.command("scancel", job)  # type: ignore[attr-defined]
-    info = slurm.wait_job(job, JOB_S)  # type: ignore[attr-defined]
+    slurm.command("scancel", job)
+    info = slurm.wait_job(job, JOB_S)
     assert info["JobState"] == "CANCELLED", info
     _stopped(_resume_and_check(slurm, tmp_path, script, config, job, 2, options))
 
 
 @pytest.mark.slow
-def test_the_time_limit_with_signal_resumes_exactly(slurm: object, tmp_path: Path) -> None:
+def test_the_time_limit_with_signal_resumes_exactly(slurm: SlurmCluster, tmp_path: Path) -> None:
     """``--time=3 --signal=TERM@60`` (on the command line, over the script's ``@120``): Slurm
     sends SIGTERM to the steps when 60 s are left, or up to a minute earlier (its time limits
     are looked at every 30 s); the run checkpoints and exits 143 before the limit. (With
@@ -186,14 +189,14 @@ def test_the_time_limit_with_signal_resumes_exactly(slurm: object, tmp_path: Pat
     options = ("--ntasks=2", "--time=3", "--signal=TERM@60")
     job = _submit(slurm, tmp_path, script, str(config), options=options)
     _wait_holding(slurm, tmp_path, job, 2)
-    info = slurm.wait_job(job, JOB_S)  # type: ignore[attr-defined]
+    info = slurm.wait_job(job, JOB_S)
     assert (info["JobState"], info["ExitCode"]) == ("FAILED", "143:0"), info
     _stopped(_resume_and_check(slurm, tmp_path, script, config, job, 2,
                                ("--ntasks=2",)))
 
 
 @pytest.mark.slow
-def test_full_signal_to_an_exec_torchrun_script_resumes_exactly(slurm: object,
+def test_full_signal_to_an_exec_torchrun_script_resumes_exactly(slurm: SlurmCluster,
                                                                 tmp_path: Path) -> None:
     """``scancel --signal=TERM --full`` signals the batch script's process group: torchrun,
     when the script is torchrun (``exec``), which passes SIGTERM to its ranks (in sessions of
@@ -203,7 +206,7 @@ def test_full_signal_to_an_exec_torchrun_script_resumes_exactly(slurm: object,
     options = ("--cpus-per-task=2",)
     job = _submit(slurm, tmp_path, script, str(config), options=options)
     _wait_holding(slurm, tmp_path, job, 2)
-    slurm.command("scancel", "--signal=TERM", "--full", job)  # type: ignore[attr-defined]
-    info = slurm.wait_job(job, JOB_S)  # type: ignore[attr-defined]
+    slurm.command("scancel", "--signal=TERM", "--full", job)
+    info = slurm.wait_job(job, JOB_S)
     assert info["JobState"] in ("FAILED", "COMPLETED"), info
     _stopped(_resume_and_check(slurm, tmp_path, script, config, job, 2, options))
