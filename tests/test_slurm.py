@@ -114,7 +114,7 @@ def _stopped(out: str) -> None:
     assert "terminated (SIGTERM): stopping" in out, out[-6000:]
 
 
-# -- default: the page's two scripts, a requeue and a step signal ------------------------------
+# -- default: the page's torchrun script, requeued (the suite's time allows one job) ----------
 
 
 def test_the_torchrun_script_requeued_resumes_by_itself_exactly(slurm: SlurmCluster,
@@ -141,6 +141,10 @@ def test_the_torchrun_script_requeued_resumes_by_itself_exactly(slurm: SlurmClus
     assert metrics_epochs(tmp_path / "run") == [0, 1, 2]
 
 
+# -- slow: the other ways, and the other launcher for each ------------------------------------
+
+
+@pytest.mark.slow
 def test_the_srun_script_signalled_resumes_exactly(slurm: SlurmCluster, tmp_path: Path) -> None:
     """The page's srun script (one task per rank, no torchrun), ``scancel --signal=TERM`` as
     ``#SBATCH --signal=TERM@N`` does it: each task checkpoints and exits 143 (the job fails
@@ -156,9 +160,6 @@ def test_the_srun_script_signalled_resumes_exactly(slurm: SlurmCluster, tmp_path
     assert (info["JobState"], info["ExitCode"]) == ("FAILED", "143:0"), f"{info}\n{out[-6000:]}"
     assert "joined the slurm job: rank 1 of 2" in out, out[-6000:]
     _stopped(_resume_and_check(slurm, tmp_path, script, config, job, 2, options))
-
-
-# -- slow: the other ways, and the other launcher for each ------------------------------------
 
 
 @pytest.mark.slow
