@@ -220,7 +220,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     if args.epochs is not None:
         config.train.epochs = args.epochs
-    return run_training(config, resume=args.resume)
+    return run_training(config, resume=args.resume or config.train.resume)
 
 
 def _cmd_config(args: argparse.Namespace) -> int:

@@ -11,7 +11,10 @@ read, never guessed, from one of two launchers:
   node (``SLURM_TASKS_PER_NODE``, e.g. ``4(x2),2``, or ``SLURM_NTASKS_PER_NODE``), with
   ``SLURM_NNODES`` nodes. They describe this launch only when ``SLURM_PROCID``/``SLURM_NTASKS``
   match the job's rank and size (under ``srun torchrun ...`` they describe the torchrun agents,
-  and torchrun's own variables are used).
+  and torchrun's own variables are used). Without ``RANK`` and ``WORLD_SIZE``, a task of an
+  ``srun`` step of several tasks (``SLURM_STEP_ID`` set: not the batch script, whose
+  ``SLURM_PROCID`` is 0 of the job's ``SLURM_NTASKS``) is rank ``SLURM_PROCID`` of
+  ``SLURM_STEP_NUM_TASKS`` (`srun_rank`).
 
 A distributed job (more than one rank) with neither raises [`NodeLayoutError`][epochcache.NodeLayoutError] naming the
 variables to set. The variables are read when called, never at import; no torch here.
@@ -116,18 +119,34 @@ def _slurm(environ: Mapping[str, str], rank: int, world_size: int) -> Placement 
     return Placement(rank, world_size, local_rank, local_size, node, nodes, "slurm")
 
 
+def srun_rank(environ: Mapping[str, str]) -> tuple[int, int] | None:
+    """``(rank, world size)`` of a task of an ``srun`` step of several tasks, None elsewhere
+    (the batch script itself, a step of one task, no Slurm)."""
+    if environ.get("SLURM_STEP_ID", environ.get("SLURM_STEPID", "")).strip() == "":
+        return None
+    procid = env_int(environ, "SLURM_PROCID")
+    ntasks = env_int(environ, "SLURM_STEP_NUM_TASKS") or env_int(environ, "SLURM_NTASKS")
+    if procid is None or ntasks is None or ntasks <= 1:
+        return None
+    return procid, ntasks
+
+
 def read_placement(environ: Mapping[str, str], rank: int | None = None,
                    world_size: int | None = None) -> Placement:
     """This process's place from the launcher's environment (see the module docstring).
 
     Args:
         environ: the environment (``os.environ``).
-        rank: the global rank when known otherwise (torch.distributed); else ``RANK``.
-        world_size: the job's size when known otherwise; else ``WORLD_SIZE``.
+        rank: the global rank when known otherwise (torch.distributed); else ``RANK`` (else an
+            ``srun`` task's, `srun_rank`).
+        world_size: the job's size when known otherwise; else ``WORLD_SIZE`` (or srun's).
 
     Raises:
         NodeLayoutError: a distributed job whose node layout is unknown or inconsistent.
     """
+    if rank is None and world_size is None and "RANK" not in environ \
+            and "WORLD_SIZE" not in environ:
+        rank, world_size = srun_rank(environ) or (None, None)
     if rank is None:
         rank = env_int(environ, "RANK") or 0
     if world_size is None:

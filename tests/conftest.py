@@ -203,3 +203,53 @@ def remote_proxy() -> Iterator[Callable[..., Any]]:
     yield start
     for proxy in started:
         proxy.close()
+
+
+# -- a one-node Slurm (tests/common/slurm.py) -------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> Iterator[Any]:
+    """A real one-node Slurm for the session (started by the first test that asks, as root;
+    skipped, saying why, where the packages cannot be installed). Stopped at the session's end,
+    its jobs and daemons with it."""
+    from common.slurm import SlurmCluster, unavailable
+
+    why = unavailable()
+    if why is not None:
+        pytest.skip(f"no Slurm: {why}")
+    cluster = SlurmCluster()
+    try:
+        yield cluster.start()
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def slurm(slurm_cluster: Any) -> Iterator[Any]:
+    """The session's Slurm, with no job of this test left in it afterwards (cancelled)."""
+    yield slurm_cluster
+    slurm_cluster.cancel_all()
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("slurm") is not None:  # for pytest_terminal_summary (xdist too)
+        item.user_properties.append(("slurm", True))
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """Say whether the Slurm tests ran (CI's output must, tests/common/slurm.py)."""
+    counts: dict[str, int] = {}
+    reasons: set[str] = set()
+    for outcome in ("passed", "failed", "skipped", "error"):
+        for report in terminalreporter.stats.get(outcome, []):
+            if ("slurm", True) not in getattr(report, "user_properties", ()) or (
+                    report.when != "call" and outcome not in ("skipped", "error")):
+                continue
+            counts[outcome] = counts.get(outcome, 0) + 1
+            if outcome == "skipped" and isinstance(report.longrepr, tuple):
+                reasons.add(str(report.longrepr[2]).removeprefix("Skipped: "))
+    if counts:
+        said = ", ".join(f"{n} {outcome}" for outcome, n in counts.items())
+        why = f" ({'; '.join(sorted(reasons))})" if reasons else ""
+        terminalreporter.write_line(f"Slurm tests (a real one-node Slurm): {said}{why}")

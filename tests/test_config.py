@@ -99,6 +99,8 @@ def test_sizes_durations_and_headroom_forms() -> None:
         ({**MINIMAL, "source": {"url": "x", "client": "boto"}}, "source.client",
          "'auto', 's3fs' or 'obstore'"),
         ({**MINIMAL, "bogus": {}}, "bogus", "allowed: cache, daemon, loader, sampler, source, sources, train"),
+        ({**MINIMAL, "train": {"resume": "sometimes"}}, "train.resume",
+         "expected true, false or auto, got 'sometimes'"),
     ],
 )
 def test_errors_name_field_value_and_what_is_allowed(data: dict, path: str, fragment: str) -> None:

@@ -13,7 +13,9 @@ Every ``bash``, ``python`` and ``yaml`` block carries a marker on the line befor
 * ``<!-- test: config -->`` (yaml): validated as a config, over the required keys a fragment
   leaves out, with no environment variable set (a node with an instance role has none);
 * ``<!-- test: skip (why) -->``: not run, for the reason given (a cluster, a GPU, a real
-  bucket, a fragment of your own program).
+  bucket, a fragment of your own program);
+* ``<!-- test: file (NAME) -->`` (bash): a script the page names NAME, which a test runs as
+  written (`files`: the Slurm section's batch scripts, submitted by tests/test_slurm.py).
 
 Whatever the marker, a python block compiles, a bash block passes ``bash -n`` and each
 ``epochcache`` command in it parses with the CLI's parser, and a yaml block parses. A block
@@ -41,7 +43,7 @@ DOCUMENTS = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 CHECKED = ("bash", "python", "yaml")
 #: Other spellings, refused so that no block escapes the markers by its language's name.
 ALIASES = {"sh": "bash", "shell": "bash", "console": "bash", "py": "python", "yml": "yaml"}
-MARKER = re.compile(r"<!--\s*test:\s*(run s3|run|config|skip)\s*(?:\((.*)\))?\s*-->")
+MARKER = re.compile(r"<!--\s*test:\s*(run s3|run|config|skip|file)\s*(?:\((.*)\))?\s*-->")
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,11 @@ def blocks(document: Path) -> list[Block]:
 
 
 ALL_BLOCKS = [block for document in DOCUMENTS for block in blocks(document)]
+
+
+def files(document: Path) -> dict[str, str]:
+    """The scripts of ``document`` marked ``<!-- test: file (NAME) -->``, by NAME."""
+    return {block.reason: block.code for block in blocks(document) if block.marker == "file"}
 
 
 def _gen_reference():  # type: ignore[no-untyped-def]
@@ -223,6 +230,9 @@ def test_every_block_is_run_or_says_why_not() -> None:
             problems.append(f"{block.where}: a {block.language} block without a marker: "
                             "<!-- test: run -->, <!-- test: config --> (yaml) or "
                             "<!-- test: skip (why it cannot run) -->")
+        elif block.marker == "file" and (block.language != "bash" or not block.reason):
+            problems.append(f"{block.where}: a file is a bash script with a name: "
+                            "<!-- test: file (NAME) -->")
         elif block.marker == "skip" and not block.reason:
             problems.append(f"{block.where}: say why it is skipped: <!-- test: skip (why) -->")
         elif block.marker.startswith("run") and block.language not in ("bash", "python"):

@@ -73,3 +73,22 @@ def test_samplers_never_guess_their_node() -> None:
     # A daemon on its own is one node unless told otherwise (config, EPOCHCACHE_*, GROUP_*).
     assert config.sampler.node({"SLURM_NODEID": "1", "SLURM_NNODES": "2"}) == (0, 1)
     assert config.sampler.node({"EPOCHCACHE_NODE_RANK": "1", "EPOCHCACHE_NUM_NODES": "2"}) == (1, 2)
+
+
+def test_an_srun_task_is_a_rank_without_rank_or_world_size() -> None:
+    """srun with one task per rank sets no RANK or WORLD_SIZE: a task of a step of several
+    tasks is rank SLURM_PROCID of SLURM_STEP_NUM_TASKS (the batch script, with its
+    SLURM_PROCID 0 of the job's SLURM_NTASKS but no step, is not a rank of anything)."""
+    task = {"SLURM_STEP_ID": "0", "SLURM_PROCID": "3", "SLURM_NTASKS": "4",
+            "SLURM_STEP_NUM_TASKS": "4", "SLURM_NODEID": "1", "SLURM_LOCALID": "1",
+            "SLURM_TASKS_PER_NODE": "2(x2)", "SLURM_NNODES": "2", "SLURM_STEP_NUM_NODES": "2"}
+    assert read_placement(task) == Placement(3, 4, 1, 2, 1, 2, "slurm")
+    batch = {k: v for k, v in task.items() if not k.startswith("SLURM_STEP")}
+    assert read_placement({**batch, "SLURM_PROCID": "0"}) == Placement()
+    assert read_placement({**task, "SLURM_STEP_NUM_TASKS": "1", "SLURM_NTASKS": "1"}) == Placement()
+    # torchrun's workers under srun (one agent task per node) take torchrun's variables
+    agent = {**task, "SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2", "SLURM_NTASKS": "2",
+             "SLURM_TASKS_PER_NODE": "1(x2)", "SLURM_LOCALID": "0"}
+    worker = {**agent, "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1",
+              "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1"}
+    assert read_placement(worker) == Placement(3, 4, 1, 2, 1, 2, "torchrun")

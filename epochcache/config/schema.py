@@ -53,6 +53,15 @@ def _rate(value: Any) -> Any:
     return _size(value)
 
 
+def _resume(value: Any) -> Any:
+    """``true``, ``false`` or ``auto`` (one message for all three)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("auto", "true", "false"):
+        return {"auto": "auto", "true": True, "false": False}[value.strip().lower()]
+    raise ValueError(f"expected true, false or auto, got {value!r}")
+
+
 def _concurrency(value: Any) -> Any:
     """``auto``, or a number of requests from 1 to 1024 (one message for both)."""
     if isinstance(value, str) and value.strip().lower() == "auto":
@@ -511,6 +520,12 @@ class TrainConfig(_Section):
         description="also checkpoint mid-epoch this often (and on SIGTERM): model, optimizer "
                     "and the epoch's position; `run --resume` then continues the interrupted "
                     "epoch exactly where its last checkpoint was (null: at epoch ends only)",
+    )
+    resume: Annotated[bool | Literal["auto"], BeforeValidator(_resume)] = Field(
+        default=False,
+        description="continue from run_dir's checkpoint: auto when there is one, else start "
+                    "at epoch 0 (a requeued Slurm job resumes by itself); true always, as "
+                    "`run --resume`; false never (`--resume` overrides it)",
     )
     manifests: bool = Field(
         default=True,

@@ -84,6 +84,13 @@ class TimedLoader:
         return len(self.loader)
 
     def __iter__(self) -> Iterator[Any]:
+        if self.midepoch is None:
+            yield from self._batches()
+            return
+        with self.stop.deferring():  # a stop owes its checkpoint: a second Ctrl-C waits for it
+            yield from self._batches()
+
+    def _batches(self) -> Iterator[Any]:
         stop = self.stop
         stop.check()
         iterator = iter(self.loader)

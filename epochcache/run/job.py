@@ -137,9 +137,9 @@ def _loader_kwargs(config: EpochcacheConfig, device: RunDevice = CPU) -> dict[st
 class Run:
     """One training run: daemon (started or attached), epochs, metrics, checkpoints, plots."""
 
-    def __init__(self, config: EpochcacheConfig, *, resume: bool = False, is_main: bool = True,
-                 node_rank: int = 0, stop: StopSignals | None = None, rank: int = 0,
-                 world_size: int = 1) -> None:
+    def __init__(self, config: EpochcacheConfig, *, resume: bool | str = False,
+                 is_main: bool = True, node_rank: int = 0, stop: StopSignals | None = None,
+                 rank: int = 0, world_size: int = 1) -> None:
         self.config = config
         self.stop = stop or StopSignals()
         self.device = CPU  # run_training sets the rank's device once torch is imported
@@ -234,7 +234,11 @@ class Run:
         if loader_state is not None:  # the interrupted epoch, from its positions
             start = int(checkpoint["resume"]["epoch"])  # type: ignore[index]
         total = self.config.train.epochs
-        if self.resume:
+        if self.resume == "auto" and self.is_main:
+            what = (f"no checkpoint in {self.run_dir}: starting at epoch 0" if checkpoint is None
+                    else f"resuming at epoch {start}")
+            log.info("train.resume: auto: %s%s", what, _restart_note(os.environ))
+        if self.resume and (checkpoint is not None or self.resume != "auto"):
             self.metrics = _read_metrics(self.run_dir / METRICS, before=start, rewrite=self.is_main)
             if checkpoint is None and self.is_main:
                 log.warning("--resume: no checkpoint in %s; starting at epoch 0", self.run_dir)
@@ -333,7 +337,8 @@ class Run:
         cache.append_history(history_row(row))
         with open(self.run_dir / METRICS, "a") as f:
             f.write(json.dumps(row) + "\n")
-        context.save_checkpoint(epoch, row)
+        with self.stop.writing(f"the checkpoint of epoch {epoch}"):
+            context.save_checkpoint(epoch, row)
         log.info("%s", log_line(row))
         for name, values in sorted(requests.items()):
             log.info("epoch %d: remote %s: %s", epoch, name, describe_requests(values))
@@ -368,6 +373,14 @@ class Run:
         return out
 
 
+def _restart_note(environ: Mapping[str, str]) -> str:
+    """Which run of a requeued Slurm job this is (empty outside one)."""
+    restart = environ.get("SLURM_RESTART_COUNT", "").strip()
+    if not restart:
+        return ""
+    return f" (Slurm job {environ.get('SLURM_JOB_ID', '?')}, restart {restart})"
+
+
 def _read_metrics(path: Path, before: int, rewrite: bool = True) -> list[dict[str, Any]]:
     if not path.exists():
         return []
@@ -378,7 +391,7 @@ def _read_metrics(path: Path, before: int, rewrite: bool = True) -> list[dict[st
     return kept
 
 
-def run_training(config: EpochcacheConfig, *, resume: bool = False) -> int:
+def run_training(config: EpochcacheConfig, *, resume: bool | str = False) -> int:
     """Run the whole job of ``epochcache run``; returns the exit status.
 
     Under torchrun, the process group is joined first; global rank 0 writes the demo data and

@@ -69,11 +69,18 @@ class MidEpoch:
         if dist_initialized():
             due, stopping = _agree(due, stopping)
             if stopping and not self.stop.requested:
-                self.stop.signum = signal.SIGTERM  # a peer was told to stop: stop together
+                self.stop.request(signal.SIGTERM)  # a peer was told to stop: stop together
         if (due or stopping) and batches > self.saved_batches:
             self.save(batches)
 
     def save(self, batches: int) -> None:
+        # Written whole whatever signal follows: a stop's checkpoint is the resume's only
+        # exact point (the last periodic one is older).
+        with self.stop.writing(f"the checkpoint of epoch {self.epoch} after {batches} batches"):
+            self._save(batches)
+        log.debug("epoch %d: checkpoint after %d batches", self.epoch, batches)
+
+    def _save(self, batches: int) -> None:
         if self.on_save is not None:
             self.on_save(batches)
         state = self.loader.state_dict()
@@ -89,7 +96,6 @@ class MidEpoch:
         barrier()  # the file is written before any rank lets the samples go
         self.loader.release(batches)
         self.saved_batches, self.last = batches, time.monotonic()
-        log.debug("epoch %d: checkpoint after %d batches", self.epoch, batches)
 
 
 def _agree(due: bool, stopping: bool) -> tuple[bool, bool]:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from ..data.placement import Placement, dist_initialized
+from ..errors import NodeLayoutError
 from .devices import CPU, RunDevice, choose_device
 
 log = logging.getLogger(__name__)
@@ -61,13 +62,32 @@ def init_run_distributed(place: Placement, device: RunDevice = CPU, *, join: boo
         if device.is_cuda and "device_id" in inspect.signature(
                 torch.distributed.init_process_group).parameters:  # torch >= 2.3
             kwargs["device_id"] = torch.device(device.name)
+        if place.launcher == "slurm":  # srun's tasks: no RANK or WORLD_SIZE for env://
+            kwargs.update(rank=place.rank, world_size=place.world_size)
+            _require_rendezvous(place)
         torch.distributed.init_process_group(backend=device.backend, **kwargs)
         created = True
-        log.info("joined the torchrun job: rank %d of %d (node %d, local rank %d), backend %s, "
-                 "device %s", torch.distributed.get_rank(), torch.distributed.get_world_size(),
+        log.info("joined the %s job: rank %d of %d (node %d, local rank %d), backend %s, "
+                 "device %s", place.launcher, torch.distributed.get_rank(),
+                 torch.distributed.get_world_size(),
                  place.node_rank, place.local_rank, device.backend, device.name)
     _make_bookkeeping_group()
     return created
+
+
+def _require_rendezvous(place: Placement) -> None:
+    """Under srun (no torchrun) the batch script says where rank 0 listens.
+
+    Raises:
+        NodeLayoutError: ``MASTER_ADDR`` or ``MASTER_PORT`` is not set.
+    """
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
+    if missing:
+        raise NodeLayoutError(
+            f"srun: rank {place.rank} of {place.world_size}: {' and '.join(missing)} not set: "
+            "export them in the batch script, before srun (e.g. export MASTER_ADDR=$(scontrol "
+            "show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1) MASTER_PORT=29500; see "
+            "docs/howto/multi-node.md)")
 
 
 def _make_bookkeeping_group() -> None:
