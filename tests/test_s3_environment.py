@@ -18,7 +18,7 @@ from conftest import S3Env
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.mark.parametrize("client", ["auto", "obstore"])
+@pytest.mark.parametrize("client", ["auto", pytest.param("obstore", marks=pytest.mark.slow)])
 def test_a_daemon_fills_from_the_endpoint_in_aws_endpoint_url(
         s3: S3Env, tmp_path: Path, start_daemon: Any, monkeypatch: pytest.MonkeyPatch,
         client: str) -> None:

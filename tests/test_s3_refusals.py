@@ -102,7 +102,7 @@ def test_access_denied_stops_the_source_and_status_shows_it(
     assert daemon.terminate() == 0, daemon.logs()
 
 
-@pytest.mark.parametrize("client", ["s3fs", "obstore"])
+@pytest.mark.parametrize("client", [pytest.param("s3fs", marks=pytest.mark.slow), "obstore"])
 def test_a_listed_key_that_is_gone_is_quarantined_not_retried(
         s3: S3Env, tmp_path: Path, start_daemon: Any, client: str) -> None:
     """Keys listed (here by a manifest) whose objects are gone (404): each is quarantined

@@ -223,6 +223,8 @@ def translate_error(exc: BaseException, url: str) -> SourceError:
         return refused
     if isinstance(exc, FileNotFoundError) or status == 404 or type(exc).__name__ == "NotFoundError":
         return PermanentRemoteError(f"{url}: not found ({detail})", url)
+    if isinstance(exc, PermissionError):
+        return PermanentRemoteError(f"{url}: permission denied ({detail})", url)
     if isinstance(exc, ValueError) and str(exc).startswith("Could not parse path"):
         return PermanentRemoteError(f"{url}: the client cannot name this key ({detail}); "
                                     "source.client: s3fs reads it", url)
@@ -254,8 +256,9 @@ def _refusal(exc: BaseException, status: int | None, url: str,
             f"{url}: the client refuses the endpoint's scheme ({detail}); check the endpoint "
             "(storage_options.endpoint_url, AWS_ENDPOINT_URL, the profile), or use client: "
             "s3fs", url)
-    if isinstance(exc, PermissionError) or status in (401, 403) or type(exc).__name__ in (
-            "PermissionDeniedError", "UnauthenticatedError"):
+    # (a local file's PermissionError carries no status: that file only, quarantined below)
+    if status in (401, 403) or type(exc).__name__ in ("PermissionDeniedError",
+                                                        "UnauthenticatedError"):
         return SourceRefused(
             f"{url}: access denied ({detail}); check the credentials (storage_options key and "
             "secret, or AWS_ACCESS_KEY_ID, AWS_PROFILE, the credentials file) and the bucket's"
