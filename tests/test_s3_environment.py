@@ -39,3 +39,22 @@ def test_a_daemon_fills_from_the_endpoint_in_aws_endpoint_url(
     assert daemon.terminate() == 0, daemon.logs()
     healths = sampler_states(cache_dir)
     assert sum(h["errors"] for h in healths.values()) == 0, healths
+
+
+def test_obstore_asked_for_with_a_setting_it_cannot_honour_fails_at_start(
+        tmp_path: Path, unreachable_endpoint: str) -> None:
+    """``client: obstore`` with a setting obstore cannot honour: exit 2 before anything starts,
+    one message naming the setting and what to do (nothing is asked of the remote)."""
+    import subprocess
+    import sys
+
+    config = write_config(
+        tmp_path / "cfg.yaml", url="s3://bucket/ds", cache_dir=tmp_path / "cache",
+        storage_options={"endpoint_url": unreachable_endpoint, "key": "k", "secret": "s",
+                         "config_kwargs": {"proxies": {"https": "http://proxy:3128"}}},
+        source={"client": "obstore"})
+    done = subprocess.run([sys.executable, "-m", "epochcache", "daemon", str(config)],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "obstore cannot honour storage_options.config_kwargs.proxies" in done.stderr
+    assert "client: s3fs or auto" in done.stderr

@@ -137,3 +137,49 @@ def test_a_listed_key_that_is_gone_is_quarantined_not_retried(
     time.sleep(2.5)  # the idle feed would retry failed keys: these are not failed but gone
     assert _errors(cache_dir) == errors
     assert daemon.terminate() == 0, daemon.logs()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_source_whose_every_read_fails_for_a_minute_shows_as_failing(
+        tmp_path: Path, start_daemon: Any) -> None:
+    """The endpoint goes away mid-fill (transient errors, retried): after a minute of nothing
+    read, status, the log and /metrics show the source failing, not busy; when the endpoint
+    is back, reads go on and it is no longer failing."""
+    from common.daemonproc import cache_len
+    from common.s3server import S3ServerProcess
+    from conftest import s3_options
+
+    objects = tmp_path / "objects"
+    (objects / "outage-bucket" / "ds").mkdir(parents=True)
+    for i in range(300):
+        (objects / "outage-bucket" / "ds" / f"sample-{i:06d}.npy").write_bytes(bytes([i % 256]) * 4096)
+    server = S3ServerProcess(free_port(), objects, tmp_path / "s3server.log")
+    server.start()
+    try:
+        cache_dir = tmp_path / "cache"
+        port = free_port()
+        config = write_config(
+            tmp_path / "cfg.yaml", url="s3://outage-bucket/ds", cache_dir=cache_dir,
+            storage_options=s3_options(server.endpoint),
+            source={"timeout_s": 2, "connect_timeout_s": 1, "retries": 2, "pattern": "*.npy"},
+            sampler={"processes": 1, "bandwidth_limit": 100_000})
+        daemon = start_daemon(config, daemon_args=("--metrics-port", str(port)))
+        wait_running(daemon, cache_dir)
+        wait_cached(daemon, cache_dir, 20)
+        server.kill()
+        wait_for(lambda: _status(cache_dir)[0]["failing"], 150, "status to show it failing")
+        stats, table = _status(cache_dir)
+        failing = stats["failing"]["source"]
+        assert failing["stopped"] is False and failing["for_s"] >= 60, failing
+        assert "outage-bucket" in failing["error"] and "failing:" in table, table
+        assert "is failing: no read succeeded" in daemon.logs()
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+            assert 'epochcache_source_failing{source="source"} 1.0' in response.read().decode()
+        server.start()
+        before = cache_len(cache_dir)
+        wait_for(lambda: cache_len(cache_dir) > before and not _status(cache_dir)[0]["failing"],
+                 120, "reads to go on and the source to be no longer failing")
+        assert daemon.terminate() == 0, daemon.logs()
+    finally:
+        server.kill()
