@@ -245,7 +245,8 @@ def _refusal(exc: BaseException, status: int | None, url: str,
     """The error as a `SourceRefused` when every key of the source would meet it."""
     codes = {str((getattr(e, "response", None) or {}).get("Error", {}).get("Code", ""))
              for e in _causes(exc) if isinstance(getattr(e, "response", None), dict)}
-    if status == 301 or codes & _REGION_CODES:
+    # obstore (object_store) reports S3's 301 as a redirect without a Location: BareRedirect
+    if status == 301 or codes & _REGION_CODES or "BareRedirect" in str(exc):
         return SourceRefused(
             f"{url}: the bucket is in another region than the requests are signed for "
             f"({detail}); set storage_options.client_kwargs.region_name (or AWS_DEFAULT_REGION,"
