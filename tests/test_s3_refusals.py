@@ -162,7 +162,8 @@ def test_a_source_whose_every_read_fails_for_a_minute_shows_as_failing(
         config = write_config(
             tmp_path / "cfg.yaml", url="s3://outage-bucket/ds", cache_dir=cache_dir,
             storage_options=s3_options(server.endpoint),
-            source={"timeout_s": 2, "connect_timeout_s": 1, "retries": 2, "pattern": "*.npy"},
+            source={"timeout_s": 2, "connect_timeout_s": 1, "retries": 2, "pattern": "*.npy",
+                    "checks": []},  # the bytes are not .npy files
             sampler={"processes": 1, "bandwidth_limit": 100_000})
         daemon = start_daemon(config, daemon_args=("--metrics-port", str(port)))
         wait_running(daemon, cache_dir)
@@ -173,7 +174,9 @@ def test_a_source_whose_every_read_fails_for_a_minute_shows_as_failing(
         failing = stats["failing"]["source"]
         assert failing["stopped"] is False and failing["for_s"] >= 60, failing
         assert "outage-bucket" in failing["error"] and "failing:" in table, table
-        assert "is failing: no read succeeded" in daemon.logs()
+        # said by the sampler after its next batch (a source down retries at most a minute
+        # apart)
+        wait_for(lambda: "is failing: no read succeeded" in daemon.logs(), 90, "the log line")
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
             assert 'epochcache_source_failing{source="source"} 1.0' in response.read().decode()
         server.start()
