@@ -18,7 +18,10 @@ callers can catch either::
     │  ├─ SourceUnavailable                           unreachable endpoint, missing bucket, empty prefix
     │  │  └─ Throttled                                HTTP 503 SlowDown / 429: a rate to adapt to
     │  ├─ RemoteTimeout(SourceError, TimeoutError)    a remote call exceeded its timeout
-    │  ├─ PermanentRemoteError                        403/404: retrying will not help
+    │  ├─ PermanentRemoteError                        404, a key the client cannot name: retrying
+    │  │  │                                           will not help; the sampler quarantines the key
+    │  │  └─ SourceRefused                            401/403, a region or scheme refused: every key
+    │  │                                              would fail; the sampler stops the source
     │  └─ CorruptSample                               key; quarantined by the sampler
     ├─ CacheError
     │  ├─ CacheCorrupted                              a record or counter failed its check
@@ -91,7 +94,16 @@ class RemoteTimeout(SourceError, TimeoutError):
 
 
 class PermanentRemoteError(SourceError):
-    """A remote error that retrying will not fix (access denied, not found)."""
+    """A remote error that retrying will not fix (not found, a key the client cannot name):
+    the sampler quarantines the key."""
+
+
+class SourceRefused(PermanentRemoteError):
+    """The remote refuses the source's requests whatever the key: access denied (401/403),
+    the bucket in another region than the one signed for (301, or 400 naming the region), a
+    scheme the client refuses. The message names the URL, the setting and what to do; a
+    sampler whose whole batch meets it stops the source (checked again now and then)
+    instead of retrying every key."""
 
 
 class CorruptSample(SourceError):

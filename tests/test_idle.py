@@ -112,7 +112,19 @@ def test_keys_that_fail_are_retried_alone(tmp_path: Path, running: list[Looked],
     # minute, before its next batch. Shortened here, so the first pass ends within seconds.
     monkeypatch.setattr("epochcache.ingest.feed.DOWN_FIRST_S", 0.05)
     monkeypatch.setattr("epochcache.ingest.feed.DOWN_MAX_S", 0.1)
-    missing = [f"gone-{i:02d}.bin" for i in range(20)]  # listed, never there: fetches fail
+    missing = [f"gone-{i:02d}.bin" for i in range(20)]  # listed; their reads fail
+    # ...transiently (a reset connection: retried later). A key that is not there (404) is
+    # quarantined instead, never asked for again (test_s3_refusals).
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    cat_file = MemoryFileSystem.cat_file
+
+    def resetting(self: Any, path: str, *args: Any, **kwargs: Any) -> Any:
+        if "/gone-" in path:
+            raise ConnectionResetError(f"{path}: connection reset")
+        return cat_file(self, path, *args, **kwargs)
+
+    monkeypatch.setattr(MemoryFileSystem, "cat_file", resetting)
     keys = [f"k{i:04d}.bin" for i in range(KEYS)] + missing
     sampler = _sampler(tmp_path, "failing", manifest=keys)
     looked = _start(sampler, running)

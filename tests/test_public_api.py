@@ -23,7 +23,7 @@ EXPORTED = {
     # the errors (errors.py)
     "EpochcacheError", "ConfigError", "NodeLayoutError", "CheckpointError",
     "MinSamplesUnreachable", "StallError", "PrepareFailed", "SourceError", "SourceUnavailable",
-    "Throttled", "RemoteTimeout", "PermanentRemoteError", "CorruptSample", "CacheError",
+    "Throttled", "RemoteTimeout", "PermanentRemoteError", "SourceRefused", "CorruptSample", "CacheError",
     "CacheCorrupted", "CacheIOError", "CacheFull", "SampleRejected", "SampleTooLarge",
     "DaemonAlreadyRunning", "SnapshotClosed", "DecodeError", "PickleNotAllowed",
     "MissingImageLibrary",

@@ -8,20 +8,26 @@ request"). So ``source.client``:
 * ``s3fs``: every request through s3fs, as always;
 * ``obstore``: object reads through obstore's fsspec adapter (``pip install
   'epochcache[obstore]'``); listing, manifests and everything else stay with s3fs;
-* ``auto`` (the default): obstore where it is installed and the source's ``storage_options``
-  map onto it (below), else s3fs.
+* ``auto`` (the default): obstore where it is installed and it can honour the source's whole
+  configuration (below), else s3fs, saying why in one log line.
 
-Both take the same ``s3://`` URLs and ``storage_options`` (s3fs's names): ``key``/``secret``/
-``token`` (or ``aws_*`` spellings), ``endpoint_url``, ``anon``, ``requester_pays``,
-``client_kwargs: {region_name, endpoint_url}`` and ``config_kwargs: {s3: {addressing_style}}``;
-options that only tune s3fs's own caches or threads are ignored. Any other option (``profile``
-included) is s3fs's alone: ``auto`` then keeps s3fs, and ``obstore`` is a config error naming it.
-Without credentials in the options (and not ``anon``), obstore asks botocore's credential chain,
-the one s3fs uses (environment, ``~/.aws``, SSO, instance roles), refreshed before they
-expire. The region comes from the options (``client_kwargs.region_name``), else from the
-bucket itself (the ``x-amz-bucket-region`` of a HEAD through s3fs, once per sampler: s3fs
-follows a bucket into its region on its own, obstore signs for one), else ``AWS_REGION``/
-``AWS_DEFAULT_REGION`` or botocore's configuration, else ``us-east-1``.
+One contract for both: the configuration is resolved the way botocore resolves it for s3fs
+(`s3config`: the options, then the environment, the profile and its files) and handed to
+obstore explicitly: the endpoint (``http://`` allowed where that is what is configured), the
+region, path-style or virtual-hosted addressing, the CA bundle (``root_certificate``) or
+``verify: false``, and the credentials (those in the options, else botocore's chain for the
+same profile, refreshed before they expire). What obstore cannot honour: an option that is
+s3fs's alone (``client_kwargs`` other than ``region_name``/``endpoint_url``/``verify``/keys,
+``config_kwargs`` other than ``s3.addressing_style`` and timeouts, any other unknown option),
+and FIPS, dual-stack or accelerate endpoints; ``auto`` then keeps s3fs, and ``obstore`` is a
+config error naming the setting. A key obstore cannot name (`obstore_refuses_key`: ``//``,
+``.`` segments, control characters) is read with s3fs under ``auto`` and refused (quarantined)
+under ``obstore``.
+
+The region: the options' ``client_kwargs.region_name``, else the bucket's own (the
+``x-amz-bucket-region`` of a HEAD through s3fs, once per sampler: botocore follows a bucket
+into its region, obstore signs for one), else the environment's or the profile's, else
+``us-east-1``.
 
 Timeouts are ours (``source.timeout_s``, ``connect_timeout_s``) and obstore retries nothing:
 retrying is the request gate's and the sampler's job (`remote`, `gate`).
@@ -37,10 +43,12 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import fsspec
 
 from ..errors import ConfigError
+from .s3config import botocore_session, resolve_s3_settings
 
 log = logging.getLogger(__name__)
 
@@ -64,24 +72,37 @@ def obstore_installed() -> bool:
 
 @dataclass(frozen=True)
 class ObstoreSettings:
-    """What an ``s3://`` source's options say to obstore."""
+    """What an ``s3://`` source's configuration (`s3config`) says to obstore."""
 
     config: dict[str, Any]
     client_options: dict[str, Any]
-    botocore_credentials: bool  # no credentials given: ask botocore's chain
+    #: no credentials in the options: botocore's chain for this profile (None: AWS_PROFILE)
+    botocore_credentials: bool
     region_given: bool = True  # else ask the bucket (bucket_region)
+    profile: str | None = None
+    #: the AWS endpoint of the region is used (it follows the region)
+    aws_endpoint: bool = False
 
     def in_region(self, region: str) -> ObstoreSettings:
-        return dataclasses.replace(self, config={**self.config, "region": region},
-                                   region_given=True)
+        config = {**self.config, "region": region}
+        if self.aws_endpoint:
+            config["endpoint"] = _aws_endpoint(region)
+        return dataclasses.replace(self, config=config, region_given=True)
 
 
 class _Unmappable(ValueError):
-    """An option obstore cannot take; the message names it."""
+    """A setting obstore cannot honour; the message names it."""
 
 
-def _settings(options: Mapping[str, Any], timeout_s: float,
-              connect_timeout_s: float) -> ObstoreSettings:
+def _aws_endpoint(region: str) -> str:
+    return f"https://s3.{region}.amazonaws.com"
+
+
+def _settings(options: Mapping[str, Any], bucket: str, timeout_s: float,
+              connect_timeout_s: float, field: str) -> ObstoreSettings:
+    """obstore's settings for ``bucket``: the options mapped, and everything botocore reads
+    besides (`s3config`) given explicitly, so that obstore's own reading of the environment
+    cannot disagree with s3fs's."""
     config: dict[str, Any] = {}
     client: dict[str, Any] = {"timeout": datetime.timedelta(seconds=timeout_s),
                               "connect_timeout": datetime.timedelta(seconds=connect_timeout_s)}
@@ -90,45 +111,65 @@ def _settings(options: Mapping[str, Any], timeout_s: float,
         if name in _KEYS:
             if value is not None:
                 config[_KEYS[name]] = str(value)
-        elif name == "endpoint_url":
-            if value:
-                config["endpoint"] = str(value)
+        elif name in ("endpoint_url", "profile"):
+            pass  # resolved with the rest (s3config)
         elif name == "anon":
             anon = bool(value)
         elif name == "requester_pays":
-            if value:
-                config["request_payer"] = True
+            config["request_payer"] = bool(value)
         elif name == "client_kwargs":
             for sub, subvalue in (value or {}).items():
-                if sub == "region_name":
-                    config["region"] = str(subvalue)
-                elif sub == "endpoint_url":
-                    config["endpoint"] = str(subvalue)
-                elif sub in _KEYS:
+                if sub in _KEYS:
                     config[_KEYS[sub]] = str(subvalue)
-                else:
-                    raise _Unmappable(f"client_kwargs.{sub}")
+                elif sub not in ("region_name", "endpoint_url", "verify"):
+                    raise _Unmappable(f"storage_options.client_kwargs.{sub}")
         elif name == "config_kwargs":
             for sub, subvalue in (value or {}).items():
                 if sub == "s3" and set(subvalue or {}) <= {"addressing_style"}:
-                    style = (subvalue or {}).get("addressing_style")
-                    if style == "virtual":
-                        config["virtual_hosted_style_request"] = True
+                    pass  # resolved with the rest
                 elif sub not in ("connect_timeout", "read_timeout", "retries",
                                  "max_pool_connections"):
-                    raise _Unmappable(f"config_kwargs.{sub}")
+                    raise _Unmappable(f"storage_options.config_kwargs.{sub}")
         elif name not in _S3FS_ONLY:
-            raise _Unmappable(name)
-    if anon:
-        config["skip_signature"] = True
-    if str(config.get("endpoint", "")).startswith("http://"):
-        client["allow_http"] = True
-    region_given = "region" in config
-    if not region_given:
-        config["region"] = _default_region()
+            raise _Unmappable(f"storage_options.{name}")
+    resolved = resolve_s3_settings(options, field=field)
+    if resolved.botocore_only:
+        raise _Unmappable(resolved.botocore_only[0])
+    region = resolved.region or "us-east-1"
+    config["region"] = region
+    config["skip_signature"] = anon
+    config.setdefault("request_payer", False)
+    endpoint = resolved.endpoint_url
+    virtual = resolved.virtual_hosted
+    config["virtual_hosted_style_request"] = virtual
+    if endpoint is None:
+        # AWS's own, named: obstore would otherwise take an AWS_ENDPOINT_URL that botocore
+        # was told to ignore
+        config["endpoint"] = _aws_endpoint(region)
+    else:
+        parts = urlsplit(endpoint)
+        if parts.scheme not in ("http", "https"):
+            raise ConfigError(f"{field}: {resolved.endpoint_from} is {endpoint!r}, not an "
+                              "http(s):// URL")
+        if virtual:  # obstore takes the bucket's own host (botocore adds the bucket itself)
+            endpoint = parts._replace(netloc=f"{bucket}.{parts.netloc}").geturl()
+        config["endpoint"] = endpoint.rstrip("/")
+        client["allow_http"] = parts.scheme == "http"
+    if not resolved.verify:
+        client["allow_invalid_certificates"] = True
+    elif resolved.ca_bundle:
+        try:
+            with open(os.path.expanduser(resolved.ca_bundle), "rb") as handle:
+                client["root_certificate"] = handle.read()
+        except OSError as exc:
+            raise ConfigError(f"{field}: {resolved.ca_bundle_from} names "
+                              f"{resolved.ca_bundle}, which cannot be read ({exc.strerror}); "
+                              "point it at a PEM file of the CA that signs the endpoint") \
+                from None
     given = "access_key_id" in config and "secret_access_key" in config
     return ObstoreSettings(config, client, botocore_credentials=not anon and not given,
-                           region_given=region_given)
+                           region_given=resolved.region_from.startswith("storage_options"),
+                           profile=resolved.profile, aws_endpoint=endpoint is None)
 
 
 def bucket_region(fs: Any, bucket: str, timeout_s: float) -> str | None:
@@ -148,28 +189,17 @@ def bucket_region(fs: Any, bucket: str, timeout_s: float) -> str | None:
     return str(region) if region else None
 
 
-def _default_region() -> str:
-    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
-    if region:
-        return region
-    try:
-        import botocore.session
-
-        region = botocore.session.get_session().get_config_variable("region")
-    except Exception:  # noqa: BLE001 - no botocore, or a broken ~/.aws/config: the default
-        region = None
-    return str(region or "us-east-1")
-
-
 def resolve_client(client: str, url: str, options: Mapping[str, Any], *, field: str,
                    timeout_s: float = 30.0, connect_timeout_s: float = 5.0
                    ) -> ObstoreSettings | None:
     """The obstore settings when ``client`` (``auto``, ``s3fs``, ``obstore``) reads ``url``'s
-    objects with obstore; None for s3fs (or a URL that is not ``s3://``).
+    objects with obstore; None for s3fs (or a URL that is not ``s3://``). ``auto`` says in one
+    log line why it keeps s3fs where obstore cannot honour a setting.
 
     Raises:
-        ConfigError: ``obstore`` was asked for and is not installed, or the URL or an option
-            is one it cannot take (the message names ``field`` and the option).
+        ConfigError: ``obstore`` was asked for and is not installed, or the URL, an option or
+            a setting of the environment or profile is one it cannot honour (the message
+            names ``field`` and the setting); or the AWS configuration cannot be read.
     """
     protocol = url.split("://", 1)[0] if "://" in url else "file"
     if client == "s3fs" or (client == "auto" and protocol not in ("s3", "s3a")):
@@ -182,22 +212,40 @@ def resolve_client(client: str, url: str, options: Mapping[str, Any], *, field: 
             raise ConfigError(f"{field}: obstore is not installed: {INSTALL_HINT}, or use "
                               "client: s3fs")
         return None
+    bucket = url.split("://", 1)[1].split("/", 1)[0]
     try:
-        return _settings(options, timeout_s, connect_timeout_s)
+        return _settings(options, bucket, timeout_s, connect_timeout_s, field)
     except _Unmappable as exc:
         if client == "obstore":
             raise ConfigError(
-                f"{field}: storage_options.{exc} is an s3fs option obstore cannot take (use "
-                "client: s3fs, or remove it)") from None
-        log.info("%s: storage_options.%s is s3fs's alone: objects are read with s3fs", url, exc)
+                f"{field}: obstore cannot honour {exc} (use client: s3fs or auto, or remove "
+                "it)") from None
+        log.info("%s: objects are read with s3fs, not obstore: obstore cannot honour %s "
+                 "(source.client: auto)", url, exc)
         return None
 
 
-def _botocore_provider() -> Callable[[], dict[str, Any]]:
-    """obstore's credential provider from botocore's chain (the one s3fs uses)."""
-    import botocore.session
+def obstore_refuses_key(path: str) -> str:
+    """Why obstore cannot name the object at ``path`` (``bucket/key``; "" when it can).
 
-    session = botocore.session.get_session()
+    object_store's paths have no empty segment (a key with ``//``, or starting or ending with
+    ``/``, would be read as another key or refused), no ``.`` or ``..`` segment and no control
+    character; S3 keys may have all of them.
+    """
+    key = path.split("/", 1)[1] if "/" in path else ""
+    if key.startswith("/") or key.endswith("/") or "//" in key:
+        return "an empty path segment ('//', or '/' at an end)"
+    if any(part in (".", "..") for part in key.split("/")):
+        return "a '.' or '..' segment"
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in key):
+        return "a control character"
+    return ""
+
+
+def _botocore_provider(profile: str | None) -> Callable[[], dict[str, Any]]:
+    """obstore's credential provider from botocore's chain for ``profile`` (the one s3fs
+    uses)."""
+    session = botocore_session(profile)
 
     def credentials() -> dict[str, Any]:
         found = session.get_credentials()
@@ -216,10 +264,20 @@ def obstore_filesystem(settings: ObstoreSettings) -> fsspec.AbstractFileSystem:
     """obstore's fsspec filesystem for ``s3://`` paths (``bucket/key``), retrying nothing."""
     from obstore.fsspec import FsspecStore
 
-    provider = _botocore_provider() if settings.botocore_credentials else None
+    config = dict(settings.config)
+    provider: Callable[[], dict[str, Any]] | None = None
+    if settings.botocore_credentials:
+        provider = _botocore_provider(settings.profile)
+    elif "access_key_id" in config:
+        # given in the options: passed as a provider, so that obstore adds nothing of the
+        # environment's (an AWS_SESSION_TOKEN) to them, as botocore adds nothing
+        given = {"access_key_id": config.pop("access_key_id"),
+                 "secret_access_key": config.pop("secret_access_key"),
+                 "token": config.pop("session_token", None), "expires_at": None}
+        provider = given.copy
     # skip_instance_cache: fsspec's metaclass takes it (each source its own store)
     options: dict[str, Any] = {
-        "config": settings.config, "client_options": settings.client_options,
+        "config": config, "client_options": settings.client_options,
         "retry_config": {"max_retries": 0, "retry_timeout": settings.client_options["timeout"]},
         "credential_provider": provider, "skip_instance_cache": True}
     store: fsspec.AbstractFileSystem = FsspecStore("s3", **options)

@@ -52,6 +52,7 @@ from ..errors import (
     CorruptSample,
     PermanentRemoteError,
     RemoteTimeout,
+    SourceRefused,
     SourceUnavailable,
     Throttled,
 )
@@ -82,6 +83,11 @@ DOWN_FIRST_S, DOWN_MAX_S = 1.0, 60.0
 FETCH_DEPTH, MAX_BATCHES = 2, 32
 #: Tar shards per batch (a shard is large; the concurrency comes from more batches).
 SHARDS_PER_BATCH = 4
+#: A feed whose batches meet a refusal of the whole source (`SourceRefused`: access denied,
+#: another region, a scheme refused) stops, and tries one batch again after this long.
+REFUSED_RECHECK_S = 600.0
+#: A source none of whose reads succeeded for this long is *failing* (status, log, metrics).
+FAILING_AFTER_S = 60.0
 #: A feed throttled this recently, its batches all in fetch, is passed over by the mixer: the
 #: other sources go on at their own pace instead of waiting for a remote that holds it back.
 THROTTLED_RECENTLY_S = 5.0
@@ -189,6 +195,12 @@ class Feed:
         self.shards_read = 0  # tar: shards read and the samples they held, for the estimate
         self.shard_samples = 0
         self.failures = 0  # batches in a row that failed as a whole
+        # The refusal that stopped this source (None: not stopped; see batch_done).
+        self.refused: SourceRefused | None = None
+        # Wall time of the first failed read since the last one that succeeded (None: the
+        # last read succeeded), and the last error meanwhile: see FAILING_AFTER_S.
+        self.failing_since: float | None = None
+        self.last_error = ""
         store = cache
 
         def removed() -> int:
@@ -410,10 +422,28 @@ class Feed:
 
     def batch_done(self, results: Sequence[tuple[SampleRef, Any]], brought: int) -> None:
         """Judge a fetched batch: one that failed as a whole (nothing fetched, nothing
-        corrupt) sends the feed to rest; anything fetched brings it back."""
+        corrupt, no key missing) sends the feed to rest, and one refused as a whole
+        (`SourceRefused`) stops it for `REFUSED_RECHECK_S`; anything fetched brings it
+        back."""
         failed = [p for _, p in results if isinstance(p, BaseException)]
-        if results and len(failed) == len(results) and not brought and not any(
-                isinstance(p, CorruptSample) for p in failed):
+        read = len(failed) < len(results) or any(isinstance(p, CorruptSample) for p in failed)
+        if read:
+            self.failing_since = None
+        elif failed:
+            self.failing_since = self.failing_since or time.time()
+            self.last_error = str(failed[0])
+        refusal = next((p for p in failed if isinstance(p, SourceRefused)), None)
+        if results and not read and not brought and refusal is not None:
+            self._stop(refusal)
+            return
+        if self.refused is not None and read:
+            log.warning("source %s (%s) is read again: the refusal that stopped it is gone",
+                        self.name or "-", self.source.url)
+            self.refused = None
+        # a key gone (404) or not nameable is quarantined: the remote answered
+        answered = any(isinstance(p, PermanentRemoteError) and not isinstance(p, SourceRefused)
+                       for p in failed)
+        if results and not read and not brought and not answered:
             self.failures += 1
             wait = min(DOWN_MAX_S, DOWN_FIRST_S * 2 ** (self.failures - 1))
             self.rest(wait)
@@ -426,9 +456,20 @@ class Feed:
                         self.source.url, self.failures)
             self.failures = 0
 
+    def _stop(self, refusal: SourceRefused) -> None:
+        """Every key of the source would be refused: stop fetching it (one error line, not
+        one per key), and try one batch again after `REFUSED_RECHECK_S` (a credential
+        fixed, a policy changed: the source resumes without a restart)."""
+        if self.refused is None or str(self.refused) != str(refusal):
+            log.error("source %s stopped: %s. Its keys are not fetched; it is tried again in "
+                      "%.0f s or when the daemon restarts", self.name or self.source.url,
+                      " ".join(str(refusal).split()), REFUSED_RECHECK_S)
+        self.refused = refusal
+        self.rest(REFUSED_RECHECK_S)
+
     @property
     def down(self) -> bool:
-        return self.failures > 0
+        return self.failures > 0 or self.refused is not None
 
     # -- growing listings -------------------------------------------------------------------
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
 from ..store import SampleStore
-from ..store.status import request_totals
+from ..store.status import daemon_health, failing_sources, request_totals
 
 if TYPE_CHECKING:
     from prometheus_client.registry import CollectorRegistry
@@ -156,6 +156,13 @@ def daemon_metrics(cache: SampleStore) -> Iterator[Any]:
     for kind, count in sorted(kinds.items()):
         errors.add_metric([kind], count)
     yield errors
+    failing = GaugeMetricFamily("epochcache_source_failing", "1 while no read of the source "
+                                "succeeded for a minute, or a refusal (403, region, scheme) "
+                                "stopped it; 0 otherwise.", labels=["source"])
+    found = failing_sources(daemon_health(daemon) if daemon else None)
+    for label in sorted(set(request_totals(cache)) | set(found)):
+        failing.add_metric([label], 1.0 if label in found else 0.0)
+    yield failing
     yield _counter("epochcache_writer_lease_wait_seconds",
                    "Seconds samplers waited for leases to free space, summed over samplers "
                    "(its rate over the sampler count is the fraction of time writers wait: "

@@ -8,7 +8,9 @@ Everything that touches a remote goes through this module so that three rules ho
 
       TimeoutError, asyncio/FSTimeout, botocore Read/ConnectTimeout   -> RemoteTimeout     (transient)
       HTTP 503 (S3 SlowDown), 429, throttling error codes             -> Throttled         (a rate)
-      FileNotFoundError, PermissionError, HTTP 401/403/404            -> PermanentRemoteError
+      PermissionError, HTTP 401/403, a region (301, 400 naming it),
+      a scheme the client refuses                                     -> SourceRefused (every key)
+      FileNotFoundError, HTTP 404, a key the client cannot name       -> PermanentRemoteError
       connection errors, other HTTP 5xx, other OSError                -> SourceUnavailable (transient)
 
 * only transient errors are retried, by `retry`, with exponential backoff, full jitter, bounded
@@ -36,7 +38,14 @@ from typing import Any, TypeVar
 import fsspec
 from fsspec.asyn import AsyncFileSystem, sync
 
-from ..errors import PermanentRemoteError, RemoteTimeout, SourceError, SourceUnavailable, Throttled
+from ..errors import (
+    PermanentRemoteError,
+    RemoteTimeout,
+    SourceError,
+    SourceRefused,
+    SourceUnavailable,
+    Throttled,
+)
 from ..redact import redact_url, scrub_urls
 from .bandwidth import BandwidthLimiter as BandwidthLimiter  # re-exported (its old home)
 from .concurrency import FixedConcurrency, Outcome
@@ -209,19 +218,53 @@ def translate_error(exc: BaseException, url: str) -> SourceError:
             "(sampler.max_requests_per_s keeps them below a known limit)", url
         )
     status = _status(exc)
-    name = type(exc).__name__
-    if isinstance(exc, FileNotFoundError) or status == 404 or name == "NotFoundError":
+    refused = _refusal(exc, status, url, detail)
+    if refused is not None:
+        return refused
+    if isinstance(exc, FileNotFoundError) or status == 404 or type(exc).__name__ == "NotFoundError":
         return PermanentRemoteError(f"{url}: not found ({detail})", url)
-    if isinstance(exc, PermissionError) or status in (401, 403) or name in (
-            "PermissionDeniedError", "UnauthenticatedError"):
-        return PermanentRemoteError(
-            f"{url}: access denied ({detail}); check the credentials in storage_options", url
-        )
+    if isinstance(exc, PermissionError):
+        return PermanentRemoteError(f"{url}: permission denied ({detail})", url)
+    if isinstance(exc, ValueError) and str(exc).startswith("Could not parse path"):
+        return PermanentRemoteError(f"{url}: the client cannot name this key ({detail}); "
+                                    "source.client: s3fs reads it", url)
     if status is not None and 400 <= status < 500 and status not in (408, 429):
         return PermanentRemoteError(f"{url}: request rejected with HTTP {status} ({detail})", url)
     return SourceUnavailable(
         f"{url}: remote unavailable ({detail}); check the endpoint, network and URL", url
     )
+
+
+#: Error codes of a request signed for another region than the bucket's.
+_REGION_CODES = frozenset({"PermanentRedirect", "AuthorizationHeaderMalformed",
+                           "IllegalLocationConstraintException"})
+
+
+def _refusal(exc: BaseException, status: int | None, url: str,
+             detail: str) -> SourceRefused | None:
+    """The error as a `SourceRefused` when every key of the source would meet it."""
+    codes = {str((getattr(e, "response", None) or {}).get("Error", {}).get("Code", ""))
+             for e in _causes(exc) if isinstance(getattr(e, "response", None), dict)}
+    # obstore (object_store) reports S3's 301 as a redirect without a Location: BareRedirect
+    if status == 301 or codes & _REGION_CODES or "BareRedirect" in str(exc):
+        return SourceRefused(
+            f"{url}: the bucket is in another region than the requests are signed for "
+            f"({detail}); set storage_options.client_kwargs.region_name (or AWS_DEFAULT_REGION,"
+            " the profile's region) to the bucket's region, or leave it out so that the bucket"
+            " is asked", url)
+    if any("scheme is not allowed" in str(e) for e in _causes(exc)):
+        return SourceRefused(
+            f"{url}: the client refuses the endpoint's scheme ({detail}); check the endpoint "
+            "(storage_options.endpoint_url, AWS_ENDPOINT_URL, the profile), or use client: "
+            "s3fs", url)
+    # (a local file's PermissionError carries no status: that file only, quarantined below)
+    if status in (401, 403) or type(exc).__name__ in ("PermissionDeniedError",
+                                                        "UnauthenticatedError"):
+        return SourceRefused(
+            f"{url}: access denied ({detail}); check the credentials (storage_options key and "
+            "secret, or AWS_ACCESS_KEY_ID, AWS_PROFILE, the credentials file) and the bucket's"
+            " policy", url)
+    return None
 
 
 @contextlib.contextmanager

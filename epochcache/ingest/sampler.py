@@ -32,14 +32,28 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..config import EpochcacheConfig
-from ..errors import CorruptSample, PermanentRemoteError, SampleRejected, SourceError
+from ..errors import (
+    CorruptSample,
+    PermanentRemoteError,
+    SampleRejected,
+    SourceError,
+    SourceRefused,
+)
 from ..limits import cut_key, cut_text
 from ..redact import install_log_redaction
 from ..store import SampleStore
 from .accounting import saved_requests, source_label
 from .budget import RequestBudget
 from .committer import Batch, Committer, state_name
-from .feed import FETCH_DEPTH, IDLE_WAIT_S, MAX_BATCHES, Feed, error_kind, next_feed
+from .feed import (
+    FAILING_AFTER_S,
+    FETCH_DEPTH,
+    IDLE_WAIT_S,
+    MAX_BATCHES,
+    Feed,
+    error_kind,
+    next_feed,
+)
 from .heap import reuse_freed_buffers
 from .inflight import ByteBudget
 from .lifeline import Lifeline, kill_with_parent
@@ -88,6 +102,9 @@ class SamplerHealth:
     sources: dict[str, dict[str, Any]] = field(default_factory=dict)  # {name: {errors, down}}
     # {source label: {gets, lists, bytes, throttled, ..., concurrency, pace}} (.accounting)
     requests: dict[str, dict[str, float]] = field(default_factory=dict)
+    # {source label: {since, error, stopped}}: sources none of whose reads succeeded since
+    # `since` (wall time), or stopped by a refusal; status shows them failing after a minute
+    failing: dict[str, dict[str, Any]] = field(default_factory=dict)
     started: float = field(default_factory=time.time)
     heartbeat: float = field(default_factory=time.time)
 
@@ -207,6 +224,7 @@ class Sampler:
         # Keys quarantined by this process: corrupt objects are not fetched (and counted) again
         # every pass; a restarted daemon tries them once more.
         self.quarantined: set[str] = set()
+        self._said_failing: set[str] = set()  # sources said to be failing (_note_failing)
         # Keys fetched but not committed yet: not cached, yet they must not be fetched again
         # (a small pass wraps around while its last batches are still being committed).
         self._in_flight: set[str] = set()
@@ -354,15 +372,20 @@ class Sampler:
         keys = [feed.cache_key(ref.key) for ref in fetching.refs]
         self.quarantined.update(
             feed.cache_key(ref.key) for ref, payload in results if isinstance(payload, CorruptSample))
+        # refused as a whole: the source stops (feed.batch_done), its keys are not quarantined
+        refused = any(isinstance(p, SourceRefused) for _, p in results) and all(
+            isinstance(p, BaseException) for _, p in results)
         with self._encode_lock:
-            records, fetched = self._encode_results(feed, results)
+            records, fetched = self._encode_results(feed, results, refused)
             streamed = self._part_records.pop(feed, 0)  # records of parts handed over before
         feed.batch_done(results, len(records) + streamed)
+        self._note_failing(feed)
         feed.samples_read(len(fetching.refs), fetching.estimate, results)
         if fetching.position.get("listing", feed.generation) == feed.generation:
             index_of = dict(zip((ref.key for ref in fetching.refs), fetching.indices))
-            for ref, payload in results:  # failed, not corrupt: fetched again after the pass
-                if isinstance(payload, BaseException) and not isinstance(payload, CorruptSample):
+            for ref, payload in results:  # failed, not quarantined: fetched again after the pass
+                if isinstance(payload, BaseException) and \
+                        feed.cache_key(ref.key) not in self.quarantined:
                     i = index_of.get(ref.key)
                     if i is not None:
                         feed.idle.note_failed(i)
@@ -418,10 +441,11 @@ class Sampler:
             self.health.idle = "failing" if failed else "complete"
             self._errors_before = self.health.errors
 
-    def _encode_results(self, feed: Feed, results: list[tuple[SampleRef, Any]]
-                        ) -> tuple[list[tuple[str, bytes]], int]:
-        """Records of the fetched samples (errors counted, corrupt ones quarantined), and the
-        bytes fetched."""
+    def _encode_results(self, feed: Feed, results: list[tuple[SampleRef, Any]],
+                        refused: bool = False) -> tuple[list[tuple[str, bytes]], int]:
+        """Records of the fetched samples (errors counted; corrupt ones, and those that failed
+        for good, quarantined, unless the whole batch was ``refused``: the source stops
+        instead), and the bytes fetched."""
         records: list[tuple[str, bytes]] = []
         fetched = 0
         health = self.health
@@ -439,9 +463,13 @@ class Sampler:
                     health.sources[feed.name]["errors"] += 1
                 health.last_failed = time.time()
                 health.last_error = f"{key}: {payload}"[:300]
-                level = logging.WARNING if isinstance(payload, PermanentRemoteError) else logging.INFO
-                log.log(level, "fetch failed for %s (retried next pass): %s", cut_key(key),
-                        cut_text(str(payload), keys=(ref.key,)))
+                if isinstance(payload, PermanentRemoteError) and not refused:
+                    # retrying cannot help (gone, a key the client cannot name, or refused
+                    # while the source's other keys are read)
+                    self.quarantine(key, str(payload))
+                elif not refused:
+                    log.info("fetch failed for %s (retried next pass): %s", cut_key(key),
+                             cut_text(str(payload), keys=(ref.key,)))
             else:
                 size = _payload_bytes(payload)
                 health.fetched += 1
@@ -459,6 +487,25 @@ class Sampler:
                     self.quarantine(key, f"cannot be encoded: {type(exc).__name__}: "
                                          f"{str(exc)[:300]}")
         return records, fetched
+
+    def _note_failing(self, feed: Feed) -> None:
+        """Publish whether ``feed``'s reads all fail (`Feed.failing_since`), saying so in the
+        log once they have for `FAILING_AFTER_S`, and once they succeed again."""
+        label = source_label(feed.name)
+        if feed.failing_since is None:
+            if self.health.failing.pop(label, None) is not None and label in self._said_failing:
+                log.warning("%s: reads succeed again (no longer failing)", feed.source.url)
+            self._said_failing.discard(label)
+            return
+        self.health.failing[label] = {"since": feed.failing_since,
+                                      "error": cut_text(feed.last_error, 300),
+                                      "stopped": feed.refused is not None}
+        if (time.time() - feed.failing_since >= FAILING_AFTER_S
+                and label not in self._said_failing):
+            self._said_failing.add(label)
+            log.warning("%s is failing: no read succeeded for %.0f s (last error: %s)",
+                        feed.source.url, time.time() - feed.failing_since,
+                        cut_text(feed.last_error, 300))
 
     # -- shared with the committer thread ---------------------------------------------------------
 

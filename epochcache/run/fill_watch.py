@@ -98,8 +98,14 @@ class FillWatch:
         last_ok = max((float(s.get("last_ok") or 0) for s in samplers), default=0.0)
         self._progress = max(self._progress, last_ok)
         failed = [s for s in samplers if float(s.get("last_failed") or 0) > self._progress]
-        if failed and now - self._progress >= self.window_s:
-            errors = "; ".join(sorted({str(s.get("last_error") or "?") for s in failed}))
+        # ...or no read succeeded since (a key gone or refused is not asked for again, so no
+        # fetch fails any more either): `ingest.feed`'s failing sources, in every sampler
+        stuck = bool(samplers) and all(s.get("failing") for s in samplers)
+        if (failed or stuck) and now - self._progress >= self.window_s:
+            errors = "; ".join(sorted({
+                str(s.get("last_error") or "?") for s in failed} | {
+                str(entry.get("error") or "?") for s in samplers if stuck
+                for entry in (s.get("failing") or {}).values()}))
             raise self._unreachable(
                 count, f"every fetch has failed for {now - self._progress:.0f} s (last error: "
                        f"{errors}); check the source's URL, credentials and permissions")

@@ -20,6 +20,9 @@ if TYPE_CHECKING:
 
 #: A daemon whose heartbeat is older than this is reported as not alive.
 DAEMON_STALE_S = 60.0
+#: A source none of whose reads succeeded for this long is reported as failing (the samplers'
+#: ``ingest.feed.FAILING_AFTER_S``).
+FAILING_AFTER_S = 60.0
 
 
 def daemon_health(doc: dict[str, Any] | None, now: float | None = None) -> dict[str, Any] | None:
@@ -33,6 +36,30 @@ def daemon_health(doc: dict[str, Any] | None, now: float | None = None) -> dict[
     else:
         alive = age < DAEMON_STALE_S and not doc.get("stopped")
     return {**doc, "alive": bool(alive), "heartbeat_age_s": round(age, 1)}
+
+
+def failing_sources(daemon: dict[str, Any] | None, now: float | None = None
+                    ) -> dict[str, dict[str, Any]]:
+    """``{source label: {for_s, error, stopped}}``: the sources of a live daemon none of whose
+    reads succeeded for `FAILING_AFTER_S` in some sampler, or that a refusal stopped
+    (``ingest.feed``), from the samplers' health documents. A source failing in every sampler
+    is not busy: no sample of it is coming."""
+    if not daemon or not daemon.get("alive"):
+        return {}
+    now = time.time() if now is None else now
+    found: dict[str, dict[str, Any]] = {}
+    for sampler in (daemon.get("samplers") or {}).values():
+        if not sampler.get("alive", True):
+            continue
+        for label, entry in (sampler.get("failing") or {}).items():
+            for_s = now - float(entry.get("since", now))
+            if not entry.get("stopped") and for_s < FAILING_AFTER_S:
+                continue
+            known = found.get(label)
+            if known is None or for_s > known["for_s"]:
+                found[label] = {"for_s": round(for_s, 1), "error": str(entry.get("error", "")),
+                                "stopped": bool(entry.get("stopped"))}
+    return found
 
 
 def ingest_rate(history: list[dict[str, Any]], window_s: float = 60.0) -> dict[str, float]:
@@ -183,6 +210,8 @@ def _collect(cache: SampleStore) -> dict[str, Any]:
         "jobs": jobs(cache, leases),
         "ingest": ingest_rate(history),
         "daemon": daemon_health(cache.tables.get_state("daemon"), now),
+        # sources none of whose reads succeeded for a minute, or stopped by a refusal
+        "failing": failing_sources(daemon_health(cache.tables.get_state("daemon"), now), now),
         "requests": request_totals(cache),
         "recent_quarantine": cache.quarantined(limit=5),
         "turnover": recent_epochs(cache),
@@ -237,6 +266,10 @@ def render(stats: dict[str, Any]) -> RenderableType:
             table.add_row("  metrics", str(daemon["metrics"]))
         for name, sampler in sorted((daemon.get("samplers") or {}).items()):
             table.add_row(f"  {name}", _sampler_line(sampler))
+    for label, failing in sorted((stats.get("failing") or {}).items()):
+        how = "stopped" if failing["stopped"] else "failing"
+        table.add_row(f"[red]source {escape(label)}[/]", escape(
+            f"{how}: no read succeeded for {failing['for_s']:.0f} s: {failing['error']}"))
     for stall in stats.get("stalls", ()):
         table.add_row("[red]stalled[/]", escape(
             f"{stall.get('process')}: {stall.get('what')} for {stall.get('for_s', 0):.0f} s, "

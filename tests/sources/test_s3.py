@@ -89,12 +89,13 @@ def test_obstore_takes_credentials_from_botocore_when_the_options_have_none(s3: 
 def test_an_s3fs_only_option_keeps_s3fs_or_fails_naming_it(s3: S3Env) -> None:
     from epochcache.errors import ConfigError
 
-    options = {**s3.storage_options, "profile": "training"}
+    options = {**s3.storage_options, "config_kwargs": {"proxies": {"https": "http://proxy:3128"}}}
     spec = SourceSpec(url=s3.url("p"), storage_options=options)
     from epochcache.ingest.clients import resolve_client
 
     assert resolve_client("auto", spec.url, options, field="source.client") is None
-    with pytest.raises(ConfigError, match=r"source\.client.*storage_options\.profile.*s3fs"):
+    with pytest.raises(ConfigError, match=r"source\.client.*storage_options\.config_kwargs\."
+                                          r"proxies.*s3fs"):
         resolve_client("obstore", spec.url, options, field="source.client")
     with pytest.raises(ConfigError, match="obstore reads s3:// sources"):
         resolve_client("obstore", "gs://bucket/x", {}, field="source.client")

@@ -40,10 +40,10 @@ from typing import Any, Literal
 
 import fsspec
 
-from ...errors import CorruptSample, SourceError, Throttled
+from ...errors import CorruptSample, PermanentRemoteError, SourceError, Throttled
 from ...redact import redact_url
 from ...units import format_size
-from ..clients import bucket_region, obstore_filesystem, resolve_client
+from ..clients import bucket_region, obstore_filesystem, obstore_refuses_key, resolve_client
 from ..concurrency import FixedConcurrency
 from ..gate import RequestGate
 from ..localfiles import LocalFiles
@@ -114,6 +114,7 @@ class Source(abc.ABC):
                                        timeout_s=spec.timeout_s,
                                        connect_timeout_s=spec.connect_timeout_s)
         self._fetch_fs: fsspec.AbstractFileSystem | None = None
+        self._said_s3fs_keys = False  # the log line of `_fetch_remote`, once
         self.max_sample_bytes = spec.max_sample_bytes
         protocol = self.fs.protocol
         protocols = (protocol,) if isinstance(protocol, str) else tuple(protocol)
@@ -197,15 +198,46 @@ class Source(abc.ABC):
             self.gate.stats.add(gets=len(todo), bytes=sum(
                 len(value) for value in fetched if isinstance(value, bytes)))
         else:
-            fetched = fetch_many(self.fetch_fs, paths, timeout_s=self.spec.timeout_s,
-                                 url_of=dict(zip(paths, urls)).__getitem__, limits=limits,
-                                 gate=self.gate, throttled_for_s=self.throttled_for_s)
+            fetched = self._fetch_remote(paths, urls, limits)
         self._throttle(sum(len(value) for value in fetched if isinstance(value, bytes)))
         done: Iterator[list[FetchResult]] = iter([
             [(ref, value)] if isinstance(value, SourceError) else self._unpack(ref, url, value)
             for ref, url, value in zip(todo, urls, fetched)
         ])
         return [[(ref, refused[i])] if i in refused else next(done) for i, ref in enumerate(refs)]
+
+    def _fetch_remote(self, paths: list[str], urls: list[str], limits: list[int | None]
+                      ) -> list[bytes | SourceError]:
+        """Read objects with the source's client. Keys obstore cannot name are read with s3fs
+        under ``client: auto`` and refused (quarantined, the key named) under ``obstore``."""
+        url_of = dict(zip(paths, urls)).__getitem__
+
+        def fetch(fs: fsspec.AbstractFileSystem, indices: list[int]
+                  ) -> list[bytes | SourceError]:
+            return fetch_many(fs, [paths[i] for i in indices], timeout_s=self.spec.timeout_s,
+                              url_of=url_of, limits=[limits[i] for i in indices],
+                              gate=self.gate, throttled_for_s=self.throttled_for_s)
+
+        unnamed = ({} if self._obstore is None else
+                   {i: why for i, path in enumerate(paths) if (why := obstore_refuses_key(path))})
+        if not unnamed:
+            return fetch(self.fetch_fs, list(range(len(paths))))
+        results: dict[int, bytes | SourceError] = {}
+        named = [i for i in range(len(paths)) if i not in unnamed]
+        results.update(zip(named, fetch(self.fetch_fs, named)))
+        if self.spec.client == "auto":
+            if not self._said_s3fs_keys:
+                self._said_s3fs_keys = True
+                log.info("%s: keys obstore cannot name (%s: %s) are read with s3fs "
+                         "(source.client: auto)", self.url, urls[next(iter(unnamed))],
+                         next(iter(unnamed.values())))
+            results.update(zip(unnamed, fetch(self.fs, list(unnamed))))
+        else:
+            for i, why in unnamed.items():
+                results[i] = PermanentRemoteError(
+                    f"{urls[i]}: obstore cannot name this key ({why}); it is not read "
+                    "(source.client: auto or s3fs reads it)", urls[i])
+        return [results[i] for i in range(len(paths))]
 
     def _read_local(self, refs: Sequence[SampleRef], paths: list[str],
                     limits: list[int | None], urls: list[str]) -> list[bytes | SourceError]:
@@ -263,7 +295,11 @@ class Source(abc.ABC):
 
     def _escape(self, key: str, resolved: dict[str, str]) -> str:
         """How ``key`` leaves the root ("" when it does not); see `refusal`."""
-        if key.startswith(("/", "\\")) or posixpath.isabs(key):
+        # A remote root's listing may give a key that starts with '/' (the object a//b under
+        # the root a/): it is joined to the root, never read as an absolute path. A manifest
+        # or a local root may not.
+        listed = self._local_root is None and self.spec.manifest is None
+        if not listed and (key.startswith(("/", "\\")) or posixpath.isabs(key)):
             return "an absolute path"
         if ".." in key and ".." in key.replace("\\", "/").split("/"):
             return "a '..' segment"
