@@ -24,7 +24,6 @@ import multiprocessing
 import os
 import select
 import signal
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,7 +35,7 @@ from ..errors import DaemonAlreadyRunning
 from ..redact import redact_url
 from ..store import SampleStore
 from ..store.env import make_private_dir
-from ..store.leases import process_start_ticks
+from ..store.leases import process_record
 from ..units import format_size
 from .daemon_sources import DaemonSources
 from .lifeline import Lifeline
@@ -349,14 +348,11 @@ class Supervisor:
             alive = bool(slot.process is not None and slot.process.is_alive())
             doc.update(pid=slot.process.pid if slot.process else None, alive=alive, restarts=slot.restarts)
             samplers[str(slot.index)] = doc
-        pid = os.getpid()
         active = set(self.sources.names)
         self.cache.tables.put_state(
             "daemon",
             {
-                "pid": pid,
-                "host": socket.gethostname(),
-                "start_ticks": process_start_ticks(pid),
+                **process_record(),
                 "started": started,
                 "heartbeat": time.time(),
                 "stopped": stopped,

@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 
 import lmdb
 
+from ..boot import boot_id
 from ..errors import CacheError, CacheIOError
 from . import mapgate
 from .schema import ALL_DBS, OPTIONAL_DBS
@@ -169,11 +170,7 @@ def cache_identity(path: str) -> str:
     and inode. Processes that print the same identity open the same LMDB environment (on one
     machine, from any container or mount point); a copy of the cache on another machine, or
     another directory, differs."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = "unknown-boot"
+    boot = boot_id()
     try:
         st = os.stat(os.path.join(path, "data.mdb"))
     except OSError:
