@@ -36,6 +36,7 @@ from ..redact import redact_url
 from ..store import SampleStore
 from ..store.env import make_private_dir
 from ..store.leases import process_record
+from ..store.owners import lock_held
 from ..units import format_size
 from .daemon_sources import DaemonSources
 from .lifeline import Lifeline
@@ -83,17 +84,7 @@ class DaemonLock:
 
     @staticmethod
     def is_held(cache_dir: str) -> bool:
-        path = os.path.join(cache_dir, LOCK_FILE)
-        if not os.path.exists(path):
-            return False
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        finally:
-            os.close(fd)
-        return False
+        return lock_held(os.path.join(cache_dir, LOCK_FILE)) is True
 
     def release(self) -> None:
         if self._fd is not None:
