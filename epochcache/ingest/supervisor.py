@@ -19,6 +19,7 @@ never on a lock a handler could need.
 from __future__ import annotations
 
 import fcntl
+import json
 import logging
 import multiprocessing
 import os
@@ -40,12 +41,13 @@ from ..store.owners import lock_held
 from ..units import format_size
 from .daemon_sources import DaemonSources
 from .lifeline import Lifeline
+from .lineage import DAEMON_LOCK_FILE, daemon_doc, daemon_sources
 from .prometheus import MetricsServer, daemon_metrics, require_prometheus
 from .sampler import StopFlag, run_sampler, state_name
 
 log = logging.getLogger(__name__)
 
-LOCK_FILE = "daemon.lock"
+LOCK_FILE = DAEMON_LOCK_FILE
 HEARTBEAT_S = 1.0
 HISTORY_S = 5.0
 PROGRESS_LOG_S = 30.0
@@ -55,10 +57,13 @@ MAX_RESTARTS_IN_A_ROW = 10
 
 
 class DaemonLock:
-    """An exclusive ``flock`` on the cache's lock file: released by the kernel if we die."""
+    """An exclusive ``flock`` on the cache's lock file: released by the kernel if we die. The
+    file says who holds it and the sources it fills from (`lineage.daemon_doc`): a run reads
+    them before it attaches."""
 
-    def __init__(self, cache_dir: str) -> None:
+    def __init__(self, cache_dir: str, doc: dict[str, Any] | None = None) -> None:
         self.path = os.path.join(cache_dir, LOCK_FILE)
+        self._doc = doc or {"pid": os.getpid()}
         self._fd: int | None = None
 
     def acquire(self) -> None:
@@ -72,15 +77,12 @@ class DaemonLock:
                 f"cache (pid {self.holder()}); stop it first, or point cache.dir elsewhere"
             ) from None
         os.ftruncate(fd, 0)
-        os.write(fd, str(os.getpid()).encode())
+        os.write(fd, json.dumps(self._doc).encode())
         self._fd = fd
 
     def holder(self) -> str:
-        try:
-            with open(self.path) as f:
-                return f.read().strip() or "unknown"
-        except OSError:
-            return "unknown"
+        found = daemon_sources(os.path.dirname(self.path))
+        return str(found[0]) if found is not None and found[0] else "unknown"
 
     @staticmethod
     def is_held(cache_dir: str) -> bool:
@@ -171,7 +173,7 @@ class Supervisor:
         self._ctx = multiprocessing.get_context("spawn")
         self._sampler_stop = StopFlag(self._ctx)
         self._slots = [_Slot(i) for i in range(config.sampler.processes)]
-        self._lock = DaemonLock(self.cache_dir)
+        self._lock = DaemonLock(self.cache_dir, daemon_doc(config))
         self.cache: SampleStore | None = None
         self.sources = DaemonSources(config)
         self.metrics: MetricsServer | None = None
