@@ -5,7 +5,8 @@ here that imports what it runs when it runs (the run, the plot, the demo data), 
 --help`` and ``status`` load neither torch nor matplotlib.
 
 Exit status: 0 success, 1 a failure at run time, 2 bad usage, bad config, a source that is
-unreachable at start, or a cache directory that holds no usable cache (nothing was started). argparse already exits 2 on bad usage.
+unreachable at start, or a directory that holds no usable cache (nothing was started).
+argparse already exits 2 on bad usage.
 
 Logging goes to stderr, at INFO by default; ``-v`` is DEBUG for epochcache (``-vv`` for the
 libraries too), ``-q`` WARNING, before or after the subcommand. stdout carries only what a

@@ -21,10 +21,10 @@ callers can catch either::
     │  ├─ PermanentRemoteError                        403/404: retrying will not help
     │  └─ CorruptSample                               key; quarantined by the sampler
     ├─ CacheError
-    │  ├─ CacheUnusable                               the directory holds no cache this version can
-    │  │                                              open (missing, cut short, not LMDB, a newer
-    │  │                                              format, a copy killed part-way): names the
-    │  │                                              path and what to do; CLI exit 2
+    │  ├─ CacheUnusable                               no cache this version can open (missing,
+    │  │                                              cut short, not LMDB, a newer format, a copy
+    │  │                                              killed part-way): names the path and what
+    │  │                                              to do; CLI exit 2
     │  ├─ CacheCorrupted                              a record or counter failed its check
     │  ├─ CacheIOError(CacheError, OSError)           the disk failed a write (EIO); the writer stops
     │  ├─ CacheFull                                   back-pressure: wait, the cache is at capacity + headroom

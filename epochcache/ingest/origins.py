@@ -70,13 +70,13 @@ class OriginTagger:
         self.cache = cache
         self.node_rank, self.num_nodes = node
         self._seen: dict[int, _Seen] = {}
-        self._fingerprints: dict[int, tuple[str, str]] = {}
+        self._names: dict[int, tuple[str, str]] = {}
 
     def _info(self, feed: Feed) -> dict[str, Any]:
-        known = self._fingerprints.get(id(feed))
+        known = self._names.get(id(feed))
         if known is None:
             spec = feed.source.spec
-            known = self._fingerprints[id(feed)] = (source_fingerprint(spec), identity_key(spec))
+            known = self._names[id(feed)] = (source_fingerprint(spec), identity_key(spec))
         fingerprint, identity = known
         return {"source": feed.name, "fingerprint": fingerprint, "generation": feed.generation,
                 "url": feed.source.url, "unit": feed.source.unit, "listed": len(feed.table),

@@ -56,10 +56,11 @@ def check_format(path: str, stored: bytes | memoryview | None) -> None:
     if stored is None or unpack_u64(stored) == FORMAT_VERSION:
         return
     version = unpack_u64(stored)
-    fix = ("upgrade epochcache (pip install -U epochcache) to open it" if version > FORMAT_VERSION
+    newer = version > FORMAT_VERSION
+    fix = ("upgrade epochcache (pip install -U epochcache) to open it" if newer
            else "open it with the version that made it")
     raise CacheUnusable(
-        f"{path}: cache format {version}, made by a {'newer' if version > FORMAT_VERSION else 'older'} "
+        f"{path}: cache format {version}, made by {'a newer' if newer else 'an older'} "
         f"epochcache (this version reads format {FORMAT_VERSION}); {fix}, or delete the "
         "directory and let a daemon fill it anew (every sample is still in the remote)")
 
