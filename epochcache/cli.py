@@ -4,8 +4,9 @@ Every subcommand's arguments are here (`build_parser`), and its handler is a sma
 here that imports what it runs when it runs (the run, the plot, the demo data), so ``epochcache
 --help`` and ``status`` load neither torch nor matplotlib.
 
-Exit status: 0 success, 1 a failure at run time, 2 bad usage, bad config, or a source that is
-unreachable at start (nothing was started). argparse already exits 2 on bad usage.
+Exit status: 0 success, 1 a failure at run time, 2 bad usage, bad config, a source that is
+unreachable at start, or a directory that holds no usable cache (nothing was started).
+argparse already exits 2 on bad usage.
 
 Logging goes to stderr, at INFO by default; ``-v`` is DEBUG for epochcache (``-vv`` for the
 libraries too), ``-q`` WARNING, before or after the subcommand. stdout carries only what a
@@ -19,12 +20,13 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
-from .errors import CacheError, ConfigError, EpochcacheError, SourceUnavailable
+from .errors import CacheError, CacheUnusable, ConfigError, EpochcacheError, SourceUnavailable
 from .redact import install_log_redaction, redact_url, scrub_urls
 
 log = logging.getLogger("epochcache")
@@ -39,11 +41,19 @@ def _version() -> str:
     return __version__
 
 
+def _require_cache_dir(path: str) -> None:
+    """A missing cache directory is bad usage (exit 2); it names a copy's leftover beside it."""
+    if not os.path.isdir(path):
+        from .store.copy_cache import leftover_hint
+
+        raise CacheUnusable(f"{path}: no such directory (is this the cache.dir of your config?)"
+                            f"{leftover_hint(path)}")
+
+
 def _open_cache_readonly(path: str) -> Any:
     from .store import SampleStore
 
-    if not os.path.isdir(path):
-        raise CacheError(f"{path}: no such directory (is this the cache.dir of your config?)")
+    _require_cache_dir(path)
     return SampleStore(path, readonly=True)
 
 
@@ -86,8 +96,7 @@ def _cmd_daemon(args: argparse.Namespace) -> int:
 def _cmd_verify(args: argparse.Namespace) -> int:
     from .store.verify import verify_cache
 
-    if not os.path.isdir(args.cache_dir):
-        raise CacheError(f"{args.cache_dir}: no such directory")
+    _require_cache_dir(args.cache_dir)
     report = verify_cache(args.cache_dir, repair=args.repair)
     if args.json:
         print(json.dumps(report.as_dict(), indent=2))
@@ -122,9 +131,17 @@ def _cmd_copy(args: argparse.Namespace) -> int:
         print(f"epochcache copy: {exc}", file=sys.stderr)
         return EXIT_USAGE
     cache = _open_cache_readonly(args.cache_dir)
+    # SIGTERM (a scheduler, `timeout`) stops the copy as Ctrl-C does: its partial copy removed.
+    previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         report = cache.copy_to(args.dest)
+    except KeyboardInterrupt as exc:
+        print(f"epochcache copy: {exc or 'interrupted'}: stopped before the end; nothing was "
+              f"written at {args.dest} (the partial copy was removed) and {args.cache_dir} "
+              "was only read: run the copy again", file=sys.stderr)
+        return 143 if str(exc) == "terminated" else 130
     finally:
+        signal.signal(signal.SIGTERM, previous)
         cache.close()
     if args.json:
         print(json.dumps(report, indent=2))
@@ -135,6 +152,10 @@ def _cmd_copy(args: argparse.Namespace) -> int:
           f"{report['ledgers']} coverage ledger(s), left {report['leases_left_behind']} "
           f"lease(s) and {report['states_left_behind']} daemon/job state document(s) behind")
     return EXIT_OK
+
+
+def _terminate(_signum: int, _frame: Any) -> None:
+    raise KeyboardInterrupt("terminated")
 
 
 def _cmd_manifest(args: argparse.Namespace) -> int:
@@ -301,8 +322,7 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     if not available():
         print(f"epochcache plot: needs matplotlib ({INSTALL_HINT})", file=sys.stderr)
         return 2
-    if not os.path.isdir(args.cache_dir):
-        raise CacheError(f"{args.cache_dir}: no such directory")
+    _require_cache_dir(args.cache_dir)
     from .store.coverage import history as coverage_history
 
     cache = SampleStore(args.cache_dir, readonly=True)
@@ -455,7 +475,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               " ".join(sys.argv[1:] if argv is None else argv))
     try:
         return int(args.func(args))
-    except (ConfigError, SourceUnavailable) as exc:
+    except (ConfigError, SourceUnavailable, CacheUnusable) as exc:
         print(f"epochcache {args.command}: {scrub_urls(str(exc))}", file=sys.stderr)
         return EXIT_USAGE
     except EpochcacheError as exc:

@@ -24,6 +24,10 @@ callers can catch either::
     │  │                                              would fail; the sampler stops the source
     │  └─ CorruptSample                               key; quarantined by the sampler
     ├─ CacheError
+    │  ├─ CacheUnusable                               no cache this version can open (missing,
+    │  │                                              cut short, not LMDB, a newer format, a copy
+    │  │                                              killed part-way): names the path and what
+    │  │                                              to do; CLI exit 2
     │  ├─ CacheCorrupted                              a record or counter failed its check
     │  ├─ CacheIOError(CacheError, OSError)           the disk failed a write (EIO); the writer stops
     │  ├─ CacheFull                                   back-pressure: wait, the cache is at capacity + headroom
@@ -116,6 +120,13 @@ class CorruptSample(SourceError):
 
 class CacheError(EpochcacheError):
     """The local cache cannot do what was asked."""
+
+
+class CacheUnusable(CacheError):
+    """The directory handed over holds no cache this version can open: none at all, a data file
+    cut short or not LMDB's, a newer format, the leftover of a copy killed part-way. Raised
+    before LMDB maps the file (a map past a file's end is a SIGBUS); the message names the path
+    and what to do. The CLI exits 2."""
 
 
 class CacheCorrupted(CacheError):

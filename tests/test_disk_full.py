@@ -25,6 +25,7 @@ import lmdb
 import numpy as np
 import pytest
 from common.cachecheck import assert_consistent, content_for, digest, full_check
+from common.tmpfs import mounted_tmpfs
 
 from epochcache import Cache, CacheError, CacheFull, CacheIOError
 from epochcache.store import store_of
@@ -298,22 +299,8 @@ def test_a_map_that_stays_full_is_probed_ever_less_often(
 @pytest.fixture
 def tmpfs(tmp_path: Path) -> Iterator[Path]:
     """An 8 MiB tmpfs mounted for this test (root only; skipped where mounting is not allowed)."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    mnt = tmp_path / "tmpfs"
-    mnt.mkdir()
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=8m,mode=0700", "tmpfs", str(mnt)],
-        capture_output=True,
-        text=True,
-    )
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
-    try:
+    with mounted_tmpfs(tmp_path / "tmpfs") as mnt:
         yield mnt
-    finally:
-        if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
 def _ballast(mnt: Path, leave_free: int) -> Path:

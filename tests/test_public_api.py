@@ -23,8 +23,9 @@ EXPORTED = {
     # the errors (errors.py)
     "EpochcacheError", "ConfigError", "NodeLayoutError", "CheckpointError",
     "MinSamplesUnreachable", "StallError", "PrepareFailed", "SourceError", "SourceUnavailable",
-    "Throttled", "RemoteTimeout", "PermanentRemoteError", "SourceRefused", "CorruptSample", "CacheError",
-    "CacheCorrupted", "CacheIOError", "CacheFull", "SampleRejected", "SampleTooLarge",
+    "Throttled", "RemoteTimeout", "PermanentRemoteError", "SourceRefused", "CorruptSample",
+    "CacheError", "CacheCorrupted", "CacheIOError", "CacheFull", "CacheUnusable",
+    "SampleRejected", "SampleTooLarge",
     "DaemonAlreadyRunning", "SnapshotClosed", "DecodeError", "PickleNotAllowed",
     "MissingImageLibrary",
     "__version__",

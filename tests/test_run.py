@@ -237,7 +237,7 @@ def test_plot_command_on_a_cache_with_history(demo_run: DemoRun, tmp_path: Path)
 
 def test_plot_command_on_a_missing_dir_is_an_error(tmp_path: Path) -> None:
     result = cli("plot", str(tmp_path / "nope"), "-o", str(tmp_path / "x.png"), cwd=tmp_path, timeout_s=60)
-    assert result.returncode == 1, result
+    assert result.returncode == 2, result  # a cache that is not there: bad usage, as for status
     assert "nope" in result.stderr and "no such directory" in result.stderr
     assert_no_traceback(result)
     assert not (tmp_path / "x.png").exists()

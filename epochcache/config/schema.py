@@ -503,6 +503,12 @@ class TrainConfig(_Section):
         default=Path("runs/default"),
         description="where the config, metrics.jsonl, checkpoints and plots go",
     )
+    allow_other_sources: bool = Field(
+        default=False,
+        description="train on cache.dir even when it holds samples of other sources than this "
+                    "run's, or a daemon fills it from others (false: the run refuses to start, "
+                    "naming both)",
+    )
     seed: int = Field(
         default=0, ge=0,
         description="seeds the epochs' order and the workers' random state",

@@ -24,6 +24,7 @@ from ..store import SampleStore
 from ..store.ledger import remap
 from ..store.listings import register_listing
 from ..store.origins import Origin
+from .lineage import identity_key
 from .sources import KeyTable, Part, SampleRef, source_fingerprint
 
 if TYPE_CHECKING:
@@ -69,16 +70,18 @@ class OriginTagger:
         self.cache = cache
         self.node_rank, self.num_nodes = node
         self._seen: dict[int, _Seen] = {}
-        self._fingerprints: dict[int, str] = {}
+        self._names: dict[int, tuple[str, str]] = {}
 
     def _info(self, feed: Feed) -> dict[str, Any]:
-        fingerprint = self._fingerprints.get(id(feed))
-        if fingerprint is None:
-            fingerprint = self._fingerprints[id(feed)] = source_fingerprint(feed.source.spec)
+        known = self._names.get(id(feed))
+        if known is None:
+            spec = feed.source.spec
+            known = self._names[id(feed)] = (source_fingerprint(spec), identity_key(spec))
+        fingerprint, identity = known
         return {"source": feed.name, "fingerprint": fingerprint, "generation": feed.generation,
                 "url": feed.source.url, "unit": feed.source.unit, "listed": len(feed.table),
                 "gone": len(feed.gone), "complete": feed.complete, "node_rank": self.node_rank,
-                "num_nodes": self.num_nodes}
+                "num_nodes": self.num_nodes, "identity": identity}
 
     def listing_id(self, feed: Feed) -> int:
         """The id of the listing ``feed`` samples now, registered (or brought up to date)."""

@@ -18,24 +18,24 @@ each waits for its instant (a GCRA, like `budget`), and the pace moves by AIMD o
 * a pace that held nothing back for `FORGET_S` is dropped: demand stayed below it.
 
 The samplers of a daemon share one pace per source (`SharedPaceState`, a small file in
-the cache directory under ``flock``, which the kernel releases when a holder dies): the
-remote's rate is shared by all of them, so a sampler that has nothing to fetch leaves the whole
-rate to the others at once, and none is starved by another's larger share. Tests and the
-simulation use `LocalPaceState`.
+the cache directory, `clockfile`: under ``flock``, which the kernel releases when a holder dies,
+and stamped with the clock its instants belong to, so the file of another boot or host is
+started afresh): the remote's rate is shared by all of them, so a sampler that has nothing to
+fetch leaves the whole rate to the others at once, and none is starved by another's larger
+share. Tests and the simulation use `LocalPaceState`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import mmap
 import os
 import re
-import struct
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Protocol
+
+from .clockfile import ClockFile
 
 #: A throttled answer multiplies the pace by at most this, at least that...
 BACKOFF, BACKOFF_MIN = 0.9, 0.7
@@ -50,9 +50,8 @@ STEP_MIN = 0.5
 FORGET_S = 30.0
 
 #: The state: [next free instant, pace (0: none), grown at, held back at, backed off at,
-#: throttled at], in time.monotonic() seconds (the same clock in every process of a host).
-_FIELDS = 6
-_LAYOUT = struct.Struct(f"<{_FIELDS}d")
+#: throttled at], in time.monotonic() seconds (one clock for every process of a boot).
+_INITIAL = (0.0, 0.0, 0.0, float("-inf"), float("-inf"), float("-inf"))
 _NAME = re.compile(r"[^A-Za-z0-9_.-]")
 
 
@@ -65,8 +64,7 @@ class LocalPaceState:
     """The state in this process (a single sampler, tests)."""
 
     def __init__(self) -> None:
-        self._cells = [0.0] * _FIELDS
-        self._cells[3] = self._cells[4] = self._cells[5] = float("-inf")
+        self._cells = list(_INITIAL)
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[list[float]]:
@@ -81,37 +79,18 @@ class SharedPaceState:
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            if os.fstat(fd).st_size < _LAYOUT.size:
-                os.ftruncate(fd, _LAYOUT.size)
-            self._map = mmap.mmap(fd, _LAYOUT.size)
-        except BaseException:
-            os.close(fd)
-            raise
-        self._fd = fd
+        self._file = ClockFile(path, _INITIAL)
 
     @classmethod
     def in_cache(cls, cache_dir: str | os.PathLike[str], source: str) -> SharedPaceState:
         """The pace of ``source`` (its label) shared through ``cache_dir``."""
         return cls(Path(cache_dir) / f"pace-{_NAME.sub('_', source)}")
 
-    @contextlib.contextmanager
-    def locked(self) -> Iterator[list[float]]:
-        fcntl.flock(self._fd, fcntl.LOCK_EX)
-        try:
-            cells = list(_LAYOUT.unpack_from(self._map))
-            now = time.monotonic()
-            if any(value - now > 3600 for value in cells):  # left by an earlier boot's clock
-                cells = [0.0] * _FIELDS
-            yield cells
-            _LAYOUT.pack_into(self._map, 0, *cells)
-        finally:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
+    def locked(self) -> contextlib.AbstractContextManager[list[float]]:
+        return self._file.locked()
 
     def close(self) -> None:
-        self._map.close()
-        os.close(self._fd)
+        self._file.close()
 
 
 class Pace:

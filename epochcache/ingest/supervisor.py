@@ -19,12 +19,12 @@ never on a lock a handler could need.
 from __future__ import annotations
 
 import fcntl
+import json
 import logging
 import multiprocessing
 import os
 import select
 import signal
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,16 +36,18 @@ from ..errors import DaemonAlreadyRunning
 from ..redact import redact_url
 from ..store import SampleStore
 from ..store.env import make_private_dir
-from ..store.leases import process_start_ticks
+from ..store.leases import process_record
+from ..store.owners import lock_held
 from ..units import format_size
 from .daemon_sources import DaemonSources
 from .lifeline import Lifeline
+from .lineage import DAEMON_LOCK_FILE, daemon_doc, daemon_sources
 from .prometheus import MetricsServer, daemon_metrics, require_prometheus
 from .sampler import StopFlag, run_sampler, state_name
 
 log = logging.getLogger(__name__)
 
-LOCK_FILE = "daemon.lock"
+LOCK_FILE = DAEMON_LOCK_FILE
 HEARTBEAT_S = 1.0
 HISTORY_S = 5.0
 PROGRESS_LOG_S = 30.0
@@ -55,10 +57,13 @@ MAX_RESTARTS_IN_A_ROW = 10
 
 
 class DaemonLock:
-    """An exclusive ``flock`` on the cache's lock file: released by the kernel if we die."""
+    """An exclusive ``flock`` on the cache's lock file: released by the kernel if we die. The
+    file says who holds it and the sources it fills from (`lineage.daemon_doc`): a run reads
+    them before it attaches."""
 
-    def __init__(self, cache_dir: str) -> None:
+    def __init__(self, cache_dir: str, doc: dict[str, Any] | None = None) -> None:
         self.path = os.path.join(cache_dir, LOCK_FILE)
+        self._doc = doc or {"pid": os.getpid()}
         self._fd: int | None = None
 
     def acquire(self) -> None:
@@ -72,29 +77,16 @@ class DaemonLock:
                 f"cache (pid {self.holder()}); stop it first, or point cache.dir elsewhere"
             ) from None
         os.ftruncate(fd, 0)
-        os.write(fd, str(os.getpid()).encode())
+        os.write(fd, json.dumps(self._doc).encode())
         self._fd = fd
 
     def holder(self) -> str:
-        try:
-            with open(self.path) as f:
-                return f.read().strip() or "unknown"
-        except OSError:
-            return "unknown"
+        found = daemon_sources(os.path.dirname(self.path))
+        return str(found[0]) if found is not None and found[0] else "unknown"
 
     @staticmethod
     def is_held(cache_dir: str) -> bool:
-        path = os.path.join(cache_dir, LOCK_FILE)
-        if not os.path.exists(path):
-            return False
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        finally:
-            os.close(fd)
-        return False
+        return lock_held(os.path.join(cache_dir, LOCK_FILE)) is True
 
     def release(self) -> None:
         if self._fd is not None:
@@ -181,7 +173,7 @@ class Supervisor:
         self._ctx = multiprocessing.get_context("spawn")
         self._sampler_stop = StopFlag(self._ctx)
         self._slots = [_Slot(i) for i in range(config.sampler.processes)]
-        self._lock = DaemonLock(self.cache_dir)
+        self._lock = DaemonLock(self.cache_dir, daemon_doc(config))
         self.cache: SampleStore | None = None
         self.sources = DaemonSources(config)
         self.metrics: MetricsServer | None = None
@@ -349,14 +341,11 @@ class Supervisor:
             alive = bool(slot.process is not None and slot.process.is_alive())
             doc.update(pid=slot.process.pid if slot.process else None, alive=alive, restarts=slot.restarts)
             samplers[str(slot.index)] = doc
-        pid = os.getpid()
         active = set(self.sources.names)
         self.cache.tables.put_state(
             "daemon",
             {
-                "pid": pid,
-                "host": socket.gethostname(),
-                "start_ticks": process_start_ticks(pid),
+                **process_record(),
                 "started": started,
                 "heartbeat": time.time(),
                 "stopped": stopped,

@@ -40,6 +40,7 @@ from ..store.status import describe_requests, request_delta, request_totals
 from .checkpoint import resume_checkpoint
 from .context import RunContext, TimedLoader
 from .devices import CPU, RunDevice
+from .lineage import check_run_sources
 from .midepoch import MidEpoch, loader_states
 from .progress import TrainProgress, Turnover, train_metrics
 from .signals import Interrupted, StopSignals, Terminated, quiet_worker, shelter_forkserver
@@ -439,6 +440,7 @@ def _run_job(run: Run, place: Placement) -> int:
     config, stop = run.config, run.stop
     created_group = joined = False
     try:
+        check_run_sources(config)  # before anything starts: never train on another dataset
         run.serve_metrics(place.local_rank)
         if place.rank == 0:
             ensure_demo_data(config)

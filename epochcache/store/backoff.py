@@ -42,7 +42,7 @@ import lmdb
 from ..errors import CacheError
 from ..units import format_size
 from .env import Store
-from .leases import pid_alive, process_start_ticks
+from .leases import process_record, recorded_alive
 from .schema import C_EFFECTIVE_CAPACITY, DB_META, DB_STATE
 
 log = logging.getLogger("epochcache.cache")  # one logger for everything a cache does
@@ -278,11 +278,9 @@ class BackOff:
         return None if self.state is None else self._document(self.state)
 
     def _document(self, state: Lowered) -> dict[str, Any]:
-        pid = os.getpid()
         return {
             "name": self._name,
-            "pid": pid,
-            "start_ticks": process_start_ticks(pid),
+            **process_record(),
             "limit": state.limit,
             "capacity": self.capacity_bytes,
             "reason": state.reason,
@@ -296,7 +294,7 @@ def published(store: Store) -> list[dict[str, Any]]:
     """The lowered limits published by live processes, lowest first."""
     found = []
     for doc in _documents(store):
-        if pid_alive(int(doc.get("pid", -1)), doc.get("start_ticks")):
+        if recorded_alive(doc):
             found.append(doc)
     return sorted(found, key=lambda d: int(d.get("limit", 0)))
 
@@ -324,7 +322,7 @@ def _clean_stale(store: Store) -> None:
     with store.read() as txn:
         legacy = txn.get(C_EFFECTIVE_CAPACITY, db=store.dbs[DB_META]) is not None
     stale = [doc for doc in _documents(store)
-             if not pid_alive(int(doc.get("pid", -1)), doc.get("start_ticks"))]
+             if not recorded_alive(doc)]
     if not (legacy or stale):
         return  # the common case: no write transaction at open
 

@@ -15,10 +15,11 @@ from typing import Any
 
 import lmdb
 
-from ..errors import CacheError
+from ..errors import CacheUnusable
 from ..units import headroom_bytes, parse_headroom
 from .backoff import BackOff, published
 from .counters import Counters
+from .datafile import no_cache_here
 from .env import Store
 from .schema import C_FORMAT, DB_META, FORMAT_VERSION, pack_u64, unpack_u64
 
@@ -27,13 +28,19 @@ _M_HEADROOM = b"headroom"
 
 
 def stored_limits(path: str) -> tuple[int | None, int | None]:
-    """``(capacity, headroom)`` in bytes as stored in the cache at ``path`` (None: not stored)."""
+    """``(capacity, headroom)`` in bytes as stored in the cache at ``path`` (None: not stored).
+
+    Raises:
+        CacheUnusable: the cache is of another format (a newer epochcache made it), or its
+            data file is not one LMDB can open (`epochcache.store.datafile`).
+    """
     if not os.path.exists(os.path.join(path, "data.mdb")):
         return None, None
     store = Store(path, readonly=True)
     try:
         with store.read() as txn:
             meta = store.dbs[DB_META]
+            check_format(path, txn.get(C_FORMAT, db=meta))
             cap, head = txn.get(_M_CAPACITY, db=meta), txn.get(_M_HEADROOM, db=meta)
             return (
                 None if cap is None else unpack_u64(cap),
@@ -41,6 +48,21 @@ def stored_limits(path: str) -> tuple[int | None, int | None]:
             )
     finally:
         store.close()
+
+
+def check_format(path: str, stored: bytes | memoryview | None) -> None:
+    """Refuse a cache whose stored format version is not this version's (None: a cache being
+    created)."""
+    if stored is None or unpack_u64(stored) == FORMAT_VERSION:
+        return
+    version = unpack_u64(stored)
+    newer = version > FORMAT_VERSION
+    fix = ("upgrade epochcache (pip install -U epochcache) to open it" if newer
+           else "open it with the version that made it")
+    raise CacheUnusable(
+        f"{path}: cache format {version}, made by {'a newer' if newer else 'an older'} "
+        f"epochcache (this version reads format {FORMAT_VERSION}); {fix}, or delete the "
+        "directory and let a daemon fill it anew (every sample is still in the remote)")
 
 
 def resolve_limits(
@@ -52,17 +74,14 @@ def resolve_limits(
     ``changed`` tells whether the result differs from what the cache stores.
 
     Raises:
-        CacheError: no capacity was given and the cache stores none.
+        CacheUnusable: no capacity was given and the cache stores none (or there is none).
     """
     stored_cap, stored_head = stored_limits(path)
     if capacity is None and stored_cap is None:
-        exists = os.path.exists(os.path.join(path, "data.mdb"))
-        raise CacheError(
-            f"{path}: "
-            + ("the cache has no stored capacity (its creation was interrupted?)" if exists
-               else "no cache here")
-            + "; open it with Cache(path, capacity='...')"
-        )
+        if not os.path.exists(os.path.join(path, "data.mdb")):
+            raise CacheUnusable(no_cache_here(path))
+        raise CacheUnusable(f"{path}: the cache has no stored capacity (its creation was "
+                            "interrupted?); open it with Cache(path, capacity='...')")
     cap = capacity if capacity is not None else int(stored_cap or 0)
     if capacity is not None or stored_head is None:
         head = headroom_bytes(parse_headroom(headroom), cap)
@@ -89,12 +108,7 @@ class Capacity:
     def save(self, txn: lmdb.Transaction) -> None:
         """Store the format version, capacity and headroom (refusing another format)."""
         meta = self.store.dbs[DB_META]
-        version = txn.get(C_FORMAT, db=meta)
-        if version is not None and unpack_u64(version) != FORMAT_VERSION:
-            raise CacheError(
-                f"{self.store.path}: cache format {unpack_u64(version)} is not supported by this "
-                f"version (format {FORMAT_VERSION}); use a new cache directory"
-            )
+        check_format(self.store.path, txn.get(C_FORMAT, db=meta))
         txn.put(C_FORMAT, pack_u64(FORMAT_VERSION), db=meta)
         txn.put(_M_CAPACITY, pack_u64(self.capacity_bytes), db=meta)
         txn.put(_M_HEADROOM, pack_u64(self.headroom_bytes), db=meta)

@@ -30,8 +30,10 @@ from typing import Any, TypeVar
 
 import lmdb
 
-from ..errors import CacheError, CacheIOError
+from ..boot import boot_id
+from ..errors import CacheError, CacheIOError, CacheUnusable
 from . import mapgate
+from .datafile import check_data_file
 from .schema import ALL_DBS, OPTIONAL_DBS
 
 log = logging.getLogger(__name__)
@@ -169,11 +171,7 @@ def cache_identity(path: str) -> str:
     and inode. Processes that print the same identity open the same LMDB environment (on one
     machine, from any container or mount point); a copy of the cache on another machine, or
     another directory, differs."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = "unknown-boot"
+    boot = boot_id()
     try:
         st = os.stat(os.path.join(path, "data.mdb"))
     except OSError:
@@ -298,11 +296,10 @@ class Store:
         return env
 
     def _open_env(self, pid: int) -> tuple[lmdb.Environment, dict[bytes, lmdb._Database], int]:
-        if self.readonly:
-            if not os.path.exists(os.path.join(self.path, "data.mdb")):
-                raise CacheError(f"{self.path}: no cache here (data.mdb is missing)")
-        else:
+        if not self.readonly:
             make_private_dir(self.path)
+        # Before LMDB maps it: a page past the file's end is a SIGBUS, not an error.
+        check_data_file(self.path, create=not self.readonly)
         # The environment is shared by every Store on this path in the process, so it is
         # opened writable whenever the directory allows it; `readonly` Stores just never write.
         lmdb_readonly = self.readonly and not os.access(self.path, os.W_OK)
@@ -324,6 +321,9 @@ class Store:
                 mode=0o600,
                 lock=True,
             )
+        except (lmdb.InvalidError, lmdb.VersionMismatchError, lmdb.CorruptedError) as exc:
+            raise CacheUnusable(f"{self.path}: not a cache this version can open ({exc}); "
+                                "delete it and let a daemon fill it anew") from exc
         except lmdb.Error as exc:
             raise CacheError(f"{self.path}: cannot open the cache: {exc}") from exc
         dbs: dict[bytes, lmdb._Database] = {}
@@ -341,7 +341,8 @@ class Store:
                 env.set_mapsize(0)  # a writer grew the map while we opened: adopt its size
             except lmdb.NotFoundError as exc:
                 env.close()
-                raise CacheError(f"{self.path}: not an epochcache cache ({exc})") from exc
+                raise CacheUnusable(f"{self.path}: an LMDB environment but not an epochcache "
+                                    f"cache ({exc}); point cache.dir elsewhere") from exc
         return env, dbs, pid
 
     @property

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import lmdb
 
 from ..errors import CacheError
-from .leases import Lease, pid_alive, process_start_ticks
+from .leases import Lease, process_record, recorded_alive
 from .plans import Part, part_path
 
 if TYPE_CHECKING:
@@ -46,13 +46,11 @@ def note_job(cache: SampleStore, **fields: Any) -> None:
     host, pid = socket.gethostname(), os.getpid()
     name = job_name(host, pid)
     previous = cache.tables.get_state(name) or {}
-    doc = {"pid": pid, "host": host, "start_ticks": process_start_ticks(pid),
-           "started": previous.get("started", time.time()), **previous, **fields,
-           "updated": time.time()}
+    doc = {"started": previous.get("started", time.time()), **previous, **process_record(pid),
+           **fields, "updated": time.time()}
     cache.tables.put_state(name, doc)
     for other, seen in cache.tables.states(JOB_PREFIX).items():
-        if other != name and seen.get("host") == host and not pid_alive(
-                int(seen.get("pid", -1)), seen.get("start_ticks")):
+        if other != name and seen.get("host") == host and not recorded_alive(seen):
             cache.tables.delete_state(other)
 
 
@@ -102,7 +100,7 @@ def jobs(cache: SampleStore, leases: list[Lease] | None = None) -> list[dict[str
         job["since"] = min(job["since"], lease.created_ns / 1e9)
     for doc in docs.values():
         host, pid = str(doc.get("host")), int(doc.get("pid", -1))
-        if host == socket.gethostname() and not pid_alive(pid, doc.get("start_ticks")):
+        if host == socket.gethostname() and not recorded_alive(doc):
             continue
         job = out.setdefault((host, pid), {"pid": pid, "host": host, "leases": 0, "epochs": [],
                                            "samples": 0, "unread": 0,

@@ -21,11 +21,13 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, fields
+from typing import Any
 
 import lmdb
 
+from ..boot import boot_id, same_boot
 from .owners import owner_alive, remove_owner
 from .plans import remove_plan
 
@@ -60,9 +62,10 @@ def process_start_ticks(pid: int) -> int | None:
     return None if stat is None else stat[1]
 
 
-def pid_alive(pid: int, start_ticks: int | None = None) -> bool:
-    """Whether process ``pid`` exists (and is the same process that had ``start_ticks``)."""
-    if pid <= 0:
+def pid_alive(pid: int, start_ticks: int | None = None, boot: object = None) -> bool:
+    """Whether process ``pid`` exists (and is the same process that had ``start_ticks``, on
+    the boot ``boot`` names: after a reboot a pid and its start ticks name another process)."""
+    if pid <= 0 or not same_boot(boot):
         return False
     try:
         os.kill(pid, 0)
@@ -77,6 +80,20 @@ def pid_alive(pid: int, start_ticks: int | None = None) -> bool:
             if (ticks is not None and ticks != start_ticks) or state == "Z":
                 return False  # a recycled pid, or a zombie: neither holds anything
     return True
+
+
+def process_record(pid: int | None = None) -> dict[str, Any]:
+    """What a document says of the process that wrote it (default: this one), for
+    `recorded_alive`: its pid, host, start time in ticks since boot, and that boot."""
+    pid = os.getpid() if pid is None else pid
+    return {"pid": pid, "host": socket.gethostname(), "start_ticks": process_start_ticks(pid),
+            "boot": boot_id()}
+
+
+def recorded_alive(doc: Mapping[str, Any]) -> bool:
+    """Whether the process a document names (`process_record`) still runs, by pid and start
+    time on the boot it names (the caller knows it was written on this host)."""
+    return pid_alive(int(doc.get("pid", -1)), doc.get("start_ticks"), doc.get("boot"))
 
 
 @dataclass

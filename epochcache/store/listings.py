@@ -1,6 +1,7 @@
 """The listings a cache's samples were picked from, by a small id (what origin rows name).
 
-A sampler registers the listing it samples (its source's fingerprint and the listing's
+A sampler registers the listing it samples (its source's fingerprint and identity, which a run
+compares its sources with: `epochcache.ingest.lineage`, and the listing's
 *generation*: indices into a listing keep their meaning only within one generation, see
 ``ingest/sources/listing.py``) before it commits a sample picked from it, and gets back a
 listing id (a ``u16``). Each registration also records what coverage needs to know about the
@@ -29,7 +30,7 @@ from .schema import DB_META
 M_LISTINGS = b"coverage_listings"
 #: Fields of a registration (what the sampler knows about its listing).
 FIELDS = ("source", "fingerprint", "generation", "url", "unit", "listed", "gone", "complete",
-          "node_rank", "num_nodes")
+          "node_rank", "num_nodes", "identity")
 
 
 def _load(txn: lmdb.Transaction, meta: lmdb._Database) -> dict[str, Any]:

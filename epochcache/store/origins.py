@@ -36,6 +36,7 @@ from typing import NamedTuple
 import lmdb
 import numpy as np
 
+from .env import Store
 from .schema import DB_ORIGINS, DB_SAMPLES, seq_key, seq_of
 
 ROW_VERSION = 1
@@ -259,3 +260,30 @@ def prune_bound(txn: lmdb.Transaction, dbs: dict[bytes, lmdb._Database],
     cursor = txn.cursor(db=dbs[DB_SAMPLES])
     oldest = seq_of(bytes(cursor.key())) if cursor.first() else 2**63
     return min([oldest, *lease_los])
+
+
+def cached_listing_counts(store: Store) -> dict[int, int]:
+    """How many cached samples each listing id has (`UNKNOWN`: those with no origin),
+    from the origin rows of the samples still cached: the lids of each row are read, never its
+    keys (a million samples in 2,000 rows: 0.14 s on a busy 2-core machine)."""
+    counts: dict[int, int] = {}
+    with store.read() as txn:
+        samples = txn.cursor(db=store.dbs[DB_SAMPLES])
+        if not samples.first():
+            return counts
+        oldest = seq_of(bytes(samples.key()))
+        total = int(txn.stat(store.dbs[DB_SAMPLES])["entries"])
+        db = store.dbs.get(DB_ORIGINS)
+        attributed = 0
+        if db is not None:
+            for key, value in txn.cursor(db=db):
+                first = seq_of(bytes(key))
+                n = _HEAD.unpack_from(value)[3]
+                skip = max(0, min(n, oldest - first))  # evicted, the row kept for a lease
+                lids = np.frombuffer(value, "<u2", n, _HEAD.size)[skip:]
+                for lid, count in zip(*np.unique(lids, return_counts=True)):
+                    counts[int(lid)] = counts.get(int(lid), 0) + int(count)
+                attributed += n - skip
+        if total > attributed:
+            counts[UNKNOWN] = counts.get(UNKNOWN, 0) + total - attributed
+    return counts

@@ -146,11 +146,11 @@ def end_lease(cache_path: str) -> None:
         os.close(fd)
 
 
-def owner_alive(cache_path: str, owner: str) -> bool | None:
-    """Whether ``owner`` still holds its lock: True, False, or None when the lock cannot tell
-    (no owner file, or the filesystem refuses locks)."""
+def lock_held(path: str) -> bool | None:
+    """Whether a live process holds an exclusive ``flock`` on the file ``path``: True, False,
+    or None when it cannot tell (no such file, or the filesystem refuses locks)."""
     try:
-        fd = os.open(_owner_path(cache_path, owner), os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return None
     try:
@@ -160,8 +160,14 @@ def owner_alive(cache_path: str, owner: str) -> bool | None:
     except OSError:
         return None
     finally:
-        os.close(fd)  # also drops the shared lock taken when the owner was dead
+        os.close(fd)  # also drops the shared lock taken when the holder was dead
     return False
+
+
+def owner_alive(cache_path: str, owner: str) -> bool | None:
+    """Whether ``owner`` still holds its lock: True, False, or None when the lock cannot tell
+    (no owner file, or the filesystem refuses locks)."""
+    return lock_held(_owner_path(cache_path, owner))
 
 
 def remove_owner(cache_path: str, owner: str) -> None:

@@ -15,7 +15,7 @@ import os
 from typing import Any
 
 from ..atomic import atomic_write
-from .leases import pid_alive
+from .leases import process_record, recorded_alive
 
 STALLS_DIR = "stalls"
 
@@ -29,7 +29,7 @@ def record_stall(cache_path: str, doc: dict[str, Any]) -> None:
     path = _path(cache_path, os.getpid())
     os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
     with atomic_write(path) as f:
-        f.write(json.dumps({**doc, "pid": os.getpid()}).encode())
+        f.write(json.dumps({**doc, **process_record()}).encode())
 
 
 def forget_stall(cache_path: str) -> None:
@@ -51,6 +51,6 @@ def read_stalls(cache_path: str) -> list[dict[str, Any]]:
                 doc = dict(json.load(f))
         except (OSError, ValueError):
             continue
-        if pid_alive(int(doc.get("pid", 0))):
+        if recorded_alive(doc):
             found.append(doc)
     return sorted(found, key=lambda doc: float(doc.get("since", 0)))

@@ -10,7 +10,7 @@ from ..epoch_record import HISTORY, history_row, is_epoch_row, status_cell
 from ..redact import redact_tree
 from ..units import format_size
 from .jobs import jobs
-from .leases import pid_alive
+from .leases import recorded_alive
 from .stalls import read_stalls
 
 if TYPE_CHECKING:
@@ -32,7 +32,7 @@ def daemon_health(doc: dict[str, Any] | None, now: float | None = None) -> dict[
     now = time.time() if now is None else now
     age = now - float(doc.get("heartbeat", 0))
     if doc.get("host") == socket.gethostname():
-        alive = pid_alive(int(doc.get("pid", -1)), doc.get("start_ticks")) and not doc.get("stopped")
+        alive = recorded_alive(doc) and not doc.get("stopped")
     else:
         alive = age < DAEMON_STALE_S and not doc.get("stopped")
     return {**doc, "alive": bool(alive), "heartbeat_age_s": round(age, 1)}
