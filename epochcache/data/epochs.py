@@ -68,6 +68,7 @@ from .epoch_loader import EpochLoader, probe_workers, stop_workers
 from .planner import Planner
 from .reader import SampleReader
 from .resume import adopt_node, ended_lease, log_resume, resume_rank
+from .ring import forget_exited
 from .schedule import (
     EpochSchedule,
     ScheduleSampler,
@@ -537,6 +538,8 @@ class _Epochs:
                 it = getattr(loader_, "_iterator", None)
                 if it is not None and hasattr(it, "_shutdown_workers"):
                     it._shutdown_workers()
+            if self.num_workers > 0:
+                forget_exited()  # this process's mappings of the workers' batch rings
             for thread in self.threads.values():
                 # Leases are released before epochs() returns, and no task thread outlives
                 # this generator holding references to its state (see _TaskThread._run).

@@ -14,8 +14,8 @@ tuples (`epochcache.data.fields`) on either path.
 A reader pickles as the cache path and its options -- never an LMDB handle: each process opens
 an environment of its own on first read (a forked worker too: it never uses the inherited one).
 
-A worker's small batches leave it through its result pipe rather than in shared memory
-(`epochcache.data.collate.pipe_small`: torch's shared-memory hand-off costs more below 256 KiB).
+In the loaders of ``epochs()`` a worker writes its batches into shared buffers it reuses from
+batch to batch, which the trainer maps once (`epochcache.data.ring`).
 """
 
 from __future__ import annotations

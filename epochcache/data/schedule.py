@@ -19,9 +19,9 @@ import numpy as np
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from ..store.plans import Releaser
-from .collate import pipe_small
 from .dataset import EpochDataset, snapshot_gone
 from .reader import SampleReader
+from .ring import hand_off, ring_batches
 from .workers import WarmUp
 
 
@@ -173,7 +173,8 @@ class SeqBatches(Dataset[Any]):
     def __getitem__(self, batch: SeqBatch) -> Any:
         try:
             if self.collated:
-                return pipe_small(self.reader.read_batch(batch.seqs))
+                with ring_batches():
+                    return hand_off(self.reader.read_batch(batch.seqs))
             return self.reader.read_samples(batch.seqs)
         except KeyError as exc:
             raise snapshot_gone(self.reader, batch.lease_id, batch.epoch, exc) from exc
