@@ -88,20 +88,56 @@ def _torch_dtype(dtype: np.dtype[Any] | torch.dtype) -> torch.dtype:
     return found
 
 
+class batch_buffers:
+    """Within it, `alloc_batch` gives buffers for batches that leave through
+    `epochcache.data.ring.hand_off`: in a DataLoader worker a slot of its batch ring, and in the
+    training process, with ``pinned``, page-locked memory (the DataLoader's ``pin_memory`` then
+    has nothing left to copy).
+
+    Args:
+        pinned: batches read in the training process go to a GPU (``pin_memory=True`` where
+            CUDA is available).
+    """
+
+    __slots__ = ("pinned", "previous")
+
+    def __init__(self, pinned: bool = False) -> None:
+        self.pinned = pinned
+
+    def __enter__(self) -> None:
+        global _scope
+        self.previous, _scope = _scope, (True, self.pinned)
+
+    def __exit__(self, *exc: object) -> None:
+        global _scope
+        _scope = self.previous
+
+
+_scope = (False, False)  # (inside batch_buffers, pinned)
+
+
 def alloc_batch(shape: tuple[int, ...], dtype: np.dtype[Any] | torch.dtype) -> torch.Tensor:
     """An uninitialised tensor for a batch; in shared memory inside a DataLoader worker.
 
     In the training process the tensor may be one handed out before and since dropped by
-    every holder (checked through reference counts), so its pages are already mapped. In a
-    worker it comes from the worker's batch ring where the caller hands it off through it
-    (`epochcache.data.ring`), else it is a new shared segment.
+    every holder (checked through reference counts), so its pages are already mapped; or,
+    in a pinned `batch_buffers`, page-locked memory. In a worker, inside `batch_buffers`,
+    it is a slot of the worker's batch ring (`epochcache.data.ring`), else a new shared
+    segment.
     """
     tdtype = _torch_dtype(dtype)
+    handed_off, pinned = _scope
     if get_worker_info() is None:
+        if pinned:
+            # From torch's caching host allocator, never from the pool: the loop may copy a
+            # batch to the GPU with non_blocking=True and drop it before the copy is done;
+            # torch reuses a block only once the copies recorded on it have finished.
+            return torch.empty(shape, dtype=tdtype, pin_memory=True)
         return _from_pool(tuple(shape), tdtype)
-    tensor = ring.take(tuple(shape), tdtype)
-    if tensor is not None:
-        return tensor
+    if handed_off:
+        tensor = ring.take(tuple(shape), tdtype)
+        if tensor is not None:
+            return tensor
     numel = int(np.prod(shape, dtype=np.int64))
     # As default_collate does: allocate the shared storage directly instead of moving a
     # finished tensor into shared memory (which would copy the batch once more).

@@ -197,6 +197,8 @@ class _Epochs:
         self.device_index = (torch.cuda.current_device() if loader_kwargs.get("pin_memory")
                              and torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
                              else None)
+        # Batches read in this process go straight into page-locked memory (one copy).
+        self.pinned = bool(loader_kwargs.get("pin_memory")) and torch.cuda.is_available()
         self.sync = (NodeSync(self.place, cache_identity(cache.path), cache.path)
                      if dist_initialized() and self.place.distributed else None)
         self.planner = Planner(cache, place, self.sync, seed=seed, shuffle=shuffle,
@@ -234,7 +236,7 @@ class _Epochs:
             # resets them. Without persistent_workers the loader is shut down after its epoch.
             kwargs["persistent_workers"] = True
         loader = DataLoader(
-            SeqBatches(self.reader, collated=self.collate_fn is None),
+            SeqBatches(self.reader, collated=self.collate_fn is None, pinned=self.pinned),
             batch_size=None, sampler=sampler, num_workers=self.num_workers,
             collate_fn=self.collate_fn or identity, generator=generator, **kwargs,
         )

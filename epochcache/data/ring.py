@@ -14,7 +14,7 @@ byte, which the worker reads before writing the slot again. A batch the worker n
 (a read that fell back to another path) frees its slot in the worker the same way.
 
 Only `epochcache.data.schedule.SeqBatches` (the loaders of ``epochs()``) takes slots, inside
-`ring_batches`: a batch that leaves a worker any other way than through `hand_off` (a user's
+`epochcache.data.collate.batch_buffers`: a batch that leaves a worker any other way than through `hand_off` (a user's
 own DataLoader over ``cache.dataset()``) is allocated the usual way. A worker that finds no free
 slot and has reached its bound (`MAX_SLOTS`, `MAX_BYTES`) allocates the usual way too, so a
 training loop that keeps batches costs memory, never a wait.
@@ -160,30 +160,12 @@ class _RingBatch:
 # -- the worker's side --------------------------------------------------------------------------
 
 _ring: _Ring | None = None
-_active = False  # inside ring_batches()
-
-
-class ring_batches:
-    """Within it, `alloc_batch` of a DataLoader worker takes batches from the ring
-    (the batch must leave the worker through `hand_off`)."""
-
-    __slots__ = ("previous",)
-
-    def __enter__(self) -> None:
-        global _active
-        self.previous, _active = _active, True
-
-    def __exit__(self, *exc: object) -> None:
-        global _active
-        _active = self.previous
 
 
 def take(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
-    """A batch tensor over a slot of this worker's ring, or None outside `ring_batches`
-    or when the ring has none to give."""
+    """A batch tensor over a slot of this worker's ring (it must leave the worker through
+    `hand_off`), or None when the ring has none to give."""
     global _ring
-    if not _active:
-        return None
     if _ring is None:
         _ring = _Ring()
     return _ring.take(shape, dtype)
@@ -278,8 +260,8 @@ def forget_exited() -> None:
 def _after_fork_in_child() -> None:
     # A forked child drops the weak references behind every slot, so that a batch it
     # inherited and drops never frees a slot: the batch is still its parent's.
-    global _ring, _active, _lock
-    _ring, _active, _lock = None, False, threading.Lock()
+    global _ring, _lock
+    _ring, _lock = None, threading.Lock()
     _received.clear()
     _received.clear()
 
