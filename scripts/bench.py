@@ -17,11 +17,15 @@ Sections:
   images   scripts/bench_images.py: JPEG decode + augmentation through cache.epochs() vs
            WebDataset on local tar shards, 0 and 2 workers; Pillow vs simplejpeg decoding
            (needs the bench extra: webdataset).
+  seed     scripts/bench_seed.py: 1 MiB float32 arrays to the loop in process and with 2
+           workers while the daemon turns the same cache over, next to memcpy.
+(scripts/bench_gpu.py measures the GPU path, on a machine with CUDA.)
 Each section prints its own table; all results go into one JSON file.
 
---ab COMMIT runs only the loader rows (scripts/loader_rows.py: epochs() at 1 KiB and 64 KiB, in
-process and with 2 workers, against the peers) for COMMIT, checked out into a temporary git
-worktree, and for this checkout, side by side in alternating rounds, with the ratio B/A per row.
+--ab COMMIT runs only the loader rows (scripts/loader_rows.py: epochs() at 1 KiB, 64 KiB and
+1 MiB, in process and with 2 workers, against the floor, the no-I/O DataLoader and the peers)
+for COMMIT, checked out into a temporary git worktree, and for this checkout, side by side in
+alternating rounds (A B B A), with the ratio B/A per row and the issue's targets.
 """
 
 from __future__ import annotations
@@ -269,6 +273,7 @@ SECTIONS: dict[str, tuple[Callable[[bool], dict[str, Any]], Callable[[dict[str, 
     "ingest": (_script_section("bench_ingest.py", [], ["--file-64k", "2000", "--file-1m", "200", "--small", "500", "--large", "60",
                                            "--repeat", "1"], "--out"), _printed),
     "images": (_script_section("bench_images.py", [], ["--images", "2000", "--samples", "500", "--rounds", "1"], "--json"), _printed),
+    "seed": (_script_section("bench_seed.py", [], ["--quick", "--rounds", "2"], "--json"), _printed),
 }
 
 

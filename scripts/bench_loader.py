@@ -19,9 +19,9 @@ per-round ratios (these shared 2-core machines drift by up to 2x within minutes)
 epochs() with 0, 1 and 2 workers, without a transform and with the heavy one, three rounds in
 alternating order.
 
-`--rows` runs only the loader rows at 1 KiB and 64 KiB (epochs() in process and with 2 workers,
-against the peers), and `--ab COMMIT` the same rows for COMMIT and this checkout side by side
-(scripts/loader_rows.py).
+`--rows` runs only the loader rows at 1 KiB, 64 KiB and 1 MiB (epochs() in process and with 2
+workers, against the floor, the no-I/O DataLoader and the peers), and `--ab COMMIT` the same rows
+for COMMIT and this checkout side by side (scripts/loader_rows.py).
 
 Usage: .venv/bin/python scripts/bench_loader.py [--samples 3000] [--json bench_loader.json]
        .venv/bin/python scripts/bench_loader.py --workers
@@ -297,13 +297,13 @@ def main() -> None:
     parser.add_argument("--workers", action="store_true",
                         help="only the num_workers sweep behind epochs()' default")
     parser.add_argument("--rows", action="store_true",
-                        help="only the loader rows, 1 KiB and 64 KiB, against the peers "
-                             "(scripts/loader_rows.py)")
+                        help="only the loader rows, 1 KiB, 64 KiB and 1 MiB, against the floor, "
+                             "the no-I/O DataLoader and the peers (scripts/loader_rows.py)")
     parser.add_argument("--ab", metavar="COMMIT",
                         help="the loader rows of COMMIT (A) and of this checkout (B) side by side")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of --rows and --ab")
     parser.add_argument("--quick", action="store_true", help="--rows/--ab: fewer samples")
-    parser.add_argument("--sizes", default="1024,65536",
+    parser.add_argument("--sizes", default="1024,65536,1048576",
                         help="--rows/--ab: sample sizes in bytes, comma-separated")
     args = parser.parse_args()
     if args.rows or args.ab:

@@ -1,27 +1,41 @@
-"""The loader rows side by side: cache.epochs() against its peers, and against another commit.
+"""The loader rows side by side: cache.epochs() against the machine's floor and ceiling, its
+peers, and another commit.
 
     .venv/bin/python scripts/bench_loader.py --rows [--json F]      this checkout and the peers
     .venv/bin/python scripts/bench_loader.py --ab COMMIT [--json F] COMMIT (A) vs this checkout (B)
     .venv/bin/python scripts/bench.py --ab COMMIT                   the same, from bench.py
 
-Rows, for 1 KiB and 64 KiB random float32 ``.npy`` samples (stored raw, page cache warm):
-``cache.epochs()`` with its default loader in process and with ``num_workers=2``, and the peers
-of bench_loader.py, each in process and with 2 workers: a Dataset of one file per sample, the
-plain LMDB Dataset (a ``get`` per ``__getitem__``), and a plain LMDB Dataset that reads a batch
-at once (DataLoader's ``__getitems__`` with py-lmdb's ``Cursor.getmulti``: what a careful
-hand-written reader does). "Best peer" is the faster of the first two with as many workers (the
-issue's measure); the batched one has a column of its own. Each row is measured twice over:
-samples per second (what a training job sees) and CPU microseconds per sample, of the process
-and its DataLoader workers (what the other jobs of a shared machine disturb least).
+Rows, for 1 KiB, 64 KiB and 1 MiB random float32 ``.npy`` samples (stored raw, page cache warm):
+``cache.epochs()`` with its default loader in process and with ``num_workers=2``, next to
+
+* the *floor* (in process): in B's own process, over the same samples in the same order as its
+  epochs, one read transaction per batch and a loop of LMDB gets copied into one preallocated
+  batch buffer: what any loader of this cache must at least do;
+* the *no-I/O DataLoader* (2 workers): a DataLoader over a dataset that returns a copy of one
+  array per sample, batched the same way (``default_collate`` into shared memory): the
+  DataLoader's own cost of handing batches of this shape from workers to the trainer;
+* the peers of bench_loader.py (1 KiB and 64 KiB), each in process and with 2 workers: a Dataset
+  of one file per sample, the plain LMDB Dataset (a ``get`` per ``__getitem__``), and a plain
+  LMDB Dataset that reads a batch at once (DataLoader's ``__getitems__`` with py-lmdb's
+  ``Cursor.getmulti``: what a careful hand-written reader does). "Best peer" is the faster of
+  the first two with as many workers (the issue's measure); the batched one has a column of
+  its own.
+
+Each row is measured twice over: samples per second (what a training job sees) and CPU
+microseconds per sample, of the process and its DataLoader workers (what the other jobs of a
+shared machine disturb least). Before each round a core probe (scripts/machine.py) records how
+many cores the benchmark could use.
 
 Each side runs in a process of its own started with this venv's python and ``PYTHONPATH`` set to
 its tree, so each imports its own epochcache and builds its own cache of the same samples: A is
 COMMIT checked out into a temporary ``git worktree`` (no venv needed; removed afterwards), B this
 checkout as it is on disk. The peers run in a third process. In each round every row runs, the
 two sides of a row back to back as A, B, B, A (each side's figure of the round is the mean of its
-two, so neither always runs first; the whole order is reversed every other round); a rate is the
-median of its rounds and a ratio the median of its per-round ratios, since these shared 2-core
-machines drift by up to 2x within minutes and a pair run back to back drifts together.
+two, so neither always runs first; the floor runs between B's two; the whole order is reversed
+every other round); a rate is the median of its rounds and a ratio the median of its per-round
+ratios, since these shared 2-core machines drift by up to 2x within minutes and a pair run back
+to back drifts together. A figure whose rounds range wider than 2x is printed as that range,
+without a median ("unstable"), and the targets (`TARGETS`) say so.
 """
 
 from __future__ import annotations
@@ -40,16 +54,32 @@ from typing import Any
 
 import lmdb
 import numpy as np
+from machine import core_probe
 from torch.utils.data import DataLoader, Dataset
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 BATCH = 64
-SIZES = (1024, 64 * 1024)
-#: Samples per size: an epoch of 0.05-0.5 s in process, over a second with workers.
-SAMPLES = {1024: 50_000, 64 * 1024: 4_000}
-QUICK = {1024: 10_000, 64 * 1024: 800}
+KIB, MIB = 1024, 1024 * 1024
+SIZES = (KIB, 64 * KIB, MIB)
+#: Samples per size: epochs of 0.05-0.3 s in process (a row runs at least a second), and peers
+#: with 2 workers that take a few seconds for their three passes (the rows' time is theirs).
+SAMPLES = {KIB: 20_000, 64 * KIB: 4_000, MIB: 400}
+QUICK = {KIB: 10_000, 64 * KIB: 800, MIB: 128}
+#: The peers measured at a size (the Datasets up to 64 KiB: the issue's targets name them there).
 PEERS = ("files", "lmdb", "lmdb_batched")
+#: (label, numerator, denominator, at least): what the issue asks of B, as per-round ratios.
+#: ``best/SIZE/wW`` is the best peer (files or plain LMDB) with as many workers.
+TARGETS = (
+    ("in process / floor, 64 KiB", "B/65536/w0", "floor/65536/w0", 0.8),
+    ("in process / floor, 1 MiB", "B/1048576/w0", "floor/1048576/w0", 0.8),
+    ("in process / best peer, 1 KiB", "B/1024/w0", "best/1024/w0", 1.2),
+    ("2 workers / best peer with 2 workers, 64 KiB", "B/65536/w2", "best/65536/w2", 1.5),
+    ("2 workers / best peer with 2 workers, 1 KiB", "B/1024/w2", "best/1024/w2", 1.2),
+    ("2 workers / no-I/O DataLoader, 1 KiB", "B/1024/w2", "noio/1024/w2", 1.0),
+    ("2 workers / no-I/O DataLoader, 64 KiB", "B/65536/w2", "noio/65536/w2", 1.0),
+    ("2 workers / no-I/O DataLoader, 1 MiB", "B/1048576/w2", "noio/1048576/w2", 1.0),
+)
 _REPLY = "@@loader_rows "  # marks a server's replies among whatever else it prints
 
 
@@ -110,6 +140,25 @@ class LmdbBatchedDataset(LmdbDataset):
         with self._env().begin(buffers=True) as txn:
             pairs = txn.cursor().getmulti([b"%08d" % i for i in indices])
             return [fast_npy(value, self.floats) for _key, value in pairs]
+
+
+class NoIODataset(Dataset[Any]):
+    """The no-I/O DataLoader's dataset: a copy of one array per sample, nothing read."""
+
+    def __init__(self, n: int, floats: int) -> None:
+        self.n = n
+        self.x = np.random.default_rng(0).standard_normal(floats).astype(np.float32)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> Any:
+        return self.x.copy()
+
+
+def peers_of(size: int, workers: int) -> tuple[str, ...]:
+    """The peer rows measured at ``size`` with ``workers``."""
+    return (PEERS if size <= 64 * KIB else ()) + (("noio",) if workers else ())
 
 
 def samples(size: int, count: int) -> list[bytes]:
@@ -201,6 +250,7 @@ class _Server:
     def __init__(self) -> None:
         self.caches: dict[int, Any] = {}
         self.peers: dict[int, tuple[list[str], str, int]] = {}
+        self.floor_keys: dict[int, list[list[bytes]]] = {}
 
     def where(self) -> str:
         import epochcache
@@ -208,6 +258,9 @@ class _Server:
         return os.path.dirname(os.path.dirname(os.path.abspath(epochcache.__file__)))
 
     def prepare(self, kind: str, root: str, size: int, count: int) -> None:
+        if kind == "peers" and size > 64 * KIB:
+            self.peers[size] = ([], "", count)  # the no-I/O DataLoader only
+            return
         blobs = samples(size, count)
         if kind == "ours":
             from epochcache import Cache
@@ -235,13 +288,56 @@ class _Server:
     def measure(self, row: str, size: int, workers: int, min_s: float) -> dict[str, float]:
         if row == "ours":
             return ours_rate(self.caches[size], min_s, num_workers=workers)
+        if row == "floor":
+            return self.floor(size, min_s)
         files, plain, count = self.peers[size]
         floats = size // 4
         dataset: Dataset[Any] = (FileDataset(files, floats) if row == "files"
                                  else LmdbDataset(plain, count, floats) if row == "lmdb"
-                                 else LmdbBatchedDataset(plain, count, floats))
+                                 else LmdbBatchedDataset(plain, count, floats) if row == "lmdb_batched"
+                                 else NoIODataset(count, floats))
         return rate(DataLoader(dataset, BATCH, shuffle=True, num_workers=workers,
                                persistent_workers=workers > 0), min_s)
+
+
+    def floor(self, size: int, min_s: float) -> dict[str, float]:
+        """The floor: epochs()' samples in the order of its epochs 1 and 2, one read
+        transaction per batch, a get and a copy of the array into one preallocated batch
+        buffer per sample; timed like the rows (two passes and ``min_s`` after a warm-up)."""
+        from epochcache.data.schedule import epoch_order
+        from epochcache.store import store_of
+        from epochcache.store.schema import DB_SAMPLES, seq_keys
+
+        store = store_of(self.caches[size])
+        env, db = store.store.env, store.dbs[DB_SAMPLES]
+        keys = self.floor_keys.get(size)
+        if keys is None:
+            with self.caches[size].dataset() as dataset:
+                seqs = np.array(dataset.seqs)
+            keys = self.floor_keys[size] = [seq_keys(epoch_order(seqs, epoch))
+                                            for epoch in (1, 2)]
+        nbytes = size  # the array's bytes: the end of each record
+        out = memoryview(np.empty(BATCH * nbytes, np.uint8))
+
+        def one_pass(order: list[bytes]) -> int:
+            for start in range(0, len(order), BATCH):
+                txn = env.begin(buffers=True)
+                try:
+                    pos = 0
+                    for key in order[start : start + BATCH]:
+                        record = txn.get(key, None, db)
+                        out[pos : pos + nbytes] = record[len(record) - nbytes :]
+                        pos += nbytes
+                finally:
+                    txn.abort()
+            return len(order)
+
+        one_pass(keys[0])
+        done, timer = 0, Timer()
+        while done < 2 or time.perf_counter() - timer.wall < min_s:
+            timer.n += one_pass(keys[done % 2])
+            done += 1
+        return timer.result()
 
 
 def serve() -> None:
@@ -308,14 +404,15 @@ def describe_checkout() -> str:
 
 def run(ab: str | None = None, *, rounds: int = 3, sizes: tuple[int, ...] = SIZES,
         quick: bool = False, min_s: float = 1.0) -> dict[str, Any]:
-    """Measure the rows for this checkout (and, with ``ab``, that commit); print the table."""
+    """Measure the rows for this checkout (and, with ``ab``, that commit); print the tables."""
+    began = time.perf_counter()
     root = tempfile.mkdtemp(prefix="bench-rows-", dir=os.environ.get("EPOCHCACHE_BENCH_DIR"))
     tree_a = os.path.join(root, "tree-a")
     counts = QUICK if quick else SAMPLES
     sides: dict[str, _Side] = {}
     result: dict[str, Any] = {"rounds": rounds, "batch": BATCH, "cpus": os.cpu_count(),
                               "samples": {str(s): counts[s] for s in sizes},
-                              "B": describe_checkout(), "measured": {}}
+                              "B": describe_checkout(), "measured": {}, "machine": []}
     try:
         names = ["B"]
         if ab is not None:
@@ -338,16 +435,23 @@ def run(ab: str | None = None, *, rounds: int = 3, sizes: tuple[int, ...] = SIZE
                           os.path.join(root, name), size, counts[size])
         # With two sides each row runs A, B, B, A in a round (the round's figure of a side is
         # the mean of its two): a run right after another's teardown measured up to 15% more
-        # CPU with workers, so each side goes first as often as second.
+        # CPU with workers, so each side goes first as often as second. The floor runs in B's
+        # process between B's two runs.
         order = [*names, *names[::-1]] if len(names) > 1 else names
         rows: list[tuple[str, str, int, int]] = []  # (side, row, size, workers)
         for size in sizes:
             for workers in (0, 2):
-                rows += [(name, "ours", size, workers) for name in order]
-                rows += [("peers", peer, size, workers) for peer in PEERS]
+                ours = [(name, "ours", size, workers) for name in order]
+                if workers == 0:
+                    ours.insert(len(ours) // 2, ("B", "floor", size, 0))
+                rows += ours
+                rows += [("peers", peer, size, workers) for peer in peers_of(size, workers)]
         measured: dict[str, dict[str, list[float]]] = result["measured"]
         for rnd in range(rounds):
-            print(f"round {rnd + 1}/{rounds} ...", flush=True)
+            probe = core_probe()
+            result["machine"].append(probe)
+            print(f"round {rnd + 1}/{rounds} (cores free {probe['cores_free']} of "
+                  f"{probe['cores']}, load {probe['load_1m']}) ...", flush=True)
             this_round: dict[str, dict[str, list[float]]] = {}
             for side, row, size, workers in (rows if rnd % 2 == 0 else rows[::-1]):
                 key = f"{side if row == 'ours' else row}/{size}/w{workers}"
@@ -365,17 +469,41 @@ def run(ab: str | None = None, *, rounds: int = 3, sizes: tuple[int, ...] = SIZE
             subprocess.run(["git", "-C", REPO, "worktree", "remove", "--force", tree_a],
                            check=False)
         shutil.rmtree(root, ignore_errors=True)
+    result["seconds"] = round(time.perf_counter() - began, 1)
+    add_best(result["measured"], sizes)
+    result["targets"] = targets(result["measured"])
     report(result, names, sizes)
     return result
+
+
+def add_best(m: dict[str, dict[str, list[float]]], sizes: tuple[int, ...]) -> None:
+    """``best/SIZE/wW``: per round, the faster of the file-per-sample and plain LMDB peers
+    (the lower CPU per sample), where they were measured."""
+    for size in sizes:
+        for workers in (0, 2):
+            files, plain = m.get(f"files/{size}/w{workers}"), m.get(f"lmdb/{size}/w{workers}")
+            if files is None or plain is None:
+                continue
+            m[f"best/{size}/w{workers}"] = {
+                metric: [(max if metric == "rate" else min)(pair)
+                         for pair in zip(files[metric], plain[metric])]
+                for metric in files}
 
 
 def _median(values: list[float]) -> float:
     return float(np.median(values))
 
 
+def unstable(values: list[float]) -> bool:
+    """Whether figures of the same measure range wider than 2x (then no median is reported)."""
+    return len(values) > 1 and min(values) > 0 and max(values) > 2 * min(values)
+
+
 def _ratio(a: list[float], b: list[float]) -> str:
-    """The median of the per-round ratios a/b, and their range."""
+    """The median of the per-round ratios a/b, and their range (only the range if unstable)."""
     ratios = [x / y for x, y in zip(a, b)]
+    if unstable(ratios):
+        return f"unstable: {min(ratios):.2f}x-{max(ratios):.2f}x"
     return f"{_median(ratios):.2f}x [{min(ratios):.2f}-{max(ratios):.2f}]"
 
 
@@ -383,49 +511,104 @@ def _inverse_ratio(a: list[float], b: list[float]) -> str:
     return _ratio(b, a)
 
 
+def _value(values: list[float], digits: int) -> str:
+    if unstable(values):
+        return f"unstable: {min(values):,.{digits}f}-{max(values):,.{digits}f}"
+    return f"{_median(values):,.{digits}f}"
+
+
+def verdict(values: list[float], least: float) -> dict[str, Any]:
+    """Whether per-round figures meet ``at least``: by their median, or where the rounds
+    range wider than 2x only if every round or no round does ("unstable" otherwise)."""
+    median = _median(values)
+    if not unstable(values):
+        said = "met" if median >= least else "NOT met"
+    elif min(values) >= least:
+        said = "met in every round (rounds range over 2x)"
+    elif max(values) < least:
+        said = "NOT met in any round (rounds range over 2x)"
+    else:
+        said = "unstable (rounds range over 2x)"
+    return {"at_least": least, "median": round(median, 3),
+            "range": [round(min(values), 3), round(max(values), 3)], "verdict": said}
+
+
+def targets(m: dict[str, dict[str, list[float]]]) -> list[dict[str, Any]]:
+    """Each target of `TARGETS` that this run measured: B's per-round ratios of samples/s."""
+    out = []
+    for label, mine, theirs, least in TARGETS:
+        if mine in m and theirs in m:
+            ratios = [x / y for x, y in zip(m[mine]["rate"], m[theirs]["rate"])]
+            out.append({"target": label, **verdict(ratios, least)})
+    return out
+
+
 def report(result: dict[str, Any], names: list[str], sizes: tuple[int, ...]) -> None:
     """Two tables: throughput (samples/s, what a training job sees), and CPU cost (CPU
     microseconds per sample, of the process and its workers: what a busy machine disturbs
-    least). Ratios are per round, A and B and the peers of a round run back to back."""
+    least); then the machine's state and the targets. Ratios are per round, A and B and the
+    peers of a round run back to back."""
     m = result["measured"]
     print()
     if "A" in result:
         print(f"A = {result['A']}")
     print(f"B = {result['B']}")
     print(f"{result['rounds']} rounds, batches of {result['batch']}; each ratio is the median of "
-          "its per-round ratios [their range]; best peer = the faster of the file-per-sample and "
+          "its per-round ratios [their range], or only the range where it is wider than 2x; "
+          "ceiling = in process the floor (LMDB gets copied into one batch buffer), with 2 "
+          "workers the no-I/O DataLoader; best peer = the faster of the file-per-sample and "
           "plain LMDB Datasets with as many workers")
     for metric, title in (("rate", "samples/s"), ("cpu_us", "CPU us/sample")):
         # A ratio reads "how many times better": samples/s over samples/s, or the other
         # side's CPU per sample over this one's.
         better = _ratio if metric == "rate" else _inverse_ratio
-        head = (f"row ({title}, median)", "value", "vs plain LMDB", "vs best peer",
+        digits = 0 if metric == "rate" else 2
+        head = (f"row ({title}, median)", "value", "vs ceiling", "vs best peer", "vs plain LMDB",
                 "vs batched LMDB", "B/A" if "A" in names else "")
         rows: list[tuple[str, ...]] = []
+
+        def versus(ours: list[float], key: str, metric: str = metric,
+                   better: Any = better) -> str:
+            return better(ours, m[key][metric]) if key in m else "-"
+
         for size in sizes:
+            unit = f"{size // MIB} MiB" if size >= MIB else f"{size // KIB} KiB"
             for workers in (0, 2):
-                label = f"{size // 1024} KiB, {'in process' if workers == 0 else '2 workers'}"
-                plain = m[f"lmdb/{size}/w{workers}"][metric]
-                batched = m[f"lmdb_batched/{size}/w{workers}"][metric]
-                pick = max if metric == "rate" else min
-                best = [pick(pair) for pair in zip(m[f"files/{size}/w{workers}"][metric], plain)]
-                digits = 0 if metric == "rate" else 2
+                label = f"{unit}, {'in process' if workers == 0 else '2 workers'}"
+                ceiling = f"floor/{size}/w0" if workers == 0 else f"noio/{size}/w2"
                 for name in names:
                     ours = m[f"{name}/{size}/w{workers}"][metric]
-                    rows.append((f"{label}: epochs() {name}", f"{_median(ours):,.{digits}f}",
-                                 better(ours, plain), better(ours, best), better(ours, batched),
+                    rows.append((f"{label}: epochs() {name}", _value(ours, digits),
+                                 versus(ours, ceiling), versus(ours, f"best/{size}/w{workers}"),
+                                 versus(ours, f"lmdb/{size}/w{workers}"),
+                                 versus(ours, f"lmdb_batched/{size}/w{workers}"),
                                  better(ours, m[f"A/{size}/w{workers}"][metric])
                                  if name == "B" and "A" in names else ""))
+            rows.append((f"{unit} floor (in process)", _value(m[f"floor/{size}/w0"][metric], digits),
+                         "", "", "", "", ""))
+            rows.append((f"{unit} no-I/O DataLoader, 2 workers",
+                         _value(m[f"noio/{size}/w2"][metric], digits), "", "", "", "", ""))
             for peer, peer_title in (("files", "file per sample"), ("lmdb", "plain LMDB"),
                                      ("lmdb_batched", "plain LMDB, batched")):
-                values = [_median(m[f"{peer}/{size}/w{w}"][metric]) for w in (0, 2)]
-                rows.append((f"{size // 1024} KiB peer: {peer_title}, in process / 2 workers",
-                             " / ".join(f"{v:,.{0 if metric == 'rate' else 2}f}" for v in values),
-                             "", "", "", ""))
+                if f"{peer}/{size}/w0" not in m:
+                    continue
+                values = [_value(m[f"{peer}/{size}/w{w}"][metric], digits) for w in (0, 2)]
+                rows.append((f"{unit} peer: {peer_title}, in process / 2 workers",
+                             " / ".join(values), "", "", "", "", ""))
         print()
         widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
         for r in [head, *rows]:
             print("  ".join(cell.ljust(widths[i]) for i, cell in enumerate(r)).rstrip())
+    free = [probe["cores_free"] for probe in result["machine"]]
+    loads = [probe["load_1m"] for probe in result["machine"]]
+    print(f"\nmachine: {result['cpus']} cores; free per round (core probe) "
+          f"{', '.join(f'{f:.2f}' for f in free)}; load {', '.join(f'{x:.1f}' for x in loads)}; "
+          f"the rows took {result['seconds']:.0f} s")
+    print("\ntargets (B, samples/s, per-round ratios):")
+    for target in result["targets"]:
+        print(f"  {target['target']}: {target['median']:.2f}x "
+              f"[{target['range'][0]:.2f}-{target['range'][1]:.2f}], at least "
+              f"{target['at_least']}x: {target['verdict']}")
 
 
 if __name__ == "__main__":

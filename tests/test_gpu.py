@@ -1,19 +1,27 @@
-"""``epochcache run`` on CUDA under torchrun: NCCL, each rank on its GPU (issue 20, item 4).
+"""``epochcache run`` on CUDA under torchrun: NCCL, each rank on its GPU (issue 20, item 4); and
+pinned batches read with one copy (issue 35).
 
 Marked ``gpu`` and skipped where ``torch.cuda.is_available()`` is false (the CPU suite covers
 gloo, and the run's bookkeeping under a default group without CPU support with a stand-in for
 NCCL: test_run_devices.py). Here NCCL itself: ``torchrun --nproc-per-node 1`` (and 2 on a machine
 with two GPUs) on configs/ddp.yaml-like settings with a local source, then ``--resume``.
+``scripts/bench_gpu.py`` runs this file after its measurements.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
+from common.writer import npy_bytes, sample_array
 from test_run import RUN_TIMEOUT_S, demo_config, read_metrics, status_json, torchrun, write_yaml
+
+from epochcache import Cache
+from epochcache.data.reader import SampleReader
 
 pytestmark = [
     pytest.mark.gpu,
@@ -113,3 +121,41 @@ def test_the_image_demo_trains_on_the_gpu(tmp_path: Path) -> None:
     assert "backend nccl, device cuda:0" in logs, logs[-6000:]
     rows = read_metrics(tmp_path / "runs/demo")
     assert [row["epoch"] for row in rows] == [0] and rows[0]["samples"] > 0, rows
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_pinned_batches_reach_the_gpu_intact_with_one_copy_in_process(
+        tmp_path: Path, workers: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``pin_memory=True``: every batch arrives page-locked, and copied to the GPU with
+    ``non_blocking=True`` (the batch dropped at once, as a loop does) it holds the values read
+    without pinning. In process the reader writes each batch into page-locked memory itself:
+    the batch the loop gets is the very memory read_batch filled (DataLoader's pin step,
+    which copies anything not yet pinned, has nothing to do)."""
+    floats = 16384  # 64 KiB samples, 5 batches of 16 and a last one of 4
+    cache = Cache(tmp_path / "c", "64MiB", sync=False)
+    cache.put_many([(f"s/{i:07d}.npy", npy_bytes(sample_array(i, floats))) for i in range(84)])
+    expected = []
+    for _epoch, loader in cache.epochs(1, batch_size=16, seed=7):
+        expected.extend(batch.numpy().copy() for batch in loader)
+    filled: list[int] = []
+    read_batch = SampleReader.read_batch
+
+    def recording(self: SampleReader, seqs: Any) -> Any:
+        batch = read_batch(self, seqs)
+        filled.append(batch.data_ptr())
+        return batch
+
+    monkeypatch.setattr(SampleReader, "read_batch", recording)
+    on_gpu, delivered = [], []
+    for _epoch, loader in cache.epochs(1, batch_size=16, seed=7, num_workers=workers,
+                                       pin_memory=True):
+        for batch in loader:
+            assert batch.is_pinned()
+            delivered.append(batch.data_ptr())
+            on_gpu.append(batch.to("cuda", non_blocking=True))
+    torch.cuda.synchronize()
+    assert len(on_gpu) == len(expected) == 6
+    for got, want in zip(on_gpu, expected):
+        assert np.array_equal(got.cpu().numpy(), want)
+    if workers == 0:
+        assert delivered == filled  # no copy between the reader and the loop

@@ -327,10 +327,10 @@ def test_one_num_workers_default_for_runs_and_the_api(tmp_path: Path,
     assert default_num_workers(_pid, 4 * cores) == 1
 
 
-@pytest.mark.parametrize("floats", [256, 16384])  # 1 KiB samples: batches through the
+@pytest.mark.parametrize("floats", [256, 16384])  # 1 KiB and 64 KiB samples
 def test_worker_batches_are_the_in_process_batches(tmp_path: Path, floats: int) -> None:
-    # pipe (collate.pipe_small); 64 KiB: batches in shared memory. Either way the trainer gets
-    # the same writable tensors as in process, a field named twice as one tensor twice.
+    # Batches from the workers' rings (data/ring.py): the trainer gets the same writable
+    # tensors as in process, a field named twice as one tensor twice.
     from common.writer import npy_bytes, sample_array
 
     cache = Cache(tmp_path / "c", "64MiB", sync=False)

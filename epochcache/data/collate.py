@@ -2,15 +2,10 @@
 
 ``default_collate`` turns each numpy sample into its own tensor and then stacks them; here
 fixed-shape arrays and tensors are copied once into a batch tensor that, inside a DataLoader
-worker, already lives in shared memory (so sending it to the trainer copies nothing more).
+worker, already lives in shared memory (so sending it to the trainer copies nothing more: a
+buffer of the worker's batch ring, `epochcache.data.ring`, for the loaders of ``epochs()``).
 Everything else (dicts of fields, tuples, numbers, strings) is collated field by field, ending
 in ``default_collate`` for types this module has no faster path for.
-
-Small batches leave a worker another way (`pipe_small`): torch hands a shared-memory
-tensor to the trainer as a new shared-memory file per batch whose descriptor goes over a socket
-and is mapped again, ~0.5-1 ms a batch here, while pickling up to `PIPE_MAX_BYTES` of
-bytes through the worker's result pipe costs a few copies of them (a batch of 64 1 KiB samples:
-2x the batches a second with 2 workers, ``scripts/bench_loader.py --rows``).
 """
 
 from __future__ import annotations
@@ -24,6 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 from torch.utils.data import default_collate, get_worker_info
+
+from . import ring
 
 #: Batch buffers of the training process, reused once nothing refers to them any more. A fresh
 #: multi-MiB tensor per batch comes from mmap and page-faults on every write (measured: 3x the
@@ -79,16 +76,6 @@ def _from_pool(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return tensor
 
 
-#: A worker's batches of up to this many bytes travel pickled through its result pipe (see
-#: `pipe_small`); larger ones in shared memory. Measured with 2 workers: the pipe carried
-#: 1.2-3.9x the batches a second of 64-256 KiB, 1.0-1.4x at 512 KiB, 0.47x at 1 MiB.
-PIPE_MAX_BYTES = 256 << 10
-
-#: What `_Piped` carries: the dtypes with a numpy equivalent (it pickles ``.numpy()``).
-_PIPEABLE = frozenset((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32,
-                       torch.int64, torch.float16, torch.float32, torch.float64,
-                       torch.complex64, torch.complex128))
-
 _torch_dtypes: dict[Any, torch.dtype] = {}
 
 
@@ -101,81 +88,63 @@ def _torch_dtype(dtype: np.dtype[Any] | torch.dtype) -> torch.dtype:
     return found
 
 
+class batch_buffers:
+    """Within it, `alloc_batch` gives buffers for batches that leave through
+    `epochcache.data.ring.hand_off`: in a DataLoader worker a slot of its batch ring, and in the
+    training process, with ``pinned``, page-locked memory (the DataLoader's ``pin_memory`` then
+    has nothing left to copy).
+
+    Args:
+        pinned: batches read in the training process go to a GPU (``pin_memory=True`` where
+            CUDA is available).
+    """
+
+    __slots__ = ("pinned", "previous")
+
+    def __init__(self, pinned: bool = False) -> None:
+        self.pinned = pinned
+
+    def __enter__(self) -> None:
+        global _scope
+        self.previous, _scope = _scope, (True, self.pinned)
+
+    def __exit__(self, *exc: object) -> None:
+        global _scope
+        _scope = self.previous
+
+
+_scope = (False, False)  # (inside batch_buffers, pinned)
+
+
 def alloc_batch(shape: tuple[int, ...], dtype: np.dtype[Any] | torch.dtype) -> torch.Tensor:
-    """An uninitialised tensor for a batch; in shared memory inside a DataLoader worker,
-    unless it is small enough to leave the worker through its pipe (`pipe_small`).
+    """An uninitialised tensor for a batch; in shared memory inside a DataLoader worker.
 
     In the training process the tensor may be one handed out before and since dropped by
-    every holder (checked through reference counts), so its pages are already mapped.
+    every holder (checked through reference counts), so its pages are already mapped; or,
+    in a pinned `batch_buffers`, page-locked memory. In a worker, inside `batch_buffers`,
+    it is a slot of the worker's batch ring (`epochcache.data.ring`), else a new shared
+    segment.
     """
     tdtype = _torch_dtype(dtype)
+    handed_off, pinned = _scope
     if get_worker_info() is None:
+        if pinned:
+            # From torch's caching host allocator, never from the pool: the loop may copy a
+            # batch to the GPU with non_blocking=True and drop it before the copy is done;
+            # torch reuses a block only once the copies recorded on it have finished.
+            return torch.empty(shape, dtype=tdtype, pin_memory=True)
         return _from_pool(tuple(shape), tdtype)
+    if handed_off:
+        tensor = ring.take(tuple(shape), tdtype)
+        if tensor is not None:
+            return tensor
     numel = int(np.prod(shape, dtype=np.int64))
-    if numel * tdtype.itemsize <= PIPE_MAX_BYTES:
-        # Never pooled in a worker: a tensor that leaves without pipe_small() is moved into
-        # shared memory in place by torch's pickler, and reusing it would write into a batch
-        # the trainer already holds.
-        return torch.empty(shape, dtype=tdtype)
     # As default_collate does: allocate the shared storage directly instead of moving a
     # finished tensor into shared memory (which would copy the batch once more).
     # (torch's private storage API is unannotated)
     typed = torch.empty(0, dtype=tdtype)._typed_storage()  # type: ignore[no-untyped-call]
     storage = typed._new_shared(numel)
     return torch.empty(0, dtype=tdtype).new(storage).view(shape)
-
-
-class _Piped:
-    """A small batch tensor on its way out of a DataLoader worker: pickles as its bytes, and
-    unpickles in the trainer as a tensor again (`_unpipe`)."""
-
-    __slots__ = ("tensor",)
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        tensor = self.tensor
-        return _unpipe, (tensor.numpy().tobytes(), tensor.dtype, tuple(tensor.shape))
-
-
-def _unpipe(data: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    if not data:
-        return torch.empty(shape, dtype=dtype)
-    # A bytearray: the tensor must be writable, as any batch is.
-    return torch.frombuffer(bytearray(data), dtype=dtype).view(shape)
-
-
-def pipe_small(batch: Any) -> Any:
-    """``batch`` as a DataLoader worker returns it: its tensors of up to
-    `PIPE_MAX_BYTES` (alone, or in a tuple or dict) wrapped to travel through the result
-    pipe, arriving in the trainer as tensors; in the training process ``batch`` itself.
-
-    Anything not wrapped still travels the usual way (torch moves it into shared memory), so
-    this only ever changes how fast a batch arrives, never what arrives.
-    """
-    if get_worker_info() is None:
-        return batch
-    return _wrap(batch, {})
-
-
-def _wrap(value: Any, seen: dict[int, _Piped]) -> Any:
-    if isinstance(value, torch.Tensor):
-        if (value.nbytes > PIPE_MAX_BYTES or value.dtype not in _PIPEABLE
-                or value.device.type != "cpu" or value.requires_grad
-                or not value.is_contiguous()):
-            return value
-        # One wrapper per tensor: a batch that holds the same tensor twice (a selection
-        # naming one field twice) gets the same tensor twice, as through shared memory.
-        wrapped = seen.get(id(value))
-        if wrapped is None:
-            wrapped = seen[id(value)] = _Piped(value)
-        return wrapped
-    if type(value) is tuple:
-        return tuple(_wrap(item, seen) for item in value)
-    if type(value) is dict:
-        return {key: _wrap(item, seen) for key, item in value.items()}
-    return value
 
 
 def _stack_arrays(samples: Sequence[Any]) -> torch.Tensor | None:

@@ -68,6 +68,7 @@ from .epoch_loader import EpochLoader, probe_workers, stop_workers
 from .planner import Planner
 from .reader import SampleReader
 from .resume import adopt_node, ended_lease, log_resume, resume_rank
+from .ring import forget_exited
 from .schedule import (
     EpochSchedule,
     ScheduleSampler,
@@ -196,6 +197,8 @@ class _Epochs:
         self.device_index = (torch.cuda.current_device() if loader_kwargs.get("pin_memory")
                              and torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
                              else None)
+        # Batches read in this process go straight into page-locked memory (one copy).
+        self.pinned = bool(loader_kwargs.get("pin_memory")) and torch.cuda.is_available()
         self.sync = (NodeSync(self.place, cache_identity(cache.path), cache.path)
                      if dist_initialized() and self.place.distributed else None)
         self.planner = Planner(cache, place, self.sync, seed=seed, shuffle=shuffle,
@@ -233,7 +236,7 @@ class _Epochs:
             # resets them. Without persistent_workers the loader is shut down after its epoch.
             kwargs["persistent_workers"] = True
         loader = DataLoader(
-            SeqBatches(self.reader, collated=self.collate_fn is None),
+            SeqBatches(self.reader, collated=self.collate_fn is None, pinned=self.pinned),
             batch_size=None, sampler=sampler, num_workers=self.num_workers,
             collate_fn=self.collate_fn or identity, generator=generator, **kwargs,
         )
@@ -537,6 +540,8 @@ class _Epochs:
                 it = getattr(loader_, "_iterator", None)
                 if it is not None and hasattr(it, "_shutdown_workers"):
                     it._shutdown_workers()
+            if self.num_workers > 0:
+                forget_exited()  # this process's mappings of the workers' batch rings
             for thread in self.threads.values():
                 # Leases are released before epochs() returns, and no task thread outlives
                 # this generator holding references to its state (see _TaskThread._run).

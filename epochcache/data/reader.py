@@ -14,8 +14,8 @@ tuples (`epochcache.data.fields`) on either path.
 A reader pickles as the cache path and its options -- never an LMDB handle: each process opens
 an environment of its own on first read (a forked worker too: it never uses the inherited one).
 
-A worker's small batches leave it through its result pipe rather than in shared memory
-(`epochcache.data.collate.pipe_small`: torch's shared-memory hand-off costs more below 256 KiB).
+In the loaders of ``epochs()`` a worker writes its batches into shared buffers it reuses from
+batch to batch, which the trainer maps once (`epochcache.data.ring`).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from typing import Any
 import lmdb
 import numpy as np
 import torch
+from torch.utils.data import get_worker_info
 
 from ..errors import DecodeError, MissingImageLibrary, PickleNotAllowed
 from ..options import ReaderOptions
@@ -39,6 +40,7 @@ from ..store.env import PROCESS, begin_read, end_read
 from ..store.schema import DB_SAMPLES, HEADER, Codec, RecordFlags, seq_keys
 from ..store.schema import seq_key as _pack_seq
 from .collate import alloc_batch, collate_samples
+from .copier import SPLIT_BYTES, copy_rows
 from .decode import decode_sample, make_decoder
 from .fields import FieldSelector, parse_fields
 from .rawfields import FieldsBatch, FieldsTemplate, Mismatch
@@ -362,6 +364,10 @@ class SampleReader:
                 check, expect = template.check, template.expect
                 if act is not None:
                     act.resolve = self.key_of  # names act.key only if a stall is reported
+                # Large samples are copied after the loop, by two threads (see copier).
+                large: list[memoryview] | None = (
+                    [] if nbytes >= SPLIT_BYTES and len(keys) > 1 and get_worker_info() is None
+                    else None)
                 pos = 0
                 # One get, two comparisons and one memcpy per sample: this loop is the
                 # loader's throughput (see scripts/bench_loader.py). ``db`` is passed
@@ -377,13 +383,19 @@ class SampleReader:
                     if record is None:
                         raise self._missing(int.from_bytes(lmdb_key, "big"))
                     if len(record) == size and check(record) == expect:
-                        out[pos : pos + nbytes] = record[hi:]
+                        data = record[hi:]
                     else:  # e.g. another key length: same array layout, another template
                         other = self._template_of(record)
                         if other is None or not template.same_array(other):
                             raise _Fallback
-                        out[pos : pos + nbytes] = record[other.hi :]
-                    pos += nbytes
+                        data = record[other.hi :]
+                    if large is None:
+                        out[pos : pos + nbytes] = data
+                        pos += nbytes
+                    else:
+                        large.append(data)
+                if large:
+                    copy_rows(np.frombuffer(out, np.uint8).reshape(len(keys), nbytes), large)
             finally:
                 end_read(txn)
         return batch

@@ -19,9 +19,10 @@ import numpy as np
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from ..store.plans import Releaser
-from .collate import pipe_small
+from .collate import batch_buffers
 from .dataset import EpochDataset, snapshot_gone
 from .reader import SampleReader
+from .ring import hand_off
 from .workers import WarmUp
 
 
@@ -165,15 +166,23 @@ class ScheduleSampler(Sampler[SeqBatch]):
 
 
 class SeqBatches(Dataset[Any]):
-    """The DataLoader's dataset: indexed by a batch of sequence numbers, returns the batch."""
+    """The DataLoader's dataset: indexed by a batch of sequence numbers, returns the batch.
 
-    def __init__(self, reader: SampleReader, collated: bool) -> None:
-        self.reader, self.collated = reader, collated
+    Args:
+        reader: reads the batches.
+        collated: the reader collates (no ``collate_fn`` of the user's).
+        pinned: batches read in the training process are read into page-locked memory (the
+            DataLoader pins them: ``pin_memory=True`` where CUDA is available).
+    """
+
+    def __init__(self, reader: SampleReader, collated: bool, pinned: bool = False) -> None:
+        self.reader, self.collated, self.pinned = reader, collated, pinned
 
     def __getitem__(self, batch: SeqBatch) -> Any:
         try:
             if self.collated:
-                return pipe_small(self.reader.read_batch(batch.seqs))
+                with batch_buffers(self.pinned):
+                    return hand_off(self.reader.read_batch(batch.seqs))
             return self.reader.read_samples(batch.seqs)
         except KeyError as exc:
             raise snapshot_gone(self.reader, batch.lease_id, batch.epoch, exc) from exc
