@@ -224,3 +224,17 @@ def obstore_filesystem(settings: ObstoreSettings) -> fsspec.AbstractFileSystem:
         "credential_provider": provider, "skip_instance_cache": True}
     store: fsspec.AbstractFileSystem = FsspecStore("s3", **options)
     return store
+
+
+def obstore_store(settings: ObstoreSettings, bucket: str) -> Any:
+    """obstore's store of ``bucket`` for reading bodies as streams (`streams`): no deadline
+    on a whole request (a shard of a GB is read for minutes; the stream's deadline is on
+    silence), retrying nothing."""
+    from obstore.store import from_url
+
+    provider = _botocore_provider() if settings.botocore_credentials else None
+    client = {**settings.client_options, "timeout": datetime.timedelta(days=1)}
+    make: Any = from_url  # its overloads want typed dicts; ours are built from options
+    return make(f"s3://{bucket}", config=settings.config, client_options=client,
+                    retry_config={"max_retries": 0, "retry_timeout": client["timeout"]},
+                    credential_provider=provider)

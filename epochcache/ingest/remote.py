@@ -82,12 +82,13 @@ def open_fs(
         # and many; fetch_many already runs `concurrency` objects at once.
         options.setdefault("max_concurrency", 1)
     elif protocol in ("http", "https") and "client_kwargs" not in options:
-        # aiohttp's default total timeout is five minutes; bound every request by ours.
+        # aiohttp's default total timeout is five minutes. Ours is on silence (sock_read), not
+        # on a whole body: a shard slower than timeout_s still completes (`streams`); whole
+        # objects are bounded by timeout_s in fetch_many besides.
         import aiohttp
 
-        options["client_kwargs"] = {
-            "timeout": aiohttp.ClientTimeout(total=timeout_s, sock_connect=connect_timeout_s)
-        }
+        options["client_kwargs"] = {"timeout": aiohttp.ClientTimeout(
+            total=None, sock_connect=connect_timeout_s, sock_read=timeout_s)}
     try:
         fs, path = fsspec.core.url_to_fs(url, **options)
     except (ImportError, ValueError) as exc:
@@ -222,6 +223,36 @@ def translate_error(exc: BaseException, url: str) -> SourceError:
     return SourceUnavailable(
         f"{url}: remote unavailable ({detail}); check the endpoint, network and URL", url
     )
+
+
+#: Errors of a request that never left the process: no connection was made (refused, no
+#: route, a name that does not resolve, a connect timeout), or the client would not build it.
+_UNSENT = frozenset({"ConnectionRefusedError", "ClientConnectorError", "ClientConnectorDNSError",
+                     "ClientConnectorCertificateError", "ClientConnectorSSLError",
+                     "ConnectionTimeoutError", "EndpointConnectionError", "ConnectTimeoutError",
+                     "NoCredentialsError", "ParamValidationError", "InvalidURL"})
+#: obstore's errors say so in their text (reqwest's "builder error", hyper's connect error).
+_OBSTORE_UNSENT = re.compile(r"HTTP error: builder error|\bkind: Connect\b")
+
+
+def reached_remote(value: object) -> bool:
+    """Whether a request whose result is ``value`` (its bytes, or the error it raised,
+    translated or not) reached the remote: what the remote bills and counts is what it received,
+    so a request that never left the process is not counted (`gate`)."""
+    seen: set[int] = set()
+    stack = [value] if isinstance(value, BaseException) else []
+    while stack:
+        error = stack.pop()
+        if id(error) in seen:
+            continue
+        seen.add(id(error))
+        if type(error).__name__ in _UNSENT:
+            return False
+        if type(error).__module__.split(".")[0] == "obstore" and \
+                _OBSTORE_UNSENT.search(str(error)):
+            return False
+        stack.extend(e for e in (error.__cause__, error.__context__) if e is not None)
+    return True
 
 
 @contextlib.contextmanager
@@ -412,7 +443,7 @@ class _Fetch:
                 result = self._result(path, end, value)
                 gate.leave(started, Outcome.OK if isinstance(result, bytes)
                            else outcome_of(result), len(result) if isinstance(result, bytes)
-                           else 0)
+                           else 0, sent=reached_remote(value), retry=attempt > 0)
                 delay = self._again(result, first, attempt)
                 if delay is None:
                     return result
@@ -448,7 +479,7 @@ class _Fetch:
                 result = self._result(path, end, value)
                 gate.leave_sync(started, Outcome.OK if isinstance(result, bytes)
                                 else outcome_of(result), len(result) if isinstance(result, bytes)
-                                else 0)
+                                else 0, sent=reached_remote(value), retry=attempt > 0)
                 delay = self._again(result, first, attempt)
                 if delay is None:
                     return result

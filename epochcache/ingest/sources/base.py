@@ -43,8 +43,8 @@ import fsspec
 from ...errors import CorruptSample, SourceError, Throttled
 from ...redact import redact_url
 from ...units import format_size
-from ..clients import bucket_region, obstore_filesystem, resolve_client
-from ..concurrency import FixedConcurrency
+from ..clients import bucket_region, obstore_filesystem, obstore_store, resolve_client
+from ..concurrency import FixedConcurrency, Outcome
 from ..gate import RequestGate
 from ..localfiles import LocalFiles
 from ..remote import (
@@ -144,10 +144,24 @@ class Source(abc.ABC):
         if self._fetch_fs is None:
             settings = self._obstore
             if settings is not None and not settings.region_given:
+                # A HEAD of the bucket, charged and counted like any request of the source.
+                started = self.gate.enter_sync()
                 region = bucket_region(self.fs, self.root.split("/", 1)[0], self.spec.timeout_s)
+                self.gate.leave_sync(started, Outcome.OK, kind="heads", sent=region is not None)
                 settings = settings.in_region(region) if region else settings
+                self._obstore = settings
             self._fetch_fs = self.fs if settings is None else obstore_filesystem(settings)
         return self._fetch_fs
+
+    def obstore_store(self, bucket: str) -> Any:
+        """obstore's store of ``bucket`` for streamed bodies (`clients.obstore_store`), made
+        once; the source must read with obstore."""
+        self.fetch_fs  # noqa: B018 - the settings in the bucket's region
+        assert self._obstore is not None
+        stores: dict[str, Any] = self.__dict__.setdefault("_obstore_stores", {})
+        if bucket not in stores:
+            stores[bucket] = obstore_store(self._obstore, bucket)
+        return stores[bucket]
 
     # -- listing ---------------------------------------------------------------------------------
 
