@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import random
 import re
 import time
@@ -90,7 +91,16 @@ def open_fs(
         options["client_kwargs"] = {"timeout": aiohttp.ClientTimeout(
             total=None, sock_connect=connect_timeout_s, sock_read=timeout_s)}
     try:
-        fs, path = fsspec.core.url_to_fs(url, **options)
+        if protocol in ("gs", "gcs") and (options.get("endpoint_url")
+                                          or os.environ.get("STORAGE_EMULATOR_HOST")):
+            # gcsfs's default class asks a gRPC control plane for each bucket's type (retried
+            # for a minute, again on every call while it fails); an endpoint of one's own (an
+            # emulator, a private endpoint) serves the JSON API, which the plain class reads.
+            from gcsfs.core import GCSFileSystem
+
+            fs, path = GCSFileSystem(**options), GCSFileSystem._strip_protocol(url)
+        else:
+            fs, path = fsspec.core.url_to_fs(url, **options)
     except (ImportError, ValueError) as exc:
         shown = redact_url(url)
         raise SourceUnavailable(
