@@ -163,6 +163,9 @@ def test_a_request_that_never_reached_the_remote_is_not_counted(
         stats, error)
 
 
+# s3fs slow (7 s): obstore is the default client where installed; the counts run both
+@pytest.mark.parametrize("transport", [pytest.param("s3fs", marks=pytest.mark.slow), "obstore",
+                                       "http"], indirect=True)
 def test_a_slow_shard_completes_and_a_stalled_one_resumes_after_its_last_part(
         transport: Any) -> None:
     """A link of 2.5 MiB/s brings a 6 MiB shard in more than ``timeout_s`` (2 s): bytes keep

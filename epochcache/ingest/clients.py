@@ -7,7 +7,7 @@ request"). So ``source.client``:
 
 * ``s3fs``: every request through s3fs, as always;
 * ``obstore``: object reads through obstore's fsspec adapter (``pip install
-  'epochcache[obstore]'``); listing, manifests and everything else stay with s3fs;
+  'epochcache[s3]'``); listing, manifests and everything else stay with s3fs;
 * ``auto`` (the default): obstore where it is installed and the source's ``storage_options``
   map onto it (below), else s3fs.
 
@@ -44,7 +44,7 @@ from ..errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-INSTALL_HINT = "pip install 'epochcache[obstore]' (or obstore)"
+INSTALL_HINT = "pip install 'epochcache[s3]' (or obstore)"
 #: s3fs options that tune only s3fs (its caches, threads, retries): no meaning for obstore.
 _S3FS_ONLY = frozenset({"skip_instance_cache", "use_listings_cache", "listings_expiry_time",
                         "max_concurrency", "default_block_size", "default_fill_cache",
@@ -227,7 +227,7 @@ def obstore_filesystem(settings: ObstoreSettings) -> fsspec.AbstractFileSystem:
 
 
 def obstore_store(settings: ObstoreSettings, bucket: str) -> Any:
-    """obstore's store of ``bucket`` for reading bodies as streams (`streams`): no deadline
+    """obstore's store of ``bucket`` for reading bodies as they arrive (`bodies`): no deadline
     on a whole request (a shard of a GB is read for minutes; the stream's deadline is on
     silence), retrying nothing."""
     from obstore.store import from_url

@@ -84,7 +84,7 @@ def open_fs(
         options.setdefault("max_concurrency", 1)
     elif protocol in ("http", "https") and "client_kwargs" not in options:
         # aiohttp's default total timeout is five minutes. Ours is on silence (sock_read), not
-        # on a whole body: a shard slower than timeout_s still completes (`streams`); whole
+        # on a whole body: a shard slower than timeout_s still completes (`bodies`); whole
         # objects are bounded by timeout_s in fetch_many besides.
         import aiohttp
 

@@ -11,7 +11,7 @@ samples are held (as much as the shard, and reserved so) until the checksum matc
 listed size is checked at the end of the stream (a shard that is shorter than listed keeps the
 samples read before the break; the rest is refused as damaged).
 
-A remote shard is read as one streamed GET (`streams`: each request through the source's
+A remote shard is read as one streamed GET (`bodies`: each request through the source's
 request gate and counted there, a deadline on silence, not on the shard's length). A failed
 read of the stream (the network) fails the shard's fetch, to be retried; samples already handed
 over are not lost, and are not read again: the next fetch of the shard resumes it from the
@@ -38,10 +38,10 @@ import numpy as np
 
 from ...errors import CorruptSample, SourceError, SourceUnavailable
 from ...limits import cut_text
+from ..bodies import BodyReader, ObjectChanged, open_body
 from ..concurrency import Outcome
 from ..localfiles import OPEN_FLAGS
 from ..remote import call, outcome_of, reached_remote, retry, translate_error, translate_errors
-from ..streams import BodyStream, ObjectChanged, open_body
 from .base import Source
 from .check import StreamDigest
 from .keytable import KeyTable, KeyTableBuilder, head_width, key_heads
@@ -277,7 +277,7 @@ class TarSource(Source):
         """One shard's samples (see `fetch_grouped`), resumed where its last read failed.
 
         A remote shard's requests pass the source's request gate one by one (its slots, its
-        pace after throttling, the daemon's request budget) and are counted there (`streams`),
+        pace after throttling, the daemon's request budget) and are counted there (`bodies`),
         as the files layout's reads are; a filesystem without a stream to offer (``memory://``)
         is read as a file, as one request."""
         resume = self._resumes.pop(ref.key, None)
@@ -305,7 +305,7 @@ class TarSource(Source):
             self.gate.leave_sync(started, outcome, received[0], streamed=True, sent=sent)
 
     def _opener(self, ref: SampleRef) -> Any:
-        """How the shard's body is opened from a byte (`streams.open_body`), or None."""
+        """How the shard's body is opened from a byte (`bodies.open_body`), or None."""
         path = self.object_path(ref.key)
         store = self.obstore_store(path.split("/", 1)[0]) if self._obstore is not None else None
         return open_body(self.fetch_fs, path, store)
@@ -411,7 +411,7 @@ class TarSource(Source):
                     size: int | None = None) -> BinaryIO:
         """The shard as a stream from byte ``offset``: a local file opened at the path its
         root check resolved (a link met here is checked like one met by a read: see
-        Source._read_local), else the remote object's body (`streams`; ``size``: the size it
+        Source._read_local), else the remote object's body (`bodies`; ``size``: the size it
         must still have, else `ObjectChanged`), or a file of a synchronous filesystem.
 
         Raises:
@@ -440,7 +440,7 @@ class TarSource(Source):
         opener = self._opener(ref)
         if opener is not None:
             loop = self.fetch_fs.loop
-            return BodyStream(opener, self.gate, loop, url=url,  # type: ignore[return-value]
+            return BodyReader(opener, self.gate, loop, url=url,  # type: ignore[return-value]
                               timeout_s=self.spec.timeout_s, offset=offset, expect_size=size,
                               throttled_for_s=self.throttled_for_s)
         with translate_errors(url):

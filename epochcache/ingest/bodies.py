@@ -1,4 +1,4 @@
-"""A remote object's body read as a stream (a tar shard, whatever its size): each request
+"""A remote object's body read as it arrives (a tar shard, whatever its size): each request
 through the source's request gate, a deadline on silence rather than on the body's length,
 and a start at any byte.
 
@@ -20,7 +20,7 @@ Each client has its own body (`open_body`):
   whose client has no deadline of its own on the whole request (ours is on silence);
 * HTTP: one ``GET`` with ``Range``, through the filesystem's aiohttp session;
 * any other asynchronous filesystem (gcsfs, adlfs): ranged reads of `BLOCK_BYTES`, each a
-  request that must complete within ``timeout_s`` (they give no body to stream).
+  request that must complete within ``timeout_s`` (they give no body to read as it arrives).
 
 Synchronous filesystems (``memory://``, local files) are read as files by the caller.
 """
@@ -225,9 +225,9 @@ def _status_416(exc: BaseException) -> bool:
     return False
 
 
-class BodyStream(io.RawIOBase):
-    """An object's body from ``offset``, read in a thread (tarfile's) while its requests run
-    on fsspec's IO loop (see the module docstring).
+class BodyReader(io.RawIOBase):
+    """An object's *body* (its bytes as the remote sends them) from ``offset``, read in a
+    thread (tarfile's) while its requests run on fsspec's IO loop (see the module docstring).
 
     Args:
         opener: the body from a byte (`open_body`).
