@@ -196,3 +196,16 @@ def test_a_slow_shard_completes_and_a_stalled_one_resumes_after_its_last_part(
                 if m.name.endswith(".cls")}
     assert resumed in ends and 0 < resumed < 3 * 2**20, (resumed, gets)
     assert source.gate.stats["gets"] == 2
+
+
+def test_a_manifest_read_is_counted_as_the_requests_the_remote_received(
+        transport: Any) -> None:
+    remote = transport({"a.tar": shard_bytes("a", 2), "list.txt": b"a.tar\n"})
+    source = remote.source(manifest="list.txt")
+    [ref] = source.list_keys()
+    assert ref.key == "a.tar"
+    seen = remote.proxy.stats.by_kind
+    stats = source.gate.stats.as_dict()
+    assert (stats["gets"], stats.get("heads", 0), stats["lists"]) == (
+        seen.get("GET", 0), seen.get("HEAD", 0), seen.get("LIST", 0)), remote.proxy.stats.seen
+    assert stats["gets"] == 1

@@ -43,6 +43,7 @@ import fsspec
 from ...errors import CorruptSample, SourceError, Throttled
 from ...redact import redact_url
 from ...units import format_size
+from ..bodies import BodyReader, open_body
 from ..clients import bucket_region, obstore_filesystem, obstore_store, resolve_client
 from ..concurrency import FixedConcurrency, Outcome
 from ..gate import RequestGate
@@ -393,6 +394,14 @@ class Source(abc.ABC):
             url = redact_url(manifest)
         else:
             fs, path, url = self.fs, self.object_path(manifest), self.object_url(manifest)
+        opener = open_body(fs, path)
+
+        def open_stream() -> BodyReader:
+            # its requests through the gate: counted, and charged where the gate has a budget
+            assert opener is not None
+            return BodyReader(opener, self.gate, fs.loop, url=url,
+                              timeout_s=self.spec.timeout_s)
+
         table = read_manifest(
             fs,
             path,
@@ -401,6 +410,7 @@ class Source(abc.ABC):
             deadline_s=self.spec.list_deadline_s,
             max_bytes=self.spec.manifest_max_bytes,
             max_lines=self.spec.manifest_max_lines,
+            open_stream=open_stream if opener is not None else None,
         )
         return table.sorted()
 
