@@ -42,7 +42,7 @@ from common.s3front import S3Front
 from common.s3matrix import read_source
 from conftest import free_port
 
-from epochcache.errors import ConfigError
+from epochcache.errors import ConfigError, PermanentRemoteError
 
 REPO = Path(__file__).resolve().parents[1]
 S3RVER = REPO / ".tools" / "npm" / "node_modules" / ".bin" / "s3rver"
@@ -438,3 +438,37 @@ def test_a_region_given_wrongly_is_followed_by_s3fs_and_refuses_the_source_for_o
     for value in values.values():
         assert str(value).startswith("SourceRefused: ") and "another region" in str(value)
         assert "client_kwargs.region_name" in str(value)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("client", ["auto", "obstore"])
+def test_a_shard_whose_key_obstore_cannot_name(s3: Any, client: str) -> None:
+    """A tar shard under ``x//`` (legal in S3; obstore would read another key): ``auto``
+    reads it with s3fs, its samples whole; ``obstore`` refuses it by name, as the files layout
+    refuses such an object."""
+    import io
+    import tarfile
+
+    import s3fs
+
+    from epochcache.ingest.sources import SourceSpec, open_source
+
+    body = io.BytesIO()
+    with tarfile.open(fileobj=body, mode="w") as tar:
+        for name, data in (("a.cls", b"1"), ("b.cls", b"2")):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    s3fs.S3FileSystem(**s3.storage_options).pipe(f"{s3.bucket}/odd//shard.tar", body.getvalue())
+    spec = SourceSpec(url=f"s3://{s3.bucket}/odd", layout="tar", pattern="**",
+                      storage_options=s3.storage_options, checks=(), client=client, timeout_s=10,
+                      connect_timeout_s=5, retries=1)
+    source = open_source(spec)
+    assert source.client == "obstore"
+    values = {ref.key: value for ref, value in source.fetch_many(source.list_keys())}
+    if client == "auto":
+        assert values == {"/shard.tar/a": {"cls": b"1"}, "/shard.tar/b": {"cls": b"2"}}, values
+    else:
+        assert values and all(isinstance(v, PermanentRemoteError) and
+                              "obstore cannot name this key" in str(v)
+                              for v in values.values()), values

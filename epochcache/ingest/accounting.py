@@ -3,7 +3,11 @@
 Every remote request of a source passes through its request gate (`gate`) or its
 listing (`sources.paging`), which count it here, per source and per process:
 
-* ``gets``: object reads sent (throttled ones included: the remote answered them);
+* ``gets``: object reads the remote received (throttled ones included: the remote answered
+  them; a tar shard read in several requests counts each; one that never left the process,
+  such as a refused connection, not at all);
+* ``heads``: object or bucket metadata requests (a brace pattern's first shard, the region of
+  a bucket read with obstore);
 * ``lists``: listing pages asked for (the daemon's listings and re-listings);
 * ``bytes``: bytes received in object bodies (egress, as the remote bills it);
 * ``throttled``: answers of 503 SlowDown or 429; ``timeouts``; ``errors``: other failures;
@@ -26,7 +30,7 @@ from collections.abc import Mapping
 from typing import Any
 
 #: The counters (monotonic), in the order status shows them.
-COUNTERS = ("gets", "lists", "bytes", "throttled", "timeouts", "errors", "retries")
+COUNTERS = ("gets", "heads", "lists", "bytes", "throttled", "timeouts", "errors", "retries")
 #: The gauges (the value now; summed over processes).
 GAUGES = ("concurrency", "pace")
 

@@ -7,7 +7,7 @@ request"). So ``source.client``:
 
 * ``s3fs``: every request through s3fs, as always;
 * ``obstore``: object reads through obstore's fsspec adapter (``pip install
-  'epochcache[obstore]'``); listing, manifests and everything else stay with s3fs;
+  'epochcache[s3]'``); listing, manifests and everything else stay with s3fs;
 * ``auto`` (the default): obstore where it is installed and it can honour the source's whole
   configuration (below), else s3fs, saying why in one log line.
 
@@ -52,7 +52,7 @@ from .s3config import botocore_session, resolve_s3_settings
 
 log = logging.getLogger(__name__)
 
-INSTALL_HINT = "pip install 'epochcache[obstore]' (or obstore)"
+INSTALL_HINT = "pip install 'epochcache[s3]' (or obstore)"
 #: s3fs options that tune only s3fs (its caches, threads, retries): no meaning for obstore.
 _S3FS_ONLY = frozenset({"skip_instance_cache", "use_listings_cache", "listings_expiry_time",
                         "max_concurrency", "default_block_size", "default_fill_cache",
@@ -282,3 +282,17 @@ def obstore_filesystem(settings: ObstoreSettings) -> fsspec.AbstractFileSystem:
         "credential_provider": provider, "skip_instance_cache": True}
     store: fsspec.AbstractFileSystem = FsspecStore("s3", **options)
     return store
+
+
+def obstore_store(settings: ObstoreSettings, bucket: str) -> Any:
+    """obstore's store of ``bucket`` for reading bodies as they arrive (`bodies`): no deadline
+    on a whole request (a shard of a GB is read for minutes; the stream's deadline is on
+    silence), retrying nothing."""
+    from obstore.store import from_url
+
+    provider = _botocore_provider() if settings.botocore_credentials else None
+    client = {**settings.client_options, "timeout": datetime.timedelta(days=1)}
+    make: Any = from_url  # its overloads want typed dicts; ours are built from options
+    return make(f"s3://{bucket}", config=settings.config, client_options=client,
+                    retry_config={"max_retries": 0, "retry_timeout": client["timeout"]},
+                    credential_provider=provider)

@@ -7,7 +7,9 @@ It keeps three promises, one request at a time:
   (bytes, throttled, timed out) goes back to the control, which moves the limit;
 * requests wait for the control's pace (after throttling) and for the daemon's shared budget
   (``sampler.max_requests_per_s``, `budget`) before they are sent;
-* every request is counted (`accounting`).
+* every request that reached the remote is counted, by kind (`accounting`): a GET, a HEAD;
+  one that never left the process (a refused connection, a request its client would not
+  build) is not, as the remote never saw it.
 
 It also says how a throttled request is answered: it gives up its slot, waits a backoff
 (`throttle_delay`, growing per attempt, jittered) and asks for the *same* object again,
@@ -80,7 +82,6 @@ class RequestGate:
                     self._wake()  # pass the wake-up on: this one will not use it
                 raise
         control.started()
-        self._count_sent(retry)
         delay = control.reserve()
         if self.budget is not None:
             delay = max(delay, self.budget.reserve())
@@ -88,10 +89,18 @@ class RequestGate:
             await asyncio.sleep(delay)
         return time.monotonic()
 
-    def leave(self, started: float, outcome: Outcome, nbytes: int = 0) -> None:
-        """A request entered at ``started`` ended with ``outcome``."""
+    def leave(self, started: float, outcome: Outcome, nbytes: int = 0, *, sent: bool = True,
+              retry: bool = False, kind: str = "gets", streamed: bool = False) -> None:
+        """A request entered at ``started`` ended with ``outcome``, having received ``nbytes``.
+
+        Args:
+            sent: whether it reached the remote (`remote.reached_remote`); only then is
+                it counted, under ``kind`` (``gets``, ``heads``).
+            retry: it asked for an object again.
+            streamed: the body's bytes were counted as they arrived (`received`).
+        """
         self.control.finished(outcome, nbytes, time.monotonic() - started)
-        self._count_outcome(outcome, nbytes)
+        self._count(outcome, 0 if streamed else nbytes, sent, retry, kind)
         self._wake()
 
     def _wake(self) -> None:
@@ -109,19 +118,19 @@ class RequestGate:
         with self._lock:
             self.control.started()
             delay = self.control.reserve()
-        self._count_sent(retry)
         if self.budget is not None:
             delay = max(delay, self.budget.reserve())
         if delay > 0:
             time.sleep(delay)
         return time.monotonic()
 
-    def leave_sync(self, started: float, outcome: Outcome, nbytes: int = 0,
+    def leave_sync(self, started: float, outcome: Outcome, nbytes: int = 0, *,
+                   sent: bool = True, retry: bool = False, kind: str = "gets",
                    streamed: bool = False) -> None:
-        """``streamed``: the body's bytes were counted as they arrived (`received`)."""
+        """`leave` for a request made from a thread."""
         with self._lock:
             self.control.finished(outcome, nbytes, time.monotonic() - started)
-        self._count_outcome(outcome, 0 if streamed else nbytes)
+        self._count(outcome, 0 if streamed else nbytes, sent, retry, kind)
 
     def received(self, nbytes: int) -> None:
         """Bytes of a streamed body (a tar shard), counted as they arrive: a shard of a GB
@@ -130,10 +139,9 @@ class RequestGate:
 
     # -- counting ------------------------------------------------------------------------------
 
-    def _count_sent(self, retry: bool) -> None:
-        self.stats.add(gets=1, retries=int(retry))
-
-    def _count_outcome(self, outcome: Outcome, nbytes: int) -> None:
+    def _count(self, outcome: Outcome, nbytes: int, sent: bool, retry: bool, kind: str) -> None:
+        if sent:
+            self.stats.add(**{kind: 1, "retries": int(retry)})
         if outcome == Outcome.OK:
             self.stats.add(bytes=nbytes)
         elif outcome == Outcome.THROTTLED:

@@ -241,6 +241,7 @@ def _request_metrics(cache: SampleStore) -> Iterator[Any]:
                              "keep to after throttling (0: none), per source.", labels=["source"])
     for name, values in sorted(request_totals(cache).items()):
         requests.add_metric([name, "get"], float(values["gets"]))
+        requests.add_metric([name, "head"], float(values["heads"]))
         requests.add_metric([name, "list"], float(values["lists"]))
         for field, family in counters.items():
             family.add_metric([name], float(values[field]))

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import random
 import re
 import time
@@ -91,14 +92,24 @@ def open_fs(
         # and many; fetch_many already runs `concurrency` objects at once.
         options.setdefault("max_concurrency", 1)
     elif protocol in ("http", "https") and "client_kwargs" not in options:
-        # aiohttp's default total timeout is five minutes; bound every request by ours.
+        # aiohttp's default total timeout is five minutes. Ours is on silence (sock_read), not
+        # on a whole body: a shard slower than timeout_s still completes (`bodies`); whole
+        # objects are bounded by timeout_s in fetch_many besides.
         import aiohttp
 
-        options["client_kwargs"] = {
-            "timeout": aiohttp.ClientTimeout(total=timeout_s, sock_connect=connect_timeout_s)
-        }
+        options["client_kwargs"] = {"timeout": aiohttp.ClientTimeout(
+            total=None, sock_connect=connect_timeout_s, sock_read=timeout_s)}
     try:
-        fs, path = fsspec.core.url_to_fs(url, **options)
+        if protocol in ("gs", "gcs") and (options.get("endpoint_url")
+                                          or os.environ.get("STORAGE_EMULATOR_HOST")):
+            # gcsfs's default class asks a gRPC control plane for each bucket's type (retried
+            # for a minute, again on every call while it fails); an endpoint of one's own (an
+            # emulator, a private endpoint) serves the JSON API, which the plain class reads.
+            from gcsfs.core import GCSFileSystem
+
+            fs, path = GCSFileSystem(**options), GCSFileSystem._strip_protocol(url)
+        else:
+            fs, path = fsspec.core.url_to_fs(url, **options)
     except (ImportError, ValueError) as exc:
         shown = redact_url(url)
         raise SourceUnavailable(
@@ -265,6 +276,36 @@ def _refusal(exc: BaseException, status: int | None, url: str,
             "secret, or AWS_ACCESS_KEY_ID, AWS_PROFILE, the credentials file) and the bucket's"
             " policy", url)
     return None
+
+
+#: Errors of a request that never left the process: no connection was made (refused, no
+#: route, a name that does not resolve, a connect timeout), or the client would not build it.
+_UNSENT = frozenset({"ConnectionRefusedError", "ClientConnectorError", "ClientConnectorDNSError",
+                     "ClientConnectorCertificateError", "ClientConnectorSSLError",
+                     "ConnectionTimeoutError", "EndpointConnectionError", "ConnectTimeoutError",
+                     "NoCredentialsError", "ParamValidationError", "InvalidURL"})
+#: obstore's errors say so in their text (reqwest's "builder error", hyper's connect error).
+_OBSTORE_UNSENT = re.compile(r"HTTP error: builder error|\bkind: Connect\b")
+
+
+def reached_remote(value: object) -> bool:
+    """Whether a request whose result is ``value`` (its bytes, or the error it raised,
+    translated or not) reached the remote: what the remote bills and counts is what it received,
+    so a request that never left the process is not counted (`gate`)."""
+    seen: set[int] = set()
+    stack = [value] if isinstance(value, BaseException) else []
+    while stack:
+        error = stack.pop()
+        if id(error) in seen:
+            continue
+        seen.add(id(error))
+        if type(error).__name__ in _UNSENT:
+            return False
+        if type(error).__module__.split(".")[0] == "obstore" and \
+                _OBSTORE_UNSENT.search(str(error)):
+            return False
+        stack.extend(e for e in (error.__cause__, error.__context__) if e is not None)
+    return True
 
 
 @contextlib.contextmanager
@@ -455,7 +496,7 @@ class _Fetch:
                 result = self._result(path, end, value)
                 gate.leave(started, Outcome.OK if isinstance(result, bytes)
                            else outcome_of(result), len(result) if isinstance(result, bytes)
-                           else 0)
+                           else 0, sent=reached_remote(value), retry=attempt > 0)
                 delay = self._again(result, first, attempt)
                 if delay is None:
                     return result
@@ -491,7 +532,7 @@ class _Fetch:
                 result = self._result(path, end, value)
                 gate.leave_sync(started, Outcome.OK if isinstance(result, bytes)
                                 else outcome_of(result), len(result) if isinstance(result, bytes)
-                                else 0)
+                                else 0, sent=reached_remote(value), retry=attempt > 0)
                 delay = self._again(result, first, attempt)
                 if delay is None:
                     return result

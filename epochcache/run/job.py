@@ -325,7 +325,8 @@ class Run:
             # what the epoch cost the remote, per source (the samplers' counters: see
             # docs/howto/monitoring.md), and in all
             "requests": (requests := request_delta(requests_before, request_totals(cache))),
-            "remote_requests": sum(int(v["gets"] + v["lists"]) for v in requests.values()),
+            "remote_requests": sum(int(v["gets"] + v["heads"] + v["lists"])
+                                   for v in requests.values()),
             "remote_bytes": sum(int(v["bytes"]) for v in requests.values()),
             # a resumed epoch: what it continued, and what it could not (counted, not silent)
             **(getattr(loader, "resume_report", None) or {}),

@@ -80,12 +80,12 @@ def ingest_rate(history: list[dict[str, Any]], window_s: float = 60.0) -> dict[s
 
 #: The request counters samplers and the daemon keep per source (``ingest.accounting``), and
 #: the gauges (the value now, summed over the live samplers).
-REQUEST_COUNTERS = ("gets", "lists", "bytes", "throttled", "timeouts", "errors", "retries")
+REQUEST_COUNTERS = ("gets", "heads", "lists", "bytes", "throttled", "timeouts", "errors", "retries")
 REQUEST_GAUGES = ("concurrency", "pace")
 
 
 def request_totals(cache: SampleStore) -> dict[str, dict[str, float]]:
-    """What each source cost in requests and egress so far: ``{source: {gets, lists, bytes,
+    """What each source cost in requests and egress so far: ``{source: {gets, heads, lists, bytes,
     throttled, timeouts, errors, retries, concurrency, pace}}``, the counters summed over the
     sampler health documents and the daemon's (they go on across restarts), the requests in
     flight over the samplers of a live daemon, and its pace after throttling (one per source,
@@ -135,8 +135,10 @@ def request_delta(before: dict[str, dict[str, float]], after: dict[str, dict[str
 
 def describe_requests(values: dict[str, float]) -> str:
     """One line of a source's request counters (status, a run's log)."""
-    text = (f"{int(values.get('gets', 0)):,} GETs, {int(values.get('lists', 0)):,} LISTs, "
-            f"{format_size(values.get('bytes', 0))}")
+    text = f"{int(values.get('gets', 0)):,} GETs, "
+    if values.get("heads"):
+        text += f"{int(values['heads']):,} HEADs, "
+    text += f"{int(values.get('lists', 0)):,} LISTs, {format_size(values.get('bytes', 0))}"
     for name in ("throttled", "retries", "timeouts", "errors"):
         if values.get(name):
             text += f", {name} {int(values[name]):,}"

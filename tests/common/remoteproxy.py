@@ -22,8 +22,13 @@ tests, so the benchmarks start it as a process by path, and tests import it
     python tests/common/remoteproxy.py --target 127.0.0.1:PORT --latency-ms 20 \\
         --bandwidth 100MB --rate 500 [--burst 50] [--style s3|http]   # prints "PORT <n>"
 
+* **a stall**: the next ``stall_count`` object bodies stop after ``stall_after_bytes`` bytes for
+  ``stall_s`` seconds (a remote that hangs mid-body), then go on.
+
 Counters (``stats()``; ``GET /__proxy__/stats`` as JSON in script mode): requests passed and
-throttled, bytes sent, requests in flight and the most seen at once. ``POST
+throttled, requests received by kind (``GET``, ``HEAD``, ``LIST``, ...: what a bucket would bill),
+bytes sent, requests in flight and the most seen at once, and each object request's path and
+``Range`` (``seen``). ``POST
 /__proxy__/config?rate=...&latency_ms=...&bandwidth=...`` changes the manners while it runs.
 """
 
@@ -66,6 +71,9 @@ class Manners:
     style: str = "s3"
     throttle_status: int | None = None
     throttle_lists: bool = False
+    stall_after_bytes: int | None = None
+    stall_s: float = 0.0
+    stall_count: int = 1
 
     @property
     def status(self) -> int:
@@ -83,12 +91,18 @@ class ProxyStats:
     max_in_flight: int = 0
     connections: int = 0
     by_method: dict[str, int] = field(default_factory=dict)
+    #: requests received (passed on or throttled) by kind: GET and HEAD of an object, LIST
+    #: (a GET of a bucket or a directory), or the method
+    by_kind: dict[str, int] = field(default_factory=dict)
+    #: ``(kind, path, Range header)`` of every request received, in order
+    seen: list[tuple[str, str, str]] = field(default_factory=list)
+    stalled: int = 0  # bodies stalled
     #: when each object request arrived (time.monotonic()), passed on or throttled
     arrivals: deque[float] = field(default_factory=lambda: deque(maxlen=100_000))
 
     def as_dict(self) -> dict[str, Any]:
         return {k: (dict(v) if isinstance(v, dict) else v) for k, v in self.__dict__.items()
-                if k != "arrivals"}
+                if k not in ("arrivals", "seen")}
 
 
 class _Bucket:
@@ -197,6 +211,9 @@ class RemoteProxy:
                     continue
                 if method in ("GET", "HEAD") and not self._is_list(target):
                     self.stats.arrivals.append(time.monotonic())
+                kind = self._kind(method, target)
+                self.stats.by_kind[kind] = self.stats.by_kind.get(kind, 0) + 1
+                self.stats.seen.append((kind, urlsplit(target).path, headers.get("range", "")))
                 if self._throttle(method, target):
                     self.stats.throttled += 1
                     writer.write(self._throttle_answer(method))
@@ -212,9 +229,12 @@ class RemoteProxy:
                     if upstream is None:
                         upstream = await asyncio.open_connection(*self.target, limit=1 << 20)
                     upstream[1].write(head + body)
-                    keep = await self._relay_response(method, upstream[0], writer)
+                    keep, html = await self._relay_response(method, upstream[0], writer,
+                                                            stall=kind == "GET")
                 finally:
                     self.stats.in_flight -= 1
+                if html and kind == "GET" and self.manners.style == "http":
+                    self._relabel(kind, "LIST")  # an index page: a directory's listing
                 if not keep:
                     return
         except (ConnectionError, asyncio.IncompleteReadError, OSError, asyncio.CancelledError):
@@ -235,8 +255,21 @@ class RemoteProxy:
         burst = manners.burst if manners.burst else max(1.0, manners.rate_per_s / 10)
         return not self._bucket.allow(manners.rate_per_s, burst)
 
+    def _relabel(self, kind: str, new: str) -> None:
+        by_kind = self.stats.by_kind
+        by_kind[kind] -= 1
+        by_kind[new] = by_kind.get(new, 0) + 1
+        last = self.stats.seen[-1]
+        self.stats.seen[-1] = (new, last[1], last[2])
+
+    def _kind(self, method: str, target: str) -> str:
+        if method == "GET" and self._is_list(target):
+            return "LIST"
+        return method
+
     def _is_list(self, target: str) -> bool:
-        """A listing: of a bucket (s3: no key in the path), of a directory (http: ends in /)."""
+        """A listing: of a bucket (s3: no key in the path), of a directory (http: ends in /;
+        a directory named without it is known by its answer, an HTML page: see _client)."""
         path = urlsplit(target).path
         return "/" not in path.strip("/") if self.manners.style == "s3" else path.endswith("/")
 
@@ -255,16 +288,24 @@ class RemoteProxy:
         return head.encode() + (b"" if method == "HEAD" else body)
 
     async def _relay_response(self, method: str, upstream: asyncio.StreamReader,
-                              writer: asyncio.StreamWriter) -> bool:
-        """Pass one response on, its body paced; False when the connection must close."""
+                              writer: asyncio.StreamWriter, stall: bool = False
+                              ) -> tuple[bool, bool]:
+        """Pass one response on, its body paced (``stall``: an object's body, which may
+        stall); ``(keep the connection, the answer was an HTML page)``."""
         head = await upstream.readuntil(b"\r\n\r\n")
         status = int(head.split(b" ", 2)[1])
         _, _, headers = _parse_head(head, response=True)
+        html = headers.get("content-type", "").startswith("text/html")
         writer.write(head)
         pace = _Pace(self.manners.bandwidth_bytes_per_s)
+        manners = self.manners
+        if stall and not html and manners.stall_after_bytes is not None and manners.stall_count > 0 \
+                and status in (200, 206):
+            manners.stall_count -= 1
+            pace.stall_at, pace.stall_s = manners.stall_after_bytes, manners.stall_s
         if method == "HEAD" or status in (204, 304) or 100 <= status < 200:
             await writer.drain()
-            return True
+            return True, html
         if headers.get("transfer-encoding", "").lower() == "chunked":
             while True:
                 size_line = await upstream.readuntil(b"\r\n")
@@ -275,28 +316,32 @@ class RemoteProxy:
                 if not size:
                     writer.write(await upstream.readuntil(b"\r\n"))
                     await writer.drain()
-                    return True
+                    return True, html
         length = headers.get("content-length")
         if length is None:  # until the server closes
             while chunk := await upstream.read(_CHUNK):
                 writer.write(chunk)
                 await self._paced(writer, pace, len(chunk))
-            return False
+            return False, html
         left = int(length)
         while left:
             chunk = await upstream.read(min(left, _CHUNK))
             if not chunk:
-                return False
+                return False, html
             left -= len(chunk)
             writer.write(chunk)
             await self._paced(writer, pace, len(chunk))
         await writer.drain()
-        return headers.get("connection", "").lower() != "close"
+        return headers.get("connection", "").lower() != "close", html
 
     async def _paced(self, writer: asyncio.StreamWriter, pace: _Pace, nbytes: int) -> None:
         self.stats.bytes_sent += nbytes
         await writer.drain()
         wait = pace.sent(nbytes)
+        if pace.stall_at is not None and pace.total >= pace.stall_at:
+            pace.stall_at = None
+            self.stats.stalled += 1
+            wait += pace.stall_s
         if wait > 0:
             await asyncio.sleep(wait)
 
@@ -325,11 +370,13 @@ class _Pace:
         self.rate = bytes_per_s
         self.start = time.monotonic()
         self.total = 0
+        self.stall_at: int | None = None  # stall once this many bytes were sent
+        self.stall_s = 0.0
 
     def sent(self, nbytes: int) -> float:
+        self.total += nbytes
         if not self.rate:
             return 0.0
-        self.total += nbytes
         return self.start + self.total / self.rate - time.monotonic()
 
 

@@ -43,8 +43,15 @@ import fsspec
 from ...errors import CorruptSample, PermanentRemoteError, SourceError, Throttled
 from ...redact import redact_url
 from ...units import format_size
-from ..clients import bucket_region, obstore_filesystem, obstore_refuses_key, resolve_client
-from ..concurrency import FixedConcurrency
+from ..bodies import BodyReader, open_body
+from ..clients import (
+    bucket_region,
+    obstore_filesystem,
+    obstore_refuses_key,
+    obstore_store,
+    resolve_client,
+)
+from ..concurrency import FixedConcurrency, Outcome
 from ..gate import RequestGate
 from ..localfiles import LocalFiles
 from ..remote import (
@@ -145,10 +152,24 @@ class Source(abc.ABC):
         if self._fetch_fs is None:
             settings = self._obstore
             if settings is not None and not settings.region_given:
+                # A HEAD of the bucket, charged and counted like any request of the source.
+                started = self.gate.enter_sync()
                 region = bucket_region(self.fs, self.root.split("/", 1)[0], self.spec.timeout_s)
+                self.gate.leave_sync(started, Outcome.OK, kind="heads", sent=region is not None)
                 settings = settings.in_region(region) if region else settings
+                self._obstore = settings
             self._fetch_fs = self.fs if settings is None else obstore_filesystem(settings)
         return self._fetch_fs
+
+    def obstore_store(self, bucket: str) -> Any:
+        """obstore's store of ``bucket`` for streamed bodies (`clients.obstore_store`), made
+        once; the source must read with obstore."""
+        self.fetch_fs  # noqa: B018 - the settings in the bucket's region
+        assert self._obstore is not None
+        stores: dict[str, Any] = self.__dict__.setdefault("_obstore_stores", {})
+        if bucket not in stores:
+            stores[bucket] = obstore_store(self._obstore, bucket)
+        return stores[bucket]
 
     # -- listing ---------------------------------------------------------------------------------
 
@@ -415,6 +436,14 @@ class Source(abc.ABC):
             url = redact_url(manifest)
         else:
             fs, path, url = self.fs, self.object_path(manifest), self.object_url(manifest)
+        opener = open_body(fs, path)
+
+        def open_stream() -> BodyReader:
+            # its requests through the gate: counted, and charged where the gate has a budget
+            assert opener is not None
+            return BodyReader(opener, self.gate, fs.loop, url=url,
+                              timeout_s=self.spec.timeout_s)
+
         table = read_manifest(
             fs,
             path,
@@ -423,6 +452,7 @@ class Source(abc.ABC):
             deadline_s=self.spec.list_deadline_s,
             max_bytes=self.spec.manifest_max_bytes,
             max_lines=self.spec.manifest_max_lines,
+            open_stream=open_stream if opener is not None else None,
         )
         return table.sorted()
 

@@ -29,7 +29,7 @@ import json
 import logging
 import re
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import fsspec
@@ -142,6 +142,7 @@ def read_manifest(
     deadline_s: float = 10.0,
     max_bytes: int = DEFAULT_MANIFEST_MAX_BYTES,
     max_lines: int = DEFAULT_MANIFEST_MAX_LINES,
+    open_stream: Callable[[], Any] | None = None,
 ) -> KeyTable:
     """Read a manifest into a table of refs (in file order), within bounds: a manifest is
     someone else's file too. It is read as a stream, a line at a time (``.gz`` decompressed
@@ -150,6 +151,11 @@ def read_manifest(
     most ``max_bytes``, and at most ``max_lines`` lines (rows) are read. Each read has the
     filesystem's timeouts; a transient failure reads the manifest once more, within
     ``deadline_s``.
+
+    Args:
+        open_stream: opens the manifest as a file object read in order (the source's body
+            reader, its requests counted: `epochcache.ingest.bodies`); None, or a parquet
+            manifest (read from its end): ``fs.open``.
 
     Raises:
         SourceUnavailable: the manifest cannot be read, is malformed (line named), is empty, or
@@ -162,7 +168,9 @@ def read_manifest(
 
     def attempt() -> KeyTableBuilder:
         builder, bounds = KeyTableBuilder(), _Bounds(url, max_bytes, max_lines)
-        with _open(fs, path) as handle:
+        opened = (open_stream() if open_stream is not None and fmt != "parquet"
+                  else _open(fs, path))
+        with opened as handle:
             if fmt == "parquet":
                 _parse_parquet(handle, url, builder, bounds)
                 return builder

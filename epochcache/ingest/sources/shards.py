@@ -206,6 +206,18 @@ def iter_shard(
     Raises:
         ReadFailed: the stream failed (not the shard): fetch it again.
     """
+    for ref, payload, _end in iter_shard_ends(shard_key, data, check_formats=check_formats,
+                                              url=url, max_bytes=max_bytes, tail=tail):
+        yield ref, payload
+
+
+def iter_shard_ends(
+    shard_key: str, data: bytes | Readable, *, check_formats: bool = True, url: str = "",
+    max_bytes: int = DEFAULT_MAX_SAMPLE_BYTES, tail: _Tail | None = None,
+) -> Iterator[tuple[SampleRef, Payload | CorruptSample, int | None]]:
+    """`iter_shard`, each sample with where the rest of the shard starts after it: the
+    offset in the stream of the next sample's first header (a read resumed there goes on
+    with the next sample), or None for the last sample and for damage."""
     if tail is None:
         tail = open_tail(io.BytesIO(data) if isinstance(data, (bytes, bytearray)) else data)
     try:
@@ -213,7 +225,7 @@ def iter_shard(
         archive = tarfile.open(fileobj=tail, mode="r|", bufsize=_READ_BYTES,  # noqa: SIM115
                                tarinfo=_BoundedInfo)
     except (tarfile.TarError, EOFError, OSError) as exc:
-        yield shard_failure(shard_key, f"not a readable tar shard ({exc})", url)
+        yield (*shard_failure(shard_key, f"not a readable tar shard ({exc})", url), None)
         return
     sample: _Sample | None = None
     count = 0
@@ -222,7 +234,10 @@ def iter_shard(
             if sample is None or prefix != sample.prefix:
                 if sample is not None:
                     count += 1
-                    yield sample.result(check_formats, url, max_bytes)  # it is whole
+                    # It is whole; what follows it starts at this member's header (unless a
+                    # global PAX header came before: a read resumed there would miss it).
+                    yield (*sample.result(check_formats, url, max_bytes),
+                           None if archive.pax_headers else member.offset)
                 sample = _Sample(shard_key, prefix)
             if member.size > max_bytes:
                 sample.members.append(member.name)
@@ -243,10 +258,10 @@ def iter_shard(
         # after it can be found. Earlier samples were yielded and stay valid.
         reason = f"shard is truncated or damaged after {count} samples ({type(exc).__name__}: {exc})"
         if sample is None:
-            yield shard_failure(shard_key, reason, url)
+            yield (*shard_failure(shard_key, reason, url), None)
         else:
             sample.fail(reason)
-            yield sample.result(check_formats, url, max_bytes)
+            yield (*sample.result(check_formats, url, max_bytes), None)
         return
     finally:
         archive.close()
@@ -254,11 +269,11 @@ def iter_shard(
         reason = (f"shard is truncated or damaged after {count} samples (no end-of-archive marker "
                   f"at byte {archive.offset})")
         if sample is None:
-            yield shard_failure(shard_key, reason, url)
+            yield (*shard_failure(shard_key, reason, url), None)
             return
         sample.fail(reason)
     if sample is not None:
-        yield sample.result(check_formats, url, max_bytes)
+        yield (*sample.result(check_formats, url, max_bytes), None)
 
 
 def open_tail(raw: Readable, on_bytes: Callable[[bytes], None] | None = None) -> _Tail:

@@ -11,8 +11,13 @@ samples are held (as much as the shard, and reserved so) until the checksum matc
 listed size is checked at the end of the stream (a shard that is shorter than listed keeps the
 samples read before the break; the rest is refused as damaged).
 
-A failed read of the stream (the network) fails the shard's fetch as a whole, to be retried;
-samples already handed over are not lost (the cache skips them when they come again).
+A remote shard is read as one streamed GET (`bodies`: each request through the source's
+request gate and counted there, a deadline on silence, not on the shard's length). A failed
+read of the stream (the network) fails the shard's fetch, to be retried; samples already handed
+over are not lost, and are not read again: the next fetch of the shard resumes it from the
+byte after the last sample handed over (a ranged GET), its results led by stand-ins for the
+samples handed before. A shard held whole until its checksum matches is read again from its
+start, and so is one whose size changed in between.
 
 A manifest may name single samples as well as shards (``train-000.tar/000123``, as
 ``epochcache manifest`` prints an epoch's keys): their shards are listed, and fetching one
@@ -27,30 +32,40 @@ import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import numpy as np
 
-from ...errors import CorruptSample, SourceError, SourceUnavailable
+from ...errors import CorruptSample, PermanentRemoteError, SourceError, SourceUnavailable
 from ...limits import cut_text
+from ..bodies import BodyReader, ObjectChanged, open_body
+from ..clients import obstore_refuses_key
 from ..concurrency import Outcome
 from ..localfiles import OPEN_FLAGS
-from ..remote import call, outcome_of, retry, translate_error, translate_errors
+from ..remote import call, outcome_of, reached_remote, retry, translate_error, translate_errors
 from .base import Source
 from .check import StreamDigest
 from .keytable import KeyTable, KeyTableBuilder, head_width, key_heads
 from .manifest import expand_braces
-from .shards import MAX_FIELD_BYTES, ReadFailed, iter_shard, open_tail, sample_bytes, split_member
+from .shards import (
+    MAX_FIELD_BYTES,
+    ReadFailed,
+    iter_shard,
+    iter_shard_ends,
+    open_tail,
+    sample_bytes,
+    split_member,
+)
 from .types import STREAMED, FetchResult, SampleRef
 
 __all__ = ["MAX_FIELD_BYTES", "Part", "TarSource", "iter_shard", "split_member"]
 
 log = logging.getLogger(__name__)
 
-#: What a remote shard's stream reads ahead (fsspec's block): the memory of one stream.
-READ_BYTES = 8 * 1024 * 1024
 #: What a fetch hands over at a time, when the caller does not say.
 PART_BYTES = 32 * 1024 * 1024
+#: Shards whose read failed after handing parts over, kept to resume them (the oldest go first).
+MAX_RESUMES = 1024
 
 #: Called with each part of a shard, in the fetching thread: ``on_part(part)``, a
 #: `Part`. It may block (the sampler waits there for room in its in-flight budget).
@@ -74,6 +89,24 @@ class Part:
     results: list[FetchResult]
     first: int
     members: int | None = None
+
+
+@dataclass(frozen=True)
+class _Resume:
+    """Where the read of a shard goes on after it failed.
+
+    Attributes:
+        offset: the byte after the last sample handed over (the next sample's header).
+        ordinal: the shard ordinal of the next sample.
+        handed: samples handed over before (their stand-ins lead the results).
+        size: the shard's size the failed read was told (a shard that changed since is read
+            from its start).
+    """
+
+    offset: int
+    ordinal: int
+    handed: int
+    size: int | None
 
 
 #: What separates a shard's key from a sample's name in a sample key (``<shard>.tar/<name>``).
@@ -150,6 +183,11 @@ class TarSource(Source):
     unit = "shard"
     _filter: SampleFilter | None = None
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        #: shards whose read failed after handing parts over: where to go on (by shard key)
+        self._resumes: dict[str, _Resume] = {}
+
     def list_table(self) -> KeyTable:
         cfg = self.spec
         if cfg.manifest is not None:
@@ -168,7 +206,7 @@ class TarSource(Source):
         try:
             # Brace patterns are for buckets too big to list: probe one shard, cheaply, to fail fast.
             retry(
-                lambda: call(self.fs, "info", first, timeout_s=cfg.timeout_s),
+                lambda: self._probe(first),
                 url=self.object_url(keys[0]),
                 attempts=2,
                 deadline_s=cfg.list_deadline_s,
@@ -183,6 +221,17 @@ class TarSource(Source):
         for key in keys:
             builder.add(key)
         return builder.build()
+
+    def _probe(self, path: str) -> Any:
+        """The metadata of one shard (a HEAD), counted when a remote received it."""
+        remote = self._local_root is None
+        try:
+            info = call(self.fs, "info", path, timeout_s=self.spec.timeout_s)
+        except BaseException as exc:
+            self.gate.stats.add(heads=int(remote and reached_remote(exc)))
+            raise
+        self.gate.stats.add(heads=int(remote))
+        return info
 
     def sample_filter(self) -> SampleFilter | None:
         """The samples a manifest names in shards (read again in a sampler process, which
@@ -226,26 +275,64 @@ class TarSource(Source):
 
     def _stream_shard(self, ref: SampleRef, resolved: dict[str, str], on_part: OnPart | None,
                       part_bytes: int) -> list[FetchResult]:
-        """One shard's samples (see `fetch_grouped`). Reading a remote shard is one
-        request: it passes the source's request gate (its slots, its pace after throttling,
-        the daemon's request budget) and is counted there, as the files layout's reads are."""
+        """One shard's samples (see `fetch_grouped`), resumed where its last read failed.
+
+        A remote shard's requests pass the source's request gate one by one (its slots, its
+        pace after throttling, the daemon's request budget) and are counted there (`bodies`),
+        as the files layout's reads are; a filesystem without a stream to offer (``memory://``)
+        is read as a file, as one request."""
+        refused = self._obstore_refuses(ref)
+        if refused is not None:
+            return [(ref, refused)]
+        resume = self._resumes.pop(ref.key, None)
+        if resume is not None and self._verified_first(ref):
+            resume = None
         received = [0]
         if self._local_root is not None:
             self.gate.stats.add(gets=1)
-            return self._read_shard(ref, resolved, on_part, part_bytes, received)
+            return self._read_shard(ref, resolved, on_part, part_bytes, received, resume)
+        if self._opener(ref) is not None:
+            try:
+                return self._read_shard(ref, resolved, on_part, part_bytes, received, resume)
+            except ObjectChanged:
+                return self._read_shard(ref, resolved, on_part, part_bytes, received, None)
         started = self.gate.enter_sync()
-        outcome = Outcome.ERROR
+        outcome, sent = Outcome.ERROR, True
         try:
-            results = self._read_shard(ref, resolved, on_part, part_bytes, received)
+            results = self._read_shard(ref, resolved, on_part, part_bytes, received, resume)
             failed = results[-1][1] if results and results[-1][0] is ref else None
             outcome = (outcome_of(failed) if isinstance(failed, SourceError)
                        and not isinstance(failed, CorruptSample) else Outcome.OK)
+            sent = reached_remote(failed)
             return results
         finally:
-            self.gate.leave_sync(started, outcome, received[0], streamed=True)
+            self.gate.leave_sync(started, outcome, received[0], streamed=True, sent=sent)
+
+    def _opener(self, ref: SampleRef) -> Any:
+        """How the shard's body is opened from a byte (`bodies.open_body`), or None. A shard
+        whose key obstore cannot name is read with s3fs (``client: auto``; obstore would read
+        another key: `clients.obstore_refuses_key`)."""
+        path = self.object_path(ref.key)
+        if self._obstore is None or obstore_refuses_key(path):
+            return open_body(self.fs if self._obstore is not None else self.fetch_fs, path)
+        return open_body(self.fetch_fs, path, self.obstore_store(path.split("/", 1)[0]))
+
+    def _obstore_refuses(self, ref: SampleRef) -> PermanentRemoteError | None:
+        """The refusal of a shard obstore cannot name, under ``client: obstore`` (as the files
+        layout refuses such an object: `Source._fetch_remote`)."""
+        if self._obstore is None or self.spec.client == "auto":
+            return None
+        why = obstore_refuses_key(self.object_path(ref.key))
+        if not why:
+            return None
+        url = self.object_url(ref.key)
+        return PermanentRemoteError(
+            f"{url}: obstore cannot name this key ({why}); it is not read "
+            "(source.client: auto or s3fs reads it)", url)
 
     def _read_shard(self, ref: SampleRef, resolved: dict[str, str], on_part: OnPart | None,
-                    part_bytes: int, received: list[int]) -> list[FetchResult]:
+                    part_bytes: int, received: list[int],
+                    resume: _Resume | None = None) -> list[FetchResult]:
         url = self.object_url(ref.key)
         digest = None
         if self._verified_first(ref):
@@ -263,8 +350,9 @@ class TarSource(Source):
         else:
             def wants(key: str) -> bool:
                 return True
+        base = resume.offset if resume is not None else 0
         try:
-            raw = self._open_shard(ref, resolved)
+            raw = self._open_shard(ref, resolved, base, None if resume is None else resume.size)
         except SourceError as exc:
             return [(ref, exc)]
 
@@ -276,14 +364,17 @@ class TarSource(Source):
             self._throttle(len(data))
 
         tail = open_tail(raw, on_bytes)
-        handed: list[FetchResult] = []  # stand-ins of the samples on_part has
-        pending: list[FetchResult] = []
-        ordinal = 0  # of the first sample in pending
-        held = 0
         stand_in = SampleRef(ref.key, shard=ref.key)  # one for all: no key or names kept
+        # stand-ins of the samples on_part has (those of an earlier read first)
+        handed: list[FetchResult] = [(stand_in, STREAMED)] * (resume.handed if resume else 0)
+        pending: list[FetchResult] = []
+        ordinal = resume.ordinal if resume is not None else 0  # of the first sample in pending
+        held = 0
+        pending_end: int | None = None  # where the shard goes on after pending's last sample
+        resume_at: int | None = None  # ... after the last sample handed over
         try:
             with raw:
-                for sample_ref, payload in iter_shard(
+                for sample_ref, payload, end in iter_shard_ends(
                         ref.key, tail, check_formats="format" in self.checks, url=url,
                         max_bytes=self.max_sample_bytes, tail=tail):
                     if isinstance(payload, CorruptSample):
@@ -299,18 +390,26 @@ class TarSource(Source):
                         handed.extend((stand_in, STREAMED) for _ in pending)
                         ordinal += len(pending)
                         pending, held = [], 0
+                        resume_at = None if pending_end is None else base + pending_end
                     pending.append((sample_ref, payload))
                     held += size
+                    pending_end = end
                 if ("size" in self.checks and ref.size is not None) or digest is not None:
                     tail.drain()  # what follows the archive counts too
         except ReadFailed as exc:
-            error = translate_error(exc.__cause__ or exc, url)
+            cause = exc.__cause__ or exc
+            if isinstance(cause, ObjectChanged):
+                raise cause from None
+            if streams and resume_at is not None:
+                self._keep_resume(ref.key, _Resume(resume_at, ordinal, len(handed),
+                                                   getattr(raw, "size", None)))
+            error = translate_error(cause, url)
             return [*handed, (ref, error)] if handed else [(ref, error)]
         problem = None
-        if "size" in self.checks and ref.size is not None and tail.count != ref.size:
+        if "size" in self.checks and ref.size is not None and base + tail.count != ref.size:
             problem = CorruptSample(
-                f"{ref.key}: size mismatch: got {tail.count} bytes, the listing says {ref.size} "
-                "(truncated or changed object)", url, ref.key)
+                f"{ref.key}: size mismatch: got {base + tail.count} bytes, the listing says "
+                f"{ref.size} (truncated or changed object)", url, ref.key)
         elif digest is not None:
             problem = digest.mismatch()
         if problem is not None:
@@ -323,10 +422,17 @@ class TarSource(Source):
             pending = []
         return handed + pending
 
-    def _open_shard(self, ref: SampleRef, resolved: dict[str, str]) -> BinaryIO:
-        """The shard as a stream: a local file opened at the path its root check resolved (a
-        link met here is checked like one met by a read: see Source._read_local), else the
-        remote object read ahead `READ_BYTES` at a time (over HTTP, one streamed GET).
+    def _keep_resume(self, key: str, resume: _Resume) -> None:
+        self._resumes[key] = resume
+        while len(self._resumes) > MAX_RESUMES:
+            del self._resumes[next(iter(self._resumes))]
+
+    def _open_shard(self, ref: SampleRef, resolved: dict[str, str], offset: int = 0,
+                    size: int | None = None) -> BinaryIO:
+        """The shard as a stream from byte ``offset``: a local file opened at the path its
+        root check resolved (a link met here is checked like one met by a read: see
+        Source._read_local), else the remote object's body (`bodies`; ``size``: the size it
+        must still have, else `ObjectChanged`), or a file of a synchronous filesystem.
 
         Raises:
             SourceError: it cannot be opened (translated, URL named); a ``CorruptSample`` when
@@ -346,11 +452,19 @@ class TarSource(Source):
                     if self._outside_root(real):
                         raise self._leaves_root(ref.key, f"it resolves to {real}") from None
                     fd = os.open(real, OPEN_FLAGS)
+                if offset:
+                    os.lseek(fd, offset, os.SEEK_SET)
                 return os.fdopen(fd, "rb", buffering=1024 * 1024)
             except OSError as exc:
                 raise translate_error(exc, url) from exc
-        protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
-        block = 0 if protocol in ("http", "https") else READ_BYTES
+        opener = self._opener(ref)
+        if opener is not None:
+            loop = self.fetch_fs.loop
+            return BodyReader(opener, self.gate, loop, url=url,  # type: ignore[return-value]
+                              timeout_s=self.spec.timeout_s, offset=offset, expect_size=size,
+                              throttled_for_s=self.throttled_for_s)
         with translate_errors(url):
-            handle: BinaryIO = self.fs.open(path, "rb", block_size=block)
+            handle: BinaryIO = self.fs.open(path, "rb")
+            if offset:
+                handle.seek(offset)
         return handle
