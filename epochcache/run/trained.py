@@ -48,7 +48,7 @@ class TrainedRecord:
         state = self._state()
         self.manifest = None if run_dir is None or state is None else ManifestWriter(
             cache, run_dir, epoch=epoch, rank=rank, lease=str(state.get("lease") or ""),
-            position=int(state.get("position", 0)), sources=sources)
+            position=int(state.get("position", 0)), sources=sources, lane=_lane(state))
 
     def _state(self) -> dict[str, Any] | None:
         state = getattr(self.loader, "state_dict", None)
@@ -73,6 +73,15 @@ class TrainedRecord:
         except (OSError, ValueError, lmdb.Error, CacheError) as exc:
             log.warning("epoch %d: could not record what it trained on (manifest, coverage): "
                         "%s", self.epoch, exc)
+
+
+def _lane(state: dict[str, Any]) -> dict[str, Any] | None:
+    """The lane a loader state's positions count along (see `epochcache.store.manifests`)."""
+    if "local_rank" not in state:
+        return None
+    return {"local_rank": int(state["local_rank"]),
+            "local_world_size": int(state["local_world_size"]),
+            "split": state.get("resumed")}
 
 
 def coverage_row(cache: SampleStore, record: TrainedRecord) -> dict[str, Any]:
