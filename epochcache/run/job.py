@@ -40,7 +40,7 @@ from ..store.status import describe_requests, request_delta, request_totals
 from .checkpoint import resume_checkpoint
 from .context import RunContext, TimedLoader
 from .devices import CPU, RunDevice
-from .midepoch import MidEpoch, loader_states
+from .midepoch import MidEpoch, checkpointed_coverage, loader_states
 from .progress import TrainProgress, Turnover, train_metrics
 from .signals import Interrupted, StopSignals, Terminated, quiet_worker, shelter_forkserver
 from .trained import TrainedRecord, coverage_row
@@ -158,6 +158,7 @@ class Run:
         self.progress = TrainProgress()
         self.turnover = Turnover(hint=is_main)
         self.metrics_server: MetricsServer | None = None
+        self.started_at = time.time()  # staged coverage older than this is an earlier attempt's
 
     def serve_metrics(self, local_rank: int = 0) -> None:
         """Serve the training side's /metrics when ``train.metrics_port`` is set (the port
@@ -238,12 +239,14 @@ class Run:
             self.metrics = _read_metrics(self.run_dir / METRICS, before=start, rewrite=self.is_main)
             if checkpoint is None and self.is_main:
                 log.warning("--resume: no checkpoint in %s; starting at epoch 0", self.run_dir)
+        cfg = self.config.cache
+        cache = SampleStore(cfg.dir, capacity=cfg.capacity_bytes, headroom=cfg.headroom_bytes)
+        self._settle_coverage(cache, checkpoint)
         if start >= total:
+            cache.close()
             log.info("all %d epochs are done (checkpoint of epoch %d)", total, start - 1)
             return 0
         context = RunContext(self.config, checkpoint, self.device)
-        cfg = self.config.cache
-        cache = SampleStore(cfg.dir, capacity=cfg.capacity_bytes, headroom=cfg.headroom_bytes)
         kwargs = _loader_kwargs(self.config, self.device)
         try:
             # The wait ends with an error naming train.min_samples (or starts on a smaller,
@@ -294,14 +297,14 @@ class Run:
             stop=self.stop, rank=self.rank, is_main=self.is_main)
         record = self._trained_record(cache, loader, epoch)
         if midepoch is not None:
-            midepoch.on_save = record.cover
+            midepoch.on_save, midepoch.on_saved = record.stage, record.commit
         timed = TimedLoader(loader, self.progress, self.stop, midepoch)
         started = time.perf_counter()
         from .process_group import mean_across_ranks
 
         result = mean_across_ranks(dict(self.train_fn(context, epoch, timed) or {}))
         elapsed = time.perf_counter() - started
-        record.cover(timed.batches)  # the epoch is done: what its checkpoint will cover
+        record.stage(timed.batches)  # the epoch is done: what its checkpoint will cover
         after = cache.counters()
         dataset = getattr(loader, "dataset", None)
         turnover = self.turnover.measure(cache, mark, getattr(dataset, "seqs", np.empty(0)))
@@ -328,15 +331,27 @@ class Run:
         }
         self.metrics.append(row)
         self.progress.last_epoch = row  # the training side's /metrics serve its gauges
-        if not self.is_main:
-            return
-        cache.append_history(history_row(row))
-        with open(self.run_dir / METRICS, "a") as f:
-            f.write(json.dumps(row) + "\n")
-        context.save_checkpoint(epoch, row)
-        log.info("%s", log_line(row))
-        for name, values in sorted(requests.items()):
-            log.info("epoch %d: remote %s: %s", epoch, name, describe_requests(values))
+        if self.is_main:
+            cache.append_history(history_row(row))
+            with open(self.run_dir / METRICS, "a") as f:
+                f.write(json.dumps(row) + "\n")
+            context.save_checkpoint(epoch, row)
+            log.info("%s", log_line(row))
+            for name, values in sorted(requests.items()):
+                log.info("epoch %d: remote %s: %s", epoch, name, describe_requests(values))
+        from .process_group import barrier
+
+        barrier()  # rank 0's checkpoint of the epoch is written before any rank counts it
+        record.commit()
+
+    def _settle_coverage(self, cache: SampleStore, checkpoint: dict[str, Any] | None) -> None:
+        """Count the coverage an earlier attempt of this run staged and its checkpoint covers
+        (it was killed before counting it), drop what no checkpoint covers (trained again)."""
+        from ..store.staged import run_key, settle
+
+        first, named = checkpointed_coverage(checkpoint if self.resume else None)
+        settle(cache, run_key(self.run_dir), lambda epoch, token: epoch < first or token in named,
+               before=self.started_at)
 
     def _trained_record(self, cache: SampleStore, loader: Any, epoch: int) -> TrainedRecord:
         """The epoch's manifest and coverage recorder; and this job noted for ``status``."""
@@ -345,9 +360,12 @@ class Run:
         run_dir = self.run_dir.resolve()
         note_job(cache, run_dir=str(run_dir), rank=self.rank, epoch=epoch)
         names = [entry.name for entry in self.config.source_entries() if entry.name]
+        from ..store.staged import run_key
+
         return TrainedRecord(cache, loader, epoch, batch_size=self.config.loader.batch_size,
                              run_dir=run_dir if self.config.train.manifests else None,
-                             rank=self.rank, job=f"{run_dir} rank {self.rank}", sources=names)
+                             rank=self.rank, job=f"{run_dir} rank {self.rank}", sources=names,
+                             run=run_key(run_dir))
 
     def write_plots(self) -> Path | None:
         from ..plot import INSTALL_HINT, available, plot_run
