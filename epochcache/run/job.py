@@ -268,13 +268,16 @@ class Run:
             cache.close()
             raise
         from ..data.epochs import epochs as each_epoch
+        from .process_group import barrier
 
         epochs = each_epoch(cache, total - start, start_epoch=start, resume=loader_state,
                             **kwargs)
         try:
             for epoch, loader in epochs:
                 self.stop.check()  # a stop requested at the epoch boundary: no new epoch
-                self._run_epoch(cache, context, epoch, loader)
+                record = self._run_epoch(cache, context, epoch, loader)
+                barrier()  # rank 0's checkpoint of the epoch is written before any rank...
+                record.commit()  # ... counts what it covers (store/staged.py)
                 self.stop.check()  # before the next epoch is waited for
         finally:
             close = getattr(epochs, "close", None)
@@ -286,7 +289,8 @@ class Run:
             cache.close()
         return 0
 
-    def _run_epoch(self, cache: SampleStore, context: RunContext, epoch: int, loader: Any) -> None:
+    def _run_epoch(self, cache: SampleStore, context: RunContext, epoch: int,
+                   loader: Any) -> TrainedRecord:
         before = cache.counters()
         requests_before = request_totals(cache)
         mark = self.turnover.mark(cache)
@@ -331,18 +335,16 @@ class Run:
         }
         self.metrics.append(row)
         self.progress.last_epoch = row  # the training side's /metrics serve its gauges
-        if self.is_main:
-            cache.append_history(history_row(row))
-            with open(self.run_dir / METRICS, "a") as f:
-                f.write(json.dumps(row) + "\n")
-            context.save_checkpoint(epoch, row)
-            log.info("%s", log_line(row))
-            for name, values in sorted(requests.items()):
-                log.info("epoch %d: remote %s: %s", epoch, name, describe_requests(values))
-        from .process_group import barrier
-
-        barrier()  # rank 0's checkpoint of the epoch is written before any rank counts it
-        record.commit()
+        if not self.is_main:
+            return record
+        cache.append_history(history_row(row))
+        with open(self.run_dir / METRICS, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        context.save_checkpoint(epoch, row)
+        log.info("%s", log_line(row))
+        for name, values in sorted(requests.items()):
+            log.info("epoch %d: remote %s: %s", epoch, name, describe_requests(values))
+        return record
 
     def _settle_coverage(self, cache: SampleStore, checkpoint: dict[str, Any] | None) -> None:
         """Count the coverage an earlier attempt of this run staged and its checkpoint covers

@@ -60,7 +60,9 @@ class TrainedRecord:
             position=int(state.get("position", 0)), sources=sources, lane=_lane(state))
 
     def _state(self) -> dict[str, Any] | None:
-        state = getattr(self.loader, "state_dict", None)
+        # Not state_dict(): a state taken keeps the epoch's lease for a resume, and only a
+        # checkpoint may say the epoch can be resumed (without one, a stop releases it).
+        state = getattr(self.loader, "position_state", None)
         return None if state is None else dict(state())
 
     def stage(self, batches: int) -> str | None:
