@@ -6,10 +6,12 @@ set, starts the sampler daemon in this process (or attaches to one already filli
 waits for ``train.min_samples``, then calls the trainer named by ``train.entrypoint`` once per
 epoch through [`Cache.epochs`][epochcache.Cache.epochs]. After each epoch it logs loss, samples, cache fill,
 evictions and the data-wait fraction, appends them to ``metrics.jsonl`` and checkpoints to the
-run directory; ``--resume`` continues at the next epoch. Ctrl-C (or SIGTERM) stops cleanly at
-the next batch (`epochcache.run.signals`): the lease is released, the daemon stopped if the
-run started it, the last checkpoint kept. On a CUDA node each rank trains on its own GPU
-(``RunContext.device``; `epochcache.run.devices`).
+run directory; ``--resume`` continues at the next epoch (mid-epoch, from a checkpoint of
+``train.checkpoint_every_s``). Ctrl-C (or SIGTERM) stops cleanly at the next batch
+(`epochcache.run.signals`): the daemon stopped if the run started it, the last checkpoint kept,
+the epoch's lease left for the resume if a checkpoint named it, else released (what a stop
+keeps: docs/guide/resume.md, "Every stop is a resume point"). On a CUDA node each rank trains
+on its own GPU (``RunContext.device``; `epochcache.run.devices`).
 """
 
 from __future__ import annotations
