@@ -302,7 +302,7 @@ def _ingested(cache: SampleStore, source: str) -> int:
 #: Per run, the staged tokens last counted (`epochcache.store.staged`), and how many runs are
 #: remembered (the least recently counted go first).
 APPLIED_PER_RUN = 32
-APPLIED_RUNS = 256
+APPLIED_RUNS = 64
 
 
 def applied(header: dict[str, Any], token: str | None) -> bool:

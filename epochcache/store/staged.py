@@ -32,9 +32,11 @@ import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import lmdb
 import numpy as np
 
 from ..atomic import atomic_write
+from ..errors import CacheError
 from .ledger import coverage_dir, record_trained
 
 if TYPE_CHECKING:
@@ -115,7 +117,8 @@ def settle(cache: SampleStore, run: str, covered: Callable[[int, str], bool],
     for name in names:
         token = name[: -len(_SUFFIX)]
         parts = token.split(".")
-        if not name.endswith(_SUFFIX) or len(parts) != 3 or parts[0] != run:
+        if (not name.endswith(_SUFFIX) or len(parts) != 3 or parts[0] != run
+                or not parts[1].isdigit()):
             continue
         path = _path(cache, token)
         try:
@@ -124,7 +127,12 @@ def settle(cache: SampleStore, run: str, covered: Callable[[int, str], bool],
         except FileNotFoundError:
             continue  # another rank of the node settled it
         if covered(int(parts[1]), token):
-            commit(cache, token)
+            try:
+                commit(cache, token)
+            except (OSError, ValueError, lmdb.Error, CacheError) as exc:
+                # Left for the next start; the run goes on (an audit record).
+                log.warning("coverage: could not count %s (%s)", path, exc)
+                continue
             committed += 1
         else:
             with contextlib.suppress(FileNotFoundError):
