@@ -95,7 +95,8 @@ class TrainedRecord:
                 counted = staged.commit(self.cache, token)
             except (OSError, ValueError, lmdb.Error, CacheError) as exc:
                 log.warning("epoch %d: could not count what it trained on in the coverage "
-                            "ledger (%s); the next --resume does", self.epoch, exc)
+                            "ledger (%s); tried again after the next checkpoint, or by "
+                            "--resume", self.epoch, exc)
                 return
             del self.staged[token]
             self.trained += counted["trained"]
