@@ -159,7 +159,7 @@ def _terminate(_signum: int, _frame: Any) -> None:
 
 
 def _cmd_manifest(args: argparse.Namespace) -> int:
-    from .store.manifests import epoch_keys, manifest_path, manifests, read_records, trained_records
+    from .store.manifests import epoch_keys, epoch_records, manifests
 
     if not os.path.isdir(args.run_dir):
         raise CacheError(f"{args.run_dir}: no such directory (the train.run_dir of a run)")
@@ -170,8 +170,8 @@ def _cmd_manifest(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             return EXIT_FAILURE
         for epoch, ranks in sorted(found.items()):
-            counts = [sum(len(r.keys) for r in trained_records(read_records(
-                manifest_path(args.run_dir, epoch, rank)))) for rank in ranks]
+            kept = epoch_records(args.run_dir, epoch)
+            counts = [sum(len(r.keys) for r in kept[rank]) for rank in ranks]
             print(f"epoch {epoch}: {sum(counts):,} samples, ranks "
                   f"{', '.join(f'{rank} ({count:,})' for rank, count in zip(ranks, counts))}")
         return EXIT_OK

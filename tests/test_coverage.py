@@ -10,6 +10,8 @@ processes recording at once, and caches without origins (an older version's) are
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -24,7 +26,7 @@ from epochcache.ingest.origins import index_map
 from epochcache.ingest.sources import KeyTable
 from epochcache.store import SampleStore, store_of
 from epochcache.store.codec import read_info
-from epochcache.store.ledger import Ledger, ledger_path, remap
+from epochcache.store.ledger import Ledger, ledger_path, ledgers, remap
 from epochcache.store.listings import register_listing
 from epochcache.store.origins import Origin
 from epochcache.store.schema import DB_ORIGINS, DB_SAMPLES
@@ -292,3 +294,128 @@ def test_run_logs_coverage_per_epoch_and_plots_it(tmp_path: Path) -> None:
     assert plot.returncode == 0, plot
     assert_png(tmp_path / "fill.png", min_size=(1500, 300))  # three panels
     assert_png(tmp_path / "runs" / "demo" / "run.png", min_size=(1500, 600))
+
+
+_HOLDING_TRAINER = '''\
+"""Trains a tiny model; with HOLD set, the run's checkpoint named there is held in its write
+(torch.save blocks once it has begun), so that the test kills the job during the write."""
+import os, sys, time
+import torch
+
+_save = torch.save
+HOLD = os.environ.get("HOLD", "")  # "mid:EPOCH:BATCHES" or "end:EPOCH"
+
+
+def _held(obj):
+    if not HOLD or not isinstance(obj, dict) or "epoch" not in obj:
+        return False
+    kind, epoch, *at = HOLD.split(":")
+    mid = obj.get("resume")
+    if kind == "mid":
+        return bool(mid) and mid["epoch"] == int(epoch) and mid["batches"] >= int(at[0])
+    return not mid and obj["epoch"] == int(epoch)
+
+
+def _holding_save(obj, f, *args, **kwargs):
+    if _held(obj):
+        f.write(b"half a checkpoint")
+        sys.stdout.write("HOLD\\n")
+        sys.stdout.flush()
+        time.sleep(600)
+    return _save(obj, f, *args, **kwargs)
+
+
+torch.save = _holding_save
+if HOLD.startswith("counted:"):  # the checkpoint written, its coverage not yet counted
+    import epochcache.store.staged as staged
+
+    _commit, _commits = staged.commit, []
+
+    def _holding_commit(cache, token):
+        _kind, epoch, count = HOLD.split(":")
+        if int(token.split(".")[1]) == int(epoch):
+            _commits.append(token)
+            if len(_commits) == int(count):
+                sys.stdout.write("HOLD\\n")
+                sys.stdout.flush()
+                time.sleep(600)
+        return _commit(cache, token)
+
+    staged.commit = _holding_commit
+
+
+def train_epoch(run, epoch, loader):
+    model = run.state.get("model") or run.restore("model", torch.nn.Linear(16, 1))
+    for i, batch in enumerate(loader):
+        model(torch.nan_to_num(batch.float())).sum().backward()
+        if i < len(loader) - 4:
+            # Longer than train.checkpoint_every_s: a checkpoint after each batch but the
+            # last four, which only the epoch's end covers.
+            time.sleep(0.06)
+    return {"loss": 0.0}
+'''
+
+
+@pytest.mark.parametrize(("hold", "settled"), [
+    ("mid:1:5", (0, 1)),
+    pytest.param("end:1", (0, 1), marks=pytest.mark.slow),
+    pytest.param("counted:1:5", (1, 0), marks=pytest.mark.slow),
+])
+def test_a_job_killed_while_writing_a_checkpoint_counts_each_sample_once(
+        tmp_path: Path, hold: str, settled: tuple[int, int]) -> None:
+    """``epochcache run`` killed (SIGKILL, every process) while it writes a checkpoint --
+    mid-epoch, or at an epoch's end -- or once it is written, before its coverage is counted;
+    then resumed: the coverage ledger counts each sample once per epoch, and the manifests
+    list it once (issue 33, item 5). On 3c6d3cb the batches a checkpoint was to cover were
+    counted before it was written, and again by the resume: 10 of 120 samples counted 3 times
+    in 2 epochs (mid-epoch), 40 (at the epoch's end)."""
+    import yaml
+    from common.procs import Job
+    from test_run import cli, cli_env
+    from test_run_resume import _dataset
+
+    from epochcache.store.manifests import epoch_keys
+
+    _dataset(tmp_path / "data", 120)
+    (tmp_path / "holding_trainer.py").write_text(_HOLDING_TRAINER)
+    config = tmp_path / "cfg.yaml"
+    config.write_text(yaml.safe_dump({
+        "source": {"url": (tmp_path / "data").as_uri(), "pattern": "*.npy"},
+        "cache": {"dir": str(tmp_path / "cache"), "capacity": "1MiB"},
+        "sampler": {"processes": 1, "concurrency": 4},
+        "loader": {"batch_size": 10, "num_workers": 0},
+        "train": {"epochs": 2, "min_samples": 120, "entrypoint": "holding_trainer:train_epoch",
+                  "run_dir": str(tmp_path / "run"), "checkpoint_every_s": 0.05,
+                  "plot": False},
+    }))
+    job = Job([sys.executable, "-m", "epochcache", "run", str(config)], cwd=tmp_path,
+              env=cli_env({"HOLD": hold}, pythonpath=tmp_path), stdout=subprocess.PIPE,
+              stderr=subprocess.STDOUT, text=True)
+    try:
+        assert job.popen.stdout is not None
+        lines = []
+        for line in job.popen.stdout:  # until the checkpoint's write is held
+            lines.append(line)
+            if line.startswith("HOLD"):
+                break
+        else:
+            raise AssertionError(f"the run exited {job.popen.wait()} before the checkpoint:\n"
+                                 + "".join(lines[-40:]))
+    finally:
+        job.kill()
+    resumed = cli("run", str(config), "--resume", cwd=tmp_path, env=cli_env(pythonpath=tmp_path))
+    assert resumed.returncode == 0, resumed
+
+    cache = Cache(tmp_path / "cache", readonly=True)
+    try:
+        (ledger,) = ledgers(cache.path, header_only=False)
+        histogram = cache.coverage()["sources"][0]["histogram"]
+    finally:
+        cache.close()
+    assert ledger.counts.tolist() == [2] * 120, np.bincount(ledger.counts).tolist()
+    assert histogram["2"] == 120, histogram
+    for epoch in range(2):
+        assert sorted(epoch_keys(tmp_path / "run", epoch)) == [f"{i:06d}.npy" for i in
+                                                                range(120)]
+    assert ("coverage: {} update(s) a checkpoint covered counted now, {} its checkpoint never "
+            "covered dropped".format(*settled)) in resumed.stderr, resumed.stderr[-3000:]

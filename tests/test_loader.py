@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -161,6 +162,82 @@ def test_background_failure_is_reraised_from_its_cause(tmp_path: Path) -> None:
             list(loader)
     assert isinstance(info.value.__cause__, OSError)
     assert cache.leases() == []
+
+
+_CTRL_C_LOOP = """
+import os, sys, time
+from epochcache import Cache
+
+go = os.environ["MARKS"]
+
+
+def init(worker_id):
+    # The second loader's worker (epoch 1's, started while epoch 0 runs) takes its time,
+    # so the loop waits for epoch 1 to be prepared.
+    try:
+        os.open(os.path.join(go, "first"), os.O_CREAT | os.O_EXCL)
+    except FileExistsError:
+        open(os.path.join(go, "preparing"), "w").close()
+        time.sleep(120)
+
+
+cache = Cache(sys.argv[1])
+try:
+    for epoch, loader in cache.epochs(3, batch_size=5, num_workers=1, worker_init_fn=init):
+        for batch in loader:
+            pass
+        print(f"EPOCH {epoch} DONE", flush=True)
+except KeyboardInterrupt:
+    print("KEYBOARDINTERRUPT", flush=True)
+    sys.exit(130)
+except BaseException as exc:
+    print(f"OTHER {type(exc).__name__}: {exc}", flush=True)
+    sys.exit(1)
+"""
+
+
+def test_ctrl_c_while_the_next_epoch_is_prepared_is_a_keyboard_interrupt(
+        tmp_path: Path) -> None:
+    """A real Ctrl-C (SIGINT to the process group, workers included) while a plain epochs()
+    loop waits for its next epoch to be prepared reaches the loop as KeyboardInterrupt, with
+    the leases released (issue 36, item 5: it was PrepareFailed, from the KeyboardInterrupt
+    raised in the wait)."""
+    from common.procs import spawn_script
+
+    fill(str(tmp_path / "c"), 0, 40)
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    proc = spawn_script(tmp_path, "ctrl_c_loop", _CTRL_C_LOOP, str(tmp_path / "c"),
+                        env={"MARKS": str(marks)})
+    try:
+        proc.wait_line("EPOCH 0 DONE", timeout_s=120)
+        deadline = time.monotonic() + 60
+        while not (marks / "preparing").exists():  # epoch 1's worker in its start-up
+            assert time.monotonic() < deadline, "epoch 1's worker never started"
+            time.sleep(0.05)
+        time.sleep(0.3)  # the loop is in its wait for epoch 1 (nothing else is left to do)
+        os.kill(proc.pid, signal.SIGINT)
+        for child in _children(proc.pid):
+            os.kill(child, signal.SIGINT)  # a terminal signals the whole foreground group
+        line = proc.wait_line("", timeout_s=60)
+        while not line.startswith(("KEYBOARDINTERRUPT", "OTHER")):
+            line = proc.wait_line("", timeout_s=60)
+        assert line == "KEYBOARDINTERRUPT", f"{line}\n{proc.stderr()}"
+        assert proc.wait(60) == 130
+    finally:
+        proc.close()
+    cache = Cache(tmp_path / "c", readonly=True)
+    try:
+        assert cache.leases() == []
+    finally:
+        cache.close()
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (a loop's DataLoader workers)."""
+    from common.procs import all_procs
+
+    return [child for child, stat in all_procs().items() if stat.ppid == pid]
 
 
 def test_waits_for_min_samples_then_times_out_clearly(tmp_path: Path) -> None:

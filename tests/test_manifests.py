@@ -116,6 +116,52 @@ def test_torn_record_is_ignored_and_cut_before_the_next(tmp_path: Path) -> None:
         cache.close()
 
 
+def test_a_resume_on_another_number_of_ranks_keeps_what_each_lane_kept(tmp_path: Path) -> None:
+    """Two ranks write records along their lanes; rank 1 dies after writing a record its
+    checkpoint never covered; the job resumes on one rank, whose lane is the rest dealt anew
+    (positions from 0 again), then on three. Each file keeps what its lane kept before the
+    stop (rank 0's were dropped on 3c6d3cb: the new lane's first record "started at 0"), the
+    uncovered record goes, and the epoch lists each sample once."""
+    cache = Cache(tmp_path / "cache", capacity="1MiB")
+    run = tmp_path / "run"
+    try:
+        seqs = np.array(cache.put_many([(f"k{i:03d}", b"x") for i in range(60)]).seqs,
+                        dtype=np.uint64)
+        keys = [f"k{i:03d}" for i in range(60)]
+
+        def writer(rank: int, local_rank: int, size: int, split: Any,
+                   position: int = 0) -> ManifestWriter:
+            return ManifestWriter(store_of(cache), run, epoch=1, rank=rank, lease="L",
+                                  position=position, lane={"local_rank": local_rank,
+                                                           "local_world_size": size,
+                                                           "split": split})
+
+        lanes = [list(range(0, 60, 2)), list(range(1, 60, 2))]  # 30 samples each
+        for rank in (0, 1):
+            first = writer(rank, rank, 2, None)
+            first.write(seqs[lanes[rank][:10]], 10)
+        writer(1, 1, 2, None, 10).write(seqs[lanes[1][10:14]], 14)  # past the checkpoint
+        split = {"local_world_size": 2, "lanes": [30, 30], "positions": [10, 10],
+                 "resumed": None}
+        rest = lanes[0][10:] + lanes[1][10:]
+        one = writer(0, 0, 1, split)
+        one.write(seqs[rest[:16]], 16)  # checkpointed after 16 of the new lane's 40
+        assert sorted(epoch_keys(run, 1)) == sorted(keys[i] for i in
+                                                     lanes[0][:10] + lanes[1][:10] + rest[:16])
+        assert epoch_keys(run, 1, 1) == [keys[i] for i in lanes[1][:10]]
+        # Interrupted again, resumed on three ranks: the rest of the one lane dealt anew.
+        again = {"local_world_size": 1, "lanes": [40], "positions": [16], "resumed": split}
+        tail = rest[16:]
+        for rank in range(3):
+            writer(rank, rank, 3, again).write(seqs[tail[rank::3]], len(tail[rank::3]))
+        every = epoch_keys(run, 1)
+        assert sorted(every) == keys, (len(every), len(set(every)))
+        assert epoch_keys(run, 1, 0) == ([keys[i] for i in lanes[0][:10] + rest[:16]]
+                                          + [keys[i] for i in tail[0::3]])
+    finally:
+        cache.close()
+
+
 # -- round trips: a manifest fed back as source.manifest ----------------------------------------
 
 

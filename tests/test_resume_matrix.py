@@ -20,7 +20,17 @@ each batch; the checks, per rank:
   ``epochcache run`` releases only what its checkpoints cover: for it nothing may be skipped;
 * the lease the checkpoint names is still there while the job is down;
 * the epoch after the resumed one is a normal full epoch: each sample of its snapshot once;
+* what the cache and the run directory record of the epochs is exact: each epoch's manifest
+  per rank lists the samples the rank kept, in order, and the coverage ledger counts each
+  sample once per epoch it was kept in (a user loop records neither by itself, and nothing is
+  found recorded; tests/common/resume_accounting.py);
 * no process of either job is left behind.
+
+The elastic ways come back in another shape: ``run2to1`` and ``run1to2`` resume an
+``epochcache run`` on another number of ranks; ``stream2to3`` loads the state of a
+StatefulDataLoader with 2 workers into the stream and reads it with 3. Their resumed epoch is
+the rest of every earlier lane (after the checkpoint) dealt anew to the new ranks or readers:
+new lane ``r`` of ``W`` is ``rest[r::W]``, in order.
 
 The interrupted epoch's order is the one the loader logs (``loader.seqs``: epochcache run and
 epochs()); for stream() it is that of an uninterrupted StatefulDataLoader over the same cache
@@ -28,9 +38,11 @@ with the same seed and workers, iterated before the job starts (same seed, epoch
 same order).
 
 Six cells run in the default suite (``FAST``: each way of stopping at least once, four of the
-six ways of loading); the rest are marked slow. ``pytest tests/test_resume_matrix.py -m ''`` runs all
-72; with ``MATRIX_REPORT=FILE`` each cell appends its result (problems and notes) to FILE as a
-JSON line.
+six ways of loading); the rest are marked slow, the elastic ways' among them (the default
+suite resumes a run on another number of ranks in tests/test_run_elastic.py, and a stream
+with another number of workers in tests/test_stream_elastic.py).
+``pytest tests/test_resume_matrix.py -m ''`` runs all 108; with ``MATRIX_REPORT=FILE`` each
+cell appends its result (problems and notes) to FILE as a JSON line.
 """
 
 from __future__ import annotations
@@ -43,7 +55,16 @@ from typing import Any
 
 import pytest
 from common.jobs import describe
-from common.resume_cell import STOP_EPOCH, Cell, Checkpoint, Way, flat, stream_readahead
+from common.resume_accounting import check_accounting
+from common.resume_cell import (
+    BATCH,
+    STOP_EPOCH,
+    Cell,
+    Checkpoint,
+    Way,
+    flat,
+    stream_readahead,
+)
 
 pytestmark = [
     pytest.mark.timeout(900),
@@ -66,6 +87,13 @@ WAYS = {
                    script=("stream_loop.py", "2")),
     "lightning": Way("lightning", workers=2, readahead=stream_readahead(2),
                      script=("lightning_fit.py",)),
+    # Elastic: the job comes back in another shape (docs/guide/resume.md, "When the job comes
+    # back in another shape").
+    "run2to1": Way("run2to1", ranks=2, run=True, may_skip=False, logs_order=True,
+                   resume_ranks=1),
+    "run1to2": Way("run1to2", run=True, may_skip=False, logs_order=True, resume_ranks=2),
+    "stream2to3": Way("stream2to3", workers=2, readahead=stream_readahead(2),
+                      script=("stream_loop.py", "2", "3"), resume_workers=3),
 }
 
 #: The default suite's cells: every way of stopping at least once, with the cheaper ways. The
@@ -128,9 +156,12 @@ def _run(cell: Cell) -> None:
                        if "lease" in line and ("gone" in line or "afresh" in line)][:4])
     end, _leases = cell.cached()
     evicted, nexts = 0, []
-    for rank in range(cell.way.ranks):
+    if cell.way.elastic:
+        evicted = _check_regrouped(cell, saved, present, refs)
+    for rank in range(cell.way.ranks_of("resume")):
         rows = cell.rows(rank)
-        evicted += _check_resumed(cell, rank, rows, saved, present, refs)
+        if not cell.way.elastic:
+            evicted += _check_resumed(cell, rank, rows, saved, present, refs)
         nexts.extend(_check_next(cell, rank, rows, saved.epoch + 1, present, end))
     if len(set(nexts)) != len(nexts):
         cell.problems.append(f"epoch {saved.epoch + 1}: {len(nexts) - len(set(nexts))} "
@@ -142,6 +173,9 @@ def _run(cell: Cell) -> None:
     elif evicted:
         cell.notes.append(f"{evicted} samples released after the checkpoint were evicted, "
                           f"skipped and counted")
+    cell.lap("checks")
+    check_accounting(cell, saved)
+    cell.lap("accounting")
 
 
 def _check_resumed(cell: Cell, rank: int, rows: list[dict[str, Any]], saved: Checkpoint,
@@ -189,6 +223,78 @@ def _check_resumed(cell: Cell, rank: int, rows: list[dict[str, Any]], saved: Che
                 f"(past sample {reach} of the epoch: the lease did not protect the rest of "
                 f"the epoch)")
     return len(gone)
+
+
+def _check_regrouped(cell: Cell, saved: Checkpoint, present: set[int],
+                     refs: list[list[list[int]]] | None) -> int:
+    """Check the resumed epoch of an elastic way: the rest of every lane of the interrupted
+    epoch after the checkpoint, in lane order, dealt anew (new lane ``r`` of ``W``:
+    ``rest[r::W]``); returns how many samples of the rest were evicted (skipped)."""
+    epoch = saved.epoch
+
+    def trained(rank: int, phase: str) -> list[list[int]]:
+        return [r["ids"] for r in cell.rows(rank) if r["phase"] == phase
+                and r.get("epoch") == epoch and "ids" in r]
+
+    if refs is None:  # a run: each rank logs its lane
+        lanes = [next(r["order"] for r in cell.rows(rank) if r["phase"] == "first"
+                      and r.get("epoch") == epoch and "order" in r)
+                 for rank in range(cell.way.ranks)]
+        kept = [flat(trained(rank, "first")[: saved.batches]) for rank in range(cell.way.ranks)]
+        trained_by_lane = [flat(trained(rank, "first")) for rank in range(cell.way.ranks)]
+        new = cell.way.ranks_of("resume")
+    else:  # a stream: batch k of the reference epoch came from reader k % workers
+        before = trained(0, "first")
+        ref = next((ref for ref in refs if ref[: len(before)] == before), None)
+        if ref is None:
+            cell.problems.append(f"epoch {epoch} of the interrupted job matches no "
+                                 f"uninterrupted epoch of the same stream")
+            return 0
+        workers = cell.way.workers
+        lanes = [flat(ref[w::workers]) for w in range(workers)]
+        kept = [flat(before[: saved.batches][w::workers]) for w in range(workers)]
+        trained_by_lane = [flat(before[w::workers]) for w in range(workers)]
+        new = cell.way.resume_workers or workers
+    rest: list[int] = []
+    for lane, mine in zip(lanes, kept):
+        if mine != lane[: len(mine)]:
+            cell.problems.append("the interrupted job did not train its lanes in order")
+        rest.extend(lane[len(mine):])
+    dealt = [[i for i in rest[r::new] if i in present] for r in range(new)]
+    gone = [i for i in rest if i not in present]
+    # Each new rank reads its lane; a stream's loader reads its readers' lanes in turn.
+    pairs = ([(f"rank {r}: ", flat(trained(r, "resume")), lane) for r, lane in enumerate(dealt)]
+             if refs is None else [("", flat(trained(0, "resume")), _round_robin(dealt))])
+    for where, got, expected in pairs:
+        if got != expected:
+            cell.problems.append(where + _diagnose(flat(kept), got, expected, set(rest)))
+    if gone and not cell.way.may_skip:
+        cell.problems.append(f"{len(gone)} samples after the checkpoint were evicted while "
+                             f"the job was down (epochcache run releases only what its "
+                             f"checkpoints cover)")
+    elif gone:
+        # What each reader read before the stop (its batches, past the checkpoint too) and
+        # its read-ahead, along its lane (generous: the read-ahead is the whole stream's).
+        reach = {i for lane, read in zip(lanes, trained_by_lane) for i in
+                 lane[: len(read) + cell.way.readahead]}
+        beyond = [i for i in gone if i not in reach]
+        if beyond:
+            cell.problems.append(f"{len(beyond)} samples evicted that the stop could not have "
+                                 f"released (the lease did not protect the rest of the epoch)")
+    cell.notes.append(f"the rest ({len(rest)} samples) dealt anew to {new}")
+    return len(gone)
+
+
+def _round_robin(lanes: list[list[int]]) -> list[int]:
+    """What a DataLoader over readers with these lanes yields: a batch from each reader in
+    turn, skipping those that are done."""
+    chunks = [[lane[i : i + BATCH] for i in range(0, len(lane), BATCH)] for lane in lanes]
+    out: list[int] = []
+    while any(chunks):
+        for mine in chunks:
+            if mine:
+                out.extend(mine.pop(0))
+    return out
 
 
 def _check_next(cell: Cell, rank: int, rows: list[dict[str, Any]], epoch: int,

@@ -27,6 +27,8 @@ from conftest import free_port
 from test_run import cli_env, torchrun
 from test_run_resume import TRAINER, _config, _dataset, _rows
 
+from epochcache.store.manifests import epoch_keys
+
 pytestmark = pytest.mark.timeout(400)
 
 
@@ -106,6 +108,16 @@ def test_resume_on_another_number_of_ranks_trains_the_epoch_once(
     row = metrics[1]
     assert row["resume_continued"] == len(redone) and row["resume_departed"] == 0
     assert row["resume_batches"] == counts.pop()
+    # The epoch's manifest (every rank's file) lists each sample once: what the ranks kept
+    # before the stop and what the resumed ranks trained (issue 33, item 5: after 2 -> 1 it
+    # dropped every key the continuing rank had trained before the stop).
+    listed = [int(key.split(".")[0]) for key in epoch_keys(tmp_path / "run", 1)]
+    assert sorted(listed) == epoch, (len(listed), len(set(listed)), len(epoch))
+    for rank in range(max(before, after)):
+        mine = [int(key.split(".")[0]) for key in epoch_keys(tmp_path / "run", 1, rank)]
+        kept_mine = [i for batch in was[rank][1][:done] for i in batch] if rank < before else []
+        now_mine = [i for batch in now[rank] for i in batch] if rank < after else []
+        assert mine == kept_mine + now_mine, (rank, len(mine), len(kept_mine), len(now_mine))
 
 
 @pytest.mark.slow

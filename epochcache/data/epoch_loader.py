@@ -145,9 +145,15 @@ class EpochLoader:
         The first state taken in an epoch keeps the epoch's lease for a resume: however the
         job stops before the epoch's end (SIGTERM, Ctrl-C, a crash, a kill), the lease
         outlives it by ``resume_grace_s`` ([`keep_for_resume`][epochcache.data.epoch_loader.EpochLoader.keep_for_resume])."""
-        schedule = self._schedule
         if self.resume_grace_s > 0 and not self._kept:
             self.keep_for_resume(self.resume_grace_s)
+        return self.position_state()
+
+    def position_state(self) -> dict[str, Any]:
+        """The numbers of [`state_dict`][epochcache.data.epoch_loader.EpochLoader.state_dict],
+        without keeping the epoch's lease: for what reads where the epoch stands without
+        checkpointing it (a run's manifest)."""
+        schedule = self._schedule
         state = {"kind": "epochcache.epochs", "version": 1, "epoch": self.epoch,
                  "lease": schedule.dataset.lease_id, "position": schedule.position(self.yielded),
                  "lane": schedule.lane_length, "batches": self.yielded, **schedule.identity}

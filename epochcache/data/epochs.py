@@ -477,7 +477,9 @@ class _Epochs:
                     schedule = current.schedule.result()
                     with self._watch_start(dog, current):
                         iterator = current.iterator.result()
-                except StallError:
+                except (StallError, KeyboardInterrupt):
+                    # A Ctrl-C in the wait (or raised in the preparation, inline) is the
+                    # user's, not a failure of the preparation.
                     self.cancel(current)
                     raise
                 except BaseException as exc:

@@ -109,8 +109,20 @@ def resume_split(order: np.ndarray, state: dict[str, Any], workers: int, worker:
     """
     split: dict[str, Any] = {key: state[key] for key in ("workers", "resumed") if key in state}
     positions = state["positions"]
-    if int(state["workers"]) == workers and str(worker) in positions:
+    before = int(state["workers"])
+    if before == workers and str(worker) in positions:
         return split, _lanes(order, split)[worker], int(positions[str(worker)])
+    if len(positions) < before:
+        # One worker's state: what a StatefulDataLoader gives each of its workers back. It
+        # checks nothing until its own assertion, after the workers started.
+        raise ValueError(
+            f"load_state_dict: this state was saved by a loader with num_workers={before}, and "
+            f"holds the position of reader(s) {sorted(map(int, positions))} only; this loader "
+            f"reads with num_workers={workers}. A StatefulDataLoader resumes only with the "
+            "num_workers that saved its state (it hands each worker its own). To resume with "
+            "another number, load the whole StatefulDataLoader state_dict() into the stream "
+            "(stream.load_state_dict(state)) instead of into the new loader, or resume with "
+            f"num_workers={before}")
     rest = leftovers(order, {**split, "positions": positions})
     fresh: dict[str, Any] = {"workers": workers, "resumed": {**split, "positions": positions}}
     return fresh, rest[worker::workers], 0

@@ -6,10 +6,12 @@ set, starts the sampler daemon in this process (or attaches to one already filli
 waits for ``train.min_samples``, then calls the trainer named by ``train.entrypoint`` once per
 epoch through [`Cache.epochs`][epochcache.Cache.epochs]. After each epoch it logs loss, samples, cache fill,
 evictions and the data-wait fraction, appends them to ``metrics.jsonl`` and checkpoints to the
-run directory; ``--resume`` continues at the next epoch. Ctrl-C (or SIGTERM) stops cleanly at
-the next batch (`epochcache.run.signals`): the lease is released, the daemon stopped if the
-run started it, the last checkpoint kept. On a CUDA node each rank trains on its own GPU
-(``RunContext.device``; `epochcache.run.devices`).
+run directory; ``--resume`` continues at the next epoch (mid-epoch, from a checkpoint of
+``train.checkpoint_every_s``). Ctrl-C (or SIGTERM) stops cleanly at the next batch
+(`epochcache.run.signals`): the daemon stopped if the run started it, the last checkpoint kept,
+the epoch's lease left for the resume if a checkpoint named it, else released (what a stop
+keeps: docs/guide/resume.md, "Every stop is a resume point"). On a CUDA node each rank trains
+on its own GPU (``RunContext.device``; `epochcache.run.devices`).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from .checkpoint import resume_checkpoint
 from .context import RunContext, TimedLoader
 from .devices import CPU, RunDevice
 from .lineage import check_run_sources
-from .midepoch import MidEpoch, loader_states
+from .midepoch import MidEpoch, checkpointed_coverage, loader_states
 from .progress import TrainProgress, Turnover, train_metrics
 from .signals import Interrupted, StopSignals, Terminated, quiet_worker, shelter_forkserver
 from .trained import TrainedRecord, coverage_row
@@ -159,6 +161,7 @@ class Run:
         self.progress = TrainProgress()
         self.turnover = Turnover(hint=is_main)
         self.metrics_server: MetricsServer | None = None
+        self.started_at = time.time()  # staged coverage older than this is an earlier attempt's
 
     def serve_metrics(self, local_rank: int = 0) -> None:
         """Serve the training side's /metrics when ``train.metrics_port`` is set (the port
@@ -243,12 +246,14 @@ class Run:
             self.metrics = _read_metrics(self.run_dir / METRICS, before=start, rewrite=self.is_main)
             if checkpoint is None and self.is_main:
                 log.warning("--resume: no checkpoint in %s; starting at epoch 0", self.run_dir)
+        cfg = self.config.cache
+        cache = SampleStore(cfg.dir, capacity=cfg.capacity_bytes, headroom=cfg.headroom_bytes)
+        self._settle_coverage(cache, checkpoint)
         if start >= total:
+            cache.close()
             log.info("all %d epochs are done (checkpoint of epoch %d)", total, start - 1)
             return 0
         context = RunContext(self.config, checkpoint, self.device)
-        cfg = self.config.cache
-        cache = SampleStore(cfg.dir, capacity=cfg.capacity_bytes, headroom=cfg.headroom_bytes)
         kwargs = _loader_kwargs(self.config, self.device)
         try:
             # The wait ends with an error naming train.min_samples (or starts on a smaller,
@@ -270,13 +275,16 @@ class Run:
             cache.close()
             raise
         from ..data.epochs import epochs as each_epoch
+        from .process_group import barrier
 
         epochs = each_epoch(cache, total - start, start_epoch=start, resume=loader_state,
                             **kwargs)
         try:
             for epoch, loader in epochs:
                 self.stop.check()  # a stop requested at the epoch boundary: no new epoch
-                self._run_epoch(cache, context, epoch, loader)
+                record = self._run_epoch(cache, context, epoch, loader)
+                barrier()  # rank 0's checkpoint of the epoch is written before any rank...
+                record.commit()  # ... counts what it covers (store/staged.py)
                 self.stop.check()  # before the next epoch is waited for
         finally:
             close = getattr(epochs, "close", None)
@@ -288,7 +296,8 @@ class Run:
             cache.close()
         return 0
 
-    def _run_epoch(self, cache: SampleStore, context: RunContext, epoch: int, loader: Any) -> None:
+    def _run_epoch(self, cache: SampleStore, context: RunContext, epoch: int,
+                   loader: Any) -> TrainedRecord:
         before = cache.counters()
         requests_before = request_totals(cache)
         mark = self.turnover.mark(cache)
@@ -299,14 +308,14 @@ class Run:
             stop=self.stop, rank=self.rank, is_main=self.is_main)
         record = self._trained_record(cache, loader, epoch)
         if midepoch is not None:
-            midepoch.on_save = record.cover
+            midepoch.on_save, midepoch.on_saved = record.stage, record.commit
         timed = TimedLoader(loader, self.progress, self.stop, midepoch)
         started = time.perf_counter()
         from .process_group import mean_across_ranks
 
         result = mean_across_ranks(dict(self.train_fn(context, epoch, timed) or {}))
         elapsed = time.perf_counter() - started
-        record.cover(timed.batches)  # the epoch is done: what its checkpoint will cover
+        record.stage(timed.batches)  # the epoch is done: what its checkpoint will cover
         after = cache.counters()
         dataset = getattr(loader, "dataset", None)
         turnover = self.turnover.measure(cache, mark, getattr(dataset, "seqs", np.empty(0)))
@@ -335,7 +344,7 @@ class Run:
         self.metrics.append(row)
         self.progress.last_epoch = row  # the training side's /metrics serve its gauges
         if not self.is_main:
-            return
+            return record
         cache.append_history(history_row(row))
         with open(self.run_dir / METRICS, "a") as f:
             f.write(json.dumps(row) + "\n")
@@ -344,6 +353,16 @@ class Run:
         log.info("%s", log_line(row))
         for name, values in sorted(requests.items()):
             log.info("epoch %d: remote %s: %s", epoch, name, describe_requests(values))
+        return record
+
+    def _settle_coverage(self, cache: SampleStore, checkpoint: dict[str, Any] | None) -> None:
+        """Count the coverage an earlier attempt of this run staged and its checkpoint covers
+        (it was killed before counting it), drop what no checkpoint covers (trained again)."""
+        from ..store.staged import run_key, settle
+
+        first, named = checkpointed_coverage(checkpoint if self.resume else None)
+        settle(cache, run_key(self.run_dir), lambda epoch, token: epoch < first or token in named,
+               before=self.started_at)
 
     def _trained_record(self, cache: SampleStore, loader: Any, epoch: int) -> TrainedRecord:
         """The epoch's manifest and coverage recorder; and this job noted for ``status``."""
@@ -352,9 +371,12 @@ class Run:
         run_dir = self.run_dir.resolve()
         note_job(cache, run_dir=str(run_dir), rank=self.rank, epoch=epoch)
         names = [entry.name for entry in self.config.source_entries() if entry.name]
+        from ..store.staged import run_key
+
         return TrainedRecord(cache, loader, epoch, batch_size=self.config.loader.batch_size,
                              run_dir=run_dir if self.config.train.manifests else None,
-                             rank=self.rank, job=f"{run_dir} rank {self.rank}", sources=names)
+                             rank=self.rank, job=f"{run_dir} rank {self.rank}", sources=names,
+                             run=run_key(run_dir))
 
     def write_plots(self) -> Path | None:
         from ..plot import INSTALL_HINT, available, plot_run

@@ -31,6 +31,9 @@ log = logging.getLogger(__name__)
 #: The checkpoint key of a mid-epoch checkpoint: ``{"epoch", "batches", "loaders": {rank:
 #: state}}``; ``epoch`` of the checkpoint stays the last epoch completed.
 RESUME_KEY = "resume"
+#: The key of a mid-epoch checkpoint's staged coverage: every rank's token
+#: (`epochcache.store.staged`), counted once the checkpoint is written, or at the resume.
+COVERAGE_KEY = "coverage"
 
 
 class MidEpoch:
@@ -55,8 +58,11 @@ class MidEpoch:
         self.saved_batches = 0
         self._kept = False
         #: Called with the batches a checkpoint is about to cover, before it is saved (the
-        #: run records what the epoch trained on: manifest, coverage; see run/trained.py).
-        self.on_save: Callable[[int], None] | None = None
+        #: run records what the epoch trained on: its manifest, its coverage staged; see
+        #: run/trained.py); returns the staged coverage's token, which the checkpoint names.
+        self.on_save: Callable[[int], str | None] | None = None
+        #: Called once the checkpoint is written, on every rank (the staged coverage counted).
+        self.on_saved: Callable[[], None] | None = None
         loader.release_as_consumed = False  # released as checkpoints cover them
 
     def at_boundary(self, batches: int) -> None:
@@ -81,20 +87,23 @@ class MidEpoch:
         log.debug("epoch %d: checkpoint after %d batches", self.epoch, batches)
 
     def _save(self, batches: int) -> None:
-        if self.on_save is not None:
-            self.on_save(batches)
+        token = self.on_save(batches) if self.on_save is not None else None
         state = self.loader.state_dict()
-        states = _gather({str(self.rank): state})
+        everyone = _gather({str(self.rank): (state, token)})
         if not self._kept:
             self.loader.keep_for_resume(self.grace_s)  # the node's leader holds the lease
             self._kept = True
         if self.is_main:
             self.context.save_checkpoint(self.epoch - 1, {}, resume={
-                "epoch": self.epoch, "batches": batches, "loaders": states})
+                "epoch": self.epoch, "batches": batches,
+                "loaders": {rank: pair[0] for rank, pair in everyone.items()},
+                COVERAGE_KEY: sorted(pair[1] for pair in everyone.values() if pair[1])})
         from .process_group import barrier
 
         barrier()  # the file is written before any rank lets the samples go
         self.loader.release(batches)
+        if self.on_saved is not None:
+            self.on_saved()
         self.saved_batches, self.last = batches, time.monotonic()
 
 
@@ -124,6 +133,17 @@ def _gather(mine: dict[str, Any]) -> dict[str, Any]:
     for part in everyone:
         merged.update(part)
     return merged
+
+
+def checkpointed_coverage(checkpoint: dict[str, Any] | None) -> tuple[int, set[str]]:
+    """What a checkpoint covers of the coverage staged before it: every epoch before the
+    first one it resumes, and the staged updates its mid-epoch part names."""
+    if checkpoint is None:
+        return 0, set()
+    mid = checkpoint.get(RESUME_KEY) or {}
+    if mid.get("loaders"):
+        return int(mid["epoch"]), {str(token) for token in mid.get(COVERAGE_KEY) or ()}
+    return int(checkpoint["epoch"]) + 1, set()
 
 
 def loader_states(checkpoint: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -77,6 +77,7 @@ def source_coverage(ledger: Ledger) -> dict[str, Any]:
     eta = None if ingest_per_s <= 0 else round(remaining / ingest_per_s, 1)
     return {
         "source": header.get("source") or "",
+        "fingerprint": header.get("fingerprint"),
         "url": header.get("url"),
         "unit": header.get("unit"),
         "samples": samples,

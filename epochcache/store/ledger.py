@@ -6,8 +6,10 @@ trainer hands the sequence numbers it trained on to `record_trained`. Their orig
 adds one to a saturating ``uint8`` per listed sample (255 means "255 or more"), once per
 sample per call however often it occurs in it. What an *interrupted* epoch trained on is what
 a checkpoint covers: ``epochcache run`` records the part of an epoch each mid-epoch checkpoint
-covers, so an epoch killed and resumed counts each of its samples once, and a job killed
-without a checkpoint counts nothing of its last epoch (its model never kept it either).
+covers, once that checkpoint is written (`epochcache.store.staged`), so an epoch killed and
+resumed counts each of its samples once, whenever the kill came, and a job killed without a
+checkpoint counts nothing of its last epoch (its model never kept it either). Each ledger
+remembers the staged updates it counted (``applied``, per run), so a retried one counts once.
 
 **Bounded.** One file per source fingerprint, ``<cache>/coverage/<fingerprint>.ledger``: a JSON
 header (the listing it indexes, a summary, the last `MAX_UPDATES` updates) and the counts,
@@ -297,15 +299,48 @@ def _ingested(cache: SampleStore, source: str) -> int:
     return cache.counters().inserted
 
 
+#: Per run, the staged tokens last counted (`epochcache.store.staged`), and how many runs are
+#: remembered (the least recently counted go first).
+APPLIED_PER_RUN = 32
+APPLIED_RUNS = 64
+
+
+def applied(header: dict[str, Any], token: str | None) -> bool:
+    """Whether the update named ``token`` was counted in the file ``header`` heads."""
+    if token is None:
+        return False
+    run = (header.get("applied") or {}).get(token.split(".", 1)[0]) or {}
+    return token in (run.get("tokens") or [])
+
+
+def note_applied(header: dict[str, Any], token: str | None) -> None:
+    """Remember that the update named ``token`` was counted (a retry then counts nothing)."""
+    if token is None:
+        return
+    runs = header.setdefault("applied", {})
+    run = runs.setdefault(token.split(".", 1)[0], {"tokens": []})
+    run["time"] = time.time()
+    run["tokens"] = [*run["tokens"], token][-APPLIED_PER_RUN:]
+    for name in sorted(runs, key=lambda name: runs[name].get("time", 0))[:-APPLIED_RUNS]:
+        del runs[name]
+
+
 def record_trained(cache: SampleStore, seqs: np.ndarray, *, epoch: int | None = None,
-                   job: str = "") -> dict[str, Any]:
+                   job: str = "", token: str | None = None,
+                   commit: bool = True) -> dict[str, Any]:
     """Count one epoch (or the part of one a checkpoint covers) of ``seqs`` in the ledgers of
-    their sources; returns ``{"trained", "new", "unattributed"}`` of this call."""
+    their sources; returns ``{"trained", "new", "unattributed"}`` of this call.
+
+    ``token`` names the update: a ledger that counted it once does not count it again (see
+    `epochcache.store.staged`). ``commit=False`` counts nothing: it returns what the update
+    would count, with ``"summaries"``, each ledger's summary after it by fingerprint.
+    """
     seqs = np.asarray(seqs, dtype=np.uint64)
     with cache.store.read() as txn:
         rows = read_origins(txn, cache.dbs, unique(seqs))
     known = rows.found & (rows.lid != UNKNOWN)
-    result = {"trained": 0, "new": 0, "unattributed": 0}
+    result: dict[str, Any] = {"trained": 0, "new": 0, "unattributed": 0}
+    summaries: dict[str, Any] = {}
     with ledger_lock(cache.path):
         # Under the lock: a sampler registers a listing's new generation and maps the ledger
         # onto it under it too, so a ledger is never found between the two.
@@ -336,37 +371,57 @@ def record_trained(cache: SampleStore, seqs: np.ndarray, *, epoch: int | None = 
                 ledger.take_info(current)
             if info.get("generation") != ledger.header.get("generation"):
                 unattributed += int(np.count_nonzero(mine))  # an older listing's indices
-                if restarted:
+                if restarted and commit:
                     ledger.save(path)
                 continue
+            if applied(ledger.header, token):
+                continue  # a retry of an update this ledger counted (staged.commit)
             slots = ledger.slots_of(rows.index[mine], rows.member[mine], rows.members[mine])
             trained, new = ledger.add(slots)
             summary = ledger.summary()
+            summaries[fp] = summary
+            result["trained"] += trained
+            result["new"] += new
+            if not commit:
+                continue
             ledger.note({"time": round(time.time(), 3), "epoch": epoch, "job": job,
                          "trained": trained, "new": new, "covered": summary["covered"],
                          "samples": summary["samples"],
                          "ingested": _ingested(cache, str(info.get("source") or ""))})
+            note_applied(ledger.header, token)
             ledger.save(path)
-            result["trained"] += trained
-            result["new"] += new
-        if unattributed:
-            _add_unattributed(cache.path, unattributed)
+        if unattributed and commit:
+            _add_unattributed(cache.path, unattributed, token)
         result["unattributed"] = unattributed
+    if not commit:
+        result["summaries"] = summaries
     return result
 
 
-def _add_unattributed(cache_path: str, count: int) -> None:
+def _read_unattributed(cache_path: str) -> dict[str, Any]:
+    try:
+        with open(os.path.join(coverage_dir(cache_path), UNATTRIBUTED_FILE), "rb") as f:
+            found = json.loads(f.read())
+        return found if isinstance(found, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _add_unattributed(cache_path: str, count: int, token: str | None) -> None:
     path = os.path.join(coverage_dir(cache_path), UNATTRIBUTED_FILE)
-    total = read_unattributed(cache_path) + count
+    found = _read_unattributed(cache_path)
+    if applied(found, token):
+        return
+    found["samples"] = read_unattributed(cache_path) + count
+    note_applied(found, token)
     with atomic_write(path, prefix=".unattributed-", suffix=".tmp") as f:
-        f.write(json.dumps({"samples": total}).encode())
+        f.write(json.dumps(found).encode())
 
 
 def read_unattributed(cache_path: str) -> int:
     try:
-        with open(os.path.join(coverage_dir(cache_path), UNATTRIBUTED_FILE), "rb") as f:
-            return int(json.loads(f.read()).get("samples", 0))
-    except (OSError, ValueError, AttributeError):
+        return int(_read_unattributed(cache_path).get("samples", 0))
+    except (TypeError, ValueError):
         return 0
 
 
@@ -455,5 +510,5 @@ def ledgers(cache_path: str, header_only: bool = True) -> list[Ledger]:
     return out
 
 
-__all__ = ["Ledger", "coverage_dir", "ledger_lock", "ledger_path", "ledgers",
-           "read_unattributed", "record_trained", "remap", "retag_origins"]
+__all__ = ["Ledger", "applied", "coverage_dir", "ledger_lock", "ledger_path", "ledgers",
+           "note_applied", "read_unattributed", "record_trained", "remap", "retag_origins"]

@@ -15,11 +15,17 @@ next append, and readers ignore one.
 
 **Interrupted epochs.** ``run`` appends a record when a checkpoint covers part of an epoch
 (``train.checkpoint_every_s``) and when the epoch ends, so the records name what the model
-kept. A resumed epoch appends records from the checkpoint's position on; a record that a
-later one starts at or before (the job died after writing it, before its checkpoint) was
+kept. Each record names its *lane* (the rank's place in the node, and the split of an earlier
+resume it was dealt from, see `epochcache.data.elastic`), and positions count along it. A
+resumed epoch appends records from the checkpoint's position on; a record that a later one on
+its lane starts at or before (the job died after writing it, before its checkpoint) was
 trained again and is dropped when reading, and so are the records of an attempt that could
-not be continued (another lease: the epoch started afresh). So [`epoch_keys`][epochcache.store.manifests.epoch_keys] gives each
-sample trained once, in order, however often the epoch was stopped and resumed.
+not be continued (another lease: the epoch started afresh). A resume on another number of
+ranks deals the rest anew onto new lanes, whose records carry the split: its positions say
+how far each earlier lane was kept, so records of the earlier lanes past them are dropped
+(whichever rank's file holds them) and those before them stay. So
+[`epoch_keys`][epochcache.store.manifests.epoch_keys] gives each sample trained once, in
+order, however often and on whatever shapes the epoch was stopped and resumed.
 
 Keys are cache keys: ``<name>/<key>`` for an entry of ``sources:``; for a ``tar`` sample
 ``<shard>/<sample>``. Fed back as ``source.manifest`` (per source: [`epoch_keys`][epochcache.store.manifests.epoch_keys] with
@@ -96,14 +102,19 @@ class ManifestWriter:
         lease: the epoch's lease (names the snapshot: a resumed epoch continues on it).
         position: where along the rank's lane the epoch starts (a resumed epoch's position).
         sources: the names of the ``sources:`` entries (kept in each record for readers).
+        lane: the lane the positions count along: ``local_rank``, ``local_world_size`` and
+            ``split`` (the ``"resumed"`` split of the loader's state, None for the epoch's own
+            lanes); None for a writer that knows none (its records supersede by file).
     """
 
     def __init__(self, cache: SampleStore, run_dir: str | os.PathLike[str], *, epoch: int,
-                 rank: int, lease: str, position: int = 0, sources: Sequence[str] = ()) -> None:
+                 rank: int, lease: str, position: int = 0, sources: Sequence[str] = (),
+                 lane: dict[str, Any] | None = None) -> None:
         self.cache, self.epoch, self.rank, self.lease = cache, epoch, rank, lease
         self.path = manifest_path(run_dir, epoch, rank)
         self.position = position
         self.sources = list(sources)
+        self.lane = lane
         self._checked = False
 
     def write(self, seqs: np.ndarray, to: int) -> int:
@@ -126,7 +137,8 @@ class ManifestWriter:
         header = json.dumps({"version": 1, "epoch": self.epoch, "rank": self.rank,
                              "lease": self.lease, "from": self.position, "to": int(to),
                              "keys": len(seqs), "unknown": unknown, "sources": self.sources,
-                             "time": round(time.time(), 3)}).encode()
+                             "time": round(time.time(), 3),
+                             **({} if self.lane is None else {"lane": self.lane})}).encode()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if not self._checked:
             cut_torn_tail(self.path)
@@ -185,14 +197,101 @@ def read_records(path: str | os.PathLike[str]) -> list[Record]:
 
 
 def trained_records(records: Sequence[Record]) -> list[Record]:
-    """The records whose samples the model kept (see the module docstring): a record another
-    starts at or before was trained again, and another lease means a fresh attempt."""
-    kept: list[Record] = []
-    for record in records:
-        start, lease = int(record.header["from"]), record.header.get("lease")
-        kept = [r for r in kept if r.header.get("lease") == lease and int(r.header["from"]) < start]
-        kept.append(record)
-    return kept
+    """The records of one file whose samples the model kept, judged by that file alone: a
+    record another on its lane starts at or before was trained again, and another lease means
+    a fresh attempt. [`epoch_records`][epochcache.store.manifests.epoch_records] also applies
+    what the other ranks' files say (a resume on another number of ranks)."""
+    return epoch_records_of({0: list(records)})[0]
+
+
+def _fingerprint(split: Any) -> str:
+    return json.dumps(split, sort_keys=True, separators=(",", ":"))
+
+
+def _lane_key(header: dict[str, Any], rank: int) -> tuple[Any, ...]:
+    """The lane a record's positions count along (a record without one: its file's)."""
+    lane = header.get("lane")
+    if not isinstance(lane, dict):
+        return (header.get("lease"), None, rank, None)
+    return (header.get("lease"), _fingerprint(lane.get("split")), int(lane["local_rank"]),
+            int(lane["local_world_size"]))
+
+
+def _limits(records: Sequence[tuple[int, Record]]) -> dict[tuple[Any, ...], int]:
+    """How far each earlier lane was kept, as the splits of later resumes record it: a split
+    (``"resumed"``) holds the layout it was dealt from, with each lane's position, and the
+    split that layout was itself dealt from."""
+    limits: dict[tuple[Any, ...], int] = {}
+    for _rank, record in records:  # oldest first: a later split's word is the last
+        lane = record.header.get("lane")
+        split = lane.get("split") if isinstance(lane, dict) else None
+        while isinstance(split, dict):
+            parent = split.get("resumed")
+            size = int(split["local_world_size"])
+            for r, position in enumerate(split["positions"]):
+                key = (record.header.get("lease"), _fingerprint(parent), r, size)
+                limits[key] = int(position)
+            split = parent
+    return limits
+
+
+def epoch_records_of(files: dict[int, list[Record]]) -> dict[int, list[Record]]:
+    """Of one epoch's records by rank (each file's in the order written), those whose samples
+    the model kept, by rank, a record cut where a later resume says its lane was kept up to
+    (see the module docstring)."""
+    alive: dict[int, list[bool]] = {}
+    ordered: list[tuple[float, int, int]] = []
+    for rank, records in files.items():
+        flags = alive[rank] = [True] * len(records)
+        for i, record in enumerate(records):
+            lease = record.header.get("lease")
+            for j in range(i):  # another lease in this file: the epoch started afresh
+                if records[j].header.get("lease") != lease:
+                    flags[j] = False
+            ordered.append((float(record.header.get("time") or 0.0), rank, i))
+    ordered.sort()
+    # A record drops the earlier records of its lane that start at or after it (trained again).
+    by_lane: dict[tuple[Any, ...], list[tuple[int, int]]] = {}
+    for _time, rank, i in ordered:
+        header = files[rank][i].header
+        key, start = _lane_key(header, rank), int(header["from"])
+        kept = by_lane.setdefault(key, [])
+        for r, j in kept:
+            if int(files[r][j].header["from"]) >= start:
+                alive[r][j] = False
+        kept[:] = [(r, j) for r, j in kept if alive[r][j]] + [(rank, i)]
+    # Lanes of one split with another number of ranks than its latest records: an attempt
+    # that no checkpoint continued (none but a later split's limit keeps them).
+    latest: dict[tuple[Any, ...], Any] = {}
+    for _time, rank, i in ordered:
+        key = _lane_key(files[rank][i].header, rank)
+        latest[key[:2]] = key[3]
+    limits = _limits([(rank, files[rank][i]) for _time, rank, i in ordered])
+    out: dict[int, list[Record]] = {}
+    for rank, records in files.items():
+        out[rank] = []
+        for i, record in enumerate(records):
+            key = _lane_key(record.header, rank)
+            limit = limits.get(key)
+            if not alive[rank][i] or (limit is None and latest[key[:2]] != key[3]):
+                continue
+            start, end = int(record.header["from"]), int(record.header["to"])
+            if limit is not None and end > limit:
+                if start >= limit:
+                    continue
+                # Records end at checkpoints, and so do limits: a record across one is not
+                # written; cut by keys (a skipped sample would shift it) rather than lose it.
+                record = Record(record.header, record.keys[: limit - start])
+            out[rank].append(record)
+    return out
+
+
+def epoch_records(run_dir: str | os.PathLike[str], epoch: int) -> dict[int, list[Record]]:
+    """Every rank's records of ``epoch`` in ``run_dir`` whose samples the model kept (see
+    the module docstring), by rank."""
+    ranks = manifests(run_dir).get(epoch, [])
+    return epoch_records_of({rank: read_records(manifest_path(run_dir, epoch, rank))
+                             for rank in ranks})
 
 
 def manifests(run_dir: str | os.PathLike[str]) -> dict[int, list[int]]:
@@ -227,9 +326,10 @@ def epoch_keys(run_dir: str | os.PathLike[str], epoch: int, rank: int | None = N
         which = f"epoch {epoch}" + ("" if rank is None else f", rank {rank}")
         raise FileNotFoundError(f"{run_dir}: no manifest of {which} (train.manifests writes "
                                 f"them; `epochcache manifest {run_dir}` lists those there)")
+    kept = epoch_records(run_dir, epoch)
     keys: list[str] = []
     for r in ranks:
-        for record in trained_records(read_records(manifest_path(run_dir, epoch, r))):
+        for record in kept[r]:
             keys.extend(record.keys)
     if source is not None:
         prefix = source + "/"

@@ -54,6 +54,10 @@ class Way:
         logs_order: the trainer logs each epoch's order (``loader.seqs``); else the order is
             that of an uninterrupted loader (:meth:`Cell.reference`).
         script: the user script, with its arguments after the cache and run directories.
+        resume_ranks: the ranks of the resumed job, where it comes back in another shape
+            (elastic); its rest of the epoch is dealt anew.
+        resume_workers: the DataLoader workers of the resumed stream, where they differ
+            (the script's last argument).
     """
 
     name: str
@@ -64,6 +68,16 @@ class Way:
     readahead: int = 0
     logs_order: bool = False
     script: tuple[str, ...] = ()
+    resume_ranks: int | None = None
+    resume_workers: int | None = None
+
+    @property
+    def elastic(self) -> bool:
+        return self.resume_ranks is not None or self.resume_workers is not None
+
+    def ranks_of(self, phase: str) -> int:
+        """The ranks of the job of ``phase``."""
+        return self.resume_ranks or self.ranks if phase == "resume" else self.ranks
 
 
 def stream_readahead(workers: int) -> int:
@@ -175,9 +189,10 @@ class Cell:
             MATRIX_GO=str(self.tmp / "go"))
         if self.way.run:
             argv = [sys.executable, "-m", "epochcache", "run", str(self.tmp / "cfg.yaml")]
-            if self.way.ranks > 1:
+            ranks = self.way.ranks_of(phase)
+            if ranks > 1:
                 argv[1:3] = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                             str(self.way.ranks), "-m", "epochcache"]
+                             str(ranks), "-m", "epochcache"]
             if phase == "resume":
                 argv.append("--resume")
         else:

@@ -1,9 +1,11 @@
 """Trainer of the resume matrix: ``cache.stream()`` under torchdata's StatefulDataLoader.
 
 Every ``CKPT_EVERY`` batches it saves ``dl.state_dict()`` with its model; it resumes with
-``dl.load_state_dict(...)``. The stream's workers release each chunk once read (progressive).
+``dl.load_state_dict(...)``, or, resumed with another number of workers
+(``RESUME_WORKERS``), with ``stream.load_state_dict(...)`` (the rest of every worker's lane
+dealt anew). The stream's workers release each chunk once read (progressive).
 
-argv: CACHE_DIR RUN_DIR NUM_WORKERS
+argv: CACHE_DIR RUN_DIR NUM_WORKERS [RESUME_WORKERS]
 """
 
 from __future__ import annotations
@@ -32,13 +34,19 @@ def main() -> int:
     model = torch.nn.Linear(64, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     cache = Cache(cache_dir)
-    dl = StatefulDataLoader(cache.stream(seed=3), batch_size=tio.BATCH_SIZE,
-                            num_workers=workers)
+    regroup = saved and len(sys.argv) > 4 and int(sys.argv[4]) != workers
+    if regroup:
+        workers = int(sys.argv[4])
+    stream = cache.stream(seed=3)
+    dl = StatefulDataLoader(stream, batch_size=tio.BATCH_SIZE, num_workers=workers)
     start = done = 0
     if saved:
         model.load_state_dict(saved["model"])
         opt.load_state_dict(saved["opt"])
-        dl.load_state_dict(saved["loader"])
+        if regroup:  # another num_workers: the stream takes the loader's whole state
+            stream.load_state_dict(saved["loader"])
+        else:
+            dl.load_state_dict(saved["loader"])
         start, done = int(saved["epoch"]), int(saved["batches"])
     for epoch in range(start, tio.EPOCHS):
         for batch in dl:
