@@ -440,12 +440,8 @@ def test_a_region_given_wrongly_is_followed_by_s3fs_and_refuses_the_source_for_o
         assert "client_kwargs.region_name" in str(value)
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("client", ["auto", "obstore"])
-def test_a_shard_whose_key_obstore_cannot_name(s3: Any, client: str) -> None:
-    """A tar shard under ``x//`` (legal in S3; obstore would read another key): ``auto``
-    reads it with s3fs, its samples whole; ``obstore`` refuses it by name, as the files layout
-    refuses such an object."""
+def _shard_source(s3: Any, name: str, client: str, options: dict[str, Any]) -> Any:
+    """A tar source over one shard of two samples (``a``, ``b``) uploaded as ``odd/NAME``."""
     import io
     import tarfile
 
@@ -455,15 +451,36 @@ def test_a_shard_whose_key_obstore_cannot_name(s3: Any, client: str) -> None:
 
     body = io.BytesIO()
     with tarfile.open(fileobj=body, mode="w") as tar:
-        for name, data in (("a.cls", b"1"), ("b.cls", b"2")):
-            info = tarfile.TarInfo(name)
+        for member, data in (("a.cls", b"1"), ("b.cls", b"2")):
+            info = tarfile.TarInfo(member)
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
-    s3fs.S3FileSystem(**s3.storage_options).pipe(f"{s3.bucket}/odd//shard.tar", body.getvalue())
+    s3fs.S3FileSystem(**s3.storage_options).pipe(f"{s3.bucket}/odd/{name}", body.getvalue())
     spec = SourceSpec(url=f"s3://{s3.bucket}/odd", layout="tar", pattern="**",
-                      storage_options=s3.storage_options, checks=(), client=client, timeout_s=10,
+                      storage_options=options, checks=(), client=client, timeout_s=10,
                       connect_timeout_s=5, retries=1)
-    source = open_source(spec)
+    return open_source(spec)
+
+
+@pytest.mark.timeout(120)
+def test_obstore_reads_shards_with_the_credentials_of_the_environment(s3: Any) -> None:
+    """Credentials only in the environment (botocore's chain, as s3fs finds them): obstore
+    streams a shard's body with them too (`clients.obstore_store`)."""
+    options = {key: value for key, value in s3.storage_options.items()
+               if key not in ("key", "secret")}
+    source = _shard_source(s3, "shard.tar", "obstore", options)
+    assert source.client == "obstore"
+    values = {ref.key: value for ref, value in source.fetch_many(source.list_keys())}
+    assert values == {"shard.tar/a": {"cls": b"1"}, "shard.tar/b": {"cls": b"2"}}, values
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("client", ["auto", "obstore"])
+def test_a_shard_whose_key_obstore_cannot_name(s3: Any, client: str) -> None:
+    """A tar shard under ``x//`` (legal in S3; obstore would read another key): ``auto``
+    reads it with s3fs, its samples whole; ``obstore`` refuses it by name, as the files layout
+    refuses such an object."""
+    source = _shard_source(s3, "/shard.tar", client, s3.storage_options)
     assert source.client == "obstore"
     values = {ref.key: value for ref, value in source.fetch_many(source.list_keys())}
     if client == "auto":

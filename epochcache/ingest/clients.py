@@ -260,21 +260,28 @@ def _botocore_provider(profile: str | None) -> Callable[[], dict[str, Any]]:
     return credentials
 
 
+def _credentials(settings: ObstoreSettings
+                 ) -> tuple[dict[str, Any], Callable[[], dict[str, Any]] | None]:
+    """The store's configuration without credentials, and its credential provider: botocore's
+    chain for the settings' profile, or the credentials the options gave (passed as a provider,
+    so that obstore adds nothing of the environment's, an AWS_SESSION_TOKEN, to them, as
+    botocore adds nothing); None for anonymous access."""
+    config = dict(settings.config)
+    if settings.botocore_credentials:
+        return config, _botocore_provider(settings.profile)
+    if "access_key_id" in config:
+        given = {"access_key_id": config.pop("access_key_id"),
+                 "secret_access_key": config.pop("secret_access_key"),
+                 "token": config.pop("session_token", None), "expires_at": None}
+        return config, given.copy
+    return config, None
+
+
 def obstore_filesystem(settings: ObstoreSettings) -> fsspec.AbstractFileSystem:
     """obstore's fsspec filesystem for ``s3://`` paths (``bucket/key``), retrying nothing."""
     from obstore.fsspec import FsspecStore
 
-    config = dict(settings.config)
-    provider: Callable[[], dict[str, Any]] | None = None
-    if settings.botocore_credentials:
-        provider = _botocore_provider(settings.profile)
-    elif "access_key_id" in config:
-        # given in the options: passed as a provider, so that obstore adds nothing of the
-        # environment's (an AWS_SESSION_TOKEN) to them, as botocore adds nothing
-        given = {"access_key_id": config.pop("access_key_id"),
-                 "secret_access_key": config.pop("secret_access_key"),
-                 "token": config.pop("session_token", None), "expires_at": None}
-        provider = given.copy
+    config, provider = _credentials(settings)
     # skip_instance_cache: fsspec's metaclass takes it (each source its own store)
     options: dict[str, Any] = {
         "config": config, "client_options": settings.client_options,
@@ -290,9 +297,9 @@ def obstore_store(settings: ObstoreSettings, bucket: str) -> Any:
     silence), retrying nothing."""
     from obstore.store import from_url
 
-    provider = _botocore_provider() if settings.botocore_credentials else None
+    config, provider = _credentials(settings)
     client = {**settings.client_options, "timeout": datetime.timedelta(days=1)}
     make: Any = from_url  # its overloads want typed dicts; ours are built from options
-    return make(f"s3://{bucket}", config=settings.config, client_options=client,
+    return make(f"s3://{bucket}", config=config, client_options=client,
                     retry_config={"max_retries": 0, "retry_timeout": client["timeout"]},
                     credential_provider=provider)
