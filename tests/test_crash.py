@@ -62,6 +62,10 @@ def test_writer_killed_at_random_moments_loses_nothing_committed(tmp_path: Path)
     report = tmp_path / "committed.txt"
     rng = random.Random(20240601)
     reported_so_far: list[str] = []
+    # Every key known to be committed, in commit order: each writer's reported keys, then the
+    # batch it committed but was killed before reporting (if any). Such a batch stays in the
+    # cache for the next writers' checks (until evicted as one of the oldest).
+    committed: list[str] = []
     unreported_seen = 0
     for rep in range(5):
         tag = f"r{rep}"
@@ -87,19 +91,22 @@ def test_writer_killed_at_random_moments_loses_nothing_committed(tmp_path: Path)
         reported_so_far = reported
         present = state.key_to_seq
 
-        # Every reported key is present, or was evicted as one of the oldest.
-        missing = [k for k in reported if k not in present]
-        assert missing == reported[: len(missing)], f"rep {rep}: a newer committed sample is gone"
-        assert state.counters.evicted >= len(missing)
-        # Keys present but not reported: at most the one batch committed right before the kill,
-        # and then all of it (a batch is one transaction: never torn).
-        extra = [k for k in state.keys if k not in set(reported)]
+        # Keys present but neither reported nor known: at most the one batch this writer
+        # committed right before the kill, and then all of it (a batch is one transaction:
+        # never torn).
+        known = set(reported) | set(committed)
+        extra = [k for k in state.keys if k not in known]
         if extra:
             unreported_seen += 1
             n_new = len(new)
             assert extra == [f"{tag}-{j}" for j in range(n_new, n_new + BATCH)], extra
-        # Present samples are the newest, in report order, with the bytes that were written.
-        assert state.keys == [k for k in reported + extra if k in present]
+        committed += new + extra
+        # Every committed key is present, or was evicted as one of the oldest.
+        missing = [k for k in committed if k not in present]
+        assert missing == committed[: len(missing)], f"rep {rep}: a newer committed sample is gone"
+        assert state.counters.evicted >= len(missing)
+        # Present samples are the newest, in commit order, with the bytes that were written.
+        assert state.keys == [k for k in committed if k in present]
         cache = Cache(path)
         try:
             for key, value in zip(state.keys, cache.get_many(state.seqs)):
