@@ -249,7 +249,7 @@ class Cache:
     def dataset(self, epoch: int = 0, *, options: ReaderOptions | None = None,
                 **reader: Unpack[ReaderKwargs]) -> EpochDataset:
         """A map-style Dataset over a fresh snapshot, which it holds until closed (a context
-        manager); see [`EpochDataset`][epochcache.EpochDataset].
+        manager); see [`EpochDataset`][epochcache.data.dataset.EpochDataset].
 
         Args:
             epoch: the epoch the snapshot is taken for.
@@ -266,7 +266,7 @@ class Cache:
                options: ReaderOptions | None = None,
                **reader: Unpack[ReaderKwargs]) -> CacheStream:
         """A torch IterableDataset taking a fresh snapshot per epoch, for your own DataLoader
-        (Lightning, Hugging Face, accelerate); see [`CacheStream`][epochcache.CacheStream]
+        (Lightning, Hugging Face, accelerate); see [`CacheStream`][epochcache.data.stream.CacheStream]
         for the arguments."""
         from .data.stream import CacheStream
 
