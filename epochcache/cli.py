@@ -4,8 +4,9 @@ Every subcommand's arguments are here (`build_parser`), and its handler is a sma
 here that imports what it runs when it runs (the run, the plot, the demo data), so ``epochcache
 --help`` and ``status`` load neither torch nor matplotlib.
 
-Exit status: 0 success, 1 a failure at run time, 2 bad usage, bad config, or a source that is
-unreachable at start (nothing was started). argparse already exits 2 on bad usage.
+Exit status: 0 success, 1 a failure at run time, 2 bad usage, bad config, a source that is
+unreachable or a path that cannot be written at start (nothing was started): `USAGE_ERRORS`,
+translated in `main` only. argparse already exits 2 on bad usage.
 
 Logging goes to stderr, at INFO by default; ``-v`` is DEBUG for epochcache (``-vv`` for the
 libraries too), ``-q`` WARNING, before or after the subcommand. stdout carries only what a
@@ -24,8 +25,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from .errors import CacheError, ConfigError, EpochcacheError, SourceUnavailable
+from .errors import CacheError, ConfigError, EpochcacheError, PathNotWritable, SourceUnavailable
 from .redact import install_log_redaction, redact_url, scrub_urls
+from .writable import check_writable, writing
 
 log = logging.getLogger("epochcache")
 
@@ -39,12 +41,29 @@ def _version() -> str:
     return __version__
 
 
+class UsageError(EpochcacheError):
+    """A command's argument names nothing it can use (exit 2, one line, nothing done)."""
+
+
+#: Errors that mean nothing was done, for a reason the user fixes in the command or config:
+#: exit 2 with one line (the single place errors become exit statuses is `main`).
+USAGE_ERRORS = (ConfigError, SourceUnavailable, PathNotWritable, UsageError)
+
+
+def _existing_cache(path: str) -> str:
+    """``path`` if it holds a cache, else `UsageError` saying what to give instead."""
+    if not os.path.isdir(path):
+        raise UsageError(f"{path}: no such directory; give the cache.dir of your config")
+    if not os.path.exists(os.path.join(path, "data.mdb")):
+        raise UsageError(f"{path}: no cache here (no data.mdb); give the cache.dir of a config, "
+                         "which `epochcache daemon CONFIG` or `epochcache run CONFIG` fills")
+    return path
+
+
 def _open_cache_readonly(path: str) -> Any:
     from .store import SampleStore
 
-    if not os.path.isdir(path):
-        raise CacheError(f"{path}: no such directory (is this the cache.dir of your config?)")
-    return SampleStore(path, readonly=True)
+    return SampleStore(_existing_cache(path), readonly=True)
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
@@ -86,9 +105,7 @@ def _cmd_daemon(args: argparse.Namespace) -> int:
 def _cmd_verify(args: argparse.Namespace) -> int:
     from .store.verify import verify_cache
 
-    if not os.path.isdir(args.cache_dir):
-        raise CacheError(f"{args.cache_dir}: no such directory")
-    report = verify_cache(args.cache_dir, repair=args.repair)
+    report = verify_cache(_existing_cache(args.cache_dir), repair=args.repair)
     if args.json:
         print(json.dumps(report.as_dict(), indent=2))
         return EXIT_OK if report.ok else EXIT_FAILURE
@@ -141,7 +158,17 @@ def _cmd_manifest(args: argparse.Namespace) -> int:
     from .store.manifests import epoch_keys, manifest_path, manifests, read_records, trained_records
 
     if not os.path.isdir(args.run_dir):
-        raise CacheError(f"{args.run_dir}: no such directory (the train.run_dir of a run)")
+        raise UsageError(f"{args.run_dir}: no such directory; give the train.run_dir of a run")
+    if args.output is not None and args.epoch is not None:
+        from .ingest.sources.manifest import detect_format
+
+        if args.format == "auto" and detect_format(args.output) not in ("txt", "csv", "jsonl"):
+            # source.manifest would read the file as what its name says (Parquet)
+            print(f"epochcache manifest: {args.output}: writes .txt, .csv or .jsonl (.gz "
+                  "compresses), not Parquet: name a .csv or .jsonl file (and convert it)",
+                  file=sys.stderr)
+            return EXIT_USAGE
+        check_writable(args.output, "the manifest (-o)", directory=False)
     if args.epoch is None:
         found = manifests(args.run_dir)
         if not found:
@@ -168,9 +195,9 @@ def _write_keys(keys: list[str], output: str | None, fmt: str) -> int:
     import io
 
     if fmt == "auto":
-        name = (output or "").lower().removesuffix(".gz")
-        fmt = "csv" if name.endswith(".csv") else "jsonl" if name.endswith(
-            (".jsonl", ".ndjson", ".json")) else "txt"
+        from .ingest.sources.manifest import detect_format
+
+        fmt = detect_format(output or "")  # as source.manifest reads it back
     comments = {key for key in keys if key.startswith("# sample ")}
     keys = [key for key in keys if not key.startswith("# sample ")] if fmt != "txt" else keys
     text = io.StringIO()
@@ -197,8 +224,10 @@ def _write_keys(keys: list[str], output: str | None, fmt: str) -> int:
         sys.stdout.write(data)
         return EXIT_OK
     raw = data.encode("utf-8", "surrogateescape")
-    with open(output, "wb") as f:
-        f.write(gzip.compress(raw) if output.endswith(".gz") else raw)
+    with writing(output, "the manifest (-o)"):
+        os.makedirs(os.path.dirname(output) or ".", exist_ok=True)
+        with open(output, "wb") as f:
+            f.write(gzip.compress(raw) if output.endswith(".gz") else raw)
     log.info("wrote %d keys to %s", len(keys) - (len(comments) if fmt == "txt" else 0), output)
     return EXIT_OK
 
@@ -301,17 +330,19 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     if not available():
         print(f"epochcache plot: needs matplotlib ({INSTALL_HINT})", file=sys.stderr)
         return 2
-    if not os.path.isdir(args.cache_dir):
-        raise CacheError(f"{args.cache_dir}: no such directory")
     from .store.coverage import history as coverage_history
 
+    _existing_cache(args.cache_dir)
+    check_writable(args.output, "the plot (-o)", directory=False)
     cache = SampleStore(args.cache_dir, readonly=True)
     try:
         history = cache.history()
     finally:
         cache.close()
-    plot_cache(history, args.output, title=f"epochcache {cache.path}",
-               coverage=coverage_history(cache.path))
+    with writing(args.output, "the plot (-o)"):
+        os.makedirs(os.path.dirname(args.output) or ".", exist_ok=True)
+        plot_cache(history, args.output, title=f"epochcache {cache.path}",
+                   coverage=coverage_history(cache.path))
     print(f"wrote {args.output} ({len(history)} stats rows)")
     return 0
 
@@ -359,6 +390,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="epochcache",
         description="A growing local sample cache for remote training datasets.",
     )
+    parser.add_argument("--version", action="version", version=f"epochcache {_version()}")
     _add_verbosity(parser, 0)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -455,7 +487,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               " ".join(sys.argv[1:] if argv is None else argv))
     try:
         return int(args.func(args))
-    except (ConfigError, SourceUnavailable) as exc:
+    except USAGE_ERRORS as exc:
         print(f"epochcache {args.command}: {scrub_urls(str(exc))}", file=sys.stderr)
         return EXIT_USAGE
     except EpochcacheError as exc:

@@ -22,7 +22,8 @@ EXPORTED = {
     "EpochDataset", "CacheStream", "EpochLoader",
     # the errors (errors.py)
     "EpochcacheError", "ConfigError", "NodeLayoutError", "CheckpointError",
-    "MinSamplesUnreachable", "StallError", "PrepareFailed", "SourceError", "SourceUnavailable",
+    "MinSamplesUnreachable", "StallError", "PrepareFailed", "PathNotWritable", "SourceError",
+    "SourceUnavailable",
     "Throttled", "RemoteTimeout", "PermanentRemoteError", "CorruptSample", "CacheError",
     "CacheCorrupted", "CacheIOError", "CacheFull", "SampleRejected", "SampleTooLarge",
     "DaemonAlreadyRunning", "SnapshotClosed", "DecodeError", "PickleNotAllowed",

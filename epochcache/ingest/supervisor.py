@@ -23,6 +23,7 @@ import logging
 import multiprocessing
 import os
 import select
+import shutil
 import signal
 import socket
 import time
@@ -38,6 +39,7 @@ from ..store import SampleStore
 from ..store.env import make_private_dir
 from ..store.leases import process_start_ticks
 from ..units import format_size
+from ..writable import first_missing
 from .daemon_sources import DaemonSources
 from .lifeline import Lifeline
 from .prometheus import MetricsServer, daemon_metrics, require_prometheus
@@ -198,6 +200,7 @@ class Supervisor:
         cfg = self.config.cache
         if self.config.daemon.metrics_port is not None:
             require_prometheus("daemon.metrics_port")  # before anything is touched
+        created = first_missing(self.cache_dir)  # removed again if the start fails
         make_private_dir(self.cache_dir)
         # The lock first: a daemon that is refused must not have rewritten the stored capacity.
         self._lock.acquire()
@@ -223,6 +226,8 @@ class Supervisor:
                 self.cache.close()
                 self.cache = None
             self._lock.release()
+            if created is not None:  # a start that failed leaves no cache directory behind
+                shutil.rmtree(created, ignore_errors=True)
             raise
         return keys
 

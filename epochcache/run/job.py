@@ -37,6 +37,7 @@ from ..ingest.supervisor import DaemonLock, Supervisor
 from ..redact import redact_url
 from ..store import SampleStore
 from ..store.status import describe_requests, request_delta, request_totals
+from ..writable import check_writable
 from .checkpoint import resume_checkpoint
 from .context import RunContext, TimedLoader
 from .devices import CPU, RunDevice
@@ -426,6 +427,8 @@ def _run_job(run: Run, place: Placement) -> int:
     config, stop = run.config, run.stop
     created_group = joined = False
     try:
+        if run.is_main:  # before anything starts: exit 2 naming train.run_dir
+            check_writable(run.run_dir, "the run directory (train.run_dir)")
         run.serve_metrics(place.local_rank)
         if place.rank == 0:
             ensure_demo_data(config)

@@ -26,6 +26,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CacheError
+from ..writable import check_writable
 from .env import make_private_dir
 from .ledger import COVERAGE_DIR, LOCK_FILE, ledger_lock
 from .schema import DB_LEASES, DB_STATE
@@ -38,7 +39,8 @@ LISTINGS_DIR = "listings"
 
 
 def check_destination(dst: str) -> None:
-    """Raise [`CacheError`][epochcache.CacheError] unless ``dst`` is a new or empty directory."""
+    """Raise [`CacheError`][epochcache.CacheError] unless ``dst`` is a new or empty directory,
+    [`PathNotWritable`][epochcache.PathNotWritable] unless it can be written."""
     if os.path.lexists(dst) and not os.path.isdir(dst):
         raise CacheError(f"{dst}: exists and is not a directory; `epochcache copy` writes a new "
                          "cache into a new or empty directory")
@@ -46,6 +48,7 @@ def check_destination(dst: str) -> None:
         raise CacheError(f"{dst}: the directory is not empty; `epochcache copy` writes a new "
                          "cache: give it a new or empty directory (it never merges into, or "
                          "overwrites, another)")
+    check_writable(dst, "the copy")
 
 
 def _copy_files(src_dir: str, dst_dir: str, skip: tuple[str, ...] = ()) -> int:

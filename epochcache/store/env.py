@@ -21,6 +21,7 @@ import contextlib
 import ctypes
 import fcntl
 import logging
+import multiprocessing
 import os
 import shutil
 import threading
@@ -31,6 +32,7 @@ from typing import Any, TypeVar
 import lmdb
 
 from ..errors import CacheError, CacheIOError
+from ..writable import require_writable_dir, writing
 from . import mapgate
 from .schema import ALL_DBS, OPTIONAL_DBS
 
@@ -226,13 +228,28 @@ def _unhold(path: str) -> None:
         os.close(fd)  # releases the shared lock
 
 
+#: Directories whose permissions were warned about in this process (once each).
+_warned_open: set[str] = set()
+
+
 def make_private_dir(path: str) -> None:
-    """Create ``path`` readable by its owner only; tighten an existing empty directory."""
+    """Create ``path`` readable by its owner only; warn (once per process, never in a child
+    process of a daemon or a DataLoader: its parent warned) about one others can read.
+
+    Raises:
+        PathNotWritable: ``path`` cannot be created (read-only, under a file, /proc).
+    """
     existed = os.path.isdir(path)
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    if not existed:
-        os.chmod(path, 0o700)
-    elif os.stat(path).st_mode & 0o077:
+    with writing(path, "the cache directory"):
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        if not existed:
+            os.chmod(path, 0o700)
+            return
+    require_writable_dir(path, "the cache directory")
+    real = os.path.realpath(path)
+    if (os.stat(path).st_mode & 0o077 and real not in _warned_open
+            and multiprocessing.parent_process() is None):
+        _warned_open.add(real)
         log.warning("cache directory %s is readable by other users; consider chmod 700", path)
 
 
@@ -332,7 +349,11 @@ class Store:
                 with env.begin(write=not lmdb_readonly) as txn:
                     for name in ALL_DBS:
                         try:
-                            dbs[name] = env.open_db(name, txn=txn, create=not lmdb_readonly)
+                            # Read-only (a read-only mount, another user's cache): py-lmdb
+                            # ends a read transaction with an abort, which closes the handles
+                            # opened in it; without txn it opens one in a committed one.
+                            dbs[name] = env.open_db(name, txn=None if lmdb_readonly else txn,
+                                                    create=not lmdb_readonly)
                         except lmdb.NotFoundError:
                             if name not in OPTIONAL_DBS:
                                 raise
