@@ -43,7 +43,7 @@ from ..writable import first_missing
 from .daemon_sources import DaemonSources
 from .lifeline import Lifeline
 from .prometheus import MetricsServer, daemon_metrics, require_prometheus
-from .sampler import StopFlag, run_sampler, state_name
+from .sampler import StopFlag, log_levels, run_sampler, state_name
 
 log = logging.getLogger(__name__)
 
@@ -187,6 +187,7 @@ class Supervisor:
         self.cache: SampleStore | None = None
         self.sources = DaemonSources(config)
         self.metrics: MetricsServer | None = None
+        self._stopped_by: str | None = None  # the signal that stopped it, for the log
         #: Why `run` gave up (exit status 1), also in the daemon's state document.
         self.failure: str | None = None
 
@@ -231,7 +232,10 @@ class Supervisor:
             raise
         return keys
 
-    def stop(self, *_: Any) -> None:
+    def stop(self, signum: int | None = None, *_: Any) -> None:
+        """Stop in order (also the SIGTERM/SIGINT handler: ``signum`` names it in the log)."""
+        if signum is not None and self._stopped_by is None:
+            self._stopped_by = signal.Signals(signum).name
         self._stop.set()
 
     def run(self) -> int:
@@ -283,6 +287,10 @@ class Supervisor:
             self._shutdown()
             self._heartbeat(started, stopped=True)
             self.cache.append_history()
+            counters = self.cache.counters()
+            log.info("the daemon stopped%s; the cache holds %s samples (%s)",
+                     f" on {self._stopped_by}" if self._stopped_by else "",
+                     f"{counters.samples:,}", format_size(counters.bytes))
             self._lock.release()
             self.cache.close()
             self._stop.close()
@@ -293,7 +301,7 @@ class Supervisor:
         names = self.sources.names if self.config.sources is not None else None
         slot.process = self._ctx.Process(
             target=run_sampler,
-            args=(data, slot.index, self._sampler_stop, os.getpid(), names),
+            args=(data, slot.index, self._sampler_stop, os.getpid(), names, log_levels()),
             name=f"epochcache-sampler-{slot.index}",
             daemon=False,
         )

@@ -140,7 +140,7 @@ class Run:
 
     def __init__(self, config: EpochcacheConfig, *, resume: bool = False, is_main: bool = True,
                  node_rank: int = 0, stop: StopSignals | None = None, rank: int = 0,
-                 world_size: int = 1) -> None:
+                 world_size: int = 1, local_rank: int = 0) -> None:
         self.config = config
         self.stop = stop or StopSignals()
         self.device = CPU  # run_training sets the rank's device once torch is imported
@@ -148,6 +148,7 @@ class Run:
         self.is_main = is_main  # global rank 0: the one that writes the run directory
         self.node_rank = node_rank
         self.rank, self.world_size = rank, world_size
+        self.local_rank = local_rank  # 0: the rank that says what concerns the node, once
         self.run_dir = Path(config.train.run_dir)
         check_entrypoint(config.train.entrypoint)
         self._train_fn: TrainFn | None = None  # imported once the source is known to be there
@@ -253,7 +254,8 @@ class Run:
             from .fill_watch import FillWatch
 
             watch = FillWatch(cache, kwargs["min_samples"],
-                              self.daemon_exit if self._daemon_thread is not None else None)
+                              self.daemon_exit if self._daemon_thread is not None else None,
+                              announce=self.local_rank == 0)
 
             def judge(count: int) -> bool:
                 self.stop.check()  # polled every 0.5 s: Ctrl-C ends the wait
@@ -395,7 +397,8 @@ def run_training(config: EpochcacheConfig, *, resume: bool = False) -> int:
         require_prometheus("train.metrics_port")  # before anything starts
     stop = StopSignals().install()
     run = Run(config, resume=resume, is_main=place.rank == 0, node_rank=place.node_rank,
-              stop=stop, rank=place.rank, world_size=place.world_size)
+              stop=stop, rank=place.rank, world_size=place.world_size,
+              local_rank=place.local_rank)
     try:
         try:
             status = _run_job(run, place)

@@ -31,7 +31,8 @@ from typing import Any, TypeVar
 
 import lmdb
 
-from ..errors import CacheError, CacheIOError
+from ..errors import CacheError, CacheIOError, NodeLayoutError
+from ..launcher import read_placement
 from ..writable import require_writable_dir, writing
 from . import mapgate
 from .schema import ALL_DBS, OPTIONAL_DBS
@@ -232,9 +233,18 @@ def _unhold(path: str) -> None:
 _warned_open: set[str] = set()
 
 
+def _first_on_node() -> bool:
+    """Whether this process is its node's first rank (or no rank): the one to warn."""
+    try:
+        return read_placement(os.environ).local_rank == 0
+    except NodeLayoutError:
+        return True
+
+
 def make_private_dir(path: str) -> None:
     """Create ``path`` readable by its owner only; warn (once per process, never in a child
-    process of a daemon or a DataLoader: its parent warned) about one others can read.
+    process of a daemon or a DataLoader, nor in a node's other ranks: the first warned) about
+    one others can read.
 
     Raises:
         PathNotWritable: ``path`` cannot be created (read-only, under a file, /proc).
@@ -248,7 +258,7 @@ def make_private_dir(path: str) -> None:
     require_writable_dir(path, "the cache directory")
     real = os.path.realpath(path)
     if (os.stat(path).st_mode & 0o077 and real not in _warned_open
-            and multiprocessing.parent_process() is None):
+            and multiprocessing.parent_process() is None and _first_on_node()):
         _warned_open.add(real)
         log.warning("cache directory %s is readable by other users; consider chmod 700", path)
 
