@@ -131,7 +131,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 def _cmd_copy(args: argparse.Namespace) -> int:
     from .store.copy_cache import check_destination
-    from .units import format_size
+    from .units import format_count, format_size
 
     try:
         check_destination(os.path.realpath(args.dest))
@@ -146,11 +146,13 @@ def _cmd_copy(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
         return EXIT_OK
-    print(f"copied {report['samples']:,} samples ({format_size(report['bytes'])}, data file "
-          f"{format_size(report['file_bytes'])}) from {report['source']} to {report['path']} in "
-          f"{report['seconds']:.1f}s; kept {report['listings']} listing(s) and "
-          f"{report['ledgers']} coverage ledger(s), left {report['leases_left_behind']} "
-          f"lease(s) and {report['states_left_behind']} daemon/job state document(s) behind")
+    print(f"copied {format_count(report['samples'], 'sample')} ({format_size(report['bytes'])}, "
+          f"data file {format_size(report['file_bytes'])}) from {report['source']} to "
+          f"{report['path']} in {report['seconds']:.1f}s; kept "
+          f"{format_count(report['listings'], 'listing')} and "
+          f"{format_count(report['ledgers'], 'coverage ledger')}, left "
+          f"{format_count(report['leases_left_behind'], 'lease')} and "
+          f"{format_count(report['states_left_behind'], 'daemon/job state document')} behind")
     return EXIT_OK
 
 

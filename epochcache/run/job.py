@@ -135,6 +135,16 @@ def _loader_kwargs(config: EpochcacheConfig, device: RunDevice = CPU) -> dict[st
     return kwargs
 
 
+def _local_sources(config: EpochcacheConfig) -> set[str]:
+    """The labels of the sources read from this machine's filesystem (no GETs)."""
+    from fsspec.utils import get_protocol
+
+    from ..ingest.accounting import source_label
+
+    return {source_label(entry.name) for entry in config.source_entries()
+            if get_protocol(str(entry.config.url)) in ("file", "local")}
+
+
 class Run:
     """One training run: daemon (started or attached), epochs, metrics, checkpoints, plots."""
 
@@ -313,6 +323,7 @@ class Run:
             **result,
             "snapshot_samples": len(getattr(loader, "seqs", ())),
             "batches": timed.batches,
+            "ranks": self.world_size,
             "epoch_s": round(elapsed, 3),
             "data_wait_fraction": round(timed.wait_s / elapsed, 4) if elapsed > 0 else 0.0,
             "cache_samples": after.samples,
@@ -338,8 +349,10 @@ class Run:
             f.write(json.dumps(row) + "\n")
         context.save_checkpoint(epoch, row)
         log.info("%s", log_line(row))
+        local = _local_sources(self.config)
         for name, values in sorted(requests.items()):
-            log.info("epoch %d: remote %s: %s", epoch, name, describe_requests(values))
+            log.info("epoch %d: %s %s: %s", epoch, "local" if name in local else "remote", name,
+                     describe_requests(values, local=name in local, epoch=True))
 
     def _trained_record(self, cache: SampleStore, loader: Any, epoch: int) -> TrainedRecord:
         """The epoch's manifest and coverage recorder; and this job noted for ``status``."""
