@@ -111,7 +111,7 @@ def test_every_fetch_failing_ends_the_wait_naming_the_error(tmp_path: Path) -> N
     # A manifest of objects that are not there: every fetch fails (as with a 403 on S3).
     (data / "keys.csv").write_text("key\n" + "".join(f"gone-{i}.npy\n" for i in range(20)))
     config = demo_config(tmp_path, source={"url": str(data), "layout": "files",
-                                           "pattern": "*.npy", "manifest": "keys.csv",
+                                           "pattern": "*.npy", "manifest": "data/keys.csv",
                                            "demo_samples": None},
                          train={"epochs": 1, "min_samples": 10})
     status, out = _run(tmp_path, write_yaml(tmp_path / "cfg.yaml", config), timeout_s=60,
