@@ -250,7 +250,7 @@ def run_figure(metrics: Sequence[dict[str, Any]], history: Sequence[dict[str, An
             last = max((i for i, label in enumerate(labels) if histogram[label]), default=0)
             labels = labels[: max(last + 1, 2)]
             ax.bar(labels, [histogram[label] for label in labels])
-            ax.tick_params(axis="x", labelsize=8, labelrotation=45)
+            ax.tick_params(axis="x", labelsize=8, labelrotation=45 if len(labels) > 6 else 0)
         else:
             ax.text(0.5, 0.5, "no histogram yet", ha="center", va="center",
                     transform=ax.transAxes)

@@ -221,6 +221,11 @@ def test_demo_run_end_to_end(demo_run: DemoRun) -> None:
     assert re.search(r"epoch 0: loss [\d.]+, [\d,]+ samples in \d+ batch(es)?, ", log), log
     assert not re.search(r"\d\.0 samples(?!/s)|\(s\)|seen in 0s|seen in unknown", log), log
     assert log.count("local source: ") == 3 and "remote source" not in log, log
+    # the daemon's line says what the limit is (stored bytes reach 110% of the capacity), and
+    # a sampler's commits fit a small cache (one past capacity + headroom was cut, with a
+    # warning to "write smaller batches": the samplers' own batches)
+    assert "(0%; limit 660.0 KiB with the headroom), 0 samples" in log, log
+    assert "write smaller batches" not in log, log
     assert re.search(r"local source: [\d,]+ file reads?, \d+ listings?, [\d.]+ \w+ read", log)
     # checkpoint of the last epoch, saved config, plot
     checkpoint = load_checkpoint(demo_run.run_dir / "checkpoint.pt")

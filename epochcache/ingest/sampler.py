@@ -166,7 +166,11 @@ class Sampler:
         limit = config.sampler.max_bytes_in_flight
         self.budget = ByteBudget(limit)
         # FETCH_DEPTH batches in fetch, one queued and one committing: each gets a share.
-        self.batch_bytes = max(1, min(BATCH_BYTES, limit // (FETCH_DEPTH + 2)))
+        self.batch_bytes = max(1, min(BATCH_BYTES, limit // (FETCH_DEPTH + 2),
+                                      # a commit fits a small cache beside what it holds: a
+                                      # batch past capacity + headroom was cut with a warning
+                                      # telling the user to "write smaller batches"
+                                      config.cache.capacity_bytes // 4))
         # At least FETCH_DEPTH batches of a source are fetched at once, sharing its requests
         # in flight: while one drains its slowest requests, the next keeps the link busy (one
         # batch at a time left the link idle at every batch boundary: 0.6x a bare fetch, 0.9x+

@@ -38,7 +38,7 @@ from ..redact import redact_url
 from ..store import SampleStore
 from ..store.env import make_private_dir
 from ..store.leases import process_start_ticks
-from ..units import format_size
+from ..units import format_count, format_size
 from ..writable import first_missing
 from .daemon_sources import DaemonSources
 from .lifeline import Lifeline
@@ -390,11 +390,16 @@ class Supervisor:
     def _log_progress(self) -> None:
         assert self.cache is not None
         stats = self.cache.stats()
+        # Past 100% of the capacity is the headroom at work (epochs hold their snapshots):
+        # the line says what the limit is, so 110% does not read as a broken promise.
         log.info(
-            "cache %s / %s (%.0f%%), %d samples, ingest %.1f samples/s %s/s, evicted %d, quarantined %d",
+            "cache %s / %s (%.0f%%; limit %s with the headroom), %s, ingest %.1f samples/s "
+            "%s/s, evicted %s, quarantined %s",
             format_size(stats["bytes"]), format_size(stats["effective_capacity"]), 100 * stats["fill"],
-            stats["samples"], stats["ingest"]["samples_per_s"], format_size(stats["ingest"]["bytes_per_s"]),
-            stats["evicted"], stats["quarantined"],
+            format_size(stats["effective_capacity"] + stats["headroom"]),
+            format_count(stats["samples"], "sample"), stats["ingest"]["samples_per_s"],
+            format_size(stats["ingest"]["bytes_per_s"]), f"{stats['evicted']:,}",
+            f"{stats['quarantined']:,}",
         )
 
     def _restart_samplers(self) -> None:
