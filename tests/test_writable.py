@@ -176,6 +176,7 @@ def test_a_failed_start_leaves_no_cache_directory_and_manifest_writes_no_parquet
                                 ["manifest", "run", "--epoch", "0", "-o", "keys.parquet"]],
                                tmp_path)
     assert daemon["status"] == 2 and "no-such-data" in daemon["stderr"], daemon
+    assert "no such directory" in daemon["stderr"] and "storage_options" not in daemon["stderr"]
     assert not (tmp_path / "new").exists(), os.listdir(tmp_path / "new")
     assert parquet["status"] == 2 and "not Parquet" in parquet["stderr"], parquet
     assert not (tmp_path / "keys.parquet").exists()
