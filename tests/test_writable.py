@@ -139,6 +139,8 @@ def test_a_cache_opened_on_a_read_only_mount_is_read_and_not_written(
         assert json.loads(status.stdout)["samples"] == 5
         with pytest.raises(ec.PathNotWritable, match="mounted read-only"):
             Cache(where / "cache")
+        with Cache(where / "cache", readonly=True) as cache:
+            assert len(cache) == 5 and cache.get("k0") == content_for("k0", 100)
     finally:
         subprocess.run(["umount", str(where)], check=False)
 
