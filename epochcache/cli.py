@@ -136,8 +136,7 @@ def _cmd_copy(args: argparse.Namespace) -> int:
     try:
         check_destination(os.path.realpath(args.dest))
     except CacheError as exc:  # nothing done: a usage error
-        print(f"epochcache copy: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        raise UsageError(str(exc)) from None
     cache = _open_cache_readonly(args.cache_dir)
     try:
         report = cache.copy_to(args.dest)
@@ -166,10 +165,8 @@ def _cmd_manifest(args: argparse.Namespace) -> int:
 
         if args.format == "auto" and detect_format(args.output) not in ("txt", "csv", "jsonl"):
             # source.manifest would read the file as what its name says (Parquet)
-            print(f"epochcache manifest: {args.output}: writes .txt, .csv or .jsonl (.gz "
-                  "compresses), not Parquet: name a .csv or .jsonl file (and convert it)",
-                  file=sys.stderr)
-            return EXIT_USAGE
+            raise UsageError(f"{args.output}: writes .txt, .csv or .jsonl (.gz compresses), "
+                             "not Parquet: name a .csv or .jsonl file (and convert it)")
         check_writable(args.output, "the manifest (-o)", directory=False)
     if args.epoch is None:
         found = manifests(args.run_dir)
