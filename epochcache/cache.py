@@ -191,20 +191,31 @@ class Cache:
         """Whether ``key`` is cached."""
         return key in self._store
 
-    def get(self, seq: int) -> bytes | dict[str, bytes]:
-        """The value of sample ``seq`` (bytes, or a dict of fields).
+    def get(self, key: str | int) -> bytes | dict[str, bytes]:
+        """The value of a sample (bytes, or a dict of fields), by its key, as ``key in cache``
+        takes it, or by its sequence number (an int: [`seq_of`][epochcache.Cache.seq_of],
+        a loader's ``seqs``).
 
         Raises:
             KeyError: no such sample (never stored, or evicted).
+            TypeError: ``key`` is neither a key (str) nor a sequence number (int).
         """
-        return self._store.get(seq)
+        if isinstance(key, str):
+            seq = self._store.seq_of(key)
+            if seq is None:
+                raise KeyError(f"{key!r}: not cached (never stored, or evicted)")
+            return self._store.get(seq)
+        return self._store.get(_seq(key, "get"))
 
     def get_many(self, seqs: Sequence[int] | np.ndarray) -> list[bytes | dict[str, bytes]]:
-        """Values of several samples, read in one transaction.
+        """Values of several samples by sequence number, read in one transaction.
 
         Raises:
             KeyError: one of them is not cached.
+            TypeError: one is not a sequence number (``cache.seq_of(key)`` gives a key's).
         """
+        if not isinstance(seqs, np.ndarray):
+            seqs = [_seq(seq, "get_many") for seq in seqs]
         return self._store.get_many(seqs)
 
     def seq_of(self, key: str) -> int | None:
@@ -249,7 +260,7 @@ class Cache:
     def dataset(self, epoch: int = 0, *, options: ReaderOptions | None = None,
                 **reader: Unpack[ReaderKwargs]) -> EpochDataset:
         """A map-style Dataset over a fresh snapshot, which it holds until closed (a context
-        manager); see [`EpochDataset`][epochcache.EpochDataset].
+        manager); see [`EpochDataset`][epochcache.data.dataset.EpochDataset].
 
         Args:
             epoch: the epoch the snapshot is taken for.
@@ -266,7 +277,7 @@ class Cache:
                options: ReaderOptions | None = None,
                **reader: Unpack[ReaderKwargs]) -> CacheStream:
         """A torch IterableDataset taking a fresh snapshot per epoch, for your own DataLoader
-        (Lightning, Hugging Face, accelerate); see [`CacheStream`][epochcache.CacheStream]
+        (Lightning, Hugging Face, accelerate); see [`CacheStream`][epochcache.data.stream.CacheStream]
         for the arguments."""
         from .data.stream import CacheStream
 
@@ -320,3 +331,14 @@ class Cache:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self._store = state["store"]
+
+
+def _seq(value: object, method: str) -> int:
+    """``value`` as a sequence number, or a TypeError saying what ``cache.<method>`` takes."""
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        return int(value)
+    wanted = "a key (str) or a sequence number (int)" if method == "get" else \
+        "a sequence number (int)"
+    raise TypeError(f"cache.{method}: expected {wanted}, got {type(value).__name__} {value!r}"
+                    + ("; cache.get takes a key too, and cache.seq_of(key) gives its sequence "
+                       "number" if isinstance(value, str) else ""))

@@ -5,8 +5,9 @@ here that imports what it runs when it runs (the run, the plot, the demo data), 
 --help`` and ``status`` load neither torch nor matplotlib.
 
 Exit status: 0 success, 1 a failure at run time, 2 bad usage, bad config, a source that is
-unreachable at start, or a directory that holds no usable cache (nothing was started).
-argparse already exits 2 on bad usage.
+unreachable or a path that cannot be written at start, or a directory that holds no usable
+cache (nothing was started): `USAGE_ERRORS`, translated in `main` only. argparse already exits 2
+on bad usage.
 
 Logging goes to stderr, at INFO by default; ``-v`` is DEBUG for epochcache (``-vv`` for the
 libraries too), ``-q`` WARNING, before or after the subcommand. stdout carries only what a
@@ -26,8 +27,16 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from .errors import CacheError, CacheUnusable, ConfigError, EpochcacheError, SourceUnavailable
+from .errors import (
+    CacheError,
+    CacheUnusable,
+    ConfigError,
+    EpochcacheError,
+    PathNotWritable,
+    SourceUnavailable,
+)
 from .redact import install_log_redaction, redact_url, scrub_urls
+from .writable import check_writable, writing
 
 log = logging.getLogger("epochcache")
 
@@ -41,20 +50,34 @@ def _version() -> str:
     return __version__
 
 
-def _require_cache_dir(path: str) -> None:
-    """A missing cache directory is bad usage (exit 2); it names a copy's leftover beside it."""
-    if not os.path.isdir(path):
-        from .store.copy_cache import leftover_hint
+class UsageError(EpochcacheError):
+    """A command's argument names nothing it can use (exit 2, one line, nothing done)."""
 
-        raise CacheUnusable(f"{path}: no such directory (is this the cache.dir of your config?)"
+
+#: Errors that mean nothing was done, for a reason the user fixes in the command or config:
+#: exit 2 with one line (the single place errors become exit statuses is `main`).
+USAGE_ERRORS = (ConfigError, SourceUnavailable, PathNotWritable, CacheUnusable, UsageError)
+
+
+def _existing_cache(path: str) -> str:
+    """``path`` if it holds a cache, else `CacheUnusable` saying what to give instead (and
+    naming a killed copy's leftover beside it)."""
+    from .store.copy_cache import leftover_hint
+
+    if not os.path.isdir(path):
+        raise CacheUnusable(f"{path}: no such directory; give the cache.dir of your config"
                             f"{leftover_hint(path)}")
+    if not os.path.exists(os.path.join(path, "data.mdb")):
+        raise CacheUnusable(f"{path}: no cache here (no data.mdb); give the cache.dir of a "
+                            "config, which `epochcache daemon CONFIG` or `epochcache run CONFIG` "
+                            f"fills{leftover_hint(path)}")
+    return path
 
 
 def _open_cache_readonly(path: str) -> Any:
     from .store import SampleStore
 
-    _require_cache_dir(path)
-    return SampleStore(path, readonly=True)
+    return SampleStore(_existing_cache(path), readonly=True)
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
@@ -96,8 +119,7 @@ def _cmd_daemon(args: argparse.Namespace) -> int:
 def _cmd_verify(args: argparse.Namespace) -> int:
     from .store.verify import verify_cache
 
-    _require_cache_dir(args.cache_dir)
-    report = verify_cache(args.cache_dir, repair=args.repair)
+    report = verify_cache(_existing_cache(args.cache_dir), repair=args.repair)
     if args.json:
         print(json.dumps(report.as_dict(), indent=2))
         return EXIT_OK if report.ok else EXIT_FAILURE
@@ -123,13 +145,12 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 def _cmd_copy(args: argparse.Namespace) -> int:
     from .store.copy_cache import check_destination
-    from .units import format_size
+    from .units import format_count, format_size
 
     try:
         check_destination(os.path.realpath(args.dest))
     except CacheError as exc:  # nothing done: a usage error
-        print(f"epochcache copy: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        raise UsageError(str(exc)) from None
     cache = _open_cache_readonly(args.cache_dir)
     # SIGTERM (a scheduler, `timeout`) stops the copy as Ctrl-C does: its partial copy removed.
     previous = signal.signal(signal.SIGTERM, _terminate)
@@ -146,11 +167,13 @@ def _cmd_copy(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
         return EXIT_OK
-    print(f"copied {report['samples']:,} samples ({format_size(report['bytes'])}, data file "
-          f"{format_size(report['file_bytes'])}) from {report['source']} to {report['path']} in "
-          f"{report['seconds']:.1f}s; kept {report['listings']} listing(s) and "
-          f"{report['ledgers']} coverage ledger(s), left {report['leases_left_behind']} "
-          f"lease(s) and {report['states_left_behind']} daemon/job state document(s) behind")
+    print(f"copied {format_count(report['samples'], 'sample')} ({format_size(report['bytes'])}, "
+          f"data file {format_size(report['file_bytes'])}) from {report['source']} to "
+          f"{report['path']} in {report['seconds']:.1f}s; kept "
+          f"{format_count(report['listings'], 'listing')} and "
+          f"{format_count(report['ledgers'], 'coverage ledger')}, left "
+          f"{format_count(report['leases_left_behind'], 'lease')} and "
+          f"{format_count(report['states_left_behind'], 'daemon/job state document')} behind")
     return EXIT_OK
 
 
@@ -162,7 +185,15 @@ def _cmd_manifest(args: argparse.Namespace) -> int:
     from .store.manifests import epoch_keys, epoch_records, manifests
 
     if not os.path.isdir(args.run_dir):
-        raise CacheError(f"{args.run_dir}: no such directory (the train.run_dir of a run)")
+        raise UsageError(f"{args.run_dir}: no such directory; give the train.run_dir of a run")
+    if args.output is not None and args.epoch is not None:
+        from .ingest.sources.manifest import detect_format
+
+        if args.format == "auto" and detect_format(args.output) not in ("txt", "csv", "jsonl"):
+            # source.manifest would read the file as what its name says (Parquet)
+            raise UsageError(f"{args.output}: writes .txt, .csv or .jsonl (.gz compresses), "
+                             "not Parquet: name a .csv or .jsonl file (and convert it)")
+        check_writable(args.output, "the manifest (-o)", directory=False)
     if args.epoch is None:
         found = manifests(args.run_dir)
         if not found:
@@ -189,9 +220,9 @@ def _write_keys(keys: list[str], output: str | None, fmt: str) -> int:
     import io
 
     if fmt == "auto":
-        name = (output or "").lower().removesuffix(".gz")
-        fmt = "csv" if name.endswith(".csv") else "jsonl" if name.endswith(
-            (".jsonl", ".ndjson", ".json")) else "txt"
+        from .ingest.sources.manifest import detect_format
+
+        fmt = detect_format(output or "")  # as source.manifest reads it back
     comments = {key for key in keys if key.startswith("# sample ")}
     keys = [key for key in keys if not key.startswith("# sample ")] if fmt != "txt" else keys
     text = io.StringIO()
@@ -218,8 +249,10 @@ def _write_keys(keys: list[str], output: str | None, fmt: str) -> int:
         sys.stdout.write(data)
         return EXIT_OK
     raw = data.encode("utf-8", "surrogateescape")
-    with open(output, "wb") as f:
-        f.write(gzip.compress(raw) if output.endswith(".gz") else raw)
+    with writing(output, "the manifest (-o)"):
+        os.makedirs(os.path.dirname(output) or ".", exist_ok=True)
+        with open(output, "wb") as f:
+            f.write(gzip.compress(raw) if output.endswith(".gz") else raw)
     log.info("wrote %d keys to %s", len(keys) - (len(comments) if fmt == "txt" else 0), output)
     return EXIT_OK
 
@@ -322,16 +355,19 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     if not available():
         print(f"epochcache plot: needs matplotlib ({INSTALL_HINT})", file=sys.stderr)
         return 2
-    _require_cache_dir(args.cache_dir)
     from .store.coverage import history as coverage_history
 
+    _existing_cache(args.cache_dir)
+    check_writable(args.output, "the plot (-o)", directory=False)
     cache = SampleStore(args.cache_dir, readonly=True)
     try:
         history = cache.history()
     finally:
         cache.close()
-    plot_cache(history, args.output, title=f"epochcache {cache.path}",
-               coverage=coverage_history(cache.path))
+    with writing(args.output, "the plot (-o)"):
+        os.makedirs(os.path.dirname(args.output) or ".", exist_ok=True)
+        plot_cache(history, args.output, title=f"epochcache {cache.path}",
+                   coverage=coverage_history(cache.path))
     print(f"wrote {args.output} ({len(history)} stats rows)")
     return 0
 
@@ -379,6 +415,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="epochcache",
         description="A growing local sample cache for remote training datasets.",
     )
+    parser.add_argument("--version", action="version", version=f"epochcache {_version()}")
     _add_verbosity(parser, 0)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -475,7 +512,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               " ".join(sys.argv[1:] if argv is None else argv))
     try:
         return int(args.func(args))
-    except (ConfigError, SourceUnavailable, CacheUnusable) as exc:
+    except USAGE_ERRORS as exc:
         print(f"epochcache {args.command}: {scrub_urls(str(exc))}", file=sys.stderr)
         return EXIT_USAGE
     except EpochcacheError as exc:

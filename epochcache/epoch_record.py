@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .units import format_duration, format_size
+from .units import format_count, format_duration, format_size
 
 Row = Mapping[str, Any]
 
@@ -59,12 +59,40 @@ def _loss(row: Row) -> str:
 
 
 def coverage_words(coverage: Row | None) -> str:
-    """The log's words for an epoch's coverage (see ``cache.coverage()``)."""
+    """The log's words for an epoch's coverage (see ``cache.coverage()``). On one node of
+    several, of the node's share of the source: the time to see it all is the share's, and a
+    node that has seen all of its share has seen half the source, not all of it."""
     if not coverage or not coverage.get("samples"):
         return "coverage: no origins recorded (a cache filled by an older version?)"
-    return (f"coverage {coverage['covered']:,} of {coverage['samples']:,} samples "
-            f"({100 * coverage['fraction']:.1f}%, {coverage['new']:,} new this epoch on this "
-            f"rank), all seen in {format_duration(coverage['eta_s'])}")
+    samples, covered = int(coverage["samples"]), int(coverage["covered"])
+    nodes = int(coverage.get("num_nodes") or 1)
+    share = int(coverage.get("share") or samples) if nodes > 1 else samples
+    about = "about " if coverage.get("estimated") else ""
+    new = format_count(coverage.get("new") or 0, "sample")
+    if nodes > 1:
+        words = (f"coverage {covered:,} of this node's share of {about}{share:,} samples "
+                 f"({_percent(min(1.0, covered / share), 1)}; the source holds "
+                 f"{about}{samples:,} over {nodes} nodes), {new} new this epoch on this rank")
+        whole = "this node's share"
+    else:
+        words = (f"coverage {covered:,} of {about}{format_count(samples, 'sample')} "
+                 f"({_percent(covered / samples, 1)}), {new} new this epoch on this rank")
+        whole = "every sample"
+    eta = coverage.get("eta_s")
+    if covered >= share:
+        return f"{words}; {whole} seen"
+    if eta is None:
+        return f"{words}; {whole} seen in: not known yet (no ingest rate measured)"
+    return f"{words}; {whole} seen in about {format_duration(max(1.0, float(eta)))}"
+
+
+def _samples(row: Row) -> str:
+    """``600 samples in 10 batches`` (the trainer's count, else the snapshot's), per rank
+    under DDP, where the trainer's count is a mean over the ranks."""
+    count = row.get("samples", row.get("snapshot_samples")) or 0
+    per_rank = " per rank" if int(row.get("ranks") or 1) > 1 else ""
+    return (f"{format_count(count, 'sample')} in {format_count(row['batches'], 'batch', 'batches')}"
+            f"{per_rank}")
 
 
 #: The figures of one epoch, in the order the log line gives them. (A trainer's own figures,
@@ -72,19 +100,19 @@ def coverage_words(coverage: Row | None) -> str:
 FIELDS: tuple[Field, ...] = (
     Field("epoch", "the epoch", history=True, label="epoch"),
     Field("loss", "the trainer's loss, as its train_epoch returned it", show=_loss),
-    Field("samples", "samples the epoch trained on (the trainer's count, else the snapshot's)",
-          show=lambda row: f"{row.get('samples', row.get('snapshot_samples'))} samples in "
-                           f"{row['batches']} batches"),
-    Field("batches", "batches the epoch took"),
+    Field("samples", "samples the epoch trained on (the trainer's count, else the snapshot's; "
+                     "under DDP a rank's, the mean over the ranks)", show=_samples),
+    Field("batches", "batches the epoch took (on each rank)"),
+    Field("ranks", "the ranks of the job (1 without DDP)"),
     Field("epoch_s", "seconds the epoch took", show=lambda row: f"{row['epoch_s']:.1f}s"),
     Field("data_wait_fraction", "fraction of the epoch the training loop waited for batches",
           show=lambda row: f"data wait {_percent(row['data_wait_fraction'], 1)}"),
     Field("cache_samples", "samples in the cache at the epoch's end",
           show=lambda row: f"cache {format_size(row['cache_bytes'])} "
-                           f"({row['cache_samples']} samples)"),
+                           f"({format_count(row['cache_samples'], 'sample')})"),
     Field("cache_bytes", "bytes stored in the cache at the epoch's end"),
     Field("evicted", "samples evicted during the epoch",
-          show=lambda row: f"evicted {row['evicted']}"),
+          show=lambda row: f"evicted {_count(row['evicted'])}"),
     Field("snapshot_samples", "samples in the epoch's snapshot",
           gauge="epochcache_train_epoch_snapshot_samples", history=True, label="snapshot"),
     Field("new_samples", "samples of the epoch's snapshot the epoch before did not have",

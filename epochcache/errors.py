@@ -14,6 +14,9 @@ callers can catch either::
     │                                                 epoch, batch, sample key and worker
     ├─ PrepareFailed(EpochcacheError, RuntimeError)   epochs() could not prepare an epoch (its
     │                                                 snapshot, DataLoader or workers); chained
+    ├─ PathNotWritable(EpochcacheError, OSError)      a directory or file to write cannot be (a
+    │                                                 read-only mount, a file in the way, /proc,
+    │                                                 no permission): names the path; CLI exit 2
     ├─ SourceError                                    always carries the URL
     │  ├─ SourceUnavailable                           unreachable endpoint, missing bucket, empty prefix
     │  │  └─ Throttled                                HTTP 503 SlowDown / 429: a rate to adapt to
@@ -174,6 +177,21 @@ class SnapshotClosed(CacheError, RuntimeError):
 class PrepareFailed(EpochcacheError, RuntimeError):
     """Preparing an epoch of ``epochs()`` (its snapshot, DataLoader and workers, made in the
     background while the previous epoch trains) failed; the cause is chained."""
+
+
+class PathNotWritable(EpochcacheError, OSError):
+    """A path epochcache must write (a cache directory, a run directory, a copy's destination,
+    an output file) cannot be written: a read-only filesystem, a file where a directory should
+    be, a filesystem such as /proc, no permission. The message names the path, what it is for
+    and the cause; ``path`` holds the path. Raised before anything is changed where it can be
+    known at start."""
+
+    def __init__(self, message: str, path: str = "") -> None:
+        super().__init__(message)
+        self.path = path
+
+    def __reduce__(self) -> tuple[type[PathNotWritable], tuple[str, str]]:
+        return type(self), (str(self), self.path)
 
 
 class DecodeError(EpochcacheError, ValueError):

@@ -95,6 +95,12 @@ def _fill_axes(
     ax_fill.plot(times, [row["bytes"] / scale for row in history], ".-", label="stored bytes")
     ax_fill.plot(times, [row["capacity"] / scale for row in history], "--", color="tab:red",
                  label="capacity")
+    if any(row.get("headroom") for row in history):
+        # Stored bytes go past the capacity, up to the headroom, while epochs hold their
+        # snapshots (invariant 2): the line they never cross (rows of older versions: none).
+        ax_fill.plot(times, [(row["capacity"] + row.get("headroom", 0)) / scale
+                             for row in history], ":", color="tab:red",
+                     label="capacity + headroom (the limit)")
     ax_fill.set_ylim(bottom=0)
     ax_fill.set_ylabel(f"cache size ({size_unit})")
     ax_fill.set_xlabel(f"time ({unit})")
@@ -182,6 +188,15 @@ def plot_run(
     """A run's panels: loss, data-wait fraction per epoch, cache fill, rates; with
     ``coverage`` the coverage curve under a fifth, the epochs-per-sample histogram."""
     plt = _pyplot()
+    fig = run_figure(metrics, history, title, coverage)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def run_figure(metrics: Sequence[dict[str, Any]], history: Sequence[dict[str, Any]],
+               title: str = "", coverage: Sequence[dict[str, Any]] = ()) -> Any:
+    """The matplotlib figure `plot_run` writes (close it with ``pyplot.close``)."""
+    plt = _pyplot()
     columns = 3 if coverage else 2
     fig, axes = plt.subplots(2, columns, figsize=(5.5 * columns, 7.5), constrained_layout=True)
     epochs = [row["epoch"] for row in metrics]
@@ -229,12 +244,16 @@ def plot_run(
         shown = [row for row in metrics if isinstance(row.get("coverage"), dict)]
         histogram = shown[-1]["coverage"].get("histogram") if shown else None
         if histogram:
-            ax.bar(list(histogram), list(histogram.values()))
-            ax.tick_params(axis="x", labelsize=7)
+            # Buckets up to the last one holding samples (the empty tail of "64-127",
+            # "128-254", "255+" ran its labels together), labels turned to fit.
+            labels = list(histogram)
+            last = max((i for i, label in enumerate(labels) if histogram[label]), default=0)
+            labels = labels[: max(last + 1, 2)]
+            ax.bar(labels, [histogram[label] for label in labels])
+            ax.tick_params(axis="x", labelsize=8, labelrotation=45 if len(labels) > 6 else 0)
         else:
             ax.text(0.5, 0.5, "no histogram yet", ha="center", va="center",
                     transform=ax.transAxes)
     if title:
         fig.suptitle(title)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    return fig

@@ -107,6 +107,13 @@ def format_size(num_bytes: float) -> str:
     raise AssertionError("unreachable")
 
 
+def format_count(count: float, noun: str, plural: str | None = None) -> str:
+    """``1 rank``, ``2 ranks``, ``1,500 samples``: a whole count (a float, such as a mean
+    over ranks, is rounded) and its noun in the number it takes."""
+    whole = int(round(count))
+    return f"{whole:,} {noun if whole == 1 else plural or noun + 's'}"
+
+
 def format_duration(seconds: float | None) -> str:
     """``3h 20m``, ``2d 4h``, ``45s``; ``unknown`` for None."""
     if seconds is None:

@@ -168,7 +168,8 @@ def daemon_idle(workdir: Path, remote: Path, cache_dir: Path, idle_s: float) -> 
 
     config = workdir / "daemon.yaml"
     config.write_text(yaml.safe_dump({
-        "source": {"url": remote.as_uri(), "manifest": "keys.txt", "checks": []},
+        "source": {"url": remote.as_uri(), "manifest": (remote / "keys.txt").as_uri(),
+                   "checks": []},
         "cache": {"dir": str(cache_dir), "capacity": 4 * 10**9, "sync": False},
         "sampler": {"processes": 2},
     }))

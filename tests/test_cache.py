@@ -138,6 +138,21 @@ def test_get_values_are_copies_that_outlive_the_transaction(make_cache: MakeCach
     assert [digest(v) for v in values] == [digest(content_for(f"k{i}", 3000)) for i in range(30)]
 
 
+def test_get_takes_a_key_as_in_does_or_a_sequence_number(make_cache: MakeCache) -> None:
+    """``key in cache`` took a key and ``cache.get(key)`` failed with ``struct.error`` (it took
+    only a sequence number): one key type across the API (issue 37, item 6)."""
+    cache = make_cache(1024 * 1024)
+    seq = cache.put_many([("a.bin", b"bytes"), ("b", {"npy": b"1", "cls": b"2"})]).seqs[0]
+    assert "a.bin" in cache and cache.get("a.bin") == b"bytes" == cache.get(seq)
+    assert cache.get("b") == {"npy": b"1", "cls": b"2"} == cache.get(cache.seq_of("b"))
+    with pytest.raises(KeyError, match="'gone': not cached"):
+        cache.get("gone")
+    with pytest.raises(TypeError, match=r"cache.get: expected a key \(str\) or a sequence"):
+        cache.get(1.5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"cache.get_many: .*cache.seq_of\(key\)"):
+        cache.get_many(["a.bin"])  # type: ignore[list-item]
+
+
 # -- dedupe -----------------------------------------------------------------------------------
 
 

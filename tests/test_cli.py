@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -139,3 +140,30 @@ def test_run_with_a_bad_source_fails_before_importing_torch(
     assert "TORCH False" in done.stdout, done.stdout
     assert elapsed < 90, elapsed  # not a hang (about 2-3 s idle; torch adds 1-5 s; load more)
     assert not (tmp_path / "run").exists()
+
+
+def test_q_quiets_the_samplers_and_a_stop_on_sigterm_is_logged(
+        tmp_path: Path, s3: Any, start_daemon: Any) -> None:
+    """``-q`` did not reach the sampler processes (``sampler 0: ... starting at
+    Position(...)``, and botocore's "Found credentials in environment variables." at every
+    level), and a daemon stopped by SIGTERM said nothing (issue 37, item 4). The credentials
+    come from the environment, as botocore then says so."""
+    from common.daemonproc import upload, wait_cached, write_config
+
+    upload(s3.url, s3.storage_options, "train", 20, "files")
+    daemons = {}
+    for flags in ((), ("-q",)):  # side by side
+        cache_dir = tmp_path / f"cache{len(flags)}"
+        config = write_config(tmp_path / f"d{len(flags)}.yaml", url=s3.url("train"),
+                              cache_dir=cache_dir, sampler={"processes": 1},
+                              storage_options={"endpoint_url": s3.endpoint_url})
+        daemons[flags] = (start_daemon(config, args=flags), cache_dir)
+    for daemon, cache_dir in daemons.values():
+        wait_cached(daemon, cache_dir, 20)
+    for daemon, _ in daemons.values():
+        assert daemon.terminate() == 0
+    default, quiet = (daemon.logs() for daemon, _ in daemons.values())
+    assert "Found credentials" not in default, default
+    assert "20 samples, starting at sample 0 of pass 0" in default, default
+    assert "the daemon stopped on SIGTERM; the cache holds 20 samples" in default, default
+    assert quiet.strip() == "", quiet

@@ -258,7 +258,7 @@ def test_credentials_never_leave_storage_options(s3: S3Env, tmp_path: Path, star
     cache_dir = tmp_path / "cache"
     config = write_config(
         tmp_path / "cfg.yaml", url=s3.url("ds"), cache_dir=cache_dir, storage_options=options,
-        source={"manifest": "keys.csv"},
+        source={"manifest": s3.url("ds") + "/keys.csv"},
     )
     daemon = start_daemon(config, args=("-v",))
     wait_running(daemon, cache_dir)

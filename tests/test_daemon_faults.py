@@ -194,7 +194,7 @@ def test_corrupt_objects_are_quarantined_and_the_rest_is_cached(
     files_dir, tar_dir = tmp_path / "files-cache", tmp_path / "tar-cache"
     files_cfg = write_config(
         tmp_path / "files.yaml", url=s3.url("files"), cache_dir=files_dir, storage_options=s3.storage_options,
-        source={"manifest": "bad-manifest.csv"},
+        source={"manifest": s3.url("files") + "/bad-manifest.csv"},
     )
     tar_cfg = write_config(
         tmp_path / "tar.yaml", url=s3.url("tar"), layout="tar", cache_dir=tar_dir,

@@ -116,10 +116,14 @@ def test_the_rest_of_each_node_is_read_once_on_another_layout(
     assert report["resume_departed"] == sum(len(one["lane"]) - SAVED_AT * BATCH
                                             for one in departed)
     said = (tmp_path / "phase1.log").read_text()
-    assert f"{report['resume_continued']} samples of the interrupted epoch continue" in said
+    from epochcache.units import format_count
+
+    assert (f"{format_count(report['resume_continued'], 'sample')} of the interrupted epoch "
+            "continue") in said  # continue(s)
     if departed:
         assert (f"{report['resume_departed']} samples of the interrupted epoch were left on "
-                f"{report['resume_departed_nodes']} node(s) that did not come back") in said
+                f"{format_count(report['resume_departed_nodes'], 'node')} that did not come "
+                "back") in said
     assert report["resume_fresh_ranks"] == max(0, after[0] - before[0]) * after[1]
     assert report["resume_evicted"] == report["resume_left_out"] == 0
     from epochcache import Cache

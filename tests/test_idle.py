@@ -38,7 +38,7 @@ def _sampler(tmp_path: Path, name: str, manifest: list[str] | None = None) -> Sa
                               "retries": 1}
     if manifest is not None:
         fs.pipe_file(f"/{name}/keys.txt", "\n".join(manifest).encode())
-        source["manifest"] = "keys.txt"
+        source["manifest"] = f"memory://{name}/keys.txt"
     config = EpochcacheConfig.model_validate({
         "source": source,
         "cache": {"dir": str(tmp_path / name), "capacity": "64MiB", "sync": False},

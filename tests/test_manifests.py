@@ -228,8 +228,11 @@ def test_manifest_refetches_exactly_its_samples(tmp_path: Path, start_daemon: An
     keys = _train_one_epoch(tmp_path / "cache", tmp_path / "run", [])
     assert len(keys) == 50 and len(set(keys)) == 50
     (tmp_path / "epoch0.txt").write_text("\n".join(keys) + "\n")
+    # relative: read from the daemon's working directory, as every relative path of a config
+    # (it was read from under source.url, so the manifest a user had just written was not
+    # found: issue 37, item 6)
     again = _daemon_config(tmp_path / "b.yaml", tmp_path / "again", source={
-        "url": url, "layout": layout, "manifest": str(tmp_path / "epoch0.txt")})
+        "url": url, "layout": layout, "manifest": "epoch0.txt"})
     refetch = start_daemon(again)
     wait_running(refetch, tmp_path / "again")
     _until_idle(refetch, tmp_path / "again")

@@ -215,6 +215,18 @@ def test_demo_run_end_to_end(demo_run: DemoRun) -> None:
     for row in rows:
         assert 0.0 <= row["data_wait_fraction"] <= 1.0, row
         assert row["batches"] > 0 and row["samples"] > 0, row
+    # the log's figures agree with each other (issue 37, item 5): whole samples, words in the
+    # number they take, a local source's reads are not GETs
+    log = re.sub(r"\s+", " ", result.stderr)
+    assert re.search(r"epoch 0: loss [\d.]+, [\d,]+ samples in \d+ batch(es)?, ", log), log
+    assert not re.search(r"\d\.0 samples(?!/s)|\(s\)|seen in 0s|seen in unknown", log), log
+    assert log.count("local source: ") == 3 and "remote source" not in log, log
+    # the daemon's line says what the limit is (stored bytes reach 110% of the capacity), and
+    # a sampler's commits fit a small cache (one past capacity + headroom was cut, with a
+    # warning to "write smaller batches": the samplers' own batches)
+    assert "(0%; limit 660.0 KiB with the headroom), 0 samples" in log, log
+    assert "write smaller batches" not in log, log
+    assert re.search(r"local source: [\d,]+ file reads?, \d+ listings?, [\d.]+ \w+ read", log)
     # checkpoint of the last epoch, saved config, plot
     checkpoint = load_checkpoint(demo_run.run_dir / "checkpoint.pt")
     assert checkpoint["epoch"] == 2
@@ -237,7 +249,7 @@ def test_plot_command_on_a_cache_with_history(demo_run: DemoRun, tmp_path: Path)
 
 def test_plot_command_on_a_missing_dir_is_an_error(tmp_path: Path) -> None:
     result = cli("plot", str(tmp_path / "nope"), "-o", str(tmp_path / "x.png"), cwd=tmp_path, timeout_s=60)
-    assert result.returncode == 2, result  # a cache that is not there: bad usage, as for status
+    assert result.returncode == 2, result  # a usage error, as every path that is not a cache
     assert "nope" in result.stderr and "no such directory" in result.stderr
     assert_no_traceback(result)
     assert not (tmp_path / "x.png").exists()
@@ -331,7 +343,7 @@ def test_run_from_s3(s3_run: S3Run) -> None:
         assert row["remote_requests"] == cost["gets"] + cost["lists"]
         assert row["remote_bytes"] == cost["bytes"] and cost["errors"] == 0
     assert s3_run.result.stderr.count("remote source: ") == 3
-    assert " GETs, " in s3_run.result.stderr
+    assert re.search(r" GETs?, \d+ LISTs?, [\d.]+ (B|KiB|MiB) received", s3_run.result.stderr)
     total = stats["requests"]["source"]
     assert total["gets"] >= 3 and total["lists"] >= 1  # min_samples took 3 shards of 100
     assert total["bytes"] >= sum(r["remote_bytes"] for r in rows) and total["bytes"] > 0

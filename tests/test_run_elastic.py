@@ -167,5 +167,5 @@ def test_two_nodes_to_one_counts_the_departed_nodes_rest(tmp_path: Path) -> None
     row = [json.loads(line) for line in
            (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()][1]
     assert row["resume_departed"] == rest and row["resume_departed_nodes"] == 1
-    assert f"{rest} samples of the interrupted epoch were left on 1 node(s)" in output, (
+    assert f"{rest} samples of the interrupted epoch were left on 1 node that" in output, (
         output[-4000:])

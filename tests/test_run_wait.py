@@ -65,13 +65,53 @@ def test_a_loader_waiting_on_its_own_asks_whether_a_daemon_runs(
     assert "waiting until 10 samples are cached (0 now); is the daemon running?" in caplog.text
 
 
+def test_a_plain_script_waiting_with_no_daemon_is_told_so_within_seconds(tmp_path: Path) -> None:
+    """``cache.epochs(min_samples=10)`` on an empty cache with no daemon printed nothing for
+    400 s in a plain script: the hint was logged at INFO, which a script never shows (issue
+    37). A WARNING reaches stderr with no logging configured, within seconds."""
+    script = ("import epochcache as ec\n"
+              f"cache = ec.Cache({str(tmp_path / 'cache')!r}, capacity='1MiB')\n"
+              "for epoch, loader in cache.epochs(num_epochs=1, min_samples=10):\n"
+              "    pass\n")
+    err = tmp_path / "stderr.txt"
+    with open(err, "w") as stderr:
+        proc = subprocess.Popen([sys.executable, "-c", script], cwd=tmp_path, stderr=stderr,
+                                stdout=subprocess.DEVNULL, env=cli_env(), start_new_session=True)
+    try:
+        wait_for(lambda: "no daemon is filling this cache" in err.read_text(), 60,
+                 "the warning on stderr")
+    finally:
+        kill_job(proc)
+    text = err.read_text()
+    assert "waiting for min_samples=10 (0 cached, none new for " in text, text
+    assert "start one (`epochcache daemon CONFIG`, or `with epochcache.Daemon(config):`" in text
+
+
+def test_a_wait_without_progress_warns_again_at_an_interval_not_at_every_poll(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    from epochcache.data import wait
+    from epochcache.store import SampleStore
+
+    monkeypatch.setattr(wait, "NO_DAEMON_WARN_S", 0.1)
+    monkeypatch.setattr(wait, "WARN_EVERY_S", 0.3)
+    cache = SampleStore(str(tmp_path / "cache"), capacity=1 << 20)
+    try:
+        with caplog.at_level("WARNING", logger="epochcache"), pytest.raises(TimeoutError):
+            wait.wait_for_samples(cache, 10, timeout_s=1.0, poll_s=0.05)
+    finally:
+        cache.close()
+    warned = [r for r in caplog.records if "no daemon is filling this cache" in r.getMessage()]
+    # about 20 polls: the first warning after 0.1 s, then one per 0.3 s
+    assert 2 <= len(warned) <= 5, [r.getMessage() for r in warned]
+
+
 def test_every_fetch_failing_ends_the_wait_naming_the_error(tmp_path: Path) -> None:
     data = tmp_path / "data"
     data.mkdir()
     # A manifest of objects that are not there: every fetch fails (as with a 403 on S3).
     (data / "keys.csv").write_text("key\n" + "".join(f"gone-{i}.npy\n" for i in range(20)))
     config = demo_config(tmp_path, source={"url": str(data), "layout": "files",
-                                           "pattern": "*.npy", "manifest": "keys.csv",
+                                           "pattern": "*.npy", "manifest": "data/keys.csv",
                                            "demo_samples": None},
                          train={"epochs": 1, "min_samples": 10})
     status, out = _run(tmp_path, write_yaml(tmp_path / "cfg.yaml", config), timeout_s=60,

@@ -45,7 +45,8 @@ def test_the_daemon_quarantines_keys_outside_the_root_and_objects_too_large(
     (remote / "keys.csv").write_text("key,size\n" + "\n".join(rows) + "\n")
     cache_dir = tmp_path / "cache"
     config = write_config(tmp_path / "cfg.yaml", url=f"file://{remote}", cache_dir=cache_dir,
-                          storage_options={}, capacity="2MiB", source={"manifest": "keys.csv"})
+                          storage_options={}, capacity="2MiB",
+                          source={"manifest": str(remote / "keys.csv")})
     daemon = start_daemon(config)
     wait_running(daemon, cache_dir)
     wait_cached(daemon, cache_dir, len(keys))

@@ -110,7 +110,9 @@ class SourceConfig(_Section):
         default=None, description="tar shards as a brace pattern, e.g. x-{000..009}.tar"
     )
     manifest: str | None = Field(
-        default=None, description="URL or path relative to url of a key manifest"
+        default=None, description="URL or path of a key manifest instead of listing (a "
+                                  "relative path is read from the working directory, as every "
+                                  "path of a config; a manifest beside the data: its URL)"
     )
     manifest_format: Literal["auto", "txt", "csv", "jsonl", "parquet"] = Field(
         default="auto",

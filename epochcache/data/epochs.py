@@ -585,7 +585,9 @@ def epochs(
         cache: the cache to train from.
         num_epochs: how many epochs to yield.
         samples_per_epoch: samples per epoch per node; None means the whole snapshot.
-        min_samples: wait (with a progress bar) until the cache holds this many samples.
+        min_samples: wait (with a progress bar) until the cache holds this many samples;
+            a wait without new samples warns on stderr (within seconds when no daemon fills
+            the cache).
         seed: seeds the per-epoch shuffle (same seed and snapshot, same order) and the
             workers' torch, numpy and ``random`` state, from (seed, epoch, global rank, worker
             id): reproducible, and different on every rank. Without workers a transform draws

@@ -24,6 +24,7 @@ import numpy as np
 
 from ..store import Snapshot
 from ..store.schema import DB_SAMPLES, seq_key
+from ..units import format_count
 from .elastic import NodeStates, RankLane, rank_lane
 from .placement import Placement
 
@@ -137,12 +138,17 @@ def log_resume(epoch: int, done: dict[str, int], groups: list[NodeStates],
                place: Placement) -> None:
     """Say once (global rank 0) what a resumed epoch continues and what it cannot."""
     layouts = sorted({g.local_world_size for g in groups})
-    log.info("epoch %d resumes: %d samples of the interrupted epoch continue in %d batches per "
-             "rank on %d ranks, %d per node (it ran on %d node(s) of %s rank(s))%s", epoch,
-             done["resume_continued"], done["resume_batches"], place.world_size,
-             place.local_world_size, len(groups), "/".join(map(str, layouts)),
-             f"; {done['resume_fresh_ranks']} ranks start it on a fresh snapshot"
-             if done["resume_fresh_ranks"] else "")
+    before = (f"{format_count(len(groups), 'node')} of {'/'.join(map(str, layouts))} "
+              f"{'rank' if layouts == [1] else 'ranks'}{' each' if len(groups) > 1 else ''}")
+    now = format_count(place.world_size, "rank") + (
+        f", {place.local_world_size} per node" if place.world_size > place.local_world_size
+        else "")
+    log.info("epoch %d resumes: %s of the interrupted epoch continue%s in %s per rank on %s "
+             "(it ran on %s)%s", epoch, format_count(done["resume_continued"], "sample"),
+             "s" if done["resume_continued"] == 1 else "",
+             format_count(done["resume_batches"], "batch", "batches"), now, before,
+             f"; {format_count(done['resume_fresh_ranks'], 'rank')} start it on a fresh "
+             "snapshot" if done["resume_fresh_ranks"] else "")
     if done["resume_evicted"]:
         log.warning("epoch %d: %d samples of the interrupted epoch were evicted before the "
                     "resume and are skipped", epoch, done["resume_evicted"])
@@ -151,7 +157,7 @@ def log_resume(epoch: int, done: dict[str, int], groups: list[NodeStates],
                     "few for the batches the others need (every rank reads %d batches, none "
                     "empty)", epoch, done["resume_left_out"], done["resume_batches"])
     if done["resume_departed"] or done["resume_departed_nodes"]:
-        log.warning("epoch %d: %d samples of the interrupted epoch were left on %d node(s) that "
+        log.warning("epoch %d: %d samples of the interrupted epoch were left on %s that "
                     "did not come back (no node of this job holds their lease: their cache is "
                     "gone) and are skipped", epoch, done["resume_departed"],
-                    done["resume_departed_nodes"])
+                    format_count(done["resume_departed_nodes"], "node"))

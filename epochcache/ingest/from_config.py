@@ -7,9 +7,20 @@ numbers); this module is the one place that reads the validated config's section
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from ..config import EpochcacheConfig, SourceConfig
 from .sources import Source, SourceSpec, open_source
+
+
+def manifest_location(manifest: str | None) -> str | None:
+    """A config's ``source.manifest`` as a URL or an absolute path: a relative path is read
+    from the working directory, as every relative path of a config is (``cache.dir``,
+    ``train.run_dir``, a local ``source.url``); a manifest beside the data is named by its
+    URL. (`SourceSpec.manifest` also takes a path relative to the source's URL.)"""
+    if manifest is None or "://" in manifest or os.path.isabs(manifest):
+        return manifest
+    return os.path.abspath(manifest)
 
 
 def source_spec(config: SourceConfig) -> SourceSpec:
@@ -19,7 +30,7 @@ def source_spec(config: SourceConfig) -> SourceSpec:
         layout=config.layout,
         pattern=config.pattern,
         shards=config.shards,
-        manifest=config.manifest,
+        manifest=manifest_location(config.manifest),
         manifest_format=config.manifest_format,
         storage_options=dict(config.storage_options),
         timeout_s=config.timeout_s,

@@ -60,6 +60,11 @@ from .lifeline import Lifeline, kill_with_parent
 from .origins import OriginTagger
 from .sources import STREAMED, Part, SampleRef
 
+#: Libraries whose INFO lines (botocore's "Found credentials in ...") a sampler started
+#: without its daemon's levels leaves out.
+_QUIET_LIBRARIES = dict.fromkeys(("botocore", "aiobotocore", "s3fs", "fsspec", "urllib3",
+                                  "asyncio"), logging.WARNING)
+
 __all__ = ["Sampler", "SamplerHealth", "StopFlag", "run_sampler", "state_name"]
 
 log = logging.getLogger(__name__)
@@ -178,7 +183,11 @@ class Sampler:
         limit = config.sampler.max_bytes_in_flight
         self.budget = ByteBudget(limit)
         # FETCH_DEPTH batches in fetch, one queued and one committing: each gets a share.
-        self.batch_bytes = max(1, min(BATCH_BYTES, limit // (FETCH_DEPTH + 2)))
+        self.batch_bytes = max(1, min(BATCH_BYTES, limit // (FETCH_DEPTH + 2),
+                                      # a commit fits a small cache beside what it holds: a
+                                      # batch past capacity + headroom was cut with a warning
+                                      # telling the user to "write smaller batches"
+                                      config.cache.capacity_bytes // 4))
         # At least FETCH_DEPTH batches of a source are fetched at once, sharing its requests
         # in flight: while one drains its slowest requests, the next keeps the link busy (one
         # batch at a time left the link idle at every batch boundary: 0.6x a bare fetch, 0.9x+
@@ -258,8 +267,10 @@ class Sampler:
         """
         self.committer.start()
         for feed in self.feeds:
-            log.info("%s: %d %ss, starting at %s", feed.source.url, len(feed.table),
-                     feed.source.unit, feed.order.position)
+            start = feed.order.position
+            log.info("%s: %d %ss, starting at %s %d of pass %d", feed.source.url,
+                     len(feed.table), feed.source.unit, feed.source.unit, start.offset,
+                     start.pass_index)
         try:
             while not self.should_stop():
                 self.committer.check()
@@ -586,8 +597,19 @@ def _saved_position(saved: dict[str, Any], name: str) -> Any:
     return position.get(name)
 
 
+def log_levels() -> dict[str, int]:
+    """The levels this process's logging sets (the root's and each logger given one): what a
+    sampler it starts logs at, so that ``-q`` and ``-v`` reach the samplers too."""
+    levels = {"": logging.getLogger().level}
+    for name, logger in logging.getLogger().manager.loggerDict.items():
+        if isinstance(logger, logging.Logger) and logger.level != logging.NOTSET:
+            levels[name] = logger.level
+    return levels
+
+
 def run_sampler(config_data: dict[str, Any], index: int, stop: Any,
-                parent_pid: int | None = None, sources: Sequence[str] | None = None) -> None:
+                parent_pid: int | None = None, sources: Sequence[str] | None = None,
+                levels: dict[str, int] | None = None) -> None:
     """Entry point of a sampler process (started with ``spawn`` by the daemon).
 
     Returns when stopped. On a fatal error (the committer died, the cache failed) it logs the
@@ -601,6 +623,7 @@ def run_sampler(config_data: dict[str, Any], index: int, stop: Any,
             has fetched.
         parent_pid: the daemon; if it disappears, the sampler stops too (no orphans).
         sources: the ``sources:`` entries to sample (default all).
+        levels: the daemon's `log_levels` (default INFO, libraries' chatter at WARNING).
     """
     if parent_pid is not None:
         kill_with_parent()
@@ -614,7 +637,11 @@ def run_sampler(config_data: dict[str, Any], index: int, stop: Any,
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
     reuse_freed_buffers()
     config = EpochcacheConfig.from_transfer(config_data)
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s sampler {index}: %(message)s")
+    levels = {"": logging.INFO, **_QUIET_LIBRARIES} if levels is None else levels
+    logging.basicConfig(level=levels.get("", logging.INFO),
+                        format=f"%(asctime)s sampler {index}: %(message)s")
+    for name, level in levels.items():
+        logging.getLogger(name).setLevel(level)
     install_log_redaction(secrets=set(config.secrets))  # URLs in any library's log lines
     sampler = Sampler(config, index, stop, parent_pid, sources)
     try:

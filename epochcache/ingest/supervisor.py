@@ -24,6 +24,7 @@ import logging
 import multiprocessing
 import os
 import select
+import shutil
 import signal
 import time
 from collections.abc import Callable
@@ -38,12 +39,13 @@ from ..store import SampleStore
 from ..store.env import make_private_dir
 from ..store.leases import process_record
 from ..store.owners import lock_held
-from ..units import format_size
+from ..units import format_count, format_size
+from ..writable import first_missing
 from .daemon_sources import DaemonSources
 from .lifeline import Lifeline
 from .lineage import DAEMON_LOCK_FILE, daemon_doc, daemon_sources
 from .prometheus import MetricsServer, daemon_metrics, require_prometheus
-from .sampler import StopFlag, run_sampler, state_name
+from .sampler import StopFlag, log_levels, run_sampler, state_name
 
 log = logging.getLogger(__name__)
 
@@ -177,6 +179,7 @@ class Supervisor:
         self.cache: SampleStore | None = None
         self.sources = DaemonSources(config)
         self.metrics: MetricsServer | None = None
+        self._stopped_by: str | None = None  # the signal that stopped it, for the log
         #: Why `run` gave up (exit status 1), also in the daemon's state document.
         self.failure: str | None = None
 
@@ -190,6 +193,7 @@ class Supervisor:
         cfg = self.config.cache
         if self.config.daemon.metrics_port is not None:
             require_prometheus("daemon.metrics_port")  # before anything is touched
+        created = first_missing(self.cache_dir)  # removed again if the start fails
         make_private_dir(self.cache_dir)
         # The lock first: a daemon that is refused must not have rewritten the stored capacity.
         self._lock.acquire()
@@ -215,10 +219,15 @@ class Supervisor:
                 self.cache.close()
                 self.cache = None
             self._lock.release()
+            if created is not None:  # a start that failed leaves no cache directory behind
+                shutil.rmtree(created, ignore_errors=True)
             raise
         return keys
 
-    def stop(self, *_: Any) -> None:
+    def stop(self, signum: int | None = None, *_: Any) -> None:
+        """Stop in order (also the SIGTERM/SIGINT handler: ``signum`` names it in the log)."""
+        if signum is not None and self._stopped_by is None:
+            self._stopped_by = signal.Signals(signum).name
         self._stop.set()
 
     def run(self) -> int:
@@ -270,6 +279,10 @@ class Supervisor:
             self._shutdown()
             self._heartbeat(started, stopped=True)
             self.cache.append_history()
+            counters = self.cache.counters()
+            log.info("the daemon stopped%s; the cache holds %s samples (%s)",
+                     f" on {self._stopped_by}" if self._stopped_by else "",
+                     f"{counters.samples:,}", format_size(counters.bytes))
             self._lock.release()
             self.cache.close()
             self._stop.close()
@@ -280,7 +293,7 @@ class Supervisor:
         names = self.sources.names if self.config.sources is not None else None
         slot.process = self._ctx.Process(
             target=run_sampler,
-            args=(data, slot.index, self._sampler_stop, os.getpid(), names),
+            args=(data, slot.index, self._sampler_stop, os.getpid(), names, log_levels()),
             name=f"epochcache-sampler-{slot.index}",
             daemon=False,
         )
@@ -366,11 +379,16 @@ class Supervisor:
     def _log_progress(self) -> None:
         assert self.cache is not None
         stats = self.cache.stats()
+        # Past 100% of the capacity is the headroom at work (epochs hold their snapshots):
+        # the line says what the limit is, so 110% does not read as a broken promise.
         log.info(
-            "cache %s / %s (%.0f%%), %d samples, ingest %.1f samples/s %s/s, evicted %d, quarantined %d",
+            "cache %s / %s (%.0f%%; limit %s with the headroom), %s, ingest %.1f samples/s "
+            "%s/s, evicted %s, quarantined %s",
             format_size(stats["bytes"]), format_size(stats["effective_capacity"]), 100 * stats["fill"],
-            stats["samples"], stats["ingest"]["samples_per_s"], format_size(stats["ingest"]["bytes_per_s"]),
-            stats["evicted"], stats["quarantined"],
+            format_size(stats["effective_capacity"] + stats["headroom"]),
+            format_count(stats["samples"], "sample"), stats["ingest"]["samples_per_s"],
+            format_size(stats["ingest"]["bytes_per_s"]), f"{stats['evicted']:,}",
+            f"{stats['quarantined']:,}",
         )
 
     def _restart_samplers(self) -> None:

@@ -57,11 +57,15 @@ class FillWatch:
         min_samples: the number waited for (``train.min_samples``).
         daemon_exit: for a daemon in this process, returns None while it runs, else how it
             ended (exit status and cause); None when the daemon is another process's.
+        announce: warn about the node's cache (False: the node's other ranks, which would
+            repeat the warning of local rank 0 word for word).
     """
 
     def __init__(self, cache: SampleStore, min_samples: int,
-                 daemon_exit: Callable[[], str | None] | None = None) -> None:
+                 daemon_exit: Callable[[], str | None] | None = None,
+                 announce: bool = True) -> None:
         self.cache, self.min_samples, self.daemon_exit = cache, min_samples, daemon_exit
+        self.announce = announce
         self.window_s = failing_window_s()
         self._count = -1
         self._progress = time.time()  # the last time the count grew or a fetch succeeded
@@ -90,10 +94,11 @@ class FillWatch:
                 raise self._unreachable(count, "the samplers went through every key of the "
                                                "source and none could be cached (see the "
                                                "quarantine in `epochcache status`)")
-            log.warning("%s: the whole source (this node's share of it) is cached: %d samples, "
-                        "fewer than train.min_samples=%d; training on what there is (lower "
-                        "train.min_samples to silence this)", self.cache.path, count,
-                        self.min_samples)
+            log.log(logging.WARNING if self.announce else logging.DEBUG,
+                    "%s: the whole source (this node's share of it) is cached: %d samples, "
+                    "fewer than train.min_samples=%d; training on what there is (lower "
+                    "train.min_samples to silence this)", self.cache.path, count,
+                    self.min_samples)
             return True
         last_ok = max((float(s.get("last_ok") or 0) for s in samplers), default=0.0)
         self._progress = max(self._progress, last_ok)

@@ -39,6 +39,7 @@ from ..ingest.supervisor import DaemonLock, Supervisor
 from ..redact import redact_url
 from ..store import SampleStore
 from ..store.status import describe_requests, request_delta, request_totals
+from ..writable import check_writable
 from .checkpoint import resume_checkpoint
 from .context import RunContext, TimedLoader
 from .devices import CPU, RunDevice
@@ -137,12 +138,22 @@ def _loader_kwargs(config: EpochcacheConfig, device: RunDevice = CPU) -> dict[st
     return kwargs
 
 
+def _local_sources(config: EpochcacheConfig) -> set[str]:
+    """The labels of the sources read from this machine's filesystem (no GETs)."""
+    from fsspec.utils import get_protocol
+
+    from ..ingest.accounting import source_label
+
+    return {source_label(entry.name) for entry in config.source_entries()
+            if get_protocol(str(entry.config.url)) in ("file", "local")}
+
+
 class Run:
     """One training run: daemon (started or attached), epochs, metrics, checkpoints, plots."""
 
     def __init__(self, config: EpochcacheConfig, *, resume: bool | str = False,
                  is_main: bool = True, node_rank: int = 0, stop: StopSignals | None = None,
-                 rank: int = 0, world_size: int = 1) -> None:
+                 rank: int = 0, world_size: int = 1, local_rank: int = 0) -> None:
         self.config = config
         self.stop = stop or StopSignals()
         self.device = CPU  # run_training sets the rank's device once torch is imported
@@ -150,6 +161,7 @@ class Run:
         self.is_main = is_main  # global rank 0: the one that writes the run directory
         self.node_rank = node_rank
         self.rank, self.world_size = rank, world_size
+        self.local_rank = local_rank  # 0: the rank that says what concerns the node, once
         self.run_dir = Path(config.train.run_dir)
         check_entrypoint(config.train.entrypoint)
         self._train_fn: TrainFn | None = None  # imported once the source is known to be there
@@ -262,7 +274,8 @@ class Run:
             from .fill_watch import FillWatch
 
             watch = FillWatch(cache, kwargs["min_samples"],
-                              self.daemon_exit if self._daemon_thread is not None else None)
+                              self.daemon_exit if self._daemon_thread is not None else None,
+                              announce=self.local_rank == 0)
 
             def judge(count: int) -> bool:
                 self.stop.check()  # polled every 0.5 s: Ctrl-C ends the wait
@@ -324,6 +337,7 @@ class Run:
             **result,
             "snapshot_samples": len(getattr(loader, "seqs", ())),
             "batches": timed.batches,
+            "ranks": self.world_size,
             "epoch_s": round(elapsed, 3),
             "data_wait_fraction": round(timed.wait_s / elapsed, 4) if elapsed > 0 else 0.0,
             "cache_samples": after.samples,
@@ -351,8 +365,10 @@ class Run:
         with self.stop.writing(f"the checkpoint of epoch {epoch}"):
             context.save_checkpoint(epoch, row)
         log.info("%s", log_line(row))
+        local = _local_sources(self.config)
         for name, values in sorted(requests.items()):
-            log.info("epoch %d: remote %s: %s", epoch, name, describe_requests(values))
+            log.info("epoch %d: %s %s: %s", epoch, "local" if name in local else "remote", name,
+                     describe_requests(values, local=name in local, epoch=True))
         return record
 
     def _settle_coverage(self, cache: SampleStore, checkpoint: dict[str, Any] | None) -> None:
@@ -431,7 +447,8 @@ def run_training(config: EpochcacheConfig, *, resume: bool | str = False) -> int
         require_prometheus("train.metrics_port")  # before anything starts
     stop = StopSignals().install()
     run = Run(config, resume=resume, is_main=place.rank == 0, node_rank=place.node_rank,
-              stop=stop, rank=place.rank, world_size=place.world_size)
+              stop=stop, rank=place.rank, world_size=place.world_size,
+              local_rank=place.local_rank)
     try:
         try:
             status = _run_job(run, place)
@@ -463,6 +480,8 @@ def _run_job(run: Run, place: Placement) -> int:
     config, stop = run.config, run.stop
     created_group = joined = False
     try:
+        if run.is_main:  # before anything starts: exit 2 naming train.run_dir
+            check_writable(run.run_dir, "the run directory (train.run_dir)")
         check_run_sources(config)  # before anything starts: never train on another dataset
         run.serve_metrics(place.local_rank)
         if place.rank == 0:

@@ -148,6 +148,10 @@ def coverage_row(cache: SampleStore, record: TrainedRecord) -> dict[str, Any]:
     return {"trained": record.trained + pending["trained"], "new": record.new + pending["new"],
             "covered": covered,
             "samples": samples, "fraction": round(covered / samples, 6) if samples else 0.0,
+            # this node's part of the sources, which eta_s is the time to see
+            "share": sum(row["share"] for row in sources),
+            "num_nodes": max((row["num_nodes"] for row in sources), default=1),
+            "estimated": any(row["estimated"] for row in sources),
             "histogram": histogram,
             "eta_s": None if not etas or None in etas else max(etas),
             "unattributed": report["unattributed"] + pending["unattributed"]}

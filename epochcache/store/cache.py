@@ -602,6 +602,9 @@ class SampleStore:
         """Append a stats row (counters, effective capacity and ``row``) to the history."""
         doc: dict[str, Any] = {"time": time.time(), **self.counters().as_dict(), **(row or {})}
         doc["capacity"] = self.effective_capacity
+        # stored bytes may go past the capacity by the headroom while epochs hold snapshots:
+        # the plots draw the line they stay under
+        doc["headroom"] = self.capacity.headroom_for(doc["capacity"])
         self.tables.append_history(doc)
         return doc
 

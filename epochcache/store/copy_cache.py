@@ -47,6 +47,7 @@ import lmdb
 
 from ..errors import CacheError
 from ..units import format_size
+from ..writable import check_writable
 from .env import make_private_dir
 from .ledger import COVERAGE_DIR, LOCK_FILE, ledger_lock
 from .owners import lock_held
@@ -110,7 +111,8 @@ def clear_leftovers(dst: str) -> list[str]:
 
 def check_destination(dst: str) -> None:
     """Raise [`CacheError`][epochcache.CacheError] unless ``dst`` is a new or empty directory
-    the copy can be renamed into (see the module docstring)."""
+    the copy can be renamed into (see the module docstring),
+    [`PathNotWritable`][epochcache.PathNotWritable] unless it can be written."""
     if os.path.lexists(dst) and not os.path.isdir(dst):
         raise CacheError(f"{dst}: exists and is not a directory; `epochcache copy` writes a new "
                          "cache into a new or empty directory")
@@ -122,11 +124,10 @@ def check_destination(dst: str) -> None:
         raise CacheError(f"{dst}: a mount point; the copy is written beside its destination "
                          "and renamed into place, so give a directory inside it (e.g. "
                          f"{os.path.join(dst, 'epochcache')})")
-    parent = os.path.dirname(dst)
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise CacheError(f"{parent}: not writable (or missing); the copy is written beside "
-                         f"{os.path.basename(dst)} and renamed into place: give a destination "
-                         "in a directory you may write to")
+    check_writable(dst, "the copy")
+    if os.path.isdir(dst):  # written beside it, then renamed into place: its parent is written
+        check_writable(os.path.dirname(os.path.abspath(dst)),
+                       "the directory of the copy (written beside it, then renamed into place)")
 
 
 def _copy_files(src_dir: str, dst_dir: str, skip: tuple[str, ...] = ()) -> int:

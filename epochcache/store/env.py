@@ -21,6 +21,7 @@ import contextlib
 import ctypes
 import fcntl
 import logging
+import multiprocessing
 import os
 import shutil
 import threading
@@ -31,7 +32,9 @@ from typing import Any, TypeVar
 import lmdb
 
 from ..boot import boot_id
-from ..errors import CacheError, CacheIOError, CacheUnusable
+from ..errors import CacheError, CacheIOError, CacheUnusable, NodeLayoutError
+from ..launcher import read_placement
+from ..writable import require_writable_dir, writing
 from . import mapgate
 from .datafile import check_data_file
 from .schema import ALL_DBS, OPTIONAL_DBS
@@ -224,13 +227,37 @@ def _unhold(path: str) -> None:
         os.close(fd)  # releases the shared lock
 
 
+#: Directories whose permissions were warned about in this process (once each).
+_warned_open: set[str] = set()
+
+
+def _first_on_node() -> bool:
+    """Whether this process is its node's first rank (or no rank): the one to warn."""
+    try:
+        return read_placement(os.environ).local_rank == 0
+    except NodeLayoutError:
+        return True
+
+
 def make_private_dir(path: str) -> None:
-    """Create ``path`` readable by its owner only; tighten an existing empty directory."""
+    """Create ``path`` readable by its owner only; warn (once per process, never in a child
+    process of a daemon or a DataLoader, nor in a node's other ranks: the first warned) about
+    one others can read.
+
+    Raises:
+        PathNotWritable: ``path`` cannot be created (read-only, under a file, /proc).
+    """
     existed = os.path.isdir(path)
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    if not existed:
-        os.chmod(path, 0o700)
-    elif os.stat(path).st_mode & 0o077:
+    with writing(path, "the cache directory"):
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        if not existed:
+            os.chmod(path, 0o700)
+            return
+    require_writable_dir(path, "the cache directory")
+    real = os.path.realpath(path)
+    if (os.stat(path).st_mode & 0o077 and real not in _warned_open
+            and multiprocessing.parent_process() is None and _first_on_node()):
+        _warned_open.add(real)
         log.warning("cache directory %s is readable by other users; consider chmod 700", path)
 
 
@@ -332,7 +359,11 @@ class Store:
                 with env.begin(write=not lmdb_readonly) as txn:
                     for name in ALL_DBS:
                         try:
-                            dbs[name] = env.open_db(name, txn=txn, create=not lmdb_readonly)
+                            # Read-only (a read-only mount, another user's cache): py-lmdb
+                            # ends a read transaction with an abort, which closes the handles
+                            # opened in it; without txn it opens one in a committed one.
+                            dbs[name] = env.open_db(name, txn=None if lmdb_readonly else txn,
+                                                    create=not lmdb_readonly)
                         except lmdb.NotFoundError:
                             if name not in OPTIONAL_DBS:
                                 raise

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..epoch_record import HISTORY, history_row, is_epoch_row, status_cell
 from ..redact import redact_tree
-from ..units import format_size
+from ..units import format_count, format_size
 from .jobs import jobs
 from .leases import recorded_alive
 from .stalls import read_stalls
@@ -111,6 +111,8 @@ def request_totals(cache: SampleStore) -> dict[str, dict[str, float]]:
                     into[name] = max(into[name], value)
                 else:
                     into[name] += value
+            if gauges:  # the concurrency is summed over these (say so: 2 x 32, not 64)
+                into["samplers"] = into.get("samplers", 0) + 1
 
     for name, doc in cache.tables.states("sampler/").items():
         add(doc.get("requests"), name.rsplit("/", 1)[-1] in live)
@@ -128,22 +130,36 @@ def request_delta(before: dict[str, dict[str, float]], after: dict[str, dict[str
     for label, values in after.items():
         start = before.get(label, {})
         row = {name: values.get(name, 0) - start.get(name, 0) for name in REQUEST_COUNTERS}
-        row.update({name: values.get(name, 0) for name in REQUEST_GAUGES})
+        row.update({name: values.get(name, 0) for name in (*REQUEST_GAUGES, "samplers")})
         out[label] = row
     return out
 
 
-def describe_requests(values: dict[str, float]) -> str:
-    """One line of a source's request counters (status, a run's log)."""
-    text = f"{int(values.get('gets', 0)):,} GETs, "
-    if values.get("heads"):
-        text += f"{int(values['heads']):,} HEADs, "
-    text += f"{int(values.get('lists', 0)):,} LISTs, {format_size(values.get('bytes', 0))}"
+def describe_requests(values: dict[str, float], *, local: bool = False,
+                      epoch: bool = False) -> str:
+    """One line of a source's request counters (status, a run's log): ``local`` for a source
+    on this machine's filesystem (file reads and listings, not GETs and LISTs); ``epoch`` for
+    the counts of one epoch (bytes may arrive for requests sent before it)."""
+    gets, lists, nbytes = values.get("gets", 0), values.get("lists", 0), values.get("bytes", 0)
+    if local:
+        text = (f"{format_count(gets, 'file read')}, {format_count(lists, 'listing')}, "
+                f"{format_size(nbytes)} read")
+    else:
+        heads = values.get("heads", 0)
+        text = (f"{format_count(gets, 'GET')}, "
+                + (f"{format_count(heads, 'HEAD')}, " if heads else "")
+                + f"{format_count(lists, 'LIST')}, {format_size(nbytes)} received")
+    if epoch and nbytes and not gets:
+        text += " (for requests sent before this epoch)"
     for name in ("throttled", "retries", "timeouts", "errors"):
         if values.get(name):
             text += f", {name} {int(values[name]):,}"
-    if values.get("concurrency"):
-        text += f", concurrency {int(values['concurrency'])}"
+    concurrency, samplers = int(values.get("concurrency", 0)), int(values.get("samplers", 0))
+    if concurrency:
+        text += f", concurrency {concurrency}"
+        if samplers > 1:  # the config's sampler.concurrency is per sampler
+            text += (f" ({samplers} samplers x {concurrency // samplers})"
+                     if concurrency % samplers == 0 else f" (over {samplers} samplers)")
     if values.get("pace"):
         text += f" (paced at {values['pace']:g}/s)"
     return text

@@ -34,7 +34,7 @@ from typing import Any
 
 import fsspec
 
-from ...errors import SourceError, SourceUnavailable
+from ...errors import PermanentRemoteError, SourceError, SourceUnavailable
 from ...limits import (
     DEFAULT_MANIFEST_MAX_BYTES,
     DEFAULT_MANIFEST_MAX_LINES,
@@ -184,6 +184,15 @@ def read_manifest(
 
     try:
         builder = retry(attempt, url=url, attempts=2, deadline_s=deadline_s)
+    except PermanentRemoteError as exc:
+        if str(exc).startswith(f"{url}: not found"):  # the most common: say it plainly
+            raise SourceUnavailable(
+                f"{url}: no such manifest; check source.manifest (a relative path is read "
+                "from the working directory; a manifest beside the data is named by its URL)",
+                url) from exc
+        raise SourceUnavailable(
+            f"{url}: cannot read the manifest ({exc}); check source.manifest", url
+        ) from exc
     except SourceError as exc:
         raise SourceUnavailable(
             f"{url}: cannot read the manifest ({exc}); check source.manifest", url

@@ -218,6 +218,12 @@ def fetch_page(pager: Pager, url: str, spec: Any, first: bool,
 def listing_error(url: str, pattern: str, exc: SourceError, spec: Any, keys: int,
                   pages: int) -> SourceUnavailable:
     """The error of a listing that failed (after its retries), saying what to do."""
+    local = url.removeprefix("file://") if "://" not in url or url.startswith("file://") else None
+    if pages == 0 and local is not None and not os.path.isdir(local):
+        # no endpoint nor credentials to check: a path, in words (not FileNotFoundError's)
+        return SourceUnavailable(
+            f"{url}: no such directory ({os.path.abspath(local)}); check source.url (a "
+            "relative path is read from the working directory)", url)
     if pages == 0 and not isinstance(exc, RemoteTimeout):
         return SourceUnavailable(
             f"{url}: cannot list objects matching {pattern!r} ({exc}); check source.url, the "

@@ -1,0 +1,125 @@
+"""Paths epochcache writes: one error naming the path, never an ``OSError`` traceback.
+
+A cache directory, a run directory, a copy's destination or an output file can sit where
+nothing can be written: on a read-only mount, under a file, under ``/proc``, in a directory
+of another user. Each place that writes one goes through `writing` (``OSError`` becomes
+[`PathNotWritable`][epochcache.PathNotWritable] naming the path, what it is for and the cause)
+or, where it can be known before anything starts, `check_writable`, which creates and removes
+a probe and leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import tempfile
+from collections.abc import Iterator
+
+from .errors import PathNotWritable
+
+
+def _cause(path: str, exc: OSError) -> str:
+    """What stops ``path`` being written and what to do, in words (no errno, no class)."""
+    if exc.errno == errno.EROFS:
+        return "the filesystem is mounted read-only; choose a path on a writable filesystem"
+    if exc.errno in (errno.ENOTDIR, errno.EEXIST):
+        blocker = _file_in_the_way(path)
+        if blocker is not None:
+            return f"{blocker} is a file, not a directory; choose another path"
+    if exc.errno == errno.EISDIR:
+        return "it is a directory, not a file; name a file"
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return "permission denied; choose a path you can write, or change its permissions"
+    if exc.errno == errno.ENOENT:
+        existing = _existing_ancestor(path)
+        if existing is not None and os.path.isdir(existing):
+            # /proc, /sys: the directory exists and refuses new entries
+            return (f"{existing} does not allow creating files or directories in it; choose a "
+                    "path on a writable filesystem")
+    if exc.errno == errno.ENOSPC:
+        return "no space left on the device; free some or choose another disk"
+    return f"{(exc.strerror or str(exc)).lower()}; choose another path"
+
+
+def _existing_ancestor(path: str) -> str | None:
+    """The nearest of ``path`` and its parents that exists."""
+    current = os.path.abspath(path)
+    while not os.path.lexists(current):
+        parent = os.path.dirname(current)
+        if parent == current:
+            return None
+        current = parent
+    return current
+
+
+def first_missing(path: str | os.PathLike[str]) -> str | None:
+    """The top directory that creating ``path`` would create (None: ``path`` exists): what
+    to remove to leave nothing behind after a failed start."""
+    target = os.path.abspath(os.fspath(path))
+    existing = _existing_ancestor(target)
+    if existing == target:
+        return None
+    if existing is None:
+        return target
+    rest = os.path.relpath(target, existing).split(os.sep)
+    return os.path.join(existing, rest[0])
+
+
+def _file_in_the_way(path: str) -> str | None:
+    """``path`` or the parent of it that exists and is not a directory, if one is."""
+    existing = _existing_ancestor(path)
+    if existing is not None and not os.path.isdir(existing):
+        return existing
+    return None
+
+
+def not_writable(path: str | os.PathLike[str], what: str, exc: OSError) -> PathNotWritable:
+    """The error for ``path`` (``what`` it is: "the cache directory", "--output") failing
+    with ``exc``."""
+    where = os.fspath(path)
+    return PathNotWritable(
+        f"{where}: cannot write {what} there: {_cause(where, exc)}", where)
+
+
+@contextlib.contextmanager
+def writing(path: str | os.PathLike[str], what: str) -> Iterator[None]:
+    """Translate an ``OSError`` of the block, which writes ``path``, into `PathNotWritable`."""
+    try:
+        yield
+    except PathNotWritable:
+        raise
+    except OSError as exc:
+        raise not_writable(path, what, exc) from exc
+
+
+def check_writable(path: str | os.PathLike[str], what: str, *, directory: bool = True) -> None:
+    """Raise `PathNotWritable` unless ``path`` (a directory, or a file with ``directory``
+    False) can be created or written; change nothing.
+
+    The check makes and removes a probe in ``path`` if it is a directory, else in the nearest
+    directory that exists above it: a read-only mount, a file in the way and ``/proc`` each
+    fail there, before anything starts.
+    """
+    where = os.fspath(path)
+    with writing(where, what):
+        blocker = _file_in_the_way(where)
+        if blocker is not None and (directory or blocker != os.path.abspath(where)):
+            raise NotADirectoryError(errno.ENOTDIR, "Not a directory", where)
+        if os.path.isdir(where):
+            if not directory:
+                raise IsADirectoryError(errno.EISDIR, "Is a directory", where)
+            probe_in = where
+        else:
+            probe_in = _existing_ancestor(os.path.dirname(os.path.abspath(where))) or "/"
+        probe = tempfile.mkdtemp(prefix=".epochcache-probe-", dir=probe_in)
+        os.rmdir(probe)
+
+
+def require_writable_dir(path: str | os.PathLike[str], what: str) -> None:
+    """Raise `PathNotWritable` unless this process may write in the existing directory
+    ``path`` (a read-only mount, another user's directory); cheap: no probe."""
+    if os.access(path, os.W_OK | os.X_OK):
+        return
+    code = errno.EROFS if os.statvfs(path).f_flag & os.ST_RDONLY else errno.EACCES
+    raise not_writable(path, what, OSError(code, os.strerror(code), os.fspath(path)))
