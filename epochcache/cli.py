@@ -65,12 +65,12 @@ def _existing_cache(path: str) -> str:
     from .store.copy_cache import leftover_hint
 
     if not os.path.isdir(path):
-        raise CacheUnusable(f"{path}: no such directory; give the cache.dir of your config"
-                            f"{leftover_hint(path)}")
+        raise CacheUnusable(f"{path}: no such directory; point the command at the cache.dir "
+                            f"of your config{leftover_hint(path)}")
     if not os.path.exists(os.path.join(path, "data.mdb")):
-        raise CacheUnusable(f"{path}: no cache here (no data.mdb); give the cache.dir of a "
-                            "config, which `epochcache daemon CONFIG` or `epochcache run CONFIG` "
-                            f"fills{leftover_hint(path)}")
+        raise CacheUnusable(f"{path}: no cache here (no data.mdb); point the command at the "
+                            "cache.dir of a config, which `epochcache daemon CONFIG` or "
+                            f"`epochcache run CONFIG` fills{leftover_hint(path)}")
     return path
 
 

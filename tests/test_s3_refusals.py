@@ -117,7 +117,7 @@ def test_a_listed_key_that_is_gone_is_quarantined_not_retried(
     cache_dir = tmp_path / "cache"
     config = write_config(tmp_path / "cfg.yaml", url=s3.url("ds"), cache_dir=cache_dir,
                           storage_options=s3.storage_options,
-                          source={"client": client, "manifest": "keys.txt"},
+                          source={"client": client, "manifest": s3.url("ds/keys.txt")},
                           sampler={"processes": 1, "concurrency": 4, "batch_size": 8})
     daemon = start_daemon(config)
     wait_running(daemon, cache_dir)

@@ -15,6 +15,7 @@ is trained again, from its start, on resume).
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -134,9 +135,12 @@ def coverage_row(cache: SampleStore, record: TrainedRecord) -> dict[str, Any]:
     report = cache.coverage()
     by_ledger = {row.get("fingerprint"): row for row in report["sources"]}
     for fingerprint, summary in pending["summaries"].items():
-        row = by_ledger.setdefault(fingerprint, {"eta_s": None})  # a ledger not written yet
+        # (a ledger not written yet: one node's, as a new ledger's header says)
+        row = by_ledger.setdefault(fingerprint, {"eta_s": None, "num_nodes": 1,
+                                                 "estimated": bool(summary.get("estimated"))})
         row.update(samples=int(summary["samples"]), covered=int(summary["covered"]),
                    histogram=bucketed(list(summary["histogram"])))
+        row["share"] = math.ceil(row["samples"] / max(1, int(row["num_nodes"])))
     sources = list(by_ledger.values())
     covered = sum(row["covered"] for row in sources)
     samples = sum(row["samples"] for row in sources)
