@@ -6,8 +6,9 @@ a map-gate entry of the store and its ``try`` (a later map resize then waits for
 entry), half-way through a multiprocessing queue. So `StopSignals` only records the
 first SIGINT or SIGTERM; the run checks it (`StopSignals.check`) at its own safe points --
 between start-up steps, every poll of the wait for ``train.min_samples``, before and after each
-batch, at each epoch boundary -- and stops there: epochs closed (the epoch's lease left for the resume where a checkpoint
-named it, docs/guide/resume.md), daemon stopped, the last checkpoint kept, one line saying so, exit 130 (SIGINT) or 143 (SIGTERM).
+batch, at each epoch boundary -- and stops there: epochs closed (the epoch's lease left for
+the resume where a checkpoint named it, docs/guide/resume.md), daemon stopped, the last
+checkpoint kept, one line saying so, exit 130 (SIGINT) or 143 (SIGTERM).
 
 Further signals never cut the stop short (invariant 11). Under a scheduler every rank gets
 SIGTERM more than once: Slurm signals every process of a job step (a cancel, a time limit, a
