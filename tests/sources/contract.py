@@ -19,8 +19,14 @@ import numpy as np
 import pytest
 
 from epochcache.demo import write_demo_data
-from epochcache.errors import CorruptSample, PermanentRemoteError, SourceUnavailable
-from epochcache.ingest.sources import SourceSpec, list_keys_cached, open_source, source_fingerprint
+from epochcache.errors import CorruptSample, PermanentRemoteError, SourceError, SourceUnavailable
+from epochcache.ingest.sources import (
+    SampleRef,
+    SourceSpec,
+    list_keys_cached,
+    open_source,
+    source_fingerprint,
+)
 
 
 @dataclass
@@ -348,6 +354,28 @@ class SourceContract:
         assert isinstance(samples["shard.tar/001"], dict)
         refused = samples["shard.tar/000"]
         assert isinstance(refused, CorruptSample) and "'000.bin' is 195.3 KiB" in str(refused)
+
+    def test_read_range_reads_that_range_only(self, backend: Backend) -> None:
+        """The ranged reads every layout may use (issue 36): the bytes asked for, counted as
+        one GET each with only their bytes received, the size as listed or asked for."""
+        data = bytes(range(256)) * 1200  # 300 KiB, every offset distinct modulo 256
+        backend.put("r/blob.bin", data)
+        source = open_source(backend.source("r"))
+        [listed] = source.list_keys()
+        assert source.object_size(listed) == len(data)
+        assert source.object_size(SampleRef("blob.bin")) == len(data)  # not listed: asked
+        before = dict(source.gate.stats.values)
+        assert bytes(source.read_range(listed, 1000, 5000)) == data[1000:5000]
+        assert bytes(source.read_range(listed, len(data) - 8, len(data))) == data[-8:]
+        assert bytes(source.read_range(listed, len(data) - 3, len(data) + 100)) == data[-3:]
+        stats = source.gate.stats.values
+        assert stats["gets"] - before["gets"] == 3
+        assert stats["bytes"] - before["bytes"] == 4000 + 8 + 3
+        with pytest.raises(SourceError) as missing:
+            source.read_range(SampleRef("nothing.bin"), 0, 10)
+        assert "nothing.bin" in str(missing.value)
+        with pytest.raises(CorruptSample, match="leaves the source root"):
+            source.read_range(SampleRef("../blob.bin"), 0, 10)
 
 
 def _secret_strings(options: dict[str, Any]) -> list[str]:

@@ -38,7 +38,7 @@ import numpy as np
 
 from ...errors import CorruptSample, PermanentRemoteError, SourceError, SourceUnavailable
 from ...limits import cut_text
-from ..bodies import BodyReader, ObjectChanged, open_body
+from ..bodies import BodyReader, ObjectChanged
 from ..clients import obstore_refuses_key
 from ..concurrency import Outcome
 from ..localfiles import OPEN_FLAGS
@@ -178,8 +178,6 @@ class TarSource(Source):
     per sample.
     """
 
-    layout = "tar"
-    default_pattern = "**/*.tar"
     unit = "shard"
     _filter: SampleFilter | None = None
 
@@ -291,7 +289,7 @@ class TarSource(Source):
         if self._local_root is not None:
             self.gate.stats.add(gets=1)
             return self._read_shard(ref, resolved, on_part, part_bytes, received, resume)
-        if self._opener(ref) is not None:
+        if self.body_opener(ref) is not None:
             try:
                 return self._read_shard(ref, resolved, on_part, part_bytes, received, resume)
             except ObjectChanged:
@@ -307,15 +305,6 @@ class TarSource(Source):
             return results
         finally:
             self.gate.leave_sync(started, outcome, received[0], streamed=True, sent=sent)
-
-    def _opener(self, ref: SampleRef) -> Any:
-        """How the shard's body is opened from a byte (`bodies.open_body`), or None. A shard
-        whose key obstore cannot name is read with s3fs (``client: auto``; obstore would read
-        another key: `clients.obstore_refuses_key`)."""
-        path = self.object_path(ref.key)
-        if self._obstore is None or obstore_refuses_key(path):
-            return open_body(self.fs if self._obstore is not None else self.fetch_fs, path)
-        return open_body(self.fetch_fs, path, self.obstore_store(path.split("/", 1)[0]))
 
     def _obstore_refuses(self, ref: SampleRef) -> PermanentRemoteError | None:
         """The refusal of a shard obstore cannot name, under ``client: obstore`` (as the files
@@ -457,7 +446,7 @@ class TarSource(Source):
                 return os.fdopen(fd, "rb", buffering=1024 * 1024)
             except OSError as exc:
                 raise translate_error(exc, url) from exc
-        opener = self._opener(ref)
+        opener = self.body_opener(ref)
         if opener is not None:
             loop = self.fetch_fs.loop
             return BodyReader(opener, self.gate, loop, url=url,  # type: ignore[return-value]

@@ -18,6 +18,7 @@ from ...limits import (
     DEFAULT_MAX_SAMPLE_BYTES,
 )
 from ...redact import redact_options, redact_url
+from ...registry import layout
 
 #: what a fetch returns for one sample: whole-object bytes, or tar fields by extension
 Payload = bytes | dict[str, bytes]
@@ -46,9 +47,9 @@ class SourceSpec:
 
     Attributes:
         url: the dataset root, any fsspec URL or local path.
-        layout: the name of its layout (`.layouts`): ``files`` (one object per sample) or
-            ``tar`` (WebDataset shards).
-        pattern: glob under ``url``; None means ``**`` (files) or ``**/*.tar`` (tar).
+        layout: the name of its layout (`epochcache.registry.LAYOUTS`): ``files`` (one object
+            per sample), ``tar`` (WebDataset shards)...
+        pattern: glob under ``url``; None means the layout's (``**`` for files).
         shards: tar shards as a brace pattern (``train-{000..009}.tar``) instead of listing.
         manifest: URL, or path relative to ``url``, of a key manifest instead of listing.
         manifest_format: ``auto`` (by extension), ``txt``, ``csv``, ``jsonl`` or ``parquet``.
@@ -86,12 +87,10 @@ class SourceSpec:
     @property
     def effective_pattern(self) -> str:
         """The glob used for listing when no manifest or shard pattern is given (the
-        layout's default: ``**`` for files, ``**/*.tar`` for tar)."""
+        layout's default, `epochcache.registry.Layout.pattern`)."""
         if self.pattern is not None:
             return self.pattern
-        from .layouts import layout_of
-
-        return layout_of(self.layout).default_pattern
+        return layout(self.layout).pattern
 
     def __repr__(self) -> str:
         return (f"SourceSpec(url={redact_url(self.url)!r}, layout={self.layout!r}, "
