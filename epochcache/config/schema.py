@@ -28,6 +28,7 @@ from pydantic import (
 from ..limits import (
     DEFAULT_MANIFEST_MAX_BYTES,
     DEFAULT_MANIFEST_MAX_LINES,
+    DEFAULT_MAX_BYTES_IN_FLIGHT,
     DEFAULT_MAX_SAMPLE_BYTES,
 )
 from ..options import DEFAULT_STALL_S, ReaderOptions
@@ -365,7 +366,7 @@ class SamplerConfig(_Section):
         description="bytes per second the node's samplers may fetch in all (null: no limit)",
     )
     max_bytes_in_flight: Annotated[int, BeforeValidator(_size), Field(gt=0)] = Field(
-        default=512 * 1024**2,
+        default=DEFAULT_MAX_BYTES_IN_FLIGHT,
         description="bytes one sampler process holds between fetch and commit (listed sizes "
                     "count before the fetch); an object larger than this is fetched alone",
     )

@@ -376,6 +376,10 @@ class SourceContract:
         assert "nothing.bin" in str(missing.value)
         with pytest.raises(CorruptSample, match="leaves the source root"):
             source.read_range(SampleRef("../blob.bin"), 0, 10)
+        small = open_source(backend.source("r", max_range_bytes=4096))
+        with pytest.raises(CorruptSample, match=r"sampler.max_bytes_in_flight"):
+            small.read_range(listed, 0, 4097)  # refused before a request
+        assert small.gate.stats.values["gets"] == 0
 
 
 def _secret_strings(options: dict[str, Any]) -> list[str]:

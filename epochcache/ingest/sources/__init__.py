@@ -29,8 +29,8 @@ from .listing import (
     source_fingerprint,
 )
 from .paging import ListingJob
-from .tar import Part, TarSource
-from .types import CHECKS, STREAMED, FetchResult, Payload, SampleRef, SourceSpec
+from .tar import TarSource
+from .types import CHECKS, STREAMED, FetchResult, Part, Payload, SampleRef, SourceSpec
 
 __all__ = [
     "CHECKS",

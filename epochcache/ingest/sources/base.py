@@ -329,11 +329,17 @@ class Source(abc.ABC):
 
         Raises:
             SourceError: the range cannot be read (translated, the URL named); a
-                ``CorruptSample`` for a key that leaves the source root.
+                ``CorruptSample`` for a key that leaves the source root or a range larger
+                than ``spec.max_range_bytes``.
         """
         if not 0 <= start <= end:
             raise ValueError(f"read_range: bad range [{start}, {end})")
         path, url = self._range_path(ref), self.object_url(ref.key)
+        if end - start > self.spec.max_range_bytes:
+            raise CorruptSample(
+                f"{ref.key}: refused: a range of {format_size(end - start)} at byte {start:,}, "
+                f"more than the {format_size(self.spec.max_range_bytes)} a sampler holds in "
+                "flight (sampler.max_bytes_in_flight); not downloaded", url, ref.key)
         if start == end:
             return b""
         value: bytes | bytearray

@@ -29,7 +29,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, BinaryIO
@@ -56,7 +56,7 @@ from .shards import (
     sample_bytes,
     split_member,
 )
-from .types import STREAMED, FetchResult, SampleRef
+from .types import STREAMED, FetchResult, OnPart, Part, SampleRef
 
 __all__ = ["MAX_FIELD_BYTES", "Part", "TarSource", "iter_shard", "split_member"]
 
@@ -66,30 +66,6 @@ log = logging.getLogger(__name__)
 PART_BYTES = 32 * 1024 * 1024
 #: Shards whose read failed after handing parts over, kept to resume them (the oldest go first).
 MAX_RESUMES = 1024
-
-#: Called with each part of a shard, in the fetching thread: ``on_part(part)``, a
-#: `Part`. It may block (the sampler waits there for room in its in-flight budget).
-OnPart = Callable[["Part"], None]
-
-
-@dataclass(frozen=True)
-class Part:
-    """A part of a shard being streamed: what the sampler needs to commit it and to say where
-    each of its samples came from (its shard and ordinals, `origins`).
-
-    Attributes:
-        shard: the shard's listed ref.
-        results: the part's samples in shard order (corrupt ones as their errors).
-        first: the shard ordinal of the first of them.
-        members: how many samples the shard holds, on its last part; before that, None (a
-            shard is a stream: its count is known at its end).
-    """
-
-    shard: SampleRef
-    results: list[FetchResult]
-    first: int
-    members: int | None = None
-
 
 @dataclass(frozen=True)
 class _Resume:

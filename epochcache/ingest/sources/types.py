@@ -1,5 +1,6 @@
 """The values every module of a source passes around: what a dataset is opened with
-(`SourceSpec`), one fetchable unit (`SampleRef`) and what its fetch gives (`FetchResult`).
+(`SourceSpec`), one fetchable unit (`SampleRef`), what its fetch gives (`FetchResult`), and
+the `Part`s a shard's samples are handed over in while it is read.
 
 No module of ``sources/`` imports another to use these: they live here, below all of them,
 so that a new layout (`layouts`) imports them and nothing else of its siblings.
@@ -7,7 +8,7 @@ so that a new layout (`layouts`) imports them and nothing else of its siblings.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +16,7 @@ from ...errors import SourceError
 from ...limits import (
     DEFAULT_MANIFEST_MAX_BYTES,
     DEFAULT_MANIFEST_MAX_LINES,
+    DEFAULT_MAX_BYTES_IN_FLIGHT,
     DEFAULT_MAX_SAMPLE_BYTES,
 )
 from ...redact import redact_options, redact_url
@@ -65,6 +67,8 @@ class SourceSpec:
         manifest_max_lines: the most lines read from a manifest.
         client: who reads an ``s3://`` source's objects: ``auto``, ``s3fs`` or ``obstore``
             (`clients`).
+        max_range_bytes: the largest range `Source.read_range` reads at once (a sampler's
+            ``sampler.max_bytes_in_flight``): a layout's piece larger than that is refused.
     """
 
     url: str
@@ -83,6 +87,7 @@ class SourceSpec:
     manifest_max_bytes: int = DEFAULT_MANIFEST_MAX_BYTES
     manifest_max_lines: int = DEFAULT_MANIFEST_MAX_LINES
     client: str = "auto"
+    max_range_bytes: int = DEFAULT_MAX_BYTES_IN_FLIGHT
 
     @property
     def effective_pattern(self) -> str:
@@ -130,3 +135,28 @@ class SampleRef:
 
 #: one fetched sample: its ref and its payload, or the error that replaced it (or STREAMED)
 FetchResult = tuple[SampleRef, Payload | SourceError | Streamed]
+
+
+#: Called with each part of a shard, in the fetching thread: ``on_part(part)``, a
+#: `Part`. It may block (the sampler waits there for room in its in-flight budget).
+OnPart = Callable[["Part"], None]
+
+
+@dataclass(frozen=True)
+class Part:
+    """A part of a shard being read (of a tar shard's stream, or a Parquet file's row group):
+    what the sampler needs to commit it and to say where each of its samples came from (its
+    shard and ordinals, `origins`).
+
+    Attributes:
+        shard: the shard's listed ref.
+        results: the part's samples in shard order (corrupt ones as their errors).
+        first: the shard ordinal of the first of them.
+        members: how many samples the shard holds, on its last part; before that, None (a tar
+            shard is a stream: its count is known at its end).
+    """
+
+    shard: SampleRef
+    results: list[FetchResult]
+    first: int
+    members: int | None = None
