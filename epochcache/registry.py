@@ -40,6 +40,9 @@ LAYOUTS: dict[str, Layout] = {
     "files": Layout("epochcache.ingest.sources.files:FilesSource", "one object per sample"),
     "tar": Layout("epochcache.ingest.sources.tar:TarSource",
                   "WebDataset shards, a sample per basename", pattern="**/*.tar", shards=True),
+    "parquet": Layout("epochcache.ingest.sources.parquet:ParquetSource",
+                      "Parquet files, a sample per row (read a row group at a time)",
+                      pattern="**/*.parquet", requires="pyarrow", extra="parquet"),
 }
 
 
