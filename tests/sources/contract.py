@@ -127,17 +127,26 @@ class SourceContract:
         with pytest.raises(SourceUnavailable, match="other-"):
             missing.list_keys()
 
-    @pytest.mark.parametrize("name", ["manifest.csv", "manifest.jsonl", "keys.txt"])
+    @pytest.mark.parametrize("name", ["manifest.csv", "manifest.jsonl", "keys.txt",
+                                      "keys.parquet"])
     def test_manifest_formats(self, backend: Backend, name: str) -> None:
         write_demo_data(backend.url("d"), 8, "files", backend.storage_options)
+        keys = [f"sample-{i:06d}.npy" for i in range(8)]
         if name == "keys.txt":
-            backend.put(
-                "d/keys.txt",
-                b"# keys\n" + b"".join(f"sample-{i:06d}.npy\n".encode() for i in range(8)),
-            )
+            backend.put("d/keys.txt", b"# keys\n" + "".join(f"{k}\n" for k in keys).encode())
+        if name == "keys.parquet":  # read by nothing in the suite before pyarrow was in it
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+
+            sink = pa.BufferOutputStream()
+            pq.write_table(pa.table({"key": keys[::-1], "size": [1152] * 8,
+                                     "weight": [0.5] * 8}), sink)
+            backend.put("d/keys.parquet", sink.getvalue().to_pybytes())
         refs = open_source(backend.source("d", manifest=name)).list_keys()
-        assert [r.key for r in refs] == [f"sample-{i:06d}.npy" for i in range(8)]
-        if name != "keys.txt":
+        assert [r.key for r in refs] == keys
+        if name == "keys.parquet":
+            assert all(r.size == 1152 and r.weight == 0.5 for r in refs)
+        elif name != "keys.txt":
             assert all(r.size == 1152 and r.checksum and len(r.checksum) == 64 for r in refs)
 
     def test_manifest_weights_and_subset_columns(self, backend: Backend) -> None:

@@ -5,9 +5,9 @@ A source never raises for one bad object: `Source.fetch_many` returns one
 (``CorruptSample``, ``PermanentRemoteError``, ``RemoteTimeout``, ``SourceUnavailable``) so that the
 sampler can quarantine, count, retry or skip it. Payloads:
 
-* ``files`` layout: ``bytes``, the whole object;
-* ``tar`` layout: ``dict[str, bytes]``, field (extension after the first dot, lowercased) -> bytes,
-  e.g. ``{"npy": ..., "cls": ...}``.
+* ``bytes``: the whole object (``files``);
+* ``dict[str, bytes]``: a sample of fields, field -> bytes, e.g. ``{"npy": ..., "cls": ...}``
+  (``tar``: a member's extension after the first dot, lowercased; other layouts say theirs).
 
 The *unit of fetching* differs by layout: a ``files`` source lists one ref per object; a ``tar``
 source lists one ref per shard (listing every member would mean reading every shard), and fetching a
