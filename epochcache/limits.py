@@ -33,6 +33,9 @@ from typing import Any
 from .units import format_size
 
 DEFAULT_MAX_SAMPLE_BYTES = 256 * 1024 * 1024
+#: What one sampler process holds between fetch and commit (``sampler.max_bytes_in_flight``),
+#: and so the largest range a source reads at once (`SourceSpec.max_range_bytes`).
+DEFAULT_MAX_BYTES_IN_FLIGHT = 512 * 1024**2
 #: The most memory the keys of a manifest may take (``source.manifest_max_bytes``)...
 DEFAULT_MANIFEST_MAX_BYTES = 4 * 1024**3
 #: ... the most lines read from it (``source.manifest_max_lines``)...

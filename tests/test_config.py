@@ -80,7 +80,7 @@ def test_sizes_durations_and_headroom_forms() -> None:
         ({**MINIMAL, "cache": {"dir": "c", "capacity": -5}}, "cache.capacity", "negative"),
         ({**MINIMAL, "cache": {"dir": "c", "capacity": "12 parsecs"}}, "cache.capacity", "unit"),
         ({**MINIMAL, "cache": {"dir": "c"}}, "cache.capacity", "missing"),
-        ({**MINIMAL, "source": {"url": "x", "layout": "zip"}}, "source.layout", "'files' or 'tar'"),
+        ({**MINIMAL, "source": {"url": "x", "layout": "zip"}}, "source.layout", "got 'zip'"),
         (
             {**MINIMAL, "train": {"entrypoint": "nocolon"}},
             "train.entrypoint",
@@ -110,6 +110,30 @@ def test_errors_name_field_value_and_what_is_allowed(data: dict, path: str, frag
     assert f"{path}:" in message and fragment in message
     assert "\n" not in message  # one paragraph
 
+
+
+def test_layout_choices_are_the_registrys(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Layout names live in `epochcache.registry` only (issue 36): the config accepts each,
+    its error lists them all, and a layout whose library is missing is a config error naming
+    the extra that installs it."""
+    from dataclasses import replace
+
+    from epochcache import registry
+
+    with pytest.raises(ConfigError) as info:
+        parse_config({**MINIMAL, "source": {"url": "x", "layout": "zip"}})
+    for name in registry.LAYOUTS:
+        assert f"'{name}'" in str(info.value)
+        assert parse_config({**MINIMAL, "source": {"url": "x", "layout": name}}).source.layout \
+            == name
+    assert parse_config({**MINIMAL, "source": {"url": "x", "layout": "tar"}}
+                        ).source.effective_pattern == registry.LAYOUTS["tar"].pattern
+    monkeypatch.setitem(registry.LAYOUTS, "tar", replace(
+        registry.LAYOUTS["tar"], requires="epochcache_no_such_module", extra="tarx"))
+    with pytest.raises(ConfigError) as info:
+        parse_config({**MINIMAL, "source": {"url": "x", "layout": "tar"}})
+    assert "source.layout: layout tar needs epochcache_no_such_module" in str(info.value)
+    assert "pip install 'epochcache[tarx]'" in str(info.value)
 
 def test_config_error_is_a_value_error_and_not_a_pydantic_error() -> None:
     with pytest.raises(ValueError) as info:
@@ -247,11 +271,10 @@ def test_node_from_torchrun_environment() -> None:
     assert explicit.sampler.node({"GROUP_RANK": "3"}) == (0, 4)
 
 
-def test_parquet_manifest_needs_pyarrow() -> None:
-    import importlib.util
+def test_parquet_manifest_needs_pyarrow(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
 
-    if importlib.util.find_spec("pyarrow") is not None:
-        pytest.skip("pyarrow is installed")
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # as if not installed (find_spec: None)
     with pytest.raises(ConfigError, match="pyarrow"):
         parse_config({**MINIMAL, "source": {"url": "x", "manifest": "keys.parquet"}})
 

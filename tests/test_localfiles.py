@@ -111,10 +111,10 @@ def test_reads_spread_over_threads_while_files_are_slow_and_back_when_quick(
     seen: list[str] = []
     threads_used: set[int] = set()
 
-    def spy(path: str, end: int | None) -> bytes:  # the real read, noting its thread
+    def spy(path: str, end: int | None, start: int = 0) -> bytes:  # the real read, noted
         threads_used.add(threading.get_ident())
         seen.append(path)
-        return read_file(path, end)
+        return read_file(path, end, start)
 
     from epochcache.ingest import localfiles
 

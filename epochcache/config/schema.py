@@ -11,7 +11,7 @@ import os
 import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal, NamedTuple
+from typing import TYPE_CHECKING, Annotated, Any, Literal, NamedTuple
 
 import yaml
 from pydantic import (
@@ -28,10 +28,12 @@ from pydantic import (
 from ..limits import (
     DEFAULT_MANIFEST_MAX_BYTES,
     DEFAULT_MANIFEST_MAX_LINES,
+    DEFAULT_MAX_BYTES_IN_FLIGHT,
     DEFAULT_MAX_SAMPLE_BYTES,
 )
 from ..options import DEFAULT_STALL_S, ReaderOptions
 from ..redact import REDACTED, is_secret_key, redact_options, redact_tree
+from ..registry import LAYOUTS, missing_requirement
 from ..units import headroom_bytes, parse_duration, parse_headroom, parse_size
 from .environment import pyarrow_available, resolve_node
 from .secrets import found_secrets, set_path, set_secrets
@@ -95,19 +97,28 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_default=True)
 
 
+if TYPE_CHECKING:
+    LayoutName = str
+else:  # the registry's names: validated (and listed in the reference pages) from there
+    LayoutName = Literal[tuple(sorted(LAYOUTS))]
+_SHARD_LAYOUTS = " or ".join(name for name, entry in sorted(LAYOUTS.items()) if entry.shards)
+
+
 class SourceConfig(_Section):
     """Where the dataset lives and how to read it (section ``source``)."""
 
     url: str = Field(min_length=1, description="root URL of the dataset (any fsspec URL)")
-    layout: Literal["files", "tar"] = Field(
+    layout: LayoutName = Field(
         default="files",
-        description="files: one object per sample; tar: WebDataset shards, a sample per basename",
+        description="; ".join(f"{name}: {entry.help}" for name, entry in sorted(LAYOUTS.items())),
     )
     pattern: str | None = Field(
-        default=None, description='glob under url; default "**" (files), "**/*.tar"'
+        default=None, description="glob under url; default: " + ", ".join(
+            f'"{entry.pattern}" ({name})' for name, entry in sorted(LAYOUTS.items())),
     )
     shards: str | None = Field(
-        default=None, description="tar shards as a brace pattern, e.g. x-{000..009}.tar"
+        default=None, description=f"{_SHARD_LAYOUTS} shards as a brace pattern, e.g. "
+                                  "x-{000..009}.tar"
     )
     manifest: str | None = Field(
         default=None, description="URL or path of a key manifest instead of listing (a "
@@ -189,17 +200,27 @@ class SourceConfig(_Section):
         return {name: value for name, value in options.items()
                 if not (value == "" and is_secret_key(str(name)))}
 
+    @field_validator("layout")
+    @classmethod
+    def _layout_installed(cls, name: str) -> str:
+        missing = missing_requirement(name)
+        if missing is not None:
+            raise ValueError(missing)
+        return name
+
     @property
     def effective_pattern(self) -> str:
         """The glob used for listing when no manifest or shard pattern is given."""
         if self.pattern is not None:
             return self.pattern
-        return "**/*.tar" if self.layout == "tar" else "**"
+        return LAYOUTS[self.layout].pattern
 
     @model_validator(mode="after")
     def _check_combination(self) -> SourceConfig:
-        if self.shards is not None and self.layout != "tar":
-            raise ValueError("shards is only used with layout: tar (remove it or set layout: tar)")
+        if self.shards is not None and not LAYOUTS[self.layout].shards:
+            raise ValueError(f"shards is only used with layout: {_SHARD_LAYOUTS} (remove it or "
+                             f"set layout: {_SHARD_LAYOUTS})")
+
         if self.manifest is not None:
             fmt = self.manifest_format
             name = self.manifest.lower().removesuffix(".gz")
@@ -345,7 +366,7 @@ class SamplerConfig(_Section):
         description="bytes per second the node's samplers may fetch in all (null: no limit)",
     )
     max_bytes_in_flight: Annotated[int, BeforeValidator(_size), Field(gt=0)] = Field(
-        default=512 * 1024**2,
+        default=DEFAULT_MAX_BYTES_IN_FLIGHT,
         description="bytes one sampler process holds between fetch and commit (listed sizes "
                     "count before the fetch); an object larger than this is fetched alone",
     )

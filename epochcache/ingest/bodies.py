@@ -10,7 +10,9 @@ and a start at any byte.
   stalled one fails within ``timeout_s``. The first byte (the answer's head) has the same
   deadline.
 * ``offset``: the body from that byte (``Range: bytes=<offset>-``), so that a shard whose read
-  failed is resumed after its last whole part (`sources.tar`) instead of read again.
+  failed is resumed after its last whole part (`sources.tar`) instead of read again; with
+  ``end``, only up to that byte (``Range: bytes=<offset>-<end - 1>``): `read_span`, what
+  `Source.read_range` reads a remote range with (a Parquet row group).
 
 Each client has its own body (`open_body`):
 
@@ -69,8 +71,8 @@ class Body(Protocol):
     def close(self) -> None: ...
 
 
-#: The body of one object from a byte offset (one request).
-Opener = Callable[[int], Awaitable[Body]]
+#: The body of one object from a byte offset up to an end (None: the object's end), one request.
+Opener = Callable[[int, "int | None"], Awaitable[Body]]
 
 
 def _total(content_range: str | None, length: int | None, offset: int) -> int | None:
@@ -141,10 +143,10 @@ class _HttpBody:
 
 
 class _BlockBody:
-    def __init__(self, data: bytes) -> None:
+    def __init__(self, data: bytes, asked: int = BLOCK_BYTES) -> None:
         self.total: int | None = None
         self._data: bytes | None = data
-        self.more = len(data) == BLOCK_BYTES
+        self.more = len(data) == asked
 
     async def read(self, size: int) -> bytes:
         data, self._data = self._data or b"", None
@@ -161,10 +163,11 @@ def open_body(fs: fsspec.AbstractFileSystem, path: str,
     if obstore_store is not None:
         key = path.split("/", 1)[1] if "/" in path else path
 
-        async def obstore_open(offset: int) -> Body:
+        async def obstore_open(offset: int, end: int | None = None) -> Body:
             import obstore
 
-            options: Any = {"range": {"offset": offset}} if offset else None
+            options: Any = ({"range": (offset, end)} if end is not None else
+                            {"range": {"offset": offset}} if offset else None)
             return _ObstoreBody(await obstore.get_async(obstore_store, key, options=options))
 
         return obstore_open
@@ -174,24 +177,24 @@ def open_body(fs: fsspec.AbstractFileSystem, path: str,
     if {"s3", "s3a"} & set(protocols) and hasattr(fs, "_call_s3"):
         bucket, key, version = fs.split_path(path)
 
-        async def s3fs_open(offset: int) -> Body:
+        async def s3fs_open(offset: int, end: int | None = None) -> Body:
             kwargs: dict[str, Any] = {"Bucket": bucket, "Key": key}
             if version:
                 kwargs["VersionId"] = version
-            if offset:
-                kwargs["Range"] = f"bytes={offset}-"
+            if offset or end is not None:
+                kwargs["Range"] = _range(offset, end)
             response = await fs._call_s3("get_object", **kwargs)
             return _S3fsBody(response, offset)
 
         return s3fs_open
     if {"http", "https"} & set(protocols):
 
-        async def http_open(offset: int) -> Body:
+        async def http_open(offset: int, end: int | None = None) -> Body:
             session = await fs.set_session()
             kwargs = dict(fs.kwargs)
             headers = dict(kwargs.pop("headers", None) or {})
-            if offset:
-                headers["Range"] = f"bytes={offset}-"
+            if offset or end is not None:
+                headers["Range"] = _range(offset, end)
             response = await session.get(fs.encode_url(path),
                                          headers=headers, **kwargs)
             if response.status >= 400:
@@ -203,16 +206,22 @@ def open_body(fs: fsspec.AbstractFileSystem, path: str,
 
         return http_open
 
-    async def block_open(offset: int) -> Body:
+    async def block_open(offset: int, end: int | None = None) -> Body:
+        stop = offset + BLOCK_BYTES if end is None else min(end, offset + BLOCK_BYTES)
         try:
-            data = await fs._cat_file(path, start=offset, end=offset + BLOCK_BYTES)
+            data = await fs._cat_file(path, start=offset, end=stop)
         except Exception as exc:
             if offset and _status_416(exc):  # past the end of an object of whole blocks
                 return _BlockBody(b"")
             raise
-        return _BlockBody(bytes(data))
+        return _BlockBody(bytes(data), stop - offset)
 
     return block_open
+
+
+def _range(offset: int, end: int | None) -> str:
+    """The ``Range`` header of the bytes ``[offset, end)`` (HTTP's last byte is inclusive)."""
+    return f"bytes={offset}-" if end is None else f"bytes={offset}-{end - 1}"
 
 
 def _status_416(exc: BaseException) -> bool:
@@ -236,6 +245,7 @@ class BodyReader(io.RawIOBase):
         url: named in errors.
         timeout_s: the longest silence of a request (and its wait for the answer).
         offset: the first byte.
+        end: the byte after the last one to read (None: the object's end).
         expect_size: the size the object must have (raises `ObjectChanged` if the first
             answer says another).
         throttled_for_s: how long a throttled request is asked again before it fails.
@@ -245,12 +255,13 @@ class BodyReader(io.RawIOBase):
     """
 
     def __init__(self, opener: Opener, gate: RequestGate, loop: asyncio.AbstractEventLoop, *,
-                 url: str, timeout_s: float, offset: int = 0, expect_size: int | None = None,
-                 throttled_for_s: float = 0.0) -> None:
+                 url: str, timeout_s: float, offset: int = 0, end: int | None = None,
+                 expect_size: int | None = None, throttled_for_s: float = 0.0) -> None:
         super().__init__()
-        self._opener, self._gate, self._loop = opener, gate, loop
+        self._opener, self.gate, self._loop = opener, gate, loop
         self.url, self.timeout_s = url, timeout_s
         self.position = offset
+        self.end = end
         self.size: int | None = None
         self.expect_size = expect_size
         self.throttled_for_s = throttled_for_s
@@ -299,7 +310,7 @@ class BodyReader(io.RawIOBase):
         got = 0
         while got < READ_AHEAD_BYTES and not self._ended:
             if self._body is None:
-                if self.size is not None and self.position >= self.size:
+                if self._at_end():
                     self._ended = True
                     break
                 await self._open()
@@ -313,10 +324,12 @@ class BodyReader(io.RawIOBase):
             if not chunk:
                 if self.size is None and body.total is not None:
                     self.size = body.total
-                more = body.more or (self.size is not None and self.position < self.size)
+                more = (body.more or self.size is not None) and not self._at_end()
                 self._end(None)
                 self._ended = not more
                 continue
+            if self.end is not None and self.position + len(chunk) > self.end:
+                chunk = chunk[: self.end - self.position]  # a server that ignored the range
             self.position += len(chunk)
             self._received += len(chunk)
             chunks.append(chunk)
@@ -327,14 +340,15 @@ class BodyReader(io.RawIOBase):
         first = time.monotonic()
         attempt = 0
         while True:
-            self._started = await self._gate.enter(retry=self.requests > 0)
+            self._started = await self.gate.enter(retry=self.requests > 0)
             self.requests += 1
             self._received = 0
             try:
-                self._body = await asyncio.wait_for(self._opener(self.position), self.timeout_s)
+                self._body = await asyncio.wait_for(self._opener(self.position, self.end),
+                                                    self.timeout_s)
             except BaseException as exc:
                 error = self._error(exc)
-                self._gate.leave(self._started, outcome_of(error), sent=reached_remote(exc),
+                self.gate.leave(self._started, outcome_of(error), sent=reached_remote(exc),
                                  retry=self.requests > 1)
                 delay = throttle_delay(attempt) if isinstance(error, Throttled) else None
                 if delay is None or time.monotonic() + delay - first > self.throttled_for_s:
@@ -351,6 +365,11 @@ class BodyReader(io.RawIOBase):
                 self.size = total
             return
 
+    def _at_end(self) -> bool:
+        """Whether every byte asked for has arrived (the object's, or up to ``end``)."""
+        return ((self.size is not None and self.position >= self.size)
+                or (self.end is not None and self.position >= self.end))
+
     def _end(self, exc: BaseException | None) -> None:
         """The request open now ended (its body read, or failed with ``exc``)."""
         body, self._body = self._body, None
@@ -358,7 +377,7 @@ class BodyReader(io.RawIOBase):
             return
         body.close()
         outcome = Outcome.OK if exc is None else outcome_of(self._error(exc))
-        self._gate.leave(self._started, outcome, self._received, streamed=True,
+        self.gate.leave(self._started, outcome, self._received, streamed=True,
                          retry=self.requests > 1)
 
     def _error(self, exc: BaseException) -> SourceError:
@@ -368,3 +387,22 @@ class BodyReader(io.RawIOBase):
                 f"{self.url}: no byte arrived for {self.timeout_s:g}s (at byte "
                 f"{self.position:,}); check the endpoint or raise source.timeout_s", self.url)
         return translate_error(exc, self.url)
+
+
+def read_span(body: BodyReader) -> bytearray:
+    """Everything ``body`` (opened with an ``end``) gives, in one buffer filled in place (a
+    range is not held twice); its bytes are counted as received by its gate."""
+    assert body.end is not None
+    buffer = bytearray(body.end - body.position)
+    view = memoryview(buffer)
+    got = 0
+    with body:
+        while got < len(buffer):
+            count = body.readinto(view[got:])
+            if not count:
+                break
+            got += count
+    view.release()
+    body.gate.received(got)
+    del buffer[got:]
+    return buffer

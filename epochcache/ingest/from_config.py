@@ -67,7 +67,8 @@ def open_configured_source(config: EpochcacheConfig,
     spec = source_spec(section if section is not None else config.first_source)
     concurrency = sampler.concurrency
     return open_source(
-        dataclasses.replace(spec, max_sample_bytes=max_sample_bytes(config)),
+        dataclasses.replace(spec, max_sample_bytes=max_sample_bytes(config),
+                            max_range_bytes=sampler.max_bytes_in_flight),
         concurrency=concurrency if isinstance(concurrency, int) else AUTO_START_CONCURRENCY,
         checks=None if sampler.check else (),
         bandwidth_limit=limit,

@@ -60,8 +60,9 @@ def judge_reads(slow: bool, lanes: int, waits: Sequence[float]) -> bool:
     return slow
 
 
-def read_file(path: str, end: int | None = None) -> bytes:
-    """The bytes of a local file (at most ``end`` of them), as ``cat_file`` would return.
+def read_file(path: str, end: int | None = None, start: int = 0) -> bytes:
+    """The bytes of a local file from ``start`` up to ``end`` (None: its end), as
+    ``cat_file`` would return them (fewer when the file ends first).
 
     Raises:
         OSError: as the OS reports it (``FileNotFoundError``, ``PermissionError``, ``ELOOP``
@@ -70,14 +71,16 @@ def read_file(path: str, end: int | None = None) -> bytes:
     fd = os.open(path, OPEN_FLAGS)
     try:
         size = os.fstat(fd).st_size
-        want = size if end is None else min(size, end)
+        want = (size if end is None else min(size, end)) - start
         parts = []
         while want > 0:  # one read, unless it comes back short (network filesystems)
-            chunk = os.read(fd, want)
+            # pread only from an offset: a FIFO or character device cannot seek
+            chunk = os.pread(fd, want, start) if start else os.read(fd, want)
             if not chunk:  # the file shrank
                 break
             parts.append(chunk)
             want -= len(chunk)
+            start += len(chunk) if start else 0
         return parts[0] if len(parts) == 1 else b"".join(parts)
     finally:
         os.close(fd)
@@ -115,8 +118,9 @@ class LocalFiles:
         pool.shutdown(wait=False)
 
     def read_many(self, paths: Sequence[str], ends: Sequence[int | None],
-                  timeout_s: float) -> list[Result]:
-        """Each file's bytes or the exception its read raised, in order (never raised).
+                  timeout_s: float, starts: Sequence[int] | None = None) -> list[Result]:
+        """Each file's bytes (from ``starts``, default 0, up to ``ends``; see `read_file`) or
+        the exception its read raised, in order (never raised).
 
         A file not read within ``timeout_s`` of the last read that completed in its thread is a
         ``TimeoutError``; that thread is left behind.
@@ -134,7 +138,7 @@ class LocalFiles:
             for i in range(index, len(paths), lanes):
                 started = time.monotonic()
                 try:
-                    value: Result = read_file(paths[i], ends[i])
+                    value: Result = read_file(paths[i], ends[i], starts[i] if starts else 0)
                 except Exception as exc:  # noqa: BLE001 - returned per file, translated by caller
                     value = exc
                 now = time.monotonic()

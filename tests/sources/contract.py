@@ -19,8 +19,14 @@ import numpy as np
 import pytest
 
 from epochcache.demo import write_demo_data
-from epochcache.errors import CorruptSample, PermanentRemoteError, SourceUnavailable
-from epochcache.ingest.sources import SourceSpec, list_keys_cached, open_source, source_fingerprint
+from epochcache.errors import CorruptSample, PermanentRemoteError, SourceError, SourceUnavailable
+from epochcache.ingest.sources import (
+    SampleRef,
+    SourceSpec,
+    list_keys_cached,
+    open_source,
+    source_fingerprint,
+)
 
 
 @dataclass
@@ -121,17 +127,26 @@ class SourceContract:
         with pytest.raises(SourceUnavailable, match="other-"):
             missing.list_keys()
 
-    @pytest.mark.parametrize("name", ["manifest.csv", "manifest.jsonl", "keys.txt"])
+    @pytest.mark.parametrize("name", ["manifest.csv", "manifest.jsonl", "keys.txt",
+                                      "keys.parquet"])
     def test_manifest_formats(self, backend: Backend, name: str) -> None:
         write_demo_data(backend.url("d"), 8, "files", backend.storage_options)
+        keys = [f"sample-{i:06d}.npy" for i in range(8)]
         if name == "keys.txt":
-            backend.put(
-                "d/keys.txt",
-                b"# keys\n" + b"".join(f"sample-{i:06d}.npy\n".encode() for i in range(8)),
-            )
+            backend.put("d/keys.txt", b"# keys\n" + "".join(f"{k}\n" for k in keys).encode())
+        if name == "keys.parquet":  # read by nothing in the suite before pyarrow was in it
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+
+            sink = pa.BufferOutputStream()
+            pq.write_table(pa.table({"key": keys[::-1], "size": [1152] * 8,
+                                     "weight": [0.5] * 8}), sink)
+            backend.put("d/keys.parquet", sink.getvalue().to_pybytes())
         refs = open_source(backend.source("d", manifest=name)).list_keys()
-        assert [r.key for r in refs] == [f"sample-{i:06d}.npy" for i in range(8)]
-        if name != "keys.txt":
+        assert [r.key for r in refs] == keys
+        if name == "keys.parquet":
+            assert all(r.size == 1152 and r.weight == 0.5 for r in refs)
+        elif name != "keys.txt":
             assert all(r.size == 1152 and r.checksum and len(r.checksum) == 64 for r in refs)
 
     def test_manifest_weights_and_subset_columns(self, backend: Backend) -> None:
@@ -348,6 +363,32 @@ class SourceContract:
         assert isinstance(samples["shard.tar/001"], dict)
         refused = samples["shard.tar/000"]
         assert isinstance(refused, CorruptSample) and "'000.bin' is 195.3 KiB" in str(refused)
+
+    def test_read_range_reads_that_range_only(self, backend: Backend) -> None:
+        """The ranged reads every layout may use (issue 36): the bytes asked for, counted as
+        one GET each with only their bytes received, the size as listed or asked for."""
+        data = bytes(range(256)) * 1200  # 300 KiB, every offset distinct modulo 256
+        backend.put("r/blob.bin", data)
+        source = open_source(backend.source("r"))
+        [listed] = source.list_keys()
+        assert source.object_size(listed) == len(data)
+        assert source.object_size(SampleRef("blob.bin")) == len(data)  # not listed: asked
+        before = dict(source.gate.stats.values)
+        assert bytes(source.read_range(listed, 1000, 5000)) == data[1000:5000]
+        assert bytes(source.read_range(listed, len(data) - 8, len(data))) == data[-8:]
+        assert bytes(source.read_range(listed, len(data) - 3, len(data) + 100)) == data[-3:]
+        stats = source.gate.stats.values
+        assert stats["gets"] - before["gets"] == 3
+        assert stats["bytes"] - before["bytes"] == 4000 + 8 + 3
+        with pytest.raises(SourceError) as missing:
+            source.read_range(SampleRef("nothing.bin"), 0, 10)
+        assert "nothing.bin" in str(missing.value)
+        with pytest.raises(CorruptSample, match="leaves the source root"):
+            source.read_range(SampleRef("../blob.bin"), 0, 10)
+        small = open_source(backend.source("r", max_range_bytes=4096))
+        with pytest.raises(CorruptSample, match=r"sampler.max_bytes_in_flight"):
+            small.read_range(listed, 0, 4097)  # refused before a request
+        assert small.gate.stats.values["gets"] == 0
 
 
 def _secret_strings(options: dict[str, Any]) -> list[str]:

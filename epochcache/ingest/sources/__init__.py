@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from .base import Source
 from .files import FilesSource
 from .keytable import KeyTable, KeyTableBuilder
-from .layouts import layout_of, layouts, register_layout
+from .layouts import layout_of, layouts
 from .listing import (
     Listing,
     listing_path,
@@ -29,8 +29,8 @@ from .listing import (
     source_fingerprint,
 )
 from .paging import ListingJob
-from .tar import Part, TarSource
-from .types import CHECKS, STREAMED, FetchResult, Payload, SampleRef, SourceSpec
+from .tar import TarSource
+from .types import CHECKS, STREAMED, FetchResult, Part, Payload, SampleRef, SourceSpec
 
 __all__ = [
     "CHECKS",
@@ -57,16 +57,12 @@ __all__ = [
     "open_source",
     "read_listing",
     "read_listing_header",
-    "register_layout",
     "relist",
     "save_listing",
     "source_fingerprint",
 ]
 
 log = logging.getLogger(__name__)
-
-register_layout(FilesSource)
-register_layout(TarSource)
 
 
 def open_source(

@@ -5,9 +5,9 @@ A source never raises for one bad object: `Source.fetch_many` returns one
 (``CorruptSample``, ``PermanentRemoteError``, ``RemoteTimeout``, ``SourceUnavailable``) so that the
 sampler can quarantine, count, retry or skip it. Payloads:
 
-* ``files`` layout: ``bytes``, the whole object;
-* ``tar`` layout: ``dict[str, bytes]``, field (extension after the first dot, lowercased) -> bytes,
-  e.g. ``{"npy": ..., "cls": ...}``.
+* ``bytes``: the whole object (``files``);
+* ``dict[str, bytes]``: a sample of fields, field -> bytes, e.g. ``{"npy": ..., "cls": ...}``
+  (``tar``: a member's extension after the first dot, lowercased; other layouts say theirs).
 
 The *unit of fetching* differs by layout: a ``files`` source lists one ref per object; a ``tar``
 source lists one ref per shard (listing every member would mean reading every shard), and fetching a
@@ -43,7 +43,7 @@ import fsspec
 from ...errors import CorruptSample, PermanentRemoteError, SourceError, Throttled
 from ...redact import redact_url
 from ...units import format_size
-from ..bodies import BodyReader, open_body
+from ..bodies import BodyReader, Opener, open_body, read_span
 from ..clients import (
     bucket_region,
     obstore_filesystem,
@@ -58,9 +58,14 @@ from ..remote import (
     TRANSIENT_ERRORS,
     BandwidthLimiter,
     backoff_delays,
+    call,
     fetch_many,
     open_fs,
+    outcome_of,
+    reached_remote,
+    retry,
     translate_error,
+    translate_errors,
 )
 from .keytable import KeyTable
 from .manifest import read_manifest
@@ -82,10 +87,6 @@ class Source(abc.ABC):
         bandwidth_limit: bytes per second this source may read on average (this process only).
     """
 
-    #: the layout's name (`.layouts`), as ``SourceSpec.layout`` gives it
-    layout: str
-    #: what is listed when the spec gives no pattern, manifest or shard list
-    default_pattern: str = "**"
     #: what one listed ref stands for: a single sample or a shard of samples
     unit: Literal["sample", "shard"]
 
@@ -278,6 +279,115 @@ class Source(abc.ABC):
                     values[i] = self._local_files.read_many([real], [limits[i]], timeout_s)[0]
         return [translate_error(value, url) if isinstance(value, BaseException) else value
                 for value, url in zip(values, urls)]
+
+    # -- ranged reads: a layout that reads an object in pieces (Parquet row groups) -------------
+
+    def body_opener(self, ref: SampleRef) -> Opener | None:
+        """How ``ref``'s remote body is opened from a byte (`bodies.open_body`), or None for a
+        synchronous filesystem. A key obstore cannot name is read with s3fs (``client: auto``;
+        obstore would read another key: `clients.obstore_refuses_key`)."""
+        path = self.object_path(ref.key)
+        if self._obstore is None or obstore_refuses_key(path):
+            return open_body(self.fs if self._obstore is not None else self.fetch_fs, path)
+        return open_body(self.fetch_fs, path, self.obstore_store(path.split("/", 1)[0]))
+
+    def object_size(self, ref: SampleRef) -> int:
+        """The size of ``ref``'s object in bytes: as listed, else the filesystem's (a remote's
+        ``HEAD``, through the gate and counted as one, retried as a fetch is).
+
+        Raises:
+            SourceError: the size cannot be had (translated, the URL named); a
+                ``CorruptSample`` for a key that leaves the source root.
+        """
+        if ref.size is not None:
+            return ref.size
+        path, url = self._range_path(ref), self.object_url(ref.key)
+        if self._local_root is not None:
+            with translate_errors(url):
+                return os.stat(path).st_size
+
+        def head() -> int:
+            started = self.gate.enter_sync()
+            try:
+                info = call(self.fs, "info", path, timeout_s=self.spec.timeout_s)
+            except BaseException as exc:
+                self.gate.leave_sync(started, outcome_of(translate_error(exc, url)),
+                                     kind="heads", sent=reached_remote(exc))
+                raise
+            self.gate.leave_sync(started, Outcome.OK, kind="heads")
+            return int(info["size"])
+
+        return retry(head, url=url, attempts=self.spec.retries)
+
+    def read_range(self, ref: SampleRef, start: int, end: int) -> bytes | bytearray:
+        """Bytes ``start`` to ``end`` (exclusive) of ``ref``'s object, fewer when it ends
+        first (a ``bytearray`` when read from a remote: filled in place, not copied), without
+        reading the rest of it: one ranged request through the gate (its slot,
+        pace and budget; counted as a GET, its bytes as received) with a deadline on silence
+        (`bodies`), retried with backoff while it fails transiently (``source.retries``);
+        a local file is read with ``pread``, bounded in time as a whole read is.
+
+        Raises:
+            SourceError: the range cannot be read (translated, the URL named); a
+                ``CorruptSample`` for a key that leaves the source root or a range larger
+                than ``spec.max_range_bytes``.
+        """
+        if not 0 <= start <= end:
+            raise ValueError(f"read_range: bad range [{start}, {end})")
+        path, url = self._range_path(ref), self.object_url(ref.key)
+        if end - start > self.spec.max_range_bytes:
+            raise CorruptSample(
+                f"{ref.key}: refused: a range of {format_size(end - start)} at byte {start:,}, "
+                f"more than the {format_size(self.spec.max_range_bytes)} a sampler holds in "
+                "flight (sampler.max_bytes_in_flight); not downloaded", url, ref.key)
+        if start == end:
+            return b""
+        value: bytes | bytearray
+        if self._local_root is not None:
+            assert self._local_files is not None
+            read = self._local_files.read_many([path], [end], self.spec.timeout_s, [start])[0]
+            if isinstance(read, BaseException):
+                raise translate_error(read, url) from read
+            value = read
+            self.gate.stats.add(gets=1, bytes=len(value))
+        else:
+            opener = self.body_opener(ref)
+            value = retry(lambda: self._read_remote_range(opener, path, url, start, end),
+                          url=url, attempts=self.spec.retries)
+        self._throttle(len(value))
+        return value
+
+    def _read_remote_range(self, opener: Opener | None, path: str, url: str, start: int,
+                           end: int) -> bytes | bytearray:
+        """One try of `read_range` on a remote (or a synchronous filesystem's) object."""
+        if opener is None:  # memory:// and the like: one call, as a request
+            started = self.gate.enter_sync()
+            try:
+                data = bytes(self.fs.cat_file(path, start=start, end=end))
+            except BaseException as exc:
+                self.gate.leave_sync(started, outcome_of(translate_error(exc, url)))
+                raise
+            self.gate.leave_sync(started, Outcome.OK, len(data))
+            return data
+        return read_span(BodyReader(opener, self.gate, self.fetch_fs.loop, url=url,
+                                    timeout_s=self.spec.timeout_s, offset=start, end=end,
+                                    throttled_for_s=self.throttled_for_s))
+
+    def _range_path(self, ref: SampleRef) -> str:
+        """The path ``ref`` is read at by a ranged read, once its key is checked (see
+        `refusal`; a local file that is a link is resolved and checked as well)."""
+        resolved: dict[str, str] = {}
+        refused = self.refusal(ref, resolved)
+        if refused is not None:
+            raise refused
+        path = self.object_path(ref.key)
+        path = resolved.get(path, path)
+        if self._local_root is not None and os.path.islink(path):
+            real = os.path.realpath(path)
+            if self._outside_root(real):
+                raise self._leaves_root(ref.key, f"it resolves to {real}")
+            path = real
+        return path
 
     def held_bytes(self, ref: SampleRef, size: int, part_bytes: int) -> int:
         """What fetching ``ref`` (of ``size`` bytes, listed or estimated) holds at once, when

@@ -21,7 +21,6 @@ class FilesSource(Source):
     mounted elsewhere. With ``source.manifest`` the manifest's keys are used instead of a listing.
     """
 
-    layout = "files"
     unit = "sample"
 
     def list_table(self) -> KeyTable:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, BinaryIO
@@ -38,7 +38,7 @@ import numpy as np
 
 from ...errors import CorruptSample, PermanentRemoteError, SourceError, SourceUnavailable
 from ...limits import cut_text
-from ..bodies import BodyReader, ObjectChanged, open_body
+from ..bodies import BodyReader, ObjectChanged
 from ..clients import obstore_refuses_key
 from ..concurrency import Outcome
 from ..localfiles import OPEN_FLAGS
@@ -56,7 +56,7 @@ from .shards import (
     sample_bytes,
     split_member,
 )
-from .types import STREAMED, FetchResult, SampleRef
+from .types import STREAMED, FetchResult, OnPart, Part, SampleRef
 
 __all__ = ["MAX_FIELD_BYTES", "Part", "TarSource", "iter_shard", "split_member"]
 
@@ -66,30 +66,6 @@ log = logging.getLogger(__name__)
 PART_BYTES = 32 * 1024 * 1024
 #: Shards whose read failed after handing parts over, kept to resume them (the oldest go first).
 MAX_RESUMES = 1024
-
-#: Called with each part of a shard, in the fetching thread: ``on_part(part)``, a
-#: `Part`. It may block (the sampler waits there for room in its in-flight budget).
-OnPart = Callable[["Part"], None]
-
-
-@dataclass(frozen=True)
-class Part:
-    """A part of a shard being streamed: what the sampler needs to commit it and to say where
-    each of its samples came from (its shard and ordinals, `origins`).
-
-    Attributes:
-        shard: the shard's listed ref.
-        results: the part's samples in shard order (corrupt ones as their errors).
-        first: the shard ordinal of the first of them.
-        members: how many samples the shard holds, on its last part; before that, None (a
-            shard is a stream: its count is known at its end).
-    """
-
-    shard: SampleRef
-    results: list[FetchResult]
-    first: int
-    members: int | None = None
-
 
 @dataclass(frozen=True)
 class _Resume:
@@ -178,8 +154,6 @@ class TarSource(Source):
     per sample.
     """
 
-    layout = "tar"
-    default_pattern = "**/*.tar"
     unit = "shard"
     _filter: SampleFilter | None = None
 
@@ -291,7 +265,7 @@ class TarSource(Source):
         if self._local_root is not None:
             self.gate.stats.add(gets=1)
             return self._read_shard(ref, resolved, on_part, part_bytes, received, resume)
-        if self._opener(ref) is not None:
+        if self.body_opener(ref) is not None:
             try:
                 return self._read_shard(ref, resolved, on_part, part_bytes, received, resume)
             except ObjectChanged:
@@ -307,15 +281,6 @@ class TarSource(Source):
             return results
         finally:
             self.gate.leave_sync(started, outcome, received[0], streamed=True, sent=sent)
-
-    def _opener(self, ref: SampleRef) -> Any:
-        """How the shard's body is opened from a byte (`bodies.open_body`), or None. A shard
-        whose key obstore cannot name is read with s3fs (``client: auto``; obstore would read
-        another key: `clients.obstore_refuses_key`)."""
-        path = self.object_path(ref.key)
-        if self._obstore is None or obstore_refuses_key(path):
-            return open_body(self.fs if self._obstore is not None else self.fetch_fs, path)
-        return open_body(self.fetch_fs, path, self.obstore_store(path.split("/", 1)[0]))
 
     def _obstore_refuses(self, ref: SampleRef) -> PermanentRemoteError | None:
         """The refusal of a shard obstore cannot name, under ``client: obstore`` (as the files
@@ -457,7 +422,7 @@ class TarSource(Source):
                 return os.fdopen(fd, "rb", buffering=1024 * 1024)
             except OSError as exc:
                 raise translate_error(exc, url) from exc
-        opener = self._opener(ref)
+        opener = self.body_opener(ref)
         if opener is not None:
             loop = self.fetch_fs.loop
             return BodyReader(opener, self.gate, loop, url=url,  # type: ignore[return-value]

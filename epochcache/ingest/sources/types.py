@@ -1,5 +1,6 @@
 """The values every module of a source passes around: what a dataset is opened with
-(`SourceSpec`), one fetchable unit (`SampleRef`) and what its fetch gives (`FetchResult`).
+(`SourceSpec`), one fetchable unit (`SampleRef`), what its fetch gives (`FetchResult`), and
+the `Part`s a shard's samples are handed over in while it is read.
 
 No module of ``sources/`` imports another to use these: they live here, below all of them,
 so that a new layout (`layouts`) imports them and nothing else of its siblings.
@@ -7,7 +8,7 @@ so that a new layout (`layouts`) imports them and nothing else of its siblings.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,9 +16,11 @@ from ...errors import SourceError
 from ...limits import (
     DEFAULT_MANIFEST_MAX_BYTES,
     DEFAULT_MANIFEST_MAX_LINES,
+    DEFAULT_MAX_BYTES_IN_FLIGHT,
     DEFAULT_MAX_SAMPLE_BYTES,
 )
 from ...redact import redact_options, redact_url
+from ...registry import layout
 
 #: what a fetch returns for one sample: whole-object bytes, or tar fields by extension
 Payload = bytes | dict[str, bytes]
@@ -46,9 +49,9 @@ class SourceSpec:
 
     Attributes:
         url: the dataset root, any fsspec URL or local path.
-        layout: the name of its layout (`.layouts`): ``files`` (one object per sample) or
-            ``tar`` (WebDataset shards).
-        pattern: glob under ``url``; None means ``**`` (files) or ``**/*.tar`` (tar).
+        layout: the name of its layout (`epochcache.registry.LAYOUTS`): ``files`` (one object
+            per sample), ``tar`` (WebDataset shards)...
+        pattern: glob under ``url``; None means the layout's (``**`` for files).
         shards: tar shards as a brace pattern (``train-{000..009}.tar``) instead of listing.
         manifest: URL, or path relative to ``url``, of a key manifest instead of listing.
         manifest_format: ``auto`` (by extension), ``txt``, ``csv``, ``jsonl`` or ``parquet``.
@@ -64,6 +67,8 @@ class SourceSpec:
         manifest_max_lines: the most lines read from a manifest.
         client: who reads an ``s3://`` source's objects: ``auto``, ``s3fs`` or ``obstore``
             (`clients`).
+        max_range_bytes: the largest range `Source.read_range` reads at once (a sampler's
+            ``sampler.max_bytes_in_flight``): a layout's piece larger than that is refused.
     """
 
     url: str
@@ -82,16 +87,15 @@ class SourceSpec:
     manifest_max_bytes: int = DEFAULT_MANIFEST_MAX_BYTES
     manifest_max_lines: int = DEFAULT_MANIFEST_MAX_LINES
     client: str = "auto"
+    max_range_bytes: int = DEFAULT_MAX_BYTES_IN_FLIGHT
 
     @property
     def effective_pattern(self) -> str:
         """The glob used for listing when no manifest or shard pattern is given (the
-        layout's default: ``**`` for files, ``**/*.tar`` for tar)."""
+        layout's default, `epochcache.registry.Layout.pattern`)."""
         if self.pattern is not None:
             return self.pattern
-        from .layouts import layout_of
-
-        return layout_of(self.layout).default_pattern
+        return layout(self.layout).pattern
 
     def __repr__(self) -> str:
         return (f"SourceSpec(url={redact_url(self.url)!r}, layout={self.layout!r}, "
@@ -131,3 +135,28 @@ class SampleRef:
 
 #: one fetched sample: its ref and its payload, or the error that replaced it (or STREAMED)
 FetchResult = tuple[SampleRef, Payload | SourceError | Streamed]
+
+
+#: Called with each part of a shard, in the fetching thread: ``on_part(part)``, a
+#: `Part`. It may block (the sampler waits there for room in its in-flight budget).
+OnPart = Callable[["Part"], None]
+
+
+@dataclass(frozen=True)
+class Part:
+    """A part of a shard being read (of a tar shard's stream, or a Parquet file's row group):
+    what the sampler needs to commit it and to say where each of its samples came from (its
+    shard and ordinals, `origins`).
+
+    Attributes:
+        shard: the shard's listed ref.
+        results: the part's samples in shard order (corrupt ones as their errors).
+        first: the shard ordinal of the first of them.
+        members: how many samples the shard holds, on its last part; before that, None (a tar
+            shard is a stream: its count is known at its end).
+    """
+
+    shard: SampleRef
+    results: list[FetchResult]
+    first: int
+    members: int | None = None
