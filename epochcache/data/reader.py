@@ -16,6 +16,10 @@ an environment of its own on first read (a forked worker too: it never uses the 
 
 In the loaders of ``epochs()`` a worker writes its batches into shared buffers it reuses from
 batch to batch, which the trainer maps once (`epochcache.data.ring`).
+
+What the reader counts for a run's epoch (the figures marked ``tally=True`` in
+`epochcache.epoch_record`) it adds to ``self.tallies``, a block the training loop reads
+whichever process the reader runs in (`epochcache.data.tallies`).
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from .fields import FieldSelector, parse_fields
 from .rawfields import FieldsBatch, FieldsTemplate, Mismatch
 from .rawnpy import NpyTemplate, fields_of
 from .stall import Activity, watching
+from .tallies import Tallies
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +92,8 @@ class SampleReader:
         self.stall_file = options.stall_file
         self.stall_action = options.stall_action
         self.skipped = 0
+        #: Where the figures counted here go (a loader's block: `counting`).
+        self.tallies = Tallies.local()
         self._fast = decode == "auto" and options.transform is None
         # dataset[i] of a whole sample, decoded by the general rules. It is not watched for
         # stalls: a watch costs ~6 us, as much as reading the sample; DataLoader reads a
@@ -120,6 +127,14 @@ class SampleReader:
         """Use an already open Cache in this process (avoids opening a second handle)."""
         self._cache, self._pid = cache, os.getpid()
 
+    def counting(self, tallies: Tallies) -> SampleReader:
+        """A reader like this one that counts into ``tallies`` (a loader's block)."""
+        reader = SampleReader(self.path, self.options)
+        if self._cache is not None and self._pid == os.getpid():
+            reader.bind(self._cache)
+        reader.tallies = tallies
+        return reader
+
     @property
     def cache(self) -> SampleStore:
         if self._cache is None or self._pid != os.getpid():
@@ -136,6 +151,7 @@ class SampleReader:
         if self.on_error == "raise" or isinstance(exc, (PickleNotAllowed, MissingImageLibrary)):
             raise exc
         self.skipped += 1
+        self.tallies.add("skipped", 1)
         log.warning("skipping sample %r (%s); %d skipped in this process", exc.key, exc,
                     self.skipped)
 
