@@ -55,6 +55,10 @@ def _percent(value: Any, digits: int = 0) -> str:
     return "n/a" if value is None else f"{100 * float(value):.{digits}f}%"
 
 
+def _size(value: Any) -> str:
+    return "n/a" if value is None else format_size(int(value))
+
+
 def _count(value: Any) -> str:
     return "n/a" if value is None else f"{int(value):,}"
 
@@ -134,6 +138,11 @@ FIELDS: tuple[Field, ...] = (
     Field("requests", "what the epoch cost each source: GETs, LISTs, bytes, throttled, ..."),
     Field("remote_requests", "requests the epoch sent the remote (GETs and LISTs)"),
     Field("remote_bytes", "bytes the epoch received from the remote (egress)"),
+    Field("decoded_bytes", "bytes of the samples the epoch's batches decoded (each sample's "
+                           "payload as stored, uncompressed), DataLoader workers included; "
+                           "under DDP this rank's",
+          gauge="epochcache_train_epoch_decoded_bytes", history=True, label="decoded",
+          show=lambda row: f"decoded {_size(row.get('decoded_bytes'))}", tally=True),
     Field("skipped", "samples the epoch's reads skipped as damaged or undecodable "
                      "(reader option on_error='skip'), DataLoader workers included",
           gauge="epochcache_train_epoch_skipped_samples", tally=True),
@@ -187,4 +196,6 @@ def status_cell(f: Field, row: Row) -> str:
         return _percent(value)
     if f.name == "epoch":
         return str(value)
+    if f.name.endswith("_bytes"):
+        return _size(value)
     return _count(value) if isinstance(value, int) else ("-" if value is None else str(value))

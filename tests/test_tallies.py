@@ -17,6 +17,7 @@ from common.writer import npy_bytes
 from torch.utils.data import DataLoader
 
 from epochcache import Cache
+from epochcache.store.codec import pack_fields
 
 ARRAY = np.arange(12, dtype=np.float32).reshape(3, 4)
 GOOD, BROKEN, EPOCHS = 37, 3, 3
@@ -45,6 +46,27 @@ def test_each_epoch_gets_what_its_own_reads_counted(tmp_path: Path, context: str
         cache.close()
     assert samples == [GOOD] * EPOCHS
     assert [c["skipped"] for c in counted] == [BROKEN] * EPOCHS, counted
+    # the bytes decoded: every good sample's payload, once an epoch (a batch holding a
+    # broken sample falls back from the raw .npy path to the general one)
+    payload = len(npy_bytes(ARRAY))
+    assert [c["decoded_bytes"] for c in counted] == [GOOD * payload] * EPOCHS, counted
+
+
+@pytest.mark.parametrize("compression", ["none", "zstd"])
+def test_the_bytes_decoded_by_the_multi_field_path_and_the_general_one(
+        tmp_path: Path, compression: str) -> None:
+    """Raw multi-field records take their fast path, compressed ones the general decoder:
+    both count each sample's payload as it was put (``pack_fields``'s container)."""
+    records = [{"npy": npy_bytes(ARRAY + i), "cls": str(i).encode()} for i in range(20)]
+    cache = Cache(tmp_path / "c", "16MiB", sync=False, compression=compression)
+    try:
+        cache.put_many([(f"s/{i:04d}", record) for i, record in enumerate(records)])
+        for _epoch, loader in cache.epochs(1, batch_size=8, fields=("npy", "cls")):
+            assert sum(len(labels) for _arrays, labels in loader) == len(records)
+            counted = loader.tallies()
+    finally:
+        cache.close()
+    assert counted["decoded_bytes"] == sum(len(pack_fields(r)) for r in records), counted
 
 
 def test_a_stream_counts_what_its_workers_read(tmp_path: Path) -> None:
@@ -55,6 +77,8 @@ def test_a_stream_counts_what_its_workers_read(tmp_path: Path) -> None:
                                 multiprocessing_context="fork")
             seen = [sum(len(batch) for batch in loader) for _epoch in range(2)]
             assert seen == [GOOD, GOOD]
-            assert stream.tallies()["skipped"] == 2 * BROKEN, stream.tallies()
+            counted = stream.tallies()
+            assert counted["skipped"] == 2 * BROKEN, counted
+            assert counted["decoded_bytes"] == 2 * GOOD * len(npy_bytes(ARRAY)), counted
     finally:
         cache.close()

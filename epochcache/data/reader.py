@@ -56,6 +56,7 @@ log = logging.getLogger(__name__)
 
 _H = HEADER.size
 _unpack = HEADER.unpack_from
+_raw_size = struct.Struct("<8xQ").unpack_from  # a record's payload bytes (HEADER's raw_size)
 _RAW, _FIELDS = int(Codec.RAW), int(RecordFlags.FIELDS)
 
 
@@ -175,6 +176,7 @@ class SampleReader:
         keys = seq_keys(np.asarray(seqs, dtype=np.uint64))
         out: list[Any] = []
         names: list[object] = []  # the source keys of ``out``, when a watchdog watches
+        decoded = 0
         store, db = self.cache.store, self.cache.dbs[DB_SAMPLES]
         with self._watching(len(keys)) as act:
             with store.read() as txn:
@@ -190,11 +192,13 @@ class SampleReader:
                     except DecodeError as exc:
                         self._skip(exc)
                         continue
+                    decoded += _raw_size(record)[0]
                     if kept is not None:
                         kept.append(index)
                     out.append(sample)
                     if act is not None:
                         names.append(act.key)
+            self.tallies.add("decoded_bytes", decoded)
             if self.transform is None:
                 pass
             elif act is None:
@@ -331,6 +335,10 @@ class SampleReader:
                     act.resolve = self.key_of
                 records: list[memoryview | None] = []
                 done = out.fill(get, db, keys, records, act) if template.simple else 0
+                # The records filled share the template's key length: their payloads are
+                # their lengths less one header and key each.
+                decoded = (sum(map(len, records[:done]))  # type: ignore[arg-type]
+                           - done * (_H + (first[24] | first[25] << 8)))
                 for i in range(done, len(keys)):  # other layouts, or not a simple template
                     lmdb_key = keys[i]
                     if act is not None:
@@ -348,7 +356,10 @@ class SampleReader:
                         if lengths is None:
                             raise Mismatch
                     out.add(i, record, template, lengths, source_key)
-                return out.finish()
+                    decoded += _raw_size(record)[0]
+                batch = out.finish()
+                self.tallies.add("decoded_bytes", decoded)
+                return batch
 
     def _read_npy_batch(self, seqs: np.ndarray) -> torch.Tensor:
         """Copy raw fixed-shape ``.npy`` arrays straight from the map into one batch tensor.
@@ -412,6 +423,8 @@ class SampleReader:
                         large.append(data)
                 if large:
                     copy_rows(np.frombuffer(out, np.uint8).reshape(len(keys), nbytes), large)
+                # Every sample holds one array of the template's: its payload's size.
+                self.tallies.add("decoded_bytes", len(keys) * _raw_size(first)[0])
             finally:
                 end_read(txn)
         return batch
