@@ -6,7 +6,10 @@ turnover in the cache's history, where ``epochcache status`` reads it. All four 
 `FIELDS`: a figure is one `Field` here (its help text, the gauge it is served as, whether the
 cache's history keeps it for ``status``, and its words in the log line), and the run fills
 its value in the row (``epochcache/run/job.py``). Adding a figure is a `Field` and the code
-that measures it.
+that measures it: in the run's loop (``run/job.py``), or, for a figure marked ``tally=True``,
+where the reader does the work (``data/reader.py``: ``self.tallies.add(name, count)``), in the
+training process or a DataLoader worker alike; the run adds an epoch's tallies to its row
+(`epochcache.data.tallies`). A row written before a figure existed shows "-" for it.
 
 A base module: the store layer (``status``) and the run layer both read it; it imports no
 layer and no torch.
@@ -35,6 +38,8 @@ class Field:
             under ``label``).
         show: its words in the run's log line, from the row (None: not in the line).
         label: its column in ``status``.
+        tally: counted by the reader, in whichever process reads (DataLoader workers
+            included), and added to the epoch's row by the run (`epochcache.data.tallies`).
     """
 
     name: str
@@ -43,10 +48,15 @@ class Field:
     history: bool = False
     show: Callable[[Row], str] | None = None
     label: str = ""
+    tally: bool = False
 
 
 def _percent(value: Any, digits: int = 0) -> str:
     return "n/a" if value is None else f"{100 * float(value):.{digits}f}%"
+
+
+def _size(value: Any) -> str:
+    return "n/a" if value is None else format_size(int(value))
 
 
 def _count(value: Any) -> str:
@@ -128,6 +138,14 @@ FIELDS: tuple[Field, ...] = (
     Field("requests", "what the epoch cost each source: GETs, LISTs, bytes, throttled, ..."),
     Field("remote_requests", "requests the epoch sent the remote (GETs and LISTs)"),
     Field("remote_bytes", "bytes the epoch received from the remote (egress)"),
+    Field("decoded_bytes", "bytes of the samples the epoch's batches decoded (each sample's "
+                           "payload as stored, uncompressed), DataLoader workers included; "
+                           "under DDP this rank's",
+          gauge="epochcache_train_epoch_decoded_bytes", history=True, label="decoded",
+          show=lambda row: f"decoded {_size(row.get('decoded_bytes'))}", tally=True),
+    Field("skipped", "samples the epoch's reads skipped as damaged or undecodable "
+                     "(reader option on_error='skip'), DataLoader workers included",
+          gauge="epochcache_train_epoch_skipped_samples", tally=True),
     Field("time", "when the epoch ended (Unix time)", history=True),
 )
 
@@ -136,6 +154,8 @@ _BY_NAME = {field.name: field for field in FIELDS}
 HISTORY: tuple[Field, ...] = tuple(field for field in FIELDS if field.history)
 #: The fields served as Prometheus gauges.
 GAUGES: tuple[Field, ...] = tuple(field for field in FIELDS if field.gauge)
+#: The names of the fields the reader counts (the columns of a `Tallies` block).
+TALLIES: tuple[str, ...] = tuple(field.name for field in FIELDS if field.tally)
 
 
 def field(name: str) -> Field:
@@ -148,8 +168,10 @@ def history_row(row: Row) -> dict[str, Any]:
 
 
 def is_epoch_row(row: Row) -> bool:
-    """Whether a history row is an epoch's (the daemon writes rows of its own)."""
-    return all(f.name in row for f in HISTORY if f.name != "time")
+    """Whether a history row is an epoch's: one that names an epoch (the daemon's rows never
+    do). Not every history field: a row written before a figure existed is an epoch's all the
+    same, and ``status`` shows "-" for what it lacks."""
+    return "epoch" in row
 
 
 def log_line(row: Row) -> str:
@@ -158,10 +180,22 @@ def log_line(row: Row) -> str:
     return f"epoch {row['epoch']}: " + ", ".join(words) + "; " + field("coverage").show(row)  # type: ignore[misc]
 
 
-def status_cell(f: Field, value: Any) -> str:
-    """A history field's value in ``status``'s turnover table."""
+def epoch_history(row: Row) -> dict[str, Any]:
+    """The history fields an epoch's row holds (``status``'s turnover, as ``--json`` gives it):
+    a row written before a figure existed lacks it."""
+    return {f.name: row[f.name] for f in HISTORY if f.name in row}
+
+
+def status_cell(f: Field, row: Row) -> str:
+    """A history field's value in ``status``'s turnover table ("-": the row is older than
+    the figure)."""
+    if f.name not in row:
+        return "-"
+    value = row[f.name]
     if f.name == "writer_wait_fraction":
         return _percent(value)
     if f.name == "epoch":
         return str(value)
+    if f.name.endswith("_bytes"):
+        return _size(value)
     return _count(value) if isinstance(value, int) else ("-" if value is None else str(value))

@@ -12,15 +12,18 @@ from __future__ import annotations
 
 import logging
 import re
+from pathlib import Path
 from typing import Any
 
 import pytest
+from rich.console import Console
 
 from epochcache.data.elastic import NodeStates
 from epochcache.data.placement import Placement
 from epochcache.data.resume import log_resume
-from epochcache.epoch_record import coverage_words, log_line
-from epochcache.store.status import describe_requests
+from epochcache.epoch_record import HISTORY, coverage_words, history_row, log_line
+from epochcache.store import SampleStore
+from epochcache.store.status import collect_stats, describe_requests, render
 from epochcache.units import format_count
 
 ROW: dict[str, Any] = {
@@ -99,3 +102,27 @@ def test_format_count() -> None:
     assert [format_count(n, "batch", "batches") for n in (0, 1, 2)] == [
         "0 batches", "1 batch", "2 batches"]
     assert format_count(1499.6, "sample") == "1,500 samples"
+
+
+def test_an_older_epoch_row_without_a_newer_figure_is_still_listed(tmp_path: Path) -> None:
+    """A history row written before a figure existed is an epoch's all the same: ``status``
+    lists it, with "-" for what it lacks (a new history field hid every older epoch)."""
+    newest = [f.name for f in HISTORY if f.name not in ("epoch", "time")]
+    cache = SampleStore(str(tmp_path / "cache"), capacity=1 << 20, sync=False)
+    try:
+        cache.append_history()  # the daemon's rows never name an epoch
+        old = {"epoch": 0, "snapshot_samples": 10}  # an older version's row
+        cache.append_history(old)
+        cache.append_history(history_row({**dict.fromkeys(newest, 7), "epoch": 1}))
+        cache.append_history()
+        stats = collect_stats(cache)
+    finally:
+        cache.close()
+    assert [row["epoch"] for row in stats["turnover"]] == [0, 1], stats["turnover"]
+    console = Console(record=True, width=200)
+    console.print(render(stats))
+    text = console.export_text()
+    cells = [[cell.strip() for cell in line.split("\u2502")[1:-1]] for line in text.splitlines()]
+    older = next(row for row in cells if row[:2] == ["0", "10"])
+    shown = [f for f in HISTORY if f.label]
+    assert older == ["0", "10"] + ["-"] * (len(shown) - 2), text

@@ -215,6 +215,9 @@ def test_demo_run_end_to_end(demo_run: DemoRun) -> None:
     for row in rows:
         assert 0.0 <= row["data_wait_fraction"] <= 1.0, row
         assert row["batches"] > 0 and row["samples"] > 0, row
+        assert row["skipped"] == 0, row  # a tally: counted by the reader, added by the run
+        assert row["decoded_bytes"] > 0, row
+    assert stats["turnover"][-1]["decoded_bytes"] == rows[-1]["decoded_bytes"], stats["turnover"]
     # the log's figures agree with each other (issue 37, item 5): whole samples, words in the
     # number they take, a local source's reads are not GETs
     log = re.sub(r"\s+", " ", result.stderr)

@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader
 
 from .schedule import EpochSchedule
 from .stall import Probe, process_state, with_time_limit
+from .tallies import Tallies
 
 
 class EpochLoader:
@@ -33,7 +34,8 @@ class EpochLoader:
 
     def __init__(self, epoch: int, schedule: EpochSchedule, loader: DataLoader[Any], iterator: Any,
                  on_near_end: Callable[[], None], on_started: Callable[[], None], lead_s: float,
-                 depth: int, stall: Any, stall_action: str = "raise") -> None:
+                 depth: int, stall: Any, stall_action: str = "raise",
+                 tallies: Tallies | None = None) -> None:
         self.epoch, self.dataset, self.loader = epoch, schedule.dataset, loader
         self._schedule, self._iterator = schedule, iterator
         self._on_near_end, self._lead_s, self._depth = on_near_end, lead_s, depth
@@ -52,6 +54,8 @@ class EpochLoader:
         #: (a stop, a crash) by this long, for a resume (epochs()' ``resume_grace_s``).
         self.resume_grace_s = 0.0
         self._kept = False
+        self._block = tallies
+        self._counted: dict[str, int] | None = None  # the epoch's tallies, once it is over
 
     def __len__(self) -> int:
         return self._schedule.n_batches
@@ -185,6 +189,19 @@ class EpochLoader:
         evicted from now on (those no later snapshot protects)."""
         self._schedule.release(batches)
 
+    def tallies(self) -> dict[str, int]:
+        """The figures the epoch's reads counted (those marked ``tally=True`` in
+        `epochcache.epoch_record`), in this process and the loader's DataLoader workers:
+        so far, or, once the epoch is over, in all.
+
+        The loader's block counts from the end of its previous epoch (``epochs()`` alternates
+        two loaders, so that is epoch - 2): batches its workers prefetched for the next epoch
+        are that epoch's. Of an epoch left before its end, what its workers were still
+        reading counts in the next epoch of the same loader."""
+        if self._counted is not None:
+            return dict(self._counted)
+        return {} if self._block is None else self._block.since_mark()
+
     def _start_next(self) -> None:
         hook, self._on_started = self._on_started, None
         if hook is not None:
@@ -192,6 +209,8 @@ class EpochLoader:
 
     def finish(self) -> None:
         """The epoch is over (or abandoned): make sure the next one is being prepared."""
+        if self._counted is None and self._block is not None:
+            self._counted = self._block.since_mark(advance=True)
         self._start_next()
         self._on_near_end()
 

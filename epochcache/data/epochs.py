@@ -75,8 +75,10 @@ from .schedule import (
     SeqBatches,
     identity,
     in_process_batches,
+    tallies_of,
 )
 from .stall import Probe, arm_stack_dump, get_watchdog
+from .tallies import Tallies
 from .wait import wait_for_samples
 from .workers import start_method, start_workers
 
@@ -235,8 +237,10 @@ class _Epochs:
             # iteration (see _start_workers) and the epoch is a second iteration, which only
             # resets them. Without persistent_workers the loader is shut down after its epoch.
             kwargs["persistent_workers"] = True
+        # Each loader's reads count into a block of its own (see epochcache.data.tallies).
+        reader = self.reader.counting(Tallies(self.num_workers))
         loader = DataLoader(
-            SeqBatches(self.reader, collated=self.collate_fn is None, pinned=self.pinned),
+            SeqBatches(reader, collated=self.collate_fn is None, pinned=self.pinned),
             batch_size=None, sampler=sampler, num_workers=self.num_workers,
             collate_fn=self.collate_fn or identity, generator=generator, **kwargs,
         )
@@ -507,7 +511,7 @@ class _Epochs:
                 loader = EpochLoader(
                     epoch, schedule, current.loader, iterator,  # type: ignore[arg-type]
                     self._request_next, started, self._lead_s(), depth, dog,
-                    self.reader.stall_action)
+                    self.reader.stall_action, tallies_of(current.loader))
                 loader.resume_grace_s = self.resume_grace_s
                 if epoch == start and self.persistent:
                     # The second loader's workers start now, alongside the first's, so even a

@@ -16,6 +16,10 @@ an environment of its own on first read (a forked worker too: it never uses the 
 
 In the loaders of ``epochs()`` a worker writes its batches into shared buffers it reuses from
 batch to batch, which the trainer maps once (`epochcache.data.ring`).
+
+What the reader counts for a run's epoch (the figures marked ``tally=True`` in
+`epochcache.epoch_record`) it adds to ``self.tallies``, a block the training loop reads
+whichever process the reader runs in (`epochcache.data.tallies`).
 """
 
 from __future__ import annotations
@@ -46,11 +50,13 @@ from .fields import FieldSelector, parse_fields
 from .rawfields import FieldsBatch, FieldsTemplate, Mismatch
 from .rawnpy import NpyTemplate, fields_of
 from .stall import Activity, watching
+from .tallies import Tallies
 
 log = logging.getLogger(__name__)
 
 _H = HEADER.size
 _unpack = HEADER.unpack_from
+_raw_size = struct.Struct("<8xQ").unpack_from  # a record's payload bytes (HEADER's raw_size)
 _RAW, _FIELDS = int(Codec.RAW), int(RecordFlags.FIELDS)
 
 
@@ -87,6 +93,8 @@ class SampleReader:
         self.stall_file = options.stall_file
         self.stall_action = options.stall_action
         self.skipped = 0
+        #: Where the figures counted here go (a loader's block: `counting`).
+        self.tallies = Tallies.local()
         self._fast = decode == "auto" and options.transform is None
         # dataset[i] of a whole sample, decoded by the general rules. It is not watched for
         # stalls: a watch costs ~6 us, as much as reading the sample; DataLoader reads a
@@ -120,6 +128,14 @@ class SampleReader:
         """Use an already open Cache in this process (avoids opening a second handle)."""
         self._cache, self._pid = cache, os.getpid()
 
+    def counting(self, tallies: Tallies) -> SampleReader:
+        """A reader like this one that counts into ``tallies`` (a loader's block)."""
+        reader = SampleReader(self.path, self.options)
+        if self._cache is not None and self._pid == os.getpid():
+            reader.bind(self._cache)
+        reader.tallies = tallies
+        return reader
+
     @property
     def cache(self) -> SampleStore:
         if self._cache is None or self._pid != os.getpid():
@@ -136,6 +152,7 @@ class SampleReader:
         if self.on_error == "raise" or isinstance(exc, (PickleNotAllowed, MissingImageLibrary)):
             raise exc
         self.skipped += 1
+        self.tallies.add("skipped", 1)
         log.warning("skipping sample %r (%s); %d skipped in this process", exc.key, exc,
                     self.skipped)
 
@@ -159,6 +176,7 @@ class SampleReader:
         keys = seq_keys(np.asarray(seqs, dtype=np.uint64))
         out: list[Any] = []
         names: list[object] = []  # the source keys of ``out``, when a watchdog watches
+        decoded = 0
         store, db = self.cache.store, self.cache.dbs[DB_SAMPLES]
         with self._watching(len(keys)) as act:
             with store.read() as txn:
@@ -174,11 +192,13 @@ class SampleReader:
                     except DecodeError as exc:
                         self._skip(exc)
                         continue
+                    decoded += _raw_size(record)[0]
                     if kept is not None:
                         kept.append(index)
                     out.append(sample)
                     if act is not None:
                         names.append(act.key)
+            self.tallies.add("decoded_bytes", decoded)
             if self.transform is None:
                 pass
             elif act is None:
@@ -315,6 +335,10 @@ class SampleReader:
                     act.resolve = self.key_of
                 records: list[memoryview | None] = []
                 done = out.fill(get, db, keys, records, act) if template.simple else 0
+                # The records filled share the template's key length: their payloads are
+                # their lengths less one header and key each.
+                decoded = (sum(map(len, records[:done]))  # type: ignore[arg-type]
+                           - done * (_H + (first[24] | first[25] << 8)))
                 for i in range(done, len(keys)):  # other layouts, or not a simple template
                     lmdb_key = keys[i]
                     if act is not None:
@@ -332,7 +356,10 @@ class SampleReader:
                         if lengths is None:
                             raise Mismatch
                     out.add(i, record, template, lengths, source_key)
-                return out.finish()
+                    decoded += _raw_size(record)[0]
+                batch = out.finish()
+                self.tallies.add("decoded_bytes", decoded)
+                return batch
 
     def _read_npy_batch(self, seqs: np.ndarray) -> torch.Tensor:
         """Copy raw fixed-shape ``.npy`` arrays straight from the map into one batch tensor.
@@ -396,6 +423,8 @@ class SampleReader:
                         large.append(data)
                 if large:
                     copy_rows(np.frombuffer(out, np.uint8).reshape(len(keys), nbytes), large)
+                # Every sample holds one array of the template's: its payload's size.
+                self.tallies.add("decoded_bytes", len(keys) * _raw_size(first)[0])
             finally:
                 end_read(txn)
         return batch

@@ -23,6 +23,7 @@ from .collate import batch_buffers
 from .dataset import EpochDataset, snapshot_gone
 from .reader import SampleReader
 from .ring import hand_off
+from .tallies import Tallies
 from .workers import WarmUp
 
 
@@ -186,6 +187,12 @@ class SeqBatches(Dataset[Any]):
             return self.reader.read_samples(batch.seqs)
         except KeyError as exc:
             raise snapshot_gone(self.reader, batch.lease_id, batch.epoch, exc) from exc
+
+
+def tallies_of(loader: DataLoader[Any] | None) -> Tallies | None:
+    """The tally block ``loader``'s reads count into (None: not a loader of epochs())."""
+    batches = getattr(loader, "dataset", None)
+    return batches.reader.tallies if isinstance(batches, SeqBatches) else None
 
 
 def identity(batch: Any) -> Any:

@@ -55,6 +55,7 @@ from .reader import SampleReader
 from .resume import lease_gone_reason
 from .stall import arm_stack_dump
 from .stream_state import KIND, ORDER_KEYS, merge, resume_split, worker_states
+from .tallies import Tallies
 
 if TYPE_CHECKING:
     from ..store import SampleStore, Snapshot
@@ -63,6 +64,8 @@ log = logging.getLogger(__name__)
 
 #: Samples read per LMDB read transaction.
 _CHUNK = 32
+#: The DataLoader workers a stream's tallies have rows for (8 bytes per tally each).
+_TALLY_WORKERS = 64
 
 
 @dataclass(frozen=True)
@@ -190,6 +193,8 @@ class CacheStream(IterableDataset[Any]):
         cache = store_of(cache)
         self.reader = SampleReader(cache.path, ReaderOptions.resolve(options, reader,
                                                                      "cache.stream()"))
+        # Its DataLoader is the user's: a row for each worker it may have (see tallies()).
+        self.reader.tallies = Tallies(_TALLY_WORKERS)
         check_release(release)
         self.reader.bind(cache)
         self.progressive = release == "progressive"
@@ -231,6 +236,13 @@ class CacheStream(IterableDataset[Any]):
         if not self._home.here():
             self._init_home()
             self._prepared, self._consumed = None, False
+
+    def tallies(self) -> dict[str, int]:
+        """What this stream's reads have counted since it was made (the figures marked
+        ``tally=True`` in `epochcache.epoch_record`, e.g. ``skipped``), in this process and
+        in the DataLoader workers reading it (up to 64 of them): the difference between two
+        calls at the ends of epochs is an epoch's."""
+        return self.reader.tallies.totals()
 
     @property
     def epoch(self) -> int | None:

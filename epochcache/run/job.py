@@ -351,6 +351,8 @@ class Run:
             "remote_requests": sum(int(v["gets"] + v["heads"] + v["lists"])
                                    for v in requests.values()),
             "remote_bytes": sum(int(v["bytes"]) for v in requests.values()),
+            # what the reads counted, DataLoader workers included (epoch_record's tallies)
+            **(loader.tallies() if hasattr(loader, "tallies") else {}),
             # a resumed epoch: what it continued, and what it could not (counted, not silent)
             **(getattr(loader, "resume_report", None) or {}),
             "time": time.time(),

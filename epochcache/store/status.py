@@ -6,7 +6,7 @@ import socket
 import time
 from typing import TYPE_CHECKING, Any
 
-from ..epoch_record import HISTORY, history_row, is_epoch_row, status_cell
+from ..epoch_record import HISTORY, epoch_history, is_epoch_row, status_cell
 from ..redact import redact_tree
 from ..units import format_count, format_size
 from .jobs import jobs
@@ -173,7 +173,7 @@ def recent_epochs(cache: SampleStore, count: int = 5) -> list[dict[str, Any]]:
     """The turnover of the last ``count`` epochs ``epochcache run`` recorded: epoch, samples
     new to its snapshot, snapshot size, fraction of the epoch writers waited on leases."""
     rows = [row for row in cache.history(limit=TURNOVER_SCAN_ROWS) if is_epoch_row(row)]
-    return [history_row(row) for row in rows[-count:]]
+    return [epoch_history(row) for row in rows[-count:]]
 
 
 def collect_stats(cache: SampleStore) -> dict[str, Any]:
@@ -320,7 +320,7 @@ def render(stats: dict[str, Any]) -> RenderableType:
         for f in columns:
             turnover.add_column(f.label)
         for row in stats["turnover"]:
-            turnover.add_row(*(status_cell(f, row.get(f.name)) for f in columns))
+            turnover.add_row(*(status_cell(f, row) for f in columns))
         parts.append(turnover)
     coverage_table = _coverage_table(stats.get("coverage") or {})
     if coverage_table is not None:
