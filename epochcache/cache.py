@@ -80,13 +80,6 @@ class Cache:
                                   level=level, sync=sync, readonly=readonly,
                                   max_map_size=max_map_size, lease_timeout_s=lease_timeout_s)
 
-    @classmethod
-    def _of(cls, store: SampleStore) -> Cache:
-        """A Cache over a store opened already (the library's own layers hold stores)."""
-        cache = cls.__new__(cls)
-        cache._store = store
-        return cache
-
     # -- the cache ---------------------------------------------------------------------------
 
     @property

@@ -96,8 +96,6 @@ class FixedConcurrency:
         pacer: the source's pace after throttling (default: this process's own).
     """
 
-    auto = False
-
     def __init__(self, limit: int, clock: Callable[[], float] = time.monotonic,
                  pacer: Pace | None = None) -> None:
         if limit < 1:
@@ -165,8 +163,6 @@ class AutoConcurrency(FixedConcurrency):
         clock: seconds, monotonic (injected by tests).
         pacer: the source's pace after throttling (default: this process's own).
     """
-
-    auto = True
 
     def __init__(self, start: int = START_LIMIT, cap: int = MAX_CONCURRENCY,
                  clock: Callable[[], float] = time.monotonic,

@@ -196,14 +196,6 @@ def read_records(path: str | os.PathLike[str]) -> list[Record]:
     return out
 
 
-def trained_records(records: Sequence[Record]) -> list[Record]:
-    """The records of one file whose samples the model kept, judged by that file alone: a
-    record another on its lane starts at or before was trained again, and another lease means
-    a fresh attempt. [`epoch_records`][epochcache.store.manifests.epoch_records] also applies
-    what the other ranks' files say (a resume on another number of ranks)."""
-    return epoch_records_of({0: list(records)})[0]
-
-
 def _fingerprint(split: Any) -> str:
     return json.dumps(split, sort_keys=True, separators=(",", ":"))
 
