@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .options import ReaderKwargs, ReaderOptions
+from .options import RESUME_GRACE_S, ReaderKwargs, ReaderOptions
 from .store import PutResult, SampleStore, Snapshot
 from .store.leases import DEFAULT_LEASE_TIMEOUT_S
 
@@ -266,7 +266,7 @@ class Cache:
 
     def stream(self, *, seed: int = 0, shuffle: bool = True,
                samples_per_epoch: int | None = None, split_ranks: bool = True,
-               release: str = "progressive", resume_grace_s: float = 1800.0,
+               release: str = "progressive", resume_grace_s: float = RESUME_GRACE_S,
                options: ReaderOptions | None = None,
                **reader: Unpack[ReaderKwargs]) -> CacheStream:
         """A torch IterableDataset taking a fresh snapshot per epoch, for your own DataLoader
@@ -284,7 +284,7 @@ class Cache:
                samples_per_epoch: int | None = None, min_samples: int = 1,
                wait_timeout_s: float | None = None, start_epoch: int = 0,
                release: str = "progressive", resume: dict[str, Any] | list[Any] | None = None,
-               resume_grace_s: float = 1800.0,
+               resume_grace_s: float = RESUME_GRACE_S,
                collate_fn: Callable[[Any], Any] | None = None,
                persistent_workers: bool | None = None,
                worker_init_fn: Callable[[int], None] | None = None,

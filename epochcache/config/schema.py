@@ -30,7 +30,7 @@ from ..limits import (
     DEFAULT_MANIFEST_MAX_LINES,
     DEFAULT_MAX_SAMPLE_BYTES,
 )
-from ..options import DEFAULT_STALL_S, ReaderOptions
+from ..options import DEFAULT_STALL_S, RESUME_GRACE_S, ReaderOptions
 from ..redact import REDACTED, is_secret_key, redact_options, redact_tree
 from ..units import headroom_bytes, parse_duration, parse_headroom, parse_size
 from .environment import pyarrow_available, resolve_node
@@ -287,7 +287,7 @@ class CacheConfig(_Section):
         description="fsync every commit: survives power loss; false keeps kill -9 safety only",
     )
     resume_grace_s: Duration = Field(
-        default=1800.0,
+        default=RESUME_GRACE_S,
         description="a dead run's epoch lease that a checkpoint names is kept this long past "
                     "its last heartbeat, for `run --resume` to continue the epoch; then it is "
                     "reclaimed",

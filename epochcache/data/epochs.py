@@ -44,7 +44,7 @@ from torch.utils.data import DataLoader
 
 from ..errors import PrepareFailed, StallError
 from ..options import NAMES as READER_OPTIONS
-from ..options import ReaderOptions
+from ..options import RESUME_GRACE_S, ReaderOptions
 from ..store import store_of
 from ..store.env import cache_identity
 from .dataset import EpochDataset
@@ -182,7 +182,7 @@ class _Epochs:
                  worker_init_fn: Callable[[int], None] | None, stall_s: float | None,
                  stall_file: str | None, loader_kwargs: dict[str, Any], place: Placement,
                  progressive: bool = True, resume: list[NodeStates] | None = None,
-                 resume_grace_s: float = 1800.0) -> None:
+                 resume_grace_s: float = RESUME_GRACE_S) -> None:
         self.cache, self.batch_size, self.num_workers = cache, batch_size, num_workers
         self.seed, self.shuffle, self.drop_last = seed, shuffle, drop_last
         self.samples_per_epoch, self.persistent, self.reader = samples_per_epoch, persistent, reader
@@ -567,7 +567,7 @@ def epochs(
     start_epoch: int = 0,
     release: str = "progressive",
     resume: dict[str, Any] | list[Any] | None = None,
-    resume_grace_s: float = 1800.0,
+    resume_grace_s: float = RESUME_GRACE_S,
     collate_fn: Callable[[Any], Any] | None = None,
     persistent_workers: bool | None = None,
     worker_init_fn: Callable[[int], None] | None = None,
@@ -618,8 +618,9 @@ def epochs(
             and docs/guide/resume.md).
         resume_grace_s: once a loader's [`state_dict`][epochcache.data.epoch_loader.EpochLoader.state_dict] was taken, its
             epoch's lease outlives a stop before the epoch's end (SIGTERM, Ctrl-C, a crash,
-            the process exiting) by this long, so that ``resume=`` finds its samples; an epoch
-            read to its end releases its lease at once. 0 disables.
+            the process exiting) by this long (seconds; 30 minutes by default), so that
+            ``resume=`` finds its samples; an epoch read to its end releases its lease at
+            once. 0 disables.
         options: how samples are read: decoding, fields, images, the transform (applied in
             the workers, if any) and the stall watchdog
             ([`ReaderOptions`][epochcache.ReaderOptions]; by default a batch slower than

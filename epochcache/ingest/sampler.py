@@ -42,11 +42,11 @@ from ..errors import (
 from ..limits import cut_key, cut_text
 from ..redact import install_log_redaction
 from ..store import SampleStore
+from ..store.status import FAILING_AFTER_S
 from .accounting import saved_requests, source_label
 from .budget import RequestBudget
 from .committer import Batch, Committer, state_name
 from .feed import (
-    FAILING_AFTER_S,
     FETCH_DEPTH,
     IDLE_WAIT_S,
     MAX_BATCHES,

@@ -20,8 +20,8 @@ if TYPE_CHECKING:
 
 #: A daemon whose heartbeat is older than this is reported as not alive.
 DAEMON_STALE_S = 60.0
-#: A source none of whose reads succeeded for this long is reported as failing (the samplers'
-#: ``ingest.feed.FAILING_AFTER_S``).
+#: A source none of whose reads succeeded for this long is *failing*: the samplers log it and
+#: write it to their health document, status and the metrics report it (one value for all).
 FAILING_AFTER_S = 60.0
 
 
