@@ -106,7 +106,9 @@ class Cache:
     def stats(self) -> dict[str, Any]:
         """Counters, capacity, leases, daemon and sampler health, requests and turnover, as a
         JSON-able dict (what ``epochcache status --json`` prints)."""
-        return self._store.stats()
+        from .store.status import collect_stats
+
+        return collect_stats(self._store)
 
     def counters(self) -> Counters:
         """The cache's counters: samples and bytes stored, inserted, evicted, quarantined."""
@@ -116,14 +118,19 @@ class Cache:
         """How much of each source training has seen: per source the samples listed, those
         trained at least once, a histogram of epochs per sample, the growth rate and the time
         to see every sample once (see `epochcache.store.coverage`)."""
-        return self._store.coverage()
+        from .store.coverage import coverage
+
+        return coverage(self._store)
 
     def record_trained(self, seqs: Sequence[int] | np.ndarray, *, epoch: int | None = None,
                        job: str = "") -> dict[str, Any]:
         """Count ``seqs`` as trained in one more epoch (once each) in the coverage ledger of
         their sources; call it when an epoch, or the part of one a checkpoint covers, is done
         (``epochcache run`` does). Returns ``{"trained", "new", "unattributed"}``."""
-        return self._store.record_trained(seqs, epoch=epoch, job=job)
+        from .store.ledger import record_trained
+
+        return record_trained(self._store, np.asarray(seqs, dtype=np.uint64), epoch=epoch,
+                              job=job)
 
     def history(self, limit: int | None = None) -> list[dict[str, Any]]:
         """Stats history rows (what ``status`` rates and ``plot`` are drawn from), oldest
@@ -147,7 +154,9 @@ class Cache:
         Raises:
             CacheError: ``dst`` exists and is not an empty directory.
         """
-        return self._store.copy_to(dst)
+        from .store.copy_cache import copy_cache
+
+        return copy_cache(self._store, dst)
 
     # -- samples -----------------------------------------------------------------------------
 

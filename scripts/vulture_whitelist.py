@@ -12,6 +12,7 @@ from rich.table import Table
 
 from epochcache import __getattr__ as _lazy_attributes
 from epochcache.augment import RandomResizedCrop
+from epochcache.cache import Cache
 from epochcache.config.schema import _Section
 from epochcache.data.dataset import EpochDataset
 from epochcache.data.stream import CacheStream
@@ -49,6 +50,7 @@ train_image_classifier
 
 # Public API for users, documented (docs/reference/python.md) and tested.
 RandomResizedCrop  # tests/test_augment.py; docs/howto/decoding.md
+Cache.copy_to  # `epochcache copy` in Python: tests/test_copy.py; docs/howto/copy.md
 EpochDataset.get_batch  # a map-style dataset's batched read: tests/test_decode.py
 CacheStream.set_epoch  # torch's DistributedSampler protocol, called by training loops
 Source.list_keys  # the layout contract's convenience: tests/sources/contract.py

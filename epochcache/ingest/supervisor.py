@@ -39,6 +39,7 @@ from ..store import SampleStore
 from ..store.env import make_private_dir
 from ..store.leases import process_record
 from ..store.owners import lock_held
+from ..store.status import collect_stats
 from ..units import format_count, format_size
 from ..writable import first_missing
 from .daemon_sources import DaemonSources
@@ -378,7 +379,7 @@ class Supervisor:
 
     def _log_progress(self) -> None:
         assert self.cache is not None
-        stats = self.cache.stats()
+        stats = collect_stats(self.cache)
         # Past 100% of the capacity is the headroom at work (epochs hold their snapshots):
         # the line says what the limit is, so 110% does not read as a broken promise.
         log.info(

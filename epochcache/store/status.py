@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from ..epoch_record import HISTORY, history_row, is_epoch_row, status_cell
 from ..redact import redact_tree
 from ..units import format_count, format_size
+from .coverage import coverage
 from .jobs import jobs
 from .leases import recorded_alive
 from .stalls import read_stalls
@@ -236,7 +237,7 @@ def _collect(cache: SampleStore) -> dict[str, Any]:
         # trainers whose batch stalled, while they run (see epochcache.data.stall)
         "stalls": [{**doc, "for_s": round(now - float(doc.get("since", now)), 1)}
                    for doc in read_stalls(cache.path)],
-        "coverage": cache.coverage(),
+        "coverage": coverage(cache),
     }
 
 
