@@ -22,7 +22,7 @@ from common.daemonproc import upload, wait_cached, wait_running, write_config
 from common.procs import run_processes
 
 from epochcache import Cache
-from epochcache.ingest.origins import index_map
+from epochcache.ingest.origin_tagger import index_map
 from epochcache.ingest.sources import KeyTable
 from epochcache.store import SampleStore, store_of
 from epochcache.store.codec import read_info

@@ -57,7 +57,7 @@ from .feed import (
 from .heap import reuse_freed_buffers
 from .inflight import ByteBudget
 from .lifeline import Lifeline, kill_with_parent
-from .origins import OriginTagger
+from .origin_tagger import OriginTagger
 from .sources import STREAMED, Part, SampleRef
 
 #: Libraries whose INFO lines (botocore's "Found credentials in ...") a sampler started

@@ -150,7 +150,9 @@ class StopRequest:
 
 
 @dataclass
-class _Slot:
+class _SamplerProcess:
+    """One sampler process the supervisor keeps running (restarted when it dies)."""
+
     index: int
     process: Any = None
     restarts: int = 0
@@ -175,7 +177,7 @@ class Supervisor:
         self._stop = StopRequest()
         self._ctx = multiprocessing.get_context("spawn")
         self._sampler_stop = StopFlag(self._ctx)
-        self._slots = [_Slot(i) for i in range(config.sampler.processes)]
+        self._slots = [_SamplerProcess(i) for i in range(config.sampler.processes)]
         self._lock = DaemonLock(self.cache_dir, daemon_doc(config))
         self.cache: SampleStore | None = None
         self.sources = DaemonSources(config)
@@ -289,7 +291,7 @@ class Supervisor:
             self._stop.close()
         return status
 
-    def _start(self, slot: _Slot) -> None:
+    def _start(self, slot: _SamplerProcess) -> None:
         data = self.config.to_transfer()  # keeps what the samplers must mask
         names = self.sources.names if self.config.sources is not None else None
         slot.process = self._ctx.Process(
