@@ -51,7 +51,7 @@ from common.s3server import S3ServerProcess  # noqa: E402 - the moto server of t
 from epochcache.errors import CacheError  # noqa: E402
 from epochcache.store import SampleStore, store_of  # noqa: E402
 from epochcache.store.codec import read_info  # noqa: E402
-from epochcache.store.schema import DB_SAMPLES, seq_of  # noqa: E402
+from epochcache.store.records import DB_SAMPLES, seq_of  # noqa: E402
 from epochcache.store.status import collect_stats  # noqa: E402
 
 BUCKET = "soak"

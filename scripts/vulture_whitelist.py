@@ -28,7 +28,7 @@ from epochcache.store.cache import SampleStore
 from epochcache.store.codec import RecordInfo
 from epochcache.store.origins import Origin
 from epochcache.store.plans import Releaser
-from epochcache.store.schema import RecordFlags
+from epochcache.store.records import RecordFlags
 
 # Python calls these: a module's lazy attributes (PEP 562), an io.RawIOBase's methods
 # (io.BufferedReader and tarfile call readable/readinto), a logging record's message.

@@ -29,7 +29,7 @@ from epochcache.store.codec import read_info
 from epochcache.store.ledger import Ledger, ledger_path, ledgers, remap
 from epochcache.store.listings import register_listing
 from epochcache.store.origins import Origin
-from epochcache.store.schema import DB_ORIGINS, DB_SAMPLES
+from epochcache.store.records import DB_ORIGINS, DB_SAMPLES
 
 pytestmark = pytest.mark.timeout(180)
 

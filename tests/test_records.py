@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from epochcache.errors import CacheCorrupted
 from epochcache.store import codec
-from epochcache.store.schema import HEADER
+from epochcache.store.records import HEADER
 
 
 def _payload_and_crc(record: bytes) -> tuple[bytes, int]:

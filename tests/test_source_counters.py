@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from epochcache import Cache
 from epochcache.errors import CacheFull
 from epochcache.store import store_of
-from epochcache.store.schema import DB_META
+from epochcache.store.records import DB_META
 from epochcache.store.source_counters import registered_names
 
 

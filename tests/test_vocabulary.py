@@ -25,7 +25,6 @@ PACKAGE = Path(__file__).resolve().parents[1] / "epochcache"
 KNOWN: dict[str, set[str]] = {
     "module": {
         "cache",  # the face's Cache and store/cache.py's SampleStore
-        "schema",  # config/schema.py (the config's model) and store/schema.py (LMDB layout)
     },
     "class": {
         "Part",  # store/plans.py's release-plan part and ingest/sources/tar.py's run of samples

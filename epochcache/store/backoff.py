@@ -43,7 +43,7 @@ from ..errors import CacheError
 from ..units import format_size
 from .env import Store
 from .leases import process_record, recorded_alive
-from .schema import C_EFFECTIVE_CAPACITY, DB_META, DB_STATE
+from .records import C_EFFECTIVE_CAPACITY, DB_META, DB_STATE
 
 log = logging.getLogger("epochcache.cache")  # one logger for everything a cache does
 

@@ -40,7 +40,7 @@ from .leases import (
 )
 from .origins import Origin
 from .owners import begin_lease, end_lease, heartbeats, sweep_dead_owners
-from .schema import (
+from .records import (
     DB_KEYS,
     DB_LEASES,
     DB_META,

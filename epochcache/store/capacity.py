@@ -21,7 +21,7 @@ from .backoff import BackOff, published
 from .counters import Counters
 from .datafile import no_cache_here
 from .env import Store
-from .schema import C_FORMAT, DB_META, FORMAT_VERSION, pack_u64, unpack_u64
+from .records import C_FORMAT, DB_META, FORMAT_VERSION, pack_u64, unpack_u64
 
 _M_CAPACITY = b"capacity"
 _M_HEADROOM = b"headroom"

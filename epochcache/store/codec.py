@@ -24,7 +24,7 @@ except ImportError:  # no isal wheel for this platform
     from zlib import crc32
 
 from ..errors import CacheCorrupted, SampleRejected
-from .schema import FORMAT_VERSION, HEADER, Codec, RecordFlags, index_key
+from .records import FORMAT_VERSION, HEADER, Codec, RecordFlags, index_key
 
 #: A sample's value: the object's bytes, or a tar sample's fields by extension.
 Value = bytes | Mapping[str, bytes]

@@ -52,7 +52,7 @@ from .datafile import partial_copies, partial_prefix
 from .env import make_private_dir
 from .ledger import COVERAGE_DIR, LOCK_FILE, ledger_lock
 from .owners import lock_held
-from .schema import DB_LEASES, DB_STATE
+from .records import DB_LEASES, DB_STATE
 
 if TYPE_CHECKING:
     from .cache import SampleStore

@@ -37,7 +37,7 @@ from ..launcher import read_placement
 from ..writable import require_writable_dir, writing
 from . import mapgate
 from .datafile import check_data_file
-from .schema import ALL_DBS, OPTIONAL_DBS
+from .records import ALL_DBS, OPTIONAL_DBS
 
 log = logging.getLogger(__name__)
 

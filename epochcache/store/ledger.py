@@ -52,7 +52,7 @@ import numpy as np
 from ..atomic import atomic_write
 from .listings import listings as registered_listings
 from .origins import UNKNOWN, _Row, read_origins, unique
-from .schema import DB_ORIGINS, seq_key
+from .records import DB_ORIGINS, seq_key
 
 if TYPE_CHECKING:
     from .cache import SampleStore

@@ -48,7 +48,7 @@ import zstandard
 
 from .codec import record_source_key
 from .origins import read_origins
-from .schema import DB_SAMPLES, seq_key
+from .records import DB_SAMPLES, seq_key
 
 if TYPE_CHECKING:
     from .cache import SampleStore

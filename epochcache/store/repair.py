@@ -21,7 +21,7 @@ import lmdb
 from .cache import SampleStore
 from .codec import record_key
 from .counters import Counters
-from .schema import DB_KEYS, DB_META, DB_SAMPLES, seq_key, seq_of, unpack_u64
+from .records import DB_KEYS, DB_META, DB_SAMPLES, seq_key, seq_of, unpack_u64
 
 log = logging.getLogger(__name__)
 

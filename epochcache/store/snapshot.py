@@ -19,7 +19,7 @@ import numpy as np
 
 from ..errors import SnapshotClosed
 from .counters import Counters
-from .schema import seq_of
+from .records import seq_of
 
 log = logging.getLogger(__name__)
 

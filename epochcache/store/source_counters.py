@@ -17,7 +17,7 @@ import json
 
 import lmdb
 
-from .schema import DB_KEYS, DB_SAMPLES, pack_u64, unpack_u64
+from .records import DB_KEYS, DB_SAMPLES, pack_u64, unpack_u64
 
 #: ``meta`` key of the registered names (a JSON list).
 C_SOURCES = b"sources"

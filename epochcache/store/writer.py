@@ -29,8 +29,8 @@ from .env import Store
 from .eviction import Eviction, policy_of
 from .leases import Lease, read_leases, reclaim_dead
 from .origins import Origin, write_row
+from .records import DB_KEYS, DB_LEASES, DB_META, DB_SAMPLES, DB_STATE, index_key, pack_u64, seq_key
 from .release import Protection
-from .schema import DB_KEYS, DB_LEASES, DB_META, DB_SAMPLES, DB_STATE, index_key, pack_u64, seq_key
 
 log = logging.getLogger("epochcache.cache")  # one logger for everything a cache does
 

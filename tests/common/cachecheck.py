@@ -21,7 +21,7 @@ from epochcache.store import store_of
 from epochcache.store.codec import check_record, decode_payload, pack_fields, read_info
 from epochcache.store.counters import Counters
 from epochcache.store.leases import read_leases
-from epochcache.store.schema import (
+from epochcache.store.records import (
     DB_KEYS,
     DB_LEASES,
     DB_META,
