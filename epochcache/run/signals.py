@@ -2,7 +2,7 @@
 
 A Python signal handler runs in the main thread between any two bytecodes. Raising from it (as
 Python's SIGINT handler does) lands the exception anywhere: inside DataLoader start-up, between
-a map-gate entry of the store and its ``try`` (a later map resize then waits forever for that
+a remap-lock entry of the store and its ``try`` (a later map resize then waits forever for that
 entry), half-way through a multiprocessing queue. So `StopSignals` only records the
 first SIGINT or SIGTERM; the run checks it (`StopSignals.check`) at its own safe points --
 between start-up steps, every poll of the wait for ``train.min_samples``, before and after each

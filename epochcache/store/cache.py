@@ -194,7 +194,7 @@ class SampleStore:
         """The lowest capacity in force in a live process, when lower than the configured one:
         ``limit``, ``capacity``, ``reason``, ``since``, ``pid``; None otherwise. A lowered
         capacity is a runtime back-off that recovers by itself and is never stored
-        (`epochcache.store.backoff`)."""
+        (`epochcache.store.lowered_capacity`)."""
         return self.capacity.lowered()
 
     @property
