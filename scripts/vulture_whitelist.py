@@ -24,11 +24,11 @@ from epochcache.ingest.sampler import SamplerHealth
 from epochcache.ingest.sources.base import Source
 from epochcache.ingest.sources.shards import _Tail
 from epochcache.ingest.sources.types import SampleRef
-from epochcache.store.cache import SampleStore
 from epochcache.store.codec import RecordInfo
 from epochcache.store.origins import Origin
 from epochcache.store.plans import Releaser
 from epochcache.store.records import RecordFlags
+from epochcache.store.sample_store import SampleStore
 
 # Python calls these: a module's lazy attributes (PEP 562), an io.RawIOBase's methods
 # (io.BufferedReader and tarfile call readable/readinto), a logging record's message.

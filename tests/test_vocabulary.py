@@ -24,7 +24,6 @@ PACKAGE = Path(__file__).resolve().parents[1] / "epochcache"
 #: Duplicates of today, each to be renamed away (then its line removed here).
 KNOWN: dict[str, set[str]] = {
     "module": {
-        "cache",  # the face's Cache and store/cache.py's SampleStore
     },
     "class": {
         "Part",  # store/plans.py's release-plan part and ingest/sources/tar.py's run of samples

@@ -9,7 +9,7 @@ never torch: sampler processes use it as it is.
 
 from __future__ import annotations
 
-from .cache import SampleStore
+from .sample_store import SampleStore
 from .snapshot import Snapshot
 from .writer import PutResult
 

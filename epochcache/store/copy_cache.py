@@ -55,7 +55,7 @@ from .owners import lock_held
 from .records import DB_LEASES, DB_STATE
 
 if TYPE_CHECKING:
-    from .cache import SampleStore
+    from .sample_store import SampleStore
 
 log = logging.getLogger("epochcache.cache")
 
@@ -207,7 +207,7 @@ def copy_cache(source: SampleStore, dst: str | os.PathLike[str]) -> dict[str, An
 
 def _copy_into(source: SampleStore, into: str) -> dict[str, Any]:
     """The copy itself, into the directory ``into``; what was copied."""
-    from .cache import SampleStore
+    from .sample_store import SampleStore
 
     make_private_dir(into)
     _env_copy(source, into)

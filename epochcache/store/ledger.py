@@ -55,7 +55,7 @@ from .origins import UNKNOWN, _Row, read_origins, unique
 from .records import DB_ORIGINS, seq_key
 
 if TYPE_CHECKING:
-    from .cache import SampleStore
+    from .sample_store import SampleStore
 
 log = logging.getLogger("epochcache.cache")
 

@@ -51,7 +51,7 @@ from .origins import read_origins
 from .records import DB_SAMPLES, seq_key
 
 if TYPE_CHECKING:
-    from .cache import SampleStore
+    from .sample_store import SampleStore
 
 MANIFESTS_DIR = "manifests"
 _MAGIC = b"ECMF"

@@ -40,7 +40,7 @@ from .plans import remove_plan
 from .records import DB_LEASES, DB_STATE
 
 if TYPE_CHECKING:
-    from .cache import SampleStore
+    from .sample_store import SampleStore
 
 
 @dataclass(frozen=True)

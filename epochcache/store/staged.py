@@ -40,7 +40,7 @@ from ..errors import CacheError
 from .ledger import coverage_dir, record_trained
 
 if TYPE_CHECKING:
-    from .cache import SampleStore
+    from .sample_store import SampleStore
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from .stalls import read_stalls
 if TYPE_CHECKING:
     from rich.console import RenderableType
 
-    from .cache import SampleStore
+    from .sample_store import SampleStore
 
 #: A daemon whose heartbeat is older than this is reported as not alive.
 DAEMON_STALE_S = 60.0

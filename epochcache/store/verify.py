@@ -34,11 +34,11 @@ import numpy as np
 
 from ..errors import CacheCorrupted
 from ..limits import cut_key, cut_text
-from .cache import SampleStore
 from .codec import check_record, record_key, source_key
 from .counters import Counters
 from .records import DB_KEYS, DB_META, DB_SAMPLES, seq_key, seq_of, unpack_u64
 from .repair import repair_cache
+from .sample_store import SampleStore
 
 log = logging.getLogger(__name__)
 
