@@ -21,10 +21,10 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "epochcache"
 
-#: Duplicates of today, each to be renamed away (then its line removed here).
+#: Duplicates of today, each to be renamed away (then its line removed here). Both are in
+#: files other work of issue 36 changes at the same time (ingest/sources, store/capacity.py).
 KNOWN: dict[str, set[str]] = {
-    "module": {
-    },
+    "module": set(),
     "class": {
         "Part",  # store/plans.py's release-plan part and ingest/sources/tar.py's run of samples
     },
