@@ -10,7 +10,8 @@ away, and no fixed number fits both, nor a bucket that throttles. ``sampler.conc
 * **hold**: then it holds, and every `HOLD_S` (doubling up to `HOLD_MAX_S` while
   probes fail) it *probes* a step higher (`PROBE_STEP`), keeping the step only if goodput
   grew by at least half of it, else going back: so it follows a link that got faster, and
-  settles where more requests bring nothing (a busy CPU, the link's bandwidth, the byte budget);
+  settles where more requests bring nothing (a busy CPU, the link's bandwidth, the limit on
+  bytes in flight);
 * **back-off**: a throttled answer (503 SlowDown, 429) or a timeout backs off at once (at most
   once per round trip): a probe goes back to the limit that was fine; a timeout multiplies the
   limit by `BACKOFF`; a throttled answer *paces* the source's requests (`pace`:
@@ -25,7 +26,7 @@ away, and no fixed number fits both, nor a bucket that throttles. ``sampler.conc
 A round ends once at least ``limit`` requests (and `MIN_ROUND_REQUESTS`) completed and
 `MIN_ROUND_S` or two round trips passed. A round in which the requests in flight never
 reached the limit says nothing about a higher one (the sampler could not supply more: the
-byte budget, the CPU): the limit does not grow on it.
+bytes in flight, the CPU): the limit does not grow on it.
 
 `FixedConcurrency` is an explicit ``concurrency: N``: the limit is N, always.
 
@@ -188,7 +189,7 @@ class AutoConcurrency(FixedConcurrency):
         self.backoffs = 0
 
     def set_cap(self, cap: int) -> None:
-        """Lower or raise the highest limit (the byte budget over the mean object size)."""
+        """Lower or raise the highest limit (the bytes-in-flight limit over the mean object size)."""
         self.cap = max(1, min(MAX_CONCURRENCY, cap))
         if self.limit > self.cap:
             self._set(self.cap)
