@@ -69,7 +69,7 @@ RecordFlags.NONE  # the zero of an IntFlag: a record without flags
 
 # Observed by tests (the count is the behaviour the test checks).
 Committer.grouped  # tests/test_sampler.py: batches that rode in one transaction
-AutoConcurrency.backoffs  # tests/test_concurrency.py: decreases after throttled answers
+AutoConcurrency.decreases  # tests/test_concurrency.py: the limit lowered by throttled answers
 
 # Held, never read: keeps the plan part's mapping alive while its position word (a view
 # into it) is written.
