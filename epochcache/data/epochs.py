@@ -71,7 +71,7 @@ from .resume import adopt_node, ended_lease, log_resume, resume_rank
 from .ring import forget_exited
 from .schedule import (
     EpochSchedule,
-    ScheduleSampler,
+    ScheduleIndices,
     SeqBatches,
     identity,
     in_process_batches,
@@ -125,7 +125,7 @@ class _Pending:
         self.trigger = threading.Event()
         self.schedule: cf.Future[EpochSchedule] = cf.Future()
         self.loader: DataLoader[Any] | None = None
-        self.sampler: ScheduleSampler | None = None
+        self.sampler: ScheduleIndices | None = None
         self.iterator: cf.Future[Any] = cf.Future()
 
 
@@ -209,7 +209,7 @@ class _Epochs:
         self.inline = num_workers == 0 and self.sync is None
         self.forks = num_workers > 0 and start_method(
             loader_kwargs.get("multiprocessing_context")) == "fork"
-        self.slots: list[tuple[DataLoader[Any], ScheduleSampler]] = []
+        self.slots: list[tuple[DataLoader[Any], ScheduleIndices]] = []
         self.prepared = 0
         self.last_schedule_s = 0.05
         self.abort = threading.Event()
@@ -220,12 +220,12 @@ class _Epochs:
 
     # -- background work --------------------------------------------------------------------
 
-    def _make_loader(self, epoch: int) -> tuple[DataLoader[Any], ScheduleSampler]:
+    def _make_loader(self, epoch: int) -> tuple[DataLoader[Any], ScheduleIndices]:
         slot = self.prepared % 2
         self.prepared += 1
         if self.persistent and slot < len(self.slots):
             return self.slots[slot]  # alternate two loaders: one finishes while one prefetches
-        sampler = ScheduleSampler()
+        sampler = ScheduleIndices()
         generator = torch.Generator().manual_seed(loader_seed(self.seed, epoch, self.place.rank))
         kwargs = dict(self.loader_kwargs)
         if self.num_workers > 0:
@@ -418,7 +418,7 @@ class _Epochs:
             pending.iterator.result(timeout=60)
         except BaseException:  # noqa: BLE001 - the same: its failure was the consumer's to see
             pass
-        # Shut down here, not by the garbage collector (see ScheduleSampler.__iter__): the
+        # Shut down here, not by the garbage collector (see ScheduleIndices.__iter__): the
         # workers may have been started without the epoch's iteration.
         iterator = getattr(pending.loader, "_iterator", None)
         if iterator is not None:

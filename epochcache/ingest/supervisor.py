@@ -77,13 +77,14 @@ class DaemonLock:
             os.close(fd)
             raise DaemonAlreadyRunning(
                 f"{os.path.dirname(self.path)}: another epochcache daemon is already filling this "
-                f"cache (pid {self.holder()}); stop it first, or point cache.dir elsewhere"
+                f"cache (pid {self.pid()}); stop it first, or point cache.dir elsewhere"
             ) from None
         os.ftruncate(fd, 0)
         os.write(fd, json.dumps(self._doc).encode())
         self._fd = fd
 
-    def holder(self) -> str:
+    def pid(self) -> str:
+        """The pid of the daemon holding the lock now, as its file says (``unknown``)."""
         found = daemon_sources(os.path.dirname(self.path))
         return str(found[0]) if found is not None and found[0] else "unknown"
 
