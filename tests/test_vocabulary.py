@@ -6,7 +6,10 @@ imported, well under a second):
 
 1. module file names are unique (``__init__``/``__main__`` aside);
 2. class names are unique, private ones too (``_Slot`` twice is two meanings);
-3. public top-level function names are unique across modules.
+3. public top-level function names are unique across modules;
+4. every name an internal module exports (``__all__``) is used by another file of the
+   package, tests or scripts: an export nothing imports is dead code vulture cannot see
+   (it counts ``__all__`` as a use; ``split_for_rank`` was one).
 
 ``KNOWN`` lists today's exceptions: a ratchet that only shrinks. A new duplicate fails (rename
 one of the two), and so does an entry that no longer is one (remove it from ``KNOWN``).
@@ -16,6 +19,7 @@ one of the two), and so does an entry that no longer is one (remove it from ``KN
 from __future__ import annotations
 
 import ast
+import re
 from collections import defaultdict
 from pathlib import Path
 
@@ -84,6 +88,27 @@ def test_every_known_duplicate_is_still_one() -> None:
              for listing in (KNOWN, SAME_THING) for kind, names in listing.items()
              for name in sorted(names) if name not in duplicates[kind]]
     assert not stale, "\n".join(stale)
+
+
+def test_every_exported_name_is_used_elsewhere() -> None:
+    root = PACKAGE.parent
+    texts = {path: path.read_text() for folder in ("epochcache", "tests", "scripts")
+             for path in (root / folder).rglob("*.py")}
+    words: dict[Path, set[str]] = {path: set(re.findall(r"\w+", text))
+                                   for path, text in texts.items()}
+    unused = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path == PACKAGE / "__init__.py":
+            continue  # the public API: its users are outside the repository
+        for node in ast.parse(texts[path]).body:
+            if (isinstance(node, ast.Assign) and isinstance(node.value, (ast.List, ast.Tuple))
+                    and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets)):
+                for item in node.value.elts:
+                    name = ast.literal_eval(item)
+                    if not any(name in found for other, found in words.items() if other != path):
+                        unused.append(f"{path.relative_to(root)}: {name}")
+    assert not unused, ("exported in __all__ and used nowhere else (delete it if nothing uses "
+                        "it, else drop it from __all__): " + ", ".join(unused))
 
 
 def test_the_check_finds_each_kind_of_duplicate(tmp_path: Path) -> None:

@@ -35,7 +35,7 @@ import torch
 from ..errors import NodeLayoutError
 from .placement import Placement, detect_placement, dist_initialized
 
-__all__ = ["NodeSync", "Placement", "check_layout", "detect_placement", "dist_initialized"]
+__all__ = ["NodeSync", "Placement", "detect_placement", "dist_initialized"]
 
 log = logging.getLogger(__name__)
 

@@ -511,4 +511,4 @@ def ledgers(cache_path: str, header_only: bool = True) -> list[Ledger]:
 
 
 __all__ = ["Ledger", "applied", "coverage_dir", "ledger_lock", "ledger_path", "ledgers",
-           "note_applied", "read_unattributed", "record_trained", "remap", "retag_origins"]
+           "note_applied", "read_unattributed", "record_trained", "remap"]

@@ -144,4 +144,4 @@ def settle(cache: SampleStore, run: str, covered: Callable[[int, str], bool],
     return committed, dropped
 
 
-__all__ = ["STAGED_DIR", "commit", "run_key", "settle", "stage"]
+__all__ = ["commit", "run_key", "settle", "stage"]
