@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .options import ReaderKwargs, ReaderOptions
+from .options import RESUME_GRACE_S, ReaderKwargs, ReaderOptions
 from .store import PutResult, SampleStore, Snapshot
 from .store.leases import DEFAULT_LEASE_TIMEOUT_S
 
@@ -80,13 +80,6 @@ class Cache:
                                   level=level, sync=sync, readonly=readonly,
                                   max_map_size=max_map_size, lease_timeout_s=lease_timeout_s)
 
-    @classmethod
-    def _of(cls, store: SampleStore) -> Cache:
-        """A Cache over a store opened already (the library's own layers hold stores)."""
-        cache = cls.__new__(cls)
-        cache._store = store
-        return cache
-
     # -- the cache ---------------------------------------------------------------------------
 
     @property
@@ -113,7 +106,9 @@ class Cache:
     def stats(self) -> dict[str, Any]:
         """Counters, capacity, leases, daemon and sampler health, requests and turnover, as a
         JSON-able dict (what ``epochcache status --json`` prints)."""
-        return self._store.stats()
+        from .store.status import collect_stats
+
+        return collect_stats(self._store)
 
     def counters(self) -> Counters:
         """The cache's counters: samples and bytes stored, inserted, evicted, quarantined."""
@@ -123,14 +118,19 @@ class Cache:
         """How much of each source training has seen: per source the samples listed, those
         trained at least once, a histogram of epochs per sample, the growth rate and the time
         to see every sample once (see `epochcache.store.coverage`)."""
-        return self._store.coverage()
+        from .store.coverage import coverage
+
+        return coverage(self._store)
 
     def record_trained(self, seqs: Sequence[int] | np.ndarray, *, epoch: int | None = None,
                        job: str = "") -> dict[str, Any]:
         """Count ``seqs`` as trained in one more epoch (once each) in the coverage ledger of
         their sources; call it when an epoch, or the part of one a checkpoint covers, is done
         (``epochcache run`` does). Returns ``{"trained", "new", "unattributed"}``."""
-        return self._store.record_trained(seqs, epoch=epoch, job=job)
+        from .store.ledger import record_trained
+
+        return record_trained(self._store, np.asarray(seqs, dtype=np.uint64), epoch=epoch,
+                              job=job)
 
     def history(self, limit: int | None = None) -> list[dict[str, Any]]:
         """Stats history rows (what ``status`` rates and ``plot`` are drawn from), oldest
@@ -154,7 +154,9 @@ class Cache:
         Raises:
             CacheError: ``dst`` exists and is not an empty directory.
         """
-        return self._store.copy_to(dst)
+        from .store.copy_cache import copy_cache
+
+        return copy_cache(self._store, dst)
 
     # -- samples -----------------------------------------------------------------------------
 
@@ -273,7 +275,7 @@ class Cache:
 
     def stream(self, *, seed: int = 0, shuffle: bool = True,
                samples_per_epoch: int | None = None, split_ranks: bool = True,
-               release: str = "progressive", resume_grace_s: float = 1800.0,
+               release: str = "progressive", resume_grace_s: float = RESUME_GRACE_S,
                options: ReaderOptions | None = None,
                **reader: Unpack[ReaderKwargs]) -> CacheStream:
         """A torch IterableDataset taking a fresh snapshot per epoch, for your own DataLoader
@@ -291,7 +293,7 @@ class Cache:
                samples_per_epoch: int | None = None, min_samples: int = 1,
                wait_timeout_s: float | None = None, start_epoch: int = 0,
                release: str = "progressive", resume: dict[str, Any] | list[Any] | None = None,
-               resume_grace_s: float = 1800.0,
+               resume_grace_s: float = RESUME_GRACE_S,
                collate_fn: Callable[[Any], Any] | None = None,
                persistent_workers: bool | None = None,
                worker_init_fn: Callable[[int], None] | None = None,

@@ -25,7 +25,7 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import (
     CacheError,
@@ -37,6 +37,9 @@ from .errors import (
 )
 from .redact import install_log_redaction, redact_url, scrub_urls
 from .writable import check_writable, writing
+
+if TYPE_CHECKING:
+    from .store import SampleStore
 
 log = logging.getLogger("epochcache")
 
@@ -62,7 +65,7 @@ USAGE_ERRORS = (ConfigError, SourceUnavailable, PathNotWritable, CacheUnusable, 
 def _existing_cache(path: str) -> str:
     """``path`` if it holds a cache, else `CacheUnusable` saying what to give instead (and
     naming a killed copy's leftover beside it)."""
-    from .store.copy_cache import leftover_hint
+    from .store.datafile import leftover_hint
 
     if not os.path.isdir(path):
         raise CacheUnusable(f"{path}: no such directory; point the command at the cache.dir "
@@ -74,7 +77,7 @@ def _existing_cache(path: str) -> str:
     return path
 
 
-def _open_cache_readonly(path: str) -> Any:
+def _open_cache_readonly(path: str) -> SampleStore:
     from .store import SampleStore
 
     return SampleStore(_existing_cache(path), readonly=True)
@@ -144,7 +147,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _cmd_copy(args: argparse.Namespace) -> int:
-    from .store.copy_cache import check_destination
+    from .store.copy_cache import check_destination, copy_cache
     from .units import format_count, format_size
 
     try:
@@ -155,7 +158,7 @@ def _cmd_copy(args: argparse.Namespace) -> int:
     # SIGTERM (a scheduler, `timeout`) stops the copy as Ctrl-C does: its partial copy removed.
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
-        report = cache.copy_to(args.dest)
+        report = copy_cache(cache, args.dest)
     except KeyboardInterrupt as exc:
         print(f"epochcache copy: {exc or 'interrupted'}: stopped before the end; nothing was "
               f"written at {args.dest} (the partial copy was removed) and {args.cache_dir} "

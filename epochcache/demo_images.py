@@ -18,8 +18,6 @@ from typing import Any
 import numpy as np
 
 NUM_CLASSES = 10
-CLASS_NAMES = ("circle", "square", "triangle", "diamond", "cross", "ring", "star", "hexagon",
-               "ellipse", "crescent")
 
 Mask = Callable[[np.ndarray, np.ndarray, Any], np.ndarray]
 

@@ -29,6 +29,11 @@ DecodeFn = Callable[[str, Any], Any]
 #: the job ends). Batches are milliseconds; 5 minutes is a stuck read, not a slow one.
 DEFAULT_STALL_S = 300.0
 
+#: How long past its last heartbeat a dead run's epoch lease that a checkpoint names is kept,
+#: seconds, for a resume to continue the epoch (``cache.resume_grace_s``, ``epochs()``,
+#: ``stream()``): the one place this default is written.
+RESUME_GRACE_S = 1800.0
+
 ON_ERROR = ("raise", "skip")
 STALL_ACTIONS = ("raise", "warn")
 IMAGE_FORMS = ("numpy", "torch", "pil")

@@ -150,7 +150,7 @@ def _coverage_axes(ax: Axes, coverage: Sequence[dict[str, Any]],
     ax.legend(loc="lower right", fontsize=8)
 
 
-def _share_time_axis(axes: Sequence[Axes]) -> None:
+def _common_time_axis(axes: Sequence[Axes]) -> None:
     """One time span for the panels drawn against time (coverage rows outlast the history)."""
     spans = [ax.get_xlim() for ax in axes]
     lo, hi = min(span[0] for span in spans), max(span[1] for span in spans)
@@ -171,7 +171,7 @@ def plot_cache(history: Sequence[dict[str, Any]], out: str | os.PathLike[str], t
         fig, (ax_fill, ax_rate) = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
     _fill_axes(ax_fill, ax_rate, history)
     if coverage:
-        _share_time_axis([ax_fill, ax_rate, ax_cov])
+        _common_time_axis([ax_fill, ax_rate, ax_cov])
     if title:
         fig.suptitle(title)
     fig.savefig(out, dpi=110)
@@ -236,7 +236,7 @@ def run_figure(metrics: Sequence[dict[str, Any]], history: Sequence[dict[str, An
     _fill_axes(axes[1][0], axes[1][1], history, ends)
     if coverage:
         _coverage_axes(axes[1][2], coverage, history)
-        _share_time_axis([axes[1][0], axes[1][1], axes[1][2]])
+        _common_time_axis([axes[1][0], axes[1][1], axes[1][2]])
         ax = axes[0][2]
         ax.set_title("epochs each sample was trained in")
         ax.set_xlabel("epochs")

@@ -47,7 +47,7 @@ import lmdb
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from epochcache import Cache
-from epochcache.store.schema import seq_key
+from epochcache.store.records import seq_key
 
 BATCH = 64
 

@@ -49,7 +49,7 @@ from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from epochcache import Cache
-from epochcache.store.schema import seq_key
+from epochcache.store.records import seq_key
 
 FLOATS = 16384  # 64 KiB of float32
 BATCH = 64

@@ -306,7 +306,7 @@ class _Server:
         buffer per sample; timed like the rows (two passes and ``min_s`` after a warm-up)."""
         from epochcache.data.schedule import epoch_order
         from epochcache.store import store_of
-        from epochcache.store.schema import DB_SAMPLES, seq_keys
+        from epochcache.store.records import DB_SAMPLES, seq_keys
 
         store = store_of(self.caches[size])
         env, db = store.store.env, store.dbs[DB_SAMPLES]

@@ -51,7 +51,8 @@ from common.s3server import S3ServerProcess  # noqa: E402 - the moto server of t
 from epochcache.errors import CacheError  # noqa: E402
 from epochcache.store import SampleStore, store_of  # noqa: E402
 from epochcache.store.codec import read_info  # noqa: E402
-from epochcache.store.schema import DB_SAMPLES, seq_of  # noqa: E402
+from epochcache.store.records import DB_SAMPLES, seq_of  # noqa: E402
+from epochcache.store.status import collect_stats  # noqa: E402
 
 BUCKET = "soak"
 SAMPLES = 1500
@@ -209,7 +210,7 @@ class Soak:
             cache.close()
 
     def stats(self) -> dict[str, Any]:
-        return self._read(lambda cache: cache.stats(), {"samples": 0, "inserted": 0})  # type: ignore[no-any-return]
+        return self._read(lambda cache: collect_stats(cache), {"samples": 0, "inserted": 0})  # type: ignore[no-any-return]
 
     def state(self) -> dict[str, Any]:
         return self._read(lambda cache: store_of(cache).tables.get_state("daemon") or {}, {})  # type: ignore[no-any-return]

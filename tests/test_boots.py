@@ -90,7 +90,7 @@ def test_state_files_keep_instants_of_this_boot_and_drop_those_of_another(
 
     pace_path = tmp_path / "pace-x"
     pace = Pace(SharedPaceState(pace_path))
-    pace.back_off(0.5, first=2.0)  # throttled: paced at ~1.4 requests/s
+    pace.decrease(0.5, first=2.0)  # throttled: paced at ~1.4 requests/s
     pace.reserve()
     assert pace.reserve() > 0.1  # ~0.7 s: the instant of this boot is waited for
     raw = bytearray(pace_path.read_bytes())

@@ -24,7 +24,7 @@ import epochcache.store.tables as cache_module
 from epochcache import Cache, CacheError, CacheFull, SampleTooLarge
 from epochcache.store import store_of
 from epochcache.store.codec import pack_fields
-from epochcache.store.schema import HEADER, Codec, RecordFlags
+from epochcache.store.records import HEADER, Codec, RecordFlags
 
 MakeCache = Callable[..., Cache]
 
@@ -500,7 +500,7 @@ def test_the_quarantine_is_bounded_in_bytes_and_keeps_keys_cut(
     import hashlib
     import json
 
-    from epochcache.store.schema import QUARANTINE_MAX_BYTES
+    from epochcache.store.records import QUARANTINE_MAX_BYTES
 
     assert QUARANTINE_MAX_BYTES == 1024**2
     monkeypatch.setattr(cache_module, "QUARANTINE_MAX_BYTES", 64 * 1024)  # ~80 rows of these

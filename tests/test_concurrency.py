@@ -150,8 +150,8 @@ def test_auto_reaches_the_best_fixed_concurrency_and_settles(remote: Remote) -> 
     late = settled(run.limits)
     middle = statistics.median(late)
     assert middle > START_LIMIT  # it grew to what the latency needs
-    # settled: no back-off, and the limit stays within its probes' reach of where it settled
-    assert run.controls[0].backoffs == 0
+    # settled: no decrease, and the limit stays within its probes' reach of where it settled
+    assert run.controls[0].decreases == 0
     assert all(0.75 * middle <= limit <= 1.35 * middle for limit in late), late
 
 
@@ -275,7 +275,7 @@ def test_a_sampler_killed_while_holding_the_budget_does_not_wedge_the_others(
 
 
 def test_the_samplers_of_a_daemon_share_one_pace_per_source(tmp_path: Path) -> None:
-    """Two samplers' controls on one shared pace: a back-off seen by one slows both, their
+    """Two samplers' controls on one shared pace: a decrease seen by one slows both, their
     requests get instants of one schedule, and once one has nothing to fetch the other has
     the whole rate (its own share would leave the remote's rate half used)."""
     from epochcache.ingest.pace import Pace, SharedPaceState
@@ -285,9 +285,9 @@ def test_the_samplers_of_a_daemon_share_one_pace_per_source(tmp_path: Path) -> N
     second = Pace(SharedPaceState.in_cache(tmp_path, "web"), clock=lambda: now[0])
     other = Pace(SharedPaceState.in_cache(tmp_path, "books"), clock=lambda: now[0])
     assert first.reserve() == 0.0 and first.rate is None  # not paced before throttling
-    assert first.back_off(share=0.5, first=100.0)
+    assert first.decrease(share=0.5, first=100.0)
     assert first.rate == pytest.approx(70.0)  # 100 x the least factor (0.7)
-    assert not second.back_off(share=0.1, first=100.0)  # within HOLD_S of the first
+    assert not second.decrease(share=0.1, first=100.0)  # within HOLD_S of the first
     waits = [pace.reserve() for pace in (first, second, first, second)]
     assert waits == pytest.approx([0, 1 / 70, 2 / 70, 3 / 70], rel=0.05)
     assert second.rate is not None and other.reserve() == 0.0  # another source: its own

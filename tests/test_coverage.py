@@ -22,14 +22,14 @@ from common.daemonproc import upload, wait_cached, wait_running, write_config
 from common.procs import run_processes
 
 from epochcache import Cache
-from epochcache.ingest.origins import index_map
+from epochcache.ingest.origin_tagger import index_map
 from epochcache.ingest.sources import KeyTable
 from epochcache.store import SampleStore, store_of
 from epochcache.store.codec import read_info
 from epochcache.store.ledger import Ledger, ledger_path, ledgers, remap
 from epochcache.store.listings import register_listing
 from epochcache.store.origins import Origin
-from epochcache.store.schema import DB_ORIGINS, DB_SAMPLES
+from epochcache.store.records import DB_ORIGINS, DB_SAMPLES
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -231,7 +231,7 @@ def test_live_lease_on_a_recycled_pid_is_not_confused(tmp_path: Path) -> None:
         snap = cache.snapshot()
         # Rewrite the lease as if our pid had been recycled: same pid, another start time.
         from epochcache.store.leases import read_leases, write_lease
-        from epochcache.store.schema import DB_LEASES
+        from epochcache.store.records import DB_LEASES
 
         def age(txn):  # type: ignore[no-untyped-def]
             [lease] = read_leases(txn, store_of(cache).dbs[DB_LEASES])

@@ -278,7 +278,7 @@ def test_reader_opening_while_a_sampler_grows_the_map(tmp_path: Path) -> None:
         import sys
         from epochcache import Cache
         from epochcache.store import store_of
-        from epochcache.store.schema import DB_STATE
+        from epochcache.store.records import DB_STATE
         cache = Cache(sys.argv[1], capacity="1GiB")
         env = store_of(cache).store.env
         txn = env.begin(write=True)

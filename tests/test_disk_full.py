@@ -30,7 +30,7 @@ from common.tmpfs import mounted_tmpfs
 from epochcache import Cache, CacheError, CacheFull, CacheIOError
 from epochcache.store import store_of
 from epochcache.store.plans import Releaser
-from epochcache.store.schema import DB_SAMPLES, seq_key
+from epochcache.store.records import DB_SAMPLES, seq_key
 
 SAMPLE = 4000  # incompressible: one LMDB overflow page each
 

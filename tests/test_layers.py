@@ -1,8 +1,9 @@
 """The layering is a test: import contracts (import-linter) and a torch-free ingest layer.
 
 docs/contributing.md "Layout" describes the layers; pyproject.toml's ``[tool.importlinter]`` states them as
-contracts. These tests run the real ``lint-imports`` on the package, show that it fails on a
-deliberate violation (so the contracts are not vacuous), and check at run time that the ingest
+contracts, and that no package's modules import each other in a cycle. These tests run the
+real ``lint-imports`` on the package, show that it fails on a deliberate violation and a
+deliberate cycle (so the contracts are not vacuous), and check at run time that the ingest
 layer and the daemon command never import torch.
 """
 
@@ -39,7 +40,7 @@ def _copy_package(tmp_path: Path) -> Path:
 def test_the_package_keeps_its_import_contracts() -> None:
     result = _lint(ROOT)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "4 kept, 0 broken" in result.stdout
+    assert "5 kept, 0 broken" in result.stdout
 
 
 @pytest.mark.parametrize(
@@ -59,6 +60,20 @@ def test_a_violation_breaks_its_contract(tmp_path: Path, module: str, violation:
     result = _lint(root, contract)
     assert result.returncode != 0, f"{contract}: {violation!r} went unnoticed"
     assert "BROKEN" in result.stdout and module.removesuffix(".py").replace("/", ".") in result.stdout
+
+
+def test_a_cycle_breaks_the_acyclic_contract_even_when_only_types_close_it(
+        tmp_path: Path) -> None:
+    # verify imports repair; repair importing verify back, only for a type, is a cycle.
+    root = _copy_package(tmp_path)
+    path = root / "epochcache" / "store" / "repair.py"
+    path.write_text(path.read_text() + "\nimport typing  # deliberate cycle\n\n"
+                    "if typing.TYPE_CHECKING:\n    from .verify import VerifyReport\n")
+    result = _lint(root, "acyclic")
+    assert result.returncode != 0, "a cycle through a TYPE_CHECKING import went unnoticed"
+    assert "No cycles are allowed in epochcache.store" in result.stdout, result.stdout
+    assert ".repair -> .verify" in result.stdout or ".verify -> .repair" in result.stdout, \
+        result.stdout
 
 
 def test_ingest_and_the_daemon_command_never_import_torch(tmp_path: Path) -> None:

@@ -169,7 +169,7 @@ def test_reads_of_a_reclaimed_snapshot_raise_snapshot_closed_naming_the_lease(
     # Another process judged the holder dead and reclaimed its lease; writers evicted since.
     other = Cache(path, sync=False)
     from epochcache.store.leases import delete_lease
-    from epochcache.store.schema import DB_LEASES
+    from epochcache.store.records import DB_LEASES
 
     store_of(other).store.write(lambda txn: delete_lease(txn, store_of(other).dbs[DB_LEASES], lease_id))
     _fill(other, "new", 25)
@@ -193,7 +193,7 @@ def test_an_epoch_whose_lease_was_reclaimed_raises_snapshot_closed(tmp_path: Pat
     _fill(cache, "old", 18)
     other = Cache(path, sync=False)
     from epochcache.store.leases import delete_lease
-    from epochcache.store.schema import DB_LEASES
+    from epochcache.store.records import DB_LEASES
 
     with pytest.raises(SnapshotClosed, match="epoch 0 lost its lease") as info:
         for _epoch, loader in cache.epochs(1, batch_size=1, num_workers=workers,

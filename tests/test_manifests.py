@@ -30,7 +30,7 @@ from epochcache.store import store_of
 from epochcache.store.codec import read_info
 from epochcache.store.ledger import Ledger, ledgers
 from epochcache.store.manifests import ManifestWriter, epoch_keys, manifest_path
-from epochcache.store.schema import DB_SAMPLES
+from epochcache.store.records import DB_SAMPLES
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -27,7 +27,7 @@ from common.cachecheck import content_for
 from epochcache import Cache
 from epochcache.store import store_of
 from epochcache.store.codec import decode_payload
-from epochcache.store.schema import seq_key
+from epochcache.store.records import seq_key
 
 path, n = sys.argv[1], int(sys.argv[2])
 cache = Cache(path, max_map_size="4MiB")  # a small mapping: the writer outgrows it

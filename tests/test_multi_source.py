@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import yaml
-from common.cachecheck import full_check
+from common.cachecheck import full_check, recount
 from common.daemonproc import (
     REPO,
     all_samplers,
@@ -29,7 +29,6 @@ from conftest import free_port, s3_options
 
 from epochcache.demo import make_samples, write_demo_data
 from epochcache.store import store_of
-from epochcache.store.source_counters import recount
 
 pytestmark = pytest.mark.timeout(180)
 

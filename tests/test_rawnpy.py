@@ -112,7 +112,7 @@ def test_batches_with_an_odd_sample_give_what_the_general_path_gives(cache: Cach
 def test_template_rejects_what_it_cannot_copy() -> None:
     import struct
 
-    from epochcache.store.schema import HEADER
+    from epochcache.store.records import HEADER
 
     def record(key: str, payload: bytes, codec: int = 0, flags: int = 0) -> memoryview:
         raw = key.encode()

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from epochcache.errors import CacheCorrupted
 from epochcache.store import codec
-from epochcache.store.schema import HEADER
+from epochcache.store.records import HEADER
 
 
 def _payload_and_crc(record: bytes) -> tuple[bytes, int]:
@@ -46,22 +46,22 @@ def test_one_flipped_bit_in_a_large_payload_is_detected(size: int) -> None:
         codec.check_record(bytes(record))
 
 
-def test_the_gate_stops_probing_a_kind_that_does_not_compress_and_reopens() -> None:
-    gate = codec.CompressGate()
+def test_the_trial_stops_probing_a_kind_that_does_not_compress_and_resumes() -> None:
+    trial = codec.CompressionTrial()
     noise, text = os.urandom(300_000), b"abc" * 100_000
-    records = [codec.encode_record(f"s/{i}.bin", noise, gate=gate) for i in range(100)]
+    records = [codec.encode_record(f"s/{i}.bin", noise, trial=trial) for i in range(100)]
     assert all(codec.read_info(r).codec == codec.Codec.RAW for r in records)
-    probed = sum(gate.should_try("bin") for _ in range(320))
-    assert 5 <= probed <= 15  # one in GATE_EVERY once closed
-    # another kind is judged on its own, and content that compresses again reopens the gate
-    assert codec.read_info(codec.encode_record("s/t.txt", text, gate=gate)).codec == codec.Codec.ZSTD
-    for i in range(codec.GATE_EVERY):
-        codec.encode_record(f"s/z{i}.bin", text, gate=gate)
-    assert codec.read_info(codec.encode_record("s/after.bin", text, gate=gate)).codec == codec.Codec.ZSTD
-    assert gate.should_try("bin")
+    probed = sum(trial.should_try("bin") for _ in range(320))
+    assert 5 <= probed <= 15  # one in TRIAL_EVERY once closed
+    # another kind is judged on its own, and content that compresses again ends the trial
+    assert codec.read_info(codec.encode_record("s/t.txt", text, trial=trial)).codec == codec.Codec.ZSTD
+    for i in range(codec.TRIAL_EVERY):
+        codec.encode_record(f"s/z{i}.bin", text, trial=trial)
+    assert codec.read_info(codec.encode_record("s/after.bin", text, trial=trial)).codec == codec.Codec.ZSTD
+    assert trial.should_try("bin")
 
 
 @pytest.mark.parametrize("key, kind", [("a/b.npy", "npy"), ("x.tar/0001.jpg", "jpg"),
                                        ("noext", ""), ("a.b/c", ""), ("s/x.npy.gz", "gz")])
 def test_the_kind_of_a_key_is_its_extension(key: str, kind: str) -> None:
-    assert codec.CompressGate.kind(key) == kind
+    assert codec.CompressionTrial.kind(key) == kind

@@ -10,7 +10,7 @@ one-line message, print no traceback (``Traceback``, ``Exception ignored``, ``Ex
 thread``), leave no process behind and release its lease.
 
 The signal handler used to raise wherever the main thread was: into DataLoader start-up (the
-workers, told by the same Ctrl-C, died half-way through their queues), and between a map-gate
+workers, told by the same Ctrl-C, died half-way through their queues), and between a remap-lock
 entry of the store and its ``try`` (a later map resize then waits forever for that entry).
 """
 
@@ -79,21 +79,21 @@ def train_epoch(run, epoch, loader):
 '''
 
 GATE_TRAINER = '''\
-"""SIGTERM lands between a map-gate begin_read's entry and its try (options: report)."""
+"""SIGTERM lands between a remap-lock begin_read's entry and its try (options: report)."""
 import atexit
 import signal
 import threading
 
 from epochcache.examples import train_epoch as example_epoch
-from epochcache.store import mapgate
+from epochcache.store import remap_lock
 
 
 def _report(path):
-    gate = mapgate.gate()
-    left = len(gate._active)
+    lock = remap_lock.lock()
+    left = len(lock._active)
     # A map resize waits until no other thread has a transaction open.
     done = threading.Event()
-    threading.Thread(target=lambda: (gate.remap(lambda: None), done.set()), daemon=True).start()
+    threading.Thread(target=lambda: (lock.remap(lambda: None), done.set()), daemon=True).start()
     done.wait(20)
     with open(path, "w") as f:
         f.write(f"entries left {left}, remap {'done' if done.is_set() else 'waits forever'}")
@@ -101,8 +101,8 @@ def _report(path):
 
 def train_epoch(run, epoch, loader):
     atexit.register(_report, run.options["report"])
-    gate = mapgate.gate()
-    enter = gate.enter
+    lock = remap_lock.lock()
+    enter = lock.enter
     armed = []
 
     def enter_then_signal():
@@ -112,7 +112,7 @@ def train_epoch(run, epoch, loader):
             # A real SIGTERM, to the main thread, which runs the handler right here.
             signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)
 
-    gate.enter = enter_then_signal
+    lock.enter = enter_then_signal
 
     def batches():
         for index, batch in enumerate(loader):
@@ -278,12 +278,12 @@ def test_every_signal_at_every_moment_three_times(tmp_path: Path, moment: str, h
     _interrupt_run(tmp_path, moment, how)
 
 
-def test_sigterm_inside_a_store_read_leaves_the_map_gate_open(tmp_path: Path) -> None:
-    """SIGTERM delivered right after a read transaction's map-gate entry, before its ``try``:
+def test_sigterm_inside_a_store_read_leaves_the_remap_lock_open(tmp_path: Path) -> None:
+    """SIGTERM delivered right after a read transaction's remap-lock entry, before its ``try``:
     the run used to raise there, the entry was never left, and a later map resize (any
     thread's ``set_mapsize``) waited for it forever. Now the run stops at the next batch."""
     (tmp_path / "gate_trainer.py").write_text(GATE_TRAINER)
-    report = tmp_path / "gate.report"
+    report = tmp_path / "remap_lock.report"
     config = demo_config(tmp_path, train={"epochs": 2, "entrypoint": "gate_trainer:train_epoch",
                                           "options": {"report": str(report)}})
     write_yaml(tmp_path / "cfg.yaml", config)

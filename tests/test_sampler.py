@@ -89,7 +89,7 @@ def test_bytes_in_flight_stay_within_the_limit(tmp_path: Path) -> None:
 
 
 def test_samplers_store_samples_with_the_configured_compression(tmp_path: Path) -> None:
-    from epochcache.store.schema import Codec
+    from epochcache.store.records import Codec
 
     fs = fsspec.filesystem("memory")
     for i in range(10):

@@ -5,14 +5,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from common.cachecheck import recount
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from epochcache import Cache
 from epochcache.errors import CacheFull
 from epochcache.store import store_of
-from epochcache.store.schema import DB_META
-from epochcache.store.source_counters import recount, registered_names
+from epochcache.store.records import DB_META
+from epochcache.store.source_counters import registered_names
 
 
 def actual(cache: Cache, names: list[str]) -> dict[str, dict[str, int]]:

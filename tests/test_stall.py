@@ -56,7 +56,7 @@ def test_slow_read_on_the_raw_npy_fast_path_names_the_key(tmp_path: Path,
     # one call in the loop besides LMDB's get) for sample 7, standing in for a page fault on a
     # stuck disk.
     from epochcache.data.rawnpy import NpyTemplate
-    from epochcache.store.schema import HEADER
+    from epochcache.store.records import HEADER
 
     fill(str(tmp_path / "c"), 0, 16, floats=1024)
     cache = Cache(tmp_path / "c", sync=False)

@@ -14,7 +14,7 @@ from common.cachecheck import assert_consistent, content_for, full_check
 
 from epochcache import Cache, SampleRejected, SampleTooLarge
 from epochcache.store import store_of
-from epochcache.store.schema import MAX_KEY_BYTES, index_key
+from epochcache.store.records import MAX_KEY_BYTES, index_key
 
 
 def test_index_key_is_the_key_when_lmdb_can_hold_it() -> None:

@@ -22,7 +22,7 @@ import yaml
 
 from epochcache import Cache, CacheUnusable
 from epochcache.demo import write_demo_data
-from epochcache.store.schema import C_FORMAT, DB_META, FORMAT_VERSION, pack_u64
+from epochcache.store.records import C_FORMAT, DB_META, FORMAT_VERSION, pack_u64
 
 pytestmark = pytest.mark.timeout(180)
 

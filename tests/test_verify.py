@@ -19,7 +19,7 @@ from common.cachecheck import assert_consistent, content_for, full_check
 
 from epochcache import Cache
 from epochcache.store import store_of
-from epochcache.store.schema import pack_u64, seq_key, unpack_u64
+from epochcache.store.records import pack_u64, seq_key, unpack_u64
 
 
 def _verify(path: Path, *args: str) -> subprocess.CompletedProcess[str]:

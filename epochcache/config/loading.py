@@ -16,7 +16,7 @@ from ..errors import ConfigError
 from ..redact import REDACTED, scrub, scrub_urls
 from .environment import interpolate
 from .schema import EpochcacheConfig
-from .secrets import found_secrets, get_path, set_secrets
+from .secrets import found_secrets, get_path
 
 
 def parse_config(
@@ -45,7 +45,7 @@ def parse_config(
         raise ConfigError(
             describe_errors(exc, origin, hidden, secrets, EpochcacheConfig)
         ) from None
-    set_secrets(config, secret_paths, secrets, origin)
+    config.set_secrets(secret_paths, secrets, origin)
     return config
 
 

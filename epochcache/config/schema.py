@@ -31,12 +31,12 @@ from ..limits import (
     DEFAULT_MAX_BYTES_IN_FLIGHT,
     DEFAULT_MAX_SAMPLE_BYTES,
 )
-from ..options import DEFAULT_STALL_S, ReaderOptions
+from ..options import DEFAULT_STALL_S, RESUME_GRACE_S, ReaderOptions
 from ..redact import REDACTED, is_secret_key, redact_options, redact_tree
 from ..registry import LAYOUTS, missing_requirement
 from ..units import headroom_bytes, parse_duration, parse_headroom, parse_size
 from .environment import pyarrow_available, resolve_node
-from .secrets import found_secrets, set_path, set_secrets
+from .secrets import found_secrets, set_path
 
 log = logging.getLogger("epochcache.config")
 
@@ -308,7 +308,7 @@ class CacheConfig(_Section):
         description="fsync every commit: survives power loss; false keeps kill -9 safety only",
     )
     resume_grace_s: Duration = Field(
-        default=1800.0,
+        default=RESUME_GRACE_S,
         description="a dead run's epoch lease that a checkpoint names is kept this long past "
                     "its last heartbeat, for `run --resume` to continue the epoch; then it is "
                     "reclaimed",
@@ -670,10 +670,17 @@ class EpochcacheConfig(_Section):
         if "config" not in data:
             data = {"config": data}
         config = cls.model_validate(data["config"])
-        set_secrets(config, set(data.get("secret_paths", ())),
-                    set(data.get("secret_values", ())) | found_secrets(data["config"]),
-                    str(data.get("origin", "<dict>")))
+        config.set_secrets(set(data.get("secret_paths", ())),
+                           set(data.get("secret_values", ())) | found_secrets(data["config"]),
+                           str(data.get("origin", "<dict>")))
         return config
+
+    def set_secrets(self, paths: set[str], values: set[str], origin: str) -> None:
+        """Mask ``values`` (and the settings at ``paths``) in this config and its sources;
+        ``origin`` is the file it was read from."""
+        self._secret_paths, self._secret_values, self._origin = paths, values, origin
+        for entry in self.source_entries():
+            entry.config._secret_values = values
 
     def redacted_yaml(self) -> str:
         """`redacted` as YAML (what ``epochcache config`` prints and runs save)."""

@@ -1,16 +1,13 @@
 """What a config masks: the secrets it carries, found in a resolved config or named by the
-``${VAR}`` interpolation, and set on a model so that its ``repr()``, ``redacted()`` and error
-messages hide them (`epochcache.redact` does the masking)."""
+``${VAR}`` interpolation, for `EpochcacheConfig.set_secrets` to hide them in its ``repr()``,
+``redacted()`` and error messages (`epochcache.redact` does the masking)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..redact import secret_values, strings_in, url_secrets
-
-if TYPE_CHECKING:
-    from .schema import EpochcacheConfig
 
 
 def set_path(data: Any, parts: list[str], value: Any) -> None:
@@ -39,14 +36,6 @@ def found_secrets(data: Any) -> set[str]:
     for text in strings_in(data):
         found.update(url_secrets(text))
     return found
-
-
-def set_secrets(config: EpochcacheConfig, paths: set[str], values: set[str], origin: str) -> None:
-    config._secret_paths = paths
-    config._secret_values = values
-    config._origin = origin
-    for entry in config.source_entries():
-        entry.config._secret_values = values
 
 
 def get_path(data: Any, parts: tuple[str, ...]) -> Any:

@@ -35,20 +35,12 @@ import torch
 from ..errors import NodeLayoutError
 from .placement import Placement, detect_placement, dist_initialized
 
-__all__ = ["NodeSync", "Placement", "check_layout", "detect_placement", "dist_initialized",
-           "split_for_rank"]
+__all__ = ["NodeSync", "Placement", "detect_placement", "dist_initialized"]
 
 log = logging.getLogger(__name__)
 
 _LEASE_ID_BYTES = 32  # a lease id is 32 hex digits
 
-
-
-def split_for_rank(order: np.ndarray, place: Placement) -> np.ndarray:
-    """This rank's disjoint share of the node's epoch order (a strided slice, no copy)."""
-    if place.local_world_size <= 1:
-        return order
-    return order[place.local_rank :: place.local_world_size]
 
 
 class NodeSync:

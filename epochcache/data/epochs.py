@@ -44,7 +44,7 @@ from torch.utils.data import DataLoader
 
 from ..errors import PrepareFailed, StallError
 from ..options import NAMES as READER_OPTIONS
-from ..options import ReaderOptions
+from ..options import RESUME_GRACE_S, ReaderOptions
 from ..store import store_of
 from ..store.env import cache_identity
 from .dataset import EpochDataset
@@ -71,7 +71,7 @@ from .resume import adopt_node, ended_lease, log_resume, resume_rank
 from .ring import forget_exited
 from .schedule import (
     EpochSchedule,
-    ScheduleSampler,
+    ScheduleIndices,
     SeqBatches,
     identity,
     in_process_batches,
@@ -127,7 +127,7 @@ class _Pending:
         self.trigger = threading.Event()
         self.schedule: cf.Future[EpochSchedule] = cf.Future()
         self.loader: DataLoader[Any] | None = None
-        self.sampler: ScheduleSampler | None = None
+        self.sampler: ScheduleIndices | None = None
         self.iterator: cf.Future[Any] = cf.Future()
 
 
@@ -184,7 +184,7 @@ class _Epochs:
                  worker_init_fn: Callable[[int], None] | None, stall_s: float | None,
                  stall_file: str | None, loader_kwargs: dict[str, Any], place: Placement,
                  progressive: bool = True, resume: list[NodeStates] | None = None,
-                 resume_grace_s: float = 1800.0) -> None:
+                 resume_grace_s: float = RESUME_GRACE_S) -> None:
         self.cache, self.batch_size, self.num_workers = cache, batch_size, num_workers
         self.seed, self.shuffle, self.drop_last = seed, shuffle, drop_last
         self.samples_per_epoch, self.persistent, self.reader = samples_per_epoch, persistent, reader
@@ -211,7 +211,7 @@ class _Epochs:
         self.inline = num_workers == 0 and self.sync is None
         self.forks = num_workers > 0 and start_method(
             loader_kwargs.get("multiprocessing_context")) == "fork"
-        self.slots: list[tuple[DataLoader[Any], ScheduleSampler]] = []
+        self.slots: list[tuple[DataLoader[Any], ScheduleIndices]] = []
         self.prepared = 0
         self.last_schedule_s = 0.05
         self.abort = threading.Event()
@@ -222,12 +222,12 @@ class _Epochs:
 
     # -- background work --------------------------------------------------------------------
 
-    def _make_loader(self, epoch: int) -> tuple[DataLoader[Any], ScheduleSampler]:
+    def _make_loader(self, epoch: int) -> tuple[DataLoader[Any], ScheduleIndices]:
         slot = self.prepared % 2
         self.prepared += 1
         if self.persistent and slot < len(self.slots):
             return self.slots[slot]  # alternate two loaders: one finishes while one prefetches
-        sampler = ScheduleSampler()
+        sampler = ScheduleIndices()
         generator = torch.Generator().manual_seed(loader_seed(self.seed, epoch, self.place.rank))
         kwargs = dict(self.loader_kwargs)
         if self.num_workers > 0:
@@ -422,7 +422,7 @@ class _Epochs:
             pending.iterator.result(timeout=60)
         except BaseException:  # noqa: BLE001 - the same: its failure was the consumer's to see
             pass
-        # Shut down here, not by the garbage collector (see ScheduleSampler.__iter__): the
+        # Shut down here, not by the garbage collector (see ScheduleIndices.__iter__): the
         # workers may have been started without the epoch's iteration.
         iterator = getattr(pending.loader, "_iterator", None)
         if iterator is not None:
@@ -571,7 +571,7 @@ def epochs(
     start_epoch: int = 0,
     release: str = "progressive",
     resume: dict[str, Any] | list[Any] | None = None,
-    resume_grace_s: float = 1800.0,
+    resume_grace_s: float = RESUME_GRACE_S,
     collate_fn: Callable[[Any], Any] | None = None,
     persistent_workers: bool | None = None,
     worker_init_fn: Callable[[int], None] | None = None,
@@ -622,8 +622,9 @@ def epochs(
             and docs/guide/resume.md).
         resume_grace_s: once a loader's [`state_dict`][epochcache.data.epoch_loader.EpochLoader.state_dict] was taken, its
             epoch's lease outlives a stop before the epoch's end (SIGTERM, Ctrl-C, a crash,
-            the process exiting) by this long, so that ``resume=`` finds its samples; an epoch
-            read to its end releases its lease at once. 0 disables.
+            the process exiting) by this long (seconds; 30 minutes by default), so that
+            ``resume=`` finds its samples; an epoch read to its end releases its lease at
+            once. 0 disables.
         options: how samples are read: decoding, fields, images, the transform (applied in
             the workers, if any) and the stall watchdog
             ([`ReaderOptions`][epochcache.ReaderOptions]; by default a batch slower than

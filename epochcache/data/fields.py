@@ -48,10 +48,6 @@ def parse_fields(fields: str | Sequence[str]) -> Selection:
     return tuple(out)
 
 
-def describe(selection: Selection) -> str:
-    return ", ".join(";".join(alternatives) for alternatives in selection)
-
-
 def blob_fields(key: str) -> list[str]:
     """The names a sample stored as one object answers to: its key's extensions
     (``a/x.0001.jpg`` -> ``0001.jpg``, as WebDataset names tar members) and the last of them

@@ -31,11 +31,11 @@ from typing import Any
 import numpy as np
 
 from ..errors import DecodeError, MissingImageLibrary
+from ..options import IMAGE_FORMS
 
 Buffer = bytes | bytearray | memoryview
 
 IMAGE_EXTS = frozenset({"jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff"})
-IMAGE_FORMS = ("numpy", "torch", "pil")
 INSTALL_HINT = "pip install 'epochcache[images]'"
 #: Pillow's own default, used when Pillow is not installed (simplejpeg alone).
 DEFAULT_MAX_PIXELS = 89_478_485

@@ -26,7 +26,7 @@ import torch
 
 from ..store.codec import field_spans
 from ..store.codec import source_key as _source_key
-from ..store.schema import HEADER, Codec, RecordFlags
+from ..store.records import HEADER, Codec, RecordFlags
 from .collate import alloc_batch, collate_samples
 from .decode import _INT_EXTS, extensions, parse_npy_header
 from .fields import KEY_FIELD, Selection, resolve

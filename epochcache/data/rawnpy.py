@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from ..store.schema import HEADER, Codec, RecordFlags
+from ..store.records import HEADER, Codec, RecordFlags
 from .decode import parse_npy_header
 
 #: codec, flags and key length of a record header (the fields a template pins).

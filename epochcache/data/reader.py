@@ -41,8 +41,8 @@ from ..options import ReaderOptions
 from ..store import SampleStore
 from ..store.codec import decode_payload, source_key
 from ..store.env import PROCESS, begin_read, end_read
-from ..store.schema import DB_SAMPLES, HEADER, Codec, RecordFlags, seq_keys
-from ..store.schema import seq_key as _pack_seq
+from ..store.records import DB_SAMPLES, HEADER, Codec, RecordFlags, seq_keys
+from ..store.records import seq_key as _pack_seq
 from .collate import alloc_batch, collate_samples
 from .copier import SPLIT_BYTES, copy_rows
 from .decode import decode_sample, make_decoder

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..store import Snapshot
-from ..store.schema import DB_SAMPLES, seq_key
+from ..store.records import DB_SAMPLES, seq_key
 from ..units import format_count
 from .elastic import NodeStates, RankLane, rank_lane
 from .placement import Placement

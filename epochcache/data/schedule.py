@@ -3,7 +3,7 @@
 An `EpochSchedule` is one epoch on one rank: its dataset (holding the snapshot's lease
 on the node's leader), its seeded sample order and its batch count. (What a snapshot's readers
 have read, for eviction, is its *release plan*: `epochcache.store.plans`.) The DataLoader
-epochs() builds is driven by a `ScheduleSampler`, which yields batches of sequence
+epochs() builds is driven by a `ScheduleIndices`, which yields batches of sequence
 numbers once the schedule exists, over a `SeqBatches` dataset that turns each such batch
 into a finished batch.
 """
@@ -133,8 +133,10 @@ class SeqBatch(NamedTuple):
     lease_id: str
 
 
-class ScheduleSampler(Sampler[SeqBatch]):
+class ScheduleIndices(Sampler[SeqBatch]):
     """Yields the current schedule's batches of sequence numbers; waits for the schedule first.
+
+    The DataLoader's ``sampler=`` (torch's word; in epochcache a *sampler* is the daemon's).
 
     While ``warm_up`` is active it yields nothing: the loader's workers are being started by
     an iteration that reads nothing (see `epochcache.data.workers.start_workers`).
@@ -199,7 +201,7 @@ def identity(batch: Any) -> Any:
     return batch
 
 
-def in_process_batches(loader: DataLoader[Any], sampler: ScheduleSampler) -> Iterator[Any]:
+def in_process_batches(loader: DataLoader[Any], sampler: ScheduleIndices) -> Iterator[Any]:
     """What iterating ``loader`` yields when it has no workers and pins nothing, without
     DataLoader's per-batch bookkeeping (a profiler ``record_function`` per batch: ~7% of the
     time of a batch of 64 KiB samples read in process).

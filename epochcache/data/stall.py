@@ -167,7 +167,7 @@ def catches_signal(pid: int, signum: int) -> bool:
 _waking: set[int] = set()  # threads with a StallError to raise (see _wake)
 
 
-def _wake(signum: int, frame: Any) -> None:
+def _wake(signum: int, _frame: Any) -> None:
     if threading.get_ident() in _waking:
         raise StallError("stalled")  # replaced by the full error in Watchdog.watch
 
@@ -211,7 +211,6 @@ class Watchdog:
             raise ValueError(f"stall_s: must be a positive number of seconds, got {stall_s!r}")
         self.stall_s = float(stall_s)
         self.stall_file = stall_file
-        self.reports = 0
         self._active: dict[int, Activity] = {}
         self._pid = os.getpid()
         self._stop = threading.Event()
@@ -236,7 +235,6 @@ class Watchdog:
             for activity in list(self._active.values()):
                 if not activity.reported and now - activity.started > self.stall_s:
                     activity.reported = True
-                    self.reports += 1
                     self._report(activity, now)
                 elif activity.raised_at and now - activity.raised_at > max(30.0, self.stall_s):
                     self._emit(f"epochcache: the stalled {activity.label} in {_process_name()} "
@@ -330,8 +328,8 @@ class _Watch:
         active[activity.thread] = activity
         return activity
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: types.TracebackType | None) -> None:
+    def __exit__(self, _exc_type: type[BaseException] | None, exc: BaseException | None,
+                 _tb: types.TracebackType | None) -> None:
         activity = self.activity
         try:
             error = _decided(activity)

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 
-from ..options import ReaderOptions
+from ..options import RESUME_GRACE_S, ReaderOptions
 from ..store import store_of
 from ..store.env import cache_identity
 from ..store.plans import Releaser
@@ -164,7 +164,7 @@ class CacheStream(IterableDataset[Any]):
             keeps turning over during the epoch) or ``"epoch"`` (the whole snapshot stays
             until the epoch ends); see [`epochcache.data.epochs.epochs`][epochcache.data.epochs.epochs].
         resume_grace_s: once [`state_dict`][epochcache.data.stream.CacheStream.state_dict] was taken in an epoch, its lease outlives
-            this process by this long, for a resumed run (see [`load_state_dict`][epochcache.data.stream.CacheStream.load_state_dict]).
+            this process by this long (seconds; 30 minutes by default), for a resumed run (see [`load_state_dict`][epochcache.data.stream.CacheStream.load_state_dict]).
 
     Raises:
         ValueError: an invalid argument (named in the message).
@@ -180,7 +180,7 @@ class CacheStream(IterableDataset[Any]):
         samples_per_epoch: int | None = None,
         split_ranks: bool = True,
         release: str = "progressive",
-        resume_grace_s: float = 1800.0,
+        resume_grace_s: float = RESUME_GRACE_S,
         options: ReaderOptions | None = None,
         **reader: Any,
     ) -> None:

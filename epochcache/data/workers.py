@@ -20,7 +20,7 @@ start is a plain script) and starts a worker in milliseconds:
    ``RandomState`` lock, the way CPython itself holds ``logging``'s locks across a fork. A
    user thread inside ``torch.manual_seed`` or ``np.random`` delays a fork by microseconds
    instead of deadlocking the child. epochcache's own locks are renewed in the child by the
-   modules that own them (``register_at_fork`` in store/env.py, owners.py, mapgate.py,
+   modules that own them (``register_at_fork`` in store/env.py, owners.py, remap_lock.py,
    data/stall.py, collate.py).
 
 What fork cannot protect is a lock of the user's own code held by the user's own thread and

@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from types import TracebackType
 
 from .clockfile import ClockFile
 
@@ -68,8 +67,7 @@ class RequestBudget:
     def __enter__(self) -> RequestBudget:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def __repr__(self) -> str:

@@ -116,7 +116,7 @@ class Committer(threading.Thread):
         self.should_stop, self.quarantine, self.done = should_stop, quarantine, done
         self.before_save = before_save
         # Room for batches to pile up behind a slow commit (grouped, see _group); what they
-        # hold is bounded by the sampler's in-flight byte budget, not by this queue.
+        # hold is bounded by the sampler's limit on bytes in flight, not by this queue.
         self._batches: queue.Queue[Batch | None] = queue.Queue(maxsize=QUEUED_BATCHES)
         #: batches committed in the transaction of an earlier one (see _group)
         self.grouped = 0

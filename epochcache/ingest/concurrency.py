@@ -10,10 +10,11 @@ away, and no fixed number fits both, nor a bucket that throttles. ``sampler.conc
 * **hold**: then it holds, and every `HOLD_S` (doubling up to `HOLD_MAX_S` while
   probes fail) it *probes* a step higher (`PROBE_STEP`), keeping the step only if goodput
   grew by at least half of it, else going back: so it follows a link that got faster, and
-  settles where more requests bring nothing (a busy CPU, the link's bandwidth, the byte budget);
-* **back-off**: a throttled answer (503 SlowDown, 429) or a timeout backs off at once (at most
+  settles where more requests bring nothing (a busy CPU, the link's bandwidth, the limit on
+  bytes in flight);
+* **decrease**: a throttled answer (503 SlowDown, 429) or a timeout lowers it at once (at most
   once per round trip): a probe goes back to the limit that was fine; a timeout multiplies the
-  limit by `BACKOFF`; a throttled answer *paces* the source's requests (`pace`:
+  limit by `DECREASE`; a throttled answer *paces* the source's requests (`pace`:
   AIMD on the rate, shared by the daemon's samplers: a remote that throttles at 100 requests/s
   with 20 ms of latency needs two requests in flight, a window too coarse to settle on). A
   limit that was throttled is remembered as a ceiling that later probes approach by halving
@@ -25,7 +26,7 @@ away, and no fixed number fits both, nor a bucket that throttles. ``sampler.conc
 A round ends once at least ``limit`` requests (and `MIN_ROUND_REQUESTS`) completed and
 `MIN_ROUND_S` or two round trips passed. A round in which the requests in flight never
 reached the limit says nothing about a higher one (the sampler could not supply more: the
-byte budget, the CPU): the limit does not grow on it.
+bytes in flight, the CPU): the limit does not grow on it.
 
 `FixedConcurrency` is an explicit ``concurrency: N``: the limit is N, always.
 
@@ -51,7 +52,7 @@ START_LIMIT = 8
 #: (half of the doubling: the rule of a probe, below).
 START_GAIN = 1.5
 #: A throttled answer or a timeout multiplies the limit by this (outside a probe).
-BACKOFF = 0.7
+DECREASE = 0.7
 #: A probe raises the limit by this fraction (at least 1).
 PROBE_STEP = 0.25
 #: Rounds a probe is measured over.
@@ -78,7 +79,7 @@ class Outcome(enum.IntEnum):
 
 class Phase(enum.IntEnum):
     """Where `AutoConcurrency` is. START -> HOLD (goodput stopped growing, or a
-    back-off); HOLD -> PROBE (a probe is due); PROBE -> PROBE (it paid: the next step) or
+    decrease); HOLD -> PROBE (a probe is due); PROBE -> PROBE (it paid: the next step) or
     HOLD (it did not, or it was throttled)."""
 
     START = 0
@@ -96,8 +97,6 @@ class FixedConcurrency:
         pacer: the source's pace after throttling (default: this process's own).
     """
 
-    auto = False
-
     def __init__(self, limit: int, clock: Callable[[], float] = time.monotonic,
                  pacer: Pace | None = None) -> None:
         if limit < 1:
@@ -108,7 +107,7 @@ class FixedConcurrency:
         self.throttled_at = float("-inf")
         self._clock = clock
         self.pacer = pacer if pacer is not None else Pace(clock=clock)
-        self._since_ok = self._since_throttled = 0  # answers since the pace's last back-off
+        self._since_ok = self._since_throttled = 0  # answers since the pace's last decrease
         self._rtt = 0.0  # smoothed latency of successful requests
 
     @property
@@ -143,7 +142,7 @@ class FixedConcurrency:
             if outcome == Outcome.THROTTLED:
                 answered = self._since_ok + self._since_throttled
                 share = self._since_ok / answered if answered else 1.0
-                if self.pacer.back_off(share, self._getting_through(now)):
+                if self.pacer.decrease(share, self._getting_through(now)):
                     self._since_ok = self._since_throttled = 0
 
     def _getting_through(self, now: float) -> float:
@@ -166,8 +165,6 @@ class AutoConcurrency(FixedConcurrency):
         pacer: the source's pace after throttling (default: this process's own).
     """
 
-    auto = True
-
     def __init__(self, start: int = START_LIMIT, cap: int = MAX_CONCURRENCY,
                  clock: Callable[[], float] = time.monotonic,
                  pacer: Pace | None = None) -> None:
@@ -182,17 +179,17 @@ class AutoConcurrency(FixedConcurrency):
         self._ceiling: float | None = None
         self._ceiling_at = float("-inf")
         self._hold_since, self._hold_s = now, HOLD_S
-        self._last_backoff = float("-inf")
+        self._last_decrease = float("-inf")
         self._ok_rate = 0.0  # successful requests per second, of the last round
         # The round after a change of the limit (and the first) is not judged: its requests
         # went out under the old limit, or into an empty window.
         self._settling = True
         #: (time, limit) of the last changes, for status and tests
         self.changes: deque[tuple[float, float]] = deque([(now, self.limit)], maxlen=256)
-        self.backoffs = 0
+        self.decreases = 0
 
     def set_cap(self, cap: int) -> None:
-        """Lower or raise the highest limit (the byte budget over the mean object size)."""
+        """Lower or raise the highest limit (the bytes-in-flight limit over the mean object size)."""
         self.cap = max(1, min(MAX_CONCURRENCY, cap))
         if self.limit > self.cap:
             self._set(self.cap)
@@ -215,8 +212,8 @@ class AutoConcurrency(FixedConcurrency):
         self._answered(now, outcome, latency_s)  # the pace
         if outcome in (Outcome.THROTTLED, Outcome.TIMEOUT):
             # the window: once per round trip
-            if now - self._last_backoff >= max(MIN_ROUND_S, 2 * self._rtt):
-                self._back_off(now, outcome)
+            if now - self._last_decrease >= max(MIN_ROUND_S, 2 * self._rtt):
+                self._decrease(now, outcome)
             return
         if outcome != Outcome.OK:
             return
@@ -253,14 +250,14 @@ class AutoConcurrency(FixedConcurrency):
         self._rounds = []
         self._hold_since = now
 
-    def _back_off(self, now: float, outcome: Outcome) -> None:
-        self._last_backoff = now
-        self.backoffs += 1
+    def _decrease(self, now: float, outcome: Outcome) -> None:
+        self._last_decrease = now
+        self.decreases += 1
         self._ceiling, self._ceiling_at = self.limit, now
         if self.phase == Phase.PROBE:
             self._set(self._base_limit)  # the step was too much: back to what was fine
         elif outcome == Outcome.TIMEOUT:
-            self._set(self.limit * BACKOFF)
+            self._set(self.limit * DECREASE)
             self._base_limit, self._base_rate = self.limit, 0.0
         self._hold_s = HOLD_S
         self._hold(now)

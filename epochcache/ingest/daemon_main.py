@@ -30,7 +30,7 @@ def _say(event: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
-def main() -> int:
+def serve() -> int:
     """Entry point; returns the exit status (2: nothing was started)."""
     parent_pid = os.getppid()
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, stream=sys.stderr)
@@ -63,4 +63,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(serve())

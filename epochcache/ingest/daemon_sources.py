@@ -29,7 +29,7 @@ from ..errors import SourceError, SourceUnavailable
 from ..redact import redact_url
 from .accounting import RequestStats, saved_requests, source_label
 from .from_config import open_configured_source
-from .relist import Relister
+from .relist import RETRY_S, Relister
 from .sources import (
     Listing,
     ListingJob,
@@ -41,10 +41,6 @@ from .sources import (
 )
 
 log = logging.getLogger(__name__)
-
-#: Seconds between attempts to list an optional source that was unreachable.
-RETRY_S = 60.0
-
 
 #: How long a stop waits for a listing under way to save what it listed.
 STOP_JOIN_S = 10.0

@@ -86,8 +86,6 @@ SHARDS_PER_BATCH = 4
 #: A feed whose batches meet a refusal of the whole source (`SourceRefused`: access denied,
 #: another region, a scheme refused) stops, and tries one batch again after this long.
 REFUSED_RECHECK_S = 600.0
-#: A source none of whose reads succeeded for this long is *failing* (status, log, metrics).
-FAILING_AFTER_S = 60.0
 #: A feed throttled this recently, its batches all in fetch, is passed over by the mixer: the
 #: other sources go on at their own pace instead of waiting for a remote that holds it back.
 THROTTLED_RECENTLY_S = 5.0
@@ -198,7 +196,7 @@ class Feed:
         # The refusal that stopped this source (None: not stopped; see batch_done).
         self.refused: SourceRefused | None = None
         # Wall time of the first failed read since the last one that succeeded (None: the
-        # last read succeeded), and the last error meanwhile: see FAILING_AFTER_S.
+        # last read succeeded), and the last error meanwhile: see store.status.FAILING_AFTER_S.
         self.failing_since: float | None = None
         self.last_error = ""
         store = cache

@@ -5,7 +5,7 @@ more) while the committer writes another: with skewed object sizes (or tar shard
 bound on requests alone lets a sampler hold many GiB. Each batch reserves its expected bytes
 before it is fetched (the listed or manifest size, else an estimate learnt from what was
 fetched), the reservation is corrected to the real size once fetched, and released when the
-batch is committed. A single object larger than the whole budget is still fetched, alone.
+batch is committed. A single object larger than the whole limit is still fetched, alone.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import numpy as np
 from .sources import SampleRef
 
 
-class ByteBudget:
+class InFlight:
     """Bytes reserved by the batches in flight, at most ``limit`` (one batch may exceed it alone).
 
     Args:

@@ -5,15 +5,15 @@ too coarse a way to keep to it (at 100 requests/s and 20 ms of latency, two in f
 exactly the limit, one for half). So the first throttled answer *paces* the source's requests:
 each waits for its instant (a GCRA, like `budget`), and the pace moves by AIMD on the rate:
 
-* **back-off** (multiplicative decrease): a throttled answer multiplies the pace by the share
-  of answers that were not throttled since the last back-off, at most `BACKOFF` and at
-  least `BACKOFF_MIN` (retries bunch up: a share measured over a quarter second swings), at most once per `HOLD_S` (a burst of 503s answers the requests sent
-  before the last back-off could take effect). The first one starts from the rate that was
+* **decrease** (multiplicative): a throttled answer multiplies the pace by the share
+  of answers that were not throttled since the last decrease, at most `DECREASE` and at
+  least `DECREASE_MIN` (retries bunch up: a share measured over a quarter second swings), at most once per `HOLD_S` (a burst of 503s answers the requests sent
+  before the last decrease could take effect). The first one starts from the rate that was
   getting through;
 * **growth**: while the pace holds requests back it grows by `GROWTH` a second (at least
   `STEP_MIN` requests/s), the growth doubling every `DOUBLING_S` without a
   throttled answer (up to `GROWTH_MAX`): back at the remote's rate in well under a
-  second after a back-off, a few 503s, and again; a pace left low (the remote's limit raised)
+  second after a decrease, a few 503s, and again; a pace left low (the remote's limit raised)
   catches up in seconds;
 * a pace that held nothing back for `FORGET_S` is dropped: demand stayed below it.
 
@@ -38,7 +38,7 @@ from typing import Protocol
 from .clockfile import ClockFile
 
 #: A throttled answer multiplies the pace by at most this, at least that...
-BACKOFF, BACKOFF_MIN = 0.9, 0.7
+DECREASE, DECREASE_MIN = 0.9, 0.7
 #: ... at most once per this many seconds.
 HOLD_S = 0.25
 #: Growth per second while the pace holds requests back, its doubling time without a
@@ -136,10 +136,10 @@ class Pace:
             self._rate = rate
         return wait
 
-    def back_off(self, share: float, first: float) -> bool:
+    def decrease(self, share: float, first: float) -> bool:
         """A throttled answer: the pace times ``share`` (the answers not throttled since this
-        process's last back-off; bounded, see the module docstring), or ``first`` (the rate
-        that was getting through) times that when not paced yet. False when a back-off was
+        process's last decrease; bounded, see the module docstring), or ``first`` (the rate
+        that was getting through) times that when not paced yet. False when a decrease was
         made less than `HOLD_S` ago (by any sampler)."""
         now = self._clock()
         with self._state.locked() as cells:
@@ -147,7 +147,7 @@ class Pace:
             if now - cells[4] < HOLD_S:
                 return False
             rate = cells[1] or first
-            rate = max(STEP_MIN, rate * max(BACKOFF_MIN, min(BACKOFF, share)))
+            rate = max(STEP_MIN, rate * max(DECREASE_MIN, min(DECREASE, share)))
             cells[1], cells[2], cells[3], cells[4] = rate, now, now, now
             self._rate = rate
         return True

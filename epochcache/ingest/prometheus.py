@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
 from ..store import SampleStore
+from ..store.coverage import coverage
 from ..store.status import daemon_health, failing_sources, request_totals
 
 if TYPE_CHECKING:
@@ -177,7 +178,7 @@ def coverage_metrics(cache: SampleStore) -> Iterator[Any]:
     ledgers' headers at scrape time, labelled by source (its name, else its URL)."""
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-    report = cache.coverage()
+    report = coverage(cache)
     families = {
         "samples": GaugeMetricFamily("epochcache_coverage_listed_samples", "Samples the "
                                      "source's listing holds (estimated for tar until every "

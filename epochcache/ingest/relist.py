@@ -21,7 +21,8 @@ from .sources import Listing, Source, listing_path, read_listing, relist, source
 
 log = logging.getLogger(__name__)
 
-#: After a failed re-list, try again after this long (or the TTL, if shorter).
+#: A listing that failed is tried again after this long, seconds: a re-list (or after the TTL,
+#: if shorter), and an optional source unreachable at the daemon's start (`daemon_sources`).
 RETRY_S = 60.0
 #: How often a sampler looks at the listing file's modification time.
 FOLLOW_CHECK_S = 2.0

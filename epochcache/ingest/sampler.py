@@ -42,11 +42,11 @@ from ..errors import (
 from ..limits import cut_key, cut_text
 from ..redact import install_log_redaction
 from ..store import SampleStore
+from ..store.status import FAILING_AFTER_S
 from .accounting import saved_requests, source_label
 from .budget import RequestBudget
 from .committer import Batch, Committer, state_name
 from .feed import (
-    FAILING_AFTER_S,
     FETCH_DEPTH,
     IDLE_WAIT_S,
     MAX_BATCHES,
@@ -55,9 +55,9 @@ from .feed import (
     next_feed,
 )
 from .heap import reuse_freed_buffers
-from .inflight import ByteBudget
+from .inflight import InFlight
 from .lifeline import Lifeline, kill_with_parent
-from .origins import OriginTagger
+from .origin_tagger import OriginTagger
 from .sources import STREAMED, Part, SampleRef
 
 #: Libraries whose INFO lines (botocore's "Found credentials in ...") a sampler started
@@ -181,7 +181,7 @@ class Sampler:
                                  level=config.cache.level, sync=config.cache.sync)
         saved = self.cache.tables.get_state(state_name(index)) or {}
         limit = config.sampler.max_bytes_in_flight
-        self.budget = ByteBudget(limit)
+        self.in_flight = InFlight(limit)
         # FETCH_DEPTH batches in fetch, one queued and one committing: each gets a share.
         self.batch_bytes = max(1, min(BATCH_BYTES, limit // (FETCH_DEPTH + 2),
                                       # a commit fits a small cache beside what it holds: a
@@ -317,12 +317,12 @@ class Sampler:
         # handed over (_hand_over_part): the batch reserves what its fetch holds up front.
         need = sum(feed.source.held_bytes(ref, feed.sizes.of(ref), self.batch_bytes)
                    for ref in picked)
-        while self.fetching and not self.budget.fits(need):
+        while self.fetching and not self.in_flight.fits(need):
             self._hand_over()
-        if not self.budget.wait(need, self._stop_or_committer_dead):
+        if not self.in_flight.wait(need, self._stop_or_committer_dead):
             self.committer.check()
             return False
-        self.budget.take(need)
+        self.in_flight.take(need)
         keys = [feed.cache_key(ref.key) for ref in picked]
         with self._in_flight_lock:
             self._in_flight.update(keys)
@@ -408,7 +408,7 @@ class Sampler:
             feed.observed_sizes()
         # From here on the batch holds its records (the fetched payloads are dropped).
         nbytes = sum(len(record) for _, record in records)
-        self.budget.adjust(fetching.reserved, nbytes)
+        self.in_flight.adjust(fetching.reserved, nbytes)
         if records or streamed:
             feed.brought_new()
             self.health.idle = ""
@@ -434,9 +434,9 @@ class Sampler:
         if not records:
             return
         nbytes = sum(len(record) for _, record in records)
-        if not self.budget.wait(nbytes, self._stop_or_committer_dead):
+        if not self.in_flight.wait(nbytes, self._stop_or_committer_dead):
             self.committer.check()  # dead: raises; stopping: what is fetched is committed
-        self.budget.take(nbytes)
+        self.in_flight.take(nbytes)
         index = shards.get(part.shard.key)
         origins = ({} if index is None else
                    self.tagger.part_origins(feed, index, generation, part))
@@ -559,7 +559,7 @@ class Sampler:
         """A batch is finished with: its keys may be fetched again, its bytes are free."""
         with self._in_flight_lock:
             self._in_flight.difference_update(batch.keys)
-        self.budget.release(batch.nbytes)
+        self.in_flight.release(batch.nbytes)
 
     # -- ending -----------------------------------------------------------------------------------
 

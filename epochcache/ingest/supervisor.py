@@ -39,6 +39,7 @@ from ..store import SampleStore
 from ..store.env import make_private_dir
 from ..store.leases import process_record
 from ..store.owners import lock_held
+from ..store.status import collect_stats
 from ..units import format_count, format_size
 from ..writable import first_missing
 from .daemon_sources import DaemonSources
@@ -76,13 +77,14 @@ class DaemonLock:
             os.close(fd)
             raise DaemonAlreadyRunning(
                 f"{os.path.dirname(self.path)}: another epochcache daemon is already filling this "
-                f"cache (pid {self.holder()}); stop it first, or point cache.dir elsewhere"
+                f"cache (pid {self.pid()}); stop it first, or point cache.dir elsewhere"
             ) from None
         os.ftruncate(fd, 0)
         os.write(fd, json.dumps(self._doc).encode())
         self._fd = fd
 
-    def holder(self) -> str:
+    def pid(self) -> str:
+        """The pid of the daemon holding the lock now, as its file says (``unknown``)."""
         found = daemon_sources(os.path.dirname(self.path))
         return str(found[0]) if found is not None and found[0] else "unknown"
 
@@ -149,7 +151,9 @@ class StopRequest:
 
 
 @dataclass
-class _Slot:
+class _SamplerProcess:
+    """One sampler process the supervisor keeps running (restarted when it dies)."""
+
     index: int
     process: Any = None
     restarts: int = 0
@@ -174,7 +178,7 @@ class Supervisor:
         self._stop = StopRequest()
         self._ctx = multiprocessing.get_context("spawn")
         self._sampler_stop = StopFlag(self._ctx)
-        self._slots = [_Slot(i) for i in range(config.sampler.processes)]
+        self._slots = [_SamplerProcess(i) for i in range(config.sampler.processes)]
         self._lock = DaemonLock(self.cache_dir, daemon_doc(config))
         self.cache: SampleStore | None = None
         self.sources = DaemonSources(config)
@@ -288,7 +292,7 @@ class Supervisor:
             self._stop.close()
         return status
 
-    def _start(self, slot: _Slot) -> None:
+    def _start(self, slot: _SamplerProcess) -> None:
         data = self.config.to_transfer()  # keeps what the samplers must mask
         names = self.sources.names if self.config.sources is not None else None
         slot.process = self._ctx.Process(
@@ -378,7 +382,7 @@ class Supervisor:
 
     def _log_progress(self) -> None:
         assert self.cache is not None
-        stats = self.cache.stats()
+        stats = collect_stats(self.cache)
         # Past 100% of the capacity is the headroom at work (epochs hold their snapshots):
         # the line says what the limit is, so 110% does not read as a broken promise.
         log.info(

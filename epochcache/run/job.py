@@ -43,10 +43,10 @@ from ..writable import check_writable
 from .checkpoint import resume_checkpoint
 from .context import RunContext, TimedLoader
 from .devices import CPU, RunDevice
-from .lineage import check_run_sources
 from .midepoch import MidEpoch, checkpointed_coverage, loader_states
 from .progress import TrainProgress, Turnover, train_metrics
 from .signals import Interrupted, StopSignals, Terminated, quiet_worker, shelter_forkserver
+from .source_check import check_run_sources
 from .trained import TrainedRecord, coverage_row
 
 # RunContext and Terminated are re-exported: trainers' type hints (docs/howto/runs.md), callers' except.

@@ -19,11 +19,11 @@ from __future__ import annotations
 import logging
 import signal
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from .context import RunContext
     from .signals import StopSignals
 
 log = logging.getLogger(__name__)
@@ -34,6 +34,14 @@ RESUME_KEY = "resume"
 #: The key of a mid-epoch checkpoint's staged coverage: every rank's token
 #: (`epochcache.store.staged`), counted once the checkpoint is written, or at the resume.
 COVERAGE_KEY = "coverage"
+
+
+class Checkpoints(Protocol):
+    """What saves a checkpoint: the run's `RunContext` (typed here by what is called, so that
+    context, which holds a `MidEpoch`, and this module import each other in one direction)."""
+
+    def save_checkpoint(self, epoch: int, metrics: Mapping[str, Any],
+                        resume: Mapping[str, Any] | None = None) -> Path: ...
 
 
 class MidEpoch:
@@ -49,7 +57,7 @@ class MidEpoch:
         rank: this process's global rank; ``is_main`` writes the file.
     """
 
-    def __init__(self, context: RunContext, loader: Any, epoch: int, *, every_s: float,
+    def __init__(self, context: Checkpoints, loader: Any, epoch: int, *, every_s: float,
                  grace_s: float, stop: StopSignals, rank: int, is_main: bool) -> None:
         self.context, self.loader, self.epoch = context, loader, epoch
         self.every_s, self.grace_s, self.stop = every_s, grace_s, stop

@@ -2,7 +2,7 @@
 
 A Python signal handler runs in the main thread between any two bytecodes. Raising from it (as
 Python's SIGINT handler does) lands the exception anywhere: inside DataLoader start-up, between
-a map-gate entry of the store and its ``try`` (a later map resize then waits forever for that
+a remap-lock entry of the store and its ``try`` (a later map resize then waits forever for that
 entry), half-way through a multiprocessing queue. So `StopSignals` only records the
 first SIGINT or SIGTERM; the run checks it (`StopSignals.check`) at its own safe points --
 between start-up steps, every poll of the wait for ``train.min_samples``, before and after each
@@ -126,7 +126,7 @@ class StopSignals:
         if reporter is not None:
             reporter.join(timeout=2.0)
 
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
+    def _handle(self, signum: int, _frame: FrameType | None) -> None:
         # No logging, no locks here: the main thread may be inside either (the thread logs).
         if os.getpid() != self._pid:  # a process forked from the run, not the run
             if signum == signal.SIGTERM:
@@ -247,7 +247,7 @@ def _quiet_worker_deaths() -> None:
         signal.signal(signal.SIGCHLD, _child_ended)
 
 
-def _child_ended(signum: int, frame: FrameType | None) -> None:
+def _child_ended(signum: int, _frame: FrameType | None) -> None:
     """SIGCHLD's handler once the run stops (`_quiet_worker_deaths`)."""
 
 

@@ -24,7 +24,7 @@ import numpy as np
 
 from ..errors import CacheError
 from ..store import SampleStore, staged
-from ..store.coverage import bucketed
+from ..store.coverage import bucketed, coverage
 from ..store.ledger import record_trained
 from ..store.manifests import ManifestWriter
 
@@ -132,7 +132,7 @@ def coverage_row(cache: SampleStore, record: TrainedRecord) -> dict[str, Any]:
     sources (``covered`` of ``samples``, the epochs-per-sample ``histogram``, ``eta_s``). What
     is staged for the epoch's checkpoint counts as counted (it is, once that is written)."""
     pending = record.preview()
-    report = cache.coverage()
+    report = coverage(cache)
     by_ledger = {row.get("fingerprint"): row for row in report["sources"]}
     for fingerprint, summary in pending["summaries"].items():
         # (a ledger not written yet: one node's, as a new ledger's header says)

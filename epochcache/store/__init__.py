@@ -1,7 +1,7 @@
 """The store layer: everything that touches LMDB.
 
 A cache directory is one LMDB environment (``env``) holding the samples by insertion sequence
-(``schema``, ``codec``), their counters, the snapshot leases, eviction by age, and side tables
+(``records``, ``codec``), their counters, the snapshot leases, eviction by age, and side tables
 (quarantine, state documents, stats history). `SampleStore` puts it together; ``verify``
 and ``status`` read it. This layer imports nothing from ``ingest``, ``data`` or the face, and
 never torch: sampler processes use it as it is.
@@ -9,7 +9,7 @@ never torch: sampler processes use it as it is.
 
 from __future__ import annotations
 
-from .cache import SampleStore
+from .sample_store import SampleStore
 from .snapshot import Snapshot
 from .writer import PutResult
 

@@ -4,7 +4,7 @@ Capacity and headroom are stored in the cache's ``meta`` table, so every process
 the cache (samplers, trainers, ``status``) works to the same limits. The limit in force, the
 *effective capacity*, is the configured capacity unless the disk cannot hold it: then it is a
 runtime back-off of the process that found out (at open, or after a full disk or LMDB map),
-which recovers by itself and is never stored as a limit (`epochcache.store.backoff`).
+which recovers by itself and is never stored as a limit (`epochcache.store.lowered_capacity`).
 Headroom shrinks in proportion with it.
 """
 
@@ -17,11 +17,11 @@ import lmdb
 
 from ..errors import CacheUnusable
 from ..units import headroom_bytes, parse_headroom
-from .backoff import BackOff, published
 from .counters import Counters
 from .datafile import no_cache_here
 from .env import Store
-from .schema import C_FORMAT, DB_META, FORMAT_VERSION, pack_u64, unpack_u64
+from .lowered_capacity import LoweredCapacity, published
+from .records import C_FORMAT, DB_META, FORMAT_VERSION, pack_u64, unpack_u64
 
 _M_CAPACITY = b"capacity"
 _M_HEADROOM = b"headroom"
@@ -103,7 +103,7 @@ class Capacity:
         self.store = store
         self.capacity_bytes = capacity_bytes
         self.headroom_bytes = headroom_bytes
-        self.backoff = BackOff(store, capacity_bytes, headroom_bytes)
+        self.backoff = LoweredCapacity(store, capacity_bytes, headroom_bytes)
 
     def save(self, txn: lmdb.Transaction) -> None:
         """Store the format version, capacity and headroom (refusing another format)."""

@@ -24,7 +24,7 @@ except ImportError:  # no isal wheel for this platform
     from zlib import crc32
 
 from ..errors import CacheCorrupted, SampleRejected
-from .schema import FORMAT_VERSION, HEADER, Codec, RecordFlags, index_key
+from .records import FORMAT_VERSION, HEADER, Codec, RecordFlags, index_key
 
 #: A sample's value: the object's bytes, or a tar sample's fields by extension.
 Value = bytes | Mapping[str, bytes]
@@ -110,14 +110,15 @@ def unpack_fields(payload: bytes | memoryview) -> dict[str, bytes]:
             for name, start, length in field_spans(view)[0]}
 
 
-class CompressGate:
+class CompressionTrial:
     """Remembers, per kind of sample (the key's extension), whether compression pays.
 
     Incompressible samples (images, float noise from instruments) are common; probing each
     one costs a compression pass over 64 KiB (~13% of a sampler's main thread at 1 MiB per
-    sample). After `GATE_MISSES` incompressible samples of a kind in a row, only one in
-    `GATE_EVERY` of that kind is probed, so a change of content is still noticed; one
-    that compresses opens the gate again. One gate per writer (per sampler process).
+    sample). After `TRIAL_MISSES` incompressible samples of a kind in a row, only one in
+    `TRIAL_EVERY` of that kind is probed, so a change of content is still noticed; one
+    that compresses ends the trial: every sample of the kind is tried again. One per writer
+    (per sampler process).
     """
 
     __slots__ = ("_misses", "_skipped")
@@ -134,10 +135,10 @@ class CompressGate:
         return base[dot + 1:][:16] if dot >= 0 else ""
 
     def should_try(self, kind: str) -> bool:
-        if self._misses.get(kind, 0) < GATE_MISSES:
+        if self._misses.get(kind, 0) < TRIAL_MISSES:
             return True
         skipped = self._skipped.get(kind, 0) + 1
-        if skipped >= GATE_EVERY:
+        if skipped >= TRIAL_EVERY:
             self._skipped[kind] = 0
             return True
         self._skipped[kind] = skipped
@@ -150,18 +151,18 @@ class CompressGate:
             self._misses[kind] = self._misses.get(kind, 0) + 1
 
 
-#: Incompressible samples of a kind in a row before the gate closes, and how often it then
-#: probes anyway.
-GATE_MISSES = 8
-GATE_EVERY = 32
+#: Incompressible samples of a kind in a row before only some are tried, and how often one then
+#: is anyway.
+TRIAL_MISSES = 8
+TRIAL_EVERY = 32
 
 
 def encode_record(key: str, value: Value, *, level: int = 3, compress: bool = True,
-                  gate: CompressGate | None = None) -> bytes:
+                  trial: CompressionTrial | None = None) -> bytes:
     """Frame one sample as a record: header, source key, payload (zstd or raw).
 
-    ``gate`` (optional) skips the compression attempt for kinds of samples that have not
-    compressed lately (see `CompressGate`).
+    ``trial`` (optional) skips the compression attempt for kinds of samples that have not
+    compressed lately (see `CompressionTrial`).
     """
     # Plain ints and a bytes check first: ABC isinstance checks and enum arithmetic cost
     # microseconds, as much as compressing a small sample.
@@ -174,8 +175,8 @@ def encode_record(key: str, value: Value, *, level: int = 3, compress: bool = Tr
     else:
         raw = bytes(value)
     codec, payload = _RAW, raw
-    kind = "" if gate is None else CompressGate.kind(key)
-    if compress and len(raw) >= 128 and (gate is None or gate.should_try(kind)):
+    kind = "" if trial is None else CompressionTrial.kind(key)
+    if compress and len(raw) >= 128 and (trial is None or trial.should_try(kind)):
         cctx = _compressor(level)
         # Trial-compress a prefix first (a view: no copy): incompressible data is common and a
         # full pass over it would cost the sampler most of its CPU for nothing.
@@ -187,8 +188,8 @@ def encode_record(key: str, value: Value, *, level: int = 3, compress: bool = Tr
             packed = cctx.compress(raw)
             if len(packed) <= len(raw) * (1 - MIN_SAVING):
                 codec, payload = _ZSTD, packed
-        if gate is not None:
-            gate.saw(kind, codec == _ZSTD)
+        if trial is not None:
+            trial.saw(kind, codec == _ZSTD)
     key_bytes = key.encode("utf-8")
     if len(key_bytes) > 0xFFFF:
         raise SampleRejected(

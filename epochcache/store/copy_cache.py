@@ -48,43 +48,19 @@ import lmdb
 from ..errors import CacheError
 from ..units import format_size
 from ..writable import check_writable
+from .datafile import partial_copies, partial_prefix
 from .env import make_private_dir
 from .ledger import COVERAGE_DIR, LOCK_FILE, ledger_lock
 from .owners import lock_held
-from .schema import DB_LEASES, DB_STATE
+from .records import DB_LEASES, DB_STATE
 
 if TYPE_CHECKING:
-    from .cache import SampleStore
+    from .sample_store import SampleStore
 
 log = logging.getLogger("epochcache.cache")
 
 #: Directories of a cache copied along with its LMDB environment.
 LISTINGS_DIR = "listings"
-#: What a copy's temporary directory beside the destination is called (then a random id).
-PARTIAL = ".{name}.partial-copy-"
-
-
-def _partial_prefix(dst: str) -> str:
-    return os.path.join(os.path.dirname(dst), PARTIAL.format(name=os.path.basename(dst)))
-
-
-def leftovers(dst: str) -> list[str]:
-    """The temporary directories that copies to ``dst`` left beside it (none when every copy
-    ended), oldest first."""
-    found = [path for path in glob.glob(glob.escape(_partial_prefix(dst)) + "*")
-             if os.path.isdir(path)]
-    return sorted(found, key=lambda path: os.stat(path).st_mtime)
-
-
-def leftover_hint(path: str) -> str:
-    """For a message on a missing cache: the leftover of a copy to ``path`` killed part-way."""
-    found = leftovers(os.path.realpath(path))
-    if not found:
-        return ""
-    return (f"; {found[-1]} is what a copy to it left when it was killed part-way: run the "
-            "copy again (`epochcache copy SRC DEST` removes it)")
-
-
 def clear_leftovers(dst: str) -> list[str]:
     """Remove what dead copies to ``dst`` left beside it; return what was removed.
 
@@ -92,14 +68,14 @@ def clear_leftovers(dst: str) -> list[str]:
         CacheError: another copy to ``dst`` is running now.
     """
     removed = []
-    for lock_path in glob.glob(glob.escape(_partial_prefix(dst)) + "*.lock"):
+    for lock_path in glob.glob(glob.escape(partial_prefix(dst)) + "*.lock"):
         partial = lock_path[: -len(".lock")]
         if lock_held(lock_path):
             raise CacheError(f"{dst}: another `epochcache copy` is writing it now (into "
                              f"{partial}); wait for it, or copy somewhere else")
         with contextlib.suppress(FileNotFoundError):
             os.unlink(lock_path)
-    for partial in leftovers(dst):
+    for partial in partial_copies(dst):
         if lock_held(partial + ".lock"):
             continue  # a copy that took its lock after the loop above: it is live
         shutil.rmtree(partial, ignore_errors=True)
@@ -203,7 +179,7 @@ def copy_cache(source: SampleStore, dst: str | os.PathLike[str]) -> dict[str, An
     check_destination(dst)
     clear_leftovers(dst)
     started = time.monotonic()
-    partial = _partial_prefix(dst) + uuid.uuid4().hex[:8]
+    partial = partial_prefix(dst) + uuid.uuid4().hex[:8]
     lock_fd = os.open(partial + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(lock_fd, fcntl.LOCK_EX)
@@ -231,7 +207,7 @@ def copy_cache(source: SampleStore, dst: str | os.PathLike[str]) -> dict[str, An
 
 def _copy_into(source: SampleStore, into: str) -> dict[str, Any]:
     """The copy itself, into the directory ``into``; what was copied."""
-    from .cache import SampleStore
+    from .sample_store import SampleStore
 
     make_private_dir(into)
     _env_copy(source, into)

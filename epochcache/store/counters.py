@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, fields
 
 import lmdb
 
-from .schema import (
+from .records import (
     C_BYTES,
     C_EVICTED,
     C_EVICTED_BYTES,

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from .ledger import Ledger, ledgers, read_unattributed
 
 if TYPE_CHECKING:
-    from .cache import SampleStore
+    from .sample_store import SampleStore
 
 #: The updates the rates are measured over (seconds back from the last one).
 RATE_WINDOW_S = 3600.0

@@ -21,6 +21,7 @@ suite checks it against files the bundled LMDB writes.
 
 from __future__ import annotations
 
+import glob
 import os
 import struct
 
@@ -101,11 +102,35 @@ def check_data_file(path: str, *, create: bool) -> None:
         os.close(fd)
 
 
+#: What a copy's temporary directory beside the destination is called (then a random id).
+PARTIAL = ".{name}.partial-copy-"
+
+
+def partial_prefix(dst: str) -> str:
+    """The name a copy to ``dst`` gives its temporary directory beside it, less its id."""
+    return os.path.join(os.path.dirname(dst), PARTIAL.format(name=os.path.basename(dst)))
+
+
+def partial_copies(dst: str) -> list[str]:
+    """The temporary directories that copies to ``dst`` left beside it (none when every copy
+    ended), oldest first."""
+    found = [path for path in glob.glob(glob.escape(partial_prefix(dst)) + "*")
+             if os.path.isdir(path)]
+    return sorted(found, key=lambda path: os.stat(path).st_mtime)
+
+
+def leftover_hint(path: str) -> str:
+    """For a message on a missing cache: the leftover of a copy to ``path`` killed part-way."""
+    found = partial_copies(os.path.realpath(path))
+    if not found:
+        return ""
+    return (f"; {found[-1]} is what a copy to it left when it was killed part-way: run the "
+            "copy again (`epochcache copy SRC DEST` removes it)")
+
+
 def no_cache_here(path: str) -> str:
     """Why ``path`` holds no cache, and what to do; names the leftover of a copy killed
     part-way beside it, if any."""
-    from .copy_cache import leftover_hint
-
     return (f"{path}: no cache here (data.mdb is missing){leftover_hint(path)}; point the "
             "command at a cache (the cache.dir of a config), or make one: a daemon does, and "
             "Cache(path, capacity=...)")

@@ -35,9 +35,9 @@ from ..boot import boot_id
 from ..errors import CacheError, CacheIOError, CacheUnusable, NodeLayoutError
 from ..launcher import read_placement
 from ..writable import require_writable_dir, writing
-from . import mapgate
+from . import remap_lock
 from .datafile import check_data_file
-from .schema import ALL_DBS, OPTIONAL_DBS
+from .records import ALL_DBS, OPTIONAL_DBS
 
 log = logging.getLogger(__name__)
 
@@ -141,23 +141,23 @@ def begin_read(env: lmdb.Environment) -> lmdb.Transaction[memoryview]:
 
     The caller ends it with `end_read`. Hot paths call this directly instead of
     `Store.read`. Adopting a map another process grew waits until no other thread of
-    this process has a transaction open (`epochcache.store.mapgate`).
+    this process has a transaction open (`epochcache.store.remap_lock`).
     """
-    gate = mapgate.GATE
-    gate.enter()
+    lock = remap_lock.LOCK
+    lock.enter()
     try:
         return env.begin(buffers=True)
     except lmdb.MapResizedError:
-        gate.leave()
-        gate.remap(lambda: env.set_mapsize(0))  # adopt the size another process set
-        gate.enter()
+        lock.leave()
+        lock.remap(lambda: env.set_mapsize(0))  # adopt the size another process set
+        lock.enter()
         try:
             return env.begin(buffers=True)
         except BaseException:
-            gate.leave()
+            lock.leave()
             raise
     except BaseException:
-        gate.leave()
+        lock.leave()
         raise
 
 
@@ -166,7 +166,7 @@ def end_read(txn: lmdb.Transaction[memoryview]) -> None:
     try:
         txn.abort()
     finally:
-        mapgate.GATE.leave()
+        remap_lock.LOCK.leave()
 
 
 def cache_identity(path: str) -> str:
@@ -463,7 +463,7 @@ class Store:
         # Only valid with no transaction of this process open (py-lmdb, "Handling growth"):
         # other threads may be reading from the map this replaces.
         env = self.env
-        mapgate.GATE.remap(lambda: env.set_mapsize(size))
+        remap_lock.LOCK.remap(lambda: env.set_mapsize(size))
         log.debug("%s: LMDB map size set to %d bytes", self.path, size)
 
     def _grow_map(self) -> bool:
@@ -514,8 +514,8 @@ class Store:
             raise CacheError(f"{self.path}: opened read-only")
         while True:
             env = self.env
-            gate = mapgate.GATE
-            gate.enter()  # a write transaction holds buffers into the map too
+            lock = remap_lock.LOCK
+            lock.enter()  # a write transaction holds buffers into the map too
             try:
                 with env.begin(write=True, buffers=True) as txn:
                     return fn(txn)
@@ -533,11 +533,11 @@ class Store:
                     ) from exc
                 raise
             finally:
-                gate.leave()
+                lock.leave()
             # Outside the transaction: replacing the map waits for other threads' to end.
             if resize is None:
                 # adopt the size another process set (the lambda is called at once)
-                gate.remap(lambda: env.set_mapsize(0))  # noqa: B023
+                lock.remap(lambda: env.set_mapsize(0))  # noqa: B023
             elif not self._grow_map():
                 raise resize
 

@@ -38,8 +38,8 @@ from .codec import record_key
 from .counters import Counters
 from .leases import Lease
 from .origins import prune, prune_bound
+from .records import DB_KEYS, DB_SAMPLES, seq_key, seq_of
 from .release import Protection
-from .schema import DB_KEYS, DB_SAMPLES, seq_key, seq_of
 
 
 @dataclass

@@ -28,7 +28,7 @@ from .leases import Lease, process_record, recorded_alive
 from .plans import Part, part_path
 
 if TYPE_CHECKING:
-    from .cache import SampleStore
+    from .sample_store import SampleStore
 
 log = logging.getLogger("epochcache.cache")
 

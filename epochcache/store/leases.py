@@ -21,7 +21,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -151,9 +151,6 @@ class Lease:
         doc = json.loads(bytes(raw))
         return cls(**{k: v for k, v in doc.items() if k in _FIELDS})
 
-    def holds(self, seq: int) -> bool:
-        return self.lo <= seq < self.hi
-
     def awaits_resume(self, now_ns: int) -> bool:
         """Whether a checkpoint names this lease and its grace after the last heartbeat
         (`resume_grace_s`) has not run out: kept even if its holder is dead."""
@@ -259,10 +256,3 @@ def adopt(lease: Lease, *, owner: str, pid: int | None = None) -> Lease:
     fresh.resume_grace_s = lease.resume_grace_s
     return fresh
 
-
-def protected(leases: Iterable[Lease], seq: int) -> Lease | None:
-    """The first lease that holds ``seq``, if any."""
-    for lease in leases:
-        if lease.holds(seq):
-            return lease
-    return None

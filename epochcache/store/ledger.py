@@ -52,10 +52,10 @@ import numpy as np
 from ..atomic import atomic_write
 from .listings import listings as registered_listings
 from .origins import UNKNOWN, _Row, read_origins, unique
-from .schema import DB_ORIGINS, seq_key
+from .records import DB_ORIGINS, seq_key
 
 if TYPE_CHECKING:
-    from .cache import SampleStore
+    from .sample_store import SampleStore
 
 log = logging.getLogger("epochcache.cache")
 
@@ -511,4 +511,4 @@ def ledgers(cache_path: str, header_only: bool = True) -> list[Ledger]:
 
 
 __all__ = ["Ledger", "applied", "coverage_dir", "ledger_lock", "ledger_path", "ledgers",
-           "note_applied", "read_unattributed", "record_trained", "remap", "retag_origins"]
+           "note_applied", "read_unattributed", "record_trained", "remap"]

@@ -24,7 +24,7 @@ import lmdb
 
 from .env import Store
 from .origins import UNKNOWN
-from .schema import DB_META
+from .records import DB_META
 
 #: ``meta`` key of the registry.
 M_LISTINGS = b"coverage_listings"

@@ -48,10 +48,10 @@ import zstandard
 
 from .codec import record_source_key
 from .origins import read_origins
-from .schema import DB_SAMPLES, seq_key
+from .records import DB_SAMPLES, seq_key
 
 if TYPE_CHECKING:
-    from .cache import SampleStore
+    from .sample_store import SampleStore
 
 MANIFESTS_DIR = "manifests"
 _MAGIC = b"ECMF"
@@ -194,14 +194,6 @@ def read_records(path: str | os.PathLike[str]) -> list[Record]:
         text = raw.decode("utf-8", "surrogateescape")
         out.append(Record(header, text.split("\0") if text else []))
     return out
-
-
-def trained_records(records: Sequence[Record]) -> list[Record]:
-    """The records of one file whose samples the model kept, judged by that file alone: a
-    record another on its lane starts at or before was trained again, and another lease means
-    a fresh attempt. [`epoch_records`][epochcache.store.manifests.epoch_records] also applies
-    what the other ranks' files say (a resume on another number of ranks)."""
-    return epoch_records_of({0: list(records)})[0]
 
 
 def _fingerprint(split: Any) -> str:

@@ -37,7 +37,7 @@ import lmdb
 import numpy as np
 
 from .env import Store
-from .schema import DB_ORIGINS, DB_SAMPLES, seq_key, seq_of
+from .records import DB_ORIGINS, DB_SAMPLES, seq_key, seq_of
 
 ROW_VERSION = 1
 FLAG_MEMBERS = 1

@@ -15,17 +15,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING
 
 import lmdb
 
-from .cache import SampleStore
 from .codec import record_key
 from .counters import Counters
-from .schema import DB_KEYS, DB_META, DB_SAMPLES, seq_key, seq_of, unpack_u64
-
-if TYPE_CHECKING:
-    from .verify import VerifyReport
+from .records import DB_KEYS, DB_META, DB_SAMPLES, seq_key, seq_of, unpack_u64
+from .sample_store import SampleStore
 
 log = logging.getLogger(__name__)
 
@@ -38,18 +34,26 @@ def _batches(items: Sequence[int]) -> Iterator[Sequence[int]]:
         yield items[start : start + BATCH]
 
 
-def repair_cache(cache: SampleStore, report: VerifyReport) -> dict[str, int]:
-    """Repair what ``report`` found; return what was done, by kind."""
+def repair_cache(cache: SampleStore, corrupt: list[int], unindexed: list[int],
+                 orphans: bool) -> dict[str, int]:
+    """Repair what a scan (`verify.scan_cache`) found; return what was done, by kind.
+
+    Args:
+        cache: the cache, open for writing.
+        corrupt: sequence numbers of corrupt records.
+        unindexed: sequence numbers of samples whose key index entry is missing or wrong.
+        orphans: whether the index may hold entries of no sample.
+    """
     done = {
-        "corrupt_removed": _remove_corrupt(cache, [int(item["seq"]) for item in report.corrupt]),
+        "corrupt_removed": _remove_corrupt(cache, corrupt),
         "index_entries_fixed": 0,
         "duplicates_removed": 0,
         "index_orphans_removed": 0,
         "counters_rewritten": 0,
     }
-    fixed, duplicates = _fix_index(cache, report.unindexed)
+    fixed, duplicates = _fix_index(cache, unindexed)
     done["index_entries_fixed"], done["duplicates_removed"] = fixed, duplicates
-    if any("entries for" in problem for problem in report.index_problems) or fixed or duplicates:
+    if orphans or fixed or duplicates:
         done["index_orphans_removed"] = _remove_orphans(cache)
     done["counters_rewritten"] = _rewrite_counters(cache)
     return done

@@ -37,10 +37,10 @@ import lmdb
 from .leases import Lease, delete_lease, note_end, write_lease
 from .owners import begin_lease, end_lease, heartbeats
 from .plans import remove_plan
-from .schema import DB_LEASES, DB_STATE
+from .records import DB_LEASES, DB_STATE
 
 if TYPE_CHECKING:
-    from .cache import SampleStore
+    from .sample_store import SampleStore
 
 
 @dataclass(frozen=True)

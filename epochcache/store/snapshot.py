@@ -12,17 +12,14 @@ from __future__ import annotations
 import logging
 import os
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import lmdb
 import numpy as np
 
 from ..errors import SnapshotClosed
 from .counters import Counters
-from .schema import seq_of
-
-if TYPE_CHECKING:
-    from .cache import SampleStore
+from .records import seq_of
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +55,16 @@ def select_snapshot(
     return seqs[skip:]
 
 
+class Leases(Protocol):
+    """What a snapshot calls on its cache (a `SampleStore`, which makes snapshots: typed by
+    the calls so that this module does not import the store's top)."""
+
+    def heartbeat_lease(self, lease_id: str) -> None: ...
+
+    def release_lease(self, lease_id: str, *, finished: bool = True,
+                      reason: str = "") -> bool: ...
+
+
 class Snapshot:
     """The samples of one epoch, frozen and protected from eviction until `release`.
 
@@ -68,7 +75,7 @@ class Snapshot:
     a thread refreshes its heartbeat (`epochcache.store.owners`).
     """
 
-    def __init__(self, cache: SampleStore, seqs: np.ndarray, lease_id: str, epoch: int | None) -> None:
+    def __init__(self, cache: Leases, seqs: np.ndarray, lease_id: str, epoch: int | None) -> None:
         self.cache = cache
         self.seqs = seqs
         self.lease_id = lease_id
@@ -127,7 +134,7 @@ class Snapshot:
         )
 
 
-def _release_quietly(cache: SampleStore, lease_id: str, owner_pid: int) -> None:
+def _release_quietly(cache: Leases, lease_id: str, owner_pid: int) -> None:
     if os.getpid() != owner_pid:
         return
     try:

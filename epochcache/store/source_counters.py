@@ -14,12 +14,10 @@ unregistered: a source dropped from the config keeps being counted until its sam
 from __future__ import annotations
 
 import json
-from typing import Any
 
 import lmdb
 
-from .codec import read_info
-from .schema import DB_KEYS, DB_SAMPLES, pack_u64, unpack_u64
+from .records import DB_KEYS, DB_SAMPLES, pack_u64, unpack_u64
 
 #: ``meta`` key of the registered names (a JSON list).
 C_SOURCES = b"sources"
@@ -144,15 +142,3 @@ def register_sources(txn: lmdb.Transaction, dbs: dict[bytes, lmdb._Database], me
         txn.put(C_SOURCES, json.dumps(sorted(known + new)).encode(), db=meta)
     return new
 
-
-def recount(txn: lmdb.Transaction, dbs: dict[bytes, lmdb._Database],
-            names: list[str]) -> dict[str, dict[str, Any]]:
-    """``{name: {samples, bytes}}`` recomputed from the records (for checks and tests)."""
-    out: dict[str, dict[str, Any]] = {name: {"samples": 0, "bytes": 0} for name in names}
-    for _seq, record in txn.cursor(db=dbs[DB_SAMPLES]):
-        key = read_info(record).key
-        name = key.split("/", 1)[0] if "/" in key else None
-        if name in out:
-            out[name]["samples"] += 1
-            out[name]["bytes"] += len(record)
-    return out

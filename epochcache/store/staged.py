@@ -40,7 +40,7 @@ from ..errors import CacheError
 from .ledger import coverage_dir, record_trained
 
 if TYPE_CHECKING:
-    from .cache import SampleStore
+    from .sample_store import SampleStore
 
 log = logging.getLogger(__name__)
 
@@ -144,4 +144,4 @@ def settle(cache: SampleStore, run: str, covered: Callable[[int, str], bool],
     return committed, dropped
 
 
-__all__ = ["STAGED_DIR", "commit", "run_key", "settle", "stage"]
+__all__ = ["commit", "run_key", "settle", "stage"]

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from ..epoch_record import HISTORY, epoch_history, is_epoch_row, status_cell
 from ..redact import redact_tree
 from ..units import format_count, format_size
+from .coverage import coverage
 from .jobs import jobs
 from .leases import recorded_alive
 from .stalls import read_stalls
@@ -16,12 +17,12 @@ from .stalls import read_stalls
 if TYPE_CHECKING:
     from rich.console import RenderableType
 
-    from .cache import SampleStore
+    from .sample_store import SampleStore
 
 #: A daemon whose heartbeat is older than this is reported as not alive.
 DAEMON_STALE_S = 60.0
-#: A source none of whose reads succeeded for this long is reported as failing (the samplers'
-#: ``ingest.feed.FAILING_AFTER_S``).
+#: A source none of whose reads succeeded for this long is *failing*: the samplers log it and
+#: write it to their health document, status and the metrics report it (one value for all).
 FAILING_AFTER_S = 60.0
 
 
@@ -236,7 +237,7 @@ def _collect(cache: SampleStore) -> dict[str, Any]:
         # trainers whose batch stalled, while they run (see epochcache.data.stall)
         "stalls": [{**doc, "for_s": round(now - float(doc.get("since", now)), 1)}
                    for doc in read_stalls(cache.path)],
-        "coverage": cache.coverage(),
+        "coverage": coverage(cache),
     }
 
 

@@ -25,7 +25,7 @@ import lmdb
 from ..limits import KEY_SHOWN_CHARS, cut_key, cut_text, key_digest
 from .counters import Counters
 from .env import Store
-from .schema import (
+from .records import (
     C_QUARANTINE_BYTES,
     C_QUARANTINE_DROPPED,
     DB_HISTORY,

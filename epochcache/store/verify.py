@@ -34,10 +34,11 @@ import numpy as np
 
 from ..errors import CacheCorrupted
 from ..limits import cut_key, cut_text
-from .cache import SampleStore
 from .codec import check_record, record_key, source_key
 from .counters import Counters
-from .schema import DB_KEYS, DB_META, DB_SAMPLES, seq_key, seq_of, unpack_u64
+from .records import DB_KEYS, DB_META, DB_SAMPLES, seq_key, seq_of, unpack_u64
+from .repair import repair_cache
+from .sample_store import SampleStore
 
 log = logging.getLogger(__name__)
 
@@ -235,9 +236,9 @@ def verify_cache(path: str, *, repair: bool = False,
     try:
         report = scan_cache(cache, progress)
         if repair and report.found_problems:
-            from .repair import repair_cache
-
-            report.repairs = repair_cache(cache, report)
+            orphans = any("entries for" in problem for problem in report.index_problems)
+            report.repairs = repair_cache(cache, [int(item["seq"]) for item in report.corrupt],
+                                          report.unindexed, orphans)
             report.consistent_after_repair = not scan_cache(cache).found_problems
             log.warning("%s: repaired %s; the cache is %s", cache.path,
                         ", ".join(f"{n} {what}" for what, n in report.repairs.items() if n)

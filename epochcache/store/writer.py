@@ -4,7 +4,7 @@
 headroom, evicting the oldest unleased samples first; when leases pin the rest it waits
 (back-pressure) instead of failing or overfilling. A full disk or LMDB map is met by evicting in
 a transaction of its own and then lowering the effective capacity for a while (a back-off that
-recovers by itself, see `epochcache.store.backoff`), never by corrupting the cache. A disk
+recovers by itself, see `epochcache.store.lowered_capacity`), never by corrupting the cache. A disk
 that fails a write with EIO stops the writer ([`CacheIOError`][epochcache.CacheIOError]).
 """
 
@@ -29,8 +29,8 @@ from .env import Store
 from .eviction import Eviction, policy_of
 from .leases import Lease, read_leases, reclaim_dead
 from .origins import Origin, write_row
+from .records import DB_KEYS, DB_LEASES, DB_META, DB_SAMPLES, DB_STATE, index_key, pack_u64, seq_key
 from .release import Protection
-from .schema import DB_KEYS, DB_LEASES, DB_META, DB_SAMPLES, DB_STATE, index_key, pack_u64, seq_key
 
 log = logging.getLogger("epochcache.cache")  # one logger for everything a cache does
 
@@ -115,7 +115,7 @@ class Writer:
         self._full_logged = 0.0
         #: Seconds put_many has waited for leases to free space (back-pressure), in total.
         self.lease_wait_s = 0.0
-        self._gate = codec.CompressGate()
+        self._trial = codec.CompressionTrial()
         #: What the live leases protect, as this process evicts (plan leases tracked here).
         self.protection = Protection(store.path)
         # One thread at a time through the protection's bookkeeping (see _write).
@@ -129,11 +129,11 @@ class Writer:
         """Frame one sample as a record (done by samplers before they take the write lock).
 
         ``adaptive`` (samplers) skips compression attempts for kinds of samples that have not
-        compressed lately (`CompressGate`); then a record's size depends on what
+        compressed lately (`CompressionTrial`); then a record's size depends on what
         was framed before, so it is off for everything else (a record is a function of its
         sample)."""
         return codec.encode_record(key, value, level=self.level, compress=self.compress,
-                                   gate=self._gate if adaptive else None)
+                                   trial=self._trial if adaptive else None)
 
     def put_many(
         self,

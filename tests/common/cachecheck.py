@@ -13,13 +13,15 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
+import lmdb
+
 from epochcache import Cache
 from epochcache.errors import CacheCorrupted
 from epochcache.store import store_of
-from epochcache.store.codec import check_record, decode_payload, pack_fields
+from epochcache.store.codec import check_record, decode_payload, pack_fields, read_info
 from epochcache.store.counters import Counters
 from epochcache.store.leases import read_leases
-from epochcache.store.schema import (
+from epochcache.store.records import (
     DB_KEYS,
     DB_LEASES,
     DB_META,
@@ -161,3 +163,17 @@ def full_check(path: str) -> CacheState:
     assert report.ok, f"verify_cache({path!r}) is not clean: {report}"
     assert report.checked == len(state.seqs)
     return state
+
+
+def recount(txn: lmdb.Transaction, dbs: dict[bytes, lmdb._Database],
+            names: list[str]) -> dict[str, dict[str, Any]]:
+    """``{name: {samples, bytes}}`` recomputed from the records: the oracle the per-source
+    counters (`epochcache.store.source_counters`) are checked against."""
+    out: dict[str, dict[str, Any]] = {name: {"samples": 0, "bytes": 0} for name in names}
+    for _seq, record in txn.cursor(db=dbs[DB_SAMPLES]):
+        key = read_info(record).key
+        name = key.split("/", 1)[0] if "/" in key else None
+        if name in out:
+            out[name]["samples"] += 1
+            out[name]["bytes"] += len(record)
+    return out

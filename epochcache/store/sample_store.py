@@ -40,7 +40,7 @@ from .leases import (
 )
 from .origins import Origin
 from .owners import begin_lease, end_lease, heartbeats, sweep_dead_owners
-from .schema import (
+from .records import (
     DB_KEYS,
     DB_LEASES,
     DB_META,
@@ -194,7 +194,7 @@ class SampleStore:
         """The lowest capacity in force in a live process, when lower than the configured one:
         ``limit``, ``capacity``, ``reason``, ``since``, ``pid``; None otherwise. A lowered
         capacity is a runtime back-off that recovers by itself and is never stored
-        (`epochcache.store.backoff`)."""
+        (`epochcache.store.lowered_capacity`)."""
         return self.capacity.lowered()
 
     @property
@@ -607,42 +607,6 @@ class SampleStore:
         doc["headroom"] = self.capacity.headroom_for(doc["capacity"])
         self.tables.append_history(doc)
         return doc
-
-    def coverage(self) -> dict[str, Any]:
-        """How much of each source training has seen: per source the samples listed, those
-        trained at least once, a histogram of epochs per sample, the growth rate and the time
-        to see every sample once (see `epochcache.store.coverage`)."""
-        from .coverage import coverage
-
-        return coverage(self)
-
-    def record_trained(self, seqs: Sequence[int] | np.ndarray, *, epoch: int | None = None,
-                       job: str = "") -> dict[str, Any]:
-        """Count ``seqs`` as trained in one more epoch (once each) in the coverage ledger of
-        their sources; call it when an epoch, or the part of one a checkpoint covers, is done
-        (``epochcache run`` does). Returns ``{"trained", "new", "unattributed"}``."""
-        from .ledger import record_trained
-
-        return record_trained(self, np.asarray(seqs, dtype=np.uint64), epoch=epoch, job=job)
-
-    def copy_to(self, dst: str | os.PathLike[str]) -> dict[str, Any]:
-        """Make a consistent, compacted copy of this cache in ``dst`` (new or empty), while
-        its daemon and trainers go on: samples, limits, listings and coverage are kept;
-        leases, plans and daemon state left behind (see `epochcache.store.copy_cache`).
-        Returns what was copied (``samples``, ``bytes``, ``file_bytes``, ``seconds``, ...).
-
-        Raises:
-            CacheError: ``dst`` exists and is not an empty directory.
-        """
-        from .copy_cache import copy_cache
-
-        return copy_cache(self, dst)
-
-    def stats(self) -> dict[str, Any]:
-        """Counters, capacity, leases and daemon health, as a JSON-able dict."""
-        from .status import collect_stats
-
-        return collect_stats(self)
 
     # -- lifecycle --------------------------------------------------------------------------
 

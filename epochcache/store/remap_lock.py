@@ -8,8 +8,8 @@ memory: a thread copying a sample out of the map at that moment crashes the proc
 (segmentation fault) or fails with "Attempt to operate on closed/deleted/dropped object".
 LMDB's rule is that no transaction of the process may be open while the map is replaced.
 
-`GATE` enforces it per process: every transaction (read or write) is an *entry*, and
-`MapGate.remap` waits until every entry of other threads has left, keeps new ones out
+`LOCK` enforces it per process: every transaction (read or write) is an *entry*, and
+`RemapLock.remap` waits until every entry of other threads has left, keeps new ones out
 while it runs, then lets them in. Entering costs a list append and a flag check (no lock: the
 hot read path takes one per sample), which is safe because list ``append``/``remove`` are atomic
 and ordered (the GIL): a reader either entered before the remapper raised its flag (and is
@@ -28,7 +28,7 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
-class MapGate:
+class RemapLock:
     """Transactions enter shared; a map replacement runs alone (see the module docstring)."""
 
     def __init__(self) -> None:
@@ -73,18 +73,18 @@ class MapGate:
                 self._cond.notify_all()
 
 
-GATE = MapGate()
+LOCK = RemapLock()
 
 
 def _after_fork_in_child() -> None:
-    global GATE
+    global LOCK
     # The parent's other threads do not exist here: their entries would be waited for forever.
-    GATE = MapGate()
+    LOCK = RemapLock()
 
 
-def gate() -> MapGate:
-    """This process's gate (a new one in a forked child)."""
-    return GATE
+def lock() -> RemapLock:
+    """This process's remap lock (a new one in a forked child)."""
+    return LOCK
 
 
 if hasattr(os, "register_at_fork"):

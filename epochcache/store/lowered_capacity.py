@@ -1,8 +1,8 @@
-"""A lowered capacity: the runtime back-off of one writer process when the disk or map is full.
+"""A lowered capacity: the limit one writer process works under while the disk or map is full.
 
 The capacity a cache is configured with is stored in it; the limit in force may be lower while
-the disk cannot hold it. That lower limit is a back-off of the process that met the full disk,
-never a setting:
+the disk cannot hold it. That lower limit belongs to the process that met the full disk, never
+a setting:
 
 * **at open** the capacity is fitted to the room on the disk (free space plus the data file);
 * **a write that fails** on a full disk (``ENOSPC``, or the ``EIO`` LMDB reports for a short
@@ -11,7 +11,7 @@ never a setting:
 * **while lowered, it probes** every ``EPOCHCACHE_CAPACITY_PROBE_S`` seconds (default 30, read
   when a limit is lowered) from the write path: when the disk has more room than when the limit
   was lowered, the limit goes up in proportion, to the configured capacity once the disk
-  allows it. A full map tells nothing about its room, so a map back-off is simply lifted at
+  allows it. A full map tells nothing about its room, so a limit a full map lowered is lifted at
   the probe. A limit lowered again soon after a probe raised it makes the next probe wait twice
   as long (at most 10 minutes), so a disk that stays full costs little;
 * **never persisted**: a process that opens the cache starts at the configured capacity (fitted
@@ -43,7 +43,7 @@ from ..errors import CacheError
 from ..units import format_size
 from .env import Store
 from .leases import process_record, recorded_alive
-from .schema import C_EFFECTIVE_CAPACITY, DB_META, DB_STATE
+from .records import C_EFFECTIVE_CAPACITY, DB_META, DB_STATE
 
 log = logging.getLogger("epochcache.cache")  # one logger for everything a cache does
 
@@ -73,7 +73,7 @@ def disk_room(store: Store) -> int:
 
 
 @dataclass
-class Lowered:
+class LoweredLimit:
     """The state of a lowered limit.
 
     Attributes:
@@ -97,7 +97,7 @@ class Lowered:
     raised: bool = False
 
 
-class BackOff:
+class LoweredCapacity:
     """The lowered limit of this process, if any (see the module docstring).
 
     Args:
@@ -110,10 +110,10 @@ class BackOff:
         self.store = store
         self.capacity_bytes = capacity_bytes
         self.headroom_bytes = headroom_bytes
-        self.state: Lowered | None = None
+        self.state: LoweredLimit | None = None
         self._published = False
         self._publish_pending = False
-        # One document per BackOff: a process may hold a cache open twice (`epochcache run`
+        # One document per LoweredCapacity: a process may hold a cache open twice (`epochcache run`
         # runs the daemon next to the trainer), and only the publishing process withdraws it
         # (a forked DataLoader worker inherits this object).
         self._pid = os.getpid()
@@ -143,7 +143,7 @@ class BackOff:
                 "%s: %s; using an effective capacity of %s until the disk has room (free space "
                 "or lower cache.capacity)", self.store.path, reason, format_size(fit),
             )
-            self._set(Lowered(fit, reason, "disk", time.time(), room, probe_interval_s(),
+            self._set(LoweredLimit(fit, reason, "disk", time.time(), room, probe_interval_s(),
                               time.monotonic() + probe_interval_s()))
 
     def lower(self, exc: Exception, stored: int, incoming: int) -> None:
@@ -175,7 +175,7 @@ class BackOff:
         )
         # Not published here: on a full map even that small write takes the last free pages
         # that eviction needs; published after the next successful write (`settle`).
-        self.state = Lowered(new_limit, reason, cause, since, room, interval, now + interval)
+        self.state = LoweredLimit(new_limit, reason, cause, since, room, interval, now + interval)
         self._publish_pending = True
 
     def settle(self) -> None:
@@ -204,7 +204,7 @@ class BackOff:
         else:
             new_limit = fit  # the map's room cannot be measured: try the disk's limit
         if new_limit >= self.capacity_bytes:
-            # A map back-off is lifted on trust (the next full map lowers it again, quietly).
+            # A limit a full map lowered is lifted on trust (the next full map lowers it again, quietly).
             level = logging.WARNING if state.cause == "disk" else logging.INFO
             log.log(level, "%s: writes succeed and the disk has room: effective capacity back to "
                     "the configured %s (it was lowered to %s: %s)", self.store.path,
@@ -243,7 +243,7 @@ class BackOff:
             return 0
         return self.capacity_bytes - int(usable * self.capacity_bytes / need)
 
-    def _set(self, state: Lowered | None) -> None:
+    def _set(self, state: LoweredLimit | None) -> None:
         self.state = state
         self._publish()
 
@@ -277,7 +277,7 @@ class BackOff:
         """What this process publishes while its limit is lowered (None: not lowered)."""
         return None if self.state is None else self._document(self.state)
 
-    def _document(self, state: Lowered) -> dict[str, Any]:
+    def _document(self, state: LoweredLimit) -> dict[str, Any]:
         return {
             "name": self._name,
             **process_record(),
@@ -338,4 +338,4 @@ def _clean_stale(store: Store) -> None:
         return
     if legacy:
         log.info("%s: ignoring (and deleting) a lowered capacity stored by an older version; a "
-                 "lowered capacity is now a runtime back-off", store.path)
+                 "lowered capacity now lasts while the process runs, never stored", store.path)

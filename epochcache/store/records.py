@@ -53,7 +53,7 @@ C_INSERTED = b"inserted"
 C_QUARANTINED = b"quarantined"
 C_FORMAT = b"format_version"
 #: A lowered capacity stored by earlier versions; now a runtime back-off, so this key is ignored
-#: and deleted when a cache is opened for writing (`epochcache.store.backoff`).
+#: and deleted when a cache is opened for writing (`epochcache.store.lowered_capacity`).
 C_EFFECTIVE_CAPACITY = b"effective_capacity"
 
 HISTORY_MAX_ROWS = 20_000

@@ -1,0 +1,125 @@
+"""One name, one meaning: no two modules, classes or public functions of the package share a name.
+
+Two ``schema.py`` or two ``Part`` classes make a reader ask which one is meant (issue 36,
+docs/glossary.md "one word per concept"). The checks read the source with ``ast`` (nothing is
+imported, well under a second):
+
+1. module file names are unique (``__init__``/``__main__`` aside);
+2. class names are unique, private ones too (``_Slot`` twice is two meanings);
+3. public top-level function names are unique across modules;
+4. every name an internal module exports (``__all__``) is used by another file of the
+   package, tests or scripts: an export nothing imports is dead code vulture cannot see
+   (it counts ``__all__`` as a use; ``split_for_rank`` was one).
+
+``KNOWN`` lists today's exceptions: a ratchet that only shrinks. A new duplicate fails (rename
+one of the two), and so does an entry that no longer is one (remove it from ``KNOWN``).
+``SAME_THING`` lists names that are one thing reached two ways, for good.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections import defaultdict
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "epochcache"
+
+#: Duplicates of today, each to be renamed away (then its line removed here). Both are in
+#: files other work of issue 36 changes at the same time (ingest/sources, store/capacity.py).
+KNOWN: dict[str, set[str]] = {
+    "module": set(),
+    "class": {
+        "Part",  # store/plans.py's release-plan part and ingest/sources/tar.py's run of samples
+    },
+    "function": {
+        "check_format",  # ingest/sources/check.py (a source's objects), store/capacity.py
+    },
+}
+
+#: One thing with two doors, kept: the name is the same because the meaning is.
+SAME_THING: dict[str, set[str]] = {
+    "function": {
+        "load_config",  # epochcache.load_config: config.load_config, without importing pydantic
+    },
+}
+
+
+def _names(package: Path) -> dict[str, dict[str, list[str]]]:
+    """``{kind: {name: [where, ...]}}`` for modules, classes and public functions."""
+    found: dict[str, dict[str, list[str]]] = {kind: defaultdict(list)
+                                              for kind in ("module", "class", "function")}
+    for path in sorted(package.rglob("*.py")):
+        where = str(path.relative_to(package.parent))
+        if path.stem not in ("__init__", "__main__"):
+            found["module"][path.stem].append(where)
+        tree = ast.parse(path.read_text(), where)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                found["class"][node.name].append(where)
+        for node in tree.body:
+            if (isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                    and not node.name.startswith("_")):
+                found["function"][node.name].append(where)
+    return found
+
+
+def _duplicates(package: Path = PACKAGE) -> dict[str, dict[str, list[str]]]:
+    return {kind: {name: where for name, where in names.items() if len(where) > 1}
+            for kind, names in _names(package).items()}
+
+
+def test_no_two_modules_classes_or_public_functions_share_a_name() -> None:
+    problems = []
+    for kind, duplicates in _duplicates().items():
+        allowed = KNOWN.get(kind, set()) | SAME_THING.get(kind, set())
+        for name, where in sorted(duplicates.items()):
+            if name not in allowed:
+                problems.append(f"{kind} {name!r} is defined {len(where)} times "
+                                f"({', '.join(where)}): rename one (one name, one meaning; "
+                                "docs/glossary.md)")
+    assert not problems, "\n".join(problems)
+
+
+def test_every_known_duplicate_is_still_one() -> None:
+    duplicates = _duplicates()
+    stale = [f"{kind} {name!r} is no longer defined twice: remove it from "
+             f"{'KNOWN' if name in KNOWN.get(kind, set()) else 'SAME_THING'} in {__file__}"
+             for listing in (KNOWN, SAME_THING) for kind, names in listing.items()
+             for name in sorted(names) if name not in duplicates[kind]]
+    assert not stale, "\n".join(stale)
+
+
+def test_every_exported_name_is_used_elsewhere() -> None:
+    root = PACKAGE.parent
+    texts = {path: path.read_text() for folder in ("epochcache", "tests", "scripts")
+             for path in (root / folder).rglob("*.py")}
+    words: dict[Path, set[str]] = {path: set(re.findall(r"\w+", text))
+                                   for path, text in texts.items()}
+    unused = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path == PACKAGE / "__init__.py":
+            continue  # the public API: its users are outside the repository
+        for node in ast.parse(texts[path]).body:
+            if (isinstance(node, ast.Assign) and isinstance(node.value, (ast.List, ast.Tuple))
+                    and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets)):
+                for item in node.value.elts:
+                    name = ast.literal_eval(item)
+                    if not any(name in found for other, found in words.items() if other != path):
+                        unused.append(f"{path.relative_to(root)}: {name}")
+    assert not unused, ("exported in __all__ and used nowhere else (delete it if nothing uses "
+                        "it, else drop it from __all__): " + ", ".join(unused))
+
+
+def test_the_check_finds_each_kind_of_duplicate(tmp_path: Path) -> None:
+    package = tmp_path / "pkg"
+    for sub, source in (("a", "class Part:\n    class _Slot: ...\n\ndef run(): ...\n"),
+                        ("b", "class _Slot: ...\n\nasync def run(): ...\n\ndef _run(): ...\n")):
+        (package / sub).mkdir(parents=True)
+        (package / sub / "__init__.py").write_text("def helper(): ...\n")
+        (package / sub / "schema.py").write_text(source)
+    found = _duplicates(package)
+    assert found["module"] == {"schema": ["pkg/a/schema.py", "pkg/b/schema.py"]}
+    assert found["class"] == {"_Slot": ["pkg/a/schema.py", "pkg/b/schema.py"]}
+    assert found["function"] == {"helper": ["pkg/a/__init__.py", "pkg/b/__init__.py"],
+                                 "run": ["pkg/a/schema.py", "pkg/b/schema.py"]}
