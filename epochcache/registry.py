@@ -67,3 +67,5 @@ def check_policy(name: str) -> str:
 
 register_policy("oldest", "epochcache.store.eviction:OldestFirst",
                 "the oldest sample no epoch needs goes first (the default)")
+register_policy("least-recently-read", "epochcache.store.least_recently_read:LeastRecentlyRead",
+                "the sample training read longest ago (or never, inserted longest ago) goes first")

@@ -21,6 +21,7 @@ fewer examples by default; ``-m slow`` runs them all as long.
 
 from __future__ import annotations
 
+import bisect
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -157,8 +158,18 @@ def oldest_order(model: Model) -> list[int]:
     return [seq for seq, _, _ in model.present]
 
 
+def least_recently_read_order(model: Model) -> list[int]:
+    """By the generation of the newest read (never read: the one current at insertion, the
+    bounds at or below its seq), then oldest first."""
+    def stamp(seq: int) -> int:
+        return model.reads.get(seq, bisect.bisect_right(model.bounds, seq))
+
+    return sorted((seq for seq, _, _ in model.present), key=lambda seq: (stamp(seq), seq))
+
+
 #: The eviction order of each policy the model knows, among the present samples.
-ORDERS: dict[str, Callable[[Model], list[int]]] = {"oldest": oldest_order}
+ORDERS: dict[str, Callable[[Model], list[int]]] = {
+    "oldest": oldest_order, "least-recently-read": least_recently_read_order}
 #: A policy of the tests' own (registered while a machine runs): eviction far from a prefix.
 TEST_POLICIES = {NewestFirst.name: NewestFirst}
 
