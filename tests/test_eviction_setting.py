@@ -25,6 +25,7 @@ from common.procs import spawn_script
 
 from epochcache import Cache
 from epochcache.registry import EVICTION, register_policy
+from epochcache.store import store_of
 from epochcache.store.counters import Counters
 from epochcache.store.eviction import (
     Eviction,
@@ -190,6 +191,36 @@ def test_reads_are_recorded_when_a_lease_ends_and_outlive_the_process(tmp_path: 
         "assert log.generation == 2 and len(log.seqs) == 30, log\n"
     ), str(path), str(Path(__file__).parent), str(Path(__file__).parent / "common")],
         check=True, timeout=60)
+
+
+def test_a_killed_trainers_reads_are_recorded_when_its_lease_is_reclaimed(
+        tmp_path: Path) -> None:
+    path = tmp_path / "cache"
+    with Cache(path, "1MiB", sync=False, eviction="reads-probe") as cache:
+        fill(cache, 50)
+    trainer = spawn_script(tmp_path, "trainer", """
+        import sys
+        import test_eviction_setting as t
+        from epochcache import Cache
+        from epochcache.registry import register_policy
+        register_policy(t.ReadsProbe.name, t.ReadsProbe)
+        cache = Cache(sys.argv[1], sync=False)
+        for _epoch, loader in cache.epochs(1, batch_size=10, num_workers=0, shuffle=False):
+            for index, _batch in enumerate(loader):
+                if index == 2:  # done with two batches
+                    print("READ", flush=True)
+                    sys.stdin.readline()
+    """, str(path))
+    try:
+        trainer.wait_line("READ", timeout_s=60)
+        trainer.kill9()  # its lease stays until another process reclaims it
+    finally:
+        trainer.close()
+    assert not Path(reads_path(str(path))).exists()
+    with Cache(path, sync=False) as cache:
+        (dead,) = store_of(cache).reclaim_leases()  # what the daemon does every few seconds
+    log = load_reads(str(path))
+    assert list(log.seqs) == list(range(20)) and list(log.bounds) == [50], dead
 
 
 def test_no_read_log_is_kept_for_a_policy_that_does_not_order_by_reads(tmp_path: Path) -> None:
