@@ -223,6 +223,23 @@ def test_a_killed_trainers_reads_are_recorded_when_its_lease_is_reclaimed(
     assert list(log.seqs) == list(range(20)) and list(log.bounds) == [50], dead
 
 
+@pytest.mark.parametrize("damage", [b"PK\x03\x04 cut short", b"not a log at all", b""])
+def test_a_damaged_read_log_is_ignored_and_written_anew(tmp_path: Path, damage: bytes,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "cache"
+    with Cache(path, 60 * SIZE, headroom=0.0, compression="none", sync=False,
+               eviction="reads-probe") as cache:
+        fill(cache, 40)
+        read_part(cache, 1)
+        Path(reads_path(cache.path)).write_bytes(damage)
+        fill(cache, 30, prefix="n")  # evicts: the policy gets an empty log
+        assert ReadsProbe.seen and not len(ReadsProbe.seen[-1].seqs)
+        assert "the read log cannot be read" in caplog.text
+        read_part(cache, 2)  # the next lease end writes it anew
+    log = load_reads(str(path))
+    assert len(log.seqs) == 20 and log.stamps.max() == 2
+
+
 def test_no_read_log_is_kept_for_a_policy_that_does_not_order_by_reads(tmp_path: Path) -> None:
     with Cache(tmp_path / "c", "1MiB", sync=False) as cache:
         fill(cache, 30)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import zipfile
 from dataclasses import dataclass
 
 import lmdb
@@ -105,7 +106,7 @@ def load_reads(cache_path: str, generation: int = 0) -> ReadLog:
                             data["bounds"].astype(np.uint64), generation)
     except FileNotFoundError:
         return ReadLog.empty(generation)
-    except (OSError, ValueError, KeyError) as exc:
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as exc:
         log.warning("%s: the read log cannot be read (%s): eviction orders as if nothing had "
                     "been read until the next epoch ends", path, exc)
         return ReadLog.empty(generation)
