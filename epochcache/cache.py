@@ -57,10 +57,16 @@ class Cache:
         max_map_size: cap on the LMDB map (defaults to a bound derived from capacity).
         lease_timeout_s: a lease holder whose liveness cannot be tested is presumed dead after
             this long without a heartbeat.
+        eviction: what eviction takes first, by policy name: ``"oldest"`` (the default) or
+            another registered one (`epochcache.registry`). It is stored in the cache, so
+            every process evicts alike: None keeps the stored one (a new cache gets
+            ``"oldest"``); a different one replaces it only when no other process has the
+            cache open for writing, as capacity does.
 
     Raises:
         CacheError: the directory holds no cache and no capacity was given, or it cannot be
             opened.
+        ValueError: ``eviction`` names no registered policy (the message lists them).
     """
 
     def __init__(
@@ -75,10 +81,12 @@ class Cache:
         readonly: bool = False,
         max_map_size: int | str | None = None,
         lease_timeout_s: float = DEFAULT_LEASE_TIMEOUT_S,
+        eviction: str | None = None,
     ) -> None:
         self._store = SampleStore(path, capacity, headroom=headroom, compression=compression,
                                   level=level, sync=sync, readonly=readonly,
-                                  max_map_size=max_map_size, lease_timeout_s=lease_timeout_s)
+                                  max_map_size=max_map_size, lease_timeout_s=lease_timeout_s,
+                                  eviction=eviction)
 
     # -- the cache ---------------------------------------------------------------------------
 
@@ -96,6 +104,11 @@ class Cache:
     def headroom_bytes(self) -> int:
         """What writers may store beyond the capacity while leases pin the oldest samples."""
         return self._store.headroom_bytes
+
+    @property
+    def eviction(self) -> str:
+        """The cache's eviction policy, by name (stored in the cache)."""
+        return self._store.eviction
 
     @property
     def effective_capacity(self) -> int:

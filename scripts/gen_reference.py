@@ -28,6 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from epochcache.config import EpochcacheConfig, NamedSourceConfig, SourceConfig  # noqa: E402
+from epochcache.registry import policy_names  # noqa: E402
 
 CONFIG_PAGE = REPO / "docs" / "reference" / "config.md"
 CLI_PAGE = REPO / "docs" / "reference" / "cli.md"
@@ -97,6 +98,8 @@ def _allowed(annotation: Any, info: FieldInfo) -> str:
                 walk(arg)
 
     walk(annotation)
+    if "_eviction" in _validators(info, annotation):  # checked against the registry
+        literals.extend(f"`{name}`" for name in policy_names())
     bounds: list[str] = []
     metadata = list(info.metadata)
     for arg in get_args(annotation):

@@ -26,6 +26,8 @@ from epochcache.ingest.sources.parquet import ParquetSource, _Spans
 from epochcache.ingest.sources.shards import _Tail
 from epochcache.ingest.sources.types import SampleRef
 from epochcache.store.codec import RecordInfo
+from epochcache.store.eviction import OldestFirst
+from epochcache.store.least_recently_read import LeastRecentlyRead
 from epochcache.store.origins import Origin
 from epochcache.store.plans import Releaser
 from epochcache.store.records import RecordFlags
@@ -45,8 +47,11 @@ Table.caption  # status.py: rich prints it under the coverage table
 # Pydantic reads a model's configuration from this class attribute.
 _Section.model_config
 
-# Layouts are named by a "module:Class" string in epochcache/registry.py, imported when used.
+# Layouts and eviction policies are named by a "module:Class" string in epochcache/registry.py,
+# imported when used.
 ParquetSource
+OldestFirst
+LeastRecentlyRead
 
 # Entrypoints named by configs (``run.entrypoint: epochcache.examples:train_image_classifier``
 # in configs/*.yaml and the docs), called by `epochcache run`.

@@ -1,23 +1,34 @@
-"""Property-based test of eviction and lease bookkeeping (invariants 1-3).
+"""Property-based test of eviction and lease bookkeeping (invariants 1-3), for every
+registered eviction policy.
 
-A hypothesis state machine drives a real Cache through random put / snapshot / release / evict /
-reopen steps and a plain Python model predicts, step by step, exactly which samples are present.
-After every step it checks, against the raw records:
+A hypothesis state machine drives a real Cache through random put / snapshot / read / release /
+evict / reopen steps and a plain Python model predicts, step by step, which samples are
+present. After every step it checks, against the raw records:
 
 1. every sample of a held snapshot is present and reads back unchanged;
 2. stored bytes never exceed capacity + headroom, and the counters match a recount;
-3. the evicted samples are exactly the oldest that no lease protects (a snapshot's range, and
-   everything newer than the newest non-empty snapshot), and no sample under a live lease was
-   evicted.
+3. eviction took only samples no lease protects (a snapshot's range or, with a plan, its
+   unread samples, and everything newer than the newest non-empty snapshot), stopped as soon as
+   the limit was met and only short of it when everything left was protected (back-pressure);
+   for a policy whose order the model knows (`ORDERS`), the evicted samples are exactly the
+   first ones in that order.
+
+The model records reads as the cache does when a lease ends (its lanes' read prefixes, one
+generation per lease; `epochcache.store.reads`), for orders that use them. A policy with no
+order in `ORDERS` is checked on invariants 1-3 alone. Policies other than the default run
+fewer examples by default; ``-m slow`` runs them all as long.
 """
 
 from __future__ import annotations
 
+import bisect
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import hypothesis.strategies as st
+import pytest
 from common.cachecheck import assert_consistent, content_for, digest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import (
@@ -29,8 +40,10 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
+from test_eviction_setting import NewestFirst
 
 from epochcache import Cache, CacheFull, Snapshot
+from epochcache.registry import EVICTION, policy_names, register_policy
 from epochcache.store import store_of
 from epochcache.store.plans import Releaser
 
@@ -48,6 +61,14 @@ class Model:
     leases: dict[str, tuple[int, int]] = field(default_factory=dict)
     #: plan leases: lease id -> (its lanes, each lane's read position)
     plans: dict[str, tuple[list[list[int]], list[int]]] = field(default_factory=dict)
+    #: The eviction order among the present samples (None: the policy's is not modelled;
+    #: bytes are then predicted oldest first, which decides the same whether a put fits).
+    order: Callable[[Model], list[int]] | None = None
+    #: The read log: each read sample's newest generation, and next_seq at each generation.
+    reads: dict[int, int] = field(default_factory=dict)
+    bounds: list[int] = field(default_factory=list)
+    #: Bytes the last put brought in (after dropping the keys cached already).
+    incoming: int = 0
 
     @property
     def bytes(self) -> int:
@@ -67,13 +88,28 @@ class Model:
         return self.leased(seq) or (frontier is not None and seq >= frontier)
 
     def evict_to(self, limit: int) -> None:
-        """Oldest first among the unprotected samples."""
-        i = 0
-        while i < len(self.present) and self.bytes > limit:
-            if self.protected(self.present[i][0]):
-                i += 1
-            else:
-                self.present.pop(i)
+        """In the policy's order (oldest first if not modelled) among the unprotected
+        samples."""
+        order = self.order(self) if self.order else [seq for seq, _, _ in self.present]
+        size = {seq: size for seq, _, size in self.present}
+        total, gone = self.bytes, set()
+        for seq in order:
+            if total <= limit:
+                break
+            if not self.protected(seq):
+                gone.add(seq)
+                total -= size[seq]
+        self.present = [item for item in self.present if item[0] not in gone]
+
+    def end_lease(self, lease_id: str) -> None:
+        """A lease ends: with a plan, what its lanes read is recorded as a generation."""
+        del self.leases[lease_id]
+        lanes, positions = self.plans.pop(lease_id, ([], []))
+        read = {seq for lane, pos in zip(lanes, positions) for seq in lane[:pos]}
+        if read:
+            self.bounds.append(self.next_seq)
+            for seq in read:
+                self.reads[seq] = len(self.bounds)
 
     def put(self, batch: list[tuple[str, int]]) -> tuple[int, bool]:
         """Predict put_many(wait=False): (number inserted, whether CacheFull is raised)."""
@@ -84,6 +120,7 @@ class Model:
                 cached.add(key)
                 fresh.append((key, size))
         incoming = sum(size for _, size in fresh)
+        self.incoming = incoming
         full = False
         if self.bytes + incoming > self.capacity:
             self.evict_to(max(0, self.capacity - incoming))
@@ -117,8 +154,30 @@ class Held:
     releasers: list[Releaser] = field(default_factory=list)
 
 
+def oldest_order(model: Model) -> list[int]:
+    return [seq for seq, _, _ in model.present]
+
+
+def least_recently_read_order(model: Model) -> list[int]:
+    """By the generation of the newest read (never read: the one current at insertion, the
+    bounds at or below its seq), then oldest first."""
+    def stamp(seq: int) -> int:
+        return model.reads.get(seq, bisect.bisect_right(model.bounds, seq))
+
+    return sorted((seq for seq, _, _ in model.present), key=lambda seq: (stamp(seq), seq))
+
+
+#: The eviction order of each policy the model knows, among the present samples.
+ORDERS: dict[str, Callable[[Model], list[int]]] = {
+    "oldest": oldest_order, "least-recently-read": least_recently_read_order}
+#: A policy of the tests' own (registered while a machine runs): eviction far from a prefix.
+TEST_POLICIES = {NewestFirst.name: NewestFirst}
+
+
 class EvictionMachine(RuleBasedStateMachine):
     snapshots = Bundle("snapshots")
+    #: The cache's eviction policy (a subclass per registered policy, below).
+    policy = "oldest"
 
     def __init__(self) -> None:
         super().__init__()
@@ -134,8 +193,12 @@ class EvictionMachine(RuleBasedStateMachine):
         headroom=st.sampled_from([0.0, 0.1, 0.5]),
     )
     def open_cache(self, capacity: int, headroom: float) -> None:
-        self.cache = Cache(self.path, capacity, headroom=headroom, sync=False)
-        self.model = Model(capacity, self.cache.headroom_bytes)
+        if self.policy in TEST_POLICIES:
+            register_policy(self.policy, TEST_POLICIES[self.policy])
+        self.cache = Cache(self.path, capacity, headroom=headroom, sync=False,
+                           eviction=self.policy)
+        assert self.cache.eviction == self.policy
+        self.model = Model(capacity, self.cache.headroom_bytes, order=ORDERS.get(self.policy))
         for key in KEYS:
             self.size_of[key] = len(store_of(self.cache).encode(key, content_for(key)))
 
@@ -145,12 +208,43 @@ class EvictionMachine(RuleBasedStateMachine):
         if self.cache is not None:
             self.cache.close()
         shutil.rmtree(self.dir, ignore_errors=True)
+        if self.policy in TEST_POLICIES:
+            EVICTION.pop(self.policy, None)
 
     # -- steps ------------------------------------------------------------------------------
+
+    def _before(self) -> tuple[list[tuple[int, str, int]], set[int]]:
+        """The present samples and those protected, before a step that may evict."""
+        assert self.model is not None
+        present = list(self.model.present)
+        return present, {seq for seq, _, _ in present if self.model.protected(seq)}
+
+    def _check_eviction(self, before: tuple[list[tuple[int, str, int]], set[int]],
+                        target: int) -> None:
+        """For a policy the model does not order: eviction took only unprotected samples,
+        enough to reach ``target`` bytes (of the samples there before) and no more, or all it
+        could; then the model follows the cache."""
+        assert self.cache is not None and self.model is not None
+        if self.model.order is not None:
+            return
+        present, protected = before
+        state = assert_consistent(self.cache)
+        now = set(state.seqs)
+        gone = [(seq, size) for seq, _, size in present if seq not in now]
+        assert not {seq for seq, _ in gone} & protected, "a protected sample was evicted"
+        left = [(seq, size) for seq, _, size in present if seq in now]
+        kept = sum(size for _, size in left)
+        if gone:  # before the last one went, the limit was not met
+            assert kept + max(size for _, size in gone) > target, "evicted past the limit"
+        assert kept <= target or all(seq in protected for seq, _ in left), (
+            "eviction stopped short of the limit while unprotected samples were left")
+        self.model.present = list(zip(state.seqs, state.keys, state.sizes))
 
     @rule(keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=6))
     def put(self, keys: list[str]) -> None:
         assert self.cache is not None and self.model is not None
+        before = self._before()
+        old_bytes = self.model.bytes
         inserted, full = self.model.put([(key, self.size_of[key]) for key in keys])
         try:
             result = self.cache.put_many([(key, content_for(key)) for key in keys], wait=False)
@@ -162,6 +256,11 @@ class EvictionMachine(RuleBasedStateMachine):
             assert result.inserted == inserted
             # Duplicates inside one batch are dropped before the store sees them.
             assert result.inserted + result.skipped == len(set(keys))
+        incoming = self.model.incoming
+        if old_bytes + incoming > self.model.capacity:
+            self._check_eviction(before, max(0, self.model.capacity - incoming))
+        elif self.model.order is None:
+            self._check_eviction(before, old_bytes)  # nothing was to be evicted
 
     @rule(target=snapshots)
     def snapshot(self) -> str:
@@ -237,17 +336,17 @@ class EvictionMachine(RuleBasedStateMachine):
         assert self.model is not None
         held = self.held.pop(lease_id)
         held.snap.release()
-        del self.model.leases[lease_id]
-        self.model.plans.pop(lease_id, None)
+        self.model.end_lease(lease_id)
 
     @rule(fraction=st.sampled_from([0.0, 0.3, 0.7, 1.0]))
     def evict(self, fraction: float) -> None:
         assert self.cache is not None and self.model is not None
         limit = int(self.model.capacity * fraction)
-        before = len(self.model.present)
+        before = self._before()
         self.model.evict_to(limit)
         eviction = self.cache.evict(limit)
-        assert eviction.count == before - len(self.model.present)
+        self._check_eviction(before, limit)
+        assert eviction.count == len(before[0]) - len(self.model.present)
 
     @precondition(lambda self: not self.held)
     @rule()
@@ -255,6 +354,7 @@ class EvictionMachine(RuleBasedStateMachine):
         assert self.cache is not None and self.model is not None
         self.cache.close()
         self.cache = Cache(self.path, sync=False)
+        assert self.cache.eviction == self.policy  # stored in the cache
         assert self.cache.capacity_bytes == self.model.capacity
         assert self.cache.headroom_bytes == self.model.headroom
 
@@ -286,11 +386,26 @@ class EvictionMachine(RuleBasedStateMachine):
                 s: held.digests[s] for s in seqs}
 
 
-EvictionMachine.TestCase.settings = settings(
-    max_examples=150,
-    stateful_step_count=40,
-    deadline=None,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+def _settings(examples: int) -> settings:
+    return settings(max_examples=examples, stateful_step_count=40, deadline=None, database=None,
+                    suppress_health_check=[HealthCheck.too_slow])
+
+
+EvictionMachine.TestCase.settings = _settings(150)
 TestEvictionProperties = EvictionMachine.TestCase
+
+
+def _machine(policy: str) -> type[EvictionMachine]:
+    return type(f"EvictionMachine_{policy}", (EvictionMachine,), {"policy": policy})
+
+
+# Every other registered policy: a representative run by default, the full one with -m slow.
+for _policy in [*policy_names(), *TEST_POLICIES]:
+    if _policy == EvictionMachine.policy:
+        continue
+    _name = "".join(part.title() for part in _policy.replace("_", "-").split("-"))
+    for _suffix, _examples in (("", 30), ("Full", 150)):
+        _case = _machine(_policy).TestCase
+        _case.settings = _settings(_examples)
+        _case.__name__ = _case.__qualname__ = f"TestEvictionProperties{_name}{_suffix}"
+        globals()[_case.__name__] = pytest.mark.slow(_case) if _suffix else _case

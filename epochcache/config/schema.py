@@ -33,7 +33,7 @@ from ..limits import (
 )
 from ..options import DEFAULT_STALL_S, RESUME_GRACE_S, ReaderOptions
 from ..redact import REDACTED, is_secret_key, redact_options, redact_tree
-from ..registry import LAYOUTS, missing_requirement
+from ..registry import LAYOUTS, check_policy, missing_requirement
 from ..units import headroom_bytes, parse_duration, parse_headroom, parse_size
 from .environment import pyarrow_available, resolve_node
 from .secrets import found_secrets, set_path
@@ -86,6 +86,11 @@ def _headroom(value: Any) -> Any:
     if isinstance(value, int) and not isinstance(value, bool) and value == 0:
         return 0.0
     return parse_headroom(value)
+
+
+def _eviction(value: Any) -> Any:
+    """A registered eviction policy's name (`epochcache.registry`)."""
+    return value if value is None else check_policy(str(value))
 
 
 Check = Literal["size", "checksum", "format"]
@@ -289,8 +294,8 @@ class CacheConfig(_Section):
         description="the cache directory, on local disk; created private to your user",
     )
     capacity: Annotated[int, BeforeValidator(_size), Field(gt=0)] = Field(
-        description="stored bytes to keep; the oldest samples no epoch needs are evicted beyond "
-                    "it",
+        description="stored bytes to keep; samples no epoch needs are evicted beyond it, "
+                    "the oldest first unless `cache.eviction` says otherwise",
     )
     headroom: Annotated[float | int, BeforeValidator(_headroom)] = Field(
         default=0.1,
@@ -301,6 +306,12 @@ class CacheConfig(_Section):
         default="zstd",
         description="zstd-compress samples that shrink (incompressible ones are stored raw "
                     "either way)",
+    )
+    eviction: Annotated[str | None, BeforeValidator(_eviction)] = Field(
+        default=None,
+        description="what eviction takes first, among the samples no epoch needs: a policy "
+                    "name, stored in the cache so that every process evicts alike (null keeps "
+                    "the stored one; a new cache gets `oldest`)",
     )
     level: int = Field(default=3, ge=-7, le=22, description="the zstd level")
     sync: bool = Field(

@@ -205,6 +205,7 @@ class Supervisor:
             self.cache = SampleStore(
                 cfg.dir, capacity=cfg.capacity_bytes, headroom=cfg.headroom_bytes,
                 compression=cfg.compression, level=cfg.level, sync=cfg.sync,
+                eviction=cfg.eviction,
             )
             # the listings' request counters go on from the last daemon's
             self.sources.saved = self.cache.tables.get_state("daemon") or {}

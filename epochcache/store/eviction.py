@@ -4,11 +4,14 @@ is oldest-first.
 What every policy keeps: it never takes a sample a lease protects (a snapshot's sample its
 epoch has not delivered yet, `epochcache.store.release`), it stops where everything left is
 protected (naming a lease in the way, so writers wait: back-pressure), it deletes through
-`_take` (the record, its key's index entry, the counters), and once it took samples it prunes
+`take` (the record, its key's index entry, the counters), and once it took samples it prunes
 the origin rows nothing reaches back to any more (`prune`).
-[`EvictionPolicy`][epochcache.store.eviction.EvictionPolicy] is the interface;
-`register_policy` makes one selectable by name (the writer's ``eviction``); a
-least-read-first policy, say, is one module with its class and one registration.
+[`EvictionPolicy`][epochcache.store.eviction.EvictionPolicy] is the interface; one
+`epochcache.registry.register_policy` line makes a policy selectable by name. The policy is a
+setting of the cache, stored in it (``cache.eviction``, ``Cache(eviction=)``), so that every
+writer process evicts alike. A policy gets, in the writer's transaction, the live leases and
+what they protect (`Protection.protects` answers for any samples) and, if it orders by reads
+(``uses_reads``), the read log (`epochcache.store.reads`).
 
 **Oldest first** (`OldestFirst`, the default, invariant 3):
 
@@ -34,12 +37,17 @@ from typing import ClassVar
 
 import lmdb
 
+from ..registry import EVICTION
 from .codec import record_key
 from .counters import Counters
 from .leases import Lease
 from .origins import prune, prune_bound
-from .records import DB_KEYS, DB_SAMPLES, seq_key, seq_of
+from .reads import ReadLog, load_reads, read_generation
+from .records import DB_KEYS, DB_META, DB_SAMPLES, seq_key, seq_of
 from .release import Protection
+
+#: The policy of a cache that was never told one (`epochcache.registry` names the others).
+DEFAULT_POLICY = "oldest"
 
 
 @dataclass
@@ -55,18 +63,25 @@ class EvictionPolicy(abc.ABC):
     """Chooses what eviction takes, inside a writer's transaction (see the module docstring).
 
     One instance per writer (per process and cache): it may keep state across passes.
+    Whatever it does, it keeps invariants 1-3: it never takes a sample ``protection``
+    protects (`Protection.protects`, after `Protection.sync` with ``leases``), and it
+    stops only at ``limit_bytes`` or when everything left is protected.
     """
 
-    #: The name it is registered and selected under.
+    #: The name it is registered and selected under (`epochcache.registry.register_policy`).
     name: ClassVar[str]
+    #: Whether it orders by reads: then ending a lease records its reads (the read log,
+    #: `epochcache.store.reads`), and `evict` gets them.
+    uses_reads: ClassVar[bool] = False
 
     @abc.abstractmethod
     def evict(self, txn: lmdb.Transaction, dbs: dict[bytes, lmdb._Database],
               counters: Counters, limit_bytes: int, leases: Sequence[Lease],
-              protection: Protection) -> Eviction:
+              protection: Protection, reads: Reads) -> Eviction:
         """Take samples no lease protects until ``counters.bytes <= limit_bytes``, or until
         everything left is protected (then ``blocked_by`` names a lease in the way).
-        ``counters`` is updated in place; the caller saves it in the same transaction."""
+        ``counters`` is updated in place; the caller saves it in the same transaction.
+        ``reads`` gives the read log (`Reads.current`) to a policy that ``uses_reads``."""
 
 
 class OldestFirst(EvictionPolicy):
@@ -76,33 +91,47 @@ class OldestFirst(EvictionPolicy):
 
     def evict(self, txn: lmdb.Transaction, dbs: dict[bytes, lmdb._Database],
               counters: Counters, limit_bytes: int, leases: Sequence[Lease],
-              protection: Protection) -> Eviction:
+              protection: Protection, reads: Reads) -> Eviction:
         return evict_oldest(txn, dbs, counters, limit_bytes, leases, protection)
 
 
-_POLICIES: dict[str, type[EvictionPolicy]] = {}
+class Reads:
+    """The read log as one writer process sees it: loaded again only when a lease end
+    recorded reads since (``meta`` counts them), so a pass costs one ``get``.
 
+    Args:
+        cache_path: the cache directory.
+    """
 
-def register_policy(cls: type[EvictionPolicy]) -> type[EvictionPolicy]:
-    """Make ``cls`` selectable by its ``name`` (usable as a class decorator)."""
-    _POLICIES[cls.name] = cls
-    return cls
+    def __init__(self, cache_path: str) -> None:
+        self.cache_path = cache_path
+        self._log = ReadLog.empty()
+
+    def current(self, txn: lmdb.Transaction, dbs: dict[bytes, lmdb._Database]) -> ReadLog:
+        """The read log as of ``txn`` (the same object until a new generation is recorded)."""
+        generation = read_generation(txn, dbs[DB_META])
+        if generation != self._log.generation:
+            self._log = load_reads(self.cache_path, generation)
+        return self._log
 
 
 def policy_of(name: str) -> EvictionPolicy:
-    """A new instance of the policy registered as ``name``.
+    """A new instance of the policy registered as ``name`` (`epochcache.registry`).
 
     Raises:
-        ValueError: no policy has that name (the message lists those that do).
+        ValueError: no policy has that name (the message lists those that do), or what is
+            registered under it is not an `EvictionPolicy`.
     """
-    try:
-        return _POLICIES[name]()
-    except KeyError:
-        raise ValueError(f"eviction: expected one of {', '.join(sorted(_POLICIES))}, got "
-                         f"{name!r}") from None
-
-
-register_policy(OldestFirst)
+    entry = EVICTION.get(name)
+    if entry is None:
+        raise ValueError(f"eviction: expected one of {', '.join(EVICTION)}, got {name!r} "
+                         "(a policy of your own: epochcache.registry.register_policy before "
+                         "the cache opens)")
+    cls = entry.resolve()
+    if not issubclass(cls, EvictionPolicy):
+        raise ValueError(f"eviction: {name!r} is registered as {cls.__name__}, not an "
+                         "EvictionPolicy")
+    return cls()
 
 
 def evict_oldest(
@@ -150,19 +179,25 @@ def evict_oldest(
             if not cursor.set_key(seq_key(next_released)):
                 continue  # another process evicted it
             walk.moved()
-        _take(txn, cursor, keys_db, counters, result)
+        take(txn, cursor, keys_db, counters, result)
     # The candidates used up are gone (evicted here, or by another process): no candidates
     # of any plan lease any more.
     protection.evicted(released[:taken])
     if result.count:
-        # Origin rows go once no sample and no lease's range reaches back to them: a lease's
-        # samples released and evicted mid-epoch keep theirs, for the epoch's manifest.
-        prune(txn, dbs, prune_bound(txn, dbs, [lease.lo for lease in leases]))
+        prune_origins(txn, dbs, leases)
     return result
 
 
-def _take(txn: lmdb.Transaction, cursor: lmdb.Cursor, keys_db: lmdb._Database,
-          counters: Counters, result: Eviction) -> None:
+def prune_origins(txn: lmdb.Transaction, dbs: dict[bytes, lmdb._Database],
+                  leases: Sequence[Lease]) -> None:
+    """After a pass that took samples: delete the origin rows no sample and no lease's range
+    reaches back to any more (a lease's samples released and evicted mid-epoch keep theirs,
+    for the epoch's manifest)."""
+    prune(txn, dbs, prune_bound(txn, dbs, [lease.lo for lease in leases]))
+
+
+def take(txn: lmdb.Transaction, cursor: lmdb.Cursor, keys_db: lmdb._Database,
+         counters: Counters, result: Eviction) -> None:
     """Delete the sample under ``cursor`` (its record, its key's index entry) and count it:
     what every policy's victim goes through."""
     record = cursor.value()

@@ -30,6 +30,7 @@ import lmdb
 from ..boot import boot_id, same_boot
 from .owners import owner_alive, remove_owner
 from .plans import remove_plan
+from .reads import record_reads
 
 log = logging.getLogger("epochcache.cache")  # one logger for everything a cache does
 
@@ -224,9 +225,11 @@ def _death_reason(lease: Lease, now_ns: int) -> str:
 def reclaim_dead(
     txn: lmdb.Transaction, db: lmdb._Database, timeout_s: float = DEFAULT_LEASE_TIMEOUT_S,
     *, path: str = "", state_db: lmdb._Database | None = None,
+    dbs: dict[bytes, lmdb._Database] | None = None,
 ) -> list[Lease]:
     """Delete the leases whose holders are gone, log each with ``path`` (and, with
-    ``state_db``, record why: `note_end`); return them."""
+    ``state_db``, record why: `note_end`; with ``dbs``, what their readers read:
+    `record_reads`); return them."""
     now = time.time_ns()
     leases = read_leases(txn, db)
     dead = [lease for lease in leases if not lease.is_alive(now, timeout_s, path)
@@ -236,6 +239,8 @@ def reclaim_dead(
         if state_db is not None:
             note_end(txn, state_db, lease.lease_id, _death_reason(lease, now))
         if path:
+            if dbs is not None:
+                record_reads(txn, dbs, path, lease.lease_id)
             remove_plan(path, lease.lease_id)
         log.info("%s: reclaimed lease %s (%s) of dead process %d on %s (%d samples)",
                  path, lease.lease_id[:8], lease.label or "snapshot", lease.pid, lease.host,

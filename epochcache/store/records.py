@@ -55,6 +55,12 @@ C_FORMAT = b"format_version"
 #: A lowered capacity stored by earlier versions; now a runtime back-off, so this key is ignored
 #: and deleted when a cache is opened for writing (`epochcache.store.lowered_capacity`).
 C_EFFECTIVE_CAPACITY = b"effective_capacity"
+#: The cache's eviction policy, by its registered name (`epochcache.registry`); missing: the
+#: default (`epochcache.store.eviction.DEFAULT_POLICY`).
+M_EVICTION = b"eviction"
+#: Bumped each time reads are recorded (`epochcache.store.reads`): a policy that orders by
+#: reads loads the read log again when it changed.
+C_READ_GENERATION = b"read_generation"
 
 HISTORY_MAX_ROWS = 20_000
 QUARANTINE_MAX_ROWS = 10_000

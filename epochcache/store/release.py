@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -158,6 +158,8 @@ class Protection:
         # What `evicted` marked gone in the write transaction under way, to undo if it
         # does not commit: (plan, positions, their states before).
         self._undo: list[tuple[_Planned, np.ndarray, np.ndarray]] = []
+        #: What a policy asked to undo if the transaction does not commit (`on_rollback`).
+        self._undo_calls: list[Callable[[], None]] = []
 
     # -- the write transaction's bookkeeping --------------------------------------------------
 
@@ -170,12 +172,21 @@ class Protection:
     def commit(self) -> None:
         """The transaction committed: what it evicted is gone for good."""
         self._undo.clear()
+        self._undo_calls.clear()
 
     def rollback(self) -> None:
         """The transaction did not commit: what it marked evicted is a candidate again."""
         undo, self._undo = self._undo, []
         for planned, idx, before in reversed(undo):
             planned.restore(idx, before)
+        calls, self._undo_calls = self._undo_calls, []
+        for call in reversed(calls):
+            call()
+
+    def on_rollback(self, undo: Callable[[], None]) -> None:
+        """Call ``undo`` if the write transaction under way does not commit: a policy that
+        keeps state about what it took (samples it will not look at again) puts it back."""
+        self._undo_calls.append(undo)
 
     def sync(self, leases: Sequence[Lease]) -> None:
         """Adopt the lease table read in the current transaction; take in new reads."""
@@ -266,6 +277,22 @@ class Protection:
             if planned.lease.lo <= seq < planned.lease.hi and planned.unread(one)[0]:
                 return planned.lease
         return None
+
+    def protects(self, seqs: np.ndarray) -> np.ndarray:
+        """Which of ``seqs`` (any order) may not be evicted now: those a lease without a plan
+        holds in its range, those a plan lease has not released, and those at or past the
+        frontier (invariants 1 and 3). Vectorised: O(len(seqs) x leases x log snapshot)."""
+        seqs = np.asarray(seqs, dtype=np.uint64)
+        out = np.zeros(len(seqs), dtype=bool)
+        frontier = self.frontier
+        if frontier is not None:
+            out |= seqs >= frontier
+        for lease in self._whole:
+            out |= (seqs >= lease.lo) & (seqs < lease.hi)
+        for planned in self._planned.values():
+            if len(planned.seqs):
+                out |= planned.unread(seqs)
+        return out
 
     def released(self, want: int = 256) -> np.ndarray:
         """The oldest released samples of the plan leases that no other lease protects, at

@@ -27,7 +27,7 @@ from .capacity import Capacity, resolve_limits, stored_limits
 from .codec import Value
 from .counters import Counters
 from .env import Store, map_bound
-from .eviction import Eviction
+from .eviction import DEFAULT_POLICY, Eviction, policy_of
 from .leases import (
     DEFAULT_LEASE_TIMEOUT_S,
     Lease,
@@ -40,12 +40,14 @@ from .leases import (
 )
 from .origins import Origin
 from .owners import begin_lease, end_lease, heartbeats, sweep_dead_owners
+from .reads import record_reads, remove_reads
 from .records import (
     DB_KEYS,
     DB_LEASES,
     DB_META,
     DB_SAMPLES,
     DB_STATE,
+    M_EVICTION,
     index_key,
     seq_key,
     seq_keys,
@@ -83,10 +85,14 @@ class SampleStore:
         lease_timeout_s: a lease holder whose owner lock cannot be tested is presumed dead
             after this long without a heartbeat; this process's open snapshots refresh theirs
             every quarter of it (see `epochcache.store.owners`).
+        eviction: the eviction policy, by its registered name (`epochcache.registry`). None
+            keeps the stored one (a new cache: ``"oldest"``); a different one replaces it only
+            when no other process has the cache open for writing, as capacity does.
 
     Raises:
         CacheError: the directory holds no cache and no capacity was given, or it cannot be
             opened.
+        ValueError: ``eviction`` (or the stored policy) names no registered policy.
     """
 
     def __init__(
@@ -101,9 +107,12 @@ class SampleStore:
         readonly: bool = False,
         max_map_size: int | str | None = None,
         lease_timeout_s: float = DEFAULT_LEASE_TIMEOUT_S,
+        eviction: str | None = None,
     ) -> None:
         if compression not in ("zstd", "none"):
             raise ValueError(f"compression: expected 'zstd' or 'none', got {compression!r}")
+        if eviction is not None:
+            policy_of(eviction)  # an unknown name raises before anything is created
         self.path = os.path.realpath(os.fspath(path))
         # What a copy in another process opens with (see __getstate__); the limits live in
         # the cache itself, so a copy keeps the ones in force.
@@ -135,8 +144,11 @@ class SampleStore:
             capacity_bytes, headroom_bytes = self._settle_limits(cap, headroom)
         self.store.set_map_limits(*map_limits(capacity_bytes, headroom_bytes))
         self.capacity = Capacity(self.store, capacity_bytes, headroom_bytes)
+        #: The cache's eviction policy, by name (stored in the cache: every writer evicts alike).
+        self.eviction = self._settle_eviction(eviction)
         self.writer = Writer(self.store, self.capacity, compress=self.compress, level=level,
-                             lease_timeout_s=lease_timeout_s)
+                             lease_timeout_s=lease_timeout_s,
+                             eviction=DEFAULT_POLICY if readonly else self.eviction)
         self.tables = SideTables(self.store)
         if not readonly:
             self.capacity.fit_to_disk()
@@ -165,6 +177,35 @@ class SampleStore:
             format_size(head),
         )
         return kept_cap, kept_head
+
+    def _settle_eviction(self, eviction: str | None) -> str:
+        """The cache's policy: the one asked for, stored if no other process holds the cache
+        (the rule of `_settle_limits`), else the stored one (a new cache: `DEFAULT_POLICY`).
+        A changed policy starts with no read log."""
+        stored = self._stored_eviction()
+        current = stored or DEFAULT_POLICY
+        wanted = eviction or current
+        if self.store.readonly or (wanted == current and stored is not None):
+            return current
+        with self.store.alone() as sole:
+            stored = self._stored_eviction()
+            current = stored or DEFAULT_POLICY
+            if wanted == current or sole:
+                self.store.write(lambda txn: txn.put(M_EVICTION, wanted.encode(),
+                                                     db=self.dbs[DB_META]))
+                if wanted != current:
+                    remove_reads(self.path)
+                    log.info("%s: eviction %s -> %s", self.path, current, wanted)
+                return wanted
+        log.warning("%s: keeping eviction %s instead of %s: other processes have this cache "
+                    "open (a daemon, its samplers or trainers), and all must evict alike; stop "
+                    "them, then open it with the new policy", self.path, current, wanted)
+        return current
+
+    def _stored_eviction(self) -> str | None:
+        with self.store.read() as txn:
+            raw = txn.get(M_EVICTION, db=self.dbs[DB_META])
+        return None if raw is None else bytes(raw).decode()
 
     @property
     def dbs(self) -> dict[bytes, lmdb._Database]:
@@ -467,6 +508,7 @@ class SampleStore:
                 write_lease(txn, self.dbs[DB_LEASES], lease)
                 return True, False
             delete_lease(txn, self.dbs[DB_LEASES], lease_id)
+            record_reads(txn, self.dbs, self.path, lease_id)  # before its plan goes
             note_end(txn, self.dbs[DB_STATE], lease_id, reason or (
                 f"released by its holder (pid {pid}) "
                 + ("at the end of its epoch" if finished else

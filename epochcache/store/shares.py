@@ -37,6 +37,7 @@ import lmdb
 from .leases import Lease, delete_lease, note_end, write_lease
 from .owners import begin_lease, end_lease, heartbeats
 from .plans import remove_plan
+from .reads import record_reads
 from .records import DB_LEASES, DB_STATE
 
 if TYPE_CHECKING:
@@ -95,6 +96,7 @@ def _release_old(txn: lmdb.Transaction, cache: SampleStore, doc: dict[str, Any] 
         return
     delete_lease(txn, db, doc["lease"])
     note_end(txn, cache.dbs[DB_STATE], doc["lease"], reason)
+    record_reads(txn, cache.dbs, cache.path, doc["lease"])
     remove_plan(cache.path, doc["lease"])  # (a file, outside the transaction's undo)
 
 

@@ -26,7 +26,7 @@ from .capacity import Capacity
 from .codec import Value
 from .counters import Counters
 from .env import Store
-from .eviction import Eviction, policy_of
+from .eviction import DEFAULT_POLICY, Eviction, Reads, policy_of
 from .leases import Lease, read_leases, reclaim_dead
 from .origins import Origin, write_row
 from .records import DB_KEYS, DB_LEASES, DB_META, DB_SAMPLES, DB_STATE, index_key, pack_u64, seq_key
@@ -107,10 +107,12 @@ class Writer:
     """
 
     def __init__(self, store: Store, capacity: Capacity, *, compress: bool, level: int,
-                 lease_timeout_s: float, eviction: str = "oldest") -> None:
+                 lease_timeout_s: float, eviction: str = DEFAULT_POLICY) -> None:
         self.store, self.capacity = store, capacity
-        #: What eviction takes (`epochcache.store.eviction`).
+        #: What eviction takes (`epochcache.store.eviction`): the cache's stored policy.
         self.policy = policy_of(eviction)
+        #: The read log, for a policy that orders by reads.
+        self.reads = Reads(store.path)
         self.compress, self.level, self.lease_timeout_s = compress, level, lease_timeout_s
         self._full_logged = 0.0
         #: Seconds put_many has waited for leases to free space (back-pressure), in total.
@@ -346,11 +348,13 @@ class Writer:
         dbs = self.store.dbs
         target = max(0, limit - incoming)
         evicted = self.policy.evict(txn, dbs, counters, target,
-                                    read_leases(txn, dbs[DB_LEASES]), self.protection)
+                                    read_leases(txn, dbs[DB_LEASES]), self.protection,
+                                    self.reads)
         over_headroom = counters.bytes + incoming > limit + self.capacity.headroom_for(limit)
         if over_headroom and self.reclaim(txn):
             more = self.policy.evict(txn, dbs, counters, target,
-                                     read_leases(txn, dbs[DB_LEASES]), self.protection)
+                                     read_leases(txn, dbs[DB_LEASES]), self.protection,
+                                     self.reads)
             evicted = Eviction(evicted.count + more.count, evicted.bytes + more.bytes,
                                more.blocked_by)
         return evicted
@@ -358,7 +362,7 @@ class Writer:
     def reclaim(self, txn: lmdb.Transaction) -> list[Lease]:
         """Delete (and log) the leases of dead holders, in ``txn``."""
         return reclaim_dead(txn, self.store.dbs[DB_LEASES], self.lease_timeout_s, path=self.path,
-                            state_db=self.store.dbs[DB_STATE])
+                            state_db=self.store.dbs[DB_STATE], dbs=self.store.dbs)
 
     def _full_message(self, blocker: Lease) -> str:
         if blocker.label == _STUCK:
@@ -390,7 +394,8 @@ class Writer:
         def run(txn: lmdb.Transaction) -> Eviction:
             counters = Counters.load(txn, dbs[DB_META])
             result = self.policy.evict(txn, dbs, counters, limit,
-                                       read_leases(txn, dbs[DB_LEASES]), self.protection)
+                                       read_leases(txn, dbs[DB_LEASES]), self.protection,
+                                     self.reads)
             counters.save(txn, dbs[DB_META])
             return result
 
