@@ -135,7 +135,7 @@ def alloc_batch(shape: tuple[int, ...], dtype: np.dtype[Any] | torch.dtype) -> t
             return torch.empty(shape, dtype=tdtype, pin_memory=True)
         return _from_pool(tuple(shape), tdtype)
     if handed_off:
-        tensor = ring.take(tuple(shape), tdtype)
+        tensor = ring.take_slot(tuple(shape), tdtype)
         if tensor is not None:
             return tensor
     numel = int(np.prod(shape, dtype=np.int64))

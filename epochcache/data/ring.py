@@ -162,7 +162,7 @@ class _RingBatch:
 _ring: _Ring | None = None
 
 
-def take(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+def take_slot(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
     """A batch tensor over a slot of this worker's ring (it must leave the worker through
     `hand_off`), or None when the ring has none to give."""
     global _ring
