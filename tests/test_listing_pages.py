@@ -68,14 +68,15 @@ def _spec(s3: S3Env, proxy: SlowListProxy, **fields: Any) -> SourceSpec:
 def test_every_page_has_its_own_timeout(s3: S3Env, proxy: SlowListProxy,
                                         caplog: pytest.LogCaptureFixture) -> None:
     keys = _fill(s3, "big", COUNT)
-    # Three pages take 3 s, longer than the timeout; each one has 1.5 s to spare for a busy
-    # machine (0.7 s of 1.5 s was not always enough: a page was retried).
-    proxy.list_delay_s = 1.0
-    source = open_source(_spec(s3, proxy, timeout_s=2.5))
+    # Three pages take 4.5 s, longer than the timeout; each one has 2.5 s to spare for a busy
+    # machine (0.7 s of 1.5 s was not always enough: a page was retried; 1.5 s of 2.5 s at a
+    # load of 9 on two cores was not either: page 1 timed out four times).
+    proxy.list_delay_s = 1.5
+    source = open_source(_spec(s3, proxy, timeout_s=4.0))
     started = time.monotonic()
     with caplog.at_level(logging.INFO, logger="epochcache"):
         listed = source.list_keys()
-    assert time.monotonic() - started > 2.5  # longer than the timeout, and it succeeded
+    assert time.monotonic() - started > 4.0  # longer than the timeout, and it succeeded
     assert [ref.key for ref in listed] == keys
     # Each page asked once, and again only where the log says it was retried.
     retries = sum("retrying in" in record.getMessage() for record in caplog.records)

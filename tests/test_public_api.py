@@ -32,7 +32,7 @@ EXPORTED = {
 }
 
 CACHE = {
-    "path", "capacity_bytes", "headroom_bytes", "effective_capacity",
+    "path", "capacity_bytes", "headroom_bytes", "effective_capacity", "eviction",
     "put", "put_many", "get", "get_many", "seq_of", "contains_many", "info", "evict",
     "snapshot", "leases", "keep_for_resume", "release_lease",
     "stats", "counters", "coverage", "record_trained", "history", "quarantined",

@@ -384,7 +384,7 @@ def record_trained(cache: SampleStore, seqs: np.ndarray, *, epoch: int | None = 
             result["new"] += new
             if not commit:
                 continue
-            ledger.note({"time": round(time.time(), 3), "epoch": epoch, "job": job,
+            ledger.note({"time": round(time.time(), 6), "epoch": epoch, "job": job,
                          "trained": trained, "new": new, "covered": summary["covered"],
                          "samples": summary["samples"],
                          "ingested": _ingested(cache, str(info.get("source") or ""))})
