@@ -30,7 +30,7 @@ from .listing import (
 )
 from .paging import ListingJob
 from .tar import TarSource
-from .types import CHECKS, STREAMED, FetchResult, Part, Payload, SampleRef, SourceSpec
+from .types import CHECKS, STREAMED, FetchResult, Payload, Piece, SampleRef, SourceSpec
 
 __all__ = [
     "CHECKS",
@@ -40,8 +40,8 @@ __all__ = [
     "KeyTableBuilder",
     "Listing",
     "ListingJob",
-    "Part",
     "Payload",
+    "Piece",
     "STREAMED",
     "SampleRef",
     "Source",
