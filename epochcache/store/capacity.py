@@ -40,7 +40,7 @@ def stored_limits(path: str) -> tuple[int | None, int | None]:
     try:
         with store.read() as txn:
             meta = store.dbs[DB_META]
-            check_format(path, txn.get(C_FORMAT, db=meta))
+            check_stored_format(path, txn.get(C_FORMAT, db=meta))
             cap, head = txn.get(_M_CAPACITY, db=meta), txn.get(_M_HEADROOM, db=meta)
             return (
                 None if cap is None else unpack_u64(cap),
@@ -50,7 +50,7 @@ def stored_limits(path: str) -> tuple[int | None, int | None]:
         store.close()
 
 
-def check_format(path: str, stored: bytes | memoryview | None) -> None:
+def check_stored_format(path: str, stored: bytes | memoryview | None) -> None:
     """Refuse a cache whose stored format version is not this version's (None: a cache being
     created)."""
     if stored is None or unpack_u64(stored) == FORMAT_VERSION:
@@ -108,7 +108,7 @@ class Capacity:
     def save(self, txn: lmdb.Transaction) -> None:
         """Store the format version, capacity and headroom (refusing another format)."""
         meta = self.store.dbs[DB_META]
-        check_format(self.store.path, txn.get(C_FORMAT, db=meta))
+        check_stored_format(self.store.path, txn.get(C_FORMAT, db=meta))
         txn.put(C_FORMAT, pack_u64(FORMAT_VERSION), db=meta)
         txn.put(_M_CAPACITY, pack_u64(self.capacity_bytes), db=meta)
         txn.put(_M_HEADROOM, pack_u64(self.headroom_bytes), db=meta)
