@@ -57,6 +57,7 @@ RETIRED: dict[str, str] = {
     "PART_BYTES": "PIECE_BYTES",
     "part_origins": "piece_origins",
     "_hand_over_part": "_hand_over_piece",
+    "ListingJob": "PagedListing",  # "job" is the launcher's job
 }
 
 
