@@ -58,6 +58,8 @@ RETIRED: dict[str, str] = {
     "part_origins": "piece_origins",
     "_hand_over_part": "_hand_over_piece",
     "ListingJob": "PagedListing",  # "job" is the launcher's job
+    "HOLDERS_FILE": "WRITERS_FILE",  # a lease's process is its owner; writers hold the file
+    "_holders": "_writers",
 }
 
 

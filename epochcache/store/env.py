@@ -10,9 +10,9 @@ All process-level LMDB concerns live here:
 * map size: set from the capacity, grown on ``MapFullError`` up to a bound, and re-read
   after another process grew it (``MapResizedError``);
 * a private directory (0700) and private files (0600), since samples may be sensitive;
-* who holds the cache: every process with a writable handle holds a shared ``flock`` on
-  ``holders.lock`` (released by the kernel when it dies), so that a process may change the
-  stored capacity only when it is alone (`Store.alone`).
+* who writes to the cache: every process with a writable handle (a *writer*) holds a shared
+  ``flock`` on ``holders.lock`` (released by the kernel when it dies), so that a process may
+  change the stored capacity only when it is alone (`Store.alone`).
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ MAX_READERS = 1024
 #: An EIO from a write with less free space than this is the short write of a full disk.
 NEARLY_FULL_BYTES = 16 * 1024 * 1024
 
-#: Held shared by every process with a writable handle on the cache (see `Store.alone`).
-HOLDERS_FILE = "holders.lock"
+#: Held shared by every writer: a process with a writable handle on the cache (`Store.alone`).
+WRITERS_FILE = "holders.lock"  # on-disk name
 #: Serialises the processes that want to change a cache's limits.
 LIMITS_FILE = "limits.lock"
 #: How long `Store.alone` waits for another process changing the limits.
@@ -62,7 +62,7 @@ _lock = threading.Lock()
 _envs: dict[str, tuple[lmdb.Environment, dict[bytes, lmdb._Database], int]] = {}
 _refcounts: dict[str, int] = {}
 #: path -> (fd of holders.lock with a shared flock, handles using it) in this process
-_holders: dict[str, tuple[int, int]] = {}
+_writers: dict[str, tuple[int, int]] = {}
 
 
 #: ``PROCESS[0]`` is a new object in every forked child: a cheaper "is this still the process
@@ -99,8 +99,8 @@ def _after_fork_in_child() -> None:
     _refcounts.clear()
     # The child shares the parent's holders.lock file description (and so its lock): it holds
     # the cache as long as it lives, and never closes the descriptor.
-    for path, (fd, _count) in list(_holders.items()):
-        _holders[path] = (fd, 1 << 30)
+    for path, (fd, _count) in list(_writers.items()):
+        _writers[path] = (fd, 1 << 30)
     _lock = threading.Lock()
 
 
@@ -206,24 +206,24 @@ def _open_lock_file(path: str) -> int:
 def _hold(path: str) -> None:
     """Count one more writable handle on ``path`` in this process (shared flock on the first)."""
     with _lock:
-        entry = _holders.get(path)
+        entry = _writers.get(path)
         if entry is None:
-            fd = _open_lock_file(os.path.join(path, HOLDERS_FILE))
+            fd = _open_lock_file(os.path.join(path, WRITERS_FILE))
             fcntl.flock(fd, fcntl.LOCK_SH)  # waits only while another process changes limits
             entry = (fd, 0)
-        _holders[path] = (entry[0], entry[1] + 1)
+        _writers[path] = (entry[0], entry[1] + 1)
 
 
 def _unhold(path: str) -> None:
     with _lock:
-        entry = _holders.get(path)
+        entry = _writers.get(path)
         if entry is None:
             return
         fd, count = entry
         if count > 1:
-            _holders[path] = (fd, count - 1)
+            _writers[path] = (fd, count - 1)
             return
-        del _holders[path]
+        del _writers[path]
         os.close(fd)  # releases the shared lock
 
 
@@ -401,7 +401,7 @@ class Store:
                     entry[0].close()
         self._env = None
 
-    # -- holders --------------------------------------------------------------------------------
+    # -- writers --------------------------------------------------------------------------------
 
     @contextlib.contextmanager
     def alone(self) -> Iterator[bool]:
@@ -431,7 +431,7 @@ class Store:
                         ) from None
                     time.sleep(0.05)
             with _lock:
-                fd = _holders[self.path][0]
+                fd = _writers[self.path][0]
             # Linux converts a flock by dropping the shared lock first: a failed conversion
             # leaves none, so the shared lock is taken again in any case below.
             try:

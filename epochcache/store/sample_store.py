@@ -80,7 +80,7 @@ class SampleStore:
         sync: fsync each commit (survives power loss as well as process crashes).
         readonly: open for reading only (status, verify).
         max_map_size: cap on the LMDB map (defaults to a bound derived from capacity).
-        lease_timeout_s: a lease holder whose owner lock cannot be tested is presumed dead
+        lease_timeout_s: a lease owner whose lock cannot be tested is presumed dead
             after this long without a heartbeat; this process's open snapshots refresh theirs
             every quarter of it (see `epochcache.store.owners`).
 
@@ -447,7 +447,7 @@ class SampleStore:
         ``finished=False`` says its epoch was abandoned before its end (a stop, an error, the
         process exiting): a lease a checkpoint named (`keep_for_resume`) is then *left*
         for the resumed run instead -- no longer refreshed nor held by this process, kept
-        ``resume_grace_s`` past its last heartbeat -- as if its holder had been killed
+        ``resume_grace_s`` past its last heartbeat -- as if its owner had been killed
         (invariant 10: every stop is a resume point). ``reason`` is recorded for a resume that
         finds it gone (`end_reason`).
         """
@@ -468,7 +468,7 @@ class SampleStore:
                 return True, False
             delete_lease(txn, self.dbs[DB_LEASES], lease_id)
             note_end(txn, self.dbs[DB_STATE], lease_id, reason or (
-                f"released by its holder (pid {pid}) "
+                f"released by its owner (pid {pid}) "
                 + ("at the end of its epoch" if finished else
                    "when it stopped, before any checkpoint named the lease")))
             return True, True
@@ -489,7 +489,7 @@ class SampleStore:
             return end_reason(txn, self.dbs[DB_STATE], lease_id)
 
     def keep_for_resume(self, lease_id: str, grace_s: float) -> bool:
-        """A checkpoint names this lease: if its holder dies, keep it ``grace_s`` seconds past
+        """A checkpoint names this lease: if its owner dies, keep it ``grace_s`` seconds past
         its last heartbeat for a resumed run to adopt (0: reclaim it as soon as it is dead).
         Returns False if the lease is gone."""
         db = self.dbs[DB_LEASES]
@@ -510,7 +510,7 @@ class SampleStore:
                     whole: bool = False) -> Lease | None:
         """Hold the lease of an interrupted epoch from now on (a resumed run): this process's
         owner lock keeps it, and its heartbeat is refreshed while the returned lease is not
-        released (`release_lease`). None when it is gone (reclaimed: its holder died
+        released (`release_lease`). None when it is gone (reclaimed: its owner died
         longer than its grace ago, or no checkpoint named it).
 
         Args:
@@ -573,11 +573,11 @@ class SampleStore:
             if heartbeats().remove(self.path, lease_id):
                 end_lease(self.path)
             log.error("%s: lease %s of this process was reclaimed by another process (it took "
-                      "the holder for dead); reads of its snapshot fail once its samples are "
+                      "the owner for dead); reads of its snapshot fail once its samples are "
                       "evicted", self.path, lease_id[:8])
 
     def reclaim_leases(self) -> list[Lease]:
-        """Delete leases whose holder died, then evict what they pinned beyond capacity; also
+        """Delete leases whose owner died, then evict what they pinned beyond capacity; also
         delete the owner files of dead processes that no lease names."""
         dead = self.store.write(self.writer.reclaim)
         if dead:

@@ -356,7 +356,7 @@ class Writer:
         return evicted
 
     def reclaim(self, txn: lmdb.Transaction) -> list[Lease]:
-        """Delete (and log) the leases of dead holders, in ``txn``."""
+        """Delete (and log) the leases of dead owners, in ``txn``."""
         return reclaim_dead(txn, self.store.dbs[DB_LEASES], self.lease_timeout_s, path=self.path,
                             state_db=self.store.dbs[DB_STATE])
 
