@@ -60,6 +60,7 @@ RETIRED: dict[str, str] = {
     "ListingJob": "PagedListing",  # "job" is the launcher's job
     "HOLDERS_FILE": "WRITERS_FILE",  # a lease's process is its owner; writers hold the file
     "_holders": "_writers",
+    "probe_workers": "check_workers",  # a probe raises a limit to test it
 }
 
 
