@@ -23,7 +23,7 @@ from common.procs import Proc, spawn_script
 
 from epochcache import Cache, CacheError, CacheFull
 from epochcache.store import store_of
-from epochcache.store.env import Store
+from epochcache.store.env import Env
 from epochcache.store.leases import process_stat
 
 WRITER = """
@@ -122,7 +122,7 @@ def test_writer_killed_at_random_moments_loses_nothing_committed(tmp_path: Path)
 def test_cache_killed_during_creation_reopens_cleanly(tmp_path: Path) -> None:
     """A kill between creating the LMDB environment and writing the cache's settings."""
     path = str(tmp_path / "cache")
-    Store(path).close()  # what Cache() has done before it writes capacity and headroom
+    Env(path).close()  # what Cache() has done before it writes capacity and headroom
     with Cache(path, "1MiB", sync=False) as cache:
         assert cache.capacity_bytes == 1024**2
         cache.put("a", b"a")
@@ -131,7 +131,7 @@ def test_cache_killed_during_creation_reopens_cleanly(tmp_path: Path) -> None:
 
 def test_half_created_cache_is_not_opened_with_capacity_zero(tmp_path: Path) -> None:
     path = str(tmp_path / "cache")
-    Store(path).close()  # killed before the capacity was written
+    Env(path).close()  # killed before the capacity was written
     with pytest.raises(CacheError, match="capacity"):
         cache = Cache(path)
         cache.close()
@@ -239,7 +239,7 @@ def test_live_lease_on_a_recycled_pid_is_not_confused(tmp_path: Path) -> None:
             lease.owner = ""  # written by a version without owner locks
             write_lease(txn, store_of(cache).dbs[DB_LEASES], lease)
 
-        store_of(cache).store.write(age)
+        store_of(cache).env.write(age)
         [dead] = store_of(cache).reclaim_leases()
         assert dead.lease_id == snap.lease_id
         snap.release()

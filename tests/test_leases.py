@@ -127,7 +127,7 @@ def _freeze_outside_a_commit(pid: int, cache: Cache) -> None:
     try a write, and if that waits, let the owner finish its commit and stop it again."""
     for _attempt in range(50):
         _signal_tree(pid, signal.SIGSTOP)
-        writer = threading.Thread(target=store_of(cache).store.write, args=(lambda txn: None,))
+        writer = threading.Thread(target=store_of(cache).env.write, args=(lambda txn: None,))
         writer.start()
         writer.join(2.0)
         if not writer.is_alive():
@@ -171,7 +171,7 @@ def test_reads_of_a_reclaimed_snapshot_raise_snapshot_closed_naming_the_lease(
     from epochcache.store.leases import delete_lease
     from epochcache.store.records import DB_LEASES
 
-    store_of(other).store.write(lambda txn: delete_lease(txn, store_of(other).dbs[DB_LEASES], lease_id))
+    store_of(other).env.write(lambda txn: delete_lease(txn, store_of(other).dbs[DB_LEASES], lease_id))
     _fill(other, "new", 25)
     with pytest.raises(SnapshotClosed, match=lease_id[:8]) as info:
         for i in range(len(ds)):
@@ -201,7 +201,7 @@ def test_an_epoch_whose_lease_was_reclaimed_raises_snapshot_closed(tmp_path: Pat
             lease_id = loader.dataset.lease_id
             for i, _batch in enumerate(loader):
                 if i == 0:
-                    store_of(other).store.write(lambda txn: delete_lease(
+                    store_of(other).env.write(lambda txn: delete_lease(
                         txn, store_of(other).dbs[DB_LEASES], lease_id))  # noqa: B023 - at once
                     _fill(other, "new", 25)
     assert lease_id[:8] in str(info.value)

@@ -61,6 +61,7 @@ RETIRED: dict[str, str] = {
     "HOLDERS_FILE": "WRITERS_FILE",  # a lease's process is its owner; writers hold the file
     "_holders": "_writers",
     "probe_workers": "check_workers",  # a probe raises a limit to test it
+    "Store": "Env",  # store/env.py's; the store is the storage layer (torch's TCPStore aside)
 }
 
 

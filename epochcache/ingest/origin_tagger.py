@@ -94,7 +94,7 @@ class OriginTagger:
             mapping = index_map(seen.table, feed.table)
             lid = remap(self.cache, seen.info, info, seen.lid, mapping)
         else:
-            lid = register_listing(self.cache.store, info)
+            lid = register_listing(self.cache.env, info)
         self._seen[id(feed)] = _Seen(state, feed.table, lid, info)
         return lid
 

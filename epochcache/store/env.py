@@ -3,7 +3,7 @@
 All process-level LMDB concerns live here:
 
 * one ``lmdb.Environment`` per cache directory per process (LMDB forbids opening the same
-  file twice in one process), shared by every `Store` on that path;
+  file twice in one process), shared by every `Env` on that path;
 * fork: a forked child (a DataLoader worker) opens an environment of its own on first use and
   never touches the one it inherited (see ``_after_fork_in_child``); sampler processes are
   started with ``spawn`` and open their own;
@@ -12,7 +12,7 @@ All process-level LMDB concerns live here:
 * a private directory (0700) and private files (0600), since samples may be sensitive;
 * who writes to the cache: every process with a writable handle (a *writer*) holds a shared
   ``flock`` on ``holders.lock`` (released by the kernel when it dies), so that a process may
-  change the stored capacity only when it is alone (`Store.alone`).
+  change the stored capacity only when it is alone (`Env.alone`).
 """
 
 from __future__ import annotations
@@ -51,11 +51,11 @@ MAX_READERS = 1024
 #: An EIO from a write with less free space than this is the short write of a full disk.
 NEARLY_FULL_BYTES = 16 * 1024 * 1024
 
-#: Held shared by every writer: a process with a writable handle on the cache (`Store.alone`).
+#: Held shared by every writer: a process with a writable handle on the cache (`Env.alone`).
 WRITERS_FILE = "holders.lock"  # on-disk name
 #: Serialises the processes that want to change a cache's limits.
 LIMITS_FILE = "limits.lock"
-#: How long `Store.alone` waits for another process changing the limits.
+#: How long `Env.alone` waits for another process changing the limits.
 LIMITS_WAIT_S = 30.0
 
 _lock = threading.Lock()
@@ -140,7 +140,7 @@ def begin_read(env: lmdb.Environment) -> lmdb.Transaction[memoryview]:
     """A read transaction (buffers into the map); survives another process growing the map.
 
     The caller ends it with `end_read`. Hot paths call this directly instead of
-    `Store.read`. Adopting a map another process grew waits until no other thread of
+    `Env.read`. Adopting a map another process grew waits until no other thread of
     this process has a transaction open (`epochcache.store.remap_lock`).
     """
     lock = remap_lock.LOCK
@@ -261,8 +261,9 @@ def make_private_dir(path: str) -> None:
         log.warning("cache directory %s is readable by other users; consider chmod 700", path)
 
 
-class Store:
-    """Transactions on one cache directory's LMDB environment.
+class Env:
+    """Transactions on one cache directory's LMDB environment (the ``env`` of a
+    `SampleStore`; the storage layer as a whole is the *store*).
 
     Args:
         path: the cache directory.
@@ -327,8 +328,8 @@ class Store:
             make_private_dir(self.path)
         # Before LMDB maps it: a page past the file's end is a SIGBUS, not an error.
         check_data_file(self.path, create=not self.readonly)
-        # The environment is shared by every Store on this path in the process, so it is
-        # opened writable whenever the directory allows it; `readonly` Stores just never write.
+        # The environment is shared by every Env on this path in the process, so it is
+        # opened writable whenever the directory allows it; `readonly` Envs just never write.
         lmdb_readonly = self.readonly and not os.access(self.path, os.W_OK)
         try:
             env = _open_lmdb(
@@ -377,7 +378,8 @@ class Store:
         return env, dbs, pid
 
     @property
-    def env(self) -> lmdb.Environment:
+    def lmdb_env(self) -> lmdb.Environment:
+        """The ``lmdb.Environment``, opened on first use (again in a forked child)."""
         return self._ensure_open()
 
     def close(self) -> None:
@@ -450,7 +452,7 @@ class Store:
 
     @property
     def map_size(self) -> int:
-        return int(self.env.info()["map_size"])
+        return int(self.lmdb_env.info()["map_size"])
 
     def set_map_limits(self, map_size: int, max_map_size: int) -> None:
         """Set the initial map size (growing the map now if it is smaller) and its bound."""
@@ -462,7 +464,7 @@ class Store:
     def _set_map_size(self, size: int) -> None:
         # Only valid with no transaction of this process open (py-lmdb, "Handling growth"):
         # other threads may be reading from the map this replaces.
-        env = self.env
+        env = self.lmdb_env
         remap_lock.LOCK.remap(lambda: env.set_mapsize(size))
         log.debug("%s: LMDB map size set to %d bytes", self.path, size)
 
@@ -478,7 +480,7 @@ class Store:
     @contextlib.contextmanager
     def read(self) -> Iterator[lmdb.Transaction[memoryview]]:
         """A short read transaction; survives another process growing the map."""
-        txn = begin_read(self.env)
+        txn = begin_read(self.lmdb_env)
         try:
             yield txn
         finally:
@@ -492,7 +494,7 @@ class Store:
         The hot read path, so no context manager around it. ``fn`` must copy what it keeps:
         the buffers point into the map and are valid only inside the transaction.
         """
-        txn = begin_read(self.env)
+        txn = begin_read(self.lmdb_env)
         try:
             get = txn.get
             return [None if (value := get(key, None, db)) is None else fn(value) for key in keys]
@@ -513,7 +515,7 @@ class Store:
         if self.readonly:
             raise CacheError(f"{self.path}: opened read-only")
         while True:
-            env = self.env
+            env = self.lmdb_env
             lock = remap_lock.LOCK
             lock.enter()  # a write transaction holds buffers into the map too
             try:
