@@ -55,7 +55,7 @@ class Cache:
         sync: fsync each commit (survives power loss as well as process crashes).
         readonly: open for reading only.
         max_map_size: cap on the LMDB map (defaults to a bound derived from capacity).
-        lease_timeout_s: a lease holder whose liveness cannot be tested is presumed dead after
+        lease_timeout_s: a lease owner whose liveness cannot be tested is presumed dead after
             this long without a heartbeat.
         eviction: what eviction takes first, by policy name: ``"oldest"`` (the default) or
             another registered one (`epochcache.registry`). It is stored in the cache, so
@@ -258,11 +258,11 @@ class Cache:
         return self._store.snapshot(epoch, label)
 
     def leases(self) -> list[Lease]:
-        """The leases held now: each snapshot's range, holder and heartbeat."""
+        """The leases held now: each snapshot's range, owner and heartbeat."""
         return self._store.leases()
 
     def keep_for_resume(self, lease_id: str, grace_s: float) -> bool:
-        """A checkpoint names this lease: if its holder stops or dies before the epoch ends,
+        """A checkpoint names this lease: if its owner stops or dies before the epoch ends,
         keep it ``grace_s`` seconds for a resumed run to adopt. Returns False if it is gone."""
         return self._store.keep_for_resume(lease_id, grace_s)
 

@@ -58,7 +58,7 @@ def run(policy: str, samples: int, commits: int) -> dict[str, float]:
         started = time.perf_counter()
         cache.put_many([(f"n{commit:05d}{i:03d}", b"y" * 64) for i in range(64)])
         times.append(time.perf_counter() - started)
-    with store.store.read() as txn:
+    with store.env.read() as txn:
         keys = b"".join(bytes(key) for key in
                         txn.cursor(db=store.dbs[DB_SAMPLES]).iternext(values=False))
     present = np.frombuffer(keys, dtype=">u8").astype(np.uint64)

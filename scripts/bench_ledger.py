@@ -108,7 +108,7 @@ def _epoch_end(root: Path, samples: int, batch: int) -> dict[str, Any]:
     from epochcache.store.origins import read_origins
 
     cache = Cache(root / "epoch", capacity=64 * samples * 4, sync=False, compression="none")
-    lid = register_listing(store_of(cache).store, {
+    lid = register_listing(store_of(cache).env, {
         "source": "", "fingerprint": "bench", "generation": "g", "url": "file:///bench",
         "unit": "sample", "listed": samples, "gone": 0, "complete": True, "node_rank": 0,
         "num_nodes": 1})
@@ -122,7 +122,7 @@ def _epoch_end(root: Path, samples: int, batch: int) -> dict[str, Any]:
     seqs = np.random.default_rng(0).permutation(np.arange(samples, dtype=np.uint64))
     out: dict[str, Any] = {"samples": samples, "fill_s": round(fill_s, 2)}
     started = time.perf_counter()
-    with store_of(cache).store.read() as txn:
+    with store_of(cache).env.read() as txn:
         read_origins(txn, store_of(cache).dbs, seqs)
     out["read_origins_s"] = round(time.perf_counter() - started, 3)
     started = time.perf_counter()

@@ -309,7 +309,7 @@ class _Server:
         from epochcache.store.records import DB_SAMPLES, seq_keys
 
         store = store_of(self.caches[size])
-        env, db = store.store.env, store.dbs[DB_SAMPLES]
+        env, db = store.env.lmdb_env, store.dbs[DB_SAMPLES]
         keys = self.floor_keys.get(size)
         if keys is None:
             with self.caches[size].dataset() as dataset:

@@ -265,7 +265,7 @@ class Soak:
     def check_nothing_lost(self) -> list[str]:
         def read(cache: SampleStore) -> tuple[dict[int, tuple[str, int]], int, int]:
             present: dict[int, tuple[str, int]] = {}
-            with store_of(cache).store.read() as txn:
+            with store_of(cache).env.read() as txn:
                 for raw, record in txn.cursor(db=store_of(cache).dbs[DB_SAMPLES]):
                     info = read_info(record)
                     present[seq_of(bytes(raw))] = (info.key, info.crc32)

@@ -544,7 +544,7 @@ def test_state_documents_are_one_row_per_name(make_cache: MakeCache) -> None:
     assert store_of(cache).tables.get_state("daemon") == {"pid": 1}
     store_of(cache).tables.delete_state("daemon")
     assert store_of(cache).tables.get_state("daemon") is None
-    with store_of(cache).store.read() as txn:
+    with store_of(cache).env.read() as txn:
         assert txn.stat(store_of(cache).dbs[b"state"])["entries"] == 3
 
 

@@ -23,7 +23,7 @@ from common.procs import Proc, spawn_script
 
 from epochcache import Cache, CacheError, CacheFull
 from epochcache.store import store_of
-from epochcache.store.env import Store
+from epochcache.store.env import Env
 from epochcache.store.leases import process_stat
 
 WRITER = """
@@ -122,7 +122,7 @@ def test_writer_killed_at_random_moments_loses_nothing_committed(tmp_path: Path)
 def test_cache_killed_during_creation_reopens_cleanly(tmp_path: Path) -> None:
     """A kill between creating the LMDB environment and writing the cache's settings."""
     path = str(tmp_path / "cache")
-    Store(path).close()  # what Cache() has done before it writes capacity and headroom
+    Env(path).close()  # what Cache() has done before it writes capacity and headroom
     with Cache(path, "1MiB", sync=False) as cache:
         assert cache.capacity_bytes == 1024**2
         cache.put("a", b"a")
@@ -131,15 +131,15 @@ def test_cache_killed_during_creation_reopens_cleanly(tmp_path: Path) -> None:
 
 def test_half_created_cache_is_not_opened_with_capacity_zero(tmp_path: Path) -> None:
     path = str(tmp_path / "cache")
-    Store(path).close()  # killed before the capacity was written
+    Env(path).close()  # killed before the capacity was written
     with pytest.raises(CacheError, match="capacity"):
         cache = Cache(path)
         cache.close()
 
 
-# -- dead lease holders -----------------------------------------------------------------------
+# -- dead lease owners -----------------------------------------------------------------------
 
-HOLDER = """
+OWNER = """
 import sys
 from epochcache import Cache
 cache = Cache(sys.argv[1])
@@ -163,31 +163,31 @@ def _fill(cache: Cache, prefix: str, nbytes: int) -> list[str]:
 def _pinned_cache(tmp_path: Path) -> tuple[Cache, Proc, str]:
     cache = Cache(tmp_path / "cache", 40_000, sync=False)
     _fill(cache, "old", 40_000)
-    holder = spawn_script(tmp_path, "holder", HOLDER, cache.path)
-    lease_id = holder.wait_line("SNAP", 60).split()[1]
+    owner = spawn_script(tmp_path, "owner", OWNER, cache.path)
+    lease_id = owner.wait_line("SNAP", 60).split()[1]
     [lease] = cache.leases()
-    assert (lease.lease_id, lease.pid, lease.lo) == (lease_id, holder.pid, 0)
-    # While the holder lives, its lease holds: the headroom fills, then back-pressure.
-    with pytest.raises(CacheFull, match=str(holder.pid)):
+    assert (lease.lease_id, lease.pid, lease.lo) == (lease_id, owner.pid, 0)
+    # While the owner lives, its lease holds: the headroom fills, then back-pressure.
+    with pytest.raises(CacheFull, match=str(owner.pid)):
         for i in range(50):
             cache.put(f"new{i}", content_for(f"new{i}", 2000, compressible=False), wait=False)
     assert store_of(cache).reclaim_leases() == []
     state = assert_consistent(cache)
     assert state.first_seq == 0 and state.bytes > 40_000
-    return cache, holder, lease_id
+    return cache, owner, lease_id
 
 
 @pytest.mark.parametrize("reclaimer", ["put_many", "reclaim_leases", "snapshot"])
-def test_lease_of_a_killed_holder_is_reclaimed(tmp_path: Path, reclaimer: str) -> None:
-    cache, holder, lease_id = _pinned_cache(tmp_path)
+def test_lease_of_a_killed_owner_is_reclaimed(tmp_path: Path, reclaimer: str) -> None:
+    cache, owner, lease_id = _pinned_cache(tmp_path)
     try:
-        assert holder.kill9() == -signal.SIGKILL
+        assert owner.kill9() == -signal.SIGKILL
         before = assert_consistent(cache)
         if reclaimer == "put_many":
             cache.put("after", content_for("after", 2000, compressible=False), wait=False)
         elif reclaimer == "reclaim_leases":
             [dead] = store_of(cache).reclaim_leases()
-            assert dead.lease_id == lease_id and dead.pid == holder.pid
+            assert dead.lease_id == lease_id and dead.pid == owner.pid
         else:
             cache.snapshot().release()
             cache.put("after", content_for("after", 2000, compressible=False), wait=False)
@@ -197,20 +197,20 @@ def test_lease_of_a_killed_holder_is_reclaimed(tmp_path: Path, reclaimer: str) -
         assert after.counters.evicted > before.counters.evicted
         assert after.bytes <= 40_000 + (0 if reclaimer == "reclaim_leases" else 4_000)
     finally:
-        holder.close()
+        owner.close()
         cache.close()
 
 
-def test_lease_of_an_unreaped_zombie_holder_is_reclaimed(tmp_path: Path) -> None:
-    cache, holder, lease_id = _pinned_cache(tmp_path)
+def test_lease_of_an_unreaped_zombie_owner_is_reclaimed(tmp_path: Path) -> None:
+    cache, owner, lease_id = _pinned_cache(tmp_path)
     try:
-        os.kill(holder.pid, signal.SIGKILL)  # not waited for: the holder stays a zombie
+        os.kill(owner.pid, signal.SIGKILL)  # not waited for: the owner stays a zombie
         deadline = time.monotonic() + 10
-        while _proc_state(holder.pid) != "Z":
-            assert time.monotonic() < deadline, "holder did not become a zombie"
+        while _proc_state(owner.pid) != "Z":
+            assert time.monotonic() < deadline, "owner did not become a zombie"
             time.sleep(0.01)
         # The leader is a zombie once its own thread exited; the process's lock goes with its
-        # last thread (the holder's heartbeat thread), a moment later.
+        # last thread (the owner's heartbeat thread), a moment later.
         while not (reclaimed := store_of(cache).reclaim_leases()):
             assert time.monotonic() < deadline, "the zombie's lease was not reclaimed"
             time.sleep(0.01)
@@ -218,7 +218,7 @@ def test_lease_of_an_unreaped_zombie_holder_is_reclaimed(tmp_path: Path) -> None
         assert dead.lease_id == lease_id
         assert assert_consistent(cache).bytes <= 40_000
     finally:
-        holder.close()
+        owner.close()
         cache.close()
 
 
@@ -239,7 +239,7 @@ def test_live_lease_on_a_recycled_pid_is_not_confused(tmp_path: Path) -> None:
             lease.owner = ""  # written by a version without owner locks
             write_lease(txn, store_of(cache).dbs[DB_LEASES], lease)
 
-        store_of(cache).store.write(age)
+        store_of(cache).env.write(age)
         [dead] = store_of(cache).reclaim_leases()
         assert dead.lease_id == snap.lease_id
         snap.release()

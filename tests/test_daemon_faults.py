@@ -280,7 +280,7 @@ def test_reader_opening_while_a_sampler_grows_the_map(tmp_path: Path) -> None:
         from epochcache.store import store_of
         from epochcache.store.records import DB_STATE
         cache = Cache(sys.argv[1], capacity="1GiB")
-        env = store_of(cache).store.env
+        env = store_of(cache).env.lmdb_env
         txn = env.begin(write=True)
         for i in range(96):
             txn.put(b"filler-%03d" % i, bytes(1 << 20), db=store_of(cache).dbs[DB_STATE])

@@ -1,7 +1,7 @@
 """One set of limits per cache: a refused daemon changes nothing, and a config's capacity replaces
 the stored one only when no other process holds the cache (issue 10, item 4).
 
-Holders are real processes: a daemon with its samplers, or a helper process with the cache
+Writers are real processes: a daemon with its samplers, or a helper process with the cache
 open as a trainer has it. Stored limits are read from the cache's own ``meta`` table.
 """
 
@@ -87,7 +87,7 @@ def test_capacity_changes_only_when_no_other_process_has_the_cache_open(
     caplog.set_level(logging.INFO, logger="epochcache")
     path = tmp_path / "cache"
     Cache(path, "64MiB").close()
-    holder = spawn_script(tmp_path, "holder", """
+    writer = spawn_script(tmp_path, "writer", """
         import sys
         from epochcache import Cache
         cache = Cache(sys.argv[1])
@@ -98,23 +98,23 @@ def test_capacity_changes_only_when_no_other_process_has_the_cache_open(
         sys.stdin.readline()
     """, str(path))
     try:
-        holder.wait_line("OPEN")
+        writer.wait_line("OPEN")
         with Cache(path, "32MiB") as cache:
-            assert cache.capacity_bytes == 64 * MiB  # kept: the holder works to 64 MiB
+            assert cache.capacity_bytes == 64 * MiB  # kept: the writer works to 64 MiB
             assert cache.headroom_bytes == int(6.4 * MiB)
         assert stored_limits(str(path)) == (64 * MiB, int(6.4 * MiB))
         assert any("keeping capacity 64.0 MiB" in r.getMessage() and r.levelno == logging.WARNING
                    for r in caplog.records)
-        with Cache(path, readonly=True) as cache:  # status, verify: not a holder
-            holder.send("close")
-            holder.wait_line("CLOSED")
+        with Cache(path, readonly=True) as cache:  # status, verify: not a writer
+            writer.send("close")
+            writer.wait_line("CLOSED")
             caplog.clear()
             with Cache(path, "32MiB") as changed:
                 assert changed.capacity_bytes == 32 * MiB
         assert stored_limits(str(path)) == (32 * MiB, int(3.2 * MiB))
         assert any("capacity 64.0 MiB -> 32.0 MiB" in r.getMessage() for r in caplog.records)
-        # The same process opening it twice is one holder: it may still change it.
+        # The same process opening it twice is one writer: it may still change it.
         with Cache(path) as first, Cache(path, "16MiB") as second:
             assert second.capacity_bytes == 16 * MiB and first.capacity_bytes == 32 * MiB
     finally:
-        holder.close()
+        writer.close()

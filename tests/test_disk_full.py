@@ -164,7 +164,7 @@ def test_a_full_map_that_undoes_an_eviction_leaves_the_released_samples_evictabl
         with pytest.raises(CacheFull):  # once nothing released is left (newer samples stay)
             for k in range(200):
                 written += cache.put_many(_batch(f"k{k}"), wait=False).inserted
-        with store_of(cache).store.read() as txn:
+        with store_of(cache).env.read() as txn:
             left = [int(s) for s in snap.seqs
                     if txn.get(seq_key(int(s)), db=store_of(cache).dbs[DB_SAMPLES]) is not None]
         assert left == [], f"{len(left)} released samples were never evicted: {left[:16]}"
@@ -238,7 +238,7 @@ def test_a_reader_pinning_the_map_makes_writers_wait_without_lowering_capacity(
     cache = Cache(path, "1MiB", max_map_size="3MiB", sync=False)
     try:
         _write_until(cache, lambda: cache.counters().bytes > 0.9 * 1024**2, "a")
-        reader = store_of(cache).store.env.begin()  # pins the pages of everything stored now
+        reader = store_of(cache).env.lmdb_env.begin()  # pins the pages of everything stored now
         full: list[CacheFull] = []
         try:
             for b in range(200):

@@ -311,7 +311,7 @@ class EvictionMachine(RuleBasedStateMachine):
         plans.write_seqs(cache.path, lease_id, np.array(sorted(set(sum(lanes, []))),
                                                         dtype=np.uint64))
         store_of(cache).write_plan_part(lease_id, 0, [np.array(lane, dtype=np.uint64) for lane in lanes])
-        store_of(cache).store.write(lambda txn: write_lease(txn, store_of(cache).dbs[b"leases"], lease))
+        store_of(cache).env.write(lambda txn: write_lease(txn, store_of(cache).dbs[b"leases"], lease))
         self.model.plans[lease_id] = (lanes, [0] * len(lanes))
         self.held[lease_id].releasers = [Releaser(cache.path, lease_id, 0, i)
                                          for i in range(len(lanes))]

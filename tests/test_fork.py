@@ -173,7 +173,7 @@ def test_forked_child_keeps_the_parents_reader_slots(tmp_path: Path) -> None:
     stay protected from reuse by writers."""
     cache = Cache(tmp_path / "cache", "4MiB")
     cache.put("a", b"x" * 1000)
-    env = store_of(cache).store.env
+    env = store_of(cache).env.lmdb_env
     held = env.begin()
     try:
         pid = os.fork()

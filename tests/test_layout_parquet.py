@@ -18,7 +18,7 @@ from common.daemonproc import read_cache, wait_cached, wait_for, wait_running, w
 
 from epochcache.config import parse_config
 from epochcache.errors import ConfigError, CorruptSample
-from epochcache.ingest.sources import STREAMED, Part, SourceSpec, open_source
+from epochcache.ingest.sources import STREAMED, Piece, SourceSpec, open_source
 
 if TYPE_CHECKING:
     from conftest import S3Env
@@ -70,23 +70,23 @@ def test_rows_are_samples_read_a_row_group_per_get(where: Any) -> None:
     source = open_source(SourceSpec(url=url, layout="parquet", storage_options=options))
     refs = source.list_keys()
     assert [ref.key for ref in refs] == ["a/train-0.parquet"]  # the default pattern
-    parts: list[Part] = []
-    [results] = source.fetch_grouped(refs, on_part=parts.append, part_bytes=4000)
+    pieces: list[Piece] = []
+    [results] = source.fetch_grouped(refs, on_piece=pieces.append, piece_bytes=4000)
     assert len(results) == ROWS and all(payload is STREAMED for _, payload in results)
     stats = source.gate.stats.values
     assert stats["gets"] == 2 + 3  # the footer's length, the footer, a GET per row group
     assert stats["bytes"] <= len(data)  # ranges of the file, never more
-    samples = {ref.key: payload for part in parts for ref, payload in part.results}
+    samples = {ref.key: payload for piece in pieces for ref, payload in piece.results}
     assert list(samples) == [f"a/train-0.parquet/{i:09d}" for i in range(ROWS)]
     assert samples["a/train-0.parquet/000000007"] == {
         "txt": b"row 7", "cls": b"7", "bin": bytes([7]) * 64}
     assert "txt" not in samples["a/train-0.parquet/000000019"]  # a null: no field
-    # parts in file order, each at most part_bytes, the last saying how many rows the file has
-    assert [part.first for part in parts] == sorted(part.first for part in parts)
-    assert all(sum(len(value) for _, fields in part.results
-                   for value in fields.values()) <= 4000 for part in parts)  # type: ignore[union-attr]
-    assert [part.members for part in parts][-1] == ROWS and parts[0].members is None
-    assert all(part.shard is refs[0] for part in parts)
+    # pieces in file order, each at most piece_bytes, the last saying how many rows the file has
+    assert [piece.first for piece in pieces] == sorted(piece.first for piece in pieces)
+    assert all(sum(len(value) for _, fields in piece.results
+                   for value in fields.values()) <= 4000 for piece in pieces)  # type: ignore[union-attr]
+    assert [piece.members for piece in pieces][-1] == ROWS and pieces[0].members is None
+    assert all(piece.shard is refs[0] for piece in pieces)
 
 
 def test_a_file_whose_read_failed_goes_on_after_the_rows_handed_over(
@@ -98,23 +98,23 @@ def test_a_file_whose_read_failed_goes_on_after_the_rows_handed_over(
         url=url, layout="parquet", timeout_s=1.0, retries=1, client="s3fs",
         storage_options={**options, "endpoint_url": proxy.endpoint}))
     refs = source.list_keys()
-    parts: list[Part] = []
+    pieces: list[Piece] = []
 
-    def stall_after_the_first(part: Part) -> None:
-        parts.append(part)  # the next body stops for longer than timeout_s, and is not retried
+    def stall_after_the_first(piece: Piece) -> None:
+        pieces.append(piece)  # the next body stops for longer than timeout_s, and is not retried
         proxy.manners.stall_after_bytes, proxy.manners.stall_s = 10, 2.5
 
-    [failed] = source.fetch_grouped(refs, on_part=stall_after_the_first, part_bytes=10**6)
+    [failed] = source.fetch_grouped(refs, on_piece=stall_after_the_first, piece_bytes=10**6)
     assert [payload for _, payload in failed[:-1]] == [STREAMED] * GROUP_ROWS
     assert type(failed[-1][1]).__name__ == "RemoteTimeout" and failed[-1][0] is refs[0]
     proxy.manners.stall_after_bytes = None
     gets = source.gate.stats.values["gets"]
-    [done] = source.fetch_grouped(refs, on_part=parts.append, part_bytes=10**6)
+    [done] = source.fetch_grouped(refs, on_piece=pieces.append, piece_bytes=10**6)
     # the footer again, then the two row groups not handed over; the first is not read again
     assert source.gate.stats.values["gets"] - gets == 2 + 2
-    assert [(part.first, len(part.results)) for part in parts] == [(0, 100), (100, 100),
+    assert [(piece.first, len(piece.results)) for piece in pieces] == [(0, 100), (100, 100),
                                                                     (200, 100)]
-    assert parts[-1].members == ROWS and len(done) == ROWS
+    assert pieces[-1].members == ROWS and len(done) == ROWS
 
 
 def test_damaged_files_are_refused_with_their_reason(tmp_path: Path) -> None:
@@ -168,7 +168,7 @@ def test_layout_parquet_without_pyarrow_is_a_config_error(monkeypatch: pytest.Mo
 
 def test_a_fetch_holds_a_few_row_groups_never_the_file(tmp_path: Path) -> None:
     """12 row groups of 8 MiB (96 MiB, uncompressed noise in 512 KiB rows): a fetch's peak
-    memory is its row group's bytes, the table pyarrow decodes them into and the part being
+    memory is its row group's bytes, the table pyarrow decodes them into and the piece being
     handed over, plus what the allocators keep: 2.9 row groups measured here (mimalloc,
     arrow's default); with 128 KiB rows, 3.4 (jemalloc) to 5.4 (mimalloc). Reading through
     arrow's read-ahead and copying each read from the spans held was 5-7; the file is 12."""
@@ -187,8 +187,8 @@ def test_a_fetch_holds_a_few_row_groups_never_the_file(tmp_path: Path) -> None:
         refs = source.list_keys()
         handed = []
         mark()
-        source.fetch_grouped(refs, on_part=lambda part: handed.append(len(part.results)),
-                             part_bytes=2 << 20)
+        source.fetch_grouped(refs, on_piece=lambda piece: handed.append(len(piece.results)),
+                             piece_bytes=2 << 20)
         print("ROWS", sum(handed), "GETS", source.gate.stats.values["gets"])
         report()
     """, limit_mib=80)

@@ -1,6 +1,6 @@
 """Lease liveness across PID namespaces and hostnames, long epochs, and reclaimed leases.
 
-A lease protects an epoch's snapshot from eviction while its holder lives. Holders here are real
+A lease protects an epoch's snapshot from eviction while its owner lives. Owners here are real
 processes in other PID or UTS namespaces (``unshare``, as containers sharing the cache's volume on
 one machine are), judged by a shortened lease timeout of 1 s, while this process writes past
 capacity + headroom and reclaims leases it takes for dead.
@@ -32,7 +32,7 @@ PID_NS = ("unshare", "--pid", "--fork", "--mount-proc", "--kill-child")
 OTHER_HOST = ("unshare", "--uts", "--fork", "--kill-child", "sh", "-c",
               'hostname epochcache-other-host && exec "$0" "$@"')
 
-HOLDER = """
+OWNER = """
 import sys, time
 from epochcache import Cache
 cache = Cache(sys.argv[1], lease_timeout_s=1.0)
@@ -55,9 +55,9 @@ def _fill(cache: Cache, prefix: str, count: int) -> None:
                     for i in range(count)])
 
 
-def _holder(tmp_path: Path, path: str, prefix: tuple[str, ...]) -> tuple[Proc, str]:
-    holder = spawn_script(tmp_path, "holder", HOLDER, path, prefix=prefix)
-    return holder, holder.wait_line("SNAP", 60).split()[1]
+def _owner(tmp_path: Path, path: str, prefix: tuple[str, ...]) -> tuple[Proc, str]:
+    owner = spawn_script(tmp_path, "owner", OWNER, path, prefix=prefix)
+    return owner, owner.wait_line("SNAP", 60).split()[1]
 
 
 def _churn(cache: Cache, seconds: float) -> int:
@@ -85,15 +85,15 @@ def _reclaimed_soon(cache: Cache, timeout_s: float = 10.0) -> list[str]:
 
 
 @pytest.mark.parametrize("where", ["pid namespace", "other hostname"])
-def test_a_live_holder_elsewhere_keeps_its_lease_for_a_long_epoch(tmp_path: Path,
+def test_a_live_owner_elsewhere_keeps_its_lease_for_a_long_epoch(tmp_path: Path,
                                                                    where: str) -> None:
-    """Before: in another PID namespace the holder's pid means nothing here (its lease was taken
+    """Before: in another PID namespace the owner's pid means nothing here (its lease was taken
     for dead at once); under another hostname it was judged by a heartbeat nothing refreshed
     (gone after the timeout)."""
     path = str(tmp_path / "cache")
     cache = Cache(path, 40_000, lease_timeout_s=1.0, sync=False)
     _fill(cache, "old", 18)
-    holder, lease_id = _holder(tmp_path, path, PID_NS if where == "pid namespace" else OTHER_HOST)
+    owner, lease_id = _owner(tmp_path, path, PID_NS if where == "pid namespace" else OTHER_HOST)
     try:
         [lease] = cache.leases()
         if where == "pid namespace":
@@ -104,14 +104,14 @@ def test_a_live_holder_elsewhere_keeps_its_lease_for_a_long_epoch(tmp_path: Path
         # writers wait on the lease and reclaim what they take for dead.
         assert _churn(cache, 5.0) > 0
         assert lease_id in {lease.lease_id for lease in cache.leases()}
-        holder.send("read")
-        assert holder.wait_line("READ", 30).split()[1:] == ["18", "0"]  # all there
-        # Once the holder is gone, its lease is reclaimed at once. (SIGKILL reaches the holder
+        owner.send("read")
+        assert owner.wait_line("READ", 30).split()[1:] == ["18", "0"]  # all there
+        # Once the owner is gone, its lease is reclaimed at once. (SIGKILL reaches the owner
         # itself, unshare's child, a moment after unshare: its lock goes when it is gone.)
-        holder.kill9()
+        owner.kill9()
         assert _reclaimed_soon(cache) == [lease_id]
     finally:
-        holder.close()
+        owner.close()
         cache.close()
 
 
@@ -122,40 +122,40 @@ def _signal_tree(pid: int, sig: int) -> None:
 
 
 def _freeze_outside_a_commit(pid: int, cache: Cache) -> None:
-    """SIGSTOP the holder (and unshare's child), but not in the middle of a commit: a process
+    """SIGSTOP the owner (and unshare's child), but not in the middle of a commit: a process
     frozen holding LMDB's write lock would block every writer, this test's too. So stop it,
-    try a write, and if that waits, let the holder finish its commit and stop it again."""
+    try a write, and if that waits, let the owner finish its commit and stop it again."""
     for _attempt in range(50):
         _signal_tree(pid, signal.SIGSTOP)
-        writer = threading.Thread(target=store_of(cache).store.write, args=(lambda txn: None,))
+        writer = threading.Thread(target=store_of(cache).env.write, args=(lambda txn: None,))
         writer.start()
         writer.join(2.0)
         if not writer.is_alive():
             return
         _signal_tree(pid, signal.SIGCONT)
         writer.join(30)
-    raise AssertionError("could not freeze the holder outside a commit")
+    raise AssertionError("could not freeze the owner outside a commit")
 
 
 def test_without_owner_locks_a_heartbeat_keeps_the_lease(tmp_path: Path) -> None:
     """Where the owner lock cannot serve (here: the cache's owners directory is unusable), the
-    holder's heartbeat thread refreshes its lease while the snapshot is open."""
+    owner's heartbeat thread refreshes its lease while the snapshot is open."""
     path = str(tmp_path / "cache")
     cache = Cache(path, 40_000, lease_timeout_s=1.0, sync=False)
     _fill(cache, "old", 18)
     (tmp_path / "cache" / "owners").write_text("not a directory")
-    holder, lease_id = _holder(tmp_path, path, OTHER_HOST)
+    owner, lease_id = _owner(tmp_path, path, OTHER_HOST)
     try:
         assert _churn(cache, 5.0) > 0
         assert lease_id in {lease.lease_id for lease in cache.leases()}
-        holder.send("read")
-        assert holder.wait_line("READ", 30).split()[1:] == ["18", "0"]
-        # A frozen holder (no heartbeat) loses its lease after the timeout.
-        _freeze_outside_a_commit(holder.pid, cache)
+        owner.send("read")
+        assert owner.wait_line("READ", 30).split()[1:] == ["18", "0"]
+        # A frozen owner (no heartbeat) loses its lease after the timeout.
+        _freeze_outside_a_commit(owner.pid, cache)
         time.sleep(1.5)
         assert [dead.lease_id for dead in store_of(cache).reclaim_leases()] == [lease_id]
     finally:
-        holder.close()
+        owner.close()
         cache.close()
 
 
@@ -166,12 +166,12 @@ def test_reads_of_a_reclaimed_snapshot_raise_snapshot_closed_naming_the_lease(
     _fill(cache, "old", 18)
     ds = cache.dataset(epoch=4)
     lease_id = ds.snapshot.lease_id
-    # Another process judged the holder dead and reclaimed its lease; writers evicted since.
+    # Another process judged the owner dead and reclaimed its lease; writers evicted since.
     other = Cache(path, sync=False)
     from epochcache.store.leases import delete_lease
     from epochcache.store.records import DB_LEASES
 
-    store_of(other).store.write(lambda txn: delete_lease(txn, store_of(other).dbs[DB_LEASES], lease_id))
+    store_of(other).env.write(lambda txn: delete_lease(txn, store_of(other).dbs[DB_LEASES], lease_id))
     _fill(other, "new", 25)
     with pytest.raises(SnapshotClosed, match=lease_id[:8]) as info:
         for i in range(len(ds)):
@@ -201,7 +201,7 @@ def test_an_epoch_whose_lease_was_reclaimed_raises_snapshot_closed(tmp_path: Pat
             lease_id = loader.dataset.lease_id
             for i, _batch in enumerate(loader):
                 if i == 0:
-                    store_of(other).store.write(lambda txn: delete_lease(
+                    store_of(other).env.write(lambda txn: delete_lease(
                         txn, store_of(other).dbs[DB_LEASES], lease_id))  # noqa: B023 - at once
                     _fill(other, "new", 25)
     assert lease_id[:8] in str(info.value)

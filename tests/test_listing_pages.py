@@ -25,7 +25,7 @@ from conftest import S3Env
 
 from epochcache.ingest.sources import (
     KeyTable,
-    ListingJob,
+    PagedListing,
     SampleRef,
     SourceSpec,
     listing_cached,
@@ -89,7 +89,7 @@ def test_a_listing_is_saved_as_it_goes_and_resumed(s3: S3Env, proxy: SlowListPro
                                                    tmp_path: Path) -> None:
     keys = _fill(s3, "big", COUNT)
     source = open_source(_spec(s3, proxy))
-    partial = ListingJob(source, tmp_path).run(until_started=True)  # then the daemon dies
+    partial = PagedListing(source, tmp_path).run(until_started=True)  # then the daemon dies
     assert not partial.complete and len(partial.table) == 1000
     saved = read_listing(tmp_path, source_fingerprint(source.spec))
     assert saved is not None and not saved.complete and len(saved.table) == 1000

@@ -182,7 +182,7 @@ def _daemon_config(path: Path, cache_dir: Path, sources: list[dict[str, Any]] | 
 def _cached_keys(cache_dir: Path) -> list[str]:
     cache = Cache(cache_dir, readonly=True)
     try:
-        with store_of(cache).store.read() as txn:
+        with store_of(cache).env.read() as txn:
             return [read_info(v).key for _k, v in txn.cursor(db=store_of(cache).dbs[DB_SAMPLES])]
     finally:
         cache.close()

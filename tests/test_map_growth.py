@@ -41,7 +41,7 @@ def hold_buffers(slot):
     # Read transactions that keep buffers into the map while they work on them.
     while not stop.is_set():
         try:
-            with store_of(cache).store.read() as txn:
+            with store_of(cache).env.read() as txn:
                 db = store_of(cache).dbs[b"samples"]
                 views = [txn.get(seq_key(s), db=db) for s in seqs[:8]]
                 time.sleep(0.001)
@@ -74,7 +74,7 @@ sys.stdin.readline()
 stop.set()
 for t in threads:
     t.join()
-print("DONE", store_of(cache).store.map_size, reads[0], reads[1], "|".join(errors[:3]) or "ok", flush=True)
+print("DONE", store_of(cache).env.map_size, reads[0], reads[1], "|".join(errors[:3]) or "ok", flush=True)
 """
 
 

@@ -103,7 +103,7 @@ def test_sources_are_mixed_by_weight_namespaced_and_counted_through_eviction(
 
 
 def _recount(cache: Any, names: list[str]) -> dict[str, dict[str, int]]:
-    with store_of(cache).store.read() as txn:
+    with store_of(cache).env.read() as txn:
         return recount(txn, store_of(cache).dbs, names)
 
 

@@ -178,7 +178,7 @@ def test_an_unfinished_listing_of_a_url_with_userinfo_saves_no_credential(tmp_pa
     """A large HTTP source listed page by page is saved as it goes, with where to go on: the
     directories still to list were saved as full URLs, ``user:token@`` and all."""
     from epochcache.ingest.sources import SourceSpec, open_source
-    from epochcache.ingest.sources.paging import ListingJob
+    from epochcache.ingest.sources.paging import PagedListing
 
     root = tmp_path / "remote"
     for part in ("a", "b", "c"):
@@ -189,11 +189,11 @@ def test_an_unfinished_listing_of_a_url_with_userinfo_saves_no_credential(tmp_pa
     with credential_server(root, user="reader", token=TOKEN, signature=SIGNATURE,
                            credential=CREDENTIAL) as server:
         source = open_source(SourceSpec(url=server.data_url("ds")))
-        partial = ListingJob(source, cache_dir).run(until_started=True)  # the daemon's start
+        partial = PagedListing(source, cache_dir).run(until_started=True)  # the daemon's start
         assert not partial.complete and 0 < len(partial) < 1800
         saved = {path: path.read_bytes() for path in cache_dir.rglob("*") if path.is_file()}
         assert saved and not any(TOKEN.encode() in data for data in saved.values()), saved.keys()
-        done = ListingJob(source, cache_dir).run()  # a restart goes on from where it stopped
+        done = PagedListing(source, cache_dir).run()  # a restart goes on from where it stopped
     assert done.complete and len(done) == 1800
     assert {ref.key for ref in done.refs} == {f"{p}/{i:04d}.bin" for p in "abc" for i in range(600)}
 

@@ -105,8 +105,8 @@ def transport(request: pytest.FixtureRequest, tmp_path: Path,
     yield start_s3
 
 
-def _samples(parts: list[Any]) -> Counter[str]:
-    return Counter(ref.key for part in parts for ref, _ in part.results)
+def _samples(pieces: list[Any]) -> Counter[str]:
+    return Counter(ref.key for piece in pieces for ref, _ in piece.results)
 
 
 def test_every_request_a_shard_costs_is_counted_by_kind_and_charged(
@@ -119,9 +119,9 @@ def test_every_request_a_shard_costs_is_counted_by_kind_and_charged(
     budget = CountingBudget(tmp_path / "budget", 10_000)
     source.gate = RequestGate(FixedConcurrency(4), budget=budget)
     refs = source.list_keys()
-    parts: list[Any] = []
-    results = source.fetch_with_retries(refs, on_part=parts.append, part_bytes=1 << 20)
-    assert _samples(parts) == Counter([f"a.tar/a-{i:04d}" for i in range(40)]
+    pieces: list[Any] = []
+    results = source.fetch_with_retries(refs, on_piece=pieces.append, piece_bytes=1 << 20)
+    assert _samples(pieces) == Counter([f"a.tar/a-{i:04d}" for i in range(40)]
                                       + [f"b.tar/b-{i:04d}" for i in range(36)])
     assert not [p for _, p in results if isinstance(p, BaseException)]
     seen = remote.proxy.stats.by_kind
@@ -166,7 +166,7 @@ def test_a_request_that_never_reached_the_remote_is_not_counted(
 # s3fs slow (7 s): obstore is the default client where installed; the counts run both
 @pytest.mark.parametrize("transport", [pytest.param("s3fs", marks=pytest.mark.slow), "obstore",
                                        "http"], indirect=True)
-def test_a_slow_shard_completes_and_a_stalled_one_resumes_after_its_last_part(
+def test_a_slow_shard_completes_and_a_stalled_one_resumes_after_its_last_piece(
         transport: Any) -> None:
     """A link of 2.5 MiB/s brings a 6 MiB shard in more than ``timeout_s`` (2 s): bytes keep
     coming, so it completes. Half-way, the remote stops sending for a minute: after 2 s of
@@ -177,13 +177,13 @@ def test_a_slow_shard_completes_and_a_stalled_one_resumes_after_its_last_part(
                        stall_after_bytes=3 * 2**20, stall_s=60.0)
     source = remote.source(timeout_s=2, connect_timeout_s=1, retries=4)
     refs = source.list_keys()
-    parts: list[Any] = []
+    pieces: list[Any] = []
     started = time.monotonic()
-    results = source.fetch_with_retries(refs, on_part=parts.append, part_bytes=512 * 1024,
+    results = source.fetch_with_retries(refs, on_piece=pieces.append, piece_bytes=512 * 1024,
                                         base_s=0.05)
     elapsed = time.monotonic() - started
     assert not [p for _, p in results if isinstance(p, BaseException)], results[-1]
-    handed = _samples(parts)
+    handed = _samples(pieces)
     assert handed == Counter(f"s.tar/s-{i:04d}" for i in range(24))  # each once: resumed
     assert remote.proxy.stats.stalled == 1
     assert elapsed < 40, elapsed  # the stall (60 s) was cut by the 2 s of silence

@@ -1,4 +1,4 @@
-"""The lease of an interrupted epoch outlives its holder when a checkpoint names it, for
+"""The lease of an interrupted epoch outlives its owner when a checkpoint names it, for
 ``cache.resume_grace_s``, so that a resumed run can adopt it and find the epoch's samples
 (issue 21, item 4); without a checkpoint, or after the grace, it is reclaimed as before."""
 
@@ -14,7 +14,7 @@ from common.procs import spawn_script
 from epochcache import Cache, CacheFull
 from epochcache.store import store_of
 
-HOLDER = """
+OWNER = """
 import sys
 from epochcache import Cache
 cache = Cache(sys.argv[1])
@@ -34,19 +34,19 @@ def _cache(tmp_path: Path) -> Cache:
     return cache
 
 
-def _killed_holder(tmp_path: Path, cache: Cache, grace: float) -> str:
-    holder = spawn_script(tmp_path, "holder", HOLDER, cache.path, str(grace))
+def _killed_owner(tmp_path: Path, cache: Cache, grace: float) -> str:
+    owner = spawn_script(tmp_path, "owner", OWNER, cache.path, str(grace))
     try:
-        lease_id = holder.wait_line("SNAP", 60).split()[1]
+        lease_id = owner.wait_line("SNAP", 60).split()[1]
     finally:
-        holder.close()  # SIGKILL: a node failure, a preemption without notice
+        owner.close()  # SIGKILL: a node failure, a preemption without notice
     return lease_id
 
 
 def test_a_checkpointed_lease_is_kept_for_its_grace_and_adopted(tmp_path: Path) -> None:
     cache = _cache(tmp_path)
-    lease_id = _killed_holder(tmp_path, cache, grace=600.0)
-    assert store_of(cache).reclaim_leases() == []  # its holder is dead, but a checkpoint names it
+    lease_id = _killed_owner(tmp_path, cache, grace=600.0)
+    assert store_of(cache).reclaim_leases() == []  # its owner is dead, but a checkpoint names it
     with pytest.raises(CacheFull):  # writers get the headroom, and nothing is evicted
         cache.put_many([(f"new{i}", content_for(f"new{i}", 2000, compressible=False))
                         for i in range(8)], wait=False)
@@ -62,15 +62,15 @@ def test_a_checkpointed_lease_is_kept_for_its_grace_and_adopted(tmp_path: Path) 
 
 def test_a_checkpointed_lease_is_reclaimed_after_its_grace(tmp_path: Path) -> None:
     cache = _cache(tmp_path)
-    lease_id = _killed_holder(tmp_path, cache, grace=0.5)
+    lease_id = _killed_owner(tmp_path, cache, grace=0.5)
     time.sleep(0.8)
     assert [dead.lease_id for dead in store_of(cache).reclaim_leases()] == [lease_id]
     assert store_of(cache).adopt_lease(lease_id) is None
     cache.close()
 
 
-def test_without_a_checkpoint_a_dead_holders_lease_goes_at_once(tmp_path: Path) -> None:
+def test_without_a_checkpoint_a_dead_owners_lease_goes_at_once(tmp_path: Path) -> None:
     cache = _cache(tmp_path)
-    lease_id = _killed_holder(tmp_path, cache, grace=0.0)
+    lease_id = _killed_owner(tmp_path, cache, grace=0.0)
     assert [dead.lease_id for dead in store_of(cache).reclaim_leases()] == [lease_id]
     cache.close()

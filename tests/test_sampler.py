@@ -276,7 +276,7 @@ def test_batches_queued_behind_a_slow_commit_are_committed_in_one_transaction(
         handing.start()
         while committer._batches.qsize() < 3 and time.monotonic() < deadline:
             time.sleep(0.01)  # (a queue of one would hold them back one by one)
-        before = store.store.env.info()["last_txnid"]
+        before = store.env.lmdb_env.info()["last_txnid"]
         assert holder.stdin is not None
         holder.stdin.write("\n")
         holder.stdin.flush()
@@ -289,7 +289,7 @@ def test_batches_queued_behind_a_slow_commit_are_committed_in_one_transaction(
     assert health.committed == 12 and health.position == {"pass": 3}
     assert all(key in store for batch in batches for key in batch.keys)
     # the first batch's commit, the group's, and at most one health document
-    assert store.store.env.info()["last_txnid"] - before <= 3
+    assert store.env.lmdb_env.info()["last_txnid"] - before <= 3
     assert committer.grouped == 2  # batches 2-4 rode in one transaction after the first
     store.close()
 

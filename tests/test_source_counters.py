@@ -17,7 +17,7 @@ from epochcache.store.source_counters import registered_names
 
 
 def actual(cache: Cache, names: list[str]) -> dict[str, dict[str, int]]:
-    with store_of(cache).store.read() as txn:
+    with store_of(cache).env.read() as txn:
         return recount(txn, store_of(cache).dbs, names)
 
 
@@ -65,7 +65,7 @@ def test_counters_survive_reopening(tmp_path: Path) -> None:
         cache.put_many([("x/1", b"a" * 10)])
     with Cache(tmp_path / "c", readonly=True) as cache:
         assert store_of(cache).source_stats()["x"]["samples"] == 1
-        with store_of(cache).store.read() as txn:
+        with store_of(cache).env.read() as txn:
             assert registered_names(txn, store_of(cache).dbs[DB_META]) == ["x"]
 
 

@@ -252,7 +252,7 @@ def _hold_with_workers(path: str, ready: Any) -> None:
 
     os.setpgrp()  # its forked workers join its process group: killed with it, at once
 
-    # A long heartbeat timeout: only the owner lock can tell the lease's holder died.
+    # A long heartbeat timeout: only the owner lock can tell the lease's owner died.
     stream = _Cache(path, sync=False, lease_timeout_s=600).stream()
     batches = iter(DataLoader(stream, batch_size=4, num_workers=2, prefetch_factor=1))
     next(batches)

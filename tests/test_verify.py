@@ -82,7 +82,7 @@ def test_verify_reads_in_short_transactions_while_a_writer_turns_the_cache_over(
     snapshots: set[int] = set()
     try:
         while proc.poll() is None:
-            snapshots |= _readers_of(store_of(cache).store.env, proc.pid)
+            snapshots |= _readers_of(store_of(cache).env.lmdb_env, proc.pid)
             time.sleep(0.002)
         out, err = proc.communicate(timeout=60)
     finally:

@@ -10,6 +10,7 @@ imported, well under a second):
 4. every name an internal module exports (``__all__``) is used by another file of the
    package, tests or scripts: an export nothing imports is dead code vulture cannot see
    (it counts ``__all__`` as a use; ``split_for_rank`` was one).
+5. no word renamed away (``RETIRED``) is an identifier of the package again.
 
 ``KNOWN`` lists today's exceptions: a ratchet that only shrinks. A new duplicate fails (rename
 one of the two), and so does an entry that no longer is one (remove it from ``KNOWN``).
@@ -25,16 +26,12 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "epochcache"
 
-#: Duplicates of today, each to be renamed away (then its line removed here). Both are in
-#: files other work of issue 36 changes at the same time (ingest/sources, store/capacity.py).
+#: Duplicates of today, each to be renamed away (then its line removed here): none left
+#: (tar's ``Part`` is a ``Piece``, store/capacity.py's ``check_format`` ``check_stored_format``).
 KNOWN: dict[str, set[str]] = {
     "module": set(),
-    "class": {
-        "Part",  # store/plans.py's release-plan part and ingest/sources/tar.py's run of samples
-    },
-    "function": {
-        "check_format",  # ingest/sources/check.py (a source's objects), store/capacity.py
-    },
+    "class": set(),
+    "function": set(),
 }
 
 #: One thing with two doors, kept: the name is the same because the meaning is.
@@ -42,6 +39,29 @@ SAME_THING: dict[str, set[str]] = {
     "function": {
         "load_config",  # epochcache.load_config: config.load_config, without importing pydantic
     },
+}
+
+#: Words renamed away (issue 36), each with its successor: none may come back as an identifier
+#: of the package (a class, function, argument, attribute, variable or imported name).
+#: Comments and strings are free (a docstring may say what a thing was called).
+RETIRED: dict[str, str] = {
+    "MapGate": "RemapLock",
+    "CompressGate": "CompressionTrial",
+    "BackOff": "LoweredCapacity",
+    "ByteBudget": "InFlight",
+    "ScheduleSampler": "ScheduleIndices",
+    # a tar shard's samples handed over together: a piece ("part" is a release plan's)
+    "OnPart": "OnPiece",
+    "on_part": "on_piece",
+    "part_bytes": "piece_bytes",
+    "PART_BYTES": "PIECE_BYTES",
+    "part_origins": "piece_origins",
+    "_hand_over_part": "_hand_over_piece",
+    "ListingJob": "PagedListing",  # "job" is the launcher's job
+    "HOLDERS_FILE": "WRITERS_FILE",  # a lease's process is its owner; writers hold the file
+    "_holders": "_writers",
+    "probe_workers": "check_workers",  # a probe raises a limit to test it
+    "Store": "Env",  # store/env.py's; the store is the storage layer (torch's TCPStore aside)
 }
 
 
@@ -88,6 +108,40 @@ def test_every_known_duplicate_is_still_one() -> None:
              for listing in (KNOWN, SAME_THING) for kind, names in listing.items()
              for name in sorted(names) if name not in duplicates[kind]]
     assert not stale, "\n".join(stale)
+
+
+def _identifiers(tree: ast.AST) -> set[str]:
+    """Every name ``tree`` defines, binds, reads or imports (not its comments or strings)."""
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            found.add(node.name)
+        elif isinstance(node, ast.Name):
+            found.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            found.add(node.attr)
+        elif isinstance(node, ast.arg):
+            found.add(node.arg)
+        elif isinstance(node, ast.keyword) and node.arg:
+            found.add(node.arg)
+        elif isinstance(node, ast.alias):
+            found.update((node.name.rpartition(".")[2], node.asname or ""))
+    return found
+
+
+def test_no_retired_word_is_back() -> None:
+    back = [f"{path.relative_to(PACKAGE.parent)}: {word} (now {RETIRED[word]})"
+            for path in sorted(PACKAGE.rglob("*.py"))
+            for word in sorted(_identifiers(ast.parse(path.read_text())) & RETIRED.keys())]
+    assert not back, "a renamed word is back (one name, one meaning): " + ", ".join(back)
+
+
+def test_the_retired_check_sees_each_kind_of_identifier() -> None:
+    source = ("from x import MapGate as G\nclass ByteBudget: ...\n"
+              "def f(on_part=1): return g(part_bytes=2).part_origins + PART_BYTES\n")
+    assert _identifiers(ast.parse(source)) & RETIRED.keys() == {
+        "MapGate", "ByteBudget", "on_part", "part_bytes", "part_origins", "PART_BYTES"}
+    assert not _identifiers(ast.parse('"""MapGate, once."""  # ByteBudget\n')) & RETIRED.keys()
 
 
 def test_every_exported_name_is_used_elsewhere() -> None:

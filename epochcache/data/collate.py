@@ -120,7 +120,7 @@ def alloc_batch(shape: tuple[int, ...], dtype: np.dtype[Any] | torch.dtype) -> t
     """An uninitialised tensor for a batch; in shared memory inside a DataLoader worker.
 
     In the training process the tensor may be one handed out before and since dropped by
-    every holder (checked through reference counts), so its pages are already mapped; or,
+    every user (checked through reference counts), so its pages are already mapped; or,
     in a pinned `batch_buffers`, page-locked memory. In a worker, inside `batch_buffers`,
     it is a slot of the worker's batch ring (`epochcache.data.ring`), else a new shared
     segment.

@@ -23,7 +23,7 @@ from .reader import SampleReader
 def snapshot_gone(reader: SampleReader, lease_id: str, epoch: int | None,
                   error: KeyError) -> SnapshotClosed:
     """What a read that found a snapshot sample gone raises, naming the epoch: the lease no
-    longer exists (released, or reclaimed by a process that took its holder for dead), or,
+    longer exists (released, or reclaimed by a process that took its owner for dead), or,
     with the lease still there (or unknown to this rank), the cache lost the sample."""
     if not lease_id or any(lease.lease_id == lease_id for lease in reader.cache.leases()):
         return SnapshotClosed(
@@ -35,8 +35,8 @@ def snapshot_gone(reader: SampleReader, lease_id: str, epoch: int | None,
     return SnapshotClosed(
         f"{reader.path}: the snapshot of epoch {epoch} lost its lease {lease_id[:8]} and its "
         f"samples are being evicted ({error.args[0] if error.args else error}): the lease was "
-        "released, or reclaimed by another process that judged its holder dead (owner lock "
-        "not held and no heartbeat within the lease timeout: a frozen or killed holder, or a "
+        "released, or reclaimed by another process that judged its owner dead (owner lock "
+        "not held and no heartbeat within the lease timeout: a frozen or killed owner, or a "
         "cache shared across machines); take a new snapshot (a new dataset or epoch)")
 
 

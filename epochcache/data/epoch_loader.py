@@ -19,7 +19,7 @@ import numpy as np
 from torch.utils.data import DataLoader
 
 from .schedule import EpochSchedule
-from .stall import Probe, process_state, with_time_limit
+from .stall import WorkerCheck, process_state, with_time_limit
 from .tallies import Tallies
 
 
@@ -82,7 +82,7 @@ class EpochLoader:
             if self._stall is not None:
                 with self._stall.watch(f"epoch {self.epoch} batch {i} (waiting for workers)",
                                        self._stall_action) as activity:
-                    activity.probe = functools.partial(self._probe, i)
+                    activity.check = functools.partial(self._check_workers, i)
                     activity.on_raise = self._stop_workers
                     activity.cache_path = self.dataset.reader.path
                     batch = next(it)
@@ -108,7 +108,7 @@ class EpochLoader:
         self.dataset.finished = True  # read to its end: its lease goes, checkpoint or not
         self.finish()
 
-    def _probe(self, batch: int) -> Probe:
+    def _check_workers(self, batch: int) -> WorkerCheck:
         """For a stall report: the workers of this loader, which one owes ``batch`` and what
         each process is doing, and the batch's first sample key (on the stall thread)."""
         it = self._iterator
@@ -116,19 +116,19 @@ class EpochLoader:
         # torch's iterator: _task_info[index] is (worker,) until the batch arrives
         task = getattr(it, "_task_info", {}).get(getattr(it, "_rcvd_idx", -1), ())
         owner = task[0] if len(task) == 1 else None
-        probe = Probe()
+        check = WorkerCheck()
         if owner is not None and owner < len(workers):
-            probe.worker = f"DataLoader worker {owner} (pid {workers[owner].pid})"
+            check.worker = f"DataLoader worker {owner} (pid {workers[owner].pid})"
         seqs = self._schedule.batch(batch)
         if len(seqs):
             cache = self.dataset.reader.cache
-            probe.key = with_time_limit(lambda: repr(cache.info(int(seqs[0])).key),
+            check.key = with_time_limit(lambda: repr(cache.info(int(seqs[0])).key),
                                         f"seq {int(seqs[0])}")
-            probe.key += f" (the first of the batch's {len(seqs)})"
-        probe.lines.append(f"epoch {self.epoch} batch {batch} is owed by "
-                           f"{probe.worker or 'no worker yet (the sampler or pin thread)'}")
-        probe_workers(it, probe)
-        return probe
+            check.key += f" (the first of the batch's {len(seqs)})"
+        check.lines.append(f"epoch {self.epoch} batch {batch} is owed by "
+                           f"{check.worker or 'no worker yet (the sampler or pin thread)'}")
+        check_workers(it, check)
+        return check
 
     def _stop_workers(self, error: Exception) -> None:
         stop_workers(self._iterator)
@@ -215,13 +215,13 @@ class EpochLoader:
         self._on_near_end()
 
 
-def probe_workers(iterator: Any, probe: Probe) -> None:
+def check_workers(iterator: Any, check: WorkerCheck) -> None:
     """Add the workers of a DataLoader iterator to a stall report: their pids (each is asked
     for its stacks) and what each process is doing."""
     for index, worker in enumerate(getattr(iterator, "_workers", ())):
         if worker.pid:
-            probe.pids.append(worker.pid)
-            probe.lines.append(f"DataLoader worker {index} (pid {worker.pid}): "
+            check.pids.append(worker.pid)
+            check.lines.append(f"DataLoader worker {index} (pid {worker.pid}): "
                                f"{process_state(worker.pid)}; its stacks follow")
 
 

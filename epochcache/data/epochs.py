@@ -64,7 +64,7 @@ from .elastic import (
     order_identity,
     report,
 )
-from .epoch_loader import EpochLoader, probe_workers, stop_workers
+from .epoch_loader import EpochLoader, check_workers, stop_workers
 from .planner import Planner
 from .reader import SampleReader
 from .resume import adopt_node, ended_lease, log_resume, resume_rank
@@ -77,7 +77,7 @@ from .schedule import (
     in_process_batches,
     tallies_of,
 )
-from .stall import Probe, arm_stack_dump, get_watchdog
+from .stall import WorkerCheck, arm_stack_dump, get_watchdog
 from .tallies import Tallies
 from .wait import wait_for_samples
 from .workers import start_method, start_workers
@@ -437,19 +437,20 @@ class _Epochs:
             return contextlib.nullcontext()
         loader = pending.loader
 
-        def probe() -> Probe:
+        def check() -> WorkerCheck:
             # Read when the stall is reported: spawned workers are started on the builder
             # thread, whose iterator may not exist yet when the wait begins.
-            found = Probe(lines=[f"epoch {pending.epoch}: its DataLoader workers are not "
-                                 "ready (their start-up, or the first batches they prime)"])
-            probe_workers(getattr(loader, "_iterator", None), found)
+            found = WorkerCheck(lines=[f"epoch {pending.epoch}: its DataLoader workers are "
+                                       "not ready (their start-up, or the first batches they "
+                                       "prime)"])
+            check_workers(getattr(loader, "_iterator", None), found)
             return found
 
         @contextlib.contextmanager
         def watch() -> Iterator[None]:
             with dog.watch(f"epoch {pending.epoch} (starting its DataLoader workers)",
                            self.reader.stall_action) as activity:
-                activity.probe = probe
+                activity.check = check
                 activity.on_raise = lambda _error: stop_workers(getattr(loader, "_iterator",
                                                                         None))
                 activity.cache_path = self.cache.path

@@ -127,7 +127,7 @@ def present_after(cache: SampleStore, lane: np.ndarray,
     position in the lane."""
     rest = np.asarray(lane[position:], dtype=np.uint64)
     db = cache.dbs[DB_SAMPLES]
-    with cache.store.read() as txn:
+    with cache.env.read() as txn:
         get = txn.get
         present = np.fromiter((get(seq_key(int(seq)), None, db) is not None for seq in rest),
                               dtype=bool, count=len(rest))

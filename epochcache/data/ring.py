@@ -96,9 +96,9 @@ class _Ring:
         slot.state[0] = _USED
         slot.use += 1
         slot.nbytes = nbytes
-        holder = np.frombuffer(slot.view, np.uint8, nbytes, _DATA)
-        slot.ref = weakref.ref(holder, functools.partial(_unsent, slot, slot.use))
-        return torch.frombuffer(holder, dtype=dtype).view(shape)
+        buffer = np.frombuffer(slot.view, np.uint8, nbytes, _DATA)
+        slot.ref = weakref.ref(buffer, functools.partial(_unsent, slot, slot.use))
+        return torch.frombuffer(buffer, dtype=dtype).view(shape)
 
     def _slot(self, nbytes: int) -> _Slot | None:
         replace = None
@@ -230,9 +230,9 @@ def _unring(token: bytes, pid: int, index: int, storage: torch.UntypedStorage | 
         except KeyError:
             raise RuntimeError(f"epochcache: a batch names slot {index} of worker {pid}'s ring, "
                                "which this process never received") from None
-        holder = np.frombuffer(view, np.uint8, nbytes, _DATA)
-        ring.refs[index] = weakref.ref(holder, functools.partial(_release, state))
-    return torch.frombuffer(holder, dtype=dtype).view(shape)
+        buffer = np.frombuffer(view, np.uint8, nbytes, _DATA)
+        ring.refs[index] = weakref.ref(buffer, functools.partial(_release, state))
+    return torch.frombuffer(buffer, dtype=dtype).view(shape)
 
 
 def _alive(pid: int) -> bool:

@@ -62,9 +62,9 @@ _WORKER_DUMP_WAIT_S = 0.5
 
 
 @dataclass
-class Probe:
-    """What a stalled activity waits for, found when a report is due (see
-    `Activity.probe`): lines for the report, the pids of the processes whose stacks
+class WorkerCheck:
+    """What a stalled activity waits for (its workers), found when a report is due (see
+    `Activity.check`): lines for the report, the pids of the processes whose stacks
     to dump, and the worker and key for the error."""
 
     lines: list[str] = field(default_factory=list)
@@ -79,10 +79,10 @@ class Activity:
     ``key`` is the sample key, or, when ``resolve`` is set, a cheaper token that
     ``resolve(token)`` turns into the key only if a report needs it: the fast read path stores
     the record's 8-byte LMDB key instead of decoding the source key of every sample.
-    ``probe``, ``on_raise`` and ``cache_path`` are set by a trainer that waits for workers.
+    ``check``, ``on_raise`` and ``cache_path`` are set by a trainer that waits for workers.
     """
 
-    __slots__ = ("label", "started", "key", "resolve", "reported", "action", "probe",
+    __slots__ = ("label", "started", "key", "resolve", "reported", "action", "check",
                  "on_raise", "error", "thread", "cache_path", "raised_at", "lock", "done")
 
     def __init__(self, label: str, action: str = "warn") -> None:
@@ -92,7 +92,7 @@ class Activity:
         self.resolve: Callable[[Any], str] | None = None
         self.reported = False
         self.action = action
-        self.probe: Callable[[], Probe] | None = None
+        self.check: Callable[[], WorkerCheck] | None = None
         #: Makes the stalled work fail (a trainer stops its workers); default: an
         #: asynchronous StallError in the activity's thread.
         self.on_raise: Callable[[StallError], None] | None = None
@@ -245,16 +245,16 @@ class Watchdog:
 
     def _report(self, activity: Activity, now: float) -> None:
         key = activity.describe_key()
-        probe = activity.probe() if activity.probe is not None else Probe()
-        if probe.key:
-            key = probe.key
+        check = activity.check() if activity.check is not None else WorkerCheck()
+        if check.key:
+            key = check.key
         self._emit(
             f"epochcache: STALL in {_process_name()}: {activity.label} has taken "
             f"{now - activity.started:.1f} s (stall_s={self.stall_s:g}); it is on "
             f"sample key {key}. Stacks of all its threads follow.", dump=True)
-        for line in probe.lines:
+        for line in check.lines:
             self._emit(f"epochcache: {line}", dump=False)
-        for pid in probe.pids:  # each worker writes its own stacks (see arm_stack_dump)
+        for pid in check.pids:  # each worker writes its own stacks (see arm_stack_dump)
             if DUMP_SIGNAL is None:
                 break
             # The signal's default action ends a process: a worker that has not armed its
@@ -269,14 +269,14 @@ class Watchdog:
                 continue
             time.sleep(_WORKER_DUMP_WAIT_S)
         if activity.cache_path:
-            _record_stall(activity, key, probe.worker, now)
+            _record_stall(activity, key, check.worker, now)
         if activity.action != "raise":
             return
         error = StallError(
             f"{activity.label} stalled for {now - activity.started:.0f} s (stall_s="
             f"{self.stall_s:g}) in {_process_name()}"
-            + (f", waiting for {probe.worker}" if probe.worker else "")
-            + ("" if activity.key is None and not probe.key else f"; sample key {key}")
+            + (f", waiting for {check.worker}" if check.worker else "")
+            + ("" if activity.key is None and not check.key else f"; sample key {key}")
             + ". The stacks were written to "
             f"{self.stall_file or 'stderr'}: a stuck read, a deadlocked transform or worker? "
             "The job ends here (stall_action 'raise'); restart it with --resume, or raise "

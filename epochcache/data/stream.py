@@ -694,7 +694,7 @@ def _drop_quietly(cache: SampleStore, name: str, home_pid: int) -> None:
         return
     try:
         drop_shares(cache, name)
-    except Exception:  # interpreter shutdown: a dead holder's lease is reclaimed anyway
+    except Exception:  # interpreter shutdown: a dead owner's lease is reclaimed anyway
         log.debug("could not drop stream document %s", name, exc_info=True)
     finally:
         release_owner(cache)

@@ -2,7 +2,7 @@
 
 The request budget (`budget`) and each source's pace (`pace`) are kept in files in the cache
 directory that every sampler process maps and changes under ``flock`` (the kernel releases it
-when its holder dies: a sampler killed with ``kill -9`` in the middle cannot wedge the
+when the process holding it dies: a sampler killed with ``kill -9`` in the middle cannot wedge the
 others). Their cells are instants of the monotonic clock, which every process of one boot
 reads alike, and which means nothing on another boot or host: after a reboot the clock starts
 again from zero, so an instant the last boot wrote lies far ahead and every request would wait

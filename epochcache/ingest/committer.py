@@ -69,7 +69,7 @@ class Batch:
 
     Attributes:
         records: ``(source key, encoded record)`` pairs.
-        position: the key order position to save once the batch is committed (None: a part
+        position: the key order position to save once the batch is committed (None: a piece
             of a streamed shard, whose batch saves the position after it).
         keys: every key the batch was fetched for (committed or not): no longer in flight.
         nbytes: bytes this batch holds against the sampler's in-flight budget.

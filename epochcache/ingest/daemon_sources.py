@@ -32,7 +32,7 @@ from .from_config import open_configured_source
 from .relist import RETRY_S, Relister
 from .sources import (
     Listing,
-    ListingJob,
+    PagedListing,
     Source,
     listing_cached,
     read_listing,
@@ -52,7 +52,7 @@ class _Listed:
     source: Source
     listed_at: float
     keys: int
-    job: ListingJob | None = None  # a listing still under way
+    paged: PagedListing | None = None  # a listing still under way
 
 
 def _label(entry: SourceEntry) -> str:
@@ -122,42 +122,42 @@ class DaemonSources:
                      int(header["count"]), source.unit)
             return _Listed(entry, source, float(header.get("created", 0)), int(header["count"]))
         saved = read_listing(self.cache_dir, fingerprint)
-        job = None
+        paged = None
         if saved is not None and saved.complete:  # saved by an earlier version
             listing = saved
         elif source.paged:
-            job = ListingJob(source, self.cache_dir, stop=self._stop, saved=saved)
+            paged = PagedListing(source, self.cache_dir, stop=self._stop, saved=saved)
             wait = (not entry.config.sample_while_listing
                     or self.config.sampler.strategy == "weighted")
-            listing = job.run(until_started=not wait)
+            listing = paged.run(until_started=not wait)
         else:
             listing = listing_cached(source, self.cache_dir)
         if listing.complete:
-            job = None
+            paged = None
             log.info("%s: %d %ss to sample from", _label(entry), len(listing), source.unit)
         else:
             log.info("%s: sampling starts from the first %d %ss listed while the listing goes "
                      "on (source.sample_while_listing)", _label(entry), len(listing), source.unit)
-        return _Listed(entry, source, listing.created, len(listing), job)
+        return _Listed(entry, source, listing.created, len(listing), paged)
 
     def _finish_listing(self, item: _Listed) -> None:
         """Run in a thread: list the rest of a large bucket, from where it stopped after a
         failed page, then start its re-lister."""
-        job = item.job
-        assert job is not None
+        paged = item.paged
+        assert paged is not None
         listing: Listing | None = None
         while not self._stop.is_set():
             try:
-                listing = job.run()
+                listing = paged.run()
                 break
             except SourceError as exc:
                 log.warning("%s: %s; the samplers go on with the %d keys listed, the listing "
                             "goes on from there in %.0fs", _label(item.entry), exc,
-                            len(job.builder), self.retry_s)
+                            len(paged.builder), self.retry_s)
                 self._stop.wait(self.retry_s)
         if listing is None or not listing.complete:
             return  # stopped: the listing so far is saved, the next start goes on with it
-        item.job, item.keys, item.listed_at = None, len(listing), listing.created
+        item.paged, item.keys, item.listed_at = None, len(listing), listing.created
         if not self._stop.is_set():
             self._start_relister(item)
 
@@ -168,10 +168,10 @@ class DaemonSources:
             items = list(self.listed)
         out: dict[str, dict[str, object]] = {}
         for item in items:
-            job = item.job
-            keys = len(job.builder) if job is not None else item.keys
+            paged = item.paged
+            keys = len(paged.builder) if paged is not None else item.keys
             out[item.entry.name or redact_url(item.entry.config.url)] = {
-                "keys": keys, "complete": job is None}
+                "keys": keys, "complete": paged is None}
         return out
 
     def requests(self) -> dict[str, dict[str, float]]:
@@ -202,7 +202,7 @@ class DaemonSources:
 
     def _start_background(self, item: _Listed) -> None:
         """The rest of a listing under way, else the re-lister (with ``listing_ttl_s``)."""
-        if item.job is None:
+        if item.paged is None:
             self._start_relister(item)
             return
         thread = threading.Thread(target=self._finish_listing, args=(item,),

@@ -132,8 +132,8 @@ def cached_sources(cache_dir: str) -> tuple[list[CachedSource], int]:
     Python API, or cached by an older version)."""
     cache = SampleStore(cache_dir, readonly=True)
     try:
-        counts = cached_listing_counts(cache.store)
-        registry = listings(cache.store)
+        counts = cached_listing_counts(cache.env)
+        registry = listings(cache.env)
     finally:
         cache.close()
     found = []

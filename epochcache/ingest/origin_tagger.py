@@ -25,7 +25,7 @@ from ..store.ledger import remap
 from ..store.listings import register_listing
 from ..store.origins import Origin
 from .lineage import identity_key
-from .sources import KeyTable, Part, SampleRef, source_fingerprint
+from .sources import KeyTable, Piece, SampleRef, source_fingerprint
 
 if TYPE_CHECKING:
     from .feed import Feed
@@ -94,7 +94,7 @@ class OriginTagger:
             mapping = index_map(seen.table, feed.table)
             lid = remap(self.cache, seen.info, info, seen.lid, mapping)
         else:
-            lid = register_listing(self.cache.store, info)
+            lid = register_listing(self.cache.env, info)
         self._seen[id(feed)] = _Seen(state, feed.table, lid, info)
         return lid
 
@@ -130,16 +130,16 @@ class OriginTagger:
                 out[feed.cache_key(ref.key)] = Origin(lid, int(i), member, members[shard])
         return out
 
-    def part_origins(self, feed: Feed, index: int, generation: str, part: Part
+    def piece_origins(self, feed: Feed, index: int, generation: str, piece: Piece
                      ) -> dict[str, Origin]:
-        """The origin of each sample of a streamed part of the shard at ``index`` of the
-        listing of ``generation`` (see `origins`). Before its last part a shard's count
+        """The origin of each sample of a streamed piece of the shard at ``index`` of the
+        listing of ``generation`` (see `origins`). Before its last piece a shard's count
         is not known: its samples say the count so far, and the coverage ledger takes the
         largest it sees (`slots_of`)."""
         lid = self.listing_id(feed)
         if generation != feed.generation:
             return {}
-        members = part.members if part.members is not None else part.first + len(part.results)
-        return {feed.cache_key(ref.key): Origin(lid, int(index), part.first + i, members)
-                for i, (ref, payload) in enumerate(part.results)
+        members = piece.members if piece.members is not None else piece.first + len(piece.results)
+        return {feed.cache_key(ref.key): Origin(lid, int(index), piece.first + i, members)
+                for i, (ref, payload) in enumerate(piece.results)
                 if not isinstance(payload, BaseException)}

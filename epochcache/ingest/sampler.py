@@ -58,7 +58,7 @@ from .heap import reuse_freed_buffers
 from .inflight import InFlight
 from .lifeline import Lifeline, kill_with_parent
 from .origin_tagger import OriginTagger
-from .sources import STREAMED, Part, SampleRef
+from .sources import STREAMED, Piece, SampleRef
 
 #: Libraries whose INFO lines (botocore's "Found credentials in ...") a sampler started
 #: without its daemon's levels leaves out.
@@ -238,10 +238,10 @@ class Sampler:
         # (a small pass wraps around while its last batches are still being committed).
         self._in_flight: set[str] = set()
         self._in_flight_lock = threading.Lock()
-        # Parts of tar shards are encoded in their fetch threads: the health counters that
+        # Pieces of tar shards are encoded in their fetch threads: the health counters that
         # encoding updates are the main thread's too.
         self._encode_lock = threading.Lock()
-        self._part_records: dict[Feed, int] = {}  # records of parts of each feed's shards
+        self._piece_records: dict[Feed, int] = {}  # records of pieces of each feed's shards
         self._errors_before = self.health.errors  # when the current fruitless stretch began
         self.fetching: collections.deque[_Fetching] = collections.deque()
         # Up to MAX_BATCHES batches per source: a source that stopped answering holds its own
@@ -313,8 +313,8 @@ class Sampler:
                             position: dict[str, Any]) -> bool:
         """Reserve the batch's bytes (handing over fetched batches meanwhile) and start
         fetching it; False if the sampler is stopping instead."""
-        # A tar shard is streamed a part at a time, each part taking its own bytes when it is
-        # handed over (_hand_over_part): the batch reserves what its fetch holds up front.
+        # A tar shard is streamed a piece at a time, each piece taking its own bytes when it is
+        # handed over (_hand_over_piece): the batch reserves what its fetch holds up front.
         need = sum(feed.source.held_bytes(ref, feed.sizes.of(ref), self.batch_bytes)
                    for ref in picked)
         while self.fetching and not self.in_flight.fits(need):
@@ -330,9 +330,9 @@ class Sampler:
         if feed.source.unit == "shard":
             shards = dict(zip((ref.key for ref in picked), indices))
             generation = position.get("listing", feed.generation)
-            streaming = {"on_part": functools.partial(self._hand_over_part, feed, shards,
+            streaming = {"on_piece": functools.partial(self._hand_over_piece, feed, shards,
                                                       generation),
-                         "part_bytes": self.batch_bytes}
+                         "piece_bytes": self.batch_bytes}
         future = self.pool.submit(feed.source.fetch_with_retries, picked,
                                   deadline_s=feed.deadline_s, **streaming)
         started = time.monotonic()
@@ -388,7 +388,7 @@ class Sampler:
             isinstance(p, BaseException) for _, p in results)
         with self._encode_lock:
             records, fetched = self._encode_results(feed, results, refused)
-            streamed = self._part_records.pop(feed, 0)  # records of parts handed over before
+            streamed = self._piece_records.pop(feed, 0)  # records of pieces handed over before
         feed.batch_done(results, len(records) + streamed)
         self._note_failing(feed)
         feed.samples_read(len(fetching.refs), fetching.estimate, results)
@@ -418,28 +418,28 @@ class Sampler:
         self.committer.hand_over(Batch(records, fetching.position, keys, nbytes, feed.name,
                                        origins))
 
-    def _hand_over_part(self, feed: Feed, shards: dict[str, int], generation: str,
-                        part: Part) -> None:
-        """A part of a tar shard being streamed, from its fetch thread: encoded and queued for
+    def _hand_over_piece(self, feed: Feed, shards: dict[str, int], generation: str,
+                         piece: Piece) -> None:
+        """A piece of a tar shard being streamed, from its fetch thread: encoded and queued for
         commit once the in-flight budget has room for it (the wait bounds what a shard of any
         size holds), with the origin of each sample (``shards``: the listing index of each
         shard of the batch, picked from the listing of ``generation``). It saves no
         position: the batch the shard belongs to does, after it."""
-        results = part.results
+        results = piece.results
         self.quarantined.update(
             feed.cache_key(ref.key) for ref, payload in results if isinstance(payload, CorruptSample))
         with self._encode_lock:
             records, _fetched = self._encode_results(feed, results)
-            self._part_records[feed] = self._part_records.get(feed, 0) + len(records)
+            self._piece_records[feed] = self._piece_records.get(feed, 0) + len(records)
         if not records:
             return
         nbytes = sum(len(record) for _, record in records)
         if not self.in_flight.wait(nbytes, self._stop_or_committer_dead):
             self.committer.check()  # dead: raises; stopping: what is fetched is committed
         self.in_flight.take(nbytes)
-        index = shards.get(part.shard.key)
+        index = shards.get(piece.shard.key)
         origins = ({} if index is None else
-                   self.tagger.part_origins(feed, index, generation, part))
+                   self.tagger.piece_origins(feed, index, generation, piece))
         self.committer.hand_over(Batch(records, None, [], nbytes, feed.name, origins))
 
     def _note_idle(self) -> None:
@@ -461,7 +461,7 @@ class Sampler:
         fetched = 0
         health = self.health
         for ref, payload in results:
-            if payload is STREAMED:  # a part of its shard, encoded when it was handed over
+            if payload is STREAMED:  # a piece of its shard, encoded when it was handed over
                 continue
             key = feed.cache_key(ref.key)
             if isinstance(payload, CorruptSample):

@@ -19,7 +19,7 @@ from ..errors import CacheUnusable
 from ..units import headroom_bytes, parse_headroom
 from .counters import Counters
 from .datafile import no_cache_here
-from .env import Store
+from .env import Env
 from .lowered_capacity import LoweredCapacity, published
 from .records import C_FORMAT, DB_META, FORMAT_VERSION, pack_u64, unpack_u64
 
@@ -36,21 +36,21 @@ def stored_limits(path: str) -> tuple[int | None, int | None]:
     """
     if not os.path.exists(os.path.join(path, "data.mdb")):
         return None, None
-    store = Store(path, readonly=True)
+    env = Env(path, readonly=True)
     try:
-        with store.read() as txn:
-            meta = store.dbs[DB_META]
-            check_format(path, txn.get(C_FORMAT, db=meta))
+        with env.read() as txn:
+            meta = env.dbs[DB_META]
+            check_stored_format(path, txn.get(C_FORMAT, db=meta))
             cap, head = txn.get(_M_CAPACITY, db=meta), txn.get(_M_HEADROOM, db=meta)
             return (
                 None if cap is None else unpack_u64(cap),
                 None if head is None else unpack_u64(head),
             )
     finally:
-        store.close()
+        env.close()
 
 
-def check_format(path: str, stored: bytes | memoryview | None) -> None:
+def check_stored_format(path: str, stored: bytes | memoryview | None) -> None:
     """Refuse a cache whose stored format version is not this version's (None: a cache being
     created)."""
     if stored is None or unpack_u64(stored) == FORMAT_VERSION:
@@ -94,21 +94,21 @@ class Capacity:
     """The limits of one open cache.
 
     Args:
-        store: the cache's LMDB environment.
+        env: the cache's LMDB environment.
         capacity_bytes: stored bytes to keep.
         headroom_bytes: extra bytes writers may use while leases pin the oldest samples.
     """
 
-    def __init__(self, store: Store, capacity_bytes: int, headroom_bytes: int) -> None:
-        self.store = store
+    def __init__(self, env: Env, capacity_bytes: int, headroom_bytes: int) -> None:
+        self.env = env
         self.capacity_bytes = capacity_bytes
         self.headroom_bytes = headroom_bytes
-        self.backoff = LoweredCapacity(store, capacity_bytes, headroom_bytes)
+        self.backoff = LoweredCapacity(env, capacity_bytes, headroom_bytes)
 
     def save(self, txn: lmdb.Transaction) -> None:
         """Store the format version, capacity and headroom (refusing another format)."""
-        meta = self.store.dbs[DB_META]
-        check_format(self.store.path, txn.get(C_FORMAT, db=meta))
+        meta = self.env.dbs[DB_META]
+        check_stored_format(self.env.path, txn.get(C_FORMAT, db=meta))
         txn.put(C_FORMAT, pack_u64(FORMAT_VERSION), db=meta)
         txn.put(_M_CAPACITY, pack_u64(self.capacity_bytes), db=meta)
         txn.put(_M_HEADROOM, pack_u64(self.headroom_bytes), db=meta)
@@ -128,7 +128,7 @@ class Capacity:
         """The lowest limit in force in any live process (this one included), with its reason,
         as published for ``status``; None when no process runs lowered."""
         own = self.backoff.document()
-        docs = [doc for doc in published(self.store) if own is None or doc["name"] != own["name"]]
+        docs = [doc for doc in published(self.env) if own is None or doc["name"] != own["name"]]
         docs = sorted(docs + ([own] if own is not None else []), key=lambda d: int(d["limit"]))
         if not docs or int(docs[0]["limit"]) >= self.capacity_bytes:
             return None
@@ -143,8 +143,8 @@ class Capacity:
     def lower(self, exc: Exception, incoming: int) -> None:
         """A write failed on a full disk or map, with nothing left to evict: lower the limit
         in force below what is stored (a back-off that `probe` lifts)."""
-        with self.store.read() as txn:
-            stored = Counters.load(txn, self.store.dbs[DB_META]).bytes
+        with self.env.read() as txn:
+            stored = Counters.load(txn, self.env.dbs[DB_META]).bytes
         self.backoff.lower(exc, stored, incoming)
 
     def probe(self) -> None:

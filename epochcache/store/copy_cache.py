@@ -154,7 +154,7 @@ def _env_copy(source: SampleStore, into: str) -> None:
 
     def copy() -> None:
         try:
-            source.store.env.copy(into, compact=True)
+            source.env.lmdb_env.copy(into, compact=True)
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
             failure.append(exc)
 
@@ -232,7 +232,7 @@ def _copy_into(source: SampleStore, into: str) -> dict[str, Any]:
                         states += 1
             return leases, states
 
-        leases, states = copy.store.write(leave_behind)
+        leases, states = copy.env.write(leave_behind)
         counters = copy.counters()
         return {"source": source.path, "samples": counters.samples,
                 "bytes": counters.bytes, "file_bytes": copy.file_bytes(),

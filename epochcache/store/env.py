@@ -3,16 +3,16 @@
 All process-level LMDB concerns live here:
 
 * one ``lmdb.Environment`` per cache directory per process (LMDB forbids opening the same
-  file twice in one process), shared by every `Store` on that path;
+  file twice in one process), shared by every `Env` on that path;
 * fork: a forked child (a DataLoader worker) opens an environment of its own on first use and
   never touches the one it inherited (see ``_after_fork_in_child``); sampler processes are
   started with ``spawn`` and open their own;
 * map size: set from the capacity, grown on ``MapFullError`` up to a bound, and re-read
   after another process grew it (``MapResizedError``);
 * a private directory (0700) and private files (0600), since samples may be sensitive;
-* who holds the cache: every process with a writable handle holds a shared ``flock`` on
-  ``holders.lock`` (released by the kernel when it dies), so that a process may change the
-  stored capacity only when it is alone (`Store.alone`).
+* who writes to the cache: every process with a writable handle (a *writer*) holds a shared
+  ``flock`` on ``holders.lock`` (released by the kernel when it dies), so that a process may
+  change the stored capacity only when it is alone (`Env.alone`).
 """
 
 from __future__ import annotations
@@ -51,18 +51,18 @@ MAX_READERS = 1024
 #: An EIO from a write with less free space than this is the short write of a full disk.
 NEARLY_FULL_BYTES = 16 * 1024 * 1024
 
-#: Held shared by every process with a writable handle on the cache (see `Store.alone`).
-HOLDERS_FILE = "holders.lock"
+#: Held shared by every writer: a process with a writable handle on the cache (`Env.alone`).
+WRITERS_FILE = "holders.lock"  # on-disk name
 #: Serialises the processes that want to change a cache's limits.
 LIMITS_FILE = "limits.lock"
-#: How long `Store.alone` waits for another process changing the limits.
+#: How long `Env.alone` waits for another process changing the limits.
 LIMITS_WAIT_S = 30.0
 
 _lock = threading.Lock()
 _envs: dict[str, tuple[lmdb.Environment, dict[bytes, lmdb._Database], int]] = {}
 _refcounts: dict[str, int] = {}
 #: path -> (fd of holders.lock with a shared flock, handles using it) in this process
-_holders: dict[str, tuple[int, int]] = {}
+_writers: dict[str, tuple[int, int]] = {}
 
 
 #: ``PROCESS[0]`` is a new object in every forked child: a cheaper "is this still the process
@@ -99,8 +99,8 @@ def _after_fork_in_child() -> None:
     _refcounts.clear()
     # The child shares the parent's holders.lock file description (and so its lock): it holds
     # the cache as long as it lives, and never closes the descriptor.
-    for path, (fd, _count) in list(_holders.items()):
-        _holders[path] = (fd, 1 << 30)
+    for path, (fd, _count) in list(_writers.items()):
+        _writers[path] = (fd, 1 << 30)
     _lock = threading.Lock()
 
 
@@ -140,7 +140,7 @@ def begin_read(env: lmdb.Environment) -> lmdb.Transaction[memoryview]:
     """A read transaction (buffers into the map); survives another process growing the map.
 
     The caller ends it with `end_read`. Hot paths call this directly instead of
-    `Store.read`. Adopting a map another process grew waits until no other thread of
+    `Env.read`. Adopting a map another process grew waits until no other thread of
     this process has a transaction open (`epochcache.store.remap_lock`).
     """
     lock = remap_lock.LOCK
@@ -206,24 +206,24 @@ def _open_lock_file(path: str) -> int:
 def _hold(path: str) -> None:
     """Count one more writable handle on ``path`` in this process (shared flock on the first)."""
     with _lock:
-        entry = _holders.get(path)
+        entry = _writers.get(path)
         if entry is None:
-            fd = _open_lock_file(os.path.join(path, HOLDERS_FILE))
+            fd = _open_lock_file(os.path.join(path, WRITERS_FILE))
             fcntl.flock(fd, fcntl.LOCK_SH)  # waits only while another process changes limits
             entry = (fd, 0)
-        _holders[path] = (entry[0], entry[1] + 1)
+        _writers[path] = (entry[0], entry[1] + 1)
 
 
 def _unhold(path: str) -> None:
     with _lock:
-        entry = _holders.get(path)
+        entry = _writers.get(path)
         if entry is None:
             return
         fd, count = entry
         if count > 1:
-            _holders[path] = (fd, count - 1)
+            _writers[path] = (fd, count - 1)
             return
-        del _holders[path]
+        del _writers[path]
         os.close(fd)  # releases the shared lock
 
 
@@ -261,8 +261,9 @@ def make_private_dir(path: str) -> None:
         log.warning("cache directory %s is readable by other users; consider chmod 700", path)
 
 
-class Store:
-    """Transactions on one cache directory's LMDB environment.
+class Env:
+    """Transactions on one cache directory's LMDB environment (the ``env`` of a
+    `SampleStore`; the storage layer as a whole is the *store*).
 
     Args:
         path: the cache directory.
@@ -327,8 +328,8 @@ class Store:
             make_private_dir(self.path)
         # Before LMDB maps it: a page past the file's end is a SIGBUS, not an error.
         check_data_file(self.path, create=not self.readonly)
-        # The environment is shared by every Store on this path in the process, so it is
-        # opened writable whenever the directory allows it; `readonly` Stores just never write.
+        # The environment is shared by every Env on this path in the process, so it is
+        # opened writable whenever the directory allows it; `readonly` Envs just never write.
         lmdb_readonly = self.readonly and not os.access(self.path, os.W_OK)
         try:
             env = _open_lmdb(
@@ -377,7 +378,8 @@ class Store:
         return env, dbs, pid
 
     @property
-    def env(self) -> lmdb.Environment:
+    def lmdb_env(self) -> lmdb.Environment:
+        """The ``lmdb.Environment``, opened on first use (again in a forked child)."""
         return self._ensure_open()
 
     def close(self) -> None:
@@ -401,7 +403,7 @@ class Store:
                     entry[0].close()
         self._env = None
 
-    # -- holders --------------------------------------------------------------------------------
+    # -- writers --------------------------------------------------------------------------------
 
     @contextlib.contextmanager
     def alone(self) -> Iterator[bool]:
@@ -431,7 +433,7 @@ class Store:
                         ) from None
                     time.sleep(0.05)
             with _lock:
-                fd = _holders[self.path][0]
+                fd = _writers[self.path][0]
             # Linux converts a flock by dropping the shared lock first: a failed conversion
             # leaves none, so the shared lock is taken again in any case below.
             try:
@@ -450,7 +452,7 @@ class Store:
 
     @property
     def map_size(self) -> int:
-        return int(self.env.info()["map_size"])
+        return int(self.lmdb_env.info()["map_size"])
 
     def set_map_limits(self, map_size: int, max_map_size: int) -> None:
         """Set the initial map size (growing the map now if it is smaller) and its bound."""
@@ -462,7 +464,7 @@ class Store:
     def _set_map_size(self, size: int) -> None:
         # Only valid with no transaction of this process open (py-lmdb, "Handling growth"):
         # other threads may be reading from the map this replaces.
-        env = self.env
+        env = self.lmdb_env
         remap_lock.LOCK.remap(lambda: env.set_mapsize(size))
         log.debug("%s: LMDB map size set to %d bytes", self.path, size)
 
@@ -478,7 +480,7 @@ class Store:
     @contextlib.contextmanager
     def read(self) -> Iterator[lmdb.Transaction[memoryview]]:
         """A short read transaction; survives another process growing the map."""
-        txn = begin_read(self.env)
+        txn = begin_read(self.lmdb_env)
         try:
             yield txn
         finally:
@@ -492,7 +494,7 @@ class Store:
         The hot read path, so no context manager around it. ``fn`` must copy what it keeps:
         the buffers point into the map and are valid only inside the transaction.
         """
-        txn = begin_read(self.env)
+        txn = begin_read(self.lmdb_env)
         try:
             get = txn.get
             return [None if (value := get(key, None, db)) is None else fn(value) for key in keys]
@@ -513,7 +515,7 @@ class Store:
         if self.readonly:
             raise CacheError(f"{self.path}: opened read-only")
         while True:
-            env = self.env
+            env = self.lmdb_env
             lock = remap_lock.LOCK
             lock.enter()  # a write transaction holds buffers into the map too
             try:

@@ -258,7 +258,7 @@ def _blocker(cursor: lmdb.Cursor, protection: Protection) -> Lease | None:
     if not cursor.first():
         return None
     seq = seq_of(bytes(cursor.key()))
-    holder = protection.protector(seq)
-    if holder is not None:
-        return holder
+    protector = protection.protector(seq)
+    if protector is not None:
+        return protector
     return max(protection.leases, key=lambda lease: lease.hi, default=None)

@@ -3,7 +3,7 @@
 Several jobs may train from one node's cache and daemon at once (a sweep). Each keeps its own
 snapshots and leases: a lease with a release plan protects only what its job has not read yet
 (`release`), so eviction waits for the slowest job only for the samples that job still
-has to read. ``status`` shows each job: a job is a trainer process, the holder of leases (by
+has to read. ``status`` shows each job: a job is a trainer process, the owner of leases (by
 host and pid); ``epochcache run`` adds what it is (its run directory, rank and epoch) in a
 state document ``job/<host>:<pid>`` it refreshes at each epoch.
 

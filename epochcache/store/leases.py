@@ -1,12 +1,12 @@
-"""Snapshot leases: who holds which samples, and reclaiming the leases of dead holders.
+"""Snapshot leases: who holds which samples, and reclaiming the leases of dead owners.
 
 A lease protects the sequence range ``[lo, hi)`` of one snapshot from eviction. It names its
 owner (a lock file the holding process keeps locked while it lives, see
-`epochcache.store.owners`), the holder's pid, host and start time (for ``status``), its
-heartbeat and the timeout after which a holder whose lock cannot be tested is presumed dead. A
-lease whose holder is gone is reclaimed, so a crashed trainer cannot pin the cache forever
+`epochcache.store.owners`), the owner's pid, host and start time (for ``status``), its
+heartbeat and the timeout after which an owner whose lock cannot be tested is presumed dead. A
+lease whose owner is gone is reclaimed, so a crashed trainer cannot pin the cache forever
 (invariant 1), while a live one is kept however long its epoch runs, whatever PID namespace or
-hostname its holder has. Leases written by versions without owners are judged as they were:
+hostname its owner has. Leases written by versions without owners are judged as they were:
 by pid on the same host, by heartbeat elsewhere.
 
 Lease records are JSON; fields this version does not know (a newer version's) are ignored and
@@ -34,7 +34,7 @@ from .reads import record_reads
 
 log = logging.getLogger("epochcache.cache")  # one logger for everything a cache does
 
-#: A holder whose owner lock cannot be tested is presumed dead after this long without a
+#: An owner whose lock cannot be tested is presumed dead after this long without a
 #: heartbeat (its heartbeat thread refreshes it every quarter of that).
 DEFAULT_LEASE_TIMEOUT_S = 600.0
 
@@ -111,13 +111,13 @@ class Lease:
     created_ns: int
     heartbeat_ns: int
     label: str = ""
-    owner: str = ""  # the holder's owner lock (owners/<owner>.lock); "" from older versions
-    timeout_s: float = 0.0  # the holder's heartbeat timeout; 0: the judge's own
+    owner: str = ""  # its owner's lock (owners/<owner>.lock); "" from older versions
+    timeout_s: float = 0.0  # the owner's heartbeat timeout; 0: the judge's own
     #: Parts of its release plan (see `epochcache.store.plans`); 0: no plan, the whole
     #: range is protected until the lease ends.
     plan_parts: int = 0
     #: Set when a checkpoint names this lease (a run that can resume mid-epoch): after its
-    #: holder dies the lease is kept this long past its last heartbeat, for the resumed run to
+    #: owner dies the lease is kept this long past its last heartbeat, for the resumed run to
     #: adopt (`adopt`), then reclaimed as any other. 0: reclaimed as soon as it is dead.
     resume_grace_s: float = 0.0
 
@@ -154,13 +154,13 @@ class Lease:
 
     def awaits_resume(self, now_ns: int) -> bool:
         """Whether a checkpoint names this lease and its grace after the last heartbeat
-        (`resume_grace_s`) has not run out: kept even if its holder is dead."""
+        (`resume_grace_s`) has not run out: kept even if its owner is dead."""
         return (self.resume_grace_s > 0
                 and now_ns - self.heartbeat_ns < self.resume_grace_s * 1e9)
 
     def is_alive(self, now_ns: int, timeout_s: float = DEFAULT_LEASE_TIMEOUT_S,
                  cache_path: str = "") -> bool:
-        """Whether the holder lives: its owner lock is held; where that cannot be tested, a
+        """Whether the owner lives: its lock is held; where that cannot be tested, a
         heartbeat within the lease's timeout (an older version's lease: its pid on this host).
         """
         if self.owner and cache_path:
@@ -214,11 +214,11 @@ def end_reason(txn: lmdb.Transaction, state_db: lmdb._Database, lease_id: str) -
 
 def _death_reason(lease: Lease, now_ns: int) -> str:
     if lease.resume_grace_s > 0:
-        return (f"reclaimed: its holder (pid {lease.pid} on {lease.host}) stopped "
+        return (f"reclaimed: its owner (pid {lease.pid} on {lease.host}) stopped "
                 f"{(now_ns - lease.heartbeat_ns) / 1e9:.0f} s before, longer than the resume "
                 f"grace a checkpoint gave it ({lease.resume_grace_s:g} s, "
                 "cache.resume_grace_s)")
-    return (f"reclaimed: its holder (pid {lease.pid} on {lease.host}) died before any "
+    return (f"reclaimed: its owner (pid {lease.pid} on {lease.host}) died before any "
             "checkpoint named the lease")
 
 
@@ -227,7 +227,7 @@ def reclaim_dead(
     *, path: str = "", state_db: lmdb._Database | None = None,
     dbs: dict[bytes, lmdb._Database] | None = None,
 ) -> list[Lease]:
-    """Delete the leases whose holders are gone, log each with ``path`` (and, with
+    """Delete the leases whose owners are gone, log each with ``path`` (and, with
     ``state_db``, record why: `note_end`; with ``dbs``, what their readers read:
     `record_reads`); return them."""
     now = time.time_ns()

@@ -336,7 +336,7 @@ def record_trained(cache: SampleStore, seqs: np.ndarray, *, epoch: int | None = 
     would count, with ``"summaries"``, each ledger's summary after it by fingerprint.
     """
     seqs = np.asarray(seqs, dtype=np.uint64)
-    with cache.store.read() as txn:
+    with cache.env.read() as txn:
         rows = read_origins(txn, cache.dbs, unique(seqs))
     known = rows.found & (rows.lid != UNKNOWN)
     result: dict[str, Any] = {"trained": 0, "new": 0, "unattributed": 0}
@@ -344,7 +344,7 @@ def record_trained(cache: SampleStore, seqs: np.ndarray, *, epoch: int | None = 
     with ledger_lock(cache.path):
         # Under the lock: a sampler registers a listing's new generation and maps the ledger
         # onto it under it too, so a ledger is never found between the two.
-        registry = registered_listings(cache.store)
+        registry = registered_listings(cache.env)
         newest = _newest_per_fingerprint(registry)
         unattributed = int(np.count_nonzero(~known))
         for lid in np.unique(rows.lid[known]).tolist():
@@ -439,7 +439,7 @@ def remap(cache: SampleStore, old: dict[str, Any], new: dict[str, Any], old_lid:
     fp = str(new["fingerprint"])
     path = ledger_path(cache.path, fp)
     with ledger_lock(cache.path):
-        new_lid = register_listing(cache.store, new)
+        new_lid = register_listing(cache.env, new)
         ledger = Ledger.load(path)
         if ledger is not None and ledger.header.get("generation") == old.get("generation"):
             ledger.remap(mapping, new)
@@ -487,7 +487,7 @@ def retag_origins(cache: SampleStore, old_lid: int, new_lid: int, mapping: np.nd
                 done += len(hit)
             return done, None
 
-        count, position_next = cache.store.write(run)
+        count, position_next = cache.env.write(run)
         changed += count
         if position_next is None:
             return changed

@@ -22,7 +22,7 @@ from typing import Any
 
 import lmdb
 
-from .env import Store
+from .env import Env
 from .origins import UNKNOWN
 from .records import DB_META
 
@@ -39,14 +39,14 @@ def _load(txn: lmdb.Transaction, meta: lmdb._Database) -> dict[str, Any]:
     return doc
 
 
-def register_listing(store: Store, info: dict[str, Any]) -> int:
+def register_listing(env: Env, info: dict[str, Any]) -> int:
     """The id of the listing ``info`` describes (its fingerprint and generation), registered
     now if it is new; its document is brought up to date either way.
 
     Raises:
         ValueError: the registry is full (65,535 listings; not expected in a cache's life).
     """
-    meta = store.dbs[DB_META]
+    meta = env.dbs[DB_META]
 
     def run(txn: lmdb.Transaction) -> int:
         doc = _load(txn, meta)
@@ -58,7 +58,7 @@ def register_listing(store: Store, info: dict[str, Any]) -> int:
         if lid is None:
             lid = int(doc["next"])
             if lid >= UNKNOWN:
-                raise ValueError(f"{store.path}: the cache has registered {lid} listings; "
+                raise ValueError(f"{env.path}: the cache has registered {lid} listings; "
                                  "no id is left for another")
             doc["next"] = lid + 1
             entry["registered"] = time.time()
@@ -72,11 +72,11 @@ def register_listing(store: Store, info: dict[str, Any]) -> int:
         txn.put(M_LISTINGS, json.dumps(doc, separators=(",", ":")).encode(), db=meta)
         return lid
 
-    return store.write(run)
+    return env.write(run)
 
 
-def listings(store: Store) -> dict[int, dict[str, Any]]:
+def listings(env: Env) -> dict[int, dict[str, Any]]:
     """Every registered listing, by id."""
-    with store.read() as txn:
-        doc = _load(txn, store.dbs[DB_META])
+    with env.read() as txn:
+        doc = _load(txn, env.dbs[DB_META])
     return {int(k): v for k, v in doc["listings"].items()}

@@ -41,7 +41,7 @@ import lmdb
 
 from ..errors import CacheError
 from ..units import format_size
-from .env import Store
+from .env import Env
 from .leases import process_record, recorded_alive
 from .records import C_EFFECTIVE_CAPACITY, DB_META, DB_STATE
 
@@ -67,9 +67,9 @@ def probe_interval_s() -> float:
     return max(0.0, value)
 
 
-def disk_room(store: Store) -> int:
+def disk_room(env: Env) -> int:
     """Bytes the cache could occupy on its disk now: free space plus its own data file."""
-    return shutil.disk_usage(store.path).free + store.file_bytes()
+    return shutil.disk_usage(env.path).free + env.file_bytes()
 
 
 @dataclass
@@ -101,13 +101,13 @@ class LoweredCapacity:
     """The lowered limit of this process, if any (see the module docstring).
 
     Args:
-        store: the cache's LMDB environment.
+        env: the cache's LMDB environment.
         capacity_bytes: the configured capacity.
         headroom_bytes: the configured headroom.
     """
 
-    def __init__(self, store: Store, capacity_bytes: int, headroom_bytes: int) -> None:
-        self.store = store
+    def __init__(self, env: Env, capacity_bytes: int, headroom_bytes: int) -> None:
+        self.env = env
         self.capacity_bytes = capacity_bytes
         self.headroom_bytes = headroom_bytes
         self.state: LoweredLimit | None = None
@@ -132,16 +132,16 @@ class LoweredCapacity:
     def fit_to_disk(self) -> None:
         """At open: drop what earlier processes left, then lower the limit when the disk
         cannot hold capacity + headroom."""
-        _clean_stale(self.store)
-        room = disk_room(self.store)
+        _clean_stale(self.env)
+        room = disk_room(self.env)
         fit = self._fit(room)
         if fit < self.capacity_bytes:
-            free = shutil.disk_usage(self.store.path).free
+            free = shutil.disk_usage(self.env.path).free
             reason = (f"capacity + headroom ({format_size(self.capacity_bytes + self.headroom_bytes)}) "
                       f"does not fit the {format_size(free)} free on the disk")
             log.warning(
                 "%s: %s; using an effective capacity of %s until the disk has room (free space "
-                "or lower cache.capacity)", self.store.path, reason, format_size(fit),
+                "or lower cache.capacity)", self.env.path, reason, format_size(fit),
             )
             self._set(LoweredLimit(fit, reason, "disk", time.time(), room, probe_interval_s(),
                               time.monotonic() + probe_interval_s()))
@@ -161,7 +161,7 @@ class LoweredCapacity:
             interval = self._recovered[1] * 2  # lowered again soon after it recovered
         interval = min(MAX_PROBE_S, max(interval, probe_interval_s()))
         since = time.time() if previous is None else previous.since
-        room = disk_room(self.store)
+        room = disk_room(self.env)
         again = (previous is not None and previous.raised) or (
             previous is None and interval > probe_interval_s())
         level = logging.INFO if again else logging.WARNING  # a failed probe is no news
@@ -170,7 +170,7 @@ class LoweredCapacity:
             "%s: %s with %s stored; lowering the effective capacity to %s (configured %s). It "
             "goes back up by itself once writes succeed and the disk has room (checked every "
             "%.0fs); if this persists, free disk space or lower cache.capacity.",
-            self.store.path, reason, format_size(stored), format_size(new_limit),
+            self.env.path, reason, format_size(stored), format_size(new_limit),
             format_size(self.capacity_bytes), interval,
         )
         # Not published here: on a full map even that small write takes the last free pages
@@ -192,7 +192,7 @@ class LoweredCapacity:
         if now < state.next_probe:
             return
         state.next_probe = now + state.probe_s
-        room = disk_room(self.store)
+        room = disk_room(self.env)
         fit = self._fit(room)
         if state.cause == "disk":
             extra = room - state.room
@@ -207,13 +207,13 @@ class LoweredCapacity:
             # A limit a full map lowered is lifted on trust (the next full map lowers it again, quietly).
             level = logging.WARNING if state.cause == "disk" else logging.INFO
             log.log(level, "%s: writes succeed and the disk has room: effective capacity back to "
-                    "the configured %s (it was lowered to %s: %s)", self.store.path,
+                    "the configured %s (it was lowered to %s: %s)", self.env.path,
                     format_size(self.capacity_bytes), format_size(state.limit), state.reason)
             self._recovered = (now, state.probe_s)
             self._set(None)
         elif new_limit > state.limit:
             log.info("%s: the disk has room again: effective capacity raised to %s",
-                     self.store.path, format_size(new_limit))
+                     self.env.path, format_size(new_limit))
             state.limit, state.room, state.raised = new_limit, room, True
             self._publish()
 
@@ -257,17 +257,17 @@ class LoweredCapacity:
         raw = None if state is None else json.dumps(self._document(state)).encode()
 
         def run(txn: lmdb.Transaction) -> None:
-            db = self.store.dbs[DB_STATE]
+            db = self.env.dbs[DB_STATE]
             if raw is None:
                 txn.delete(name, db=db)
             else:
                 txn.put(name, raw, db=db)
 
         try:
-            self.store.write(run)
+            self.env.write(run)
         except (lmdb.Error, OSError, CacheError) as exc:
             # A full disk may refuse even this small write: try again at the next probe.
-            log.debug("%s: cannot publish the capacity in force yet (%s)", self.store.path, exc)
+            log.debug("%s: cannot publish the capacity in force yet (%s)", self.env.path, exc)
             self._publish_pending = True
             return
         self._publish_pending = False
@@ -290,20 +290,20 @@ class LoweredCapacity:
         }
 
 
-def published(store: Store) -> list[dict[str, Any]]:
+def published(env: Env) -> list[dict[str, Any]]:
     """The lowered limits published by live processes, lowest first."""
     found = []
-    for doc in _documents(store):
+    for doc in _documents(env):
         if recorded_alive(doc):
             found.append(doc)
     return sorted(found, key=lambda d: int(d.get("limit", 0)))
 
 
-def _documents(store: Store) -> list[dict[str, Any]]:
+def _documents(env: Env) -> list[dict[str, Any]]:
     prefix = STATE_PREFIX.encode()
     docs = []
-    with store.read() as txn:
-        cursor = txn.cursor(db=store.dbs[DB_STATE])
+    with env.read() as txn:
+        cursor = txn.cursor(db=env.dbs[DB_STATE])
         if cursor.set_range(prefix):
             for key, value in cursor:
                 if not bytes(key).startswith(prefix):
@@ -317,25 +317,25 @@ def _documents(store: Store) -> list[dict[str, Any]]:
     return docs
 
 
-def _clean_stale(store: Store) -> None:
+def _clean_stale(env: Env) -> None:
     """Delete the documents of dead processes and a limit stored by an older version."""
-    with store.read() as txn:
-        legacy = txn.get(C_EFFECTIVE_CAPACITY, db=store.dbs[DB_META]) is not None
-    stale = [doc for doc in _documents(store)
+    with env.read() as txn:
+        legacy = txn.get(C_EFFECTIVE_CAPACITY, db=env.dbs[DB_META]) is not None
+    stale = [doc for doc in _documents(env)
              if not recorded_alive(doc)]
     if not (legacy or stale):
         return  # the common case: no write transaction at open
 
     def run(txn: lmdb.Transaction) -> None:
-        txn.delete(C_EFFECTIVE_CAPACITY, db=store.dbs[DB_META])
+        txn.delete(C_EFFECTIVE_CAPACITY, db=env.dbs[DB_META])
         for doc in stale:
-            txn.delete(str(doc["name"]).encode(), db=store.dbs[DB_STATE])
+            txn.delete(str(doc["name"]).encode(), db=env.dbs[DB_STATE])
 
     try:
-        store.write(run)
+        env.write(run)
     except (lmdb.Error, OSError) as exc:
-        log.debug("%s: cannot clean up old capacity documents yet (%s)", store.path, exc)
+        log.debug("%s: cannot clean up old capacity documents yet (%s)", env.path, exc)
         return
     if legacy:
         log.info("%s: ignoring (and deleting) a lowered capacity stored by an older version; a "
-                 "lowered capacity now lasts while the process runs, never stored", store.path)
+                 "lowered capacity now lasts while the process runs, never stored", env.path)

@@ -71,7 +71,7 @@ def keys_of(cache: SampleStore, seqs: np.ndarray) -> list[bytes | None]:
     """The source keys of ``seqs`` (UTF-8 bytes), from the origin rows, else from the samples
     themselves; None for a sample with neither (evicted, from a cache without origin rows)."""
     seqs = np.asarray(seqs, dtype=np.uint64)
-    with cache.store.read() as txn:
+    with cache.env.read() as txn:
         rows = read_origins(txn, cache.dbs, seqs, with_keys=True)
         keys = rows.keys
         missing = np.flatnonzero(~rows.found)
@@ -121,7 +121,7 @@ class ManifestWriter:
         """Append the keys of ``seqs`` (trained in this order) as covering the lane up to
         position ``to``; return the keys whose name is unknown (written as ``#`` comments)."""
         seqs = np.asarray(seqs, dtype=np.uint64)
-        with self.cache.store.read() as txn:
+        with self.cache.env.read() as txn:
             rows = read_origins(txn, self.cache.dbs, seqs, with_keys=True)
         unknown = 0
         if rows.found.all():

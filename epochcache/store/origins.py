@@ -36,7 +36,7 @@ from typing import NamedTuple
 import lmdb
 import numpy as np
 
-from .env import Store
+from .env import Env
 from .records import DB_ORIGINS, DB_SAMPLES, seq_key, seq_of
 
 ROW_VERSION = 1
@@ -262,18 +262,18 @@ def prune_bound(txn: lmdb.Transaction, dbs: dict[bytes, lmdb._Database],
     return min([oldest, *lease_los])
 
 
-def cached_listing_counts(store: Store) -> dict[int, int]:
+def cached_listing_counts(env: Env) -> dict[int, int]:
     """How many cached samples each listing id has (`UNKNOWN`: those with no origin),
     from the origin rows of the samples still cached: the lids of each row are read, never its
     keys (a million samples in 2,000 rows: 0.14 s on a busy 2-core machine)."""
     counts: dict[int, int] = {}
-    with store.read() as txn:
-        samples = txn.cursor(db=store.dbs[DB_SAMPLES])
+    with env.read() as txn:
+        samples = txn.cursor(db=env.dbs[DB_SAMPLES])
         if not samples.first():
             return counts
         oldest = seq_of(bytes(samples.key()))
-        total = int(txn.stat(store.dbs[DB_SAMPLES])["entries"])
-        db = store.dbs.get(DB_ORIGINS)
+        total = int(txn.stat(env.dbs[DB_SAMPLES])["entries"])
+        db = env.dbs.get(DB_ORIGINS)
         attributed = 0
         if db is not None:
             for key, value in txn.cursor(db=db):

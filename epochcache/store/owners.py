@@ -1,6 +1,6 @@
 """Lease owners: one lock file per process that holds leases, and the heartbeat of its leases.
 
-Whether a lease's holder still lives is asked of the kernel, not inferred from a pid or a
+Whether a lease's owner still lives is asked of the kernel, not inferred from a pid or a
 hostname: a process that holds leases on a cache holds an exclusive ``flock`` on its own file
 ``owners/<owner id>.lock`` in the cache directory, from its first lease there until its last is
 released (the kernel drops the lock when the process ends, however it ends), and every lease
@@ -25,7 +25,7 @@ lock-less filesystem, no owners directory), or it has disappeared -- liveness fa
 lease's heartbeat: while any snapshot of this process is open, a daemon thread refreshes the
 heartbeat of its leases every quarter of the lease timeout (`Heartbeats`), and a lease is
 presumed dead after its timeout without one. The timeout travels in the lease itself, so the
-holder's promise is what every judge uses.
+owner's promise is what every judge uses.
 """
 
 from __future__ import annotations
@@ -160,7 +160,7 @@ def lock_held(path: str) -> bool | None:
     except OSError:
         return None
     finally:
-        os.close(fd)  # also drops the shared lock taken when the holder was dead
+        os.close(fd)  # also drops the shared lock taken when the owner was dead
     return False
 
 

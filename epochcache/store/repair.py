@@ -83,7 +83,7 @@ def _remove_corrupt(cache: SampleStore, seqs: list[int]) -> int:
             counters.save(txn, dbs[DB_META])
             return count
 
-        removed += cache.store.write(run)
+        removed += cache.env.write(run)
     return removed
 
 
@@ -128,7 +128,7 @@ def _fix_index(cache: SampleStore, seqs: list[int]) -> tuple[int, int]:
             counters.save(txn, dbs[DB_META])
             return fixed, duplicates
 
-        more_fixed, more_duplicates = cache.store.write(run)
+        more_fixed, more_duplicates = cache.env.write(run)
         fixed += more_fixed
         duplicates += more_duplicates
     return fixed, duplicates
@@ -140,7 +140,7 @@ def _remove_orphans(cache: SampleStore) -> int:
     orphans: list[bytes] = []
     after = b""
     while True:
-        with cache.store.read() as txn:
+        with cache.env.read() as txn:
             cursor = txn.cursor(db=dbs[DB_KEYS])
             found = cursor.set_range(after) if after else cursor.first()
             count = 0
@@ -168,7 +168,7 @@ def _remove_orphans(cache: SampleStore) -> int:
                 count += 1
         return count
 
-    return cache.store.write(run) if orphans else 0
+    return cache.env.write(run) if orphans else 0
 
 
 def _rewrite_counters(cache: SampleStore) -> int:
@@ -188,4 +188,4 @@ def _rewrite_counters(cache: SampleStore) -> int:
             counters.save(txn, dbs[DB_META])
         return sum(a != b for a, b in zip(before, after))
 
-    return cache.store.write(run)
+    return cache.env.write(run)

@@ -3,7 +3,7 @@
 Writers (the sampler processes) call `SampleStore.put_many`; trainers take a
 `SampleStore.snapshot` per epoch, which protects that epoch's samples from eviction until
 it is released. The parts are objects of their own that the store holds: the LMDB environment
-(``store``), the limits (``capacity``), the write path (``writer``) and the side tables
+(``env``), the limits (``capacity``), the write path (``writer``) and the side tables
 (``tables``); counters, leases, eviction and snapshots are modules of their own. The public
 [`epochcache.Cache`][epochcache.Cache] adds the torch-side ``dataset()`` and ``epochs()`` on top of this
 class, so that this layer never imports torch.
@@ -26,7 +26,7 @@ from . import codec, plans
 from .capacity import Capacity, resolve_limits, stored_limits
 from .codec import Value
 from .counters import Counters
-from .env import Store, map_bound
+from .env import Env, map_bound
 from .eviction import DEFAULT_POLICY, Eviction, policy_of
 from .leases import (
     DEFAULT_LEASE_TIMEOUT_S,
@@ -82,7 +82,7 @@ class SampleStore:
         sync: fsync each commit (survives power loss as well as process crashes).
         readonly: open for reading only (status, verify).
         max_map_size: cap on the LMDB map (defaults to a bound derived from capacity).
-        lease_timeout_s: a lease holder whose owner lock cannot be tested is presumed dead
+        lease_timeout_s: a lease owner whose lock cannot be tested is presumed dead
             after this long without a heartbeat; this process's open snapshots refresh theirs
             every quarter of it (see `epochcache.store.owners`).
         eviction: the eviction policy, by its registered name (`epochcache.registry`). None
@@ -136,33 +136,33 @@ class SampleStore:
         # No cache and no capacity: this raises before anything is created.
         capacity_bytes, headroom_bytes, _ = resolve_limits(self.path, cap, headroom)
         map_size, bound = map_limits(capacity_bytes, headroom_bytes)
-        self.store = Store(self.path, map_size=map_size, max_map_size=bound, readonly=readonly,
+        self.env = Env(self.path, map_size=map_size, max_map_size=bound, readonly=readonly,
                            sync=sync)
-        # Read the limits again now that this process holds the cache (see Store.alone).
+        # Read the limits again now that this process holds the cache (see Env.alone).
         capacity_bytes, headroom_bytes, changed = resolve_limits(self.path, cap, headroom)
         if changed and not readonly:
             capacity_bytes, headroom_bytes = self._settle_limits(cap, headroom)
-        self.store.set_map_limits(*map_limits(capacity_bytes, headroom_bytes))
-        self.capacity = Capacity(self.store, capacity_bytes, headroom_bytes)
+        self.env.set_map_limits(*map_limits(capacity_bytes, headroom_bytes))
+        self.capacity = Capacity(self.env, capacity_bytes, headroom_bytes)
         #: The cache's eviction policy, by name (stored in the cache: every writer evicts alike).
         self.eviction = self._settle_eviction(eviction)
-        self.writer = Writer(self.store, self.capacity, compress=self.compress, level=level,
+        self.writer = Writer(self.env, self.capacity, compress=self.compress, level=level,
                              lease_timeout_s=lease_timeout_s,
                              eviction=DEFAULT_POLICY if readonly else self.eviction)
-        self.tables = SideTables(self.store)
+        self.tables = SideTables(self.env)
         if not readonly:
             self.capacity.fit_to_disk()
 
     def _settle_limits(self, capacity: int | None, headroom: float | int | str) -> tuple[int, int]:
         """Store the limits asked for if no other process holds the cache, else keep the
         stored ones (every process must work to the same limits); log either way."""
-        with self.store.alone() as sole:
+        with self.env.alone() as sole:
             cap, head, changed = resolve_limits(self.path, capacity, headroom)
             old_cap, old_head = stored_limits(self.path)
             if not changed:
                 return cap, head
             if old_cap is None or sole:
-                self.store.write(Capacity(self.store, cap, head).save)
+                self.env.write(Capacity(self.env, cap, head).save)
                 if old_cap is not None:
                     log.info("%s: capacity %s -> %s, headroom %s -> %s", self.path,
                              format_size(old_cap), format_size(cap),
@@ -185,13 +185,13 @@ class SampleStore:
         stored = self._stored_eviction()
         current = stored or DEFAULT_POLICY
         wanted = eviction or current
-        if self.store.readonly or (wanted == current and stored is not None):
+        if self.env.readonly or (wanted == current and stored is not None):
             return current
-        with self.store.alone() as sole:
+        with self.env.alone() as sole:
             stored = self._stored_eviction()
             current = stored or DEFAULT_POLICY
             if wanted == current or sole:
-                self.store.write(lambda txn: txn.put(M_EVICTION, wanted.encode(),
+                self.env.write(lambda txn: txn.put(M_EVICTION, wanted.encode(),
                                                      db=self.dbs[DB_META]))
                 if wanted != current:
                     remove_reads(self.path)
@@ -203,15 +203,15 @@ class SampleStore:
         return current
 
     def _stored_eviction(self) -> str | None:
-        with self.store.read() as txn:
+        with self.env.read() as txn:
             raw = txn.get(M_EVICTION, db=self.dbs[DB_META])
         return None if raw is None else bytes(raw).decode()
 
     @property
     def dbs(self) -> dict[bytes, lmdb._Database]:
         """The sub-database handles of this process's environment."""
-        self.store.env  # noqa: B018 - opens the environment if this handle has not yet
-        return self.store.dbs
+        self.env.lmdb_env  # noqa: B018 - opens the environment if this handle has not yet
+        return self.env.dbs
 
     # -- limits -----------------------------------------------------------------------------
 
@@ -309,14 +309,14 @@ class SampleStore:
     def __contains__(self, key: object) -> bool:
         if not isinstance(key, str):
             return False
-        with self.store.read() as txn:
+        with self.env.read() as txn:
             return txn.get(index_key(key.encode("utf-8")), db=self.dbs[DB_KEYS]) is not None
 
     def contains_many(self, keys: Sequence[str]) -> list[bool]:
         """``key in cache`` for each key, in one read transaction (samplers check every batch
         they pick)."""
         db = self.dbs[DB_KEYS]
-        with self.store.read() as txn:
+        with self.env.read() as txn:
             get = txn.get
             return [get(index_key(key.encode("utf-8")), db=db) is not None for key in keys]
 
@@ -327,7 +327,7 @@ class SampleStore:
         478 bytes; past that a shard may be fetched again, and its samples skipped as cached.
         """
         raw = prefix.encode("utf-8")
-        with self.store.read() as txn:
+        with self.env.read() as txn:
             cursor = txn.cursor(db=self.dbs[DB_KEYS])
             return bool(cursor.set_range(raw)) and bytes(cursor.key()).startswith(raw)
 
@@ -346,7 +346,7 @@ class SampleStore:
             KeyError: a sample is not in the cache (evicted, or never written).
         """
         keys = seq_keys(seqs)
-        values = self.store.read_many(self.dbs[DB_SAMPLES], keys, codec.decode_payload)
+        values = self.env.read_many(self.dbs[DB_SAMPLES], keys, codec.decode_payload)
         if None in values:
             missing = [int(s) for s, v in zip(seqs, values) if v is None]
             raise KeyError(
@@ -357,7 +357,7 @@ class SampleStore:
 
     def info(self, seq: int) -> codec.RecordInfo:
         """Metadata of sample ``seq``: source key, sizes, codec, checksum, time added."""
-        with self.store.read() as txn:
+        with self.env.read() as txn:
             record = txn.get(seq_key(int(seq)), db=self.dbs[DB_SAMPLES])
             if record is None:
                 raise KeyError(f"sample {seq} is not in the cache at {self.path}")
@@ -365,12 +365,12 @@ class SampleStore:
 
     def seq_of(self, key: str) -> int | None:
         """The sequence number under which source ``key`` is cached, or None."""
-        with self.store.read() as txn:
+        with self.env.read() as txn:
             raw = txn.get(index_key(key.encode("utf-8")), db=self.dbs[DB_KEYS])
             return None if raw is None else unpack_u64(raw)
 
     def counters(self) -> Counters:
-        with self.store.read() as txn:
+        with self.env.read() as txn:
             counters = Counters.load(txn, self.dbs[DB_META])
         counters.sources = None  # read lazily in its transaction: see source_stats()
         return counters
@@ -380,13 +380,13 @@ class SampleStore:
     def register_sources(self, names: Iterable[str]) -> list[str]:
         """Count samples per source from now on (keys ``<name>/...``; see
         `epochcache.store.source_counters`); return the names that were new."""
-        return self.store.write(
+        return self.env.write(
             lambda txn: register_sources(txn, self.dbs, self.dbs[DB_META], list(names)))
 
     def source_stats(self) -> dict[str, dict[str, int]]:
         """``{name: {samples, bytes, ingested, quarantined, ...}}`` of the registered sources
         (empty for a cache fed by one ``source``)."""
-        with self.store.read() as txn:
+        with self.env.read() as txn:
             sources = SourceCounters.load(txn, self.dbs[DB_META])
             return {} if sources is None else sources.as_dict()
 
@@ -408,7 +408,7 @@ class SampleStore:
             return self.take_snapshot(txn, name, limit, owner=owner, plan_parts=plan_parts)
 
         try:
-            seqs, lease_id = self.store.write(run)
+            seqs, lease_id = self.env.write(run)
         except BaseException:
             end_lease(self.path)
             raise
@@ -456,7 +456,7 @@ class SampleStore:
         """
         if hi - lo == count:
             return np.arange(lo, hi, dtype=np.uint64)
-        with self.store.read() as txn:
+        with self.env.read() as txn:
             cursor = txn.cursor(db=self.dbs[DB_SAMPLES])
             keys: list[bytes] = []
             if cursor.set_range(seq_key(lo)):
@@ -478,7 +478,7 @@ class SampleStore:
         return self.leased_seqs(lo, hi, count) if seqs is None else seqs
 
     def leases(self) -> list[Lease]:
-        with self.store.read() as txn:
+        with self.env.read() as txn:
             return read_leases(txn, self.dbs[DB_LEASES])
 
     def release_lease(self, lease_id: str, *, finished: bool = True,
@@ -488,7 +488,7 @@ class SampleStore:
         ``finished=False`` says its epoch was abandoned before its end (a stop, an error, the
         process exiting): a lease a checkpoint named (`keep_for_resume`) is then *left*
         for the resumed run instead -- no longer refreshed nor held by this process, kept
-        ``resume_grace_s`` past its last heartbeat -- as if its holder had been killed
+        ``resume_grace_s`` past its last heartbeat -- as if its owner had been killed
         (invariant 10: every stop is a resume point). ``reason`` is recorded for a resume that
         finds it gone (`end_reason`).
         """
@@ -510,12 +510,12 @@ class SampleStore:
             delete_lease(txn, self.dbs[DB_LEASES], lease_id)
             record_reads(txn, self.dbs, self.path, lease_id)  # before its plan goes
             note_end(txn, self.dbs[DB_STATE], lease_id, reason or (
-                f"released by its holder (pid {pid}) "
+                f"released by its owner (pid {pid}) "
                 + ("at the end of its epoch" if finished else
                    "when it stopped, before any checkpoint named the lease")))
             return True, True
 
-        existed, deleted = self.store.write(run)
+        existed, deleted = self.env.write(run)
         if deleted:
             plans.remove_plan(self.path, lease_id)  # a lease left for a resume keeps its plan
         elif existed:
@@ -527,11 +527,11 @@ class SampleStore:
 
     def lease_end(self, lease_id: str) -> str | None:
         """Why lease ``lease_id`` ended, and when, if it ended recently (None: unknown)."""
-        with self.store.read() as txn:
+        with self.env.read() as txn:
             return end_reason(txn, self.dbs[DB_STATE], lease_id)
 
     def keep_for_resume(self, lease_id: str, grace_s: float) -> bool:
-        """A checkpoint names this lease: if its holder dies, keep it ``grace_s`` seconds past
+        """A checkpoint names this lease: if its owner dies, keep it ``grace_s`` seconds past
         its last heartbeat for a resumed run to adopt (0: reclaim it as soon as it is dead).
         Returns False if the lease is gone."""
         db = self.dbs[DB_LEASES]
@@ -546,13 +546,13 @@ class SampleStore:
                 write_lease(txn, db, lease)
             return True
 
-        return self.store.write(run)
+        return self.env.write(run)
 
     def adopt_lease(self, lease_id: str, *, owner: str | None = None, pid: int | None = None,
                     whole: bool = False) -> Lease | None:
         """Hold the lease of an interrupted epoch from now on (a resumed run): this process's
         owner lock keeps it, and its heartbeat is refreshed while the returned lease is not
-        released (`release_lease`). None when it is gone (reclaimed: its holder died
+        released (`release_lease`). None when it is gone (reclaimed: its owner died
         longer than its grace ago, or no checkpoint named it).
 
         Args:
@@ -580,7 +580,7 @@ class SampleStore:
             return lease
 
         try:
-            lease = self.store.write(run)
+            lease = self.env.write(run)
         except BaseException:
             if mine:
                 end_lease(self.path)
@@ -611,20 +611,20 @@ class SampleStore:
                 write_lease(txn, self.dbs[DB_LEASES], lease)
             return gone
 
-        for lease_id in self.store.write(run):
+        for lease_id in self.env.write(run):
             if heartbeats().remove(self.path, lease_id):
                 end_lease(self.path)
             log.error("%s: lease %s of this process was reclaimed by another process (it took "
-                      "the holder for dead); reads of its snapshot fail once its samples are "
+                      "the owner for dead); reads of its snapshot fail once its samples are "
                       "evicted", self.path, lease_id[:8])
 
     def reclaim_leases(self) -> list[Lease]:
-        """Delete leases whose holder died, then evict what they pinned beyond capacity; also
+        """Delete leases whose owner died, then evict what they pinned beyond capacity; also
         delete the owner files of dead processes that no lease names."""
-        dead = self.store.write(self.writer.reclaim)
+        dead = self.env.write(self.writer.reclaim)
         if dead:
             self.evict()
-        if not self.store.readonly:
+        if not self.env.readonly:
             leases = self.leases()
             sweep_dead_owners(self.path, {lease.owner for lease in leases})
             plans.sweep_plans(self.path, {lease.lease_id for lease in leases})
@@ -653,11 +653,11 @@ class SampleStore:
     # -- lifecycle --------------------------------------------------------------------------
 
     def file_bytes(self) -> int:
-        return self.store.file_bytes()
+        return self.env.file_bytes()
 
     def close(self) -> None:
         self.capacity.close()
-        self.store.close()
+        self.env.close()
 
     def __enter__(self) -> SampleStore:
         return self

@@ -112,7 +112,7 @@ def publish_share(cache: SampleStore, name: str, share: Share, release: bool) ->
                          reason="released when its stream prepared the next epoch")
         _save(txn, cache, name, doc)
 
-    cache.store.write(run)
+    cache.env.write(run)
 
 
 def claim_share(cache: SampleStore, name: str, group: str, worker: int, *,
@@ -193,7 +193,7 @@ def claim_share(cache: SampleStore, name: str, group: str, worker: int, *,
                                  "done": 0, "release": True, "released": False})
         return share
 
-    return cache.store.write(run)
+    return cache.env.write(run)
 
 
 def finish_share(cache: SampleStore, name: str, group: str, workers: int, *,
@@ -220,12 +220,12 @@ def finish_share(cache: SampleStore, name: str, group: str, workers: int, *,
             doc["released"] = True
         _save(txn, cache, name, doc)
 
-    cache.store.write(run)
+    cache.env.write(run)
 
 
 def last_epoch(cache: SampleStore, name: str) -> int | None:
     """The epoch last recorded under ``name`` (by the main process or its workers)."""
-    with cache.store.read() as txn:
+    with cache.env.read() as txn:
         doc = _load(txn, cache, name)
     return None if doc is None else int(doc["epoch"])
 
@@ -241,7 +241,7 @@ def drop_shares(cache: SampleStore, name: str) -> None:
         txn.delete(name.encode(), db=cache.dbs[DB_STATE])
         txn.delete(_resumed_key(name), db=cache.dbs[DB_STATE])
 
-    cache.store.write(run)
+    cache.env.write(run)
 
 
 def _resumed_key(name: str) -> bytes:

@@ -210,7 +210,7 @@ def _collect(cache: SampleStore) -> dict[str, Any]:
         "quarantine_dropped": cache.tables.quarantine_dropped(),
         "sources": cache.source_stats(),
         "file_bytes": cache.file_bytes(),
-        # held leases: a dead holder's lease (listed with alive false) holds nothing, the next
+        # held leases: a dead owner's lease (listed with alive false) holds nothing, the next
         # writer reclaims it
         "leases": sum(lease.is_alive(time.time_ns(), cache.lease_timeout_s, cache.path)
                       for lease in leases),

@@ -24,7 +24,7 @@ import lmdb
 
 from ..limits import KEY_SHOWN_CHARS, cut_key, cut_text, key_digest
 from .counters import Counters
-from .env import Store
+from .env import Env
 from .records import (
     C_QUARANTINE_BYTES,
     C_QUARANTINE_DROPPED,
@@ -44,15 +44,15 @@ class SideTables:
     """Quarantine rows, state documents and stats history of one cache.
 
     Args:
-        store: the cache's LMDB environment.
+        env: the cache's LMDB environment.
     """
 
-    def __init__(self, store: Store) -> None:
-        self._store = store
+    def __init__(self, env: Env) -> None:
+        self._env = env
 
     @property
     def dbs(self) -> dict[bytes, lmdb._Database]:
-        return self._store.dbs
+        return self._env.dbs
 
     def quarantine(self, key: str, reason: str, **extra: Any) -> None:
         """Count a rejected remote object (and for its source, if ``key`` is ``<name>/...`` of
@@ -68,7 +68,7 @@ class SideTables:
             counters.save(txn, self.dbs[DB_META])
             _append_quarantine(txn, self.dbs, row)
 
-        self._store.write(run)
+        self._env.write(run)
 
     def quarantined(self, limit: int = 100) -> list[dict[str, Any]]:
         """The newest quarantine rows, oldest first (rows of earlier versions cut as well)."""
@@ -76,22 +76,22 @@ class SideTables:
 
     def quarantine_dropped(self) -> int:
         """Quarantine rows dropped to keep the table within its bounds."""
-        with self._store.read() as txn:
+        with self._env.read() as txn:
             return unpack_u64(txn.get(C_QUARANTINE_DROPPED, db=self.dbs[DB_META]))
 
     def put_state(self, name: str, doc: Mapping[str, Any]) -> None:
         """Store a small JSON document (daemon heartbeat, sampler position) under ``name``."""
         raw = json.dumps(doc, separators=(",", ":")).encode()
-        self._store.write(lambda txn: txn.put(name.encode(), raw, db=self.dbs[DB_STATE]))
+        self._env.write(lambda txn: txn.put(name.encode(), raw, db=self.dbs[DB_STATE]))
 
     def get_state(self, name: str) -> dict[str, Any] | None:
-        with self._store.read() as txn:
+        with self._env.read() as txn:
             raw = txn.get(name.encode(), db=self.dbs[DB_STATE])
             return None if raw is None else dict(json.loads(bytes(raw)))
 
     def states(self, prefix: str = "") -> dict[str, dict[str, Any]]:
         out: dict[str, dict[str, Any]] = {}
-        with self._store.read() as txn:
+        with self._env.read() as txn:
             cursor = txn.cursor(db=self.dbs[DB_STATE])
             if cursor.set_range(prefix.encode()):
                 for key, value in cursor:
@@ -102,19 +102,19 @@ class SideTables:
         return out
 
     def delete_state(self, name: str) -> None:
-        self._store.write(lambda txn: txn.delete(name.encode(), db=self.dbs[DB_STATE]))
+        self._env.write(lambda txn: txn.delete(name.encode(), db=self.dbs[DB_STATE]))
 
     def append_history(self, doc: Mapping[str, Any]) -> None:
         """Append a stats row to the bounded history used by rates and plots."""
         raw = json.dumps(doc, separators=(",", ":")).encode()
-        self._store.write(lambda txn: _append_bounded(txn, self.dbs[DB_HISTORY], raw, HISTORY_MAX_ROWS))
+        self._env.write(lambda txn: _append_bounded(txn, self.dbs[DB_HISTORY], raw, HISTORY_MAX_ROWS))
 
     def history(self, limit: int | None = None) -> list[dict[str, Any]]:
         return self._tail(DB_HISTORY, limit)
 
     def _tail(self, db_name: bytes, limit: int | None) -> list[dict[str, Any]]:
         rows: list[dict[str, Any]] = []
-        with self._store.read() as txn:
+        with self._env.read() as txn:
             cursor = txn.cursor(db=self.dbs[db_name])
             if not cursor.last():
                 return rows

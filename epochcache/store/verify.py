@@ -116,7 +116,7 @@ class _Scan:
         sizes: list[int] = []
         started = time.monotonic()
         read = 0
-        with self.cache.store.read() as txn:
+        with self.cache.env.read() as txn:
             self.report.transactions += 1
             dbs = self.cache.dbs
             cursor = txn.cursor(db=dbs[DB_SAMPLES])
@@ -178,7 +178,7 @@ def _key_of(record: bytes | memoryview) -> str:
 def _check_counters(cache: SampleStore, scan: _Scan, report: VerifyReport) -> None:
     """Compare the counters with the records, in one short read transaction (module doc)."""
     dbs = cache.dbs
-    with cache.store.read() as txn:
+    with cache.env.read() as txn:
         report.transactions += 1
         stored = Counters.load(txn, dbs[DB_META])
         entries = int(txn.stat(dbs[DB_SAMPLES])["entries"])

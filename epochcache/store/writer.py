@@ -25,7 +25,7 @@ from . import codec
 from .capacity import Capacity
 from .codec import Value
 from .counters import Counters
-from .env import Store
+from .env import Env
 from .eviction import DEFAULT_POLICY, Eviction, Reads, policy_of
 from .leases import Lease, read_leases, reclaim_dead
 from .origins import Origin, write_row
@@ -66,7 +66,7 @@ class PutResult:
 
 def is_disk_full(exc: lmdb.Error) -> bool:
     """MapFullError, ENOSPC, or the EIO LMDB reports for a short write on a full disk (any
-    other EIO is raised by `Store.write` as [`CacheIOError`][epochcache.CacheIOError])."""
+    other EIO is raised by `Env.write` as [`CacheIOError`][epochcache.CacheIOError])."""
     if isinstance(exc, (lmdb.MapFullError, lmdb.DiskError)):
         return True
     text = str(exc)
@@ -99,33 +99,33 @@ class Writer:
     """Puts samples into one cache and evicts its oldest ones.
 
     Args:
-        store: the cache's LMDB environment.
+        env: the cache's LMDB environment.
         capacity: the cache's limits.
         compress: zstd-compress samples that shrink (incompressible ones are stored raw).
         level: the zstd level.
         lease_timeout_s: see `Lease`.
     """
 
-    def __init__(self, store: Store, capacity: Capacity, *, compress: bool, level: int,
+    def __init__(self, env: Env, capacity: Capacity, *, compress: bool, level: int,
                  lease_timeout_s: float, eviction: str = DEFAULT_POLICY) -> None:
-        self.store, self.capacity = store, capacity
+        self.env, self.capacity = env, capacity
         #: What eviction takes (`epochcache.store.eviction`): the cache's stored policy.
         self.policy = policy_of(eviction)
         #: The read log, for a policy that orders by reads.
-        self.reads = Reads(store.path)
+        self.reads = Reads(env.path)
         self.compress, self.level, self.lease_timeout_s = compress, level, lease_timeout_s
         self._full_logged = 0.0
         #: Seconds put_many has waited for leases to free space (back-pressure), in total.
         self.lease_wait_s = 0.0
         self._trial = codec.CompressionTrial()
         #: What the live leases protect, as this process evicts (plan leases tracked here).
-        self.protection = Protection(store.path)
+        self.protection = Protection(env.path)
         # One thread at a time through the protection's bookkeeping (see _write).
         self._protection_lock = threading.Lock()
 
     @property
     def path(self) -> str:
-        return self.store.path
+        return self.env.path
 
     def encode(self, key: str, value: Value, *, adaptive: bool = False) -> bytes:
         """Frame one sample as a record (done by samplers before they take the write lock).
@@ -157,8 +157,8 @@ class Writer:
         while pending:
             self.capacity.probe()  # a capacity lowered after a full disk recovers by itself
             limit = self.capacity.effective
-            with self.store.read() as txn:
-                leases = read_leases(txn, self.store.dbs[DB_LEASES])
+            with self.env.read() as txn:
+                leases = read_leases(txn, self.env.dbs[DB_LEASES])
             with self._protection_lock:
                 self.protection.preload(leases)
             try:
@@ -192,7 +192,7 @@ class Writer:
         return total
 
     def _write(self, fn: Callable[[lmdb.Transaction], T]) -> T:
-        """``store.write(fn)`` for a transaction that may evict. What eviction marks gone in
+        """``env.write(fn)`` for a transaction that may evict. What eviction marks gone in
         `protection` stands once the transaction commits: an attempt that a full map or
         disk undoes, or that is run again after the map grew, leaves its samples in the cache,
         and they stay candidates (they used to be left unevictable by this process for as long
@@ -205,7 +205,7 @@ class Writer:
 
         with self._protection_lock:
             try:
-                result = self.store.write(attempt)
+                result = self.env.write(attempt)
             except BaseException:
                 protection.rollback()
                 raise
@@ -266,7 +266,7 @@ class Writer:
             return None
         # Pages freed while a reader is open are not reused until it ends; a reader slot left
         # by a killed process would hold them forever, so clear those first.
-        if self.store.env.reader_check():
+        if self.env.lmdb_env.reader_check():
             return None
         if stuck:
             # Not even a delete commits: pages are held by a long read transaction. Lowering
@@ -281,9 +281,9 @@ class Writer:
         """Commit a tiny write on a full disk or map: LMDB reuses the pages a commit frees only
         from the second commit after it, and failed attempts commit nothing, so without it
         neither eviction nor the retry could use the pages the last commits freed."""
-        meta = self.store.dbs[DB_META]
+        meta = self.env.dbs[DB_META]
         try:
-            self.store.write(lambda txn: txn.put(_M_FULL_MARK, pack_u64(time.time_ns()), db=meta))
+            self.env.write(lambda txn: txn.put(_M_FULL_MARK, pack_u64(time.time_ns()), db=meta))
         except lmdb.Error as exc:
             if not is_disk_full(exc):
                 raise
@@ -302,7 +302,7 @@ class Writer:
         origin_of: dict[bytes, Origin] | None = None,
     ) -> tuple[PutResult, list[tuple[bytes, bytes]], Lease | None]:
         """Commit the longest prefix of ``pending`` that fits; return the rest and the blocker."""
-        dbs = self.store.dbs
+        dbs = self.env.dbs
         counters = Counters.load(txn, dbs[DB_META])
         fresh = [(k, r) for k, r in pending if txn.get(k, db=dbs[DB_KEYS]) is None]
         result = PutResult(skipped=len(pending) - len(fresh))
@@ -345,7 +345,7 @@ class Writer:
                    incoming: int) -> Eviction:
         """Evict to make room for ``incoming`` bytes; past the headroom, reclaim dead leases
         first. ``counters`` is updated in place."""
-        dbs = self.store.dbs
+        dbs = self.env.dbs
         target = max(0, limit - incoming)
         evicted = self.policy.evict(txn, dbs, counters, target,
                                     read_leases(txn, dbs[DB_LEASES]), self.protection,
@@ -360,9 +360,9 @@ class Writer:
         return evicted
 
     def reclaim(self, txn: lmdb.Transaction) -> list[Lease]:
-        """Delete (and log) the leases of dead holders, in ``txn``."""
-        return reclaim_dead(txn, self.store.dbs[DB_LEASES], self.lease_timeout_s, path=self.path,
-                            state_db=self.store.dbs[DB_STATE], dbs=self.store.dbs)
+        """Delete (and log) the leases of dead owners, in ``txn``."""
+        return reclaim_dead(txn, self.env.dbs[DB_LEASES], self.lease_timeout_s, path=self.path,
+                            state_db=self.env.dbs[DB_STATE], dbs=self.env.dbs)
 
     def _full_message(self, blocker: Lease) -> str:
         if blocker.label == _STUCK:
@@ -389,7 +389,7 @@ class Writer:
     def evict(self, limit_bytes: int | None = None) -> Eviction:
         """Evict oldest unleased samples until at most ``limit_bytes`` (default capacity) remain."""
         limit = self.capacity.effective if limit_bytes is None else limit_bytes
-        dbs = self.store.dbs
+        dbs = self.env.dbs
 
         def run(txn: lmdb.Transaction) -> Eviction:
             counters = Counters.load(txn, dbs[DB_META])

@@ -81,9 +81,9 @@ class CacheState:
 def scan(cache: Cache) -> CacheState:
     """Read every record in one read transaction and cross-check counters and the key index."""
     state = CacheState()
-    store = store_of(cache).store
-    with store.read() as txn:
-        dbs = store.dbs  # taken after the read began: the handles of this process's env
+    env = store_of(cache).env
+    with env.read() as txn:
+        dbs = env.dbs  # taken after the read began: the handles of this process's env
         state.counters = Counters.load(txn, dbs[DB_META])
         state.leases = read_leases(txn, dbs[DB_LEASES])
         for raw_key, record in txn.cursor(db=dbs[DB_SAMPLES]):

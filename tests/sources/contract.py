@@ -323,8 +323,8 @@ class SourceContract:
         assert isinstance(samples["shard.tar/000"], CorruptSample)
         assert "expands past 8.0 MiB" in str(samples["shard.tar/000"])
 
-    def test_a_tar_shard_is_handed_over_in_parts_as_it_is_read(self, backend: Backend) -> None:
-        """A sampler gets a shard's samples a part at a time while the shard is read (what
+    def test_a_tar_shard_is_handed_over_in_pieces_as_it_is_read(self, backend: Backend) -> None:
+        """A sampler gets a shard's samples a piece at a time while the shard is read (what
         it holds stays within its budget); the fetch's results stand in for them."""
         from epochcache.ingest.sources import STREAMED
 
@@ -334,25 +334,25 @@ class SourceContract:
         backend.put("p/a.tar", tar_bytes(members))
         backend.put("p/b.tar", tar_bytes(members[:4]))
         source = open_source(backend.source("p", layout="tar"))
-        parts: list[Any] = []
-        results = source.fetch_with_retries(source.list_keys(), on_part=parts.append,
-                                            part_bytes=25_000)
-        handed = {ref.key: payload for part in parts for ref, payload in part.results}
-        assert len(parts) >= 4 and all(len(part.results) <= 3 for part in parts)
-        # each part says its shard, its samples' ordinals there, and on the last the count
+        pieces: list[Any] = []
+        results = source.fetch_with_retries(source.list_keys(), on_piece=pieces.append,
+                                            piece_bytes=25_000)
+        handed = {ref.key: payload for piece in pieces for ref, payload in piece.results}
+        assert len(pieces) >= 4 and all(len(piece.results) <= 3 for piece in pieces)
+        # each piece says its shard, its samples' ordinals there, and on the last the count
         for shard, count in (("a.tar", 12), ("b.tar", 2)):
-            mine = [part for part in parts if part.shard.key == shard]
-            firsts = [part.first for part in mine]
+            mine = [piece for piece in pieces if piece.shard.key == shard]
+            firsts = [piece.first for piece in mine]
             assert firsts == sorted(firsts) and firsts[0] == 0
-            assert [part.members for part in mine] == [None] * (len(mine) - 1) + [count]
-            for part in mine:
-                assert [ref.key for ref, _ in part.results] == [
-                    f"{shard}/{i:03d}" for i in range(part.first, part.first + len(part.results))]
+            assert [piece.members for piece in mine] == [None] * (len(mine) - 1) + [count]
+            for piece in mine:
+                assert [ref.key for ref, _ in piece.results] == [
+                    f"{shard}/{i:03d}" for i in range(piece.first, piece.first + len(piece.results))]
         assert sorted(handed) == sorted([f"a.tar/{i:03d}" for i in range(12)]
                                         + ["b.tar/000", "b.tar/001"])
         assert handed["a.tar/007"] == {"bin": bytes([7]) * 10_000, "cls": b"7"}
         assert len(results) == 14 and all(payload is STREAMED for _, payload in results)
-        assert source.held_bytes(source.list_keys()[0], 10**9, 25_000) == 0  # parts take theirs
+        assert source.held_bytes(source.list_keys()[0], 10**9, 25_000) == 0  # pieces take theirs
 
     def test_a_tar_member_larger_than_the_limit_is_refused(self, backend: Backend) -> None:
         members = [("000.bin", bytes(200_000)), ("000.cls", b"0"), ("001.bin", b"x"),

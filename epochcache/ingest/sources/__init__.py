@@ -28,9 +28,9 @@ from .listing import (
     save_listing,
     source_fingerprint,
 )
-from .paging import ListingJob
+from .paging import PagedListing
 from .tar import TarSource
-from .types import CHECKS, STREAMED, FetchResult, Part, Payload, SampleRef, SourceSpec
+from .types import CHECKS, STREAMED, FetchResult, Payload, Piece, SampleRef, SourceSpec
 
 __all__ = [
     "CHECKS",
@@ -39,9 +39,9 @@ __all__ = [
     "KeyTable",
     "KeyTableBuilder",
     "Listing",
-    "ListingJob",
-    "Part",
+    "PagedListing",
     "Payload",
+    "Piece",
     "STREAMED",
     "SampleRef",
     "Source",
@@ -105,7 +105,7 @@ def listing_cached(
         log.info("%s: reusing the saved listing of %d refs", source.url, len(listing))
         return listing
     if source.paged:
-        return ListingJob(source, cache_dir).run()
+        return PagedListing(source, cache_dir).run()
     listing = Listing(source.list_table(), created=time.time())
     save_listing(cache_dir, fingerprint, listing)
     return listing

@@ -200,10 +200,10 @@ class Source(abc.ABC):
 
     # -- fetching --------------------------------------------------------------------------------
 
-    def fetch_grouped(self, refs: Sequence[SampleRef], on_part: Any = None,
-                      part_bytes: int = 0) -> list[list[FetchResult]]:
+    def fetch_grouped(self, refs: Sequence[SampleRef], on_piece: Any = None,
+                      piece_bytes: int = 0) -> list[list[FetchResult]]:
         """Like `fetch_many`, but one list of results per input ref (a shard gives many).
-        ``on_part`` and ``part_bytes`` are for layouts that stream a ref's samples (``tar``);
+        ``on_piece`` and ``piece_bytes`` are for layouts that stream a ref's samples (``tar``);
         whole objects ignore them."""
         resolved: dict[str, str] = {}  # per call: most keys of a batch share a directory
         refused = {i: error for i, ref in enumerate(refs)
@@ -389,9 +389,9 @@ class Source(abc.ABC):
             path = real
         return path
 
-    def held_bytes(self, ref: SampleRef, size: int, part_bytes: int) -> int:
+    def held_bytes(self, ref: SampleRef, size: int, piece_bytes: int) -> int:
         """What fetching ``ref`` (of ``size`` bytes, listed or estimated) holds at once, when
-        parts of ``part_bytes`` are handed over as they are read (see ``tar``): the whole
+        pieces of ``piece_bytes`` are handed over as they are read (see ``tar``): the whole
         object, for layouts that fetch whole objects."""
         return size
 
@@ -470,16 +470,16 @@ class Source(abc.ABC):
         base_s: float = 0.2,
         max_s: float = 10.0,
         sleep: Callable[[float], None] = time.sleep,
-        on_part: Any = None,
-        part_bytes: int = 0,
+        on_piece: Any = None,
+        piece_bytes: int = 0,
     ) -> list[FetchResult]:
         """`fetch_many`, re-fetching refs that failed transiently (``SourceUnavailable``,
         ``RemoteTimeout``) with exponential backoff and full jitter, until ``attempts``
         (default ``spec.retries``) or ``deadline_s`` run out. Permanent and corrupt results are
         final at once, and so is a ref still throttled after its own retries (the request gate
         asked for it again for `throttled_for_s`). Whatever still fails is returned as
-        its last error. ``on_part`` and ``part_bytes``: see `fetch_grouped` (a shard
-        that failed after handing parts over is streamed again from its start; the cache
+        its last error. ``on_piece`` and ``piece_bytes``: see `fetch_grouped` (a shard
+        that failed after handing pieces over is streamed again from its start; the cache
         skips what it has).
         """
         attempts = self.spec.retries if attempts is None else attempts
@@ -488,11 +488,11 @@ class Source(abc.ABC):
         pending = list(range(len(refs)))
         delays = backoff_delays(attempts, base_s=base_s, max_s=max_s)
         while pending:
-            fetched = self.fetch_grouped([refs[i] for i in pending], on_part, part_bytes)
+            fetched = self.fetch_grouped([refs[i] for i in pending], on_piece, piece_bytes)
             retry_next: list[int] = []
             for index, group in zip(pending, fetched):
                 groups[index] = group
-                if (  # the ref itself failed (a streamed shard: after the parts it handed over)
+                if (  # the ref itself failed (a streamed shard: after the pieces it handed over)
                     group
                     and group[-1][0] is refs[index]
                     and isinstance(group[-1][1], TRANSIENT_ERRORS)

@@ -11,7 +11,7 @@ timeout for the whole listing it could never finish. Here every page is one remo
 * any other filesystem: one directory per page (``ls``), walked depth first; local
   directories with ``os.scandir``.
 
-`ListingJob` drives a pager for the daemon: it logs progress every `PROGRESS_S`
+`PagedListing` drives a pager for the daemon: it logs progress every `PROGRESS_S`
 ("listed 2,300,000 keys in 45 s"), and saves the listing as it goes (`listing`: not
 complete, with where to go on): first once `START_KEYS` keys are listed, then whenever
 the keys listed doubled or `CHECKPOINT_S` passed. A restarted daemon goes on from the
@@ -239,10 +239,10 @@ def listing_error(url: str, pattern: str, exc: SourceError, spec: Any, keys: int
         "endpoint and network", url)
 
 
-_UNREAD = object()  # ListingJob(saved=...) not given: read the saved listing
+_UNREAD = object()  # PagedListing(saved=...) not given: read the saved listing
 
 
-class ListingJob:
+class PagedListing:
     """Lists one source page by page into its saved listing (see the module docstring).
 
     Args:
@@ -365,7 +365,7 @@ def list_all(source: Any) -> KeyTable:
     Raises:
         SourceUnavailable: a page failed after its retries, or nothing matches.
     """
-    return ListingJob(source, None).run().table
+    return PagedListing(source, None).run().table
 
 
 def _matcher(pattern: str) -> Callable[[str], Any]:

@@ -5,9 +5,9 @@ Fetching a file reads its last 8 bytes (the footer's length and the magic ``PAR1
 its footer (refused past `MAX_FOOTER_BYTES` or past the file), then, for each row group, the
 byte span of its column chunks (from the first chunk's first page to the last one's end)
 with one ranged read, decodes it with pyarrow from those bytes only, and hands its rows to
-the sampler in `Part`s of at most ``part_bytes`` as a tar shard's are: a file of ``n`` row
+the sampler in `Piece`s of at most ``piece_bytes`` as a tar shard's are: a file of ``n`` row
 groups is ``2 + n`` GETs, and what it holds at once is one row group (its bytes, its decoded
-table, the part being handed over). A row group larger than the sampler may hold in flight
+table, the piece being handed over). A row group larger than the sampler may hold in flight
 (``sampler.max_bytes_in_flight``) is refused, and so is a file that is not Parquet or whose
 pages do not decode: quarantined with the reason, the rows handed over before kept. A file
 whose read failed (the network) goes on from the row group after the last one handed over.
@@ -35,7 +35,7 @@ from ...limits import cut_text
 from ...units import format_size
 from .base import Source
 from .keytable import KeyTable
-from .types import STREAMED, FetchResult, OnPart, Part, SampleRef
+from .types import STREAMED, FetchResult, OnPiece, Piece, SampleRef
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ MAGIC = b"PAR1"
 #: damaged or hostile file, not read.
 MAX_FOOTER_BYTES = 64 * 1024 * 1024
 #: What a fetch hands over at a time, when the caller does not say.
-PART_BYTES = 32 * 1024 * 1024
+PIECE_BYTES = 32 * 1024 * 1024
 
 
 class _Spans(io.RawIOBase):
@@ -143,7 +143,7 @@ class ParquetSource(Source):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        #: files whose read failed after handing parts over: (next row group, its first row,
+        #: files whose read failed after handing pieces over: (next row group, its first row,
         #: rows handed), by key
         self._resumes: dict[str, tuple[int, int, int]] = {}
 
@@ -152,17 +152,17 @@ class ParquetSource(Source):
             return self._read_manifest()
         return self._list_files()
 
-    def held_bytes(self, ref: SampleRef, size: int, part_bytes: int) -> int:
-        """Nothing up front: each part takes its bytes when it is handed over (as tar's)."""
+    def held_bytes(self, ref: SampleRef, size: int, piece_bytes: int) -> int:
+        """Nothing up front: each piece takes its bytes when it is handed over (as tar's)."""
         return 0
 
-    def fetch_grouped(self, refs: Sequence[SampleRef], on_part: OnPart | None = None,
-                      part_bytes: int = PART_BYTES) -> list[list[FetchResult]]:
+    def fetch_grouped(self, refs: Sequence[SampleRef], on_piece: OnPiece | None = None,
+                      piece_bytes: int = PIECE_BYTES) -> list[list[FetchResult]]:
         """Every row of each file in ``refs``, one list per file, the files read at once (up
-        to ``concurrency``). With ``on_part``, a file's rows go to it a part of at most
-        ``part_bytes`` at a time, and stand in the list as ``STREAMED``."""
+        to ``concurrency``). With ``on_piece``, a file's rows go to it a piece of at most
+        ``piece_bytes`` at a time, and stand in the list as ``STREAMED``."""
         def one(ref: SampleRef) -> list[FetchResult]:
-            return self._read_file(ref, on_part, part_bytes)
+            return self._read_file(ref, on_piece, piece_bytes)
 
         if len(refs) > 1:
             with ThreadPoolExecutor(max_workers=min(len(refs), self.concurrency),
@@ -170,8 +170,8 @@ class ParquetSource(Source):
                 return list(pool.map(one, refs))
         return [one(ref) for ref in refs]
 
-    def _read_file(self, ref: SampleRef, on_part: OnPart | None,
-                   part_bytes: int) -> list[FetchResult]:
+    def _read_file(self, ref: SampleRef, on_piece: OnPiece | None,
+                   piece_bytes: int) -> list[FetchResult]:
         """One file's rows (see `fetch_grouped`); a failed read keeps where to go on."""
         url = self.object_url(ref.key)
         first_group, row, handed_before = self._resumes.pop(ref.key, (0, 0, 0))
@@ -182,10 +182,10 @@ class ParquetSource(Source):
         resume = (first_group, row, handed_before)
 
         def hand(members: int | None) -> None:
-            """Hand the rows in ``pending`` over as a part (``members``: on the file's last)."""
+            """Hand the rows in ``pending`` over as a piece (``members``: on the file's last)."""
             nonlocal pending, held, row
-            assert on_part is not None
-            on_part(Part(ref, pending, row, members))
+            assert on_piece is not None
+            on_piece(Piece(ref, pending, row, members))
             row += len(pending)
             handed.extend((stand_in, STREAMED) for _ in pending)
             pending, held = [], 0
@@ -220,13 +220,13 @@ class ParquetSource(Source):
                                         f"{cut_text(str(exc))}", url, ref.key) from exc
                 finally:
                     spans.drop(start)
-                # Rows become Python objects a part's worth at a time: the whole group at once
+                # Rows become Python objects a piece's worth at a time: the whole group at once
                 # held it twice (its table and its rows) and left the allocator fragmented.
-                step = max(1, part_bytes * table.num_rows // max(1, table.nbytes))
+                step = max(1, piece_bytes * table.num_rows // max(1, table.nbytes))
                 for at in range(0, table.num_rows, step):
                     for fields in _rows(table.slice(at, step)):
                         nbytes = sum(len(value) for value in fields.values())
-                        if on_part is not None and pending and held + nbytes > part_bytes:
+                        if on_piece is not None and pending and held + nbytes > piece_bytes:
                             hand(None)
                         pending.append((SampleRef(f"{ref.key}/{row + len(pending):09d}",
                                                   shard=ref.key), fields))
@@ -235,7 +235,7 @@ class ParquetSource(Source):
                 # what decoding it took back to the OS, not kept by arrow's allocator for the
                 # next group (mimalloc kept ~4 groups' worth, measured with 8 MiB groups)
                 pa.default_memory_pool().release_unused()
-                if on_part is not None and pending:
+                if on_piece is not None and pending:
                     last = index == metadata.num_row_groups - 1
                     hand(row + len(pending) if last else None)
                 resume = (index + 1, row, len(handed))
@@ -243,7 +243,7 @@ class ParquetSource(Source):
             log.warning("%s", cut_text(f"{url}: corrupt Parquet file: {exc}", keys=(ref.key,)))
             return [*handed, *pending, (ref, exc)]
         except SourceError as exc:
-            if on_part is not None and handed:
+            if on_piece is not None and handed:
                 self._resumes[ref.key] = resume
             return [*handed, (ref, exc)]
         return handed + pending

@@ -2,10 +2,10 @@
 
 Shards are listed (or brace-expanded) but not opened at listing time; fetching a shard ref reads
 the shard as a stream, member by member (`shards`: grouping, damage, bounds), and yields
-every sample in it. A shard is never held whole: with ``on_part`` (the sampler's), its samples
-are handed over a part of ``part_bytes`` at a time as they are read, so what a shard of any
-size costs is a part, one member and the read-ahead of its stream (`READ_BYTES`), and
-``sampler.max_bytes_in_flight`` bounds the parts waiting for the cache. A shard whose manifest
+every sample in it. A shard is never held whole: with ``on_piece`` (the sampler's), its samples
+are handed over a piece of ``piece_bytes`` at a time as they are read, so what a shard of any
+size costs is a piece, one member and the read-ahead of its stream (`READ_BYTES`), and
+``sampler.max_bytes_in_flight`` bounds the pieces waiting for the cache. A shard whose manifest
 names a checksum is the exception: it cannot be trusted before its last byte is read, so its
 samples are held (as much as the shard, and reserved so) until the checksum matches; the
 listed size is checked at the end of the stream (a shard that is shorter than listed keeps the
@@ -56,15 +56,15 @@ from .shards import (
     sample_bytes,
     split_member,
 )
-from .types import STREAMED, FetchResult, OnPart, Part, SampleRef
+from .types import STREAMED, FetchResult, OnPiece, Piece, SampleRef
 
-__all__ = ["MAX_FIELD_BYTES", "Part", "TarSource", "iter_shard", "split_member"]
+__all__ = ["MAX_FIELD_BYTES", "Piece", "TarSource", "iter_shard", "split_member"]
 
 log = logging.getLogger(__name__)
 
 #: What a fetch hands over at a time, when the caller does not say.
-PART_BYTES = 32 * 1024 * 1024
-#: Shards whose read failed after handing parts over, kept to resume them (the oldest go first).
+PIECE_BYTES = 32 * 1024 * 1024
+#: Shards whose read failed after handing pieces over, kept to resume them (the oldest go first).
 MAX_RESUMES = 1024
 
 @dataclass(frozen=True)
@@ -159,7 +159,7 @@ class TarSource(Source):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        #: shards whose read failed after handing parts over: where to go on (by shard key)
+        #: shards whose read failed after handing pieces over: where to go on (by shard key)
         self._resumes: dict[str, _Resume] = {}
 
     def list_table(self) -> KeyTable:
@@ -216,11 +216,11 @@ class TarSource(Source):
             self._filter = SampleFilter(self._read_manifest())
         return self._filter
 
-    def fetch_grouped(self, refs: Sequence[SampleRef], on_part: OnPart | None = None,
-                      part_bytes: int = PART_BYTES) -> list[list[FetchResult]]:
+    def fetch_grouped(self, refs: Sequence[SampleRef], on_piece: OnPiece | None = None,
+                      piece_bytes: int = PIECE_BYTES) -> list[list[FetchResult]]:
         """Every sample of each shard in ``refs``, one list per shard, the shards streamed at
-        once (up to ``concurrency``). With ``on_part``, a shard's samples go to it a part of
-        ``part_bytes`` at a time as they are read, and stand in the list as ``STREAMED``
+        once (up to ``concurrency``). With ``on_piece``, a shard's samples go to it a piece of
+        ``piece_bytes`` at a time as they are read, and stand in the list as ``STREAMED``
         (see the module docstring)."""
         resolved: dict[str, str] = {}  # see Source.refusal
         refused = {i: error for i, ref in enumerate(refs)
@@ -228,7 +228,7 @@ class TarSource(Source):
         todo = [ref for i, ref in enumerate(refs) if i not in refused]
 
         def one(ref: SampleRef) -> list[FetchResult]:
-            return self._stream_shard(ref, resolved, on_part, part_bytes)
+            return self._stream_shard(ref, resolved, on_piece, piece_bytes)
 
         if len(todo) > 1:
             with ThreadPoolExecutor(max_workers=min(len(todo), self.concurrency),
@@ -238,17 +238,17 @@ class TarSource(Source):
             groups = iter([one(ref) for ref in todo])
         return [[(ref, refused[i])] if i in refused else next(groups) for i, ref in enumerate(refs)]
 
-    def held_bytes(self, ref: SampleRef, size: int, part_bytes: int) -> int:
-        """Nothing up front: each part takes its bytes when it is handed over (a reservation
-        could fill the budget that the shard's own parts wait for). A shard whose checksum
+    def held_bytes(self, ref: SampleRef, size: int, piece_bytes: int) -> int:
+        """Nothing up front: each piece takes its bytes when it is handed over (a reservation
+        could fill the budget that the shard's own pieces wait for). A shard whose checksum
         must be verified first is held whole: all of it."""
         return size if self._verified_first(ref) else 0
 
     def _verified_first(self, ref: SampleRef) -> bool:
         return bool(ref.checksum) and "checksum" in self.checks
 
-    def _stream_shard(self, ref: SampleRef, resolved: dict[str, str], on_part: OnPart | None,
-                      part_bytes: int) -> list[FetchResult]:
+    def _stream_shard(self, ref: SampleRef, resolved: dict[str, str], on_piece: OnPiece | None,
+                      piece_bytes: int) -> list[FetchResult]:
         """One shard's samples (see `fetch_grouped`), resumed where its last read failed.
 
         A remote shard's requests pass the source's request gate one by one (its slots, its
@@ -264,16 +264,16 @@ class TarSource(Source):
         received = [0]
         if self._local_root is not None:
             self.gate.stats.add(gets=1)
-            return self._read_shard(ref, resolved, on_part, part_bytes, received, resume)
+            return self._read_shard(ref, resolved, on_piece, piece_bytes, received, resume)
         if self.body_opener(ref) is not None:
             try:
-                return self._read_shard(ref, resolved, on_part, part_bytes, received, resume)
+                return self._read_shard(ref, resolved, on_piece, piece_bytes, received, resume)
             except ObjectChanged:
-                return self._read_shard(ref, resolved, on_part, part_bytes, received, None)
+                return self._read_shard(ref, resolved, on_piece, piece_bytes, received, None)
         started = self.gate.enter_sync()
         outcome, sent = Outcome.ERROR, True
         try:
-            results = self._read_shard(ref, resolved, on_part, part_bytes, received, resume)
+            results = self._read_shard(ref, resolved, on_piece, piece_bytes, received, resume)
             failed = results[-1][1] if results and results[-1][0] is ref else None
             outcome = (outcome_of(failed) if isinstance(failed, SourceError)
                        and not isinstance(failed, CorruptSample) else Outcome.OK)
@@ -295,8 +295,8 @@ class TarSource(Source):
             f"{url}: obstore cannot name this key ({why}); it is not read "
             "(source.client: auto or s3fs reads it)", url)
 
-    def _read_shard(self, ref: SampleRef, resolved: dict[str, str], on_part: OnPart | None,
-                    part_bytes: int, received: list[int],
+    def _read_shard(self, ref: SampleRef, resolved: dict[str, str], on_piece: OnPiece | None,
+                    piece_bytes: int, received: list[int],
                     resume: _Resume | None = None) -> list[FetchResult]:
         url = self.object_url(ref.key)
         digest = None
@@ -307,7 +307,7 @@ class TarSource(Source):
             except CorruptSample as exc:
                 return [(ref, exc)]
         # A checksum is known only at the end: such a shard is held until then.
-        streams = on_part is not None and digest is None
+        streams = on_piece is not None and digest is None
         wanted = self.sample_filter()
         if wanted is not None and wanted.filters and ref.key not in wanted.whole:
             def wants(key: str) -> bool:
@@ -330,7 +330,7 @@ class TarSource(Source):
 
         tail = open_tail(raw, on_bytes)
         stand_in = SampleRef(ref.key, shard=ref.key)  # one for all: no key or names kept
-        # stand-ins of the samples on_part has (those of an earlier read first)
+        # stand-ins of the samples on_piece has (those of an earlier read first)
         handed: list[FetchResult] = [(stand_in, STREAMED)] * (resume.handed if resume else 0)
         pending: list[FetchResult] = []
         ordinal = resume.ordinal if resume is not None else 0  # of the first sample in pending
@@ -347,11 +347,11 @@ class TarSource(Source):
                     elif not wants(sample_ref.key):
                         continue  # a manifest names other samples of this shard
                     size = sample_bytes(sample_ref, payload)
-                    # A part goes when the next sample would take it past part_bytes, so the
-                    # shard's last part is always handed after its end, with the count.
-                    if streams and pending and held + size > part_bytes:
-                        assert on_part is not None
-                        on_part(Part(ref, pending, ordinal))
+                    # A piece goes when the next sample would take it past piece_bytes, so the
+                    # shard's last piece is always handed after its end, with the count.
+                    if streams and pending and held + size > piece_bytes:
+                        assert on_piece is not None
+                        on_piece(Piece(ref, pending, ordinal))
                         handed.extend((stand_in, STREAMED) for _ in pending)
                         ordinal += len(pending)
                         pending, held = [], 0
@@ -381,8 +381,8 @@ class TarSource(Source):
             log.warning("%s", cut_text(f"{url}: corrupt shard: {problem}", keys=(ref.key,)))
             return [*handed, (ref, problem)]  # what was not handed over is dropped
         if streams and pending:
-            assert on_part is not None
-            on_part(Part(ref, pending, ordinal, ordinal + len(pending)))
+            assert on_piece is not None
+            on_piece(Piece(ref, pending, ordinal, ordinal + len(pending)))
             handed.extend((stand_in, STREAMED) for _ in pending)
             pending = []
         return handed + pending

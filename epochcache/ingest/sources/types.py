@@ -1,6 +1,6 @@
 """The values every module of a source passes around: what a dataset is opened with
 (`SourceSpec`), one fetchable unit (`SampleRef`), what its fetch gives (`FetchResult`), and
-the `Part`s a shard's samples are handed over in while it is read.
+the `Piece`s a shard's samples are handed over in while it is read.
 
 No module of ``sources/`` imports another to use these: they live here, below all of them,
 so that a new layout (`layouts`) imports them and nothing else of its siblings.
@@ -27,8 +27,8 @@ Payload = bytes | dict[str, bytes]
 
 
 class Streamed:
-    """The payload of a sample handed over already (a tar shard is streamed a part at a time
-    to the fetch's ``on_part``): it stands in the fetch's results so that they still count
+    """The payload of a sample handed over already (a tar shard is streamed a piece at a time
+    to the fetch's ``on_piece``): it stands in the fetch's results so that they still count
     every sample of the shard."""
 
     def __repr__(self) -> str:
@@ -137,22 +137,22 @@ class SampleRef:
 FetchResult = tuple[SampleRef, Payload | SourceError | Streamed]
 
 
-#: Called with each part of a shard, in the fetching thread: ``on_part(part)``, a
-#: `Part`. It may block (the sampler waits there for room in its in-flight budget).
-OnPart = Callable[["Part"], None]
+#: Called with each piece of a shard, in the fetching thread: ``on_piece(piece)``, a
+#: `Piece`. It may block (the sampler waits there for room in its in-flight budget).
+OnPiece = Callable[["Piece"], None]
 
 
 @dataclass(frozen=True)
-class Part:
-    """A part of a shard being read (of a tar shard's stream, or a Parquet file's row group):
+class Piece:
+    """A piece of a shard being read (of a tar shard's stream, or a Parquet file's row group):
     what the sampler needs to commit it and to say where each of its samples came from (its
     shard and ordinals, `origins`).
 
     Attributes:
         shard: the shard's listed ref.
-        results: the part's samples in shard order (corrupt ones as their errors).
+        results: the piece's samples in shard order (corrupt ones as their errors).
         first: the shard ordinal of the first of them.
-        members: how many samples the shard holds, on its last part; before that, None (a tar
+        members: how many samples the shard holds, on its last piece; before that, None (a tar
             shard is a stream: its count is known at its end).
     """
 
