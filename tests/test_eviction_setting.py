@@ -141,7 +141,7 @@ def test_the_policy_changes_only_when_no_other_process_has_the_cache_open(
     caplog.set_level(logging.INFO, logger="epochcache")
     path = tmp_path / "cache"
     Cache(path, "1MiB").close()
-    holder = spawn_script(tmp_path, "holder", """
+    writer = spawn_script(tmp_path, "writer", """
         import sys
         from epochcache import Cache
         cache = Cache(sys.argv[1])
@@ -152,18 +152,18 @@ def test_the_policy_changes_only_when_no_other_process_has_the_cache_open(
         sys.stdin.readline()
     """, str(path))
     try:
-        holder.wait_line("OPEN oldest")
+        writer.wait_line("OPEN oldest")
         with Cache(path, eviction="newest-first") as cache:
-            assert cache.eviction == "oldest"  # kept: the holder evicts oldest first
+            assert cache.eviction == "oldest"  # kept: the writer evicts oldest first
         assert any("keeping eviction oldest instead of newest-first" in r.getMessage()
                    for r in caplog.records)
-        holder.send("close")
-        holder.wait_line("CLOSED")
+        writer.send("close")
+        writer.wait_line("CLOSED")
         with Cache(path, eviction="newest-first") as cache:
             assert cache.eviction == "newest-first"
         assert any("eviction oldest -> newest-first" in r.getMessage() for r in caplog.records)
     finally:
-        holder.close()
+        writer.close()
 
 
 def test_reads_are_recorded_when_a_lease_ends_and_outlive_the_process(tmp_path: Path) -> None:

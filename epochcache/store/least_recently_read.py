@@ -181,7 +181,7 @@ class LeastRecentlyRead(EvictionPolicy):
 
 def _blocker(protection: Protection, seq: int | None) -> Lease | None:
     """The lease that keeps the first protected candidate, for the writers' message."""
-    holder = None if seq is None else protection.protector(seq)
-    if holder is not None:
-        return holder
+    lease = None if seq is None else protection.protector(seq)
+    if lease is not None:
+        return lease
     return max(protection.leases, key=lambda lease: lease.hi, default=None)

@@ -3,7 +3,7 @@ reads (`epochcache.store.eviction.EvictionPolicy.uses_reads`).
 
 Nothing is written on the read path. Readers already publish how far they read in their
 epoch's release plan (`epochcache.store.plans`: one 8-byte store per batch); when the lease
-ends (released at its epoch's end, left unfinished, or reclaimed from a dead holder), the
+ends (released at its epoch's end, left unfinished, or reclaimed from a dead owner), the
 process that deletes it records, in the same write transaction, the samples its readers read:
 the union of its lanes' read prefixes, once per epoch, O(snapshot) in numpy. A lease without a
 plan (``cache.dataset()``, ``epochs(release="epoch")``) records nothing: its reads are not
