@@ -106,9 +106,9 @@ class Cache:
     def stats(self) -> dict[str, Any]:
         """Counters, capacity, leases, daemon and sampler health, requests and turnover, as a
         JSON-able dict (what ``epochcache status --json`` prints)."""
-        from .store.status import collect_stats
+        from .store.coverage import stats_with_coverage
 
-        return collect_stats(self._store)
+        return stats_with_coverage(self._store)
 
     def counters(self) -> Counters:
         """The cache's counters: samples and bytes stored, inserted, evicted, quarantined."""

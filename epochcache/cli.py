@@ -87,22 +87,23 @@ def _cmd_status(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.live import Live
 
-    from .store.status import collect_stats, render
+    from .store.coverage import stats_with_coverage
+    from .store.status import render
 
     cache = _open_cache_readonly(args.cache_dir)
     try:
         if args.json:
-            print(json.dumps(collect_stats(cache), indent=2, sort_keys=True))
+            print(json.dumps(stats_with_coverage(cache), indent=2, sort_keys=True))
             return EXIT_OK
         console = Console()
         if not args.watch:
-            console.print(render(collect_stats(cache)))
+            console.print(render(stats_with_coverage(cache)))
             return EXIT_OK
-        with Live(render(collect_stats(cache)), console=console, refresh_per_second=2) as live:
+        with Live(render(stats_with_coverage(cache)), console=console, refresh_per_second=2) as live:
             try:
                 while True:
                     time.sleep(args.interval)
-                    live.update(render(collect_stats(cache)))
+                    live.update(render(stats_with_coverage(cache)))
             except KeyboardInterrupt:
                 return EXIT_OK
     finally:

@@ -246,10 +246,10 @@ class Daemon:
         """What ``epochcache status --json`` prints for this cache (samples, bytes, capacity,
         leases, ``daemon`` with per-sampler health, ...)."""
         from .store import SampleStore
-        from .store.status import collect_stats
+        from .store.coverage import stats_with_coverage
 
         with SampleStore(self.cache_dir, readonly=True) as cache:
-            return collect_stats(cache)
+            return stats_with_coverage(cache)
 
     def __repr__(self) -> str:
         state = "alive" if self.alive else ("not started" if self._popen is None else

@@ -36,13 +36,10 @@ Python API) are counted in ``unattributed``, never an error.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
 import logging
 import os
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +47,7 @@ import lmdb
 import numpy as np
 
 from ..atomic import atomic_write
+from .datafile import coverage_dir, ledger_lock
 from .listings import listings as registered_listings
 from .origins import UNKNOWN, _Row, read_origins, unique
 from .records import DB_ORIGINS, seq_key
@@ -59,8 +57,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("epochcache.cache")
 
-COVERAGE_DIR = "coverage"
-LOCK_FILE = "ledger.lock"
 UNATTRIBUTED_FILE = "unattributed.json"
 LEDGER_VERSION = 1
 _MAGIC = b"EPOCHCACHE-COVERAGE\n"
@@ -70,25 +66,8 @@ MAX_UPDATES = 2000
 SATURATED = 255
 
 
-def coverage_dir(cache_path: str) -> str:
-    return os.path.join(cache_path, COVERAGE_DIR)
-
-
 def ledger_path(cache_path: str, fingerprint: str) -> str:
     return os.path.join(coverage_dir(cache_path), f"{fingerprint}.ledger")
-
-
-@contextlib.contextmanager
-def ledger_lock(cache_path: str) -> Iterator[None]:
-    """Held while a process reads, changes and writes ledgers (released if it dies)."""
-    directory = coverage_dir(cache_path)
-    os.makedirs(directory, mode=0o700, exist_ok=True)
-    fd = os.open(os.path.join(directory, LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
 
 
 @dataclass
