@@ -87,7 +87,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.live import Live
 
-    from .store.coverage import stats_with_coverage
+    from .coverage.report import stats_with_coverage
     from .store.status import render
 
     cache = _open_cache_readonly(args.cache_dir)
@@ -186,7 +186,7 @@ def _terminate(_signum: int, _frame: Any) -> None:
 
 
 def _cmd_manifest(args: argparse.Namespace) -> int:
-    from .store.manifests import epoch_keys, epoch_records, manifests
+    from .coverage.manifests import epoch_keys, epoch_records, manifests
 
     if not os.path.isdir(args.run_dir):
         raise UsageError(f"{args.run_dir}: no such directory; give the train.run_dir of a run")
@@ -359,7 +359,7 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     if not available():
         print(f"epochcache plot: needs matplotlib ({INSTALL_HINT})", file=sys.stderr)
         return 2
-    from .store.coverage import history as coverage_history
+    from .coverage.report import history as coverage_history
 
     _existing_cache(args.cache_dir)
     check_writable(args.output, "the plot (-o)", directory=False)

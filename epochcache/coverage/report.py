@@ -27,11 +27,11 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
+from ..store.status import collect_stats
 from .ledger import Ledger, ledgers, read_unattributed
-from .status import collect_stats
 
 if TYPE_CHECKING:
-    from .sample_store import SampleStore
+    from ..store.sample_store import SampleStore
 
 #: The updates the rates are measured over (seconds back from the last one).
 RATE_WINDOW_S = 3600.0
