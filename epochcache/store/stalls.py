@@ -15,7 +15,7 @@ import os
 from typing import Any
 
 from ..atomic import atomic_write
-from .leases import process_record, recorded_alive
+from ..boot import process_record, recorded_alive
 
 STALLS_DIR = "stalls"
 
