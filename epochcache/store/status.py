@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING, Any
 from ..boot import recorded_alive
 from ..epoch_record import HISTORY, epoch_history, is_epoch_row, status_cell
 from ..redact import redact_tree
+from ..stall_records import read_stalls
 from ..units import format_count, format_size
 from .jobs import jobs
-from .stalls import read_stalls
 
 if TYPE_CHECKING:
     from rich.console import RenderableType
