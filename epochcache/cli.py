@@ -191,7 +191,7 @@ def _cmd_manifest(args: argparse.Namespace) -> int:
     if not os.path.isdir(args.run_dir):
         raise UsageError(f"{args.run_dir}: no such directory; give the train.run_dir of a run")
     if args.output is not None and args.epoch is not None:
-        from .ingest.sources.manifest import detect_format
+        from .ingest.manifest import detect_format
 
         if args.format == "auto" and detect_format(args.output) not in ("txt", "csv", "jsonl"):
             # source.manifest would read the file as what its name says (Parquet)
@@ -224,7 +224,7 @@ def _write_keys(keys: list[str], output: str | None, fmt: str) -> int:
     import io
 
     if fmt == "auto":
-        from .ingest.sources.manifest import detect_format
+        from .ingest.manifest import detect_format
 
         fmt = detect_format(output or "")  # as source.manifest reads it back
     comments = {key for key in keys if key.startswith("# sample ")}

@@ -1,12 +1,12 @@
 """What a config chooses by name, in one place: the layouts a source may have.
 
 The config validates ``source.layout`` against `LAYOUTS`, and the reference pages list its
-choices (and their help) from it; `epochcache.ingest.sources.layout_of` imports a layout's
+choices (and their help) from it; `epochcache.ingest.layouts.layout_of` imports a layout's
 `Source` class from here when a source is opened. Names live in this base module, not beside
 the classes, so that the config (which never imports the ingest layer) knows them, and a
 layout's library (pyarrow) is imported only by those who read that layout.
 
-A new layout is one entry here and its module in ``ingest/sources/`` (docs/contributing.md).
+A new layout is one entry here and its module in ``ingest/layouts/`` (docs/contributing.md).
 """
 
 from __future__ import annotations
@@ -37,10 +37,10 @@ class Layout:
 
 
 LAYOUTS: dict[str, Layout] = {
-    "files": Layout("epochcache.ingest.sources.files:FilesSource", "one object per sample"),
-    "tar": Layout("epochcache.ingest.sources.tar:TarSource",
+    "files": Layout("epochcache.ingest.layouts.files:FilesSource", "one object per sample"),
+    "tar": Layout("epochcache.ingest.layouts.tar:TarSource",
                   "WebDataset shards, a sample per basename", pattern="**/*.tar", shards=True),
-    "parquet": Layout("epochcache.ingest.sources.parquet:ParquetSource",
+    "parquet": Layout("epochcache.ingest.layouts.parquet:ParquetSource",
                       "Parquet files, a sample per row (read a row group at a time)",
                       pattern="**/*.parquet", requires="pyarrow", extra="parquet"),
 }

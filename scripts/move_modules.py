@@ -43,10 +43,10 @@ def _file_of(module: str) -> Path:
 
 
 def _moved(module: str, moves: dict[str, str]) -> str:
-    """``module`` after the moves (a module inside a moved package moves with it)."""
-    for old, new in moves.items():
+    """``module`` after the moves (the longest old path that is ``module`` or a package of it)."""
+    for old in sorted(moves, key=len, reverse=True):
         if module == old or module.startswith(old + "."):
-            return new + module[len(old):]
+            return moves[old] + module[len(old):]
     return module
 
 
@@ -112,18 +112,15 @@ def main(argv: list[str]) -> int:
     python = [p for p in _text_files() if p.suffix == ".py"
               and p.relative_to(ROOT).parts[0] in ("epochcache", "tests", "scripts")]
     old_of = {p: p for p in python}
+    sources = {old: _file_of(old) for old in moves}  # before any file moves
     for old, new in moves.items():
-        src, dst = _file_of(old), ROOT.joinpath(*new.split(".")).with_suffix(".py")
-        if src.name == "__init__.py":
-            dst = ROOT.joinpath(*new.split("."))
+        src = sources[old]
+        dst = ROOT.joinpath(*new.split(".")).with_suffix(".py")
+        if src.name == "__init__.py":  # the package's own module; its other modules move alone
+            dst = ROOT.joinpath(*new.split("."), "__init__.py")
         dst.parent.mkdir(parents=True, exist_ok=True)
         subprocess.run(["git", "mv", str(src), str(dst)], cwd=ROOT, check=True)
-        if src.name == "__init__.py":
-            for p in list(old_of):
-                if src.parent in p.parents or p == src:
-                    old_of[dst / p.relative_to(src.parent)] = old_of.pop(p)
-        else:
-            old_of[dst] = old_of.pop(src)
+        old_of[dst] = old_of.pop(src)
     for new_path, old_path in old_of.items():
         if new_path.relative_to(ROOT).parts[0] != "epochcache":
             continue
@@ -131,7 +128,7 @@ def main(argv: list[str]) -> int:
         if text is not None:
             new_path.write_text(text)
     patterns = []
-    for old, new in moves.items():
+    for old, new in sorted(moves.items(), key=lambda item: len(item[0]), reverse=True):
         patterns.append((re.compile(rf"\b{re.escape(old)}\b(?!\.py)"), new))
         old_file, new_file = old.replace(".", "/") + ".py", new.replace(".", "/") + ".py"
         patterns.append((re.compile(rf"(?<![\w/]){re.escape(old_file)}\b"), new_file))

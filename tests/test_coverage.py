@@ -23,8 +23,8 @@ from common.procs import run_processes
 
 from epochcache import Cache
 from epochcache.coverage.ledger import Ledger, ledger_path, ledgers, remap
+from epochcache.ingest.layouts import KeyTable
 from epochcache.ingest.origin_tagger import index_map
-from epochcache.ingest.sources import KeyTable
 from epochcache.store import SampleStore, store_of
 from epochcache.store.codec import read_info
 from epochcache.store.listings import register_listing
@@ -103,7 +103,7 @@ def _fingerprint(cache: Cache) -> str:
 
 
 def _listing_keys(cache_dir: Path) -> list[str]:
-    from epochcache.ingest.sources import read_listing
+    from epochcache.ingest.layouts import read_listing
 
     (path,) = (cache_dir / "listings").glob("*.keys")
     listing = read_listing(cache_dir, path.name.split(".")[0])
@@ -197,7 +197,7 @@ def test_a_new_listing_generation_is_mapped_by_key(tmp_path: Path) -> None:
 
 
 def _refs(keys: list[str]) -> list[Any]:
-    from epochcache.ingest.sources import SampleRef
+    from epochcache.ingest.layouts import SampleRef
 
     return [SampleRef(key) for key in keys]
 

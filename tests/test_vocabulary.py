@@ -26,14 +26,14 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "epochcache"
 
 #: Duplicates of today, each to be renamed away (then its line removed here). Both are in
-#: files other work of issue 36 changes at the same time (ingest/sources, store/capacity.py).
+#: files other work of issue 36 changes at the same time (ingest/layouts, store/capacity.py).
 KNOWN: dict[str, set[str]] = {
     "module": set(),
     "class": {
-        "Part",  # store/plans.py's release-plan part and ingest/sources/tar.py's run of samples
+        "Part",  # store/plans.py's release-plan part and ingest/layouts/tar.py's run of samples
     },
     "function": {
-        "check_format",  # ingest/sources/check.py (a source's objects), store/capacity.py
+        "check_format",  # ingest/layouts/check.py (a source's objects), store/capacity.py
     },
 }
 

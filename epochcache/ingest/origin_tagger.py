@@ -24,8 +24,8 @@ from ..coverage.ledger import remap
 from ..store import SampleStore
 from ..store.listings import register_listing
 from ..store.origins import Origin
+from .layouts import KeyTable, Part, SampleRef, source_fingerprint
 from .lineage import identity_key
-from .sources import KeyTable, Part, SampleRef, source_fingerprint
 
 if TYPE_CHECKING:
     from .feed import Feed
