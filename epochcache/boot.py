@@ -11,6 +11,8 @@ reads it under another one ignores it:
   same in every container of the machine, different after a reboot and on every other host;
 * `clock_id`: the boot id and this process's time namespace offsets, hashed to 16 bytes:
   two processes read the same ``time.monotonic()`` exactly when their clock ids are equal.
+* `process_record` and `recorded_alive`: the pid, start ticks and boot a document (a lease, a
+  stall record, a lowered capacity) names, and whether that process still runs (`pid_alive`).
 
 Why a stamp and not wall-clock instants with bounds: the pace and request budget files need a
 clock every process of a host reads alike and that never jumps (the wall clock jumps with NTP
@@ -23,6 +25,10 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
+import socket
+from collections.abc import Mapping
+from typing import Any
 
 BOOT_ID_FILE = "/proc/sys/kernel/random/boot_id"
 #: This process's time namespace offsets (Linux 5.6+; absent: no time namespaces).
@@ -57,3 +63,61 @@ def same_boot(boot: object) -> bool:
     """Whether a value recorded with ``boot`` (a `boot_id`; None or missing from a document of
     an older version: unknown) may be taken as of this boot. Unknown is believed, as before."""
     return boot is None or boot == boot_id()
+
+
+def process_stat(pid: int) -> tuple[str, int | None] | None:
+    """``(state, start time in clock ticks since boot)`` of ``pid`` from /proc, or None."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # The command name (field 2) may contain spaces and parentheses: split after the last ')'.
+    fields = stat[stat.rfind(b")") + 2 :].split()
+    if not fields:
+        return None
+    try:
+        ticks: int | None = int(fields[19])
+    except (IndexError, ValueError):
+        ticks = None
+    return fields[0].decode("ascii", errors="replace"), ticks
+
+
+def process_start_ticks(pid: int) -> int | None:
+    """The start time of ``pid`` in clock ticks since boot (Linux), or None if unknown."""
+    stat = process_stat(pid)
+    return None if stat is None else stat[1]
+
+
+def pid_alive(pid: int, start_ticks: int | None = None, boot: object = None) -> bool:
+    """Whether process ``pid`` exists (and is the same process that had ``start_ticks``, on
+    the boot ``boot`` names: after a reboot a pid and its start ticks name another process)."""
+    if pid <= 0 or not same_boot(boot):
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # exists, owned by another user
+    if start_ticks is not None:
+        stat = process_stat(pid)
+        if stat is not None:
+            state, ticks = stat
+            if (ticks is not None and ticks != start_ticks) or state == "Z":
+                return False  # a recycled pid, or a zombie: neither holds anything
+    return True
+
+
+def process_record(pid: int | None = None) -> dict[str, Any]:
+    """What a document says of the process that wrote it (default: this one), for
+    `recorded_alive`: its pid, host, start time in ticks since boot, and that boot."""
+    pid = os.getpid() if pid is None else pid
+    return {"pid": pid, "host": socket.gethostname(), "start_ticks": process_start_ticks(pid),
+            "boot": boot_id()}
+
+
+def recorded_alive(doc: Mapping[str, Any]) -> bool:
+    """Whether the process a document names (`process_record`) still runs, by pid and start
+    time on the boot it names (the caller knows it was written on this host)."""
+    return pid_alive(int(doc.get("pid", -1)), doc.get("start_ticks"), doc.get("boot"))

@@ -119,9 +119,9 @@ class Cache:
     def stats(self) -> dict[str, Any]:
         """Counters, capacity, leases, daemon and sampler health, requests and turnover, as a
         JSON-able dict (what ``epochcache status --json`` prints)."""
-        from .store.status import collect_stats
+        from .coverage.report import stats_with_coverage
 
-        return collect_stats(self._store)
+        return stats_with_coverage(self._store)
 
     def counters(self) -> Counters:
         """The cache's counters: samples and bytes stored, inserted, evicted, quarantined."""
@@ -130,8 +130,8 @@ class Cache:
     def coverage(self) -> dict[str, Any]:
         """How much of each source training has seen: per source the samples listed, those
         trained at least once, a histogram of epochs per sample, the growth rate and the time
-        to see every sample once (see `epochcache.store.coverage`)."""
-        from .store.coverage import coverage
+        to see every sample once (see `epochcache.coverage.report`)."""
+        from .coverage.report import coverage
 
         return coverage(self._store)
 
@@ -140,7 +140,7 @@ class Cache:
         """Count ``seqs`` as trained in one more epoch (once each) in the coverage ledger of
         their sources; call it when an epoch, or the part of one a checkpoint covers, is done
         (``epochcache run`` does). Returns ``{"trained", "new", "unattributed"}``."""
-        from .store.ledger import record_trained
+        from .coverage.ledger import record_trained
 
         return record_trained(self._store, np.asarray(seqs, dtype=np.uint64), epoch=epoch,
                               job=job)

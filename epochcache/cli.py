@@ -87,22 +87,23 @@ def _cmd_status(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.live import Live
 
-    from .store.status import collect_stats, render
+    from .coverage.report import stats_with_coverage
+    from .store.status import render
 
     cache = _open_cache_readonly(args.cache_dir)
     try:
         if args.json:
-            print(json.dumps(collect_stats(cache), indent=2, sort_keys=True))
+            print(json.dumps(stats_with_coverage(cache), indent=2, sort_keys=True))
             return EXIT_OK
         console = Console()
         if not args.watch:
-            console.print(render(collect_stats(cache)))
+            console.print(render(stats_with_coverage(cache)))
             return EXIT_OK
-        with Live(render(collect_stats(cache)), console=console, refresh_per_second=2) as live:
+        with Live(render(stats_with_coverage(cache)), console=console, refresh_per_second=2) as live:
             try:
                 while True:
                     time.sleep(args.interval)
-                    live.update(render(collect_stats(cache)))
+                    live.update(render(stats_with_coverage(cache)))
             except KeyboardInterrupt:
                 return EXIT_OK
     finally:
@@ -185,12 +186,12 @@ def _terminate(_signum: int, _frame: Any) -> None:
 
 
 def _cmd_manifest(args: argparse.Namespace) -> int:
-    from .store.manifests import epoch_keys, epoch_records, manifests
+    from .coverage.manifests import epoch_keys, epoch_records, manifests
 
     if not os.path.isdir(args.run_dir):
         raise UsageError(f"{args.run_dir}: no such directory; give the train.run_dir of a run")
     if args.output is not None and args.epoch is not None:
-        from .ingest.sources.manifest import detect_format
+        from .ingest.manifest import detect_format
 
         if args.format == "auto" and detect_format(args.output) not in ("txt", "csv", "jsonl"):
             # source.manifest would read the file as what its name says (Parquet)
@@ -223,7 +224,7 @@ def _write_keys(keys: list[str], output: str | None, fmt: str) -> int:
     import io
 
     if fmt == "auto":
-        from .ingest.sources.manifest import detect_format
+        from .ingest.manifest import detect_format
 
         fmt = detect_format(output or "")  # as source.manifest reads it back
     comments = {key for key in keys if key.startswith("# sample ")}
@@ -358,7 +359,7 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     if not available():
         print(f"epochcache plot: needs matplotlib ({INSTALL_HINT})", file=sys.stderr)
         return 2
-    from .store.coverage import history as coverage_history
+    from .coverage.report import history as coverage_history
 
     _existing_cache(args.cache_dir)
     check_writable(args.output, "the plot (-o)", directory=False)

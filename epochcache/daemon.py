@@ -245,11 +245,11 @@ class Daemon:
     def status(self) -> dict[str, Any]:
         """What ``epochcache status --json`` prints for this cache (samples, bytes, capacity,
         leases, ``daemon`` with per-sampler health, ...)."""
+        from .coverage.report import stats_with_coverage
         from .store import SampleStore
-        from .store.status import collect_stats
 
         with SampleStore(self.cache_dir, readonly=True) as cache:
-            return collect_stats(cache)
+            return stats_with_coverage(cache)
 
     def __repr__(self) -> str:
         state = "alive" if self.alive else ("not started" if self._popen is None else

@@ -4,11 +4,11 @@ eviction policies a cache may follow.
 A base module, so that the config (which never imports the ingest layer or the store)
 validates ``source.layout`` and ``cache.eviction`` against these names and the reference pages
 list them with their help, while the layer that uses one imports its class only when it is
-used: `epochcache.ingest.sources.layout_of` a layout's `Source` class when a source is opened
+used: `epochcache.ingest.layouts.layout_of` a layout's `Source` class when a source is opened
 (so a layout's library, pyarrow, is imported only by those who read that layout), the store a
 policy's class when a cache opens.
 
-A new layout is one entry in `LAYOUTS` and its module in ``ingest/sources/``; a new eviction
+A new layout is one entry in `LAYOUTS` and its module in ``ingest/layouts/``; a new eviction
 policy one `register_policy` line at the end and its module in ``store/``
 (docs/contributing.md). A user's own policy registers its class the same way before the cache
 opens.
@@ -43,10 +43,10 @@ class Layout:
 
 
 LAYOUTS: dict[str, Layout] = {
-    "files": Layout("epochcache.ingest.sources.files:FilesSource", "one object per sample"),
-    "tar": Layout("epochcache.ingest.sources.tar:TarSource",
+    "files": Layout("epochcache.ingest.layouts.files:FilesSource", "one object per sample"),
+    "tar": Layout("epochcache.ingest.layouts.tar:TarSource",
                   "WebDataset shards, a sample per basename", pattern="**/*.tar", shards=True),
-    "parquet": Layout("epochcache.ingest.sources.parquet:ParquetSource",
+    "parquet": Layout("epochcache.ingest.layouts.parquet:ParquetSource",
                       "Parquet files, a sample per row (read a row group at a time)",
                       pattern="**/*.parquet", requires="pyarrow", extra="parquet"),
 }

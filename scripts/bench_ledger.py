@@ -78,8 +78,8 @@ def _tagger(root: Path, count: int, batch: int, repeat: int) -> dict[str, Any]:
     a stand-in feed of a listing of ``count`` keys (the tagger reads only these fields)."""
     from types import SimpleNamespace
 
+    from epochcache.ingest.layouts import KeyTable, SampleRef, SourceSpec
     from epochcache.ingest.origin_tagger import OriginTagger
-    from epochcache.ingest.sources import KeyTable, SampleRef, SourceSpec
 
     keys = [f"train/sample-{i:08d}.bin" for i in range(count)]
     table = KeyTable.from_refs([SampleRef(key) for key in keys])
@@ -103,8 +103,8 @@ def _tagger(root: Path, count: int, batch: int, repeat: int) -> dict[str, Any]:
 
 
 def _epoch_end(root: Path, samples: int, batch: int) -> dict[str, Any]:
+    from epochcache.coverage.manifests import ManifestWriter, manifest_path
     from epochcache.store.listings import register_listing
-    from epochcache.store.manifests import ManifestWriter, manifest_path
     from epochcache.store.origins import read_origins
 
     cache = Cache(root / "epoch", capacity=64 * samples * 4, sync=False, compression="none")

@@ -48,7 +48,7 @@ SAMPLE_BYTES = 256
 # a fresh process: its anonymous memory before and after holding the listing
 _LOAD = r"""
 import json, sys, time
-from epochcache.ingest.sources import (SourceSpec, listing_cached, open_source, read_listing,
+from epochcache.ingest.layouts import (SourceSpec, listing_cached, open_source, read_listing,
                                        source_fingerprint)
 
 def memory():

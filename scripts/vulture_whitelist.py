@@ -20,11 +20,11 @@ from epochcache.examples import train_epoch, train_image_classifier
 from epochcache.ingest.bodies import BodyReader
 from epochcache.ingest.committer import Committer
 from epochcache.ingest.concurrency import AutoConcurrency
+from epochcache.ingest.layouts.base import Source
+from epochcache.ingest.layouts.parquet import ParquetSource, _Spans
+from epochcache.ingest.layouts.shards import _Tail
 from epochcache.ingest.sampler import SamplerHealth
-from epochcache.ingest.sources.base import Source
-from epochcache.ingest.sources.parquet import ParquetSource, _Spans
-from epochcache.ingest.sources.shards import _Tail
-from epochcache.ingest.sources.types import SampleRef
+from epochcache.ingest.types import SampleRef
 from epochcache.store.codec import RecordInfo
 from epochcache.store.eviction import OldestFirst
 from epochcache.store.least_recently_read import LeastRecentlyRead

@@ -23,11 +23,11 @@ import pytest
 from common.daemonproc import cache_len, upload, wait_for, write_config
 
 from epochcache import Cache
+from epochcache.boot import process_start_ticks
 from epochcache.ingest.budget import BUDGET_FILE, RequestBudget
 from epochcache.ingest.pace import Pace, SharedPaceState
+from epochcache.stall_records import STALLS_DIR, read_stalls
 from epochcache.store import store_of
-from epochcache.store.leases import process_start_ticks
-from epochcache.store.stalls import STALLS_DIR, read_stalls
 from epochcache.store.status import collect_stats
 
 if TYPE_CHECKING:

@@ -22,11 +22,11 @@ from common.daemonproc import upload, wait_cached, wait_running, write_config
 from common.procs import run_processes
 
 from epochcache import Cache
+from epochcache.coverage.ledger import Ledger, ledger_path, ledgers, remap
+from epochcache.ingest.layouts import KeyTable
 from epochcache.ingest.origin_tagger import index_map
-from epochcache.ingest.sources import KeyTable
 from epochcache.store import SampleStore, store_of
 from epochcache.store.codec import read_info
-from epochcache.store.ledger import Ledger, ledger_path, ledgers, remap
 from epochcache.store.listings import register_listing
 from epochcache.store.origins import Origin
 from epochcache.store.records import DB_ORIGINS, DB_SAMPLES
@@ -103,7 +103,7 @@ def _fingerprint(cache: Cache) -> str:
 
 
 def _listing_keys(cache_dir: Path) -> list[str]:
-    from epochcache.ingest.sources import read_listing
+    from epochcache.ingest.layouts import read_listing
 
     (path,) = (cache_dir / "listings").glob("*.keys")
     listing = read_listing(cache_dir, path.name.split(".")[0])
@@ -197,7 +197,7 @@ def test_a_new_listing_generation_is_mapped_by_key(tmp_path: Path) -> None:
 
 
 def _refs(keys: list[str]) -> list[Any]:
-    from epochcache.ingest.sources import SampleRef
+    from epochcache.ingest.layouts import SampleRef
 
     return [SampleRef(key) for key in keys]
 
@@ -327,7 +327,7 @@ def _holding_save(obj, f, *args, **kwargs):
 
 torch.save = _holding_save
 if HOLD.startswith("counted:"):  # the checkpoint written, its coverage not yet counted
-    import epochcache.store.staged as staged
+    import epochcache.coverage.staged as staged
 
     _commit, _commits = staged.commit, []
 
@@ -374,7 +374,7 @@ def test_a_job_killed_while_writing_a_checkpoint_counts_each_sample_once(
     from test_run import cli, cli_env
     from test_run_resume import _dataset
 
-    from epochcache.store.manifests import epoch_keys
+    from epochcache.coverage.manifests import epoch_keys
 
     _dataset(tmp_path / "data", 120)
     (tmp_path / "holding_trainer.py").write_text(_HOLDING_TRAINER)

@@ -22,9 +22,9 @@ from common.cachecheck import assert_consistent, content_for, full_check
 from common.procs import Proc, spawn_script
 
 from epochcache import Cache, CacheError, CacheFull
+from epochcache.boot import process_stat
 from epochcache.store import store_of
 from epochcache.store.env import Env
-from epochcache.store.leases import process_stat
 
 WRITER = """
 import os, sys

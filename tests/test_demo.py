@@ -18,7 +18,7 @@ import pytest
 
 from epochcache.cli import build_parser
 from epochcache.demo import make_samples, write_demo_data
-from epochcache.ingest.sources import SourceSpec, open_source
+from epochcache.ingest.layouts import SourceSpec, open_source
 
 if TYPE_CHECKING:
     from conftest import S3Env

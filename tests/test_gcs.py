@@ -29,8 +29,8 @@ from common.gcsserver import GcsServerProcess
 from conftest import free_port
 
 from epochcache.demo import make_samples
+from epochcache.ingest.layouts import SourceSpec, open_source
 from epochcache.ingest.remote import open_fs
-from epochcache.ingest.sources import SourceSpec, open_source
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -18,7 +18,7 @@ from common.daemonproc import read_cache, wait_cached, wait_for, wait_running, w
 
 from epochcache.config import parse_config
 from epochcache.errors import ConfigError, CorruptSample
-from epochcache.ingest.sources import STREAMED, Piece, SourceSpec, open_source
+from epochcache.ingest.layouts import STREAMED, Piece, SourceSpec, open_source
 
 if TYPE_CHECKING:
     from conftest import S3Env
@@ -182,7 +182,7 @@ def test_a_fetch_holds_a_few_row_groups_never_the_file(tmp_path: Path) -> None:
                    use_dictionary=False)
     done = run_measured(f"""
         import pyarrow.parquet
-        from epochcache.ingest.sources import SourceSpec, open_source
+        from epochcache.ingest.layouts import SourceSpec, open_source
         source = open_source(SourceSpec(url={tmp_path.as_uri()!r}, layout="parquet"))
         refs = source.list_keys()
         handed = []

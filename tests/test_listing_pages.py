@@ -23,7 +23,7 @@ from common.daemonproc import cache_len, daemon_state, wait_for, write_config
 from common.slowproxy import SlowListProxy
 from conftest import S3Env
 
-from epochcache.ingest.sources import (
+from epochcache.ingest.layouts import (
     KeyTable,
     PagedListing,
     SampleRef,
@@ -140,7 +140,7 @@ def test_listing_files_are_compact_and_version_1_files_are_still_read(tmp_path: 
     table = KeyTable.from_refs(refs)
     # The key's bytes plus 4 (offset) and 8 (size): no object per key.
     assert table.nbytes / len(table) <= 64
-    from epochcache.ingest.sources import Listing, save_listing
+    from epochcache.ingest.layouts import Listing, save_listing
 
     save_listing(tmp_path, "fp", Listing(table, [4000, 10_000], {3}))
     loaded = read_listing(tmp_path, "fp")

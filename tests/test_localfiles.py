@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 
 from epochcache.errors import CorruptSample, PermanentRemoteError
+from epochcache.ingest.layouts import SampleRef, SourceSpec
+from epochcache.ingest.layouts.files import FilesSource
 from epochcache.ingest.localfiles import (
     SLOW_READ_S,
     LocalFiles,
@@ -19,8 +21,6 @@ from epochcache.ingest.localfiles import (
     read_file,
     read_wait,
 )
-from epochcache.ingest.sources import SampleRef, SourceSpec
-from epochcache.ingest.sources.files import FilesSource
 
 
 def _files(folder: Path, count: int) -> list[str]:

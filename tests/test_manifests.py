@@ -26,10 +26,10 @@ from test_run import cli, cli_env
 from test_run_resume import TRAINER, _config, _dataset, _rows, _start, _wait_to_die
 
 from epochcache import Cache
+from epochcache.coverage.ledger import Ledger, ledgers
+from epochcache.coverage.manifests import ManifestWriter, epoch_keys, manifest_path
 from epochcache.store import store_of
 from epochcache.store.codec import read_info
-from epochcache.store.ledger import Ledger, ledgers
-from epochcache.store.manifests import ManifestWriter, epoch_keys, manifest_path
 from epochcache.store.records import DB_SAMPLES
 
 pytestmark = pytest.mark.timeout(300)

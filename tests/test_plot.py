@@ -14,8 +14,8 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
+from epochcache.coverage.report import BUCKETS
 from epochcache.plot import run_figure
-from epochcache.store.coverage import BUCKETS
 
 MIB = 1024 * 1024
 

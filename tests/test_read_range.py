@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import s3fs
 from common.rangeserver import range_server
 
-from epochcache.ingest.sources import SampleRef, SourceSpec, open_source
+from epochcache.ingest.layouts import SampleRef, SourceSpec, open_source
 
 if TYPE_CHECKING:
     from conftest import S3Env

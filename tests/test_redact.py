@@ -177,8 +177,8 @@ def test_credentials_in_urls_leak_nowhere(tmp_path: Path) -> None:
 def test_an_unfinished_listing_of_a_url_with_userinfo_saves_no_credential(tmp_path: Path) -> None:
     """A large HTTP source listed page by page is saved as it goes, with where to go on: the
     directories still to list were saved as full URLs, ``user:token@`` and all."""
-    from epochcache.ingest.sources import SourceSpec, open_source
-    from epochcache.ingest.sources.paging import PagedListing
+    from epochcache.ingest.layouts import SourceSpec, open_source
+    from epochcache.ingest.paging import PagedListing
 
     root = tmp_path / "remote"
     for part in ("a", "b", "c"):

@@ -24,7 +24,7 @@ from common.daemonproc import (
 )
 from conftest import S3Env
 
-from epochcache.ingest.sources import (
+from epochcache.ingest.layouts import (
     Listing,
     SampleRef,
     merge_listing,
@@ -115,7 +115,7 @@ def test_a_relist_takes_memory_in_proportion_to_the_keys_not_to_the_longest(
 
     done = run_measured(f"""
         import numpy as np
-        from epochcache.ingest.sources import (
+        from epochcache.ingest.layouts import (
             FilesSource, KeyTableBuilder, Listing, SourceSpec, read_listing, relist,
             save_listing, source_fingerprint)
 

@@ -291,7 +291,7 @@ def test_bandwidth_limiter_keeps_the_average_rate() -> None:
 
 
 def test_source_fetch_with_retries_refetches_only_transient_failures(http_server: str) -> None:
-    from epochcache.ingest.sources import SampleRef, SourceSpec, open_source
+    from epochcache.ingest.layouts import SampleRef, SourceSpec, open_source
 
     source = open_source(SourceSpec(url=http_server, checks=()), concurrency=4)
     refs = [SampleRef("flaky-2/a"), SampleRef("missing"), SampleRef("ok/1"), SampleRef("flaky-9/b")]
@@ -311,7 +311,7 @@ def test_a_throttled_object_is_asked_for_again_past_the_retry_attempts(http_serv
     (after a backoff) until it is served, however many attempts that takes, and each answer
     is counted."""
     from epochcache.errors import Throttled
-    from epochcache.ingest.sources import SampleRef, SourceSpec, open_source
+    from epochcache.ingest.layouts import SampleRef, SourceSpec, open_source
 
     source = open_source(SourceSpec(url=http_server, checks=(), retries=2), concurrency=4)
     refs = [SampleRef("busy-6/a"), SampleRef("ok/2")]
@@ -349,7 +349,7 @@ def test_an_http_server_throttling_with_429_is_paced_and_asked_again(
     429s are counted, and the source's control paces its requests."""
     from epochcache.ingest.concurrency import AutoConcurrency
     from epochcache.ingest.gate import RequestGate
-    from epochcache.ingest.sources import SampleRef, SourceSpec, open_source
+    from epochcache.ingest.layouts import SampleRef, SourceSpec, open_source
 
     proxy = remote_proxy(http_server, latency_s=0.005, rate_per_s=20, burst=2, style="http")
     source = open_source(SourceSpec(url=proxy.endpoint, checks=()))

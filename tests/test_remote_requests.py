@@ -28,7 +28,7 @@ from common.rangeserver import range_server
 from epochcache.ingest.budget import RequestBudget
 from epochcache.ingest.concurrency import FixedConcurrency
 from epochcache.ingest.gate import RequestGate
-from epochcache.ingest.sources import SourceSpec, open_source
+from epochcache.ingest.layouts import SourceSpec, open_source
 
 if TYPE_CHECKING:
     from conftest import S3Env

@@ -27,7 +27,7 @@ from conftest import free_port
 from test_run import cli_env, torchrun
 from test_run_resume import TRAINER, _config, _dataset, _rows
 
-from epochcache.store.manifests import epoch_keys
+from epochcache.coverage.manifests import epoch_keys
 
 pytestmark = pytest.mark.timeout(400)
 

@@ -21,8 +21,8 @@ import yaml
 from common.daemonproc import upload, wait_cached, wait_running, write_config
 
 from epochcache.config import load_config
+from epochcache.ingest.layouts import SourceSpec
 from epochcache.ingest.lineage import config_sources, source_name
-from epochcache.ingest.sources import SourceSpec
 from epochcache.run.source_check import check_run_sources
 
 pytestmark = pytest.mark.timeout(240)

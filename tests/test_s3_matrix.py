@@ -447,7 +447,7 @@ def _shard_source(s3: Any, name: str, client: str, options: dict[str, Any]) -> A
 
     import s3fs
 
-    from epochcache.ingest.sources import SourceSpec, open_source
+    from epochcache.ingest.layouts import SourceSpec, open_source
 
     body = io.BytesIO()
     with tarfile.open(fileobj=body, mode="w") as tar:

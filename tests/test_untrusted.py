@@ -141,8 +141,8 @@ def test_zip_and_npz_checks_inflate_no_more_than_a_sample_may_be(tmp_path: Path)
     import pytest
 
     from epochcache.errors import CorruptSample
-    from epochcache.ingest.sources import SourceSpec, open_source
-    from epochcache.ingest.sources.check import check_format
+    from epochcache.ingest.layouts import SourceSpec, open_source
+    from epochcache.ingest.layouts.check import check_format
 
     (tmp_path / "bomb.npz").write_bytes(_zeros_npz(8))  # ~8 KiB that inflate to 8 MiB
     (tmp_path / "fine.npz").write_bytes(_zeros_npz(0))
@@ -175,7 +175,7 @@ def test_manifests_are_bounded_in_keys_kept_lines_and_line_length(tmp_path: Path
     import pytest
 
     from epochcache.errors import SourceUnavailable
-    from epochcache.ingest.sources import SourceSpec, open_source
+    from epochcache.ingest.layouts import SourceSpec, open_source
 
     (tmp_path / "keys.txt").write_text("".join(f"k{i}.npy\n" for i in range(1000)))
     (tmp_path / "keys.txt.gz").write_bytes(gzip.compress(b"k0.npy\n" + b"\n" * 4_000_000))
@@ -240,7 +240,7 @@ def test_a_gzip_manifest_of_one_endless_line_is_refused_within_a_line_of_memory(
     (tmp_path / "keys.txt.gz").write_bytes(gzip_bomb(4096))
     done = run_measured(f"""
         from epochcache.errors import SourceUnavailable
-        from epochcache.ingest.sources import SourceSpec, open_source
+        from epochcache.ingest.layouts import SourceSpec, open_source
         source = open_source(SourceSpec(url={tmp_path.as_uri()!r}, manifest="keys.txt.gz"))
         mark()
         try:
@@ -268,7 +268,7 @@ def test_a_manifest_costs_the_memory_of_the_keys_it_keeps(tmp_path: Path) -> Non
     rows = "".join(f"k{i:05d}.npy,{i},{notes}\n" for i in range(3000))
     (tmp_path / "keys.csv.gz").write_bytes(gzip.compress(("key,size,notes\n" + rows).encode(), 1))
     done = run_measured(f"""
-        from epochcache.ingest.sources import SourceSpec, open_source
+        from epochcache.ingest.layouts import SourceSpec, open_source
         source = open_source(SourceSpec(url={tmp_path.as_uri()!r}, manifest="keys.csv.gz"))
         mark()
         table = source.list_table()

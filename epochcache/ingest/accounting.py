@@ -1,7 +1,7 @@
 """What each source cost in requests and egress, counted where the requests are made.
 
 Every remote request of a source passes through its request gate (`gate`) or its
-listing (`sources.paging`), which count it here, per source and per process:
+listing (`paging`), which count it here, per source and per process:
 
 * ``gets``: object reads the remote received (throttled ones included: the remote answered
   them; a tar shard read in several requests counts each; one that never left the process,

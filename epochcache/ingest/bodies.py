@@ -10,7 +10,7 @@ and a start at any byte.
   stalled one fails within ``timeout_s``. The first byte (the answer's head) has the same
   deadline.
 * ``offset``: the body from that byte (``Range: bytes=<offset>-``), so that a shard whose read
-  failed is resumed after its last whole piece (`sources.tar`) instead of read again; with
+  failed is resumed after its last whole piece (`layouts.tar`) instead of read again; with
   ``end``, only up to that byte (``Range: bytes=<offset>-<end - 1>``): `read_span`, what
   `Source.read_range` reads a remote range with (a Parquet row group).
 

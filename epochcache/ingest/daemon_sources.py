@@ -6,7 +6,7 @@ fails the start, naming it (``epochcache daemon`` exits 2, nothing is started), 
 lists it again every `RETRY_S` in a background thread. Once it answers, the daemon
 restarts its samplers in order so that they take it in (each commits what it fetched first).
 
-A large bucket (no manifest, no shard pattern) is listed page by page (`sources.paging`):
+A large bucket (no manifest, no shard pattern) is listed page by page (`paging`):
 the start waits for the first `START_KEYS` keys only, unless
 ``sample_while_listing`` is false or the strategy is ``weighted``; the rest is listed in a
 background thread, saved as it goes (the samplers follow the saved listing), and a page that
@@ -29,8 +29,7 @@ from ..errors import SourceError, SourceUnavailable
 from ..redact import redact_url
 from .accounting import RequestStats, saved_requests, source_label
 from .from_config import open_configured_source
-from .relist import RETRY_S, Relister
-from .sources import (
+from .layouts import (
     Listing,
     PagedListing,
     Source,
@@ -39,6 +38,7 @@ from .sources import (
     read_listing_header,
     source_fingerprint,
 )
+from .relist import RETRY_S, Relister
 
 log = logging.getLogger(__name__)
 

@@ -65,9 +65,9 @@ from .gate import RequestGate
 from .idle import IdleState
 from .inflight import SizeEstimate
 from .keyorder import KeyOrder, key_hashes
+from .layouts import KeyTable, Listing, SampleRef, listing_for_sampling
 from .pace import Pace, SharedPaceState
 from .relist import ListingFollower, listing_mtime
-from .sources import KeyTable, Listing, SampleRef, listing_for_sampling
 
 log = logging.getLogger(__name__)
 

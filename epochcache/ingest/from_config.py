@@ -10,7 +10,7 @@ import dataclasses
 import os
 
 from ..config import EpochcacheConfig, SourceConfig
-from .sources import Source, SourceSpec, open_source
+from .layouts import Source, SourceSpec, open_source
 
 
 def manifest_location(manifest: str | None) -> str | None:

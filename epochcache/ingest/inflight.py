@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from .sources import SampleRef
+from .layouts import SampleRef
 
 
 class InFlight:

@@ -6,7 +6,7 @@ ordinal among the samples the shard yielded). `OriginTagger` registers each list
 with the cache (`epochcache.store.listings`), hands the committer an
 `Origin` per sample, and when a feed takes in a new generation
 of its listing maps the coverage ledger and the old generation's origin rows onto it by key
-(`index_map`, `epochcache.store.ledger.remap`). Cost per batch: a dict of the
+(`index_map`, `epochcache.coverage.ledger.remap`). Cost per batch: a dict of the
 batch's samples; per listing change: one write transaction (a new generation: a sort of both
 listings' keys, as a re-list's merge does).
 """
@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..coverage.ledger import remap
 from ..store import SampleStore
-from ..store.ledger import remap
 from ..store.listings import register_listing
 from ..store.origins import Origin
+from .layouts import KeyTable, Piece, SampleRef, source_fingerprint
 from .lineage import identity_key
-from .sources import KeyTable, Piece, SampleRef, source_fingerprint
 
 if TYPE_CHECKING:
     from .feed import Feed

@@ -20,9 +20,9 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from ..coverage.report import coverage
 from ..errors import ConfigError
 from ..store import SampleStore
-from ..store.coverage import coverage
 from ..store.status import daemon_health, failing_sources, request_totals
 
 if TYPE_CHECKING:

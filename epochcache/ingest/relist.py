@@ -2,7 +2,7 @@
 
 The daemon's `Relister` thread lists the source again once the saved listing is older
 than the TTL, in the background, and saves it grown (new keys appended as a block; see
-`sources.listing`). Each sampler's `ListingFollower` notices the new file and loads
+`listing`). Each sampler's `ListingFollower` notices the new file and loads
 it off the fetch loop; the sampler then adds the new keys to its key order without restarting
 its pass (`add_block`). Listing happens once per
 node, not once per sampler. A failed re-list is logged and tried again a minute later; the
@@ -17,7 +17,7 @@ import threading
 import time
 
 from ..errors import SourceError
-from .sources import Listing, Source, listing_path, read_listing, relist, source_fingerprint
+from .layouts import Listing, Source, listing_path, read_listing, relist, source_fingerprint
 
 log = logging.getLogger(__name__)
 

@@ -56,9 +56,9 @@ from .feed import (
 )
 from .heap import reuse_freed_buffers
 from .inflight import InFlight
+from .layouts import STREAMED, Piece, SampleRef
 from .lifeline import Lifeline, kill_with_parent
 from .origin_tagger import OriginTagger
-from .sources import STREAMED, Piece, SampleRef
 
 #: Libraries whose INFO lines (botocore's "Found credentials in ...") a sampler started
 #: without its daemon's levels leaves out.

@@ -32,12 +32,12 @@ from dataclasses import dataclass, field
 from multiprocessing import resource_tracker
 from typing import Any
 
+from ..boot import process_record
 from ..config import EpochcacheConfig
 from ..errors import DaemonAlreadyRunning
 from ..redact import redact_url
 from ..store import SampleStore
 from ..store.env import make_private_dir
-from ..store.leases import process_record
 from ..store.owners import lock_held
 from ..store.status import collect_stats
 from ..units import format_count, format_size

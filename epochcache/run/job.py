@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from ..config import EpochcacheConfig
+from ..coverage.trained import TrainedRecord, coverage_row
 from ..data.placement import Placement
 from ..epoch_record import history_row, log_line
 from ..errors import ConfigError, DaemonAlreadyRunning
@@ -47,7 +48,6 @@ from .midepoch import MidEpoch, checkpointed_coverage, loader_states
 from .progress import TrainProgress, Turnover, train_metrics
 from .signals import Interrupted, StopSignals, Terminated, quiet_worker, shelter_forkserver
 from .source_check import check_run_sources
-from .trained import TrainedRecord, coverage_row
 
 # RunContext and Terminated are re-exported: trainers' type hints (docs/howto/runs.md), callers' except.
 __all__ = ["Run", "RunContext", "Terminated",
@@ -298,7 +298,7 @@ class Run:
                 self.stop.check()  # a stop requested at the epoch boundary: no new epoch
                 record = self._run_epoch(cache, context, epoch, loader)
                 barrier()  # rank 0's checkpoint of the epoch is written before any rank...
-                record.commit()  # ... counts what it covers (store/staged.py)
+                record.commit()  # ... counts what it covers (coverage/staged.py)
                 self.stop.check()  # before the next epoch is waited for
         finally:
             close = getattr(epochs, "close", None)
@@ -377,7 +377,7 @@ class Run:
     def _settle_coverage(self, cache: SampleStore, checkpoint: dict[str, Any] | None) -> None:
         """Count the coverage an earlier attempt of this run staged and its checkpoint covers
         (it was killed before counting it), drop what no checkpoint covers (trained again)."""
-        from ..store.staged import run_key, settle
+        from ..coverage.staged import run_key, settle
 
         first, named = checkpointed_coverage(checkpoint if self.resume else None)
         settle(cache, run_key(self.run_dir), lambda epoch, token: epoch < first or token in named,
@@ -390,7 +390,7 @@ class Run:
         run_dir = self.run_dir.resolve()
         note_job(cache, run_dir=str(run_dir), rank=self.rank, epoch=epoch)
         names = [entry.name for entry in self.config.source_entries() if entry.name]
-        from ..store.staged import run_key
+        from ..coverage.staged import run_key
 
         return TrainedRecord(cache, loader, epoch, batch_size=self.config.loader.batch_size,
                              run_dir=run_dir if self.config.train.manifests else None,
@@ -403,7 +403,7 @@ class Run:
         if not available():  # matplotlib is an extra
             log.info("matplotlib is not installed: no plot (%s)", INSTALL_HINT)
             return None
-        from ..store.coverage import history as coverage_history
+        from ..coverage.report import history as coverage_history
 
         cache = SampleStore(self.config.cache.dir, readonly=True)
         try:

@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 #: state}}``; ``epoch`` of the checkpoint stays the last epoch completed.
 RESUME_KEY = "resume"
 #: The key of a mid-epoch checkpoint's staged coverage: every rank's token
-#: (`epochcache.store.staged`), counted once the checkpoint is written, or at the resume.
+#: (`epochcache.coverage.staged`), counted once the checkpoint is written, or at the resume.
 COVERAGE_KEY = "coverage"
 
 
@@ -67,7 +67,7 @@ class MidEpoch:
         self._kept = False
         #: Called with the batches a checkpoint is about to cover, before it is saved (the
         #: run records what the epoch trained on: its manifest, its coverage staged; see
-        #: run/trained.py); returns the staged coverage's token, which the checkpoint names.
+        #: coverage/trained.py); returns the staged coverage's token, which the checkpoint names.
         self.on_save: Callable[[int], str | None] | None = None
         #: Called once the checkpoint is written, on every rank (the staged coverage counted).
         self.on_saved: Callable[[], None] | None = None

@@ -48,9 +48,8 @@ import lmdb
 from ..errors import CacheError
 from ..units import format_size
 from ..writable import check_writable
-from .datafile import partial_copies, partial_prefix
+from .datafile import COVERAGE_DIR, LOCK_FILE, ledger_lock, partial_copies, partial_prefix
 from .env import make_private_dir
-from .ledger import COVERAGE_DIR, LOCK_FILE, ledger_lock
 from .owners import lock_held
 from .records import DB_LEASES, DB_STATE
 

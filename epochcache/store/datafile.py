@@ -21,9 +21,12 @@ suite checks it against files the bundled LMDB writes.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import glob
 import os
 import struct
+from collections.abc import Iterator
 
 from ..errors import CacheUnusable
 
@@ -134,3 +137,26 @@ def no_cache_here(path: str) -> str:
     return (f"{path}: no cache here (data.mdb is missing){leftover_hint(path)}; point the "
             "command at a cache (the cache.dir of a config), or make one: a daemon does, and "
             "Cache(path, capacity=...)")
+
+
+#: The coverage directory beside the LMDB files: the ledgers `epochcache.coverage` writes there
+#: under `ledger_lock`, and `copy` copies whole under the same lock.
+COVERAGE_DIR = "coverage"
+LOCK_FILE = "ledger.lock"
+
+
+def coverage_dir(cache_path: str) -> str:
+    return os.path.join(cache_path, COVERAGE_DIR)
+
+
+@contextlib.contextmanager
+def ledger_lock(cache_path: str) -> Iterator[None]:
+    """Held while a process reads, changes and writes ledgers (released if it dies)."""
+    directory = coverage_dir(cache_path)
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    fd = os.open(os.path.join(directory, LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)

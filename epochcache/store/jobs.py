@@ -23,8 +23,9 @@ from typing import TYPE_CHECKING, Any
 
 import lmdb
 
+from ..boot import process_record, recorded_alive
 from ..errors import CacheError
-from .leases import Lease, process_record, recorded_alive
+from .leases import Lease
 from .plans import Part, part_path
 
 if TYPE_CHECKING:

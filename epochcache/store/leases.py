@@ -21,13 +21,11 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
-from typing import Any
 
 import lmdb
 
-from ..boot import boot_id, same_boot
+from ..boot import pid_alive, process_start_ticks
 from .owners import owner_alive, remove_owner
 from .plans import remove_plan
 from .reads import record_reads
@@ -37,64 +35,6 @@ log = logging.getLogger("epochcache.cache")  # one logger for everything a cache
 #: An owner whose lock cannot be tested is presumed dead after this long without a
 #: heartbeat (its heartbeat thread refreshes it every quarter of that).
 DEFAULT_LEASE_TIMEOUT_S = 600.0
-
-
-def process_stat(pid: int) -> tuple[str, int | None] | None:
-    """``(state, start time in clock ticks since boot)`` of ``pid`` from /proc, or None."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    # The command name (field 2) may contain spaces and parentheses: split after the last ')'.
-    fields = stat[stat.rfind(b")") + 2 :].split()
-    if not fields:
-        return None
-    try:
-        ticks: int | None = int(fields[19])
-    except (IndexError, ValueError):
-        ticks = None
-    return fields[0].decode("ascii", errors="replace"), ticks
-
-
-def process_start_ticks(pid: int) -> int | None:
-    """The start time of ``pid`` in clock ticks since boot (Linux), or None if unknown."""
-    stat = process_stat(pid)
-    return None if stat is None else stat[1]
-
-
-def pid_alive(pid: int, start_ticks: int | None = None, boot: object = None) -> bool:
-    """Whether process ``pid`` exists (and is the same process that had ``start_ticks``, on
-    the boot ``boot`` names: after a reboot a pid and its start ticks name another process)."""
-    if pid <= 0 or not same_boot(boot):
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # exists, owned by another user
-    if start_ticks is not None:
-        stat = process_stat(pid)
-        if stat is not None:
-            state, ticks = stat
-            if (ticks is not None and ticks != start_ticks) or state == "Z":
-                return False  # a recycled pid, or a zombie: neither holds anything
-    return True
-
-
-def process_record(pid: int | None = None) -> dict[str, Any]:
-    """What a document says of the process that wrote it (default: this one), for
-    `recorded_alive`: its pid, host, start time in ticks since boot, and that boot."""
-    pid = os.getpid() if pid is None else pid
-    return {"pid": pid, "host": socket.gethostname(), "start_ticks": process_start_ticks(pid),
-            "boot": boot_id()}
-
-
-def recorded_alive(doc: Mapping[str, Any]) -> bool:
-    """Whether the process a document names (`process_record`) still runs, by pid and start
-    time on the boot it names (the caller knows it was written on this host)."""
-    return pid_alive(int(doc.get("pid", -1)), doc.get("start_ticks"), doc.get("boot"))
 
 
 @dataclass

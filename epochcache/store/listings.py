@@ -3,7 +3,7 @@
 A sampler registers the listing it samples (its source's fingerprint and identity, which a run
 compares its sources with: `epochcache.ingest.lineage`, and the listing's
 *generation*: indices into a listing keep their meaning only within one generation, see
-``ingest/sources/listing.py``) before it commits a sample picked from it, and gets back a
+``ingest/listing.py``) before it commits a sample picked from it, and gets back a
 listing id (a ``u16``). Each registration also records what coverage needs to know about the
 listing as it stands: the source's name and URL, its layout's unit (``sample`` or ``shard``),
 how many refs it holds and how many of them the last re-list did not find (``gone``), and the

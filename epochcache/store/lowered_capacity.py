@@ -39,10 +39,10 @@ from typing import Any
 
 import lmdb
 
+from ..boot import process_record, recorded_alive
 from ..errors import CacheError
 from ..units import format_size
 from .env import Env
-from .leases import process_record, recorded_alive
 from .records import C_EFFECTIVE_CAPACITY, DB_META, DB_STATE
 
 log = logging.getLogger("epochcache.cache")  # one logger for everything a cache does

@@ -6,13 +6,12 @@ import socket
 import time
 from typing import TYPE_CHECKING, Any
 
+from ..boot import recorded_alive
 from ..epoch_record import HISTORY, epoch_history, is_epoch_row, status_cell
 from ..redact import redact_tree
+from ..stall_records import read_stalls
 from ..units import format_count, format_size
-from .coverage import coverage
 from .jobs import jobs
-from .leases import recorded_alive
-from .stalls import read_stalls
 
 if TYPE_CHECKING:
     from rich.console import RenderableType
@@ -237,7 +236,6 @@ def _collect(cache: SampleStore) -> dict[str, Any]:
         # trainers whose batch stalled, while they run (see epochcache.data.stall)
         "stalls": [{**doc, "for_s": round(now - float(doc.get("since", now)), 1)}
                    for doc in read_stalls(cache.path)],
-        "coverage": coverage(cache),
     }
 
 

@@ -21,7 +21,7 @@ from collections import Counter
 
 from common.resume_cell import EPOCHS, SAMPLES, WRITER_BASE, Cell, Checkpoint, flat
 from epochcache import Cache
-from epochcache.store.manifests import MANIFESTS_DIR, epoch_records
+from epochcache.coverage.manifests import MANIFESTS_DIR, epoch_records
 
 
 def kept(cell: Cell, rank: int, epoch: int, saved: Checkpoint) -> list[int]:

@@ -22,7 +22,7 @@ def read_source(url: str, options: dict[str, Any], client: str
     """``(who read the objects, {key: bytes, or "ErrorClass: message"})`` of ``url``."""
     import s3fs
 
-    from epochcache.ingest.sources import SourceSpec, open_source
+    from epochcache.ingest.layouts import SourceSpec, open_source
 
     # s3fs keeps a filesystem per set of options: one made under another environment would
     # be handed back

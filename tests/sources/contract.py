@@ -20,7 +20,7 @@ import pytest
 
 from epochcache.demo import write_demo_data
 from epochcache.errors import CorruptSample, PermanentRemoteError, SourceError, SourceUnavailable
-from epochcache.ingest.sources import (
+from epochcache.ingest.layouts import (
     SampleRef,
     SourceSpec,
     list_keys_cached,
@@ -95,7 +95,7 @@ class SourceContract:
     def test_missing_object_is_permanent_error_with_key(self, backend: Backend) -> None:
         write_demo_data(backend.url("d"), 3, "files", backend.storage_options)
         source = open_source(backend.source("d"))
-        from epochcache.ingest.sources import SampleRef
+        from epochcache.ingest.layouts import SampleRef
 
         [(_ref, result)] = source.fetch_many([SampleRef("nope.npy")])
         assert isinstance(result, PermanentRemoteError)
@@ -326,7 +326,7 @@ class SourceContract:
     def test_a_tar_shard_is_handed_over_in_pieces_as_it_is_read(self, backend: Backend) -> None:
         """A sampler gets a shard's samples a piece at a time while the shard is read (what
         it holds stays within its budget); the fetch's results stand in for them."""
-        from epochcache.ingest.sources import STREAMED
+        from epochcache.ingest.layouts import STREAMED
 
         members = []
         for i in range(12):

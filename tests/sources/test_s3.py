@@ -9,7 +9,7 @@ import pytest
 import s3fs
 
 from epochcache.errors import SourceUnavailable
-from epochcache.ingest.sources import SourceSpec, open_source
+from epochcache.ingest.layouts import SourceSpec, open_source
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -6,7 +6,7 @@ import io
 import tarfile
 
 from epochcache.errors import CorruptSample
-from epochcache.ingest.sources.tar import iter_shard
+from epochcache.ingest.layouts.tar import iter_shard
 
 
 def _shard(samples: int) -> bytes:

@@ -29,7 +29,7 @@ import numpy as np
 from ...errors import CorruptSample
 from ...limits import AST_LOCK, DEFAULT_MAX_SAMPLE_BYTES, gunzip
 from ...units import format_size
-from .types import CHECKS
+from ..types import CHECKS
 
 _ALGO_BY_LENGTH = {8: "crc32", 32: "md5", 40: "sha1", 64: "sha256"}
 

@@ -6,10 +6,10 @@ import logging
 
 from ...errors import CorruptSample
 from ...limits import cut_text
+from ..keytable import KeyTable
+from ..types import FetchResult, SampleRef
 from .base import Source
 from .check import check_object
-from .keytable import KeyTable
-from .types import FetchResult, SampleRef
 
 log = logging.getLogger(__name__)
 

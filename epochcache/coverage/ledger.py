@@ -6,7 +6,7 @@ trainer hands the sequence numbers it trained on to `record_trained`. Their orig
 adds one to a saturating ``uint8`` per listed sample (255 means "255 or more"), once per
 sample per call however often it occurs in it. What an *interrupted* epoch trained on is what
 a checkpoint covers: ``epochcache run`` records the part of an epoch each mid-epoch checkpoint
-covers, once that checkpoint is written (`epochcache.store.staged`), so an epoch killed and
+covers, once that checkpoint is written (`epochcache.coverage.staged`), so an epoch killed and
 resumed counts each of its samples once, whenever the kill came, and a job killed without a
 checkpoint counts nothing of its last epoch (its model never kept it either). Each ledger
 remembers the staged updates it counted (``applied``, per run), so a retried one counts once.
@@ -36,13 +36,10 @@ Python API) are counted in ``unattributed``, never an error.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
 import logging
 import os
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -50,17 +47,16 @@ import lmdb
 import numpy as np
 
 from ..atomic import atomic_write
-from .listings import listings as registered_listings
-from .origins import UNKNOWN, _Row, read_origins, unique
-from .records import DB_ORIGINS, seq_key
+from ..store.datafile import coverage_dir, ledger_lock
+from ..store.listings import listings as registered_listings
+from ..store.origins import UNKNOWN, _Row, read_origins, unique
+from ..store.records import DB_ORIGINS, seq_key
 
 if TYPE_CHECKING:
-    from .sample_store import SampleStore
+    from ..store.sample_store import SampleStore
 
 log = logging.getLogger("epochcache.cache")
 
-COVERAGE_DIR = "coverage"
-LOCK_FILE = "ledger.lock"
 UNATTRIBUTED_FILE = "unattributed.json"
 LEDGER_VERSION = 1
 _MAGIC = b"EPOCHCACHE-COVERAGE\n"
@@ -70,25 +66,8 @@ MAX_UPDATES = 2000
 SATURATED = 255
 
 
-def coverage_dir(cache_path: str) -> str:
-    return os.path.join(cache_path, COVERAGE_DIR)
-
-
 def ledger_path(cache_path: str, fingerprint: str) -> str:
     return os.path.join(coverage_dir(cache_path), f"{fingerprint}.ledger")
-
-
-@contextlib.contextmanager
-def ledger_lock(cache_path: str) -> Iterator[None]:
-    """Held while a process reads, changes and writes ledgers (released if it dies)."""
-    directory = coverage_dir(cache_path)
-    os.makedirs(directory, mode=0o700, exist_ok=True)
-    fd = os.open(os.path.join(directory, LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
 
 
 @dataclass
@@ -299,7 +278,7 @@ def _ingested(cache: SampleStore, source: str) -> int:
     return cache.counters().inserted
 
 
-#: Per run, the staged tokens last counted (`epochcache.store.staged`), and how many runs are
+#: Per run, the staged tokens last counted (`epochcache.coverage.staged`), and how many runs are
 #: remembered (the least recently counted go first).
 APPLIED_PER_RUN = 32
 APPLIED_RUNS = 64
@@ -332,7 +311,7 @@ def record_trained(cache: SampleStore, seqs: np.ndarray, *, epoch: int | None = 
     their sources; returns ``{"trained", "new", "unattributed"}`` of this call.
 
     ``token`` names the update: a ledger that counted it once does not count it again (see
-    `epochcache.store.staged`). ``commit=False`` counts nothing: it returns what the update
+    `epochcache.coverage.staged`). ``commit=False`` counts nothing: it returns what the update
     would count, with ``"summaries"``, each ledger's summary after it by fingerprint.
     """
     seqs = np.asarray(seqs, dtype=np.uint64)
@@ -434,7 +413,7 @@ def remap(cache: SampleStore, old: dict[str, Any], new: dict[str, Any], old_lid:
     the new one, re-index the ledger (if it is on the old generation) and the origin rows of
     the old generation, by ``mapping`` (old index -> new index, -1 for keys the new listing
     lacks); return the new listing's id."""
-    from .listings import register_listing
+    from ..store.listings import register_listing
 
     fp = str(new["fingerprint"])
     path = ledger_path(cache.path, fp)

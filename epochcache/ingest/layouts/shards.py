@@ -28,8 +28,8 @@ from typing import Any, Protocol
 from ...errors import CorruptSample
 from ...limits import DEFAULT_MAX_SAMPLE_BYTES
 from ...units import format_size
+from ..types import Payload, SampleRef
 from .check import check_format
-from .types import Payload, SampleRef
 
 #: The longest field name a record holds (its length is stored in 16 bits): a member whose
 #: name would need more is quarantined with its sample, never handed to the encoder.

@@ -34,16 +34,16 @@ from typing import Any
 
 import fsspec
 
-from ...errors import PermanentRemoteError, SourceError, SourceUnavailable
-from ...limits import (
+from ..errors import PermanentRemoteError, SourceError, SourceUnavailable
+from ..limits import (
     DEFAULT_MANIFEST_MAX_BYTES,
     DEFAULT_MANIFEST_MAX_LINES,
     MANIFEST_MAX_LINE_BYTES,
     gunzip_chunks,
 )
-from ...units import format_size
-from ..remote import retry
+from ..units import format_size
 from .keytable import KeyTable, KeyTableBuilder
+from .remote import retry
 
 log = logging.getLogger(__name__)
 

@@ -1,12 +1,12 @@
 """What an epoch of ``epochcache run`` trained on: its manifest and its coverage, per rank.
 
 A run records the samples of an epoch in two places once the model has kept them: the epoch's
-manifest in the run directory (`epochcache.store.manifests`: the keys, in order) and the
-cache's coverage ledger (`epochcache.store.ledger`: one more epoch for each sample). It
+manifest in the run directory (`epochcache.coverage.manifests`: the keys, in order) and the
+cache's coverage ledger (`epochcache.coverage.ledger`: one more epoch for each sample). It
 does so when a mid-epoch checkpoint covers part of the epoch (``train.checkpoint_every_s``)
 and when the epoch ends, each time for the batches since the last time: before the checkpoint
 is written, the manifest's record is appended and the coverage *staged*; once it is written,
-the staged coverage is counted (`epochcache.store.staged`). So an epoch stopped and resumed
+the staged coverage is counted (`epochcache.coverage.staged`). So an epoch stopped and resumed
 from its checkpoint records each of its samples once, whenever the job was killed (while it
 wrote the checkpoint too), and an epoch a job dies in without a checkpoint records nothing (it
 is trained again, from its start, on resume).
@@ -23,10 +23,11 @@ import lmdb
 import numpy as np
 
 from ..errors import CacheError
-from ..store import SampleStore, staged
-from ..store.coverage import bucketed, coverage
-from ..store.ledger import record_trained
-from ..store.manifests import ManifestWriter
+from ..store import SampleStore
+from . import staged
+from .ledger import record_trained
+from .manifests import ManifestWriter
+from .report import bucketed, coverage
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +119,7 @@ class TrainedRecord:
 
 
 def _lane(state: dict[str, Any]) -> dict[str, Any] | None:
-    """The lane a loader state's positions count along (see `epochcache.store.manifests`)."""
+    """The lane a loader state's positions count along (see `epochcache.coverage.manifests`)."""
     if "local_rank" not in state:
         return None
     return {"local_rank": int(state["local_rank"]),

@@ -2,7 +2,7 @@
 covers it is written, all or nothing.
 
 ``epochcache run`` counts the batches a checkpoint covers in the coverage ledger
-(`epochcache.store.ledger`). Counted before the checkpoint was written, a job killed while
+(`epochcache.coverage.ledger`). Counted before the checkpoint was written, a job killed while
 writing it (a checkpoint of a large model takes seconds) had counted batches its resume trains
 and counts again. So the count goes in two steps:
 
@@ -40,7 +40,7 @@ from ..errors import CacheError
 from .ledger import coverage_dir, record_trained
 
 if TYPE_CHECKING:
-    from .sample_store import SampleStore
+    from ..store.sample_store import SampleStore
 
 log = logging.getLogger(__name__)
 

@@ -33,9 +33,9 @@ from typing import Any
 from ...errors import CorruptSample, SourceError
 from ...limits import cut_text
 from ...units import format_size
+from ..keytable import KeyTable
+from ..types import STREAMED, FetchResult, OnPiece, Piece, SampleRef
 from .base import Source
-from .keytable import KeyTable
-from .types import STREAMED, FetchResult, OnPiece, Piece, SampleRef
 
 log = logging.getLogger(__name__)
 

@@ -32,12 +32,12 @@ from typing import Any
 import fsspec
 from fsspec.asyn import AsyncFileSystem, sync
 
-from ...errors import RemoteTimeout, SourceError, SourceUnavailable
-from ...redact import redact_options
-from ..accounting import RequestStats
-from ..remote import call, retry, translate_errors
+from ..errors import RemoteTimeout, SourceError, SourceUnavailable
+from ..redact import redact_options
+from .accounting import RequestStats
 from .keytable import KeyTable, KeyTableBuilder
 from .listing import Listing, new_generation, read_listing, save_listing, source_fingerprint
+from .remote import call, retry, translate_errors
 
 log = logging.getLogger(__name__)
 

@@ -41,12 +41,13 @@ from ...limits import cut_text
 from ..bodies import BodyReader, ObjectChanged
 from ..clients import obstore_refuses_key
 from ..concurrency import Outcome
+from ..keytable import KeyTable, KeyTableBuilder, head_width, key_heads
 from ..localfiles import OPEN_FLAGS
+from ..manifest import expand_braces
 from ..remote import call, outcome_of, reached_remote, retry, translate_error, translate_errors
+from ..types import STREAMED, FetchResult, OnPiece, Piece, SampleRef
 from .base import Source
 from .check import StreamDigest
-from .keytable import KeyTable, KeyTableBuilder, head_width, key_heads
-from .manifest import expand_braces
 from .shards import (
     MAX_FIELD_BYTES,
     ReadFailed,
@@ -56,7 +57,6 @@ from .shards import (
     sample_bytes,
     split_member,
 )
-from .types import STREAMED, FetchResult, OnPiece, Piece, SampleRef
 
 __all__ = ["MAX_FIELD_BYTES", "Piece", "TarSource", "iter_shard", "split_member"]
 

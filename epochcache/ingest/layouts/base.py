@@ -53,7 +53,10 @@ from ..clients import (
 )
 from ..concurrency import FixedConcurrency, Outcome
 from ..gate import RequestGate
+from ..keytable import KeyTable
 from ..localfiles import LocalFiles
+from ..manifest import read_manifest
+from ..paging import Pager, list_all, make_pager
 from ..remote import (
     TRANSIENT_ERRORS,
     BandwidthLimiter,
@@ -67,10 +70,7 @@ from ..remote import (
     translate_error,
     translate_errors,
 )
-from .keytable import KeyTable
-from .manifest import read_manifest
-from .paging import Pager, list_all, make_pager
-from .types import FetchResult, SampleRef, SourceSpec
+from ..types import FetchResult, SampleRef, SourceSpec
 
 log = logging.getLogger(__name__)
 

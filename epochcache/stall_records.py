@@ -14,8 +14,8 @@ import json
 import os
 from typing import Any
 
-from ..atomic import atomic_write
-from .leases import process_record, recorded_alive
+from .atomic import atomic_write
+from .boot import process_record, recorded_alive
 
 STALLS_DIR = "stalls"
 

@@ -2,8 +2,9 @@
 (`SourceSpec`), one fetchable unit (`SampleRef`), what its fetch gives (`FetchResult`), and
 the `Piece`s a shard's samples are handed over in while it is read.
 
-No module of ``sources/`` imports another to use these: they live here, below all of them,
-so that a new layout (`layouts`) imports them and nothing else of its siblings.
+No layout (``layouts/``) and no listing module (`keytable`, `listing`, `paging`, `manifest`)
+imports another to use these: they live here, below all of them, so that a new layout imports
+them and nothing else of its siblings.
 """
 
 from __future__ import annotations
@@ -12,15 +13,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...errors import SourceError
-from ...limits import (
+from ..errors import SourceError
+from ..limits import (
     DEFAULT_MANIFEST_MAX_BYTES,
     DEFAULT_MANIFEST_MAX_LINES,
     DEFAULT_MAX_BYTES_IN_FLIGHT,
     DEFAULT_MAX_SAMPLE_BYTES,
 )
-from ...redact import redact_options, redact_url
-from ...registry import layout
+from ..redact import redact_options, redact_url
+from ..registry import layout
 
 #: what a fetch returns for one sample: whole-object bytes, or tar fields by extension
 Payload = bytes | dict[str, bytes]

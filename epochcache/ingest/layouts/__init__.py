@@ -15,11 +15,8 @@ import os
 import time
 from collections.abc import Sequence
 
-from .base import Source
-from .files import FilesSource
-from .keytable import KeyTable, KeyTableBuilder
-from .layouts import layout_of, layouts
-from .listing import (
+from ..keytable import KeyTable, KeyTableBuilder
+from ..listing import (
     Listing,
     listing_path,
     merge_listing,
@@ -28,9 +25,12 @@ from .listing import (
     save_listing,
     source_fingerprint,
 )
-from .paging import PagedListing
+from ..paging import PagedListing
+from ..types import CHECKS, STREAMED, FetchResult, Payload, Piece, SampleRef, SourceSpec
+from .base import Source
+from .files import FilesSource
+from .lookup import layout_of, layouts
 from .tar import TarSource
-from .types import CHECKS, STREAMED, FetchResult, Payload, Piece, SampleRef, SourceSpec
 
 __all__ = [
     "CHECKS",

@@ -1,7 +1,7 @@
 """Training manifests: the sample keys each epoch trained on, per rank, in order.
 
 ``epochcache run`` writes one file per epoch and rank, ``<run dir>/manifests/epoch-000012.rank-00000.ecm``,
-through a [`ManifestWriter`][epochcache.store.manifests.ManifestWriter] (``epochs()`` and ``stream()`` can do the same: the writer
+through a [`ManifestWriter`][epochcache.coverage.manifests.ManifestWriter] (``epochs()`` and ``stream()`` can do the same: the writer
 needs only the cache and, per part of an epoch, its sequence numbers). The keys come from the
 cache's origin rows (`origins`), which outlive the samples' eviction as long as the
 epoch's lease lives, so a manifest names every sample even under progressive release.
@@ -24,11 +24,11 @@ not be continued (another lease: the epoch started afresh). A resume on another 
 ranks deals the rest anew onto new lanes, whose records carry the split: its positions say
 how far each earlier lane was kept, so records of the earlier lanes past them are dropped
 (whichever rank's file holds them) and those before them stay. So
-[`epoch_keys`][epochcache.store.manifests.epoch_keys] gives each sample trained once, in
+[`epoch_keys`][epochcache.coverage.manifests.epoch_keys] gives each sample trained once, in
 order, however often and on whatever shapes the epoch was stopped and resumed.
 
 Keys are cache keys: ``<name>/<key>`` for an entry of ``sources:``; for a ``tar`` sample
-``<shard>/<sample>``. Fed back as ``source.manifest`` (per source: [`epoch_keys`][epochcache.store.manifests.epoch_keys] with
+``<shard>/<sample>``. Fed back as ``source.manifest`` (per source: [`epoch_keys`][epochcache.coverage.manifests.epoch_keys] with
 ``source=``), they fetch exactly those samples again (see docs/howto/runs.md).
 """
 
@@ -46,12 +46,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import zstandard
 
-from .codec import record_source_key
-from .origins import read_origins
-from .records import DB_SAMPLES, seq_key
+from ..store.codec import record_source_key
+from ..store.origins import read_origins
+from ..store.records import DB_SAMPLES, seq_key
 
 if TYPE_CHECKING:
-    from .sample_store import SampleStore
+    from ..store.sample_store import SampleStore
 
 MANIFESTS_DIR = "manifests"
 _MAGIC = b"ECMF"
