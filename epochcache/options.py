@@ -1,4 +1,6 @@
-"""How a cache's samples are read: one [`ReaderOptions`][epochcache.ReaderOptions] value for every reader.
+"""The options of the training side as values, each default written once: how samples are read
+([`ReaderOptions`][epochcache.ReaderOptions]), how an epoch is ordered and released
+(`EpochOptions`), and what epochs()' DataLoaders are (`LoaderOptions`).
 
 ``cache.dataset()``, ``cache.epochs()``, ``cache.stream()`` and a run's ``loader:`` section all
 read samples the same way: decode them, maybe transform them, pick fields, bound what a sample
@@ -10,15 +12,18 @@ keyword arguments, which override it::
     for epoch, loader in cache.epochs(10, batch_size=64, options=opts): ...
     stream = cache.stream(seed=0, fields=("npy", "cls"))      # the same, as keywords
 
-A run's config maps onto it once (`epochcache.config.LoaderConfig.reader_options`). No
-torch here: the value travels to DataLoader workers and sampler-free tools as it is.
+A run's config maps onto them once (`epochcache.config.LoaderConfig.reader_options`,
+`EpochcacheConfig.epoch_options`, `EpochcacheConfig.loader_options`), and the keyword
+signatures of ``epochs()`` and ``stream()`` take their defaults from the fields here; `resolve`
+sends each keyword to the value with a field of its name. No torch here: the values travel to
+DataLoader workers and sampler-free tools as they are.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypedDict
+from typing import Any, TypeVar
 
 from .limits import DEFAULT_MAX_SAMPLE_BYTES
 
@@ -37,10 +42,23 @@ RESUME_GRACE_S = 1800.0
 ON_ERROR = ("raise", "skip")
 STALL_ACTIONS = ("raise", "warn")
 IMAGE_FORMS = ("numpy", "torch", "pil")
+RELEASE = ("progressive", "epoch")
+#: DataLoader arguments epochs() sets itself (the sampler is its own; shuffling is per epoch).
+RESERVED = ("dataset", "sampler", "batch_sampler", "shuffle", "generator")
+
+_O = TypeVar("_O", bound="_Options")
+
+
+class _Options:
+    """What the option values share: a copy with changes."""
+
+    def replace(self: _O, **changes: Any) -> _O:
+        """A copy with ``changes`` (keyword names as the attributes)."""
+        return dataclasses.replace(self, **changes)  # type: ignore[type-var]
 
 
 @dataclasses.dataclass(frozen=True)
-class ReaderOptions:
+class ReaderOptions(_Options):
     """How samples are read, decoded and watched (see the module docstring).
 
     Attributes:
@@ -100,43 +118,128 @@ class ReaderOptions:
                                          or self.stall_s <= 0):
             raise ValueError(f"stall_s: expected None or seconds > 0, got {self.stall_s!r}")
 
-    def replace(self, **changes: Any) -> ReaderOptions:
-        """A copy with ``changes`` (keyword names as the attributes)."""
-        return dataclasses.replace(self, **changes)
 
-    @classmethod
-    def resolve(cls, options: ReaderOptions | None, overrides: Mapping[str, Any],
-                where: str) -> ReaderOptions:
-        """``options`` (default: the defaults) with the keyword ``overrides`` applied.
+@dataclasses.dataclass(frozen=True)
+class EpochOptions(_Options):
+    """How an epoch is ordered and released: ``epochs()``, ``stream()`` and a run.
 
-        Raises:
-            TypeError: an override that is no reader option; ``where`` names the call.
-        """
-        if options is not None and not isinstance(options, ReaderOptions):
-            raise TypeError(f"{where}: options: expected an epochcache.ReaderOptions, got "
-                            f"{type(options).__name__}")
-        unknown = sorted(set(overrides) - NAMES)
-        if unknown:
-            raise TypeError(f"{where}: unexpected keyword argument(s) {', '.join(unknown)} "
-                            f"(reader options are {', '.join(sorted(NAMES))})")
-        base = options if options is not None else cls()
-        return base.replace(**overrides) if overrides else base
+    Attributes:
+        seed: seeds the per-epoch order (same seed, epoch and snapshot: same order) and, in
+            ``epochs()``, the workers' random state.
+        shuffle: shuffle each epoch (else the snapshot's insertion order).
+        samples_per_epoch: samples per epoch per node; None means the whole snapshot (a
+            larger number resamples a small cache).
+        release: ``"progressive"`` (a batch's samples may be evicted once read) or
+            ``"epoch"`` (the whole snapshot stays until the epoch ends).
+        resume_grace_s: how long an epoch's lease outlives a stop once its position was
+            checkpointed, for a resume (seconds; 0 disables).
+    """
+
+    seed: int = 0
+    shuffle: bool = True
+    samples_per_epoch: int | None = None
+    release: str = "progressive"
+    resume_grace_s: float = RESUME_GRACE_S
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.seed, int):
+            raise ValueError(f"seed: expected an int, got {self.seed!r}")
+        if self.samples_per_epoch is not None and (not isinstance(self.samples_per_epoch, int)
+                                                   or self.samples_per_epoch < 1):
+            raise ValueError(f"samples_per_epoch: expected None or an int >= 1, "
+                             f"got {self.samples_per_epoch!r}")
+        if self.release not in RELEASE:
+            raise ValueError(f"release: expected 'progressive' or 'epoch', got {self.release!r}")
+
+    @property
+    def progressive(self) -> bool:
+        """Whether read batches are released during the epoch."""
+        return self.release == "progressive"
 
 
-#: The option names, for the keyword form.
-NAMES = frozenset(field.name for field in dataclasses.fields(ReaderOptions))
+@dataclasses.dataclass(frozen=True)
+class LoaderOptions(_Options):
+    """epochs()' DataLoaders: batches, workers and the wait for a first sample.
+
+    Attributes:
+        batch_size: samples per batch.
+        num_workers: DataLoader workers; None: 0 without a transform, else the cores of this
+            process divided by the ranks of its node.
+        drop_last: drop an epoch's last, smaller batch.
+        persistent_workers: keep workers across epochs; None: True with workers.
+        collate_fn: replaces the built-in batch assembly.
+        worker_init_fn: called in each worker after epochcache seeded it.
+        min_samples: wait until the cache holds this many samples.
+        wait_timeout_s: give up waiting for ``min_samples`` after this long.
+        dataloader: the rest of each DataLoader's arguments (``pin_memory``, ``timeout``,
+            ``prefetch_factor``, ...).
+    """
+
+    batch_size: int = 64
+    num_workers: int | None = None
+    drop_last: bool = False
+    persistent_workers: bool | None = None
+    collate_fn: Callable[[Any], Any] | None = None
+    worker_init_fn: Callable[[int], None] | None = None
+    min_samples: int = 1
+    wait_timeout_s: float | None = None
+    dataloader: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.batch_size, int) or self.batch_size < 1:
+            raise ValueError(f"batch_size: expected an int >= 1, got {self.batch_size!r}")
+        if not isinstance(self.min_samples, int) or self.min_samples < 0:
+            raise ValueError(f"min_samples: expected an int >= 0, got {self.min_samples!r}")
+        if self.num_workers is not None and (not isinstance(self.num_workers, int)
+                                             or self.num_workers < 0):
+            raise ValueError(f"num_workers: expected an int >= 0, got {self.num_workers!r}")
+        bad = [name for name in RESERVED if name in self.dataloader]
+        if bad:
+            raise ValueError(f"epochs() sets {', '.join(bad)} itself; use shuffle=/seed= of "
+                             "epochs() instead")
 
 
-class ReaderKwargs(TypedDict, total=False):
-    """The keyword form of [`ReaderOptions`][epochcache.ReaderOptions] (for type checkers: ``**reader``)."""
+def _names(cls: type[Any]) -> frozenset[str]:
+    return frozenset(field.name for field in dataclasses.fields(cls))
 
-    decode: str | DecodeFn | None
-    transform: Callable[[Any], Any] | None
-    allow_pickle: bool
-    max_sample_bytes: int
-    on_error: str
-    fields: str | Sequence[str] | None
-    image: str
-    stall_s: float | None
-    stall_action: str
-    stall_file: str | None
+
+#: The option names of each value, for the keyword form.
+NAMES, EPOCH_NAMES = _names(ReaderOptions), _names(EpochOptions)
+LOADER_NAMES = _names(LoaderOptions) - {"dataloader"}
+
+
+def resolve(where: str, options: ReaderOptions | None, keywords: Mapping[str, Any], *,
+            epoch: bool = True, loader: bool = False,
+            ) -> tuple[ReaderOptions, EpochOptions, LoaderOptions]:
+    """The values the keyword form of a call names: each keyword goes to the value with a
+    field of its name, reader options overriding ``options`` (default: the defaults).
+
+    Args:
+        where: the call, for errors (``"cache.epochs()"``).
+        options: the reader options given whole, if any.
+        keywords: the call's keywords (those it does not take itself).
+        epoch: whether the call takes epoch options (``dataset()`` does not).
+        loader: whether the call makes DataLoaders (``epochs()``): then the loader options
+            are the loader's and any other keyword goes to each DataLoader; otherwise
+            (``stream()``) a keyword that is no reader or epoch option is a TypeError.
+
+    Raises:
+        TypeError: an unknown keyword (``loader=False``) or ``options`` of another type;
+            ``where`` names the call.
+        ValueError: an invalid value (named in the message).
+    """
+    if options is not None and not isinstance(options, ReaderOptions):
+        raise TypeError(f"{where}: options: expected an epochcache.ReaderOptions, got "
+                        f"{type(options).__name__}")
+    known = (NAMES | (EPOCH_NAMES if epoch else frozenset())
+             | (LOADER_NAMES if loader else frozenset()))
+    unknown = sorted(set(keywords) - known)
+    if unknown and not loader:
+        raise TypeError(f"{where}: unexpected keyword argument(s) {', '.join(unknown)} "
+                        f"(reader options are {', '.join(sorted(NAMES))})")
+    overrides = {name: value for name, value in keywords.items() if name in NAMES}
+    base = options if options is not None else ReaderOptions()
+    return (base.replace(**overrides) if overrides else base,
+            EpochOptions(**{k: v for k, v in keywords.items() if k in EPOCH_NAMES}),
+            LoaderOptions(**{k: v for k, v in keywords.items() if k in LOADER_NAMES},
+                          dataloader={k: keywords[k] for k in unknown}))
