@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 from .limits import DEFAULT_MAX_SAMPLE_BYTES
 
@@ -46,19 +46,10 @@ RELEASE = ("progressive", "epoch")
 #: DataLoader arguments epochs() sets itself (the sampler is its own; shuffling is per epoch).
 RESERVED = ("dataset", "sampler", "batch_sampler", "shuffle", "generator")
 
-_O = TypeVar("_O", bound="_Options")
-
-
-class _Options:
-    """What the option values share: a copy with changes."""
-
-    def replace(self: _O, **changes: Any) -> _O:
-        """A copy with ``changes`` (keyword names as the attributes)."""
-        return dataclasses.replace(self, **changes)  # type: ignore[type-var]
 
 
 @dataclasses.dataclass(frozen=True)
-class ReaderOptions(_Options):
+class ReaderOptions:
     """How samples are read, decoded and watched (see the module docstring).
 
     Attributes:
@@ -118,21 +109,18 @@ class ReaderOptions(_Options):
                                          or self.stall_s <= 0):
             raise ValueError(f"stall_s: expected None or seconds > 0, got {self.stall_s!r}")
 
+    def replace(self, **changes: Any) -> ReaderOptions:
+        """A copy with ``changes`` (keyword names as the attributes)."""
+        return dataclasses.replace(self, **changes)
+
 
 @dataclasses.dataclass(frozen=True)
-class EpochOptions(_Options):
+class EpochOptions:
     """How an epoch is ordered and released: ``epochs()``, ``stream()`` and a run.
 
-    Attributes:
-        seed: seeds the per-epoch order (same seed, epoch and snapshot: same order) and, in
-            ``epochs()``, the workers' random state.
-        shuffle: shuffle each epoch (else the snapshot's insertion order).
-        samples_per_epoch: samples per epoch per node; None means the whole snapshot (a
-            larger number resamples a small cache).
-        release: ``"progressive"`` (a batch's samples may be evicted once read) or
-            ``"epoch"`` (the whole snapshot stays until the epoch ends).
-        resume_grace_s: how long an epoch's lease outlives a stop once its position was
-            checkpointed, for a resume (seconds; 0 disables).
+    Each attribute is the keyword of its name of [`epochs`][epochcache.data.epochs.epochs]
+    and [`CacheStream`][epochcache.data.stream.CacheStream], documented there; its default is
+    written here only.
     """
 
     seed: int = 0
@@ -158,21 +146,12 @@ class EpochOptions(_Options):
 
 
 @dataclasses.dataclass(frozen=True)
-class LoaderOptions(_Options):
+class LoaderOptions:
     """epochs()' DataLoaders: batches, workers and the wait for a first sample.
 
-    Attributes:
-        batch_size: samples per batch.
-        num_workers: DataLoader workers; None: 0 without a transform, else the cores of this
-            process divided by the ranks of its node.
-        drop_last: drop an epoch's last, smaller batch.
-        persistent_workers: keep workers across epochs; None: True with workers.
-        collate_fn: replaces the built-in batch assembly.
-        worker_init_fn: called in each worker after epochcache seeded it.
-        min_samples: wait until the cache holds this many samples.
-        wait_timeout_s: give up waiting for ``min_samples`` after this long.
-        dataloader: the rest of each DataLoader's arguments (``pin_memory``, ``timeout``,
-            ``prefetch_factor``, ...).
+    Each attribute but ``dataloader`` is the keyword of its name of
+    [`epochs`][epochcache.data.epochs.epochs], documented there; its default is written here
+    only. ``dataloader``: the rest of each DataLoader's arguments (``pin_memory``, ...).
     """
 
     batch_size: int = 64
@@ -214,19 +193,9 @@ def resolve(where: str, options: ReaderOptions | None, keywords: Mapping[str, An
     """The values the keyword form of a call names: each keyword goes to the value with a
     field of its name, reader options overriding ``options`` (default: the defaults).
 
-    Args:
-        where: the call, for errors (``"cache.epochs()"``).
-        options: the reader options given whole, if any.
-        keywords: the call's keywords (those it does not take itself).
-        epoch: whether the call takes epoch options (``dataset()`` does not).
-        loader: whether the call makes DataLoaders (``epochs()``): then the loader options
-            are the loader's and any other keyword goes to each DataLoader; otherwise
-            (``stream()``) a keyword that is no reader or epoch option is a TypeError.
-
-    Raises:
-        TypeError: an unknown keyword (``loader=False``) or ``options`` of another type;
-            ``where`` names the call.
-        ValueError: an invalid value (named in the message).
+    ``where`` names the call in errors. ``epoch``: the call takes epoch options
+    (``dataset()`` does not); ``loader``: it makes DataLoaders (``epochs()``), which take
+    loader options and any other keyword; otherwise an unknown keyword is a TypeError.
     """
     if options is not None and not isinstance(options, ReaderOptions):
         raise TypeError(f"{where}: options: expected an epochcache.ReaderOptions, got "

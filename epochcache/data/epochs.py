@@ -43,7 +43,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from ..errors import PrepareFailed, StallError
-from ..options import EpochOptions, LoaderOptions, ReaderOptions, resolve
+from ..options import EPOCH_NAMES, LOADER_NAMES, EpochOptions, LoaderOptions, ReaderOptions, resolve
 from ..store import store_of
 from ..store.env import cache_identity
 from .dataset import EpochDataset
@@ -636,12 +636,8 @@ def epochs(
         PrepareFailed: the background preparation failed (``__cause__`` is the error).
     """
     # Each default is the option's own (epochcache.options): the keywords become the values.
-    reader, epoch, loader = resolve("cache.epochs()", options, dict(
-        batch_size=batch_size, num_workers=num_workers, seed=seed, shuffle=shuffle,
-        drop_last=drop_last, samples_per_epoch=samples_per_epoch, min_samples=min_samples,
-        wait_timeout_s=wait_timeout_s, release=release, resume_grace_s=resume_grace_s,
-        collate_fn=collate_fn, persistent_workers=persistent_workers,
-        worker_init_fn=worker_init_fn, **kwargs), loader=True)
+    given = {name: value for name, value in locals().items() if name in EPOCH_NAMES | LOADER_NAMES}
+    reader, epoch, loader = resolve("cache.epochs()", options, {**given, **kwargs}, loader=True)
     return epochs_of(cache, num_epochs, reader, epoch, loader, start_epoch=start_epoch,
                      resume=resume)
 
@@ -663,8 +659,7 @@ def epochs_of(cache: SampleStore | Any, num_epochs: int, reader: ReaderOptions,
         start_epoch = groups[0].epoch
     sample_reader = SampleReader(cache.path, reader)
     sample_reader.bind(cache)
-    state = _Epochs(cache, epoch, loader, sample_reader, place, groups)
-    return _generate(state, cache, loader.min_samples, loader.wait_timeout_s, start_epoch,
+    return _generate(_Epochs(cache, epoch, loader, sample_reader, place, groups), start_epoch,
                      num_epochs)
 
 
@@ -710,7 +705,7 @@ def _worker_settings(loader: LoaderOptions, transform: Callable[[Any], Any] | No
     return num_workers, persistent
 
 
-def _generate(state: _Epochs, cache: SampleStore, min_samples: int, wait_timeout_s: float | None,
-              start: int, num_epochs: int) -> Iterator[tuple[int, EpochLoader]]:
-    wait_for_samples(cache, min_samples, wait_timeout_s)
+def _generate(state: _Epochs, start: int, num_epochs: int) -> Iterator[tuple[int, EpochLoader]]:
+    wait_for_samples(state.cache, state.loader_options.min_samples,
+                     state.loader_options.wait_timeout_s)
     yield from state.run(start, num_epochs)

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 
-from ..options import EpochOptions, ReaderOptions, resolve
+from ..options import EPOCH_NAMES, EpochOptions, ReaderOptions, resolve
 from ..store import store_of
 from ..store.env import cache_identity
 from ..store.plans import Releaser
@@ -184,9 +184,8 @@ class CacheStream(IterableDataset[Any]):
         **reader: Any,
     ) -> None:
         # Each default is the option's own (epochcache.options): the keywords become the values.
-        opts, epoch, _ = resolve("cache.stream()", options, dict(
-            seed=seed, shuffle=shuffle, samples_per_epoch=samples_per_epoch, release=release,
-            resume_grace_s=resume_grace_s, **reader))
+        given = {name: value for name, value in locals().items() if name in EPOCH_NAMES}
+        opts, epoch, _ = resolve("cache.stream()", options, {**given, **reader})
         cache = store_of(cache)
         self.reader = SampleReader(cache.path, opts)
         # Its DataLoader is the user's: a row for each worker it may have (see tallies()).

@@ -16,6 +16,7 @@ on its own GPU (``RunContext.device``; `epochcache.run.devices`).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import json
@@ -116,7 +117,8 @@ def ensure_demo_data(config: EpochcacheConfig) -> None:
 
 def _loader_options(config: EpochcacheConfig, device: RunDevice = CPU) -> LoaderOptions:
     # Workers leave Ctrl-C and a stranger's SIGTERM to the run, which stops them in order.
-    return config.loader_options(cuda=device.is_cuda).replace(worker_init_fn=quiet_worker)
+    return dataclasses.replace(config.loader_options(cuda=device.is_cuda),
+                               worker_init_fn=quiet_worker)
 
 
 def _local_sources(config: EpochcacheConfig) -> set[str]:
@@ -263,8 +265,8 @@ class Run:
                 return watch(count)
 
             wanted = loader_options.min_samples
-            loader_options = loader_options.replace(
-                min_samples=min(wanted, wait_for_samples(cache, wanted, judge=judge)))
+            loader_options = dataclasses.replace(
+                loader_options, min_samples=min(wanted, wait_for_samples(cache, wanted, judge=judge)))
             self.stop.check()
         except BaseException:
             cache.close()
