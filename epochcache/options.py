@@ -14,8 +14,8 @@ keyword arguments, which override it::
 
 A run's config maps onto them once (`epochcache.config.LoaderConfig.reader_options`,
 `EpochcacheConfig.epoch_options`, `EpochcacheConfig.loader_options`), and the keyword
-signatures of ``epochs()`` and ``stream()`` take their defaults from the fields here; `resolve`
-sends each keyword to the value with a field of its name. No torch here: the values travel to
+signatures of ``epochs()`` and ``stream()`` take their defaults from the fields here;
+`resolve_options` sends each keyword to the value with a field of its name. No torch here: the values travel to
 DataLoader workers and sampler-free tools as they are.
 """
 
@@ -187,7 +187,7 @@ NAMES, EPOCH_NAMES = _names(ReaderOptions), _names(EpochOptions)
 LOADER_NAMES = _names(LoaderOptions) - {"dataloader"}
 
 
-def resolve(where: str, options: ReaderOptions | None, keywords: Mapping[str, Any], *,
+def resolve_options(where: str, options: ReaderOptions | None, keywords: Mapping[str, Any], *,
             epoch: bool = True, loader: bool = False,
             ) -> tuple[ReaderOptions, EpochOptions, LoaderOptions]:
     """The values the keyword form of a call names: each keyword goes to the value with a

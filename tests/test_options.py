@@ -27,7 +27,7 @@ from epochcache.options import (
     EpochOptions,
     LoaderOptions,
     ReaderOptions,
-    resolve,
+    resolve_options,
 )
 
 
@@ -79,7 +79,7 @@ def test_the_configs_shared_defaults_are_the_apis() -> None:
 
 
 def test_resolve_sends_each_keyword_to_its_value() -> None:
-    reader, epoch, loader = resolve("f()", ReaderOptions(image="torch"), {
+    reader, epoch, loader = resolve_options("f()", ReaderOptions(image="torch"), {
         "seed": 3, "batch_size": 5, "fields": ("npy",), "pin_memory": True}, loader=True)
     assert (reader.image, reader.fields) == ("torch", ("npy",))
     assert epoch == EpochOptions(seed=3)
@@ -88,7 +88,7 @@ def test_resolve_sends_each_keyword_to_its_value() -> None:
     for bad, match in (({"release": "never"}, "release"), ({"min_samples": -1}, "min_samples"),
                        ({"sampler": None}, "sets sampler itself")):
         with pytest.raises(ValueError, match=match):
-            resolve("f()", None, bad, loader=True)
+            resolve_options("f()", None, bad, loader=True)
     with pytest.raises(ValueError, match="samples_per_epoch"):
         EpochOptions(samples_per_epoch=0)
     assert {f.name for f in dataclasses.fields(LoaderOptions)} == LOADER_NAMES | {"dataloader"}

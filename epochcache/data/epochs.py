@@ -43,7 +43,14 @@ import torch
 from torch.utils.data import DataLoader
 
 from ..errors import PrepareFailed, StallError
-from ..options import EPOCH_NAMES, LOADER_NAMES, EpochOptions, LoaderOptions, ReaderOptions, resolve
+from ..options import (
+    EPOCH_NAMES,
+    LOADER_NAMES,
+    EpochOptions,
+    LoaderOptions,
+    ReaderOptions,
+    resolve_options,
+)
 from ..store import store_of
 from ..store.env import cache_identity
 from .dataset import EpochDataset
@@ -637,7 +644,7 @@ def epochs(
     """
     # Each default is the option's own (epochcache.options): the keywords become the values.
     given = {name: value for name, value in locals().items() if name in EPOCH_NAMES | LOADER_NAMES}
-    reader, epoch, loader = resolve("cache.epochs()", options, {**given, **kwargs}, loader=True)
+    reader, epoch, loader = resolve_options("cache.epochs()", options, {**given, **kwargs}, loader=True)
     return epochs_of(cache, num_epochs, reader, epoch, loader, start_epoch=start_epoch,
                      resume=resume)
 

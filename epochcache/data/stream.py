@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 
-from ..options import EPOCH_NAMES, EpochOptions, ReaderOptions, resolve
+from ..options import EPOCH_NAMES, EpochOptions, ReaderOptions, resolve_options
 from ..store import store_of
 from ..store.env import cache_identity
 from ..store.plans import Releaser
@@ -185,7 +185,7 @@ class CacheStream(IterableDataset[Any]):
     ) -> None:
         # Each default is the option's own (epochcache.options): the keywords become the values.
         given = {name: value for name, value in locals().items() if name in EPOCH_NAMES}
-        opts, epoch, _ = resolve("cache.stream()", options, {**given, **reader})
+        opts, epoch, _ = resolve_options("cache.stream()", options, {**given, **reader})
         cache = store_of(cache)
         self.reader = SampleReader(cache.path, opts)
         # Its DataLoader is the user's: a row for each worker it may have (see tallies()).
