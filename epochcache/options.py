@@ -15,8 +15,8 @@ keyword arguments, which override it::
 A run's config maps onto them once (`epochcache.config.LoaderConfig.reader_options`,
 `EpochcacheConfig.epoch_options`, `EpochcacheConfig.loader_options`), and the keyword
 signatures of ``epochs()`` and ``stream()`` take their defaults from the fields here;
-`resolve_options` sends each keyword to the value with a field of its name. No torch here: the values travel to
-DataLoader workers and sampler-free tools as they are.
+`resolve_options` sends each keyword to the value with a field of its name. No torch here: the
+values travel to DataLoader workers and sampler-free tools as they are.
 """
 
 from __future__ import annotations

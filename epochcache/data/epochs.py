@@ -224,7 +224,8 @@ class _Epochs:
         if self.persistent and slot < len(self.slots):
             return self.slots[slot]  # alternate two loaders: one finishes while one prefetches
         sampler = ScheduleIndices()
-        generator = torch.Generator().manual_seed(loader_seed(self.epoch_options.seed, epoch, self.place.rank))
+        generator = torch.Generator().manual_seed(
+            loader_seed(self.epoch_options.seed, epoch, self.place.rank))
         kwargs = dict(self.loader_kwargs)
         if self.num_workers > 0:
             kwargs["worker_init_fn"] = functools.partial(
@@ -310,8 +311,8 @@ class _Epochs:
             raise
         seconds = time.monotonic() - started
         self.last_schedule_s = seconds
-        schedule = EpochSchedule(epoch, dataset, order, self.loader_options.batch_size, n_batches, seconds,
-                                 releaser)
+        schedule = EpochSchedule(epoch, dataset, order, self.loader_options.batch_size,
+                                 n_batches, seconds, releaser)
         schedule.lane_length = len(lane)
         if groups is not None:
             schedule.bounds = agreed.bounds(len(order))
@@ -643,8 +644,10 @@ def epochs(
         PrepareFailed: the background preparation failed (``__cause__`` is the error).
     """
     # Each default is the option's own (epochcache.options): the keywords become the values.
-    given = {name: value for name, value in locals().items() if name in EPOCH_NAMES | LOADER_NAMES}
-    reader, epoch, loader = resolve_options("cache.epochs()", options, {**given, **kwargs}, loader=True)
+    given = {name: value for name, value in locals().items()
+             if name in EPOCH_NAMES | LOADER_NAMES}
+    reader, epoch, loader = resolve_options("cache.epochs()", options, {**given, **kwargs},
+                                            loader=True)
     return epochs_of(cache, num_epochs, reader, epoch, loader, start_epoch=start_epoch,
                      resume=resume)
 

@@ -266,7 +266,8 @@ class Run:
 
             wanted = loader_options.min_samples
             loader_options = dataclasses.replace(
-                loader_options, min_samples=min(wanted, wait_for_samples(cache, wanted, judge=judge)))
+                loader_options,
+                min_samples=min(wanted, wait_for_samples(cache, wanted, judge=judge)))
             self.stop.check()
         except BaseException:
             cache.close()
