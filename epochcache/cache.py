@@ -15,18 +15,16 @@ tools) reaches it through `epochcache.store.store_of`.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .options import RESUME_GRACE_S, ReaderKwargs, ReaderOptions
+from .options import ReaderOptions
 from .store import PutResult, SampleStore, Snapshot
 from .store.leases import DEFAULT_LEASE_TIMEOUT_S
 
 if TYPE_CHECKING:
-    from typing_extensions import Unpack
-
     from .data.dataset import EpochDataset
     from .data.epoch_loader import EpochLoader
     from .data.stream import CacheStream
@@ -273,7 +271,7 @@ class Cache:
     # -- training ----------------------------------------------------------------------------
 
     def dataset(self, epoch: int = 0, *, options: ReaderOptions | None = None,
-                **reader: Unpack[ReaderKwargs]) -> EpochDataset:
+                **reader: Any) -> EpochDataset:
         """A map-style Dataset over a fresh snapshot, which it holds until closed (a context
         manager); see [`EpochDataset`][epochcache.data.dataset.EpochDataset].
 
@@ -286,45 +284,27 @@ class Cache:
 
         return EpochDataset.from_cache(self._store, epoch=epoch, options=options, **reader)
 
-    def stream(self, *, seed: int = 0, shuffle: bool = True,
-               samples_per_epoch: int | None = None, split_ranks: bool = True,
-               release: str = "progressive", resume_grace_s: float = RESUME_GRACE_S,
-               options: ReaderOptions | None = None,
-               **reader: Unpack[ReaderKwargs]) -> CacheStream:
+    # stream() and epochs() forward their keywords as they are: the signatures (and each
+    # default, from epochcache.options) are written once, where the work is done.
+
+    def stream(self, **kwargs: Any) -> CacheStream:
         """A torch IterableDataset taking a fresh snapshot per epoch, for your own DataLoader
         (Lightning, Hugging Face, accelerate); see [`CacheStream`][epochcache.data.stream.CacheStream]
-        for the arguments."""
+        for the arguments (``seed=``, ``shuffle=``, ``samples_per_epoch=``, ``split_ranks=``,
+        ``release=``, ``resume_grace_s=``, ``options=`` and reader options by name)."""
         from .data.stream import CacheStream
 
-        return CacheStream(self._store, seed=seed, shuffle=shuffle,
-                           samples_per_epoch=samples_per_epoch, split_ranks=split_ranks,
-                           release=release, resume_grace_s=resume_grace_s, options=options,
-                           **reader)
+        return CacheStream(self._store, **kwargs)
 
-    def epochs(self, num_epochs: int, *, batch_size: int = 64, num_workers: int | None = None,
-               seed: int = 0, shuffle: bool = True, drop_last: bool = False,
-               samples_per_epoch: int | None = None, min_samples: int = 1,
-               wait_timeout_s: float | None = None, start_epoch: int = 0,
-               release: str = "progressive", resume: dict[str, Any] | list[Any] | None = None,
-               resume_grace_s: float = RESUME_GRACE_S,
-               collate_fn: Callable[[Any], Any] | None = None,
-               persistent_workers: bool | None = None,
-               worker_init_fn: Callable[[int], None] | None = None,
-               options: ReaderOptions | None = None,
-               **kwargs: Any) -> Iterator[tuple[int, EpochLoader]]:
+    def epochs(self, num_epochs: int, **kwargs: Any) -> Iterator[tuple[int, EpochLoader]]:
         """Yield ``(epoch, loader)`` for ``num_epochs`` epochs, each over a fresh snapshot,
         the next epoch's loader prepared while this one trains; see
-        [`epochs`][epochcache.data.epochs.epochs] for the arguments. ``**kwargs``: reader
-        options by name (``fields=``, ``transform=``, ...) and DataLoader arguments."""
+        [`epochs`][epochcache.data.epochs.epochs] for the arguments (``batch_size=``,
+        ``num_workers=``, ``seed=``, ``shuffle=``, ``resume=``, ...). ``**kwargs``: those,
+        reader options by name (``fields=``, ``transform=``, ...) and DataLoader arguments."""
         from .data.epochs import epochs
 
-        return epochs(self._store, num_epochs, batch_size=batch_size, num_workers=num_workers,
-                      seed=seed, shuffle=shuffle, drop_last=drop_last,
-                      samples_per_epoch=samples_per_epoch, min_samples=min_samples,
-                      wait_timeout_s=wait_timeout_s, start_epoch=start_epoch, release=release,
-                      resume=resume, resume_grace_s=resume_grace_s, collate_fn=collate_fn,
-                      persistent_workers=persistent_workers, worker_init_fn=worker_init_fn,
-                      options=options, **kwargs)
+        return epochs(self._store, num_epochs, **kwargs)
 
     # -- lifecycle ---------------------------------------------------------------------------
 

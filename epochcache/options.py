@@ -1,4 +1,6 @@
-"""How a cache's samples are read: one [`ReaderOptions`][epochcache.ReaderOptions] value for every reader.
+"""The options of the training side as values, each default written once: how samples are read
+([`ReaderOptions`][epochcache.ReaderOptions]), how an epoch is ordered and released
+(`EpochOptions`), and what epochs()' DataLoaders are (`LoaderOptions`).
 
 ``cache.dataset()``, ``cache.epochs()``, ``cache.stream()`` and a run's ``loader:`` section all
 read samples the same way: decode them, maybe transform them, pick fields, bound what a sample
@@ -10,15 +12,18 @@ keyword arguments, which override it::
     for epoch, loader in cache.epochs(10, batch_size=64, options=opts): ...
     stream = cache.stream(seed=0, fields=("npy", "cls"))      # the same, as keywords
 
-A run's config maps onto it once (`epochcache.config.LoaderConfig.reader_options`). No
-torch here: the value travels to DataLoader workers and sampler-free tools as it is.
+A run's config maps onto them once (`epochcache.config.LoaderConfig.reader_options`,
+`EpochcacheConfig.epoch_options`, `EpochcacheConfig.loader_options`), and the keyword
+signatures of ``epochs()`` and ``stream()`` take their defaults from the fields here;
+`resolve_options` sends each keyword to the value with a field of its name. No torch here: the
+values travel to DataLoader workers and sampler-free tools as they are.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypedDict
+from typing import Any
 
 from .limits import DEFAULT_MAX_SAMPLE_BYTES
 
@@ -37,6 +42,10 @@ RESUME_GRACE_S = 1800.0
 ON_ERROR = ("raise", "skip")
 STALL_ACTIONS = ("raise", "warn")
 IMAGE_FORMS = ("numpy", "torch", "pil")
+RELEASE = ("progressive", "epoch")
+#: DataLoader arguments epochs() sets itself (the sampler is its own; shuffling is per epoch).
+RESERVED = ("dataset", "sampler", "batch_sampler", "shuffle", "generator")
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,39 +113,102 @@ class ReaderOptions:
         """A copy with ``changes`` (keyword names as the attributes)."""
         return dataclasses.replace(self, **changes)
 
-    @classmethod
-    def resolve(cls, options: ReaderOptions | None, overrides: Mapping[str, Any],
-                where: str) -> ReaderOptions:
-        """``options`` (default: the defaults) with the keyword ``overrides`` applied.
 
-        Raises:
-            TypeError: an override that is no reader option; ``where`` names the call.
-        """
-        if options is not None and not isinstance(options, ReaderOptions):
-            raise TypeError(f"{where}: options: expected an epochcache.ReaderOptions, got "
-                            f"{type(options).__name__}")
-        unknown = sorted(set(overrides) - NAMES)
-        if unknown:
-            raise TypeError(f"{where}: unexpected keyword argument(s) {', '.join(unknown)} "
-                            f"(reader options are {', '.join(sorted(NAMES))})")
-        base = options if options is not None else cls()
-        return base.replace(**overrides) if overrides else base
+@dataclasses.dataclass(frozen=True)
+class EpochOptions:
+    """How an epoch is ordered and released: ``epochs()``, ``stream()`` and a run.
+
+    Each attribute is the keyword of its name of [`epochs`][epochcache.data.epochs.epochs]
+    and [`CacheStream`][epochcache.data.stream.CacheStream], documented there; its default is
+    written here only.
+    """
+
+    seed: int = 0
+    shuffle: bool = True
+    samples_per_epoch: int | None = None
+    release: str = "progressive"
+    resume_grace_s: float = RESUME_GRACE_S
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.seed, int):
+            raise ValueError(f"seed: expected an int, got {self.seed!r}")
+        if self.samples_per_epoch is not None and (not isinstance(self.samples_per_epoch, int)
+                                                   or self.samples_per_epoch < 1):
+            raise ValueError(f"samples_per_epoch: expected None or an int >= 1, "
+                             f"got {self.samples_per_epoch!r}")
+        if self.release not in RELEASE:
+            raise ValueError(f"release: expected 'progressive' or 'epoch', got {self.release!r}")
+
+    @property
+    def progressive(self) -> bool:
+        """Whether read batches are released during the epoch."""
+        return self.release == "progressive"
 
 
-#: The option names, for the keyword form.
-NAMES = frozenset(field.name for field in dataclasses.fields(ReaderOptions))
+@dataclasses.dataclass(frozen=True)
+class LoaderOptions:
+    """epochs()' DataLoaders: batches, workers and the wait for a first sample.
+
+    Each attribute but ``dataloader`` is the keyword of its name of
+    [`epochs`][epochcache.data.epochs.epochs], documented there; its default is written here
+    only. ``dataloader``: the rest of each DataLoader's arguments (``pin_memory``, ...).
+    """
+
+    batch_size: int = 64
+    num_workers: int | None = None
+    drop_last: bool = False
+    persistent_workers: bool | None = None
+    collate_fn: Callable[[Any], Any] | None = None
+    worker_init_fn: Callable[[int], None] | None = None
+    min_samples: int = 1
+    wait_timeout_s: float | None = None
+    dataloader: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.batch_size, int) or self.batch_size < 1:
+            raise ValueError(f"batch_size: expected an int >= 1, got {self.batch_size!r}")
+        if not isinstance(self.min_samples, int) or self.min_samples < 0:
+            raise ValueError(f"min_samples: expected an int >= 0, got {self.min_samples!r}")
+        if self.num_workers is not None and (not isinstance(self.num_workers, int)
+                                             or self.num_workers < 0):
+            raise ValueError(f"num_workers: expected an int >= 0, got {self.num_workers!r}")
+        bad = [name for name in RESERVED if name in self.dataloader]
+        if bad:
+            raise ValueError(f"epochs() sets {', '.join(bad)} itself; use shuffle=/seed= of "
+                             "epochs() instead")
 
 
-class ReaderKwargs(TypedDict, total=False):
-    """The keyword form of [`ReaderOptions`][epochcache.ReaderOptions] (for type checkers: ``**reader``)."""
+def _names(cls: type[Any]) -> frozenset[str]:
+    return frozenset(field.name for field in dataclasses.fields(cls))
 
-    decode: str | DecodeFn | None
-    transform: Callable[[Any], Any] | None
-    allow_pickle: bool
-    max_sample_bytes: int
-    on_error: str
-    fields: str | Sequence[str] | None
-    image: str
-    stall_s: float | None
-    stall_action: str
-    stall_file: str | None
+
+#: The option names of each value, for the keyword form.
+NAMES, EPOCH_NAMES = _names(ReaderOptions), _names(EpochOptions)
+LOADER_NAMES = _names(LoaderOptions) - {"dataloader"}
+
+
+def resolve_options(where: str, options: ReaderOptions | None, keywords: Mapping[str, Any], *,
+            epoch: bool = True, loader: bool = False,
+            ) -> tuple[ReaderOptions, EpochOptions, LoaderOptions]:
+    """The values the keyword form of a call names: each keyword goes to the value with a
+    field of its name, reader options overriding ``options`` (default: the defaults).
+
+    ``where`` names the call in errors. ``epoch``: the call takes epoch options
+    (``dataset()`` does not); ``loader``: it makes DataLoaders (``epochs()``), which take
+    loader options and any other keyword; otherwise an unknown keyword is a TypeError.
+    """
+    if options is not None and not isinstance(options, ReaderOptions):
+        raise TypeError(f"{where}: options: expected an epochcache.ReaderOptions, got "
+                        f"{type(options).__name__}")
+    known = (NAMES | (EPOCH_NAMES if epoch else frozenset())
+             | (LOADER_NAMES if loader else frozenset()))
+    unknown = sorted(set(keywords) - known)
+    if unknown and not loader:
+        raise TypeError(f"{where}: unexpected keyword argument(s) {', '.join(unknown)} "
+                        f"(reader options are {', '.join(sorted(NAMES))})")
+    overrides = {name: value for name, value in keywords.items() if name in NAMES}
+    base = options if options is not None else ReaderOptions()
+    return (base.replace(**overrides) if overrides else base,
+            EpochOptions(**{k: v for k, v in keywords.items() if k in EPOCH_NAMES}),
+            LoaderOptions(**{k: v for k, v in keywords.items() if k in LOADER_NAMES},
+                          dataloader={k: keywords[k] for k in unknown}))

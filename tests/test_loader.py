@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import time
@@ -351,14 +352,19 @@ def test_next_snapshot_is_taken_near_the_end_of_an_epoch_with_prefetching_worker
 
 
 def _run_config(path: str, **loader: object) -> dict[str, object]:
+    """What a run with this ``loader:`` section gives epochs(), as its keywords."""
     from epochcache.config import parse_config
-    from epochcache.run.job import _loader_kwargs
+    from epochcache.run.job import _loader_options
 
     config = parse_config({"source": {"url": "file:///nowhere"},
                            "cache": {"dir": path, "capacity": "1GiB"},
                            "loader": {"batch_size": 8, **loader},
                            "train": {"min_samples": 0}})
-    return _loader_kwargs(config)
+    values = (config.epoch_options(), _loader_options(config))
+    kwargs = {f.name: getattr(v, f.name) for v in values for f in dataclasses.fields(v)
+              if f.name != "collate_fn"}  # (the tests give their own)
+    dataloader = kwargs.pop("dataloader")
+    return {**kwargs, **dataloader, "options": config.loader.reader_options()}
 
 
 def _pid(_x: np.ndarray) -> int:

@@ -85,8 +85,12 @@ def test_a_job_is_joined_when_the_launcher_says_there_is_one() -> None:
 
 def test_batches_are_pinned_for_a_gpu_unless_the_config_says_otherwise(tmp_path: Path) -> None:
     from epochcache.config import parse_config
-    from epochcache.run.job import _loader_kwargs
+    from epochcache.run.job import _loader_options
     from epochcache.run.signals import quiet_worker
+
+    def _loader_kwargs(config: Any, device: RunDevice = CPU) -> dict[str, object]:
+        options = _loader_options(config, device)  # what the run's DataLoaders are given
+        return {**options.dataloader, "worker_init_fn": options.worker_init_fn}
 
     base = {"source": {"url": "file:///nowhere"}, "cache": {"dir": str(tmp_path), "capacity": "1GiB"},
             "train": {"min_samples": 0}}

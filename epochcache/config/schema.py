@@ -29,9 +29,8 @@ from ..limits import (
     DEFAULT_MANIFEST_MAX_BYTES,
     DEFAULT_MANIFEST_MAX_LINES,
     DEFAULT_MAX_BYTES_IN_FLIGHT,
-    DEFAULT_MAX_SAMPLE_BYTES,
 )
-from ..options import DEFAULT_STALL_S, RESUME_GRACE_S, ReaderOptions
+from ..options import EpochOptions, LoaderOptions, ReaderOptions
 from ..redact import REDACTED, is_secret_key, redact_options, redact_tree
 from ..registry import LAYOUTS, check_policy, missing_requirement
 from ..units import headroom_bytes, parse_duration, parse_headroom, parse_size
@@ -319,7 +318,7 @@ class CacheConfig(_Section):
         description="fsync every commit: survives power loss; false keeps kill -9 safety only",
     )
     resume_grace_s: Duration = Field(
-        default=RESUME_GRACE_S,
+        default=EpochOptions.resume_grace_s,
         description="a dead run's epoch lease that a checkpoint names is kept this long past "
                     "its last heartbeat, for `run --resume` to continue the epoch; then it is "
                     "reclaimed",
@@ -405,24 +404,29 @@ class SamplerConfig(_Section):
         )
 
 
+#: The API's reader defaults, for the config's (their types are wider than the config's Literals).
+_READER: Any = ReaderOptions()
+
+
 class LoaderConfig(_Section):
     """The per-epoch DataLoader (section ``loader``)."""
 
-    batch_size: int = Field(default=64, ge=1, description="samples per batch")
+    # The defaults shared with the API are the option values' (epochcache.options).
+    batch_size: int = Field(default=LoaderOptions.batch_size, ge=1, description="samples per batch")
     num_workers: int | None = Field(
-        default=None, ge=0,
+        default=LoaderOptions.num_workers, ge=0,
         description="DataLoader workers; null: epochs()' default (0 without a transform)",
     )
     decode: Literal["auto", "raw"] = Field(
-        default="auto",
+        default=_READER.decode,
         description="auto: by extension (.npy, .cls, .json, images, ...); raw: bytes",
     )
     allow_pickle: bool = Field(
-        default=False,
+        default=_READER.allow_pickle,
         description="decode .pkl/.pickle samples (runs code: only for data you trust)",
     )
     max_sample_bytes: Annotated[int, BeforeValidator(_size), Field(gt=0)] = Field(
-        default=DEFAULT_MAX_SAMPLE_BYTES,
+        default=_READER.max_sample_bytes,
         description="the largest sample: objects listed larger are quarantined before download, "
                     "decompression (gzip) stops past it on ingest and in the loader",
     )
@@ -436,15 +440,16 @@ class LoaderConfig(_Section):
         description="batches each worker reads ahead",
     )
     persistent_workers: bool | None = Field(
-        default=None, description="keep workers across epochs; null: true with workers",
+        default=LoaderOptions.persistent_workers,
+        description="keep workers across epochs; null: true with workers",
     )
     stall_s: Duration = Field(
-        default=DEFAULT_STALL_S,
+        default=_READER.stall_s,
         description="a batch slower than this is a stall: the stacks of the trainer and its "
                     "DataLoader workers are dumped, the sample key and worker named",
     )
     stall_action: Literal["raise", "warn"] = Field(
-        default="raise",
+        default=_READER.stall_action,
         description="after a stall's report: raise ends the run with StallError (a "
                     "scheduler's restart and --resume recover it); warn only reports",
     )
@@ -454,11 +459,11 @@ class LoaderConfig(_Section):
                     "num_workers > 0)",
     )
     fields: list[str] | None = Field(
-        default=None,
+        default=_READER.fields,
         description='samples as tuples of these fields, e.g. ["jpg;png", "cls"] (WebDataset to_tuple)',
     )
     image: Literal["numpy", "torch", "pil"] = Field(
-        default="numpy",
+        default=_READER.image,
         description="images decode to HWC uint8 arrays, CHW uint8 tensors, or PIL images",
     )
 
@@ -525,7 +530,7 @@ class TrainConfig(_Section):
                     "number fails, naming it)",
     )
     samples_per_epoch: int | None = Field(
-        default=None, ge=1,
+        default=EpochOptions.samples_per_epoch, ge=1,
         description="a fixed epoch length per node, resampling a small cache (null: the whole "
                     "snapshot)",
     )
@@ -544,7 +549,7 @@ class TrainConfig(_Section):
                     "naming both)",
     )
     seed: int = Field(
-        default=0, ge=0,
+        default=EpochOptions.seed, ge=0,
         description="seeds the epochs' order and the workers' random state",
     )
     options: dict[str, Any] = Field(
@@ -605,6 +610,27 @@ class EpochcacheConfig(_Section):
     _secret_paths: set[str] = PrivateAttr(default_factory=set)
     _secret_values: set[str] = PrivateAttr(default_factory=set)
     _origin: str = PrivateAttr(default="<dict>")
+
+    def epoch_options(self) -> EpochOptions:
+        """How a run's epochs are ordered and released (``train.seed``,
+        ``train.samples_per_epoch``, ``cache.resume_grace_s``) as one `EpochOptions`."""
+        return EpochOptions(seed=self.train.seed, samples_per_epoch=self.train.samples_per_epoch,
+                            resume_grace_s=self.cache.resume_grace_s)
+
+    def loader_options(self, *, cuda: bool = False) -> LoaderOptions:
+        """A run's DataLoaders (section ``loader``, ``train.min_samples``) as one
+        `LoaderOptions`; ``cuda``: the run trains on a GPU."""
+        loader = self.loader
+        # Pinned batches copy to the GPU asynchronously (non_blocking); on the CPU pinning is a
+        # copy for nothing. A pin_memory written in the config is what it says.
+        pin = loader.pin_memory if "pin_memory" in loader.model_fields_set else cuda
+        dataloader: dict[str, Any] = {"pin_memory": pin, "timeout": loader.timeout}
+        if loader.prefetch_factor is not None:  # dropped by epochs() without workers
+            dataloader["prefetch_factor"] = loader.prefetch_factor
+        # num_workers and persistent_workers None leave the choice to epochs() (one default).
+        return LoaderOptions(batch_size=loader.batch_size, num_workers=loader.num_workers,
+                             persistent_workers=loader.persistent_workers,
+                             min_samples=self.train.min_samples, dataloader=dataloader)
 
     @model_validator(mode="after")
     def _check_sources(self) -> EpochcacheConfig:

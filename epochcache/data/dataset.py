@@ -15,7 +15,7 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from ..errors import SnapshotClosed
-from ..options import ReaderOptions
+from ..options import ReaderOptions, resolve_options
 from ..store import SampleStore, Snapshot, store_of
 from .reader import SampleReader
 
@@ -92,7 +92,7 @@ class EpochDataset(Dataset[Any]):
             TypeError: a keyword that is no reader option.
         """
         cache = store_of(cache)
-        opts = ReaderOptions.resolve(options, reader, "cache.dataset()")
+        opts = resolve_options("cache.dataset()", options, reader, epoch=False)[0]
         reader_ = SampleReader(cache.path, opts)
         reader_.bind(cache)
         snap = snapshot if snapshot is not None else cache.snapshot(epoch=epoch)

@@ -43,8 +43,14 @@ import torch
 from torch.utils.data import DataLoader
 
 from ..errors import PrepareFailed, StallError
-from ..options import NAMES as READER_OPTIONS
-from ..options import RESUME_GRACE_S, ReaderOptions
+from ..options import (
+    EPOCH_NAMES,
+    LOADER_NAMES,
+    EpochOptions,
+    LoaderOptions,
+    ReaderOptions,
+    resolve_options,
+)
 from ..store import store_of
 from ..store.env import cache_identity
 from .dataset import EpochDataset
@@ -86,9 +92,6 @@ if TYPE_CHECKING:
     from ..store import SampleStore
 
 log = logging.getLogger(__name__)
-
-#: DataLoader arguments epochs() sets itself (the sampler is its own; shuffling is per epoch).
-_RESERVED = ("dataset", "sampler", "batch_sampler", "shuffle", "generator")
 
 
 class _Cancelled(Exception):
@@ -178,39 +181,32 @@ class _TaskThread:
 class _Epochs:
     """The state behind one epochs() call (see [`epochs`][epochcache.data.epochs.epochs] for the arguments)."""
 
-    def __init__(self, cache: SampleStore, *, batch_size: int, num_workers: int, seed: int,
-                 shuffle: bool, drop_last: bool, samples_per_epoch: int | None,
-                 persistent: bool, reader: SampleReader, collate_fn: Callable[[Any], Any] | None,
-                 worker_init_fn: Callable[[int], None] | None, stall_s: float | None,
-                 stall_file: str | None, loader_kwargs: dict[str, Any], place: Placement,
-                 progressive: bool = True, resume: list[NodeStates] | None = None,
-                 resume_grace_s: float = RESUME_GRACE_S) -> None:
-        self.cache, self.batch_size, self.num_workers = cache, batch_size, num_workers
-        self.seed, self.shuffle, self.drop_last = seed, shuffle, drop_last
-        self.samples_per_epoch, self.persistent, self.reader = samples_per_epoch, persistent, reader
-        self.collate_fn, self.worker_init_fn = collate_fn, worker_init_fn
-        self.stall_s, self.stall_file, self.loader_kwargs = stall_s, stall_file, loader_kwargs
-        self.place, self.progressive = place, progressive
+    def __init__(self, cache: SampleStore, epoch: EpochOptions, loader: LoaderOptions,
+                 reader: SampleReader, place: Placement,
+                 resume: list[NodeStates] | None = None) -> None:
+        self.cache, self.reader, self.place = cache, reader, place
+        self.epoch_options, self.loader_options = epoch, loader
+        self.loader_kwargs = dict(loader.dataloader)  # each DataLoader's; completed here
+        self.num_workers, self.persistent = _worker_settings(
+            loader, reader.options.transform, self.loader_kwargs, place.local_world_size)
         self.resume = resume  # the states by node, consumed by the first epoch's schedule
-        self.resume_grace_s = resume_grace_s
         # CUDA's current device is per thread, and loaders are built on a task thread, whose
         # device is GPU 0: DataLoader's pin-memory thread takes the builder's, so every rank
         # would pin (and hold a CUDA context) on GPU 0. Built under the trainer's device.
-        self.device_index = (torch.cuda.current_device() if loader_kwargs.get("pin_memory")
+        self.device_index = (torch.cuda.current_device() if self.loader_kwargs.get("pin_memory")
                              and torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
                              else None)
         # Batches read in this process go straight into page-locked memory (one copy).
-        self.pinned = bool(loader_kwargs.get("pin_memory")) and torch.cuda.is_available()
+        self.pinned = bool(self.loader_kwargs.get("pin_memory")) and torch.cuda.is_available()
         self.sync = (NodeSync(self.place, cache_identity(cache.path), cache.path)
                      if dist_initialized() and self.place.distributed else None)
-        self.planner = Planner(cache, place, self.sync, seed=seed, shuffle=shuffle,
-                               samples_per_epoch=samples_per_epoch, progressive=progressive)
+        self.planner = Planner(cache, place, self.sync, epoch)
         # In process and without DDP collectives, the next epoch is scheduled in the training
         # thread when triggered (~0.3 ms, once per epoch): on a background thread the same work
         # cost the training thread ~5x that in GIL hand-offs.
-        self.inline = num_workers == 0 and self.sync is None
-        self.forks = num_workers > 0 and start_method(
-            loader_kwargs.get("multiprocessing_context")) == "fork"
+        self.inline = self.num_workers == 0 and self.sync is None
+        self.forks = self.num_workers > 0 and start_method(
+            self.loader_kwargs.get("multiprocessing_context")) == "fork"
         self.slots: list[tuple[DataLoader[Any], ScheduleIndices]] = []
         self.prepared = 0
         self.last_schedule_s = 0.05
@@ -228,21 +224,23 @@ class _Epochs:
         if self.persistent and slot < len(self.slots):
             return self.slots[slot]  # alternate two loaders: one finishes while one prefetches
         sampler = ScheduleIndices()
-        generator = torch.Generator().manual_seed(loader_seed(self.seed, epoch, self.place.rank))
+        generator = torch.Generator().manual_seed(
+            loader_seed(self.epoch_options.seed, epoch, self.place.rank))
         kwargs = dict(self.loader_kwargs)
         if self.num_workers > 0:
-            kwargs["worker_init_fn"] = functools.partial(_seed_worker, self.worker_init_fn,
-                                                         self.stall_file)
+            kwargs["worker_init_fn"] = functools.partial(
+                _seed_worker, self.loader_options.worker_init_fn, self.reader.options.stall_file)
             # Persistent for torch in every case: its workers are started by a warm-up
             # iteration (see _start_workers) and the epoch is a second iteration, which only
             # resets them. Without persistent_workers the loader is shut down after its epoch.
             kwargs["persistent_workers"] = True
         # Each loader's reads count into a block of its own (see epochcache.data.tallies).
         reader = self.reader.counting(Tallies(self.num_workers))
+        collate_fn = self.loader_options.collate_fn
         loader = DataLoader(
-            SeqBatches(reader, collated=self.collate_fn is None, pinned=self.pinned),
+            SeqBatches(reader, collated=collate_fn is None, pinned=self.pinned),
             batch_size=None, sampler=sampler, num_workers=self.num_workers,
-            collate_fn=self.collate_fn or identity, generator=generator, **kwargs,
+            collate_fn=collate_fn or identity, generator=generator, **kwargs,
         )
         if self.persistent:
             self.slots.append((loader, sampler))
@@ -292,11 +290,12 @@ class _Epochs:
             rows = (self.sync.gather_counts(row) if self.sync is not None
                     else np.array([row], dtype=np.int64))
             agreed = deal(rows[:, COUNT].tolist(), (rows[:, RESUMED] == 1).tolist(),
-                          self.batch_size, self.drop_last)
+                          self.loader_options.batch_size, self.loader_options.drop_last)
             n_batches, taken = agreed.batches, agreed.take(len(order))
             if n_batches == 0 and groups is None:
                 log.warning("epoch %d has no batches: the snapshot holds %d samples (batch_size "
-                            "%d); is the cache empty?", epoch, len(seqs), self.batch_size)
+                            "%d); is the cache empty?", epoch, len(seqs),
+                            self.loader_options.batch_size)
             if resumed is None:
                 lane = order[:taken]  # what this rank reads: a resume's lane
                 # the loop releases its lane batch by batch
@@ -312,8 +311,8 @@ class _Epochs:
             raise
         seconds = time.monotonic() - started
         self.last_schedule_s = seconds
-        schedule = EpochSchedule(epoch, dataset, order, self.batch_size, n_batches, seconds,
-                                 releaser)
+        schedule = EpochSchedule(epoch, dataset, order, self.loader_options.batch_size,
+                                 n_batches, seconds, releaser)
         schedule.lane_length = len(lane)
         if groups is not None:
             schedule.bounds = agreed.bounds(len(order))
@@ -326,9 +325,10 @@ class _Epochs:
             if taken < len(order):  # left out: a later resume must not read them either
                 schedule.lane_length = (int(resumed.offsets[taken - 1]) + 1 if taken
                                     else resumed.lane.position)
-        schedule.identity = order_identity(seed=self.seed, shuffle=self.shuffle,
-                                       samples_per_epoch=self.samples_per_epoch,
-                                       place=self.place)
+        opts = self.epoch_options
+        schedule.identity = order_identity(seed=opts.seed, shuffle=opts.shuffle,
+                                           samples_per_epoch=opts.samples_per_epoch,
+                                           place=self.place)
         return schedule
 
     def _build(self, pending: _Pending) -> Any:
@@ -464,9 +464,11 @@ class _Epochs:
             self._trigger(self.next)
 
     def run(self, start: int, num_epochs: int) -> Iterator[tuple[int, EpochLoader]]:
-        dog = get_watchdog(self.stall_s, self.stall_file) if self.num_workers > 0 else None
+        stall_file = self.reader.options.stall_file
+        dog = (get_watchdog(self.reader.options.stall_s, stall_file) if self.num_workers > 0
+               else None)
         if dog is not None:
-            arm_stack_dump(self.stall_file)  # before the workers fork: they inherit it
+            arm_stack_dump(stall_file)  # before the workers fork: they inherit it
         depth = self.num_workers * int(self.loader_kwargs.get("prefetch_factor") or 2)
         end = start + num_epochs
         self.next = self.prepare(start) if num_epochs > 0 else None
@@ -513,7 +515,7 @@ class _Epochs:
                     epoch, schedule, current.loader, iterator,  # type: ignore[arg-type]
                     self._request_next, started, self._lead_s(), depth, dog,
                     self.reader.stall_action, tallies_of(current.loader))
-                loader.resume_grace_s = self.resume_grace_s
+                loader.resume_grace_s = self.epoch_options.resume_grace_s
                 if epoch == start and self.persistent:
                     # The second loader's workers start now, alongside the first's, so even a
                     # first epoch shorter than a worker start-up ends without a wait.
@@ -561,21 +563,21 @@ def epochs(
     cache: SampleStore | Any,
     num_epochs: int,
     *,
-    batch_size: int = 64,
-    num_workers: int | None = None,
-    seed: int = 0,
-    shuffle: bool = True,
-    drop_last: bool = False,
-    samples_per_epoch: int | None = None,
-    min_samples: int = 1,
-    wait_timeout_s: float | None = None,
+    batch_size: int = LoaderOptions.batch_size,
+    num_workers: int | None = LoaderOptions.num_workers,
+    seed: int = EpochOptions.seed,
+    shuffle: bool = EpochOptions.shuffle,
+    drop_last: bool = LoaderOptions.drop_last,
+    samples_per_epoch: int | None = EpochOptions.samples_per_epoch,
+    min_samples: int = LoaderOptions.min_samples,
+    wait_timeout_s: float | None = LoaderOptions.wait_timeout_s,
     start_epoch: int = 0,
-    release: str = "progressive",
+    release: str = EpochOptions.release,
     resume: dict[str, Any] | list[Any] | None = None,
-    resume_grace_s: float = RESUME_GRACE_S,
-    collate_fn: Callable[[Any], Any] | None = None,
-    persistent_workers: bool | None = None,
-    worker_init_fn: Callable[[int], None] | None = None,
+    resume_grace_s: float = EpochOptions.resume_grace_s,
+    collate_fn: Callable[[Any], Any] | None = LoaderOptions.collate_fn,
+    persistent_workers: bool | None = LoaderOptions.persistent_workers,
+    worker_init_fn: Callable[[int], None] | None = LoaderOptions.worker_init_fn,
     options: ReaderOptions | None = None,
     **kwargs: Any,
 ) -> Iterator[tuple[int, EpochLoader]]:
@@ -642,53 +644,34 @@ def epochs(
         TimeoutError: ``min_samples`` were not cached within ``wait_timeout_s``.
         PrepareFailed: the background preparation failed (``__cause__`` is the error).
     """
-    _check_counts(num_epochs=num_epochs, batch_size=batch_size,
-                  samples_per_epoch=samples_per_epoch, min_samples=min_samples)
-    check_release(release)
+    # Each default is the option's own (epochcache.options): the keywords become the values.
+    given = {name: value for name, value in locals().items()
+             if name in EPOCH_NAMES | LOADER_NAMES}
+    reader, epoch, loader = resolve_options("cache.epochs()", options, {**given, **kwargs},
+                                            loader=True)
+    return epochs_of(cache, num_epochs, reader, epoch, loader, start_epoch=start_epoch,
+                     resume=resume)
+
+
+def epochs_of(cache: SampleStore | Any, num_epochs: int, reader: ReaderOptions,
+              epoch: EpochOptions, loader: LoaderOptions, *, start_epoch: int = 0,
+              resume: dict[str, Any] | list[Any] | None = None,
+              ) -> Iterator[tuple[int, EpochLoader]]:
+    """[`epochs`][epochcache.data.epochs.epochs] with its options as values (a run's config
+    gives them whole: `EpochcacheConfig.epoch_options`, `EpochcacheConfig.loader_options`)."""
+    if not isinstance(num_epochs, int) or num_epochs < 0:
+        raise ValueError(f"num_epochs: expected an int >= 0, got {num_epochs!r}")
     cache = store_of(cache)
     place = detect_placement()
     groups = None
     if resume is not None:
-        groups = check_resume(resume, seed=seed, shuffle=shuffle,
-                              samples_per_epoch=samples_per_epoch, place=place)
+        groups = check_resume(resume, seed=epoch.seed, shuffle=epoch.shuffle,
+                              samples_per_epoch=epoch.samples_per_epoch, place=place)
         start_epoch = groups[0].epoch
-    overrides = {name: kwargs.pop(name) for name in list(kwargs) if name in READER_OPTIONS}
-    opts = ReaderOptions.resolve(options, overrides, "cache.epochs()")
-    dataloader_kwargs = kwargs  # what is left goes to each epoch's DataLoader
-    num_workers, persistent = _worker_settings(num_workers, opts.transform, persistent_workers,
-                                               dataloader_kwargs, place.local_world_size)
-    reader = SampleReader(cache.path, opts)
-    reader.bind(cache)
-    state = _Epochs(cache, batch_size=batch_size, num_workers=num_workers, seed=seed,
-                    shuffle=shuffle, drop_last=drop_last, samples_per_epoch=samples_per_epoch,
-                    persistent=persistent, reader=reader, collate_fn=collate_fn,
-                    worker_init_fn=worker_init_fn, stall_s=opts.stall_s,
-                    stall_file=opts.stall_file, loader_kwargs=dataloader_kwargs, place=place,
-                    progressive=release == "progressive", resume=groups,
-                    resume_grace_s=resume_grace_s)
-    return _generate(state, cache, min_samples, wait_timeout_s, start_epoch, num_epochs)
-
-
-RELEASE = ("progressive", "epoch")
-
-
-def check_release(release: str) -> None:
-    if release not in RELEASE:
-        raise ValueError(f"release: expected 'progressive' or 'epoch', got {release!r}")
-
-
-def _check_counts(*, num_epochs: int, batch_size: int, samples_per_epoch: int | None,
-                  min_samples: int) -> None:
-    if not isinstance(num_epochs, int) or num_epochs < 0:
-        raise ValueError(f"num_epochs: expected an int >= 0, got {num_epochs!r}")
-    if not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size: expected an int >= 1, got {batch_size!r}")
-    if samples_per_epoch is not None and (not isinstance(samples_per_epoch, int)
-                                          or samples_per_epoch < 1):
-        raise ValueError(f"samples_per_epoch: expected None or an int >= 1, "
-                         f"got {samples_per_epoch!r}")
-    if not isinstance(min_samples, int) or min_samples < 0:
-        raise ValueError(f"min_samples: expected an int >= 0, got {min_samples!r}")
+    sample_reader = SampleReader(cache.path, reader)
+    sample_reader.bind(cache)
+    return _generate(_Epochs(cache, epoch, loader, sample_reader, place, groups), start_epoch,
+                     num_epochs)
 
 
 def default_num_workers(transform: Callable[[Any], Any] | None, local_world_size: int) -> int:
@@ -706,18 +689,13 @@ def default_num_workers(transform: Callable[[Any], Any] | None, local_world_size
     return max(1, (cores or 1) // max(1, local_world_size))
 
 
-def _worker_settings(num_workers: int | None, transform: Callable[[Any], Any] | None,
-                     persistent_workers: bool | None, dataloader_kwargs: dict[str, Any],
-                     local_world_size: int = 1) -> tuple[int, bool]:
+def _worker_settings(loader: LoaderOptions, transform: Callable[[Any], Any] | None,
+                     dataloader_kwargs: dict[str, Any], local_world_size: int = 1,
+                     ) -> tuple[int, bool]:
     """``(num_workers, persistent)`` with their defaults; completes ``dataloader_kwargs``."""
-    bad = [name for name in _RESERVED if name in dataloader_kwargs]
-    if bad:
-        raise ValueError(f"epochs() sets {', '.join(bad)} itself; use shuffle=/seed= of "
-                         "epochs() instead")
+    num_workers = loader.num_workers
     if num_workers is None:
         num_workers = default_num_workers(transform, local_world_size)
-    if not isinstance(num_workers, int) or num_workers < 0:
-        raise ValueError(f"num_workers: expected an int >= 0, got {num_workers!r}")
     timeout = dataloader_kwargs.get("timeout", 0)
     if timeout and num_workers == 0:
         # torch applies it to batches from workers only: in process it asserts timeout == 0
@@ -726,7 +704,8 @@ def _worker_settings(num_workers: int | None, transform: Callable[[Any], Any] | 
             f"epochs(timeout={timeout!r}): DataLoader's timeout applies to batches from worker "
             "processes, and num_workers is 0 (the default without a transform); pass "
             "num_workers > 0 with it, or drop timeout (stall_s= reports a slow batch either way)")
-    persistent = num_workers > 0 if persistent_workers is None else bool(persistent_workers)
+    persistent = (num_workers > 0 if loader.persistent_workers is None
+                  else bool(loader.persistent_workers))
     persistent = persistent and num_workers > 0
     if num_workers == 0:
         dataloader_kwargs.pop("prefetch_factor", None)
@@ -737,7 +716,7 @@ def _worker_settings(num_workers: int | None, transform: Callable[[Any], Any] | 
     return num_workers, persistent
 
 
-def _generate(state: _Epochs, cache: SampleStore, min_samples: int, wait_timeout_s: float | None,
-              start: int, num_epochs: int) -> Iterator[tuple[int, EpochLoader]]:
-    wait_for_samples(cache, min_samples, wait_timeout_s)
+def _generate(state: _Epochs, start: int, num_epochs: int) -> Iterator[tuple[int, EpochLoader]]:
+    wait_for_samples(state.cache, state.loader_options.min_samples,
+                     state.loader_options.wait_timeout_s)
     yield from state.run(start, num_epochs)

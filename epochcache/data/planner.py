@@ -34,6 +34,7 @@ from .placement import Placement
 from .schedule import epoch_order
 
 if TYPE_CHECKING:
+    from ..options import EpochOptions
     from ..store import SampleStore, Snapshot
     from .distributed import NodeSync
 
@@ -50,18 +51,17 @@ class Planner:
         cache: the cache the loader reads.
         place: this rank's place in the job.
         sync: the node's collectives under DDP (None: this rank plans alone).
-        seed, shuffle, samples_per_epoch: the epoch order's (as in ``epochs()``).
-        progressive: write release plans (``release="progressive"``).
+        options: the epoch order's and release's (seed, shuffle, samples_per_epoch, release).
         split_ranks: each rank of the node reads its own slot of the order (False: every
             rank reads all of it, for frameworks that split the data themselves).
     """
 
-    def __init__(self, cache: SampleStore, place: Placement, sync: NodeSync | None, *,
-                 seed: int, shuffle: bool, samples_per_epoch: int | None,
-                 progressive: bool, split_ranks: bool = True) -> None:
+    def __init__(self, cache: SampleStore, place: Placement, sync: NodeSync | None,
+                 options: EpochOptions, *, split_ranks: bool = True) -> None:
         self.cache, self.place, self.sync = cache, place, sync
-        self.seed, self.shuffle, self.samples_per_epoch = seed, shuffle, samples_per_epoch
-        self.progressive, self.split_ranks = progressive, split_ranks
+        self.seed, self.shuffle = options.seed, bool(options.shuffle)
+        self.samples_per_epoch, self.progressive = options.samples_per_epoch, options.progressive
+        self.split_ranks = split_ranks
 
     @property
     def distributed(self) -> bool:

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 
-from ..options import RESUME_GRACE_S, ReaderOptions
+from ..options import EPOCH_NAMES, EpochOptions, ReaderOptions, resolve_options
 from ..store import store_of
 from ..store.env import cache_identity
 from ..store.plans import Releaser
@@ -49,7 +49,6 @@ from ..store.shares import (
 )
 from .dataset import snapshot_gone
 from .distributed import NodeSync, detect_placement, dist_initialized
-from .epochs import check_release
 from .planner import Planner, rank_order, write_release_part
 from .reader import SampleReader
 from .resume import lease_gone_reason
@@ -175,29 +174,24 @@ class CacheStream(IterableDataset[Any]):
         self,
         cache: SampleStore | Any,
         *,
-        seed: int = 0,
-        shuffle: bool = True,
-        samples_per_epoch: int | None = None,
+        seed: int = EpochOptions.seed,
+        shuffle: bool = EpochOptions.shuffle,
+        samples_per_epoch: int | None = EpochOptions.samples_per_epoch,
         split_ranks: bool = True,
-        release: str = "progressive",
-        resume_grace_s: float = RESUME_GRACE_S,
+        release: str = EpochOptions.release,
+        resume_grace_s: float = EpochOptions.resume_grace_s,
         options: ReaderOptions | None = None,
         **reader: Any,
     ) -> None:
-        if not isinstance(seed, int):
-            raise ValueError(f"seed: expected an int, got {seed!r}")
-        if samples_per_epoch is not None and (not isinstance(samples_per_epoch, int)
-                                              or samples_per_epoch < 1):
-            raise ValueError(f"samples_per_epoch: expected None or an int >= 1, "
-                             f"got {samples_per_epoch!r}")
+        # Each default is the option's own (epochcache.options): the keywords become the values.
+        given = {name: value for name, value in locals().items() if name in EPOCH_NAMES}
+        opts, epoch, _ = resolve_options("cache.stream()", options, {**given, **reader})
         cache = store_of(cache)
-        self.reader = SampleReader(cache.path, ReaderOptions.resolve(options, reader,
-                                                                     "cache.stream()"))
+        self.reader = SampleReader(cache.path, opts)
         # Its DataLoader is the user's: a row for each worker it may have (see tallies()).
         self.reader.tallies = Tallies(_TALLY_WORKERS)
-        check_release(release)
         self.reader.bind(cache)
-        self.progressive = release == "progressive"
+        self.epoch_options, self.progressive = epoch, epoch.progressive
         self.seed, self.shuffle = seed, bool(shuffle)
         self.samples_per_epoch, self.split_ranks = samples_per_epoch, bool(split_ranks)
         self._next_epoch = 0
@@ -279,9 +273,8 @@ class CacheStream(IterableDataset[Any]):
         if distributed and self._home.sync is None:
             # collective: every rank prepares in step (and checks the node layout)
             self._home.sync = NodeSync(place, cache_identity(cache.path), cache.path)
-        planner = Planner(cache, place, self._home.sync, seed=self.seed, shuffle=self.shuffle,
-                          samples_per_epoch=self.samples_per_epoch,
-                          progressive=self.progressive, split_ranks=self.split_ranks)
+        planner = Planner(cache, place, self._home.sync, self.epoch_options,
+                          split_ranks=self.split_ranks)
         taken: list[Snapshot] = []
 
         def take() -> tuple[np.ndarray, str]:

@@ -16,6 +16,7 @@ on its own GPU (``RunContext.device``; `epochcache.run.devices`).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import json
@@ -37,6 +38,7 @@ from ..epoch_record import history_row, log_line
 from ..errors import ConfigError, DaemonAlreadyRunning
 from ..ingest.prometheus import MetricsServer, require_prometheus
 from ..ingest.supervisor import DaemonLock, Supervisor
+from ..options import LoaderOptions
 from ..redact import redact_url
 from ..store import SampleStore
 from ..store.status import describe_requests, request_delta, request_totals
@@ -113,29 +115,10 @@ def ensure_demo_data(config: EpochcacheConfig) -> None:
                         kind=source.demo_kind)
 
 
-def _loader_kwargs(config: EpochcacheConfig, device: RunDevice = CPU) -> dict[str, Any]:
-    loader = config.loader
-    # Pinned batches copy to the GPU asynchronously (non_blocking); on the CPU pinning is a
-    # copy for nothing. A pin_memory written in the config is what it says.
-    pin = loader.pin_memory if "pin_memory" in loader.model_fields_set else device.is_cuda
-    kwargs: dict[str, Any] = {
-        "batch_size": loader.batch_size,
-        "num_workers": loader.num_workers,
-        "options": loader.reader_options(),
-        "pin_memory": pin,
-        "timeout": loader.timeout,
-        "seed": config.train.seed,
-        "min_samples": config.train.min_samples,
-        "samples_per_epoch": config.train.samples_per_epoch,
-        "resume_grace_s": config.cache.resume_grace_s,
-        # None leaves the choice to epochs(), whose defaults are the API's (one default each).
-        "persistent_workers": loader.persistent_workers,
-        # Workers leave Ctrl-C and a stranger's SIGTERM to the run, which stops them in order.
-        "worker_init_fn": quiet_worker,
-    }
-    if loader.prefetch_factor is not None:
-        kwargs["prefetch_factor"] = loader.prefetch_factor  # dropped by epochs() without workers
-    return kwargs
+def _loader_options(config: EpochcacheConfig, device: RunDevice = CPU) -> LoaderOptions:
+    # Workers leave Ctrl-C and a stranger's SIGTERM to the run, which stops them in order.
+    return dataclasses.replace(config.loader_options(cuda=device.is_cuda),
+                               worker_init_fn=quiet_worker)
 
 
 def _local_sources(config: EpochcacheConfig) -> set[str]:
@@ -267,14 +250,14 @@ class Run:
             log.info("all %d epochs are done (checkpoint of epoch %d)", total, start - 1)
             return 0
         context = RunContext(self.config, checkpoint, self.device)
-        kwargs = _loader_kwargs(self.config, self.device)
+        loader_options = _loader_options(self.config, self.device)
         try:
             # The wait ends with an error naming train.min_samples (or starts on a smaller,
             # wholly cached source) as soon as the number is known to be out of reach.
             from ..data.wait import wait_for_samples
             from .fill_watch import FillWatch
 
-            watch = FillWatch(cache, kwargs["min_samples"],
+            watch = FillWatch(cache, loader_options.min_samples,
                               self.daemon_exit if self._daemon_thread is not None else None,
                               announce=self.local_rank == 0)
 
@@ -282,17 +265,20 @@ class Run:
                 self.stop.check()  # polled every 0.5 s: Ctrl-C ends the wait
                 return watch(count)
 
-            kwargs["min_samples"] = min(kwargs["min_samples"],
-                                        wait_for_samples(cache, kwargs["min_samples"], judge=judge))
+            wanted = loader_options.min_samples
+            loader_options = dataclasses.replace(
+                loader_options,
+                min_samples=min(wanted, wait_for_samples(cache, wanted, judge=judge)))
             self.stop.check()
         except BaseException:
             cache.close()
             raise
-        from ..data.epochs import epochs as each_epoch
+        from ..data.epochs import epochs_of
         from .process_group import barrier
 
-        epochs = each_epoch(cache, total - start, start_epoch=start, resume=loader_state,
-                            **kwargs)
+        epochs = epochs_of(cache, total - start, self.config.loader.reader_options(),
+                           self.config.epoch_options(), loader_options, start_epoch=start,
+                           resume=loader_state)
         try:
             for epoch, loader in epochs:
                 self.stop.check()  # a stop requested at the epoch boundary: no new epoch
