@@ -2,9 +2,8 @@
 ranks that resume it, on the layout that ran it or on another one (issue 28: elastic resume).
 
 A run that checkpoints mid-epoch saves [`EpochLoader.state_dict`][epochcache.data.epoch_loader.EpochLoader.state_dict]: the epoch, its lease, and
-how far along this rank's lane (the epoch's order on this rank) the loop had trained (its format is in
-`epochcache.data.states`). Its lease
-outlives the dead run for ``cache.resume_grace_s`` (see `SampleStore.keep_for_resume`);
+how far along this rank's lane (the epoch's order on this rank) the loop had trained (its
+format is in `epochcache.data.states`). Its lease outlives the dead run for ``cache.resume_grace_s`` (see `SampleStore.keep_for_resume`);
 the resumed run adopts it, rebuilds the same order from the snapshot saved with the plan (or
 from the lease's range), and reads the samples after that position. The run released only what
 its checkpoints covered, so nothing after the position was evicted; anything that is gone
