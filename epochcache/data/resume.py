@@ -3,11 +3,12 @@ ranks that resume it, on the layout that ran it or on another one (issue 28: ela
 
 A run that checkpoints mid-epoch saves [`EpochLoader.state_dict`][epochcache.data.epoch_loader.EpochLoader.state_dict]: the epoch, its lease, and
 how far along this rank's lane (the epoch's order on this rank) the loop had trained (its
-format is in `epochcache.data.states`). Its lease outlives the dead run for ``cache.resume_grace_s`` (see `SampleStore.keep_for_resume`);
-the resumed run adopts it, rebuilds the same order from the snapshot saved with the plan (or
-from the lease's range), and reads the samples after that position. The run released only what
-its checkpoints covered, so nothing after the position was evicted; anything that is gone
-anyway (a lease reclaimed and taken again, a repaired cache) is skipped and counted.
+format is in `epochcache.data.states`). Its lease outlives the dead run for
+``cache.resume_grace_s`` (see `SampleStore.keep_for_resume`); the resumed run adopts it,
+rebuilds the same order from the snapshot saved with the plan (or from the lease's range), and
+reads the samples after that position. The run released only what its checkpoints covered, so
+nothing after the position was evicted; anything that is gone anyway (a lease reclaimed and
+taken again, a repaired cache) is skipped and counted.
 
 Given every rank's states, the job may come back in another shape: each node's leader finds
 the states whose lease its own cache holds (`adopt_node`), and its ranks read their part
