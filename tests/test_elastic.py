@@ -1,6 +1,6 @@
 """How the rest of an interrupted epoch is dealt to the ranks that resume it (issue 28, item 1):
 the lanes of any chain of resumes on any layouts cover the epoch once, and every rank reads
-the same number of batches, none empty (epochcache.data.elastic)."""
+the same number of batches, none empty (epochcache.data.resume)."""
 
 from __future__ import annotations
 
@@ -11,15 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from epochcache.data.elastic import (
-    Deal,
-    check_groups,
-    deal,
-    group_states,
-    parse_states,
-    rank_lane,
-)
 from epochcache.data.placement import Placement
+from epochcache.data.resume import Deal, deal, rank_lane
+from epochcache.data.states import check_groups, group_states, parse_states
 
 WANTED = {"seed": 0, "shuffle": True, "samples_per_epoch": None}
 

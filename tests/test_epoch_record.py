@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from epochcache.data.elastic import NodeStates
 from epochcache.data.placement import Placement
 from epochcache.data.resume import log_resume
+from epochcache.data.states import NodeStates
 from epochcache.epoch_record import HISTORY, coverage_words, history_row, log_line
 from epochcache.store import SampleStore
 from epochcache.store.status import collect_stats, describe_requests, render

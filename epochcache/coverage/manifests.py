@@ -16,7 +16,7 @@ next append, and readers ignore one.
 **Interrupted epochs.** ``run`` appends a record when a checkpoint covers part of an epoch
 (``train.checkpoint_every_s``) and when the epoch ends, so the records name what the model
 kept. Each record names its *lane* (the rank's place in the node, and the split of an earlier
-resume it was dealt from, see `epochcache.data.elastic`), and positions count along it. A
+resume it was dealt from, see `epochcache.data.resume`), and positions count along it. A
 resumed epoch appends records from the checkpoint's position on; a record that a later one on
 its lane starts at or before (the job died after writing it, before its checkpoint) was
 trained again and is dropped when reading, and so are the records of an attempt that could

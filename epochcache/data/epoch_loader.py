@@ -143,7 +143,7 @@ class EpochLoader:
         shuffle, samples per epoch). To resume on the same layout each rank needs only its
         own state; to resume on another number of ranks per node, give every rank the
         states of all ranks (a list, or a dict by rank): the rest of each node's epoch is
-        then dealt anew (see `epochcache.data.elastic`). An epoch that was itself
+        then dealt anew (see `epochcache.data.resume`). An epoch that was itself
         resumed on another layout also records that earlier split (``"resumed"``).
 
         The first state taken in an epoch keeps the epoch's lease for a resume: however the

@@ -60,20 +60,20 @@ from .distributed import (
     detect_placement,
     dist_initialized,
 )
-from .elastic import (
-    COUNT,
-    RESUMED,
-    NodeStates,
-    check_resume,
-    deal,
-    lease_tag,
-    order_identity,
-    report,
-)
 from .epoch_loader import EpochLoader, check_workers, stop_workers
 from .planner import Planner
 from .reader import SampleReader
-from .resume import adopt_node, ended_lease, log_resume, resume_rank
+from .resume import (
+    COUNT,
+    RESUMED,
+    adopt_node,
+    deal,
+    ended_lease,
+    lease_tag,
+    log_resume,
+    report,
+    resume_rank,
+)
 from .ring import forget_exited
 from .schedule import (
     EpochSchedule,
@@ -84,6 +84,7 @@ from .schedule import (
     tallies_of,
 )
 from .stall import WorkerCheck, arm_stack_dump, get_watchdog
+from .states import NodeStates, check_resume, order_identity
 from .tallies import Tallies
 from .wait import wait_for_samples
 from .workers import start_method, start_workers
@@ -621,7 +622,7 @@ def epochs(
             each node's rest is dealt anew to its ranks (batches may then be smaller than
             ``batch_size``, never empty, the same number on every rank), a new node starts
             the epoch on a fresh snapshot, and the rest of a node that did not come back is
-            counted ([`EpochLoader.resume_report`][epochcache.data.epoch_loader.EpochLoader.resume_report]; see `epochcache.data.elastic`
+            counted ([`EpochLoader.resume_report`][epochcache.data.epoch_loader.EpochLoader.resume_report]; see `epochcache.data.resume`
             and docs/guide/resume.md).
         resume_grace_s: once a loader's [`state_dict`][epochcache.data.epoch_loader.EpochLoader.state_dict] was taken, its
             epoch's lease outlives a stop before the epoch's end (SIGTERM, Ctrl-C, a crash,

@@ -17,7 +17,7 @@ do it here, once:
    it is past it. A disk that cannot hold the plan leaves the snapshot protected whole.
 
 What differs stays with each loader: ``epochs()`` agrees a batch count across ranks (and
-resumes by node, `elastic`), a stream agrees a sample count and publishes the epoch to
+resumes by node, `resume`), a stream agrees a sample count and publishes the epoch to
 its DataLoader workers as a share (`epochcache.store.shares`).
 """
 

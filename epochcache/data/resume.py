@@ -1,22 +1,43 @@
-"""Resuming an interrupted epoch: its snapshot adopted, its order continued where it stopped.
+"""Continuing an interrupted epoch: its snapshot adopted, the rest of its order dealt to the
+ranks that resume it, on the layout that ran it or on another one (issue 28: elastic resume).
 
 A run that checkpoints mid-epoch saves [`EpochLoader.state_dict`][epochcache.data.epoch_loader.EpochLoader.state_dict]: the epoch, its lease, and
-how far along this rank's lane (the epoch's order on this rank) the loop had trained. Its lease
-outlives the dead run for ``cache.resume_grace_s`` (see `SampleStore.keep_for_resume`);
-the resumed run adopts it, rebuilds the same order from the snapshot saved with the plan (or
-from the lease's range), and reads the samples after that position. The run released only what
-its checkpoints covered, so nothing after the position was evicted; anything that is gone
-anyway (a lease reclaimed and taken again, a repaired cache) is skipped and counted.
+how far along this rank's lane (the epoch's order on this rank) the loop had trained (its
+format is in `epochcache.data.states`). Its lease outlives the dead run for
+``cache.resume_grace_s`` (see `SampleStore.keep_for_resume`); the resumed run adopts it,
+rebuilds the same order from the snapshot saved with the plan (or from the lease's range), and
+reads the samples after that position. The run released only what its checkpoints covered, so
+nothing after the position was evicted; anything that is gone anyway (a lease reclaimed and
+taken again, a repaired cache) is skipped and counted.
 
 Given every rank's states, the job may come back in another shape: each node's leader finds
 the states whose lease its own cache holds (`adopt_node`), and its ranks read their part
-of the node's rest (`epochcache.data.elastic`); what no node found is counted
-(`log_resume`).
+of the node's rest; what no node found is counted (`log_resume`). What a resumed node reads
+(see `rank_lane`):
+
+* on the layout that ran the epoch, each rank continues its own lane after its position;
+* on another number of ranks per node, the *rest* of the node's epoch -- for each old rank in
+  order, its lane after its position -- is dealt anew: new rank ``r`` of ``W'`` reads
+  ``rest[r::W']``. The split is recorded in the new states (``"resumed"``: the old layout,
+  lane lengths and positions), so an epoch interrupted again is rebuilt the same way.
+
+Samples evicted since are skipped (counted) where they are read; the lanes themselves never
+depend on what is cached, so a second resume rebuilds the same lanes.
+
+Every rank of the job then reads the same number of batches (`deal`): with nothing
+resumed, the MIN over ranks of each one's batch count (as every epoch); with a resumed epoch,
+the MAX over the resuming ranks of ``ceil(count / batch_size)``, so none of the rest is left
+out, a rank with fewer samples spreading them over smaller batches; where a rank has fewer
+samples than that many batches (a batch is never empty), the MIN again, and the samples beyond
+it are left out and counted. With ``drop_last`` every batch stays whole: the MIN over ranks of
+``count // batch_size``.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -25,8 +46,8 @@ import numpy as np
 from ..store import Snapshot
 from ..store.records import DB_SAMPLES, seq_key
 from ..units import format_count
-from .elastic import NodeStates, RankLane, rank_lane
 from .placement import Placement
+from .states import NodeStates
 
 if TYPE_CHECKING:
     from ..store import SampleStore
@@ -161,3 +182,128 @@ def log_resume(epoch: int, done: dict[str, int], groups: list[NodeStates],
                     "did not come back (no node of this job holds their lease: their cache is "
                     "gone) and are skipped", epoch, done["resume_departed"],
                     format_count(done["resume_departed_nodes"], "node"))
+
+
+# -- the lanes of a resumed node, and the batches every rank reads ----------------------------
+
+
+def lanes(order: np.ndarray, split: dict[str, Any]) -> list[np.ndarray]:
+    """The lanes of the node's ranks that ``split`` describes, over the epoch's ``order``
+    (dealt from an earlier split's rest when ``split`` was itself resumed)."""
+    nested = split.get("resumed")
+    base = order if nested is None else rest_of(order, nested)
+    size = int(split["local_world_size"])
+    return [base[r::size][: int(length)] for r, length in zip(range(size), split["lanes"])]
+
+
+def rest_of(order: np.ndarray, split: dict[str, Any]) -> np.ndarray:
+    """What the ranks of ``split`` had not read: each lane after its position, in rank order."""
+    parts = [lane[int(position):] for lane, position in zip(lanes(order, split),
+                                                               split["positions"])]
+    return np.concatenate(parts) if parts else order[:0]
+
+
+@dataclass(frozen=True)
+class RankLane:
+    """What a rank of a resumed node reads: its lane, where in it to start, and the split
+    its states record (None: the epoch's own lanes)."""
+
+    lane: np.ndarray
+    position: int
+    resumed: dict[str, Any] | None
+    regrouped: bool  # dealt anew from the node's rest (another layout)
+
+
+def rank_lane(order: np.ndarray, group: NodeStates, place: Placement) -> RankLane:
+    """This rank's lane of the resumed epoch (see the module docstring)."""
+    nested = group.nested
+    mine = group.states.get(place.local_rank)
+    if group.local_world_size == place.local_world_size and mine is not None:
+        base = order if nested is None else rest_of(order, nested)
+        lane = base[place.local_rank :: place.local_world_size][: int(mine["lane"])]
+        return RankLane(lane, int(mine["position"]), nested, False)
+    split = group.split()
+    rest = rest_of(order, split)
+    return RankLane(rest[place.local_rank :: place.local_world_size], 0, split, True)
+
+
+@dataclass(frozen=True)
+class Deal:
+    """The agreed batches of an epoch: ``batches`` per rank, and how many samples a rank with
+    ``count`` samples reads (`take`) in batches ending where `bounds` says."""
+
+    batches: int
+    batch_size: int
+    drop_last: bool
+
+    def take(self, count: int) -> int:
+        return min(count, self.batches * self.batch_size)
+
+    def bounds(self, count: int) -> np.ndarray:
+        """The end of each batch in the rank's samples (a cumulative count, from 0): whole
+        batches while the rank has enough samples for them, else spread as evenly as
+        possible over ``batches`` (every batch at least one sample)."""
+        k, size = self.batches, self.batch_size
+        take = self.take(count)
+        if k == 0:
+            return np.zeros(1, dtype=np.int64)
+        if take > (k - 1) * size:  # whole batches, the last one maybe short
+            ends = np.minimum(np.arange(1, k + 1, dtype=np.int64) * size, take)
+        else:
+            small, extra = divmod(take, k)
+            sizes = np.full(k, small, dtype=np.int64)
+            sizes[:extra] += 1
+            ends = np.cumsum(sizes)
+        return np.concatenate([[0], ends]).astype(np.int64)
+
+
+def deal(counts: Sequence[int], resumed: Sequence[bool], batch_size: int,
+         drop_last: bool) -> Deal:
+    """How many batches every rank reads, given each rank's sample count and whether it
+    continues an interrupted epoch (see the module docstring)."""
+    if not counts:
+        return Deal(0, batch_size, drop_last)
+    whole = [c // batch_size for c in counts]
+    some = [math.ceil(c / batch_size) for c in counts]
+    least = min(whole) if drop_last else min(some)
+    if drop_last or not any(resumed):
+        return Deal(least, batch_size, drop_last)
+    most = max(n for n, r in zip(some, resumed) if r)
+    if min(counts) < most:  # some rank cannot fill that many batches: the MIN, as always
+        return Deal(least, batch_size, drop_last)
+    return Deal(most, batch_size, drop_last)
+
+
+def lease_tag(lease: str) -> int:
+    """A lease id as a 60-bit integer (the tensors of a collective carry it)."""
+    try:
+        return int(lease[:15], 16) if lease else 0
+    except ValueError:
+        return 0
+
+
+#: The columns of the row each rank contributes to an epoch's agreement (see `report`).
+COUNT, RESUMED, TAG, EVICTED = range(4)
+
+
+def report(groups: list[NodeStates], rows: np.ndarray, agreed: Deal) -> dict[str, int]:
+    """What a resumed epoch continued and what it could not, over the whole job, from every
+    rank's row (``COUNT`` samples it can read, ``RESUMED`` 1 where it continues the epoch,
+    ``TAG`` the lease of the node's states it found, ``EVICTED`` samples gone since): the same
+    on every rank.
+
+    ``resume_departed`` counts the rest of the nodes whose states ``groups`` holds but whose
+    lease no rank found (their disk is gone), as their states count it.
+    """
+    resumed = rows[:, RESUMED] == 1
+    counts = rows[:, COUNT]
+    taken = np.minimum(counts, agreed.batches * agreed.batch_size)
+    found = {int(tag) for tag in rows[:, TAG] if tag}
+    departed = [group for group in groups if lease_tag(group.lease) not in found]
+    return {"resume_batches": agreed.batches,
+            "resume_continued": int(taken[resumed].sum()),
+            "resume_evicted": int(rows[resumed, EVICTED].sum()),
+            "resume_left_out": int((counts - taken)[resumed].sum()),
+            "resume_fresh_ranks": int((~resumed).sum()),
+            "resume_departed": sum(group.remaining() for group in departed),
+            "resume_departed_nodes": len(departed)}

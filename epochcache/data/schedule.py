@@ -66,9 +66,9 @@ class EpochSchedule:
         #: `Deal`); None: whole batches.
         self.bounds: np.ndarray | None = None
         #: The earlier split the lane was dealt from, for the state (see
-        #: `epochcache.data.elastic`); None: the epoch's own lanes.
+        #: `epochcache.data.resume`); None: the epoch's own lanes.
         self.resumed_split: dict[str, Any] | None = None
-        #: What the resume continued and could not, over the job (`elastic.report`).
+        #: What the resume continued and could not, over the job (`resume.report`).
         self.resume_report: dict[str, int] | None = None
         #: What a resume must match (seed, shuffle, ...), for `position_state`.
         self.identity: dict[str, Any] = {}

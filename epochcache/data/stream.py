@@ -53,7 +53,9 @@ from .planner import Planner, rank_order, write_release_part
 from .reader import SampleReader
 from .resume import lease_gone_reason
 from .stall import arm_stack_dump
-from .stream_state import KIND, ORDER_KEYS, merge, resume_split, worker_states
+from .states import STREAM_KIND as KIND
+from .states import STREAM_ORDER_KEYS as ORDER_KEYS
+from .states import merge, resume_split, worker_states
 from .tallies import Tallies
 
 if TYPE_CHECKING:
@@ -343,7 +345,7 @@ class CacheStream(IterableDataset[Any]):
 
     def state_dict(self) -> dict[str, Any]:
         """Where this reader is in its epoch (a few numbers, see
-        `stream_state`): a StatefulDataLoader takes it in each worker
+        `states`): a StatefulDataLoader takes it in each worker
         with every batch. The first one taken in an epoch keeps the epoch's lease for
         ``resume_grace_s`` after this process dies, so a resumed run finds its samples."""
         at = self._at

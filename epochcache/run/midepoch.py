@@ -159,7 +159,7 @@ def loader_states(checkpoint: dict[str, Any] | None) -> dict[str, Any] | None:
     rank resumes from all of them (``epochs(resume=...)``): on the layout that checkpointed,
     each continues its own lane; on another number of ranks per node or of nodes, each node's
     rest is dealt anew to its ranks and what stayed on nodes that did not come back is
-    counted (see `epochcache.data.elastic`)."""
+    counted (see `epochcache.data.resume`)."""
     mid = (checkpoint or {}).get(RESUME_KEY)
     if not mid or not mid.get("loaders"):
         return None

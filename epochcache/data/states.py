@@ -1,5 +1,4 @@
-"""Resume states of epochs() and how the rest of an interrupted epoch is dealt to the ranks
-that resume it, on the layout that ran it or on another one (issue 28: elastic resume).
+"""Every resume state format in one place: ``epochs()``' rank states and ``stream()``'s.
 
 An epoch of ``epochs()`` is one order per node (the node's snapshot, shuffled by seed and
 epoch) dealt to the node's ranks: rank ``r`` of ``W`` reads the *lane* ``order[r::W]`` cut to
@@ -7,31 +6,30 @@ its length. A rank's [`state_dict`][epochcache.data.epoch_loader.EpochLoader.sta
 node's lease, the rank's place (``local_rank`` of ``local_world_size``), the length of its lane
 and how far along it the loop had trained (``position``). The states of one node's ranks are a
 `NodeStates`, found by their lease: each node has its own cache, and only that cache
-holds the lease.
+holds the lease. A resume on another layout records the split its lanes were dealt from
+(``"resumed"``); how the rest is dealt is `epochcache.data.resume`'s.
 
-What a resumed node reads (see `rank_lane`):
+An epoch of [`CacheStream`][epochcache.data.stream.CacheStream] is one order over one snapshot, split
+into *lanes*, one per reader (the main process, or each DataLoader worker: lane ``w`` is
+``order[w::workers]``). Its state names the snapshot (lease and range), what the order
+depends on (seed, shuffle, samples per epoch, this rank's slot), the number of lanes, and how
+far each reader has yielded along its lane. It is a few numbers whatever the epoch's size, so
+torchdata's ``StatefulDataLoader`` can take it at every step::
 
-* on the layout that ran the epoch, each rank continues its own lane after its position;
-* on another number of ranks per node, the *rest* of the node's epoch -- for each old rank in
-  order, its lane after its position -- is dealt anew: new rank ``r`` of ``W'`` reads
-  ``rest[r::W']``. The split is recorded in the new states (``"resumed"``: the old layout,
-  lane lengths and positions), so an epoch interrupted again is rebuilt the same way.
+    {"kind": "epochcache.stream", "version": 1, "epoch": 3, "lease": "ab12...", "lo": 100,
+     "hi": 900, "count": 800, "seed": 0, "shuffle": true, "samples_per_epoch": null,
+     "slot": 0, "slots": 1, "samples": -1, "workers": 2, "positions": {"0": 120, "1": 118}}
 
-Samples evicted since are skipped (counted) where they are read; the lanes themselves never
-depend on what is cached, so a second resume rebuilds the same lanes.
-
-Every rank of the job then reads the same number of batches (`deal`): with nothing
-resumed, the MIN over ranks of each one's batch count (as every epoch); with a resumed epoch,
-the MAX over the resuming ranks of ``ceil(count / batch_size)``, so none of the rest is left
-out, a rank with fewer samples spreading them over smaller batches; where a rank has fewer
-samples than that many batches (a batch is never empty), the MIN again, and the samples beyond
-it are left out and counted. With ``drop_last`` every batch stays whole: the MIN over ranks of
-``count // batch_size``.
+A StatefulDataLoader keeps one such state per worker (each with its own position) and gives
+each worker back its own, so a resumed loader with the same ``num_workers`` continues every
+lane where it stopped: the rest of the epoch in the same order. Loaded whole into the stream
+(``stream.load_state_dict(loader.state_dict())``), the workers' states merge into one with
+every position, and the samples left in all lanes are dealt anew over any number of readers
+(``"resumed"`` then holds the earlier split, so a second interruption resumes as well).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,9 +38,11 @@ import numpy as np
 
 from .placement import Placement
 
-KIND = "epochcache.epochs"
+# -- epochs(): one state per rank, grouped by node ------------------------------------------
+
+EPOCHS_KIND = "epochcache.epochs"
 #: What a rank's order depends on besides the snapshot and the layout.
-ORDER_KEYS = ("seed", "shuffle", "samples_per_epoch")
+EPOCHS_ORDER_KEYS = ("seed", "shuffle", "samples_per_epoch")
 
 
 @dataclass
@@ -88,7 +88,7 @@ def parse_states(resume: Any) -> list[dict[str, Any]]:
     Raises:
         ValueError: none of these, or states of different epochs.
     """
-    if isinstance(resume, Mapping) and resume.get("kind") == KIND:
+    if isinstance(resume, Mapping) and resume.get("kind") == EPOCHS_KIND:
         states = [dict(resume)]
     elif isinstance(resume, Mapping):
         states = [dict(one) if isinstance(one, Mapping) else one for one in resume.values()]
@@ -97,7 +97,7 @@ def parse_states(resume: Any) -> list[dict[str, Any]]:
     else:
         states = [resume]
     bad = [type(one).__name__ for one in states
-           if not isinstance(one, dict) or one.get("kind") != KIND]
+           if not isinstance(one, dict) or one.get("kind") != EPOCHS_KIND]
     if not states or bad:
         raise ValueError(
             "resume: expected an EpochLoader.state_dict() (from a checkpoint), or a list or "
@@ -143,7 +143,7 @@ def check_groups(groups: list[NodeStates], wanted: dict[str, Any], place: Placem
     """
     for group in groups:
         for state in group.states.values():
-            for name in ORDER_KEYS:
+            for name in EPOCHS_ORDER_KEYS:
                 if state.get(name) != wanted[name]:
                     raise ValueError(
                         f"resume: the interrupted epoch ran with {name}={state.get(name)!r}, "
@@ -186,130 +186,113 @@ def order_identity(*, seed: int, shuffle: bool, samples_per_epoch: int | None,
 def check_resume(resume: Any, *, seed: int, shuffle: bool, samples_per_epoch: int | None,
                  place: Placement) -> list[NodeStates]:
     """The states of ``epochs(resume=...)`` by node, refused (naming what differs) when the
-    epoch's order cannot be rebuilt from them (see `epochcache.data.elastic`)."""
+    epoch's order cannot be rebuilt from them (see `epochcache.data.resume`)."""
     groups = group_states(parse_states(resume))
     check_groups(groups, {"seed": seed, "shuffle": bool(shuffle),
                           "samples_per_epoch": samples_per_epoch}, place)
     return groups
 
 
-def lanes(order: np.ndarray, split: dict[str, Any]) -> list[np.ndarray]:
-    """The lanes of the node's ranks that ``split`` describes, over the epoch's ``order``
-    (dealt from an earlier split's rest when ``split`` was itself resumed)."""
-    nested = split.get("resumed")
-    base = order if nested is None else rest_of(order, nested)
-    size = int(split["local_world_size"])
-    return [base[r::size][: int(length)] for r, length in zip(range(size), split["lanes"])]
+# -- stream(): one state per reader (a StatefulDataLoader's worker) ---------------------------
+
+STREAM_KIND = "epochcache.stream"
+#: What the epoch's order depends on: a resume must find the same.
+STREAM_ORDER_KEYS = ("epoch", "lease", "lo", "hi", "count", "seed", "shuffle",
+                     "samples_per_epoch", "slot", "slots", "samples")
 
 
-def rest_of(order: np.ndarray, split: dict[str, Any]) -> np.ndarray:
-    """What the ranks of ``split`` had not read: each lane after its position, in rank order."""
-    parts = [lane[int(position):] for lane, position in zip(lanes(order, split),
-                                                               split["positions"])]
+def worker_states(state: dict[str, Any]) -> list[dict[str, Any]]:
+    """The stream states inside ``state``: ours, or a StatefulDataLoader's (its dataset
+    state without workers, or one per worker)."""
+    if state.get("kind") == STREAM_KIND:
+        return [state]
+    found: list[dict[str, Any]] = []
+    dataset_state = state.get("dataset_state")
+    if isinstance(dataset_state, dict):
+        found.append(dataset_state)
+    snapshot = state.get("_snapshot")
+    if isinstance(snapshot, dict):
+        for worker in (snapshot.get("_worker_snapshots") or {}).values():
+            if isinstance(worker, dict) and isinstance(worker.get("dataset_state"), dict):
+                found.append(worker["dataset_state"])
+    ours = [one for one in found if one.get("kind") == STREAM_KIND]
+    if not ours and found or not found:
+        raise ValueError("load_state_dict: expected a cache.stream() state_dict() or a "
+                         "StatefulDataLoader state_dict() of a loader over cache.stream(), "
+                         f"got keys {sorted(state)[:8]}")
+    return ours
+
+
+def merge(states: list[dict[str, Any]]) -> dict[str, Any]:
+    """One state with the positions of every reader in ``states`` (the same epoch's)."""
+    current = [one for one in states if "epoch" in one]
+    if not current:
+        return {"kind": STREAM_KIND, "version": 1,
+                "next_epoch": max(int(one.get("next_epoch", 0)) for one in states)}
+    first = current[0]
+    for other in current[1:]:
+        for key in (*STREAM_ORDER_KEYS, "workers"):
+            if other.get(key) != first.get(key):
+                raise ValueError(f"load_state_dict: the workers' states disagree on {key} "
+                                 f"({first.get(key)!r} and {other.get(key)!r})")
+    positions: dict[str, int] = {}
+    for one in current:
+        positions.update({str(k): int(v) for k, v in one["positions"].items()})
+    return {**first, "positions": positions}
+
+
+def _lanes(order: np.ndarray, state: dict[str, Any]) -> list[np.ndarray]:
+    """The lanes of the split ``state`` describes (an earlier one's leftovers, if resumed)."""
+    workers = int(state["workers"])
+    earlier = state.get("resumed")
+    if earlier is not None:
+        order = leftovers(order, earlier)
+    return [order[w::workers] for w in range(workers)]
+
+
+def leftovers(order: np.ndarray, state: dict[str, Any]) -> np.ndarray:
+    """What the readers of ``state`` had not yielded yet: every lane after its position.
+
+    Raises:
+        ValueError: the state lacks a reader's position.
+    """
+    lanes = _lanes(order, state)
+    positions = state["positions"]
+    missing = [w for w in range(len(lanes)) if str(w) not in positions]
+    if missing:
+        raise ValueError(
+            f"load_state_dict: the state has no position for readers {missing} of "
+            f"{len(lanes)}; resuming with another num_workers needs every worker's: load the "
+            "whole StatefulDataLoader state_dict() into the stream")
+    parts = [lane[int(positions[str(w)]) :] for w, lane in enumerate(lanes)]
     return np.concatenate(parts) if parts else order[:0]
 
 
-@dataclass(frozen=True)
-class RankLane:
-    """What a rank of a resumed node reads: its lane, where in it to start, and the split
-    its states record (None: the epoch's own lanes)."""
+def resume_split(order: np.ndarray, state: dict[str, Any], workers: int, worker: int
+                 ) -> tuple[dict[str, Any], np.ndarray, int]:
+    """How reader ``worker`` of ``workers`` resumes the epoch of ``state``: the split it
+    records in its state from now on (without positions), its lane and where in it to start.
 
-    lane: np.ndarray
-    position: int
-    resumed: dict[str, Any] | None
-    regrouped: bool  # dealt anew from the node's rest (another layout)
-
-
-def rank_lane(order: np.ndarray, group: NodeStates, place: Placement) -> RankLane:
-    """This rank's lane of the resumed epoch (see the module docstring)."""
-    nested = group.nested
-    mine = group.states.get(place.local_rank)
-    if group.local_world_size == place.local_world_size and mine is not None:
-        base = order if nested is None else rest_of(order, nested)
-        lane = base[place.local_rank :: place.local_world_size][: int(mine["lane"])]
-        return RankLane(lane, int(mine["position"]), nested, False)
-    split = group.split()
-    rest = rest_of(order, split)
-    return RankLane(rest[place.local_rank :: place.local_world_size], 0, split, True)
-
-
-@dataclass(frozen=True)
-class Deal:
-    """The agreed batches of an epoch: ``batches`` per rank, and how many samples a rank with
-    ``count`` samples reads (`take`) in batches ending where `bounds` says."""
-
-    batches: int
-    batch_size: int
-    drop_last: bool
-
-    def take(self, count: int) -> int:
-        return min(count, self.batches * self.batch_size)
-
-    def bounds(self, count: int) -> np.ndarray:
-        """The end of each batch in the rank's samples (a cumulative count, from 0): whole
-        batches while the rank has enough samples for them, else spread as evenly as
-        possible over ``batches`` (every batch at least one sample)."""
-        k, size = self.batches, self.batch_size
-        take = self.take(count)
-        if k == 0:
-            return np.zeros(1, dtype=np.int64)
-        if take > (k - 1) * size:  # whole batches, the last one maybe short
-            ends = np.minimum(np.arange(1, k + 1, dtype=np.int64) * size, take)
-        else:
-            small, extra = divmod(take, k)
-            sizes = np.full(k, small, dtype=np.int64)
-            sizes[:extra] += 1
-            ends = np.cumsum(sizes)
-        return np.concatenate([[0], ends]).astype(np.int64)
-
-
-def deal(counts: Sequence[int], resumed: Sequence[bool], batch_size: int,
-         drop_last: bool) -> Deal:
-    """How many batches every rank reads, given each rank's sample count and whether it
-    continues an interrupted epoch (see the module docstring)."""
-    if not counts:
-        return Deal(0, batch_size, drop_last)
-    whole = [c // batch_size for c in counts]
-    some = [math.ceil(c / batch_size) for c in counts]
-    least = min(whole) if drop_last else min(some)
-    if drop_last or not any(resumed):
-        return Deal(least, batch_size, drop_last)
-    most = max(n for n, r in zip(some, resumed) if r)
-    if min(counts) < most:  # some rank cannot fill that many batches: the MIN, as always
-        return Deal(least, batch_size, drop_last)
-    return Deal(most, batch_size, drop_last)
-
-
-def lease_tag(lease: str) -> int:
-    """A lease id as a 60-bit integer (the tensors of a collective carry it)."""
-    try:
-        return int(lease[:15], 16) if lease else 0
-    except ValueError:
-        return 0
-
-
-#: The columns of the row each rank contributes to an epoch's agreement (see `report`).
-COUNT, RESUMED, TAG, EVICTED = range(4)
-
-
-def report(groups: list[NodeStates], rows: np.ndarray, agreed: Deal) -> dict[str, int]:
-    """What a resumed epoch continued and what it could not, over the whole job, from every
-    rank's row (``COUNT`` samples it can read, ``RESUMED`` 1 where it continues the epoch,
-    ``TAG`` the lease of the node's states it found, ``EVICTED`` samples gone since): the same
-    on every rank.
-
-    ``resume_departed`` counts the rest of the nodes whose states ``groups`` holds but whose
-    lease no rank found (their disk is gone), as their states count it.
+    With as many readers as before, each continues its own lane (its own position suffices,
+    as a StatefulDataLoader hands each worker its own state); with another number, what is
+    left of every lane is dealt anew (every position is needed).
     """
-    resumed = rows[:, RESUMED] == 1
-    counts = rows[:, COUNT]
-    taken = np.minimum(counts, agreed.batches * agreed.batch_size)
-    found = {int(tag) for tag in rows[:, TAG] if tag}
-    departed = [group for group in groups if lease_tag(group.lease) not in found]
-    return {"resume_batches": agreed.batches,
-            "resume_continued": int(taken[resumed].sum()),
-            "resume_evicted": int(rows[resumed, EVICTED].sum()),
-            "resume_left_out": int((counts - taken)[resumed].sum()),
-            "resume_fresh_ranks": int((~resumed).sum()),
-            "resume_departed": sum(group.remaining() for group in departed),
-            "resume_departed_nodes": len(departed)}
+    split: dict[str, Any] = {key: state[key] for key in ("workers", "resumed") if key in state}
+    positions = state["positions"]
+    before = int(state["workers"])
+    if before == workers and str(worker) in positions:
+        return split, _lanes(order, split)[worker], int(positions[str(worker)])
+    if len(positions) < before:
+        # One worker's state: what a StatefulDataLoader gives each of its workers back. It
+        # checks nothing until its own assertion, after the workers started.
+        raise ValueError(
+            f"load_state_dict: this state was saved by a loader with num_workers={before}, and "
+            f"holds the position of reader(s) {sorted(map(int, positions))} only; this loader "
+            f"reads with num_workers={workers}. A StatefulDataLoader resumes only with the "
+            "num_workers that saved its state (it hands each worker its own). To resume with "
+            "another number, load the whole StatefulDataLoader state_dict() into the stream "
+            "(stream.load_state_dict(state)) instead of into the new loader, or resume with "
+            f"num_workers={before}")
+    rest = leftovers(order, {**split, "positions": positions})
+    fresh: dict[str, Any] = {"workers": workers, "resumed": {**split, "positions": positions}}
+    return fresh, rest[worker::workers], 0
