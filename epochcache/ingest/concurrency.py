@@ -37,11 +37,11 @@ out, ``finished()`` with its outcome. They hold no lock: the gate calls them fro
 IO loop) or under its own lock. Time is injected (``clock``) so that tests can simulate.
 
 **The pace** of a throttled source (`Pace`): requests per second, one for all the samplers of a
-daemon. A remote that answers ``503 SlowDown`` (or 429) has a rate; a window of requests in flight is
-too coarse a way to keep to it (at 100 requests/s and 20 ms of latency, two in flight ask for
-exactly the limit, one for half). So the first throttled answer *paces* the source's requests:
-each waits for its instant (a GCRA, like `requests.RequestBudget`), and the pace moves by AIMD
-on the rate:
+daemon. A remote that answers ``503 SlowDown`` (or 429) has a rate; a window of requests in
+flight is too coarse a way to keep to it (at 100 requests/s and 20 ms of latency, two in flight
+ask for exactly the limit, one for half). So the first throttled answer *paces* the source's
+requests: each waits for its instant (a GCRA, like `requests.RequestBudget`), and the pace moves
+by AIMD on the rate:
 
 * **decrease** (multiplicative): a throttled answer multiplies the pace by the share
   of answers that were not throttled since the last decrease, at most `PACE_DECREASE` and at
@@ -451,7 +451,8 @@ class Pace:
             wait = start - now
             if wait > 0:  # it holds requests back: it grows, faster the longer nothing throttled
                 elapsed = min(1.0, max(0.0, now - grown_at))
-                growth = min(PACE_GROWTH_MAX, PACE_GROWTH * 2 ** ((now - throttled_at) / PACE_DOUBLING_S))
+                doublings = (now - throttled_at) / PACE_DOUBLING_S
+                growth = min(PACE_GROWTH_MAX, PACE_GROWTH * 2**doublings)
                 rate += max(PACE_STEP_MIN, rate * growth) * elapsed
                 held_at = now
             elif now - held_at > PACE_FORGET_S:

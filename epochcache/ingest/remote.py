@@ -400,9 +400,9 @@ def fetch_many(
     downloaded (a ranged read), so a caller that asks for one byte more than it accepts can
     tell an object that is too large without holding all of it.
 
-    Every request passes through ``gate`` (`requests.RequestGate`: the requests in flight, shared with
-    the other calls using it, the pace and budget, the counting); without one, at most
-    ``concurrency`` are in flight. A throttled request (503 SlowDown, 429) is asked again for
+    Every request passes through ``gate`` (`requests.RequestGate`: the requests in flight,
+    shared with the other calls using it, the pace and budget, the counting); without one, at
+    most ``concurrency`` are in flight. A throttled request (503 SlowDown, 429) is asked again for
     the same object after a backoff, for up to ``throttled_for_s`` seconds (0: not at all).
 
     Async filesystems (s3fs, http, gcs) run one coroutine per path on fsspec's IO loop, each
