@@ -24,8 +24,8 @@ from common.daemonproc import cache_len, upload, wait_for, write_config
 
 from epochcache import Cache
 from epochcache.boot import process_start_ticks
-from epochcache.ingest.budget import BUDGET_FILE, RequestBudget
-from epochcache.ingest.pace import Pace, SharedPaceState
+from epochcache.ingest.concurrency import Pace, SharedPaceState
+from epochcache.ingest.requests import BUDGET_FILE, RequestBudget
 from epochcache.stall_records import STALLS_DIR, read_stalls
 from epochcache.store import store_of
 from epochcache.store.status import collect_stats

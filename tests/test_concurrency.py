@@ -24,13 +24,13 @@ from typing import Any
 
 import pytest
 
-from epochcache.ingest.budget import RequestBudget
 from epochcache.ingest.concurrency import (
     START_LIMIT,
     AutoConcurrency,
     FixedConcurrency,
     Outcome,
 )
+from epochcache.ingest.requests import RequestBudget
 
 
 @dataclass
@@ -278,7 +278,7 @@ def test_the_samplers_of_a_daemon_share_one_pace_per_source(tmp_path: Path) -> N
     """Two samplers' controls on one shared pace: a decrease seen by one slows both, their
     requests get instants of one schedule, and once one has nothing to fetch the other has
     the whole rate (its own share would leave the remote's rate half used)."""
-    from epochcache.ingest.pace import Pace, SharedPaceState
+    from epochcache.ingest.concurrency import Pace, SharedPaceState
 
     now = [100.0]
     first = Pace(SharedPaceState.in_cache(tmp_path, "web"), clock=lambda: now[0])

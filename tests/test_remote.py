@@ -14,7 +14,6 @@ import pytest
 
 from epochcache.errors import PermanentRemoteError, RemoteTimeout, SourceUnavailable
 from epochcache.ingest.remote import (
-    BandwidthLimiter,
     call,
     fetch_many,
     open_fs,
@@ -22,6 +21,7 @@ from epochcache.ingest.remote import (
     translate_error,
     translate_errors,
 )
+from epochcache.ingest.requests import BandwidthLimiter
 from epochcache.redact import redact_options
 
 if TYPE_CHECKING:
@@ -348,8 +348,8 @@ def test_an_http_server_throttling_with_429_is_paced_and_asked_again(
     """The remote-manners proxy answers 429 above 20 requests/s: every object arrives, the
     429s are counted, and the source's control paces its requests."""
     from epochcache.ingest.concurrency import AutoConcurrency
-    from epochcache.ingest.gate import RequestGate
     from epochcache.ingest.layouts import SampleRef, SourceSpec, open_source
+    from epochcache.ingest.requests import RequestGate
 
     proxy = remote_proxy(http_server, latency_s=0.005, rate_per_s=20, burst=2, style="http")
     source = open_source(SourceSpec(url=proxy.endpoint, checks=()))

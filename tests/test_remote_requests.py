@@ -25,10 +25,9 @@ import pytest
 import s3fs
 from common.rangeserver import range_server
 
-from epochcache.ingest.budget import RequestBudget
 from epochcache.ingest.concurrency import FixedConcurrency
-from epochcache.ingest.gate import RequestGate
 from epochcache.ingest.layouts import SourceSpec, open_source
+from epochcache.ingest.requests import RequestBudget, RequestGate
 
 if TYPE_CHECKING:
     from conftest import S3Env

@@ -3,7 +3,7 @@ through the source's request gate, a deadline on silence rather than on the body
 and a start at any byte.
 
 * Every request passes the gate (its slot, the pace after throttling, the daemon's request
-  budget) before it is sent, and is counted there when the remote received it (`gate`): a
+  budget) before it is sent, and is counted there when the remote received it (`requests`): a
   shard is as many GETs as the remote answered, no HEAD first.
 * A request fails when no byte of its body arrives for ``timeout_s`` (`RemoteTimeout`),
   whatever the body's length: a shard on a slow link completes while bytes keep coming, a
@@ -41,8 +41,8 @@ from fsspec.asyn import AsyncFileSystem, sync
 
 from ..errors import RemoteTimeout, SourceError, SourceUnavailable, Throttled
 from .concurrency import Outcome
-from .gate import RequestGate, throttle_delay
 from .remote import outcome_of, reached_remote, translate_error
+from .requests import RequestGate, throttle_delay
 
 #: What one read hands over at most (the memory of a stream beyond its client's buffers).
 READ_AHEAD_BYTES = 1024 * 1024

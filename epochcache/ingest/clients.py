@@ -30,7 +30,7 @@ into its region, obstore signs for one), else the environment's or the profile's
 ``us-east-1``.
 
 Timeouts are ours (``source.timeout_s``, ``connect_timeout_s``) and obstore retries nothing:
-retrying is the request gate's and the sampler's job (`remote`, `gate`).
+retrying is the request gate's and the sampler's job (`remote`, `requests`).
 """
 
 from __future__ import annotations

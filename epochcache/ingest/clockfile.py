@@ -1,9 +1,9 @@
 """A few ``time.monotonic()`` instants shared by the samplers of a daemon through a small file.
 
-The request budget (`budget`) and each source's pace (`pace`) are kept in files in the cache
-directory that every sampler process maps and changes under ``flock`` (the kernel releases it
-when the process holding it dies: a sampler killed with ``kill -9`` in the middle cannot wedge the
-others). Their cells are instants of the monotonic clock, which every process of one boot
+The request budget (`requests.RequestBudget`) and each source's pace (`concurrency.Pace`) are
+kept in files in the cache directory that every sampler process maps and changes under ``flock``
+(the kernel releases it when the process holding it dies: a sampler killed with ``kill -9`` in
+the middle cannot wedge the others). Their cells are instants of the monotonic clock, which every process of one boot
 reads alike, and which means nothing on another boot or host: after a reboot the clock starts
 again from zero, so an instant the last boot wrote lies far ahead and every request would wait
 for it (seen: up to an hour, nothing cached meanwhile).

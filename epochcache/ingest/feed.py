@@ -22,10 +22,10 @@ a burst that would starve the others. So does a feed whose remote throttles it (
 429) while all its batches are in fetch: the mix follows the weights while every remote keeps
 up, never a remote's rate limit.
 
-Each feed's source reads through a request gate (`gate`): requests in flight per
+Each feed's source reads through a request gate (`requests`): requests in flight per
 ``sampler.concurrency`` (``auto``: `concurrency`), shared by the batches of the feed in
 fetch (two, or more while the concurrency needs them: `Feed.max_in_fetch`), the pace
-after throttling (`pace`), the daemon's request budget, and the request counters.
+after throttling (`concurrency.Pace`), the daemon's request budget, and the request counters.
 
 The listing is held as a `KeyTable` (no object per key). A listing still under
 way (a large bucket) is sampled as it grows; once it is complete it is saved as a new
@@ -58,16 +58,14 @@ from ..errors import (
 )
 from ..store import SampleStore
 from .accounting import RequestStats, source_label
-from .budget import RequestBudget
-from .concurrency import AutoConcurrency, FixedConcurrency
+from .concurrency import AutoConcurrency, FixedConcurrency, Pace, SharedPaceState
 from .from_config import open_configured_source
-from .gate import RequestGate
 from .idle import IdleState
 from .inflight import SizeEstimate
 from .keyorder import KeyOrder, key_hashes
 from .layouts import KeyTable, Listing, SampleRef, listing_for_sampling
-from .pace import Pace, SharedPaceState
 from .relist import ListingFollower, listing_mtime
+from .requests import RequestBudget, RequestGate
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +169,7 @@ class Feed:
         self.sizes = SizeEstimate(self.table.known_sizes(), batch_bytes)
         # Requests in flight: sampler.concurrency per source and sampler process, shared by
         # the batches being fetched; `auto` finds the number (.concurrency).
-        # After throttling, the source's pace is one for all the daemon's samplers (.pace).
+        # After throttling, the source's pace is one for all the daemon's samplers (concurrency.Pace).
         wanted = config.sampler.concurrency
         pacer = Pace(SharedPaceState.in_cache(cache_dir, source_label(self.name)))
         control = (FixedConcurrency(wanted, pacer=pacer) if isinstance(wanted, int)

@@ -48,9 +48,8 @@ from ..errors import (
     Throttled,
 )
 from ..redact import redact_url, scrub_urls
-from .bandwidth import BandwidthLimiter as BandwidthLimiter  # re-exported (its old home)
 from .concurrency import FixedConcurrency, Outcome
-from .gate import RequestGate, throttle_delay
+from .requests import RequestGate, backoff_delays, throttle_delay
 
 log = logging.getLogger(__name__)
 
@@ -291,7 +290,7 @@ _OBSTORE_UNSENT = re.compile(r"HTTP error: builder error|\bkind: Connect\b")
 def reached_remote(value: object) -> bool:
     """Whether a request whose result is ``value`` (its bytes, or the error it raised,
     translated or not) reached the remote: what the remote bills and counts is what it received,
-    so a request that never left the process is not counted (`gate`)."""
+    so a request that never left the process is not counted (`requests`)."""
     seen: set[int] = set()
     stack = [value] if isinstance(value, BaseException) else []
     while stack:
@@ -328,15 +327,6 @@ def translate_errors(url: str) -> Iterator[None]:
 
 
 # ------------------------------------------------------------------------------------------- retry
-
-
-def backoff_delays(
-    attempts: int, *, base_s: float = 0.2, max_s: float = 10.0, rng: random.Random | None = None
-) -> Iterator[float]:
-    """Yield ``attempts - 1`` full-jitter delays: uniform(0, min(max_s, base_s * 2**i))."""
-    rng = rng or random.Random()
-    for i in range(max(0, attempts - 1)):
-        yield rng.uniform(0.0, min(max_s, base_s * (2**i)))
 
 
 def retry(
@@ -410,9 +400,9 @@ def fetch_many(
     downloaded (a ranged read), so a caller that asks for one byte more than it accepts can
     tell an object that is too large without holding all of it.
 
-    Every request passes through ``gate`` (`gate`: the requests in flight, shared with
-    the other calls using it, the pace and budget, the counting); without one, at most
-    ``concurrency`` are in flight. A throttled request (503 SlowDown, 429) is asked again for
+    Every request passes through ``gate`` (`requests.RequestGate`: the requests in flight,
+    shared with the other calls using it, the pace and budget, the counting); without one, at
+    most ``concurrency`` are in flight. A throttled request (503 SlowDown, 429) is asked again for
     the same object after a backoff, for up to ``throttled_for_s`` seconds (0: not at all).
 
     Async filesystems (s3fs, http, gcs) run one coroutine per path on fsspec's IO loop, each

@@ -44,7 +44,6 @@ from ..redact import install_log_redaction
 from ..store import SampleStore
 from ..store.status import FAILING_AFTER_S
 from .accounting import saved_requests, source_label
-from .budget import RequestBudget
 from .committer import Batch, Committer, state_name
 from .feed import (
     FETCH_DEPTH,
@@ -59,6 +58,7 @@ from .inflight import InFlight
 from .layouts import STREAMED, Piece, SampleRef
 from .lifeline import Lifeline, kill_with_parent
 from .origin_tagger import OriginTagger
+from .requests import RequestBudget
 
 #: Libraries whose INFO lines (botocore's "Found credentials in ...") a sampler started
 #: without its daemon's levels leaves out.

@@ -52,15 +52,12 @@ from ..clients import (
     resolve_client,
 )
 from ..concurrency import FixedConcurrency, Outcome
-from ..gate import RequestGate
 from ..keytable import KeyTable
 from ..localfiles import LocalFiles
 from ..manifest import read_manifest
 from ..paging import Pager, list_all, make_pager
 from ..remote import (
     TRANSIENT_ERRORS,
-    BandwidthLimiter,
-    backoff_delays,
     call,
     fetch_many,
     open_fs,
@@ -70,6 +67,7 @@ from ..remote import (
     translate_error,
     translate_errors,
 )
+from ..requests import BandwidthLimiter, RequestGate, backoff_delays
 from ..types import FetchResult, SampleRef, SourceSpec
 
 log = logging.getLogger(__name__)

@@ -1,12 +1,13 @@
-"""The request gate: every object read of one source in one sampler process passes through it.
+"""How a source's requests go out: the gate, the daemon's budget, the bandwidth limit, backoff.
 
-It keeps three promises, one request at a time:
+**The request gate** (`RequestGate`): every object read of one source in one sampler process
+passes through it. It keeps three promises, one request at a time:
 
 * at most ``control.slots`` requests are in flight (`concurrency`: a fixed number, or
   ``auto``), shared by all the batches of the source being fetched; each request's outcome
   (bytes, throttled, timed out) goes back to the control, which moves the limit;
-* requests wait for the control's pace (after throttling) and for the daemon's shared budget
-  (``sampler.max_requests_per_s``, `budget`) before they are sent;
+* requests wait for the control's pace (after throttling, `concurrency.Pace`) and for the
+  daemon's shared budget (``sampler.max_requests_per_s``, `RequestBudget`) before they are sent;
 * every request that reached the remote is counted, by kind (`accounting`): a GET, a HEAD;
   one that never left the process (a refused connection, a request its client would not
   build) is not, as the remote never saw it.
@@ -15,24 +16,43 @@ It also says how a throttled request is answered: it gives up its slot, waits a 
 (`throttle_delay`, growing per attempt, jittered) and asks for the *same* object again,
 until its deadline; throttling is a rate to adapt to, not a fault of the object, so it never
 ends in quarantine (a request still throttled at its deadline fails like a transient error: the
-object is fetched again on a later pass).
+object is fetched again on a later pass). A transient error's backoff is `backoff_delays`
+(full jitter), which `remote.retry` and a layout's retries of failed objects wait by.
 
 The asynchronous side (`RequestGate.enter`, `RequestGate.leave`) runs on fsspec's
 IO loop, where all the source's requests of a process run; the synchronous side
 (`RequestGate.enter_sync`) serves filesystems read from threads.
+
+**The budget** (`RequestBudget`, ``sampler.max_requests_per_s``): a request budget shared by all
+the samplers of a daemon. It is a token bucket in its GCRA form (one "theoretical arrival
+time"), kept in a small file in the cache directory that every sampler process maps
+(`clockfile`: under ``flock``, stamped with the clock its instant belongs to, so the file of
+another boot or host is started afresh): a request reserves the next free instant and waits
+until it comes, so the samplers together send at most the budget per second on average, with
+bursts of `BURST_S` seconds' worth after a quiet spell. A reservation costs a few
+microseconds. The budget counts every request the samplers send, retries included; a daemon's
+listing pages are not counted (they are few, and made before sampling starts).
+
+**The bandwidth limit** (`BandwidthLimiter`, ``sampler.bandwidth_limit``): a token bucket on
+the bytes a sampler process reads.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import os
 import random
 import threading
 import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 from .accounting import RequestStats
-from .budget import RequestBudget
+from .clockfile import ClockFile
 from .concurrency import FixedConcurrency, Outcome
+
+# ----------------------------------------------------------------------------------------- backoff
 
 #: Backoff of a throttled request: the first wait, and the longest.
 THROTTLE_BASE_S, THROTTLE_MAX_S = 0.1, 5.0
@@ -44,6 +64,17 @@ def throttle_delay(attempt: int, rng: random.Random | None = None) -> float:
     cap = min(THROTTLE_MAX_S, THROTTLE_BASE_S * 2.0**attempt)
     return cap * (0.5 + 0.5 * (rng or random).random())
 
+
+def backoff_delays(
+    attempts: int, *, base_s: float = 0.2, max_s: float = 10.0, rng: random.Random | None = None
+) -> Iterator[float]:
+    """Yield ``attempts - 1`` full-jitter delays: uniform(0, min(max_s, base_s * 2**i))."""
+    rng = rng or random.Random()
+    for i in range(max(0, attempts - 1)):
+        yield rng.uniform(0.0, min(max_s, base_s * (2**i)))
+
+
+# -------------------------------------------------------------------------------------------- gate
 
 class RequestGate:
     """The gate of one source in one process (see the module docstring).
@@ -154,3 +185,99 @@ class RequestGate:
     def publish(self) -> None:
         """Copy the control's gauges (limit, pace) into the stats."""
         self.stats.set(concurrency=self.control.slots, pace=round(self.control.pace or 0.0, 1))
+
+
+# ------------------------------------------------------------------------------------------ budget
+
+#: The bucket holds this many seconds of requests.
+BURST_S = 0.25
+#: The file in the cache directory.
+BUDGET_FILE = "request-budget"
+
+
+class RequestBudget:
+    """At most ``per_s`` requests a second, for all the processes that open ``path``.
+
+    The file holds one cell: the next free instant, in ``time.monotonic()`` seconds (0: none).
+
+    Args:
+        path: the shared file (created if missing).
+        per_s: requests per second; positive.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], per_s: float) -> None:
+        if per_s <= 0:
+            raise ValueError(f"sampler.max_requests_per_s: must be positive, got {per_s!r}")
+        self.per_s = float(per_s)
+        self.path = Path(path)
+        self._file = ClockFile(self.path, [0.0])
+
+    @classmethod
+    def in_cache(cls, cache_dir: str | os.PathLike[str], per_s: float) -> RequestBudget:
+        """The budget shared through ``cache_dir``."""
+        return cls(Path(cache_dir) / BUDGET_FILE, per_s)
+
+    def reserve(self) -> float:
+        """Reserve one request; the seconds to wait before sending it (0: now)."""
+        now, start = self.reserve_at()
+        return max(0.0, start - now)
+
+    def reserve_at(self) -> tuple[float, float]:
+        """Reserve one request: ``(now, the instant it may go)`` in ``time.monotonic()``."""
+        interval = 1.0 / self.per_s
+        with self._file.locked() as cells:
+            now = time.monotonic()
+            start = max(cells[0] or now, now - BURST_S)
+            cells[0] = start + interval
+        return now, start
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> RequestBudget:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"RequestBudget(per_s={self.per_s:g})"
+
+
+# --------------------------------------------------------------------------------------- bandwidth
+
+class BandwidthLimiter:
+    """Token bucket shared by the threads of one process: ``consume(n)`` sleeps to keep the average
+    rate at ``bytes_per_s``.
+
+    The bucket holds at most ``burst_s`` seconds of tokens. Sizes are known only after a fetch, so
+    the bucket may go into debt, and the next caller waits it off; the long-run rate still holds.
+
+    Args:
+        bytes_per_s: the average rate to keep; must be positive.
+        burst_s: seconds of traffic that may pass at full speed after an idle period.
+    """
+
+    def __init__(self, bytes_per_s: float, *, burst_s: float = 1.0) -> None:
+        if bytes_per_s <= 0:
+            raise ValueError(f"bandwidth limit: must be positive bytes/s, got {bytes_per_s!r}")
+        self.bytes_per_s = float(bytes_per_s)
+        self._capacity = self.bytes_per_s * burst_s
+        self._tokens = self._capacity
+        self._last = time.monotonic()
+        self._lock = threading.Lock()
+
+    def consume(self, num_bytes: int, *, sleep: Callable[[float], None] = time.sleep) -> float:
+        """Take ``num_bytes`` from the bucket, sleeping while it is in debt; return the seconds slept."""
+        with self._lock:
+            now = time.monotonic()
+            self._tokens = min(self._capacity, self._tokens + (now - self._last) * self.bytes_per_s)
+            self._last = now
+            self._tokens -= num_bytes
+            wait = -self._tokens / self.bytes_per_s if self._tokens < 0 else 0.0
+        if wait > 0:
+            sleep(wait)
+        return wait
+
+    def __repr__(self) -> str:
+        return f"BandwidthLimiter(bytes_per_s={self.bytes_per_s:.0f})"
