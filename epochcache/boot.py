@@ -12,7 +12,8 @@ reads it under another one ignores it:
 * `clock_id`: the boot id and this process's time namespace offsets, hashed to 16 bytes:
   two processes read the same ``time.monotonic()`` exactly when their clock ids are equal.
 * `process_record` and `recorded_alive`: the pid, start ticks and boot a document (a lease, a
-  stall record, a lowered capacity) names, and whether that process still runs (`pid_alive`).
+  stall record, a lowered capacity) names, and whether that process still runs (`pid_alive`);
+  `heartbeat_alive` for a document that may come from another host (the daemon's).
 
 Why a stamp and not wall-clock instants with bounds: the pace and request budget files need a
 clock every process of a host reads alike and that never jumps (the wall clock jumps with NTP
@@ -121,3 +122,18 @@ def recorded_alive(doc: Mapping[str, Any]) -> bool:
     """Whether the process a document names (`process_record`) still runs, by pid and start
     time on the boot it names (the caller knows it was written on this host)."""
     return pid_alive(int(doc.get("pid", -1)), doc.get("start_ticks"), doc.get("boot"))
+
+
+#: A process on another host whose document's heartbeat is older than this is taken for gone.
+HEARTBEAT_STALE_S = 60.0
+
+
+def heartbeat_alive(doc: Mapping[str, Any], age_s: float) -> bool:
+    """Whether the process a document with a ``heartbeat`` names still runs: on this host by
+    `recorded_alive`, on another by a heartbeat (``age_s`` old) fresher than
+    `HEARTBEAT_STALE_S`; never once the document says ``stopped``."""
+    if doc.get("stopped"):
+        return False
+    if doc.get("host") == socket.gethostname():
+        return recorded_alive(doc)
+    return age_s < HEARTBEAT_STALE_S

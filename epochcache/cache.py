@@ -117,7 +117,7 @@ class Cache:
     def stats(self) -> dict[str, Any]:
         """Counters, capacity, leases, daemon and sampler health, requests and turnover, as a
         JSON-able dict (what ``epochcache status --json`` prints)."""
-        from .coverage.report import stats_with_coverage
+        from .status import stats_with_coverage
 
         return stats_with_coverage(self._store)
 

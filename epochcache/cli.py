@@ -87,8 +87,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.live import Live
 
-    from .coverage.report import stats_with_coverage
-    from .store.status import render
+    from .status import render, stats_with_coverage
 
     cache = _open_cache_readonly(args.cache_dir)
     try:

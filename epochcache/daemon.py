@@ -245,7 +245,7 @@ class Daemon:
     def status(self) -> dict[str, Any]:
         """What ``epochcache status --json`` prints for this cache (samples, bytes, capacity,
         leases, ``daemon`` with per-sampler health, ...)."""
-        from .coverage.report import stats_with_coverage
+        from .status import stats_with_coverage
         from .store import SampleStore
 
         with SampleStore(self.cache_dir, readonly=True) as cache:

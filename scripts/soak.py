@@ -49,10 +49,10 @@ sys.path.insert(0, str(REPO / "tests"))
 from common.s3server import S3ServerProcess  # noqa: E402 - the moto server of the fault tests
 
 from epochcache.errors import CacheError  # noqa: E402
+from epochcache.status import collect_stats  # noqa: E402
 from epochcache.store import SampleStore, store_of  # noqa: E402
 from epochcache.store.codec import read_info  # noqa: E402
 from epochcache.store.records import DB_SAMPLES, seq_of  # noqa: E402
-from epochcache.store.status import collect_stats  # noqa: E402
 
 BUCKET = "soak"
 SAMPLES = 1500

@@ -27,8 +27,8 @@ from epochcache.boot import process_start_ticks
 from epochcache.ingest.concurrency import Pace, SharedPaceState
 from epochcache.ingest.requests import BUDGET_FILE, RequestBudget
 from epochcache.stall_records import STALLS_DIR, read_stalls
+from epochcache.status import collect_stats
 from epochcache.store import store_of
-from epochcache.store.status import collect_stats
 
 if TYPE_CHECKING:
     from conftest import S3Env

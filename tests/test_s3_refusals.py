@@ -28,8 +28,8 @@ from common.daemonproc import (
 from conftest import S3Env, free_port
 
 from epochcache import Cache
+from epochcache.status import collect_stats, render
 from epochcache.store import store_of
-from epochcache.store.status import collect_stats, render
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -168,7 +168,7 @@ def test_status_shows_a_stalled_trainer(tmp_path: Path, action: str) -> None:
     try:
         stalled.wait_line("STUCK", 60)
         from epochcache import Cache
-        from epochcache.store.status import collect_stats
+        from epochcache.status import collect_stats
 
         cache = Cache(path)
         stats: dict[str, object] = {}

@@ -27,7 +27,6 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
-from ..store.status import collect_stats
 from .ledger import Ledger, ledgers, read_unattributed
 
 if TYPE_CHECKING:
@@ -107,12 +106,6 @@ def coverage(cache: SampleStore | str) -> dict[str, Any]:
     found = [source_coverage(ledger) for ledger in ledgers(path)]
     found.sort(key=lambda row: (row["source"], row["url"] or ""))
     return {"sources": found, "unattributed": read_unattributed(path)}
-
-
-def stats_with_coverage(cache: SampleStore) -> dict[str, Any]:
-    """`collect_stats` and the coverage report: what ``epochcache status`` and `Cache.stats`
-    show (the store's statistics do not reach up to what training saw)."""
-    return {**collect_stats(cache), "coverage": coverage(cache)}
 
 
 def history(cache_path: str) -> list[dict[str, Any]]:

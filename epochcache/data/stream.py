@@ -11,7 +11,7 @@ Where the epoch is prepared (snapshot, shuffle, and under DDP the collectives):
 * in the main process, by [`CacheStream.set_epoch`][epochcache.data.stream.CacheStream.set_epoch] (the HF Trainer and accelerate call it
   before every epoch; so can a Lightning hook), or by ``iter()`` itself without workers. Workers
   started afterwards receive the prepared share with the dataset (pickled or forked) and claim
-  it (see `epochcache.store.shares`);
+  it (see `epochcache.data.shares`);
 * otherwise inside the workers: the first worker of a loader iteration takes the next epoch's
   snapshot and the others adopt it, agreed through the cache. The main process of a DataLoader
   with workers never runs ``iter()`` on the dataset, so this is how a plain loop or Lightning
@@ -36,7 +36,12 @@ from ..options import EPOCH_NAMES, EpochOptions, ReaderOptions, resolve_options
 from ..store import store_of
 from ..store.env import cache_identity
 from ..store.plans import Releaser
-from ..store.shares import (
+from .dataset import snapshot_gone
+from .distributed import NodeSync, detect_placement, dist_initialized
+from .planner import Planner, rank_order, write_release_part
+from .reader import SampleReader
+from .resume import lease_gone_reason
+from .shares import (
     Share,
     claim_share,
     drop_shares,
@@ -47,11 +52,6 @@ from ..store.shares import (
     release_owner,
     unwatch,
 )
-from .dataset import snapshot_gone
-from .distributed import NodeSync, detect_placement, dist_initialized
-from .planner import Planner, rank_order, write_release_part
-from .reader import SampleReader
-from .resume import lease_gone_reason
 from .stall import arm_stack_dump
 from .states import STREAM_KIND as KIND
 from .states import STREAM_ORDER_KEYS as ORDER_KEYS
@@ -97,7 +97,7 @@ class _Home:
     """The process that holds a stream's leases and runs its collectives: where it was made,
     or where a copy was unpickled outside a DataLoader worker (a spawned DDP rank, a deep
     copy), which becomes a stream of its own. It holds the stream's id (its document in the
-    cache, `epochcache.store.shares`, and its leases' labels: a new one per home, so copies in
+    cache, `epochcache.data.shares`, and its leases' labels: a new one per home, so copies in
     several DDP ranks never share one), this process's owner lock (the leases its workers
     take name it), the prepared epoch's snapshot and order, the node's collectives, and the
     finalizer that drops the document, a worker-taken lease and the lock when the stream is

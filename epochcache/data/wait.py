@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from ..boot import heartbeat_alive
 from ..errors import MinSamplesUnreachable
 
 if TYPE_CHECKING:
@@ -97,14 +98,14 @@ def wait_for_samples(cache: SampleStore, min_samples: int, timeout_s: float | No
 
 def _warn_if_stuck(cache: SampleStore, count: int, min_samples: int, quiet_s: float) -> bool:
     """Warn that the wait makes no progress, with what to do; whether it warned."""
-    from ..store.status import daemon_health
-
     if quiet_s < NO_DAEMON_WARN_S:
         return False
-    daemon = daemon_health(cache.tables.get_state("daemon"))
+    # The daemon's health document (epochcache.ingest.health, which data/ does not import).
+    daemon = cache.tables.get_state("daemon")
+    age_s = time.time() - float((daemon or {}).get("heartbeat", 0))
     waiting = (f"{cache.path}: waiting for min_samples={min_samples} ({count} cached, none new "
                f"for {quiet_s:.0f} s)")
-    if daemon is None or not daemon["alive"]:
+    if daemon is None or not heartbeat_alive(daemon, age_s):
         log.warning("%s and no daemon is filling this cache: start one (`epochcache daemon "
                     "CONFIG`, or `with epochcache.Daemon(config):` around the loop), fill it "
                     "with cache.put_many(), or lower min_samples (wait_timeout_s= ends the wait "

@@ -1,6 +1,6 @@
 """What each source cost in requests and egress, counted where the requests are made.
 
-Every remote request of a source passes through its request gate (`gate`) or its
+Every remote request of a source passes through its request gate (`requests`) or its
 listing (`paging`), which count it here, per source and per process:
 
 * ``gets``: object reads the remote received (throttled ones included: the remote answered
@@ -19,7 +19,7 @@ A sampler keeps its counters in its health document (``sampler/<i>`` in the cach
 written with its commits, about twice a second) and the daemon its listings' in its own
 (``daemon``); they start from what the document held, so they go on across restarts. Summed,
 they are what ``status`` (``requests``), the Prometheus metrics (``epochcache_remote_*``) and a
-run's per-epoch log show (`epochcache.store.status.request_totals`). A process killed
+run's per-epoch log show (`health.request_totals`). A process killed
 with ``kill -9`` loses the counts of its last half second.
 """
 

@@ -194,7 +194,7 @@ class Feed:
         # The refusal that stopped this source (None: not stopped; see batch_done).
         self.refused: SourceRefused | None = None
         # Wall time of the first failed read since the last one that succeeded (None: the
-        # last read succeeded), and the last error meanwhile: see store.status.FAILING_AFTER_S.
+        # last read succeeded), and the last error meanwhile: see health.FAILING_AFTER_S.
         self.failing_since: float | None = None
         self.last_error = ""
         store = cache

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from ..coverage.report import coverage
 from ..errors import ConfigError
 from ..store import SampleStore
-from ..store.status import daemon_health, failing_sources, request_totals
+from .health import daemon_health, failing_sources, request_totals
 
 if TYPE_CHECKING:
     from prometheus_client.registry import CollectorRegistry

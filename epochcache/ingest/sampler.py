@@ -42,7 +42,6 @@ from ..errors import (
 from ..limits import cut_key, cut_text
 from ..redact import install_log_redaction
 from ..store import SampleStore
-from ..store.status import FAILING_AFTER_S
 from .accounting import saved_requests, source_label
 from .committer import Batch, Committer, state_name
 from .feed import (
@@ -53,6 +52,7 @@ from .feed import (
     error_kind,
     next_feed,
 )
+from .health import FAILING_AFTER_S
 from .heap import reuse_freed_buffers
 from .inflight import InFlight
 from .layouts import STREAMED, Piece, SampleRef

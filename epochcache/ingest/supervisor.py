@@ -39,10 +39,10 @@ from ..redact import redact_url
 from ..store import SampleStore
 from ..store.env import make_private_dir
 from ..store.owners import lock_held
-from ..store.status import collect_stats
 from ..units import format_count, format_size
 from ..writable import first_missing
 from .daemon_sources import DaemonSources
+from .health import ingest_rate
 from .lifeline import Lifeline
 from .lineage import DAEMON_LOCK_FILE, daemon_doc, daemon_sources
 from .prometheus import MetricsServer, daemon_metrics, require_prometheus
@@ -382,18 +382,22 @@ class Supervisor:
         )
 
     def _log_progress(self) -> None:
-        assert self.cache is not None
-        stats = collect_stats(self.cache)
+        cache = self.cache
+        assert cache is not None
+        counters = cache.counters()
+        capacity = cache.effective_capacity
+        fill = counters.bytes / capacity if capacity else 0.0
+        ingest = ingest_rate(cache.history(limit=200))
         # Past 100% of the capacity is the headroom at work (epochs hold their snapshots):
         # the line says what the limit is, so 110% does not read as a broken promise.
         log.info(
             "cache %s / %s (%.0f%%; limit %s with the headroom), %s, ingest %.1f samples/s "
             "%s/s, evicted %s, quarantined %s",
-            format_size(stats["bytes"]), format_size(stats["effective_capacity"]), 100 * stats["fill"],
-            format_size(stats["effective_capacity"] + stats["headroom"]),
-            format_count(stats["samples"], "sample"), stats["ingest"]["samples_per_s"],
-            format_size(stats["ingest"]["bytes_per_s"]), f"{stats['evicted']:,}",
-            f"{stats['quarantined']:,}",
+            format_size(counters.bytes), format_size(capacity), 100 * fill,
+            format_size(capacity + cache.headroom_bytes),
+            format_count(counters.samples, "sample"), ingest["samples_per_s"],
+            format_size(ingest["bytes_per_s"]), f"{counters.evicted:,}",
+            f"{counters.quarantined:,}",
         )
 
     def _restart_samplers(self) -> None:

@@ -36,12 +36,12 @@ from ..coverage.trained import TrainedRecord, coverage_row
 from ..data.placement import Placement
 from ..epoch_record import history_row, log_line
 from ..errors import ConfigError, DaemonAlreadyRunning
+from ..ingest.health import describe_requests, request_delta, request_totals
 from ..ingest.prometheus import MetricsServer, require_prometheus
 from ..ingest.supervisor import DaemonLock, Supervisor
 from ..options import LoaderOptions
 from ..redact import redact_url
 from ..store import SampleStore
-from ..store.status import describe_requests, request_delta, request_totals
 from ..writable import check_writable
 from .checkpoint import resume_checkpoint
 from .context import RunContext, TimedLoader
@@ -290,7 +290,7 @@ class Run:
             close = getattr(epochs, "close", None)
             if close is not None:
                 close()  # releases the leases of the current and the prepared epoch
-            from ..store.jobs import forget_job
+            from ..status import forget_job
 
             forget_job(cache)  # no longer a job of this cache (status)
             cache.close()
@@ -371,7 +371,7 @@ class Run:
 
     def _trained_record(self, cache: SampleStore, loader: Any, epoch: int) -> TrainedRecord:
         """The epoch's manifest and coverage recorder; and this job noted for ``status``."""
-        from ..store.jobs import note_job
+        from ..status import note_job
 
         run_dir = self.run_dir.resolve()
         note_job(cache, run_dir=str(run_dir), rank=self.rank, epoch=epoch)

@@ -27,7 +27,7 @@ import lmdb
 
 from ..boot import pid_alive, process_start_ticks
 from .owners import owner_alive, remove_owner
-from .plans import remove_plan
+from .plans import Part, part_path, remove_plan
 from .reads import record_reads
 
 log = logging.getLogger("epochcache.cache")  # one logger for everything a cache does
@@ -201,3 +201,18 @@ def adopt(lease: Lease, *, owner: str, pid: int | None = None) -> Lease:
     fresh.resume_grace_s = lease.resume_grace_s
     return fresh
 
+
+
+def unread(cache_path: str, lease: Lease) -> int:
+    """Samples of a lease's snapshot its readers have not read yet (what it protects)."""
+    if not lease.plan_parts:
+        return lease.count
+    total = 0
+    for part in range(lease.plan_parts):
+        try:
+            mapped = Part(part_path(cache_path, lease.lease_id, part))
+        except (OSError, ValueError):
+            return lease.count  # the plan is not complete: the whole snapshot is protected
+        lengths = mapped.offsets[1:] - mapped.offsets[:-1]
+        total += int((lengths - mapped.positions).sum())
+    return min(total, lease.count) if lease.plan_parts == 1 else total

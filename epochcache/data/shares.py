@@ -34,14 +34,14 @@ from typing import TYPE_CHECKING, Any
 
 import lmdb
 
-from .leases import Lease, delete_lease, note_end, write_lease
-from .owners import begin_lease, end_lease, heartbeats
-from .plans import remove_plan
-from .reads import record_reads
-from .records import DB_LEASES, DB_STATE
+from ..store.leases import Lease, delete_lease, note_end, write_lease
+from ..store.owners import begin_lease, end_lease, heartbeats
+from ..store.plans import remove_plan
+from ..store.reads import record_reads
+from ..store.records import DB_LEASES, DB_STATE
 
 if TYPE_CHECKING:
-    from .sample_store import SampleStore
+    from ..store.sample_store import SampleStore
 
 
 @dataclass(frozen=True)

@@ -1,168 +1,122 @@
-"""Cache statistics as a JSON-able dict (``status --json``) and as a rich table."""
+"""What ``epochcache status`` shows: the cache's statistics as a JSON-able dict (``status
+--json``, `Cache.stats`) and as a rich table, and the jobs (trainers) that read the cache.
+
+It reads what each layer writes: the store's counters and leases, the health documents of the
+daemon and its samplers (`epochcache.ingest.health`), the coverage report, stall records, and
+the documents jobs keep of themselves (below).
+
+**Jobs.** Several jobs may train from one node's cache and daemon at once (a sweep). Each keeps its own
+snapshots and leases: a lease with a release plan protects only what its job has not read yet
+(`epochcache.store.release`), so eviction waits for the slowest job only for the samples that job still
+has to read. ``status`` shows each job: a job is a trainer process, the owner of leases (by
+host and pid); ``epochcache run`` adds what it is (its run directory, rank and epoch) in a
+state document ``job/<host>:<pid>`` it refreshes at each epoch.
+
+Per job: its pid and host, what it says of itself, its leases, the epochs they are of, the
+samples its snapshots hold and how many of them it has not read yet (``unread``: what it
+protects from eviction; a lease without a complete plan protects its whole snapshot).
+"""
 
 from __future__ import annotations
 
+import logging
+import os
+import re
 import socket
 import time
 from typing import TYPE_CHECKING, Any
 
-from ..boot import recorded_alive
-from ..epoch_record import HISTORY, epoch_history, is_epoch_row, status_cell
-from ..redact import redact_tree
-from ..stall_records import read_stalls
-from ..units import format_count, format_size
-from .jobs import jobs
+import lmdb
+
+from .boot import process_record, recorded_alive
+from .coverage.report import coverage
+from .epoch_record import HISTORY, epoch_history, is_epoch_row, status_cell
+from .errors import CacheError
+from .ingest.health import (
+    daemon_health,
+    describe_requests,
+    failing_sources,
+    ingest_rate,
+    request_totals,
+)
+from .redact import redact_tree
+from .stall_records import read_stalls
+from .store.leases import Lease, unread
+from .units import format_size
 
 if TYPE_CHECKING:
     from rich.console import RenderableType
 
-    from .sample_store import SampleStore
+    from .store.sample_store import SampleStore
 
-#: A daemon whose heartbeat is older than this is reported as not alive.
-DAEMON_STALE_S = 60.0
-#: A source none of whose reads succeeded for this long is *failing*: the samplers log it and
-#: write it to their health document, status and the metrics report it (one value for all).
-FAILING_AFTER_S = 60.0
+log = logging.getLogger("epochcache.cache")
 
-
-def daemon_health(doc: dict[str, Any] | None, now: float | None = None) -> dict[str, Any] | None:
-    """The daemon's state document plus whether it is alive (pid on this host, fresh heartbeat)."""
-    if doc is None:
-        return None
-    now = time.time() if now is None else now
-    age = now - float(doc.get("heartbeat", 0))
-    if doc.get("host") == socket.gethostname():
-        alive = recorded_alive(doc) and not doc.get("stopped")
-    else:
-        alive = age < DAEMON_STALE_S and not doc.get("stopped")
-    return {**doc, "alive": bool(alive), "heartbeat_age_s": round(age, 1)}
+JOB_PREFIX = "job/"
+_EPOCH = re.compile(r"epoch (\d+)")
 
 
-def failing_sources(daemon: dict[str, Any] | None, now: float | None = None
-                    ) -> dict[str, dict[str, Any]]:
-    """``{source label: {for_s, error, stopped}}``: the sources of a live daemon none of whose
-    reads succeeded for `FAILING_AFTER_S` in some sampler, or that a refusal stopped
-    (``ingest.feed``), from the samplers' health documents. A source failing in every sampler
-    is not busy: no sample of it is coming."""
-    if not daemon or not daemon.get("alive"):
-        return {}
-    now = time.time() if now is None else now
-    found: dict[str, dict[str, Any]] = {}
-    for sampler in (daemon.get("samplers") or {}).values():
-        if not sampler.get("alive", True):
+def job_name(host: str, pid: int) -> str:
+    return f"{JOB_PREFIX}{host}:{pid}"
+
+
+def note_job(cache: SampleStore, **fields: Any) -> None:
+    """Say what this process is, for ``status`` (``run_dir``, ``rank``, ``epoch``, ...); the
+    documents of jobs that died on this host are dropped on the way."""
+    host, pid = socket.gethostname(), os.getpid()
+    name = job_name(host, pid)
+    previous = cache.tables.get_state(name) or {}
+    doc = {"started": previous.get("started", time.time()), **previous, **process_record(pid),
+           **fields, "updated": time.time()}
+    cache.tables.put_state(name, doc)
+    for other, seen in cache.tables.states(JOB_PREFIX).items():
+        if other != name and seen.get("host") == host and not recorded_alive(seen):
+            cache.tables.delete_state(other)
+
+
+def forget_job(cache: SampleStore) -> None:
+    """This process no longer trains from the cache (best effort: a job's document is
+    dropped anyway once its process is gone)."""
+    try:
+        cache.tables.delete_state(job_name(socket.gethostname(), os.getpid()))
+    except (lmdb.Error, CacheError, OSError) as exc:
+        log.debug("%s: could not drop this job's state document: %s", cache.path, exc)
+
+
+def jobs(cache: SampleStore, leases: list[Lease] | None = None) -> list[dict[str, Any]]:
+    """Each job holding leases on the cache, or saying it trains from it (see the module
+    docstring), oldest first."""
+    now_ns = time.time_ns()
+    leases = cache.leases() if leases is None else leases
+    docs = cache.tables.states(JOB_PREFIX)
+    out: dict[tuple[str, int], dict[str, Any]] = {}
+    for lease in leases:
+        if not lease.is_alive(now_ns, cache.lease_timeout_s, cache.path):
             continue
-        for label, entry in (sampler.get("failing") or {}).items():
-            for_s = now - float(entry.get("since", now))
-            if not entry.get("stopped") and for_s < FAILING_AFTER_S:
-                continue
-            known = found.get(label)
-            if known is None or for_s > known["for_s"]:
-                found[label] = {"for_s": round(for_s, 1), "error": str(entry.get("error", "")),
-                                "stopped": bool(entry.get("stopped"))}
-    return found
-
-
-def ingest_rate(history: list[dict[str, Any]], window_s: float = 60.0) -> dict[str, float]:
-    """Samples/s and bytes/s inserted over the last ``window_s`` of history rows."""
-    if len(history) < 2 or time.time() - history[-1]["time"] > 2 * window_s:
-        return {"samples_per_s": 0.0, "bytes_per_s": 0.0}  # no recent rows: nothing is ingesting
-    last = history[-1]
-    first = next((row for row in history if last["time"] - row["time"] <= window_s), history[-2])
-    if first is last:
-        first = history[-2]
-    dt = max(1e-9, last["time"] - first["time"])
-    inserted_bytes = (last["bytes"] + last["evicted_bytes"]) - (first["bytes"] + first["evicted_bytes"])
-    return {
-        "samples_per_s": round((last["inserted"] - first["inserted"]) / dt, 2),
-        "bytes_per_s": round(inserted_bytes / dt, 1),
-    }
-
-
-#: The request counters samplers and the daemon keep per source (``ingest.accounting``), and
-#: the gauges (the value now, summed over the live samplers).
-REQUEST_COUNTERS = ("gets", "heads", "lists", "bytes", "throttled", "timeouts", "errors", "retries")
-REQUEST_GAUGES = ("concurrency", "pace")
-
-
-def request_totals(cache: SampleStore) -> dict[str, dict[str, float]]:
-    """What each source cost in requests and egress so far: ``{source: {gets, heads, lists, bytes,
-    throttled, timeouts, errors, retries, concurrency, pace}}``, the counters summed over the
-    sampler health documents and the daemon's (they go on across restarts), the requests in
-    flight over the samplers of a live daemon, and its pace after throttling (one per source,
-    shared by the samplers). A single ``source:`` is keyed ``source``."""
-    daemon = daemon_health(cache.tables.get_state("daemon"))
-    live = {str(i) for i, doc in ((daemon or {}).get("samplers") or {}).items()
-            if doc.get("alive")} if daemon and daemon["alive"] else set()
-    totals: dict[str, dict[str, float]] = {}
-
-    def add(requests: Any, gauges: bool) -> None:
-        if not isinstance(requests, dict):
-            return
-        for label, values in requests.items():
-            if not isinstance(values, dict):
-                continue
-            into = totals.setdefault(str(label), dict.fromkeys(REQUEST_COUNTERS +
-                                                                 REQUEST_GAUGES, 0))
-            for name in REQUEST_COUNTERS + (REQUEST_GAUGES if gauges else ()):
-                value = values.get(name, 0)
-                if not isinstance(value, (int, float)):
-                    continue
-                if name == "pace":  # one pace per source, shared by the samplers
-                    into[name] = max(into[name], value)
-                else:
-                    into[name] += value
-            if gauges:  # the concurrency is summed over these (say so: 2 x 32, not 64)
-                into["samplers"] = into.get("samplers", 0) + 1
-
-    for name, doc in cache.tables.states("sampler/").items():
-        add(doc.get("requests"), name.rsplit("/", 1)[-1] in live)
-    add((daemon or {}).get("requests"), False)
-    for values in totals.values():
-        values["pace"] = round(values["pace"], 1)
-    return totals
-
-
-def request_delta(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]
-                  ) -> dict[str, dict[str, float]]:
-    """The counters of `request_totals` between two readings (the gauges as they are
-    at the second): what an epoch cost."""
-    out = {}
-    for label, values in after.items():
-        start = before.get(label, {})
-        row = {name: values.get(name, 0) - start.get(name, 0) for name in REQUEST_COUNTERS}
-        row.update({name: values.get(name, 0) for name in (*REQUEST_GAUGES, "samplers")})
-        out[label] = row
-    return out
-
-
-def describe_requests(values: dict[str, float], *, local: bool = False,
-                      epoch: bool = False) -> str:
-    """One line of a source's request counters (status, a run's log): ``local`` for a source
-    on this machine's filesystem (file reads and listings, not GETs and LISTs); ``epoch`` for
-    the counts of one epoch (bytes may arrive for requests sent before it)."""
-    gets, lists, nbytes = values.get("gets", 0), values.get("lists", 0), values.get("bytes", 0)
-    if local:
-        text = (f"{format_count(gets, 'file read')}, {format_count(lists, 'listing')}, "
-                f"{format_size(nbytes)} read")
-    else:
-        heads = values.get("heads", 0)
-        text = (f"{format_count(gets, 'GET')}, "
-                + (f"{format_count(heads, 'HEAD')}, " if heads else "")
-                + f"{format_count(lists, 'LIST')}, {format_size(nbytes)} received")
-    if epoch and nbytes and not gets:
-        text += " (for requests sent before this epoch)"
-    for name in ("throttled", "retries", "timeouts", "errors"):
-        if values.get(name):
-            text += f", {name} {int(values[name]):,}"
-    concurrency, samplers = int(values.get("concurrency", 0)), int(values.get("samplers", 0))
-    if concurrency:
-        text += f", concurrency {concurrency}"
-        if samplers > 1:  # the config's sampler.concurrency is per sampler
-            text += (f" ({samplers} samplers x {concurrency // samplers})"
-                     if concurrency % samplers == 0 else f" (over {samplers} samplers)")
-    if values.get("pace"):
-        text += f" (paced at {values['pace']:g}/s)"
-    return text
+        job = out.setdefault((lease.host, lease.pid), {
+            "pid": lease.pid, "host": lease.host, "leases": 0, "epochs": [], "samples": 0,
+            "unread": 0, "since": lease.created_ns / 1e9})
+        job["leases"] += 1
+        match = _EPOCH.search(lease.label)
+        if match:
+            job["epochs"].append(int(match.group(1)))
+        job["samples"] += lease.count
+        job["unread"] += unread(cache.path, lease)
+        job["since"] = min(job["since"], lease.created_ns / 1e9)
+    for doc in docs.values():
+        host, pid = str(doc.get("host")), int(doc.get("pid", -1))
+        if host == socket.gethostname() and not recorded_alive(doc):
+            continue
+        job = out.setdefault((host, pid), {"pid": pid, "host": host, "leases": 0, "epochs": [],
+                                           "samples": 0, "unread": 0,
+                                           "since": float(doc.get("started", time.time()))})
+        for name in ("run_dir", "rank", "epoch", "label"):
+            if name in doc:
+                job[name] = doc[name]
+    for job in out.values():
+        job["epochs"] = sorted(set(job["epochs"]))
+        job.setdefault("epoch", max(job["epochs"]) if job["epochs"] else None)
+        job["since"] = round(job["since"], 3)
+    return sorted(out.values(), key=lambda job: job["since"])
 
 
 #: History rows ``status`` looks through for the epochs of a run (5 s apart: ~7 hours).
@@ -180,6 +134,12 @@ def collect_stats(cache: SampleStore) -> dict[str, Any]:
     """Everything ``status`` shows, with URL credentials masked (state documents written by
     older versions may hold them)."""
     return redact_tree(_collect(cache))  # type: ignore[no-any-return]
+
+
+def stats_with_coverage(cache: SampleStore) -> dict[str, Any]:
+    """`collect_stats` and the coverage report: what ``epochcache status`` and `Cache.stats`
+    show (the store's statistics do not reach up to what training saw)."""
+    return {**collect_stats(cache), "coverage": coverage(cache)}
 
 
 def _collect(cache: SampleStore) -> dict[str, Any]:
@@ -338,7 +298,7 @@ def _coverage_table(coverage: dict[str, Any]) -> RenderableType | None:
     """What training has seen of each source (``cache.coverage()``), or None before any."""
     from rich.table import Table
 
-    from ..units import format_duration
+    from .units import format_duration
 
     sources = coverage.get("sources") or []
     if not sources:
