@@ -33,7 +33,7 @@ import lmdb
 
 from ..boot import boot_id
 from ..errors import CacheError, CacheIOError, CacheUnusable, NodeLayoutError
-from ..launcher import read_placement
+from ..placement import read_placement
 from ..writable import require_writable_dir, writing
 from . import remap_lock
 from .datafile import check_data_file
