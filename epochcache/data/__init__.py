@@ -1,7 +1,7 @@
 """The data layer: what the training process and its DataLoader workers run.
 
 Decoding by extension (``decode``, ``images`` for image formats, ``fields`` for field selection,
-``rawnpy`` and ``rawfields`` for the raw ``.npy`` and multi-field fast paths, ``collate``), the
+``raw`` for the raw ``.npy`` and multi-field fast paths, ``collate``), the
 per-epoch map-style dataset (``reader``, ``dataset``), epoch schedules and the ``epochs()``
 loader (``schedule``, ``epoch_loader``, ``epochs``), DDP (``placement``, ``distributed``), the stall
 watchdog (``stall``) and waiting for the cache to fill (``wait``). This layer reads the cache
