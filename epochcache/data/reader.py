@@ -43,8 +43,7 @@ from ..store.codec import decode_payload, source_key
 from ..store.env import PROCESS, begin_read, end_read
 from ..store.records import DB_SAMPLES, HEADER, Codec, RecordFlags, seq_keys
 from ..store.records import seq_key as _pack_seq
-from .collate import alloc_batch, collate_samples
-from .copier import SPLIT_BYTES, copy_rows
+from .collate import SPLIT_BYTES, alloc_batch, collate_samples, copy_rows
 from .decode import decode_sample, make_decoder
 from .fields import FieldSelector, parse_fields
 from .raw import FieldsBatch, FieldsTemplate, Mismatch, NpyTemplate, fields_of
@@ -390,7 +389,7 @@ class SampleReader:
                 check, expect = template.check, template.expect
                 if act is not None:
                     act.resolve = self.key_of  # names act.key only if a stall is reported
-                # Large samples are copied after the loop, by two threads (see copier).
+                # Large samples are copied after the loop, by two threads (see `collate.copy_rows`).
                 large: list[memoryview] | None = (
                     [] if nbytes >= SPLIT_BYTES and len(keys) > 1 and get_worker_info() is None
                     else None)
