@@ -14,8 +14,8 @@ import json
 import os
 from typing import Any
 
-from .atomic import atomic_write
 from .boot import process_record, recorded_alive
+from .paths import atomic_write
 
 STALLS_DIR = "stalls"
 

@@ -20,8 +20,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from ..atomic import atomic_write
 from ..errors import CheckpointError
+from ..paths import atomic_write
 
 log = logging.getLogger(__name__)
 

@@ -39,10 +39,10 @@ from ..ingest.health import describe_requests, request_delta, request_totals
 from ..ingest.prometheus import MetricsServer, require_prometheus
 from ..ingest.supervisor import DaemonLock, Supervisor
 from ..options import LoaderOptions
+from ..paths import check_writable
 from ..placement import Placement
 from ..redact import redact_url
 from ..store import SampleStore
-from ..writable import check_writable
 from .checkpoint import resume_checkpoint
 from .context import RunContext, TimedLoader
 from .devices import CPU, RunDevice

@@ -1,4 +1,5 @@
-"""Paths epochcache writes: one error naming the path, never an ``OSError`` traceback.
+"""Paths epochcache writes: written whole, and one error naming the path, never an ``OSError``
+traceback.
 
 A cache directory, a run directory, a copy's destination or an output file can sit where
 nothing can be written: on a read-only mount, under a file, under ``/proc``, in a directory
@@ -6,6 +7,9 @@ of another user. Each place that writes one goes through `writing` (``OSError`` 
 [`PathNotWritable`][epochcache.PathNotWritable] naming the path, what it is for and the cause)
 or, where it can be known before anything starts, `check_writable`, which creates and removes
 a probe and leaves nothing behind.
+
+A file is written whole by `atomic_write`: a temporary file in the target's directory, renamed
+into place, so a reader (or a crash) sees the old file or the new one, never half of one.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import errno
 import os
 import tempfile
 from collections.abc import Iterator
+from typing import BinaryIO
 
 from .errors import PathNotWritable
 
@@ -123,3 +128,26 @@ def require_writable_dir(path: str | os.PathLike[str], what: str) -> None:
         return
     code = errno.EROFS if os.statvfs(path).f_flag & os.ST_RDONLY else errno.EACCES
     raise not_writable(path, what, OSError(code, os.strerror(code), os.fspath(path)))
+
+
+@contextlib.contextmanager
+def atomic_write(path: str | os.PathLike[str], *, prefix: str = ".tmp-", suffix: str = "",
+                 durable: bool = False) -> Iterator[BinaryIO]:
+    """Write ``path`` through the yielded file; it replaces ``path`` only if the block ends
+    without an exception (the temporary file is removed otherwise). The directory is created
+    private to the user when missing. ``durable`` flushes the data to disk before the rename,
+    so a power loss cannot leave the new name on an empty file."""
+    directory = os.path.dirname(os.fspath(path)) or "."
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=prefix, suffix=suffix)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            yield f
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
