@@ -5,5 +5,6 @@ Decoding by extension (``decode``, images included; ``fields`` for field selecti
 per-epoch map-style dataset (``reader``, ``dataset``), epoch schedules and the ``epochs()``
 loader (``schedule``, ``epoch_loader``, ``epochs``), DDP (``distributed``; a process's place
 is the base ``epochcache.placement``), the stall watchdog (``stall``) and waiting for the cache
-to fill (``wait``). This layer reads the cache through the store layer only; it never imports ``ingest`` or the face.
+to fill (``wait``). This layer reads the cache through the store layer only; it never imports
+``ingest`` or the face.
 """
