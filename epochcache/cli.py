@@ -35,8 +35,8 @@ from .errors import (
     PathNotWritable,
     SourceUnavailable,
 )
+from .paths import check_writable, writing
 from .redact import install_log_redaction, redact_url, scrub_urls
-from .writable import check_writable, writing
 
 if TYPE_CHECKING:
     from .store import SampleStore

@@ -39,8 +39,8 @@ from .ingest.health import (
     ingest_rate,
     request_totals,
 )
+from .paths import read_stalls
 from .redact import redact_tree
-from .stall_records import read_stalls
 from .store.leases import Lease, unread
 from .units import format_size
 

@@ -167,7 +167,7 @@ def first_batch(cache: ec.Cache, batch_size: int, **loader: Any) -> Any:
 
 
 def demo_cnn(root: Path, device: torch.device, quick: bool, seconds: float) -> dict[str, Any]:
-    from epochcache.demo_images import make_images
+    from epochcache.demo import make_images
 
     count = 2_000 if quick else 20_000
     jpegs, labels = make_images(count, size=64)

@@ -26,7 +26,7 @@ from epochcache import Cache
 from epochcache.boot import process_start_ticks
 from epochcache.ingest.concurrency import Pace, SharedPaceState
 from epochcache.ingest.requests import BUDGET_FILE, RequestBudget
-from epochcache.stall_records import STALLS_DIR, read_stalls
+from epochcache.paths import STALLS_DIR, read_stalls
 from epochcache.status import collect_stats
 from epochcache.store import store_of
 

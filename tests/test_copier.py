@@ -1,4 +1,4 @@
-"""Large samples read in the training process are copied by two threads (data/copier.py)."""
+"""Large samples read in the training process are copied by two threads (data/collate.py)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 from common.writer import npy_bytes, sample_array
 
 from epochcache import Cache
-from epochcache.data import copier
+from epochcache.data import collate
 
-FLOATS = copier.SPLIT_BYTES // 4  # samples just large enough to be split
+FLOATS = collate.SPLIT_BYTES // 4  # samples just large enough to be split
 
 
 def test_large_samples_arrive_whole_and_in_order(tmp_path: Path) -> None:
@@ -37,6 +37,6 @@ def test_a_failed_copy_is_raised_and_the_next_batch_is_copied() -> None:
     rows = np.zeros((6, 8), np.uint8)
     good = [memoryview(bytes([i]) * 8) for i in range(6)]
     with pytest.raises(ValueError):
-        copier.copy_rows(rows, [*good[:3], memoryview(b"short"), *good[4:]])
-    copier.copy_rows(rows, good)
+        collate.copy_rows(rows, [*good[:3], memoryview(b"short"), *good[4:]])
+    collate.copy_rows(rows, good)
     assert rows.tolist() == [[i] * 8 for i in range(6)]

@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from epochcache.data.placement import Placement
 from epochcache.data.resume import Deal, deal, rank_lane
 from epochcache.data.states import check_groups, group_states, parse_states
+from epochcache.placement import Placement
 
 WANTED = {"seed": 0, "shuffle": True, "samples_per_epoch": None}
 

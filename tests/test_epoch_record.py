@@ -18,11 +18,11 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from epochcache.data.placement import Placement
 from epochcache.data.resume import log_resume
 from epochcache.data.states import NodeStates
 from epochcache.epoch_record import HISTORY, coverage_words, history_row, log_line
 from epochcache.ingest.health import describe_requests
+from epochcache.placement import Placement
 from epochcache.status import collect_stats, render
 from epochcache.store import SampleStore
 from epochcache.units import format_count

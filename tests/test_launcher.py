@@ -6,7 +6,7 @@ import pytest
 
 from epochcache.config import parse_config
 from epochcache.errors import ConfigError, NodeLayoutError
-from epochcache.launcher import Placement, read_placement, tasks_on_node
+from epochcache.placement import Placement, read_placement, tasks_on_node
 
 MINIMAL = {"source": {"url": "s3://bucket/train/"}, "cache": {"dir": "/tmp/c", "capacity": "1GiB"}}
 

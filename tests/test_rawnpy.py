@@ -15,7 +15,7 @@ import torch
 from common.writer import npy_bytes, sample_array
 
 from epochcache import Cache
-from epochcache.data.rawnpy import NpyTemplate
+from epochcache.data.raw import NpyTemplate
 
 
 def _general(cache: Cache, ds: object, indices: list[int]) -> list[object]:

@@ -23,8 +23,8 @@ from common.procs import run_processes
 from conftest import free_port
 from test_run import demo_config, read_metrics
 
-from epochcache.data.placement import Placement
 from epochcache.errors import NodeLayoutError
+from epochcache.placement import Placement
 from epochcache.run.devices import CPU, RunDevice, choose_device, joins_job
 
 # -- the decision ------------------------------------------------------------------------------

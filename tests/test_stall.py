@@ -55,7 +55,7 @@ def test_slow_read_on_the_raw_npy_fast_path_names_the_key(tmp_path: Path,
     # Raw 4 KiB arrays take that path; the stall is injected into its per-record check (the
     # one call in the loop besides LMDB's get) for sample 7, standing in for a page fault on a
     # stuck disk.
-    from epochcache.data.rawnpy import NpyTemplate
+    from epochcache.data.raw import NpyTemplate
     from epochcache.store.records import HEADER
 
     fill(str(tmp_path / "c"), 0, 16, floats=1024)

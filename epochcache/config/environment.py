@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..errors import ConfigError, NodeLayoutError
-from ..launcher import env_int, read_node
+from ..placement import env_int, read_node
 
 _VAR = re.compile(r"\$\$\{|\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 _SECRET_VAR = re.compile(r"KEY|SECRET|TOKEN|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
@@ -73,7 +73,7 @@ def resolve_node(
     """``(node_rank, num_nodes)`` of the samplers: the config's, else ``EPOCHCACHE_NODE_RANK``/
     ``EPOCHCACHE_NUM_NODES``, else torchrun's ``GROUP_RANK`` and ``GROUP_WORLD_SIZE`` (or
     ``WORLD_SIZE // LOCAL_WORLD_SIZE``), else, in a distributed launch, Slurm's (see
-    `epochcache.launcher`); ``(0, 1)`` outside a distributed launch.
+    `epochcache.placement`); ``(0, 1)`` outside a distributed launch.
 
     Raises:
         ConfigError: a value is not an integer, out of range, or a distributed launch does not

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 import lmdb
 import numpy as np
 
-from ..atomic import atomic_write
+from ..paths import atomic_write
 from ..store.datafile import coverage_dir, ledger_lock
 from ..store.listings import listings as registered_listings
 from ..store.origins import UNKNOWN, _Row, read_origins, unique

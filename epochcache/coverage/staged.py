@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING, Any
 import lmdb
 import numpy as np
 
-from ..atomic import atomic_write
 from ..errors import CacheError
+from ..paths import atomic_write
 from .ledger import coverage_dir, record_trained
 
 if TYPE_CHECKING:

@@ -1,5 +1,5 @@
 """The collectives that keep the ranks of a distributed job in step (where a process sits in
-the job is `epochcache.data.placement`, which needs no torch).
+the job is `epochcache.placement`, which needs no torch).
 
 Invariant 8 (DDP never deadlocks on unequal data): ranks sharing a node's cache train on one
 snapshot per epoch, taken by local rank 0 (which holds its lease) and broadcast to the node's
@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from ..errors import NodeLayoutError
-from .placement import Placement, detect_placement, dist_initialized
+from ..placement import Placement, detect_placement, dist_initialized
 
 __all__ = ["NodeSync", "Placement", "detect_placement", "dist_initialized"]
 

@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ..placement import Placement
 from ..store.plans import Releaser
-from .placement import Placement
 from .schedule import epoch_order
 
 if TYPE_CHECKING:

@@ -4,10 +4,10 @@ The read path is built for batches. `SampleReader.read_batch` reads a whole batc
 LMDB read transaction and, when the samples are fixed-shape ``.npy`` arrays stored raw, copies
 each one straight from the memory map into one preallocated batch tensor: one ``memcpy`` per
 sample, no per-sample tensor, no ``default_collate`` stacking, no header parsing (records are
-recognised by a template, see `epochcache.data.rawnpy`). In a DataLoader worker that
+recognised by a template, see `epochcache.data.raw`). In a DataLoader worker that
 tensor is allocated in shared memory, so handing it to the trainer costs no further copy.
 WebDataset-style records of ``.npy`` arrays with ``.cls`` labels or ``.json`` documents get the
-same treatment field by field (`epochcache.data.rawfields`): one batch tensor per array
+same treatment field by field (`epochcache.data.raw`): one batch tensor per array
 field, the labels of a batch converted at once. ``fields=`` selects and orders fields into
 tuples (`epochcache.data.fields`) on either path.
 
@@ -43,12 +43,10 @@ from ..store.codec import decode_payload, source_key
 from ..store.env import PROCESS, begin_read, end_read
 from ..store.records import DB_SAMPLES, HEADER, Codec, RecordFlags, seq_keys
 from ..store.records import seq_key as _pack_seq
-from .collate import alloc_batch, collate_samples
-from .copier import SPLIT_BYTES, copy_rows
+from .collate import SPLIT_BYTES, alloc_batch, collate_samples, copy_rows
 from .decode import decode_sample, make_decoder
 from .fields import FieldSelector, parse_fields
-from .rawfields import FieldsBatch, FieldsTemplate, Mismatch
-from .rawnpy import NpyTemplate, fields_of
+from .raw import FieldsBatch, FieldsTemplate, Mismatch, NpyTemplate, fields_of
 from .stall import Activity, watching
 from .tallies import Tallies
 
@@ -311,7 +309,7 @@ class SampleReader:
         return template
 
     def _read_fields_batch(self, seqs: np.ndarray) -> Any:
-        """Decode raw multi-field records into per-field batch tensors (see rawfields).
+        """Decode raw multi-field records into per-field batch tensors (see `epochcache.data.raw`).
 
         Raises:
             Mismatch: a record does not fit the first one's template signature.
@@ -391,7 +389,7 @@ class SampleReader:
                 check, expect = template.check, template.expect
                 if act is not None:
                     act.resolve = self.key_of  # names act.key only if a stall is reported
-                # Large samples are copied after the loop, by two threads (see copier).
+                # Large samples are copied after the loop, by two threads (see `collate.copy_rows`).
                 large: list[memoryview] | None = (
                     [] if nbytes >= SPLIT_BYTES and len(keys) > 1 and get_worker_info() is None
                     else None)

@@ -43,10 +43,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..placement import Placement
 from ..store import Snapshot
 from ..store.records import DB_SAMPLES, seq_key
 from ..units import format_count
-from .placement import Placement
 from .states import NodeStates
 
 if TYPE_CHECKING:

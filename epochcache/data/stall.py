@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from ..errors import StallError
-from ..stall_records import forget_stall, record_stall
+from ..paths import forget_stall, record_stall
 
 log = logging.getLogger(__name__)
 

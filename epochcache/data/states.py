@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from .placement import Placement
+from ..placement import Placement
 
 # -- epochs(): one state per rank, grouped by node ------------------------------------------
 

@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 import zstandard
 
-from ..atomic import atomic_write
+from ..paths import atomic_write
 from .keytable import KeyTable, KeyTableBuilder, compact_sizes, find_keys, offsets_of
 from .types import SampleRef, SourceSpec
 

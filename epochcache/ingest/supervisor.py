@@ -35,12 +35,12 @@ from typing import Any
 from ..boot import process_record
 from ..config import EpochcacheConfig
 from ..errors import DaemonAlreadyRunning
+from ..paths import first_missing
 from ..redact import redact_url
 from ..store import SampleStore
 from ..store.env import make_private_dir
 from ..store.owners import lock_held
 from ..units import format_count, format_size
-from ..writable import first_missing
 from .daemon_sources import DaemonSources
 from .health import ingest_rate
 from .lifeline import Lifeline

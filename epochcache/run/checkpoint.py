@@ -20,8 +20,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from ..atomic import atomic_write
 from ..errors import CheckpointError
+from ..paths import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ def resume_checkpoint(run_dir: Path, node_rank: int = 0) -> dict[str, Any] | Non
     Raises:
         CheckpointError: rank 0's checkpoint cannot be read or loaded.
     """
-    from ..data.placement import dist_initialized
+    from ..placement import dist_initialized
 
     if not dist_initialized():
         return load_checkpoint(run_dir)

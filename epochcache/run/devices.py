@@ -23,8 +23,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ..data.placement import Placement
 from ..errors import NodeLayoutError
+from ..placement import Placement
 
 #: The variables of torch.distributed's ``env://`` rendezvous (torchrun sets all four).
 ENV_RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")

@@ -33,16 +33,16 @@ import numpy as np
 
 from ..config import EpochcacheConfig
 from ..coverage.trained import TrainedRecord, coverage_row
-from ..data.placement import Placement
 from ..epoch_record import history_row, log_line
 from ..errors import ConfigError, DaemonAlreadyRunning
 from ..ingest.health import describe_requests, request_delta, request_totals
 from ..ingest.prometheus import MetricsServer, require_prometheus
 from ..ingest.supervisor import DaemonLock, Supervisor
 from ..options import LoaderOptions
+from ..paths import check_writable
+from ..placement import Placement
 from ..redact import redact_url
 from ..store import SampleStore
-from ..writable import check_writable
 from .checkpoint import resume_checkpoint
 from .context import RunContext, TimedLoader
 from .devices import CPU, RunDevice
@@ -429,7 +429,7 @@ def run_training(config: EpochcacheConfig, *, resume: bool | str = False) -> int
     SIGINT and SIGTERM stop the run at its next safe point (`epochcache.run.signals`):
     exit 130 or 143.
     """
-    from ..data.placement import detect_placement
+    from ..placement import detect_placement
 
     place = detect_placement()
     if config.train.metrics_port is not None:

@@ -78,7 +78,7 @@ class MidEpoch:
         stops); under DDP every rank decides the same, and a stop on one rank stops all."""
         due = time.monotonic() - self.last >= self.every_s
         stopping = self.stop.requested
-        from ..data.placement import dist_initialized
+        from ..placement import dist_initialized
 
         if dist_initialized():
             due, stopping = _agree(due, stopping)
@@ -127,7 +127,7 @@ def _agree(due: bool, stopping: bool) -> tuple[bool, bool]:
 
 
 def _gather(mine: dict[str, Any]) -> dict[str, Any]:
-    from ..data.placement import dist_initialized
+    from ..placement import dist_initialized
 
     if not dist_initialized():
         return mine

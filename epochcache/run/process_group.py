@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from ..data.placement import Placement, dist_initialized
 from ..errors import NodeLayoutError
+from ..placement import Placement, dist_initialized
 from .devices import CPU, RunDevice, choose_device
 
 log = logging.getLogger(__name__)

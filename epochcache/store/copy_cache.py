@@ -46,8 +46,8 @@ from typing import TYPE_CHECKING, Any
 import lmdb
 
 from ..errors import CacheError
+from ..paths import check_writable
 from ..units import format_size
-from ..writable import check_writable
 from .datafile import COVERAGE_DIR, LOCK_FILE, ledger_lock, partial_copies, partial_prefix
 from .env import make_private_dir
 from .owners import lock_held

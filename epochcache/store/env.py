@@ -33,8 +33,8 @@ import lmdb
 
 from ..boot import boot_id
 from ..errors import CacheError, CacheIOError, CacheUnusable, NodeLayoutError
-from ..launcher import read_placement
-from ..writable import require_writable_dir, writing
+from ..paths import require_writable_dir, writing
+from ..placement import read_placement
 from . import remap_lock
 from .datafile import check_data_file
 from .records import ALL_DBS, OPTIONAL_DBS

@@ -32,8 +32,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..atomic import atomic_write
 from ..limits import AST_LOCK
+from ..paths import atomic_write
 
 log = logging.getLogger("epochcache.cache")
 

@@ -38,8 +38,8 @@ from dataclasses import dataclass
 import lmdb
 import numpy as np
 
-from ..atomic import atomic_write
 from ..limits import AST_LOCK
+from ..paths import atomic_write
 from ..registry import EVICTION
 from .plans import Part, plans_dir
 from .records import (

@@ -17,12 +17,16 @@ read, never guessed, from one of two launchers:
   ``SLURM_STEP_NUM_TASKS`` (`srun_rank`).
 
 A distributed job (more than one rank) with neither raises [`NodeLayoutError`][epochcache.NodeLayoutError] naming the
-variables to set. The variables are read when called, never at import; no torch here.
+variables to set. The variables are read when called, never at import; no torch here:
+`detect_placement` asks torch.distributed for the rank only when it is already imported and
+initialised.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -197,3 +201,27 @@ def read_node(environ: Mapping[str, str]) -> tuple[int, int]:
             f"the number of nodes is unknown ({place.launcher}: node {place.node_rank}, "
             f"{place.world_size} ranks); set GROUP_WORLD_SIZE or EPOCHCACHE_NUM_NODES")
     return place.node_rank, place.num_nodes
+
+
+def dist_initialized() -> bool:
+    # Not imported: nothing can have initialised it. `epochcache run` checks its config and
+    # lists the source before paying ~1.5 s for importing torch.
+    torch = sys.modules.get("torch")
+    return bool(torch is not None and torch.distributed.is_available()
+                and torch.distributed.is_initialized())
+
+
+def detect_placement() -> Placement:
+    """Read the launcher's variables now; with torch.distributed initialised its rank wins.
+
+    Raises:
+        NodeLayoutError: a distributed job whose node layout the environment does not give, or
+            a variable that is not an integer or contradicts the others.
+    """
+    rank = world_size = None
+    if dist_initialized():
+        # Imported already (dist_initialized says so): looked up, not imported, so this base
+        # module imports no torch.
+        dist = sys.modules["torch"].distributed
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+    return read_placement(os.environ, rank, world_size)

@@ -1,4 +1,5 @@
-"""Paths epochcache writes: one error naming the path, never an ``OSError`` traceback.
+"""Paths epochcache writes: written whole, and one error naming the path, never an ``OSError``
+traceback.
 
 A cache directory, a run directory, a copy's destination or an output file can sit where
 nothing can be written: on a read-only mount, under a file, under ``/proc``, in a directory
@@ -6,16 +7,29 @@ of another user. Each place that writes one goes through `writing` (``OSError`` 
 [`PathNotWritable`][epochcache.PathNotWritable] naming the path, what it is for and the cause)
 or, where it can be known before anything starts, `check_writable`, which creates and removes
 a probe and leaves nothing behind.
+
+A file is written whole by `atomic_write`: a temporary file in the target's directory, renamed
+into place, so a reader (or a crash) sees the old file or the new one, never half of one.
+
+Stall records, files beside a cache (`record_stall`, `read_stalls`): the trainers reading it
+that a stall watchdog caught. A process whose batch stalled (see `epochcache.data.stall`)
+writes ``stalls/<pid>.json`` -- what stalled, since when, the sample key and worker, and the action taken -- and removes it
+when the batch finishes after all. ``epochcache status`` shows the records of processes that
+still run: a trainer stuck on a batch (action ``warn``), or one ending with its StallError.
+Files, not LMDB: the process writing one may be stuck inside the store.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import tempfile
 from collections.abc import Iterator
+from typing import Any, BinaryIO
 
+from .boot import process_record, recorded_alive
 from .errors import PathNotWritable
 
 
@@ -123,3 +137,65 @@ def require_writable_dir(path: str | os.PathLike[str], what: str) -> None:
         return
     code = errno.EROFS if os.statvfs(path).f_flag & os.ST_RDONLY else errno.EACCES
     raise not_writable(path, what, OSError(code, os.strerror(code), os.fspath(path)))
+
+
+@contextlib.contextmanager
+def atomic_write(path: str | os.PathLike[str], *, prefix: str = ".tmp-", suffix: str = "",
+                 durable: bool = False) -> Iterator[BinaryIO]:
+    """Write ``path`` through the yielded file; it replaces ``path`` only if the block ends
+    without an exception (the temporary file is removed otherwise). The directory is created
+    private to the user when missing. ``durable`` flushes the data to disk before the rename,
+    so a power loss cannot leave the new name on an empty file."""
+    directory = os.path.dirname(os.fspath(path)) or "."
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=prefix, suffix=suffix)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            yield f
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+STALLS_DIR = "stalls"
+
+
+def _path(cache_path: str, pid: int) -> str:
+    return os.path.join(cache_path, STALLS_DIR, f"{pid}.json")
+
+
+def record_stall(cache_path: str, doc: dict[str, Any]) -> None:
+    """Record this process's stall (``doc``); raises OSError when it cannot."""
+    path = _path(cache_path, os.getpid())
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    with atomic_write(path) as f:
+        f.write(json.dumps({**doc, **process_record()}).encode())
+
+
+def forget_stall(cache_path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(_path(cache_path, os.getpid()))
+
+
+def read_stalls(cache_path: str) -> list[dict[str, Any]]:
+    """The stall records of processes that still run, oldest first."""
+    directory = os.path.join(cache_path, STALLS_DIR)
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        try:
+            with open(os.path.join(directory, name)) as f:
+                doc = dict(json.load(f))
+        except (OSError, ValueError):
+            continue
+        if recorded_alive(doc):
+            found.append(doc)
+    return sorted(found, key=lambda doc: float(doc.get("since", 0)))
