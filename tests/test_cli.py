@@ -18,7 +18,7 @@ import yaml
 from common.cachecheck import content_for
 
 from epochcache import Cache
-from epochcache.store import store_of
+from epochcache.store.plumbing import append_history
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -39,7 +39,7 @@ def cache_dir(tmp_path: Path) -> Path:
     path = tmp_path / "cache"
     with Cache(path, "1MiB", sync=False) as cache:
         cache.put_many([(f"k{i}", content_for(f"k{i}", 1000)) for i in range(20)])
-        store_of(cache).append_history()
+        append_history(cache)
     return path
 
 

@@ -25,6 +25,7 @@ from epochcache.epoch_record import HISTORY, coverage_words, history_row, log_li
 from epochcache.ingest.health import describe_requests
 from epochcache.status import collect_stats, render
 from epochcache.store import SampleStore
+from epochcache.store.plumbing import append_history
 from epochcache.units import format_count
 
 ROW: dict[str, Any] = {
@@ -111,11 +112,11 @@ def test_an_older_epoch_row_without_a_newer_figure_is_still_listed(tmp_path: Pat
     newest = [f.name for f in HISTORY if f.name not in ("epoch", "time")]
     cache = SampleStore(str(tmp_path / "cache"), capacity=1 << 20, sync=False)
     try:
-        cache.append_history()  # the daemon's rows never name an epoch
+        append_history(cache)  # the daemon's rows never name an epoch
         old = {"epoch": 0, "snapshot_samples": 10}  # an older version's row
-        cache.append_history(old)
-        cache.append_history(history_row({**dict.fromkeys(newest, 7), "epoch": 1}))
-        cache.append_history()
+        append_history(cache, old)
+        append_history(cache, history_row({**dict.fromkeys(newest, 7), "epoch": 1}))
+        append_history(cache)
         stats = collect_stats(cache)
     finally:
         cache.close()

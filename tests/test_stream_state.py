@@ -22,7 +22,7 @@ from common.writer import Writer, fill
 from torch.utils.data import DataLoader
 
 from epochcache import Cache
-from epochcache.store import store_of
+from epochcache.store.plumbing import plan_seqs
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning"),  # torchdata
@@ -132,7 +132,7 @@ def test_sigkill_then_resume_from_the_saved_state(tmp_path: Path, release: str) 
     seen = checkpoint["seen"]
     (state,) = [w["dataset_state"] for w in
                 checkpoint["state"]["_snapshot"]["_worker_snapshots"].values()][:1]
-    snapshot = store_of(cache).plan_seqs(state["lease"])  # kept while the lease lives: None after
+    snapshot = plan_seqs(cache, state["lease"])  # kept while the lease lives: None after
     assert len(seen) == 70 and len(set(seen + rest)) == len(seen + rest)  # none twice
     if release == "epoch":
         assert len(seen + rest) == state["count"]  # none skipped
