@@ -3,6 +3,10 @@ back-pressure, counters, bounded side tables, capacity strings, reopening, file 
 
 Every test re-derives the cache's state from the raw records (``common.cachecheck``) rather
 than trusting the cache's own counters.
+
+Internals: the side tables' bounds and the record framing (``cache.tables``,
+``cache.writer.encode``, ``plumbing.append_history``) are what the daemon writes, which no
+public call shows.
 """
 
 from __future__ import annotations

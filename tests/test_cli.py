@@ -1,6 +1,9 @@
 """The command line as a user meets it (issue 10, item 9): it starts without the ``plot`` extra,
 logs go to stderr at the level asked for, stdout carries only what a command prints, and a run
-with a bad source fails before the seconds torch takes to import."""
+with a bad source fails before the seconds torch takes to import.
+
+Internals: ``plumbing.append_history`` writes the daemon's stats rows that ``plot`` draws.
+"""
 
 from __future__ import annotations
 

@@ -5,6 +5,9 @@ trained on (``cache.record_trained``, which ``epochcache run`` calls per epoch),
 ``cache.coverage()`` / ``status --json`` / the daemon's metrics report it. The listing
 changing under the ledger (keys added or gone by a re-list, a new generation), several
 processes recording at once, and caches without origins (an older version's) are each tested.
+
+Internals: the origins table is read and dropped through ``cache.env`` to check what samplers
+wrote and an older cache without it.
 """
 
 from __future__ import annotations

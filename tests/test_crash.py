@@ -7,6 +7,9 @@
   present unless it was evicted, and eviction only ever took the oldest ones.
 * A process holding a snapshot is SIGKILLed: its lease is reclaimed (by ``put_many`` under
   back-pressure, by ``reclaim_leases()``, by ``snapshot()``) and eviction proceeds.
+
+Internals: the lease table (``cache.env``) and ``plumbing.reclaim_leases``, what the daemon runs
+every few seconds, are the invariant under test.
 """
 
 from __future__ import annotations

@@ -2,6 +2,9 @@
 
 Real processes and signals against moto's S3 server; the cache is checked from the outside
 (``full_check``: every record, the counters and ``verify_cache``) after each fault.
+
+Internals: the daemon's state documents are read through ``cache.env``: what it wrote, which no
+public call shows.
 """
 
 from __future__ import annotations

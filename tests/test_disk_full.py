@@ -3,6 +3,9 @@ and invariant 2 when the disk is smaller than the capacity).
 
 Two real ways to run out of space: a small LMDB map (``max_map_size``, so ``MapFullError``) and a
 small tmpfs (real ``ENOSPC`` from the kernel; needs root to mount, skipped otherwise).
+
+Internals: a release plan (``plumbing.write_plan_part``), the raw records (``cache.env``) and
+``plumbing.reset_effective_capacity`` stand in for a loader and a cleared disk.
 """
 
 from __future__ import annotations

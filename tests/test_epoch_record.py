@@ -6,6 +6,8 @@ had seen its share), "all seen in unknown", "0 GETs, 0 LISTs, 710.0 KiB", "600.0
 ranks ... (it ran on 1 node(s) of 1 rank(s))". Each line is built here from the figures a run
 records, as ``epochcache run`` builds it (`test_run.test_demo_run_end_to_end` reads a real
 run's lines).
+
+Internals: ``plumbing.append_history`` writes the daemon's stats rows a run's log reads.
 """
 
 from __future__ import annotations

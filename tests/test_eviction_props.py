@@ -17,6 +17,9 @@ The model records reads as the cache does when a lease ends (its lanes' read pre
 generation per lease; `epochcache.store.reads`), for orders that use them. A policy with no
 order in `ORDERS` is checked on invariants 1-3 alone. Policies other than the default run
 fewer examples by default; ``-m slow`` runs them all as long.
+
+Internals: the model checks record sizes (``cache.writer.encode``), plans
+(``plumbing.write_plan_part``) and the lease table (``cache.env``) against the store.
 """
 
 from __future__ import annotations

@@ -6,6 +6,8 @@ orders by them; any registered policy keeps invariants 1-3 and a cache it evicte
 The policies here are registered by the tests themselves (and removed after), as a user's own
 policy would be: a newest-first one (eviction that is not a prefix of the sequence numbers) and
 one that only looks at the read log it is given.
+
+Internals: ``plumbing.reclaim_leases`` is what the daemon does every few seconds.
 """
 
 from __future__ import annotations

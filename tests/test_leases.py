@@ -4,6 +4,9 @@ A lease protects an epoch's snapshot from eviction while its owner lives. Owners
 processes in other PID or UTS namespaces (``unshare``, as containers sharing the cache's volume on
 one machine are), judged by a shortened lease timeout of 1 s, while this process writes past
 capacity + headroom and reclaims leases it takes for dead.
+
+Internals: leases are written and reclaimed as other hosts' processes would (``cache.env``,
+``plumbing.reclaim_leases``).
 """
 
 from __future__ import annotations

@@ -6,6 +6,8 @@ job) and resumed from its mid-epoch checkpoint has a manifest with each of its s
 in the epoch's order, and the coverage ledger counts each once. A manifest fed back as
 ``source.manifest`` refetches exactly those samples: one source, several (keys carry the
 source's name), and tar shards (a sample inside its shard).
+
+Internals: the raw records (``cache.env``) give the keys a manifest must list.
 """
 
 from __future__ import annotations

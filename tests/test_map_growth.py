@@ -7,6 +7,8 @@ buffer into the old map dangles. Readers in other threads of the same process mu
 the middle of a read at that moment. A real reader process (2 threads holding buffers while
 they read) runs while this process grows the map 10x; a segfault, an ``lmdb.Error`` or a wrong
 byte fails it.
+
+Internals: map adoption is the LMDB environment's (``cache.env``).
 """
 
 from __future__ import annotations

@@ -3,6 +3,9 @@ counters through eviction, a source unreachable at start, and an outage of one s
 
 Real daemons (``epochcache daemon`` processes), ``file://`` sources and a moto S3 server in a
 process of its own that is killed for the outage.
+
+Internals: per-source counters are read with ``plumbing.source_stats`` and the raw tables
+(``cache.env``), what ``status`` shows.
 """
 
 from __future__ import annotations

@@ -5,6 +5,9 @@ Found by tests/test_eviction_props.py's state machine (CI, 2026-11-24): a releas
 eviction found inside a plain snapshot's range was set aside until "a lease ends", but only
 the end of another *plan* lease brought it back, so after the plain snapshot ended it stayed
 protected for as long as its own plan lease lived and writers waited at a full cache.
+
+Internals: release plans (``plumbing.write_plan_part``) are what loaders write, here written by
+hand.
 """
 
 from __future__ import annotations

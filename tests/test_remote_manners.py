@@ -8,6 +8,8 @@ the daemon fills from here, as a user's bucket would be. The user's events:
 * the bucket is far away: ``concurrency: auto`` raises the requests in flight above its start;
 * of two ``sources:``, one throttles: the other is not held to its pace;
 * ``status``, ``status --json`` and the Prometheus metrics say what the requests cost.
+
+Internals: per-source counters are read with ``plumbing.source_stats``, what ``status`` shows.
 """
 
 from __future__ import annotations

@@ -1,6 +1,10 @@
 """The lease of an interrupted epoch outlives its owner when a checkpoint names it, for
 ``cache.resume_grace_s``, so that a resumed run can adopt it and find the epoch's samples
-(issue 21, item 4); without a checkpoint, or after the grace, it is reclaimed as before."""
+(issue 21, item 4); without a checkpoint, or after the grace, it is reclaimed as before.
+
+Internals: ``plumbing.adopt_lease`` and ``plumbing.reclaim_leases`` are what a resumed run and
+the daemon call.
+"""
 
 from __future__ import annotations
 

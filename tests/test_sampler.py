@@ -4,6 +4,9 @@ A sampler holds at most ``sampler.max_bytes_in_flight`` between fetch and commit
 item 7), counted in bytes from the listed sizes, not only in requests: followed from the moment
 a fetch returns the bytes until their batch is finished with. And it stores samples the way the
 config's ``cache`` section says.
+
+Internals: the sampler writes records (``cache.writer.encode``) and health documents
+(``cache.tables``), which no public call shows.
 """
 
 from __future__ import annotations

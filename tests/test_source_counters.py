@@ -1,5 +1,9 @@
 """Per-source counters (``sources:``): kept in the same transactions as the samples they count,
-so they match the records through inserts, eviction by age, leases and quarantine."""
+so they match the records through inserts, eviction by age, leases and quarantine.
+
+Internals: the counters under test are the store's (``plumbing.register_sources``,
+``plumbing.source_stats``, ``cache.env``, ``cache.tables``).
+"""
 
 from __future__ import annotations
 

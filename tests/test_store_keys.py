@@ -3,6 +3,8 @@
 LMDB keys are 1 to 511 bytes; S3 keys go to 1024 and a manifest may hold anything. The key
 index stores such keys under a digest (the record keeps the full key), and ``put_many`` hands
 a sample it can never store to ``on_reject`` instead of failing its whole batch.
+
+Internals: ``plumbing.has_key_prefix`` is what samplers call for a tar shard's samples.
 """
 
 from __future__ import annotations

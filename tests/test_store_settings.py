@@ -1,5 +1,8 @@
 """A store's settings hold where it goes: what ``sync`` asks of LMDB, and every constructor
-setting of a store pickled into another process (issue 20, items 6 and 7)."""
+setting of a store pickled into another process (issue 20, items 6 and 7).
+
+Internals: what ``sync`` asks of LMDB is read from the environment (``cache.env``).
+"""
 
 from __future__ import annotations
 

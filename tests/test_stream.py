@@ -2,6 +2,9 @@
 
 Real DataLoader workers (fork, forkserver, spawn) and a real writer subprocess; each epoch is
 checked against the lease the stream held while it ran (the snapshot's range and count).
+
+Internals: a lease's plan (``plumbing.plan_seqs``), its reclaim (``plumbing.reclaim_leases``)
+and the state documents (``cache.tables``) are what the daemon and loaders leave.
 """
 
 from __future__ import annotations

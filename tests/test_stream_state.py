@@ -7,6 +7,8 @@
   every sample of the epoch once, none skipped (the lease outlived the trainer).
 * A Lightning fit killed mid-epoch and resumed from its last checkpoint trains on each sample of
   that epoch once (the steps before the checkpoint, then the resumed ones).
+
+Internals: a lease's plan (``plumbing.plan_seqs``) shows what the resumed epoch kept.
 """
 
 from __future__ import annotations

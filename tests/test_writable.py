@@ -5,6 +5,8 @@ read-only mount, under a file or under /proc gave a Python traceback (``OSError:
 Read-only file system``) and exit 1. The read-only mount is a real one: a tmpfs mounted ``ro``
 (root only; skipped elsewhere). Every case runs in one Python process calling the CLI's
 ``main`` (one interpreter start for the matrix), each with its own stderr.
+
+Internals: ``plumbing.append_history`` writes the daemon's stats rows that ``plot`` draws.
 """
 
 from __future__ import annotations
