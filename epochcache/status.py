@@ -42,6 +42,7 @@ from .ingest.health import (
 from .paths import read_stalls
 from .redact import redact_tree
 from .store.leases import Lease, unread
+from .store.plumbing import capacity_lowered, source_stats
 from .units import format_size
 
 if TYPE_CHECKING:
@@ -147,7 +148,7 @@ def _collect(cache: SampleStore) -> dict[str, Any]:
     now = time.time()
     leases = cache.leases()
     history = cache.history(limit=200)
-    lowered = cache.capacity_lowered()
+    lowered = capacity_lowered(cache)
     capacity = cache.capacity.effective if lowered is None else min(
         cache.capacity.effective, int(lowered["limit"]))
     return {
@@ -167,7 +168,7 @@ def _collect(cache: SampleStore) -> dict[str, Any]:
         "quarantined": counters.quarantined,
         # rows dropped (the oldest) to keep the quarantine table within its bounds
         "quarantine_dropped": cache.tables.quarantine_dropped(),
-        "sources": cache.source_stats(),
+        "sources": source_stats(cache),
         "file_bytes": cache.file_bytes(),
         # held leases: a dead owner's lease (listed with alive false) holds nothing, the next
         # writer reclaims it

@@ -23,10 +23,11 @@ from pathlib import Path
 
 import numpy as np
 
+from epochcache.store.plumbing import write_plan_part
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from epochcache import Cache
-from epochcache.store import store_of
 from epochcache.store.plans import Releaser
 from epochcache.store.records import DB_SAMPLES
 
@@ -42,11 +43,11 @@ def run(policy: str, samples: int, commits: int) -> dict[str, float]:
                             for i in range(start, min(samples, start + 20_000))])
         full = cache.counters().bytes
     cache = Cache(path, full, headroom=0.0, compression="none", sync=False)  # now full
-    store = store_of(cache)
+    store = cache
     snap = store.snapshot(plan_parts=1)
     seqs = np.asarray(snap.seqs)
     lanes = [seqs[i::4] for i in range(4)]
-    store.write_plan_part(snap.lease_id, 0, lanes)
+    write_plan_part(store, snap.lease_id, 0, lanes)
     read = np.unique(np.concatenate([lane[: len(lane) // 2] for lane in lanes]))
     for i, lane in enumerate(lanes):
         Releaser(cache.path, snap.lease_id, 0, i).release(len(lane) // 2)
@@ -60,7 +61,7 @@ def run(policy: str, samples: int, commits: int) -> dict[str, float]:
         times.append(time.perf_counter() - started)
     with store.env.read() as txn:
         keys = b"".join(bytes(key) for key in
-                        txn.cursor(db=store.dbs[DB_SAMPLES]).iternext(values=False))
+                        txn.cursor(db=store.env.dbs[DB_SAMPLES]).iternext(values=False))
     present = np.frombuffer(keys, dtype=">u8").astype(np.uint64)
     evicted = np.setdiff1d(seqs, present)
     took_read = int(np.isin(evicted, read).sum())

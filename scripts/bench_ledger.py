@@ -31,7 +31,6 @@ import numpy as np
 
 # No sys.path insert: PYTHONPATH chooses the checkout measured (the venv's is the default).
 from epochcache import Cache
-from epochcache.store import store_of
 
 try:
     from epochcache.store.origins import Origin
@@ -49,7 +48,7 @@ def _write_path(root: Path, size: int, count: int, batch: int, repeat: int) -> d
             path = root / f"w-{mode}-{round_}"
             cache = Cache(path, capacity=size * count * 4, sync=False, compression="none")
             keys = [f"train/sample-{i:08d}.bin" for i in range(count)]
-            records = [(key, store_of(cache).encode(key, payloads[i % 64])) for i, key in enumerate(keys)]
+            records = [(key, cache.writer.encode(key, payloads[i % 64])) for i, key in enumerate(keys)]
             origins = {key: Origin(0, i) for i, key in enumerate(keys)} if mode == "with" else None
             parts = [(records[lo: lo + batch], None if origins is None else
                       {k: origins[k] for k, _ in records[lo: lo + batch]})
@@ -108,7 +107,7 @@ def _epoch_end(root: Path, samples: int, batch: int) -> dict[str, Any]:
     from epochcache.store.origins import read_origins
 
     cache = Cache(root / "epoch", capacity=64 * samples * 4, sync=False, compression="none")
-    lid = register_listing(store_of(cache).env, {
+    lid = register_listing(cache.env, {
         "source": "", "fingerprint": "bench", "generation": "g", "url": "file:///bench",
         "unit": "sample", "listed": samples, "gone": 0, "complete": True, "node_rank": 0,
         "num_nodes": 1})
@@ -122,8 +121,8 @@ def _epoch_end(root: Path, samples: int, batch: int) -> dict[str, Any]:
     seqs = np.random.default_rng(0).permutation(np.arange(samples, dtype=np.uint64))
     out: dict[str, Any] = {"samples": samples, "fill_s": round(fill_s, 2)}
     started = time.perf_counter()
-    with store_of(cache).env.read() as txn:
-        read_origins(txn, store_of(cache).dbs, seqs)
+    with cache.env.read() as txn:
+        read_origins(txn, cache.env.dbs, seqs)
     out["read_origins_s"] = round(time.perf_counter() - started, 3)
     started = time.perf_counter()
     cache.record_trained(seqs, epoch=0)

@@ -136,8 +136,8 @@ def rate(loader: Any, passes: int = 2) -> float:
 
 
 def _store(cache: Any) -> Any:
-    """The store layer of a Cache (``Cache._store`` since the public Cache holds one; the
-    Cache itself in older versions, which an A/B run may import)."""
+    """The store layer of a Cache: the Cache itself (it is a SampleStore), or ``Cache._store``
+    in the versions whose public Cache held one, which an A/B run may import."""
     return getattr(cache, "_store", cache)
 
 
@@ -157,7 +157,7 @@ def bare_copy_rate(cache: Cache, seqs: np.ndarray) -> float:
     """The ceiling for any reader of this cache: per batch one read transaction, then per
     sample one LMDB get and one memcpy of the array into a reused buffer -- no checks, no
     DataLoader, nothing else."""
-    env, db = _store(cache).env.lmdb_env, _store(cache).dbs[b"samples"]
+    env, db = _store(cache).env.lmdb_env, _store(cache).env.dbs[b"samples"]
     nbytes = FLOATS * 4
     out = memoryview(np.empty(BATCH * nbytes, np.uint8))
     keys = [seq_key(int(s)) for s in seqs]
@@ -185,7 +185,7 @@ def getitem_rate(cache: Cache, order: np.ndarray) -> float:
 
 def raw_get_rate(cache: Cache, keys: list[bytes]) -> float:
     """Raw LMDB get + copy of the same records, all in one read transaction."""
-    env, db = _store(cache).env.lmdb_env, _store(cache).dbs[b"samples"]
+    env, db = _store(cache).env.lmdb_env, _store(cache).env.dbs[b"samples"]
     with env.begin(buffers=True) as txn:
         for _pass in range(2):  # a warm-up pass, then the timed one
             t0 = time.perf_counter()

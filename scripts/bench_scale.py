@@ -164,7 +164,6 @@ def daemon_idle(workdir: Path, remote: Path, cache_dir: Path, idle_s: float) -> 
     import yaml
 
     from epochcache import Cache
-    from epochcache.store import store_of
 
     config = workdir / "daemon.yaml"
     config.write_text(yaml.safe_dump({
@@ -185,7 +184,7 @@ def daemon_idle(workdir: Path, remote: Path, cache_dir: Path, idle_s: float) -> 
             if proc.poll() is not None:
                 raise RuntimeError(f"daemon exited {proc.returncode}: see {log.name}")
             with Cache(cache_dir, readonly=True) as cache:
-                states = store_of(cache).tables.states("sampler/")
+                states = cache.tables.states("sampler/")
             if len(states) == 2 and all(s.get("idle") == "complete" for s in states.values()):
                 pids = [int(s["pid"]) for s in states.values()]
                 break

@@ -41,22 +41,22 @@ import numpy as np
 
 import epochcache as ec
 from epochcache.demo import write_demo_data
-from epochcache.store import store_of
 from epochcache.store.env import map_bound
+from epochcache.store.plumbing import write_plan_part
 
 SAMPLE_BYTES = 16 * 1024
 
 
 def _wait_fraction(cache: ec.Cache, start: dict[str, float], elapsed: float) -> float:
     now = {name: float(doc.get("lease_wait_s", 0.0))
-           for name, doc in store_of(cache).tables.states("sampler/").items()}
+           for name, doc in cache.tables.states("sampler/").items()}
     waited = [now[name] - start.get(name, 0.0) for name in now]
     return min(1.0, sum(waited) / max(1, len(waited)) / elapsed) if waited else 0.0
 
 
 def _waits(cache: ec.Cache) -> dict[str, float]:
     return {name: float(doc.get("lease_wait_s", 0.0))
-            for name, doc in store_of(cache).tables.states("sampler/").items()}
+            for name, doc in cache.tables.states("sampler/").items()}
 
 
 class _Watch(threading.Thread):
@@ -146,7 +146,7 @@ def commit_latency(root: Path, n: int) -> dict[str, float]:
         if case != "no lease":
             snap = cache.snapshot(plan_parts=1)
             order = np.random.default_rng(0).permutation(snap.seqs)
-            store_of(cache).write_plan_part(snap.lease_id, 0, [order])
+            write_plan_part(cache, snap.lease_id, 0, [order])
             from epochcache.store.plans import Releaser
 
             Releaser(cache.path, snap.lease_id, 0, 0).release(n // 2)
@@ -183,7 +183,7 @@ def snapshot_time(root: Path, n: int) -> dict[str, float]:
     # Progressive release leaves gaps: release every other sample of a plan lease and evict.
     snap = cache.snapshot(plan_parts=1)
     half = snap.seqs[::2]
-    store_of(cache).write_plan_part(snap.lease_id, 0, [np.concatenate([half, snap.seqs[1::2]])])
+    write_plan_part(cache, snap.lease_id, 0, [np.concatenate([half, snap.seqs[1::2]])])
     from epochcache.store.plans import Releaser
 
     Releaser(cache.path, snap.lease_id, 0, 0).release(len(half))

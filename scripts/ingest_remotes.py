@@ -250,7 +250,6 @@ def daemon_fill(source: dict[str, Any], count: int, workdir: Path, *, processes:
 
     from epochcache import Cache
     from epochcache.errors import CacheError
-    from epochcache.store import store_of
 
     cache_dir = workdir / "cache"
     shutil.rmtree(cache_dir, ignore_errors=True)
@@ -304,7 +303,7 @@ def daemon_fill(source: dict[str, Any], count: int, workdir: Path, *, processes:
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
         with Cache(cache_dir, readonly=True) as cache:
-            healths = store_of(cache).tables.states("sampler/")
+            healths = cache.tables.states("sampler/")
         assert tenth_at is not None
         seconds, cpu, whole = fill_time(count, tenth, (tenth_at, tenth_cpu),
                                         (done_at, done_cpu), (started_at, started_cpu))

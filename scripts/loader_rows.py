@@ -305,11 +305,10 @@ class _Server:
         transaction per batch, a get and a copy of the array into one preallocated batch
         buffer per sample; timed like the rows (two passes and ``min_s`` after a warm-up)."""
         from epochcache.data.schedule import epoch_order
-        from epochcache.store import store_of
         from epochcache.store.records import DB_SAMPLES, seq_keys
 
-        store = store_of(self.caches[size])
-        env, db = store.env.lmdb_env, store.dbs[DB_SAMPLES]
+        store = self.caches[size]
+        env, db = store.env.lmdb_env, store.env.dbs[DB_SAMPLES]
         keys = self.floor_keys.get(size)
         if keys is None:
             with self.caches[size].dataset() as dataset:

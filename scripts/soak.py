@@ -50,7 +50,7 @@ from common.s3server import S3ServerProcess  # noqa: E402 - the moto server of t
 
 from epochcache.errors import CacheError  # noqa: E402
 from epochcache.status import collect_stats  # noqa: E402
-from epochcache.store import SampleStore, store_of  # noqa: E402
+from epochcache.store import SampleStore  # noqa: E402
 from epochcache.store.codec import read_info  # noqa: E402
 from epochcache.store.records import DB_SAMPLES, seq_of  # noqa: E402
 
@@ -213,7 +213,7 @@ class Soak:
         return self._read(lambda cache: collect_stats(cache), {"samples": 0, "inserted": 0})  # type: ignore[no-any-return]
 
     def state(self) -> dict[str, Any]:
-        return self._read(lambda cache: store_of(cache).tables.get_state("daemon") or {}, {})  # type: ignore[no-any-return]
+        return self._read(lambda cache: cache.tables.get_state("daemon") or {}, {})  # type: ignore[no-any-return]
 
     def samplers_alive(self) -> bool:
         doc = self.state()
@@ -265,8 +265,8 @@ class Soak:
     def check_nothing_lost(self) -> list[str]:
         def read(cache: SampleStore) -> tuple[dict[int, tuple[str, int]], int, int]:
             present: dict[int, tuple[str, int]] = {}
-            with store_of(cache).env.read() as txn:
-                for raw, record in txn.cursor(db=store_of(cache).dbs[DB_SAMPLES]):
+            with cache.env.read() as txn:
+                for raw, record in txn.cursor(db=cache.env.dbs[DB_SAMPLES]):
                     info = read_info(record)
                     present[seq_of(bytes(raw))] = (info.key, info.crc32)
             counters = cache.counters()

@@ -30,8 +30,8 @@ from epochcache.store.eviction import OldestFirst
 from epochcache.store.least_recently_read import LeastRecentlyRead
 from epochcache.store.origins import Origin
 from epochcache.store.plans import Releaser
+from epochcache.store.plumbing import reset_effective_capacity
 from epochcache.store.records import RecordFlags
-from epochcache.store.sample_store import SampleStore
 
 # Python calls these: a module's lazy attributes (PEP 562), an io.RawIOBase's methods
 # (io.BufferedReader and tarfile call readable/readinto), a logging record's message.
@@ -65,7 +65,7 @@ EpochDataset.get_batch  # a map-style dataset's batched read: tests/test_decode.
 CacheStream.set_epoch  # torch's DistributedSampler protocol, called by training loops
 Source.list_keys  # the layout contract's convenience: tests/sources/contract.py
 SampleRef.to_row  # the pair of SampleRef.from_row (a saved listing's row)
-SampleStore.reset_effective_capacity  # tests/test_disk_full.py: a full disk cleared
+reset_effective_capacity  # tests/test_disk_full.py: a full disk cleared
 
 # Fields of documents and records: written whole (the sampler's health document, which
 # `epochcache status --json` shows), read by position or by users through `Cache.info()`.

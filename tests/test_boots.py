@@ -28,7 +28,6 @@ from epochcache.ingest.concurrency import Pace, SharedPaceState
 from epochcache.ingest.requests import BUDGET_FILE, RequestBudget
 from epochcache.paths import STALLS_DIR, read_stalls
 from epochcache.status import collect_stats
-from epochcache.store import store_of
 
 if TYPE_CHECKING:
     from conftest import S3Env
@@ -115,12 +114,12 @@ def test_documents_of_another_boot_name_no_live_process(tmp_path: Path) -> None:
     previous = {"pid": me, "host": socket.gethostname(), "start_ticks": process_start_ticks(me),
                 "boot": "00000000-another-boot"}
     try:
-        tables = store_of(cache).tables
+        tables = cache.tables
         tables.put_state("daemon", {**previous, "heartbeat": time.time(), "stopped": False,
                                     "samplers": {}})
         tables.put_state(f"job/{socket.gethostname()}:{me}", {**previous, "run_dir": "runs/x",
                                                                "started": time.time()})
-        stats = collect_stats(store_of(cache))
+        stats = collect_stats(cache)
         assert stats["daemon"]["alive"] is False
         assert stats["jobs"] == []
     finally:

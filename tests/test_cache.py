@@ -3,6 +3,10 @@ back-pressure, counters, bounded side tables, capacity strings, reopening, file 
 
 Every test re-derives the cache's state from the raw records (``common.cachecheck``) rather
 than trusting the cache's own counters.
+
+Internals: the side tables' bounds and the record framing (``cache.tables``,
+``cache.writer.encode``, ``plumbing.append_history``) are what the daemon writes, which no
+public call shows.
 """
 
 from __future__ import annotations
@@ -22,8 +26,8 @@ from common.cachecheck import assert_consistent, content_for, digest
 
 import epochcache.store.tables as cache_module
 from epochcache import Cache, CacheError, CacheFull, SampleTooLarge
-from epochcache.store import store_of
 from epochcache.store.codec import pack_fields
+from epochcache.store.plumbing import append_history
 from epochcache.store.records import HEADER, Codec, RecordFlags
 
 MakeCache = Callable[..., Cache]
@@ -46,7 +50,7 @@ def make_cache(tmp_path: Path) -> Iterator[MakeCache]:
 
 
 def _record_size(cache: Cache, key: str, value: bytes | dict[str, bytes]) -> int:
-    return len(store_of(cache).encode(key, value))
+    return len(cache.writer.encode(key, value))
 
 
 # -- round trips ------------------------------------------------------------------------------
@@ -122,8 +126,8 @@ def test_compression_none_stores_everything_raw(make_cache: MakeCache) -> None:
 def test_pre_encoded_records_round_trip(make_cache: MakeCache) -> None:
     cache = make_cache(1024 * 1024)
     items = [(f"k{i}", content_for(f"k{i}")) for i in range(20)]
-    records = [(key, store_of(cache).encode(key, value)) for key, value in items]
-    result = store_of(cache).put_many(records, encoded=True)
+    records = [(key, cache.writer.encode(key, value)) for key, value in items]
+    result = cache.put_many(records, encoded=True)
     assert [digest(v) for v in cache.get_many(result.seqs)] == [digest(v) for _, v in items]
     assert_consistent(cache)
 
@@ -478,8 +482,8 @@ def test_history_and_quarantine_keep_only_the_newest_rows(
     monkeypatch.setattr(cache_module, "QUARANTINE_MAX_ROWS", 30)
     cache = make_cache(50_000)
     for i in range(80):
-        store_of(cache).append_history({"step": i})
-        store_of(cache).tables.quarantine(f"bad/{i}.pkl", "truncated gzip", size=i)
+        append_history(cache, {"step": i})
+        cache.tables.quarantine(f"bad/{i}.pkl", "truncated gzip", size=i)
     history = cache.history()
     assert [row["step"] for row in history] == list(range(55, 80))
     assert all({"time", "samples", "bytes", "capacity"} <= set(row) for row in history)
@@ -507,11 +511,11 @@ def test_the_quarantine_is_bounded_in_bytes_and_keeps_keys_cut(
     cache = make_cache(1024**2)
     keys = [f"s.tar/{i:04d}" + "k" * 100_000 for i in range(400)]
     for key in keys:
-        store_of(cache).tables.quarantine(key, f"{key}: not a valid .npy", url=f"file:///remote/{key}")
+        cache.tables.quarantine(key, f"{key}: not a valid .npy", url=f"file:///remote/{key}")
     rows = cache.quarantined(limit=100_000)
     assert sum(len(json.dumps(row)) for row in rows) <= 64 * 1024
     assert cache.counters().quarantined == 400  # every one counted...
-    assert store_of(cache).tables.quarantine_dropped() == 400 - len(rows) > 0  # ... and every row dropped
+    assert cache.tables.quarantine_dropped() == 400 - len(rows) > 0  # ... and every row dropped
     assert rows[-1]["key"].startswith("s.tar/0399kkk")  # the newest are kept
     last = keys[-1]
     assert rows[-1]["key_sha256"] == hashlib.sha256(last.encode()).hexdigest()[:16]
@@ -527,25 +531,25 @@ def test_history_rows_written_in_the_same_nanosecond_are_all_kept(
     cache = make_cache(50_000)
     monkeypatch.setattr(cache_module.time, "time_ns", lambda: 1_000_000)
     for i in range(5):
-        store_of(cache).append_history({"step": i})
+        append_history(cache, {"step": i})
     assert [row["step"] for row in cache.history()] == [0, 1, 2, 3, 4]
 
 
 def test_state_documents_are_one_row_per_name(make_cache: MakeCache) -> None:
     cache = make_cache(50_000)
     for i in range(200):
-        store_of(cache).tables.put_state(f"sampler/{i % 3}", {"position": i})
-    store_of(cache).tables.put_state("daemon", {"pid": 1})
-    assert store_of(cache).tables.states("sampler/") == {
+        cache.tables.put_state(f"sampler/{i % 3}", {"position": i})
+    cache.tables.put_state("daemon", {"pid": 1})
+    assert cache.tables.states("sampler/") == {
         "sampler/0": {"position": 198},
         "sampler/1": {"position": 199},
         "sampler/2": {"position": 197},
     }
-    assert store_of(cache).tables.get_state("daemon") == {"pid": 1}
-    store_of(cache).tables.delete_state("daemon")
-    assert store_of(cache).tables.get_state("daemon") is None
-    with store_of(cache).env.read() as txn:
-        assert txn.stat(store_of(cache).dbs[b"state"])["entries"] == 3
+    assert cache.tables.get_state("daemon") == {"pid": 1}
+    cache.tables.delete_state("daemon")
+    assert cache.tables.get_state("daemon") is None
+    with cache.env.read() as txn:
+        assert txn.stat(cache.env.dbs[b"state"])["entries"] == 3
 
 
 # -- capacity strings, reopening, file modes --------------------------------------------------

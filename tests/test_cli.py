@@ -1,6 +1,9 @@
 """The command line as a user meets it (issue 10, item 9): it starts without the ``plot`` extra,
 logs go to stderr at the level asked for, stdout carries only what a command prints, and a run
-with a bad source fails before the seconds torch takes to import."""
+with a bad source fails before the seconds torch takes to import.
+
+Internals: ``plumbing.append_history`` writes the daemon's stats rows that ``plot`` draws.
+"""
 
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ import yaml
 from common.cachecheck import content_for
 
 from epochcache import Cache
-from epochcache.store import store_of
+from epochcache.store.plumbing import append_history
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -39,7 +42,7 @@ def cache_dir(tmp_path: Path) -> Path:
     path = tmp_path / "cache"
     with Cache(path, "1MiB", sync=False) as cache:
         cache.put_many([(f"k{i}", content_for(f"k{i}", 1000)) for i in range(20)])
-        store_of(cache).append_history()
+        append_history(cache)
     return path
 
 

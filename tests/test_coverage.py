@@ -5,6 +5,9 @@ trained on (``cache.record_trained``, which ``epochcache run`` calls per epoch),
 ``cache.coverage()`` / ``status --json`` / the daemon's metrics report it. The listing
 changing under the ledger (keys added or gone by a re-list, a new generation), several
 processes recording at once, and caches without origins (an older version's) are each tested.
+
+Internals: the origins table is read and dropped through ``cache.env`` to check what samplers
+wrote and an older cache without it.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from epochcache import Cache
 from epochcache.coverage.ledger import Ledger, ledger_path, ledgers, remap
 from epochcache.ingest.layouts import KeyTable
 from epochcache.ingest.origin_tagger import index_map
-from epochcache.store import SampleStore, store_of
+from epochcache.store import SampleStore
 from epochcache.store.codec import read_info
 from epochcache.store.listings import register_listing
 from epochcache.store.origins import Origin
@@ -35,9 +38,9 @@ pytestmark = pytest.mark.timeout(180)
 
 
 def _keys_by_seq(cache: Cache) -> dict[int, str]:
-    with store_of(cache).env.read() as txn:
+    with cache.env.read() as txn:
         return {int.from_bytes(bytes(k), "big"): read_info(v).key
-                for k, v in txn.cursor(db=store_of(cache).dbs[DB_SAMPLES])}
+                for k, v in txn.cursor(db=cache.env.dbs[DB_SAMPLES])}
 
 
 def _fill(tmp_path: Path, start_daemon: Any, n: int, layout: str = "files",
@@ -98,7 +101,7 @@ def _status(cache_dir: Path) -> str:
 def _fingerprint(cache: Cache) -> str:
     from epochcache.store.listings import listings
 
-    (info,) = listings(store_of(cache).env).values()
+    (info,) = listings(cache.env).values()
     return str(info["fingerprint"])
 
 
@@ -172,21 +175,21 @@ def test_a_new_listing_generation_is_mapped_by_key(tmp_path: Path) -> None:
         info = {"source": "", "fingerprint": "fp", "generation": "g1", "url": "mem://x",
                 "unit": "sample", "listed": 4, "gone": 0, "complete": False, "node_rank": 0,
                 "num_nodes": 1}
-        lid = register_listing(store_of(cache).env, info)
-        put = store_of(cache).put_many([(k, k.encode()) for k in old_keys],
+        lid = register_listing(cache.env, info)
+        put = cache.put_many([(k, k.encode()) for k in old_keys],
                              origins={k: Origin(lid, i) for i, k in enumerate(old_keys)})
         cache.record_trained(put.seqs[:2])  # k/b and k/c once
         new_keys = ["k/a", "k/b", "k/c", "k/e"]  # the finished listing: sorted, k/d gone
         mapping = index_map(KeyTable.from_refs(_refs(old_keys)), KeyTable.from_refs(_refs(new_keys)))
         assert mapping.tolist() == [1, 2, 0, -1]
-        remap(store_of(cache), info, {**info, "generation": "g2", "complete": True}, lid, mapping)
+        remap(cache, info, {**info, "generation": "g2", "complete": True}, lid, mapping)
         cache.record_trained(put.seqs)  # every sample once more: k/d has no key now
         ledger = Ledger.load(ledger_path(cache.path, "fp"))
         assert ledger is not None and ledger.header["generation"] == "g2"
         assert ledger.counts.tolist() == [1, 2, 2, 0]  # k/a, k/b, k/c, k/e
         assert cache.coverage()["unattributed"] == 1  # k/d: in no listing of this generation
         # No sampler held g2 when g3 came: the coverage starts afresh, the old totals kept.
-        register_listing(store_of(cache).env, {**info, "generation": "g3", "listed": 4})
+        register_listing(cache.env, {**info, "generation": "g3", "listed": 4})
         cache.record_trained(put.seqs[:1])
         (source,) = cache.coverage()["sources"]
         assert source["generation"] == "g3" and source["covered"] == 0
@@ -208,8 +211,8 @@ def test_a_cache_without_origins_counts_them_unattributed(tmp_path: Path) -> Non
     cache_dir = tmp_path / "cache"
     cache = Cache(cache_dir, capacity="1MiB")
     put = cache.put_many([(f"s/{i}", b"x" * 100) for i in range(20)])
-    with store_of(cache).env.lmdb_env.begin(write=True) as txn:  # as an older version left it
-        txn.drop(store_of(cache).dbs[DB_ORIGINS], delete=True)
+    with cache.env.lmdb_env.begin(write=True) as txn:  # as an older version left it
+        txn.drop(cache.env.dbs[DB_ORIGINS], delete=True)
     cache.close()
     old = Cache(cache_dir)
     try:

@@ -7,6 +7,9 @@
   present unless it was evicted, and eviction only ever took the oldest ones.
 * A process holding a snapshot is SIGKILLed: its lease is reclaimed (by ``put_many`` under
   back-pressure, by ``reclaim_leases()``, by ``snapshot()``) and eviction proceeds.
+
+Internals: the lease table (``cache.env``) and ``plumbing.reclaim_leases``, what the daemon runs
+every few seconds, are the invariant under test.
 """
 
 from __future__ import annotations
@@ -23,8 +26,8 @@ from common.procs import Proc, spawn_script
 
 from epochcache import Cache, CacheError, CacheFull
 from epochcache.boot import process_stat
-from epochcache.store import store_of
 from epochcache.store.env import Env
+from epochcache.store.plumbing import reclaim_leases
 
 WRITER = """
 import os, sys
@@ -171,7 +174,7 @@ def _pinned_cache(tmp_path: Path) -> tuple[Cache, Proc, str]:
     with pytest.raises(CacheFull, match=str(owner.pid)):
         for i in range(50):
             cache.put(f"new{i}", content_for(f"new{i}", 2000, compressible=False), wait=False)
-    assert store_of(cache).reclaim_leases() == []
+    assert reclaim_leases(cache) == []
     state = assert_consistent(cache)
     assert state.first_seq == 0 and state.bytes > 40_000
     return cache, owner, lease_id
@@ -186,7 +189,7 @@ def test_lease_of_a_killed_owner_is_reclaimed(tmp_path: Path, reclaimer: str) ->
         if reclaimer == "put_many":
             cache.put("after", content_for("after", 2000, compressible=False), wait=False)
         elif reclaimer == "reclaim_leases":
-            [dead] = store_of(cache).reclaim_leases()
+            [dead] = reclaim_leases(cache)
             assert dead.lease_id == lease_id and dead.pid == owner.pid
         else:
             cache.snapshot().release()
@@ -211,7 +214,7 @@ def test_lease_of_an_unreaped_zombie_owner_is_reclaimed(tmp_path: Path) -> None:
             time.sleep(0.01)
         # The leader is a zombie once its own thread exited; the process's lock goes with its
         # last thread (the owner's heartbeat thread), a moment later.
-        while not (reclaimed := store_of(cache).reclaim_leases()):
+        while not (reclaimed := reclaim_leases(cache)):
             assert time.monotonic() < deadline, "the zombie's lease was not reclaimed"
             time.sleep(0.01)
         [dead] = reclaimed
@@ -234,13 +237,13 @@ def test_live_lease_on_a_recycled_pid_is_not_confused(tmp_path: Path) -> None:
         from epochcache.store.records import DB_LEASES
 
         def age(txn):  # type: ignore[no-untyped-def]
-            [lease] = read_leases(txn, store_of(cache).dbs[DB_LEASES])
+            [lease] = read_leases(txn, cache.env.dbs[DB_LEASES])
             lease.start_ticks = (lease.start_ticks or 0) + 12345
             lease.owner = ""  # written by a version without owner locks
-            write_lease(txn, store_of(cache).dbs[DB_LEASES], lease)
+            write_lease(txn, cache.env.dbs[DB_LEASES], lease)
 
-        store_of(cache).env.write(age)
-        [dead] = store_of(cache).reclaim_leases()
+        cache.env.write(age)
+        [dead] = reclaim_leases(cache)
         assert dead.lease_id == snap.lease_id
         snap.release()
     finally:

@@ -2,6 +2,9 @@
 
 Real processes and signals against moto's S3 server; the cache is checked from the outside
 (``full_check``: every record, the counters and ``verify_cache``) after each fault.
+
+Internals: the daemon's state documents are read through ``cache.env``: what it wrote, which no
+public call shows.
 """
 
 from __future__ import annotations
@@ -277,13 +280,12 @@ def test_reader_opening_while_a_sampler_grows_the_map(tmp_path: Path) -> None:
         """
         import sys
         from epochcache import Cache
-        from epochcache.store import store_of
         from epochcache.store.records import DB_STATE
         cache = Cache(sys.argv[1], capacity="1GiB")
-        env = store_of(cache).env.lmdb_env
+        env = cache.env.lmdb_env
         txn = env.begin(write=True)
         for i in range(96):
-            txn.put(b"filler-%03d" % i, bytes(1 << 20), db=store_of(cache).dbs[DB_STATE])
+            txn.put(b"filler-%03d" % i, bytes(1 << 20), db=cache.env.dbs[DB_STATE])
         print("READY", flush=True)
         sys.stdin.readline()
         txn.commit()

@@ -3,6 +3,9 @@ and invariant 2 when the disk is smaller than the capacity).
 
 Two real ways to run out of space: a small LMDB map (``max_map_size``, so ``MapFullError``) and a
 small tmpfs (real ``ENOSPC`` from the kernel; needs root to mount, skipped otherwise).
+
+Internals: a release plan (``plumbing.write_plan_part``), the raw records (``cache.env``) and
+``plumbing.reset_effective_capacity`` stand in for a loader and a cleared disk.
 """
 
 from __future__ import annotations
@@ -28,8 +31,8 @@ from common.cachecheck import assert_consistent, content_for, digest, full_check
 from common.tmpfs import mounted_tmpfs
 
 from epochcache import Cache, CacheError, CacheFull, CacheIOError
-from epochcache.store import store_of
 from epochcache.store.plans import Releaser
+from epochcache.store.plumbing import reset_effective_capacity, write_plan_part
 from epochcache.store.records import DB_SAMPLES, seq_key
 
 SAMPLE = 4000  # incompressible: one LMDB overflow page each
@@ -157,16 +160,16 @@ def test_a_full_map_that_undoes_an_eviction_leaves_the_released_samples_evictabl
         while cache.counters().bytes + 8 * SAMPLE <= cache.capacity_bytes:
             cache.put_many(_batch(f"a{b}"), wait=False)
             b += 1
-        snap = store_of(cache).snapshot(plan_parts=1)
-        store_of(cache).write_plan_part(snap.lease_id, 0, [np.asarray(snap.seqs, dtype=np.uint64)])
+        snap = cache.snapshot(plan_parts=1)
+        write_plan_part(cache, snap.lease_id, 0, [np.asarray(snap.seqs, dtype=np.uint64)])
         Releaser(cache.path, snap.lease_id, 0, 0).release(len(snap.seqs))  # all read
         written = 0
         with pytest.raises(CacheFull):  # once nothing released is left (newer samples stay)
             for k in range(200):
                 written += cache.put_many(_batch(f"k{k}"), wait=False).inserted
-        with store_of(cache).env.read() as txn:
+        with cache.env.read() as txn:
             left = [int(s) for s in snap.seqs
-                    if txn.get(seq_key(int(s)), db=store_of(cache).dbs[DB_SAMPLES]) is not None]
+                    if txn.get(seq_key(int(s)), db=cache.env.dbs[DB_SAMPLES]) is not None]
         assert left == [], f"{len(left)} released samples were never evicted: {left[:16]}"
         assert written >= len(snap.seqs) - 8
         snap.release()
@@ -238,7 +241,7 @@ def test_a_reader_pinning_the_map_makes_writers_wait_without_lowering_capacity(
     cache = Cache(path, "1MiB", max_map_size="3MiB", sync=False)
     try:
         _write_until(cache, lambda: cache.counters().bytes > 0.9 * 1024**2, "a")
-        reader = store_of(cache).env.lmdb_env.begin()  # pins the pages of everything stored now
+        reader = cache.env.lmdb_env.begin()  # pins the pages of everything stored now
         full: list[CacheFull] = []
         try:
             for b in range(200):
@@ -353,7 +356,7 @@ def test_enospc_never_corrupts_and_writes_resume_when_space_returns(tmpfs: Path)
         assert cache.effective_capacity < 3 * 1024**2
         # Space comes back: forget any lowered capacity and writes go on, with eviction.
         ballast.unlink()
-        store_of(cache).reset_effective_capacity()
+        reset_effective_capacity(cache)
         for b in range(50, 150):
             cache.put_many(_batch(f"b{b}"), wait=False)
         state = assert_consistent(cache)

@@ -6,6 +6,8 @@ had seen its share), "all seen in unknown", "0 GETs, 0 LISTs, 710.0 KiB", "600.0
 ranks ... (it ran on 1 node(s) of 1 rank(s))". Each line is built here from the figures a run
 records, as ``epochcache run`` builds it (`test_run.test_demo_run_end_to_end` reads a real
 run's lines).
+
+Internals: ``plumbing.append_history`` writes the daemon's stats rows a run's log reads.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from epochcache.ingest.health import describe_requests
 from epochcache.placement import Placement
 from epochcache.status import collect_stats, render
 from epochcache.store import SampleStore
+from epochcache.store.plumbing import append_history
 from epochcache.units import format_count
 
 ROW: dict[str, Any] = {
@@ -111,11 +114,11 @@ def test_an_older_epoch_row_without_a_newer_figure_is_still_listed(tmp_path: Pat
     newest = [f.name for f in HISTORY if f.name not in ("epoch", "time")]
     cache = SampleStore(str(tmp_path / "cache"), capacity=1 << 20, sync=False)
     try:
-        cache.append_history()  # the daemon's rows never name an epoch
+        append_history(cache)  # the daemon's rows never name an epoch
         old = {"epoch": 0, "snapshot_samples": 10}  # an older version's row
-        cache.append_history(old)
-        cache.append_history(history_row({**dict.fromkeys(newest, 7), "epoch": 1}))
-        cache.append_history()
+        append_history(cache, old)
+        append_history(cache, history_row({**dict.fromkeys(newest, 7), "epoch": 1}))
+        append_history(cache)
         stats = collect_stats(cache)
     finally:
         cache.close()

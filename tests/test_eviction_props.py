@@ -17,6 +17,9 @@ The model records reads as the cache does when a lease ends (its lanes' read pre
 generation per lease; `epochcache.store.reads`), for orders that use them. A policy with no
 order in `ORDERS` is checked on invariants 1-3 alone. Policies other than the default run
 fewer examples by default; ``-m slow`` runs them all as long.
+
+Internals: the model checks record sizes (``cache.writer.encode``), plans
+(``plumbing.write_plan_part``) and the lease table (``cache.env``) against the store.
 """
 
 from __future__ import annotations
@@ -44,8 +47,8 @@ from test_eviction_setting import NewestFirst
 
 from epochcache import Cache, CacheFull, Snapshot
 from epochcache.registry import EVICTION, policy_names, register_policy
-from epochcache.store import store_of
 from epochcache.store.plans import Releaser
+from epochcache.store.plumbing import write_plan_part
 
 KEYS = [f"k{i:02d}" for i in range(40)]  # a small pool, so keys repeat (dedupe)
 
@@ -200,7 +203,7 @@ class EvictionMachine(RuleBasedStateMachine):
         assert self.cache.eviction == self.policy
         self.model = Model(capacity, self.cache.headroom_bytes, order=ORDERS.get(self.policy))
         for key in KEYS:
-            self.size_of[key] = len(store_of(self.cache).encode(key, content_for(key)))
+            self.size_of[key] = len(self.cache.writer.encode(key, content_for(key)))
 
     def teardown(self) -> None:
         for held in self.held.values():
@@ -310,8 +313,8 @@ class EvictionMachine(RuleBasedStateMachine):
 
         plans.write_seqs(cache.path, lease_id, np.array(sorted(set(sum(lanes, []))),
                                                         dtype=np.uint64))
-        store_of(cache).write_plan_part(lease_id, 0, [np.array(lane, dtype=np.uint64) for lane in lanes])
-        store_of(cache).env.write(lambda txn: write_lease(txn, store_of(cache).dbs[b"leases"], lease))
+        write_plan_part(cache, lease_id, 0, [np.array(lane, dtype=np.uint64) for lane in lanes])
+        cache.env.write(lambda txn: write_lease(txn, cache.env.dbs[b"leases"], lease))
         self.model.plans[lease_id] = (lanes, [0] * len(lanes))
         self.held[lease_id].releasers = [Releaser(cache.path, lease_id, 0, i)
                                          for i in range(len(lanes))]

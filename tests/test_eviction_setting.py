@@ -6,6 +6,8 @@ orders by them; any registered policy keeps invariants 1-3 and a cache it evicte
 The policies here are registered by the tests themselves (and removed after), as a user's own
 policy would be: a newest-first one (eviction that is not a prefix of the sequence numbers) and
 one that only looks at the read log it is given.
+
+Internals: ``plumbing.reclaim_leases`` is what the daemon does every few seconds.
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ from common.procs import spawn_script
 
 from epochcache import Cache
 from epochcache.registry import EVICTION, register_policy
-from epochcache.store import store_of
 from epochcache.store.counters import Counters
 from epochcache.store.eviction import (
     Eviction,
@@ -36,6 +37,7 @@ from epochcache.store.eviction import (
     take,
 )
 from epochcache.store.leases import Lease
+from epochcache.store.plumbing import reclaim_leases
 from epochcache.store.reads import ReadLog, load_reads, reads_path
 from epochcache.store.records import DB_KEYS, DB_SAMPLES, seq_of
 from epochcache.store.release import Protection
@@ -218,7 +220,7 @@ def test_a_killed_trainers_reads_are_recorded_when_its_lease_is_reclaimed(
         trainer.close()
     assert not Path(reads_path(str(path))).exists()
     with Cache(path, sync=False) as cache:
-        (dead,) = store_of(cache).reclaim_leases()  # what the daemon does every few seconds
+        (dead,) = reclaim_leases(cache)  # what the daemon does every few seconds
     log = load_reads(str(path))
     assert list(log.seqs) == list(range(20)) and list(log.bounds) == [50], dead
 

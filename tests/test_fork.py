@@ -17,7 +17,6 @@ import pytest
 from common.cachecheck import assert_consistent, content_for, digest
 
 from epochcache import Cache
-from epochcache.store import store_of
 
 N = 120
 
@@ -173,7 +172,7 @@ def test_forked_child_keeps_the_parents_reader_slots(tmp_path: Path) -> None:
     stay protected from reuse by writers."""
     cache = Cache(tmp_path / "cache", "4MiB")
     cache.put("a", b"x" * 1000)
-    env = store_of(cache).env.lmdb_env
+    env = cache.env.lmdb_env
     held = env.begin()
     try:
         pid = os.fork()

@@ -4,6 +4,9 @@ A lease protects an epoch's snapshot from eviction while its owner lives. Owners
 processes in other PID or UTS namespaces (``unshare``, as containers sharing the cache's volume on
 one machine are), judged by a shortened lease timeout of 1 s, while this process writes past
 capacity + headroom and reclaims leases it takes for dead.
+
+Internals: leases are written and reclaimed as other hosts' processes would (``cache.env``,
+``plumbing.reclaim_leases``).
 """
 
 from __future__ import annotations
@@ -22,8 +25,8 @@ from common.procs import Proc, spawn_script
 
 from epochcache import Cache
 from epochcache.errors import CacheFull, SnapshotClosed
-from epochcache.store import store_of
 from epochcache.store.leases import Lease
+from epochcache.store.plumbing import reclaim_leases
 
 pytestmark = pytest.mark.skipif(shutil.which("unshare") is None or os.geteuid() != 0,
                                 reason="needs unshare and root for PID/UTS namespaces")
@@ -70,7 +73,7 @@ def _churn(cache: Cache, seconds: float) -> int:
         except CacheFull:
             blocked += 1
             time.sleep(0.05)
-        store_of(cache).reclaim_leases()
+        reclaim_leases(cache)
         i += 1
     return blocked
 
@@ -78,7 +81,7 @@ def _churn(cache: Cache, seconds: float) -> int:
 def _reclaimed_soon(cache: Cache, timeout_s: float = 10.0) -> list[str]:
     deadline = time.monotonic() + timeout_s
     while True:
-        dead = [lease.lease_id for lease in store_of(cache).reclaim_leases()]
+        dead = [lease.lease_id for lease in reclaim_leases(cache)]
         if dead or time.monotonic() > deadline:
             return dead
         time.sleep(0.02)
@@ -127,7 +130,7 @@ def _freeze_outside_a_commit(pid: int, cache: Cache) -> None:
     try a write, and if that waits, let the owner finish its commit and stop it again."""
     for _attempt in range(50):
         _signal_tree(pid, signal.SIGSTOP)
-        writer = threading.Thread(target=store_of(cache).env.write, args=(lambda txn: None,))
+        writer = threading.Thread(target=cache.env.write, args=(lambda txn: None,))
         writer.start()
         writer.join(2.0)
         if not writer.is_alive():
@@ -153,7 +156,7 @@ def test_without_owner_locks_a_heartbeat_keeps_the_lease(tmp_path: Path) -> None
         # A frozen owner (no heartbeat) loses its lease after the timeout.
         _freeze_outside_a_commit(owner.pid, cache)
         time.sleep(1.5)
-        assert [dead.lease_id for dead in store_of(cache).reclaim_leases()] == [lease_id]
+        assert [dead.lease_id for dead in reclaim_leases(cache)] == [lease_id]
     finally:
         owner.close()
         cache.close()
@@ -171,7 +174,7 @@ def test_reads_of_a_reclaimed_snapshot_raise_snapshot_closed_naming_the_lease(
     from epochcache.store.leases import delete_lease
     from epochcache.store.records import DB_LEASES
 
-    store_of(other).env.write(lambda txn: delete_lease(txn, store_of(other).dbs[DB_LEASES], lease_id))
+    other.env.write(lambda txn: delete_lease(txn, other.env.dbs[DB_LEASES], lease_id))
     _fill(other, "new", 25)
     with pytest.raises(SnapshotClosed, match=lease_id[:8]) as info:
         for i in range(len(ds)):
@@ -201,8 +204,8 @@ def test_an_epoch_whose_lease_was_reclaimed_raises_snapshot_closed(tmp_path: Pat
             lease_id = loader.dataset.lease_id
             for i, _batch in enumerate(loader):
                 if i == 0:
-                    store_of(other).env.write(lambda txn: delete_lease(
-                        txn, store_of(other).dbs[DB_LEASES], lease_id))  # noqa: B023 - at once
+                    other.env.write(lambda txn: delete_lease(
+                        txn, other.env.dbs[DB_LEASES], lease_id))  # noqa: B023 - at once
                     _fill(other, "new", 25)
     assert lease_id[:8] in str(info.value)
     other.close()

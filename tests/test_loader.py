@@ -16,7 +16,6 @@ from common.writer import Writer, fill
 
 from epochcache import Cache, PrepareFailed
 from epochcache.data.schedule import epoch_order
-from epochcache.store import store_of
 
 
 def _ids(batch: torch.Tensor) -> list[int]:
@@ -146,7 +145,7 @@ def _count_collate(samples: list[np.ndarray]) -> int:
 def test_background_failure_is_reraised_from_its_cause(tmp_path: Path) -> None:
     fill(str(tmp_path / "c"), 0, 20)
     cache = Cache(tmp_path / "c", sync=False)
-    store = store_of(cache)  # what epochs() takes its snapshots from
+    store = cache  # what epochs() takes its snapshots from
     original = store.snapshot
 
     calls = []

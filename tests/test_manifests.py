@@ -6,6 +6,8 @@ job) and resumed from its mid-epoch checkpoint has a manifest with each of its s
 in the epoch's order, and the coverage ledger counts each once. A manifest fed back as
 ``source.manifest`` refetches exactly those samples: one source, several (keys carry the
 source's name), and tar shards (a sample inside its shard).
+
+Internals: the raw records (``cache.env``) give the keys a manifest must list.
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ from test_run_resume import TRAINER, _config, _dataset, _rows, _start, _wait_to_
 from epochcache import Cache
 from epochcache.coverage.ledger import Ledger, ledgers
 from epochcache.coverage.manifests import ManifestWriter, epoch_keys, manifest_path
-from epochcache.store import store_of
 from epochcache.store.codec import read_info
 from epochcache.store.records import DB_SAMPLES
 
@@ -100,7 +101,7 @@ def test_torn_record_is_ignored_and_cut_before_the_next(tmp_path: Path) -> None:
     try:
         put = cache.put_many([(f"k{i:03d}", b"x") for i in range(30)])
         seqs = np.array(put.seqs, dtype=np.uint64)
-        writer = ManifestWriter(store_of(cache), tmp_path / "run", epoch=0, rank=0, lease="L")
+        writer = ManifestWriter(cache, tmp_path / "run", epoch=0, rank=0, lease="L")
         writer.write(seqs[:10], 10)
         path = manifest_path(tmp_path / "run", 0, 0)
         whole = path.stat().st_size
@@ -108,7 +109,7 @@ def test_torn_record_is_ignored_and_cut_before_the_next(tmp_path: Path) -> None:
         with open(path, "r+b") as f:
             f.truncate(whole + 15)  # the second record torn
         assert epoch_keys(tmp_path / "run", 0) == [f"k{i:03d}" for i in range(10)]
-        resumed = ManifestWriter(store_of(cache), tmp_path / "run", epoch=0, rank=0,
+        resumed = ManifestWriter(cache, tmp_path / "run", epoch=0, rank=0,
                                   lease="L", position=10)
         resumed.write(seqs[10:30], 30)
         assert epoch_keys(tmp_path / "run", 0) == [f"k{i:03d}" for i in range(30)]
@@ -131,7 +132,7 @@ def test_a_resume_on_another_number_of_ranks_keeps_what_each_lane_kept(tmp_path:
 
         def writer(rank: int, local_rank: int, size: int, split: Any,
                    position: int = 0) -> ManifestWriter:
-            return ManifestWriter(store_of(cache), run, epoch=1, rank=rank, lease="L",
+            return ManifestWriter(cache, run, epoch=1, rank=rank, lease="L",
                                   position=position, lane={"local_rank": local_rank,
                                                            "local_world_size": size,
                                                            "split": split})
@@ -182,8 +183,8 @@ def _daemon_config(path: Path, cache_dir: Path, sources: list[dict[str, Any]] | 
 def _cached_keys(cache_dir: Path) -> list[str]:
     cache = Cache(cache_dir, readonly=True)
     try:
-        with store_of(cache).env.read() as txn:
-            return [read_info(v).key for _k, v in txn.cursor(db=store_of(cache).dbs[DB_SAMPLES])]
+        with cache.env.read() as txn:
+            return [read_info(v).key for _k, v in txn.cursor(db=cache.env.dbs[DB_SAMPLES])]
     finally:
         cache.close()
 
@@ -194,7 +195,7 @@ def _train_one_epoch(cache_dir: Path, run_dir: Path, sources: list[str]) -> list
     try:
         for epoch, loader in cache.epochs(1, batch_size=16, min_samples=1, decode=None,
                                           collate_fn=len, samples_per_epoch=50):
-            writer = ManifestWriter(store_of(cache), run_dir, epoch=epoch, rank=0,
+            writer = ManifestWriter(cache, run_dir, epoch=epoch, rank=0,
                                     lease=loader.state_dict()["lease"], sources=sources)
             for _batch in loader:
                 pass

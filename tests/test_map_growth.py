@@ -7,6 +7,8 @@ buffer into the old map dangles. Readers in other threads of the same process mu
 the middle of a read at that moment. A real reader process (2 threads holding buffers while
 they read) runs while this process grows the map 10x; a segfault, an ``lmdb.Error`` or a wrong
 byte fails it.
+
+Internals: map adoption is the LMDB environment's (``cache.env``).
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ import faulthandler, hashlib, sys, threading, time
 faulthandler.enable()
 from common.cachecheck import content_for
 from epochcache import Cache
-from epochcache.store import store_of
 from epochcache.store.codec import decode_payload
 from epochcache.store.records import seq_key
 
@@ -41,8 +42,8 @@ def hold_buffers(slot):
     # Read transactions that keep buffers into the map while they work on them.
     while not stop.is_set():
         try:
-            with store_of(cache).env.read() as txn:
-                db = store_of(cache).dbs[b"samples"]
+            with cache.env.read() as txn:
+                db = cache.env.dbs[b"samples"]
                 views = [txn.get(seq_key(s), db=db) for s in seqs[:8]]
                 time.sleep(0.001)
                 for s, view in zip(seqs, views):
@@ -74,7 +75,7 @@ sys.stdin.readline()
 stop.set()
 for t in threads:
     t.join()
-print("DONE", store_of(cache).env.map_size, reads[0], reads[1], "|".join(errors[:3]) or "ok", flush=True)
+print("DONE", cache.env.map_size, reads[0], reads[1], "|".join(errors[:3]) or "ok", flush=True)
 """
 
 

@@ -3,6 +3,9 @@ counters through eviction, a source unreachable at start, and an outage of one s
 
 Real daemons (``epochcache daemon`` processes), ``file://`` sources and a moto S3 server in a
 process of its own that is killed for the outage.
+
+Internals: per-source counters are read with ``plumbing.source_stats`` and the raw tables
+(``cache.env``), what ``status`` shows.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from common.s3server import S3ServerProcess
 from conftest import free_port, s3_options
 
 from epochcache.demo import make_samples, write_demo_data
-from epochcache.store import store_of
+from epochcache.store import plumbing
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -60,7 +63,7 @@ def status_json(cache_dir: Path) -> dict[str, Any]:
 
 
 def source_stats(cache_dir: Path) -> dict[str, dict[str, int]]:
-    return read_cache(cache_dir, lambda c: store_of(c).source_stats()) or {}
+    return read_cache(cache_dir, plumbing.source_stats) or {}
 
 
 def test_sources_are_mixed_by_weight_namespaced_and_counted_through_eviction(
@@ -103,8 +106,8 @@ def test_sources_are_mixed_by_weight_namespaced_and_counted_through_eviction(
 
 
 def _recount(cache: Any, names: list[str]) -> dict[str, dict[str, int]]:
-    with store_of(cache).env.read() as txn:
-        return recount(txn, store_of(cache).dbs, names)
+    with cache.env.read() as txn:
+        return recount(txn, cache.env.dbs, names)
 
 
 def test_an_unreachable_source_fails_the_start_unless_optional(

@@ -5,6 +5,9 @@ Found by tests/test_eviction_props.py's state machine (CI, 2026-11-24): a releas
 eviction found inside a plain snapshot's range was set aside until "a lease ends", but only
 the end of another *plan* lease brought it back, so after the plain snapshot ended it stayed
 protected for as long as its own plan lease lived and writers waited at a full cache.
+
+Internals: release plans (``plumbing.write_plan_part``) are what loaders write, here written by
+hand.
 """
 
 from __future__ import annotations
@@ -18,8 +21,8 @@ from common.procs import spawn_script
 from common.writer import npy_bytes, sample_array
 
 from epochcache import Cache, CacheFull
-from epochcache.store import store_of
 from epochcache.store.plans import Releaser
+from epochcache.store.plumbing import write_plan_part
 
 
 def _put(cache: Cache, start: int, count: int) -> None:
@@ -29,9 +32,9 @@ def _put(cache: Cache, start: int, count: int) -> None:
 
 
 def _planned(cache: Cache) -> tuple[object, Releaser]:
-    snap = store_of(cache).snapshot(plan_parts=1)
+    snap = cache.snapshot(plan_parts=1)
     lane = np.asarray(snap.seqs, dtype=np.uint64)
-    store_of(cache).write_plan_part(snap.lease_id, 0, [lane])
+    write_plan_part(cache, snap.lease_id, 0, [lane])
     return snap, Releaser(cache.path, snap.lease_id, 0, 0)
 
 

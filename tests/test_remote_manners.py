@@ -8,6 +8,8 @@ the daemon fills from here, as a user's bucket would be. The user's events:
 * the bucket is far away: ``concurrency: auto`` raises the requests in flight above its start;
 * of two ``sources:``, one throttles: the other is not held to its pace;
 * ``status``, ``status --json`` and the Prometheus metrics say what the requests cost.
+
+Internals: per-source counters are read with ``plumbing.source_stats``, what ``status`` shows.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from common.daemonproc import (
 from conftest import free_port
 
 from epochcache.ingest.concurrency import START_LIMIT
-from epochcache.store import store_of
+from epochcache.store.plumbing import source_stats
 
 if TYPE_CHECKING:
     from conftest import S3Env
@@ -150,7 +152,7 @@ def test_a_throttled_source_does_not_hold_back_the_other(
 
     def per_source() -> dict[str, int]:
         return read_cache(cache_dir, lambda c: {k: v["samples"]
-                                                 for k, v in store_of(c).source_stats().items()}) or {}
+                                                 for k, v in source_stats(c).items()}) or {}
 
     wait_for(lambda: per_source().get("fast", 0) == 150, 120, "the fast source cached whole")
     # with equal weights, a mix held to the throttled source's pace would have taken as many

@@ -29,7 +29,6 @@ from conftest import S3Env, free_port
 
 from epochcache import Cache
 from epochcache.status import collect_stats, render
-from epochcache.store import store_of
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -39,7 +38,7 @@ def _status(cache_dir: Path) -> tuple[dict[str, Any], str]:
     from rich.console import Console
 
     def both(cache: Cache) -> tuple[dict[str, Any], str]:
-        stats = collect_stats(store_of(cache))
+        stats = collect_stats(cache)
         console = Console(record=True, width=400)
         console.print(render(stats))
         return json.loads(json.dumps(stats, default=str)), console.export_text()

@@ -4,6 +4,9 @@ A sampler holds at most ``sampler.max_bytes_in_flight`` between fetch and commit
 item 7), counted in bytes from the listed sizes, not only in requests: followed from the moment
 a fetch returns the bytes until their batch is finished with. And it stores samples the way the
 config's ``cache`` section says.
+
+Internals: the sampler writes records (``cache.writer.encode``) and health documents
+(``cache.tables``), which no public call shows.
 """
 
 from __future__ import annotations
@@ -20,7 +23,6 @@ import pytest
 from epochcache import Cache
 from epochcache.config import EpochcacheConfig
 from epochcache.ingest.sampler import Sampler
-from epochcache.store import store_of
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -266,7 +268,7 @@ def test_batches_queued_behind_a_slow_commit_are_committed_in_one_transaction(
         batches = []
         for b in range(4):
             keys = [f"b{b}/k{i}" for i in range(3)]
-            records = [(key, store.encode(key, f"{key} payload".encode())) for key in keys]
+            records = [(key, store.writer.encode(key, f"{key} payload".encode())) for key in keys]
             batches.append(Batch(records, {"pass": b}, keys, sum(len(r) for _, r in records)))
         committer.hand_over(batches[0])
         deadline = time.monotonic() + 10
@@ -317,7 +319,7 @@ def test_warnings_of_samples_larger_than_the_headroom_are_few_and_their_keys_bou
                           quarantine=lambda key, why: None, done=lambda batch: None)
     committer.start()
     big = random.Random(7).randbytes(3000)  # > headroom
-    records = [(f"big-{i:05d}", store_of(cache).encode(f"big-{i:05d}", big)) for i in range(3000)]
+    records = [(f"big-{i:05d}", cache.writer.encode(f"big-{i:05d}", big)) for i in range(3000)]
     committer.hand_over(Batch(records, {}, [key for key, _ in records], 0))
     wait_for_deferred = time.monotonic() + 60
     while health.deferred < 3000 and time.monotonic() < wait_for_deferred:
@@ -348,7 +350,7 @@ def test_a_cache_pointed_at_another_source_starts_it_at_its_own_start(
     stop = threading.Event()
     _run_until_cached(Sampler(config, 0, stop), stop, 100)
     with Cache(config.cache.dir, readonly=True) as cache:
-        saved = store_of(cache).tables.get_state("sampler/0")["position"]
+        saved = cache.tables.get_state("sampler/0")["position"]
     assert saved["pass_index"] > 0 or saved["offset"] > 0  # where this source goes on
 
     moved = config.model_copy(deep=True)

@@ -21,8 +21,6 @@ from pathlib import Path
 import pytest
 from common.writer import fill
 
-from epochcache.store import store_of
-
 SCRIPT = """
 import json, sys, threading, time
 import numpy as np
@@ -173,7 +171,7 @@ def test_status_shows_a_stalled_trainer(tmp_path: Path, action: str) -> None:
         cache = Cache(path)
         stats: dict[str, object] = {}
         for _ in range(100):  # the record appears once the report is out (0.5 s)
-            stats = collect_stats(store_of(cache))
+            stats = collect_stats(cache)
             if stats["stalls"]:
                 break
             time.sleep(0.1)

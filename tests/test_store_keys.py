@@ -3,6 +3,8 @@
 LMDB keys are 1 to 511 bytes; S3 keys go to 1024 and a manifest may hold anything. The key
 index stores such keys under a digest (the record keeps the full key), and ``put_many`` hands
 a sample it can never store to ``on_reject`` instead of failing its whole batch.
+
+Internals: ``plumbing.has_key_prefix`` is what samplers call for a tar shard's samples.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import pytest
 from common.cachecheck import assert_consistent, content_for, full_check
 
 from epochcache import Cache, SampleRejected, SampleTooLarge
-from epochcache.store import store_of
+from epochcache.store.plumbing import has_key_prefix
 from epochcache.store.records import MAX_KEY_BYTES, index_key
 
 
@@ -41,7 +43,7 @@ def test_long_and_empty_keys_are_stored_found_evicted_and_verified(tmp_path: Pat
             seq = cache.seq_of(key)
             assert seq is not None and cache.info(seq).key == key and cache.get(seq) == value
         assert "y" * 513 not in cache and cache.seq_of("s3/" + "z" * 1022) is None
-        assert store_of(cache).has_key_prefix("s3/")
+        assert has_key_prefix(cache, "s3/")
         assert_consistent(cache)
         # Turn the cache over: eviction removes the digest entries of the long keys too.
         for i in range(40):
@@ -58,7 +60,7 @@ def test_on_reject_takes_what_can_never_be_stored_and_the_rest_commits(tmp_path:
     rejected: list[tuple[str, SampleRejected]] = []
     try:
         big = content_for("big", 20_000, compressible=False)
-        result = store_of(cache).put_many([("a", b"fine"), ("big", big), ("b", b"also fine")],
+        result = cache.put_many([("a", b"fine"), ("big", big), ("b", b"also fine")],
                                 on_reject=lambda key, exc: rejected.append((key, exc)))
         assert result.inserted == 2 and "a" in cache and "b" in cache and "big" not in cache
         assert [key for key, _ in rejected] == ["big"]
@@ -72,7 +74,7 @@ def test_on_reject_takes_what_can_never_be_stored_and_the_rest_commits(tmp_path:
         huge_key = "k" * 70_000
         with pytest.raises(SampleRejected, match="65535"):
             cache.put(huge_key, b"x")
-        assert store_of(cache).put_many([(huge_key, b"x"), ("d", b"y")],
+        assert cache.put_many([(huge_key, b"x"), ("d", b"y")],
                                         on_reject=lambda key, exc: rejected.append((key, exc))).inserted == 1
         assert rejected[-1][0] == huge_key
         assert_consistent(cache)

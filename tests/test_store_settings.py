@@ -1,5 +1,8 @@
 """A store's settings hold where it goes: what ``sync`` asks of LMDB, and every constructor
-setting of a store pickled into another process (issue 20, items 6 and 7)."""
+setting of a store pickled into another process (issue 20, items 6 and 7).
+
+Internals: what ``sync`` asks of LMDB is read from the environment (``cache.env``).
+"""
 
 from __future__ import annotations
 
@@ -9,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from epochcache import Cache, CacheError
-from epochcache.store import store_of
 
 
 @pytest.mark.parametrize("sync", [True, False])
@@ -19,7 +21,7 @@ def test_sync_flushes_the_meta_page_too(tmp_path: Path, sync: bool) -> None:
     undo the last commit, lmdb.h)."""
     cache = Cache(tmp_path / "c", "8MiB", sync=sync)
     try:
-        flags = store_of(cache).env.lmdb_env.flags()
+        flags = cache.env.lmdb_env.flags()
         assert (flags["sync"], flags["metasync"]) == (sync, sync)
     finally:
         cache.close()
@@ -33,10 +35,10 @@ def test_a_pickled_store_keeps_every_setting(tmp_path: Path) -> None:
     copy = pickle.loads(pickle.dumps(cache))
     try:
         assert copy.path == cache.path
-        assert store_of(copy).env.readonly and store_of(copy).env.sync is False
-        assert store_of(copy).lease_timeout_s == 42.0
-        assert (store_of(copy).compress, store_of(copy).level) == (False, 7)
-        assert store_of(copy).env.max_map_size == store_of(cache).env.max_map_size
+        assert copy.env.readonly and copy.env.sync is False
+        assert copy.lease_timeout_s == 42.0
+        assert (copy.compress, copy.level) == (False, 7)
+        assert copy.env.max_map_size == cache.env.max_map_size
         assert copy.capacity_bytes == cache.capacity_bytes
         with pytest.raises(CacheError, match="read-only"):
             copy.put_many([("k", b"v")])  # a read-only cache stays read-only in the copy

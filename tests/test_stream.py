@@ -2,6 +2,9 @@
 
 Real DataLoader workers (fork, forkserver, spawn) and a real writer subprocess; each epoch is
 checked against the lease the stream held while it ran (the snapshot's range and count).
+
+Internals: a lease's plan (``plumbing.plan_seqs``), its reclaim (``plumbing.reclaim_leases``)
+and the state documents (``cache.tables``) are what the daemon and loaders leave.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from common.writer import Writer, fill
 from torch.utils.data import DataLoader
 
 from epochcache import Cache, CacheStream
-from epochcache.store import store_of
+from epochcache.store.plumbing import plan_seqs, reclaim_leases
 
 
 def _ids(batch: Any) -> list[int]:
@@ -37,7 +40,7 @@ def _snapshot_ids(cache: Cache, stream: CacheStream) -> tuple[int, set[int]]:
     be evicted (progressive release). Samples are written with id == sequence number here
     (checked on those still present)."""
     (lease,) = _stream_leases(cache, stream)
-    seqs = store_of(cache).plan_seqs(lease.lease_id)
+    seqs = plan_seqs(cache, lease.lease_id)
     assert seqs is not None and len(seqs) == lease.count
     for seq in seqs[:: max(1, len(seqs) // 20)]:
         try:
@@ -80,7 +83,7 @@ def test_three_epochs_two_workers_while_a_writer_inserts_and_evicts(tmp_path: Pa
     # Each epoch sees samples the writer added during the previous one.
     assert max(delivered[1]) > max(delivered[0]) and max(delivered[2]) > max(delivered[1])
     stream.close()
-    assert cache.leases() == [] and store_of(cache).tables.states("stream/") == {}
+    assert cache.leases() == [] and cache.tables.states("stream/") == {}
 
 
 @pytest.mark.parametrize("context", ["forkserver", "spawn"])
@@ -176,10 +179,10 @@ def test_lease_released_when_closed_collected_and_when_workers_exit(tmp_path: Pa
     assert cache.leases() == []
     # A stream collected while it holds a prepared epoch drops its lease and document.
     stream.set_epoch(3)
-    assert len(cache.leases()) == 1 and store_of(cache).tables.states("stream/")
+    assert len(cache.leases()) == 1 and cache.tables.states("stream/")
     del stream, loader
     gc.collect()
-    assert cache.leases() == [] and store_of(cache).tables.states("stream/") == {}
+    assert cache.leases() == [] and cache.tables.states("stream/") == {}
 
 
 def test_persistent_workers_advance_one_epoch_per_iteration(tmp_path: Path) -> None:
@@ -191,7 +194,7 @@ def test_persistent_workers_advance_one_epoch_per_iteration(tmp_path: Path) -> N
         ids = [i for batch in loader for i in _ids(batch)]
         assert sorted(ids) == list(range(50)) + list(range(100, 100 + 5 * epoch)), epoch
         fill(str(tmp_path / "c"), 100 + 5 * epoch, 5)
-    assert store_of(cache).tables.states("stream/")[f"stream/{stream.stream_id}"]["epoch"] == 2
+    assert cache.tables.states("stream/")[f"stream/{stream.stream_id}"]["epoch"] == 2
     del loader
     stream.close()
     assert cache.leases() == []
@@ -275,12 +278,12 @@ def test_a_lease_taken_by_workers_lives_with_the_trainer_and_dies_with_it(tmp_pa
         (lease,) = cache.leases()
         assert lease.pid == trainer.pid and lease.owner  # the trainer's name and owner lock
         assert lease.timeout_s == 600
-        assert store_of(cache).reclaim_leases() == []  # alive: the trainer holds the lock
+        assert reclaim_leases(cache) == []  # alive: the trainer holds the lock
     finally:
         kill_job(trainer.pid)  # trainer and workers at once: no cleanup runs
         trainer.join(30)
     deadline = time.monotonic() + 20  # the kernel drops the trainer's owner lock
     while cache.leases() and time.monotonic() < deadline:
-        store_of(cache).reclaim_leases()
+        reclaim_leases(cache)
         time.sleep(0.1)
     assert cache.leases() == []

@@ -18,7 +18,6 @@ import lmdb
 from common.cachecheck import assert_consistent, content_for, full_check
 
 from epochcache import Cache
-from epochcache.store import store_of
 from epochcache.store.records import pack_u64, seq_key, unpack_u64
 
 
@@ -82,7 +81,7 @@ def test_verify_reads_in_short_transactions_while_a_writer_turns_the_cache_over(
     snapshots: set[int] = set()
     try:
         while proc.poll() is None:
-            snapshots |= _readers_of(store_of(cache).env.lmdb_env, proc.pid)
+            snapshots |= _readers_of(cache.env.lmdb_env, proc.pid)
             time.sleep(0.002)
         out, err = proc.communicate(timeout=60)
     finally:

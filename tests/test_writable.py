@@ -5,6 +5,8 @@ read-only mount, under a file or under /proc gave a Python traceback (``OSError:
 Read-only file system``) and exit 1. The read-only mount is a real one: a tmpfs mounted ``ro``
 (root only; skipped elsewhere). Every case runs in one Python process calling the CLI's
 ``main`` (one interpreter start for the matrix), each with its own stderr.
+
+Internals: ``plumbing.append_history`` writes the daemon's stats rows that ``plot`` draws.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from common.cachecheck import content_for
 
 import epochcache as ec
 from epochcache import Cache
-from epochcache.store import store_of
+from epochcache.store.plumbing import append_history
 
 _CASES = r"""
 import contextlib, io, json, sys
@@ -83,7 +85,7 @@ def test_every_path_that_cannot_be_written_is_one_line_and_exit_2(
     cache = tmp_path / "cache"
     with Cache(cache, "1MiB", sync=False) as filled:
         filled.put_many([(f"k{i}", content_for(f"k{i}", 100)) for i in range(5)])
-        store_of(filled).append_history()
+        append_history(filled)
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     places = {"read-only mount": read_only_mount / "x", "under a file": tmp_path / "a-file" / "x",

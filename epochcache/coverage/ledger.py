@@ -50,6 +50,7 @@ from ..paths import atomic_write
 from ..store.datafile import coverage_dir, ledger_lock
 from ..store.listings import listings as registered_listings
 from ..store.origins import UNKNOWN, _Row, read_origins, unique
+from ..store.plumbing import source_stats
 from ..store.records import DB_ORIGINS, seq_key
 
 if TYPE_CHECKING:
@@ -274,7 +275,7 @@ def _newest_per_fingerprint(registry: dict[int, dict[str, Any]]) -> dict[str, in
 
 def _ingested(cache: SampleStore, source: str) -> int:
     if source:
-        return int(cache.source_stats().get(source, {}).get("inserted", 0))
+        return int(source_stats(cache).get(source, {}).get("inserted", 0))
     return cache.counters().inserted
 
 
@@ -316,7 +317,7 @@ def record_trained(cache: SampleStore, seqs: np.ndarray, *, epoch: int | None = 
     """
     seqs = np.asarray(seqs, dtype=np.uint64)
     with cache.env.read() as txn:
-        rows = read_origins(txn, cache.dbs, unique(seqs))
+        rows = read_origins(txn, cache.env.dbs, unique(seqs))
     known = rows.found & (rows.lid != UNKNOWN)
     result: dict[str, Any] = {"trained": 0, "new": 0, "unattributed": 0}
     summaries: dict[str, Any] = {}
@@ -432,7 +433,7 @@ def remap(cache: SampleStore, old: dict[str, Any], new: dict[str, Any], old_lid:
 def retag_origins(cache: SampleStore, old_lid: int, new_lid: int, mapping: np.ndarray) -> int:
     """Rewrite the origin rows naming listing ``old_lid`` to name ``new_lid`` at the mapped
     indices (in short write transactions); return the samples retagged."""
-    db = cache.dbs.get(DB_ORIGINS)
+    db = cache.env.dbs.get(DB_ORIGINS)
     if db is None:
         return 0
     changed = 0

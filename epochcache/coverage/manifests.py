@@ -72,11 +72,11 @@ def keys_of(cache: SampleStore, seqs: np.ndarray) -> list[bytes | None]:
     themselves; None for a sample with neither (evicted, from a cache without origin rows)."""
     seqs = np.asarray(seqs, dtype=np.uint64)
     with cache.env.read() as txn:
-        rows = read_origins(txn, cache.dbs, seqs, with_keys=True)
+        rows = read_origins(txn, cache.env.dbs, seqs, with_keys=True)
         keys = rows.keys
         missing = np.flatnonzero(~rows.found)
         if len(missing):
-            db = cache.dbs[DB_SAMPLES]
+            db = cache.env.dbs[DB_SAMPLES]
             for i in missing.tolist():
                 record = txn.get(seq_key(int(seqs[i])), db=db)
                 keys[i] = None if record is None else record_source_key(record)
@@ -122,7 +122,7 @@ class ManifestWriter:
         position ``to``; return the keys whose name is unknown (written as ``#`` comments)."""
         seqs = np.asarray(seqs, dtype=np.uint64)
         with self.cache.env.read() as txn:
-            rows = read_origins(txn, self.cache.dbs, seqs, with_keys=True)
+            rows = read_origins(txn, self.cache.env.dbs, seqs, with_keys=True)
         unknown = 0
         if rows.found.all():
             raw = rows.joined(b"\0")  # the common case: no Python object per key

@@ -16,7 +16,7 @@ from torch.utils.data import Dataset
 
 from ..errors import SnapshotClosed
 from ..options import ReaderOptions, resolve_options
-from ..store import SampleStore, Snapshot, store_of
+from ..store import SampleStore, Snapshot
 from .reader import SampleReader
 
 
@@ -91,7 +91,6 @@ class EpochDataset(Dataset[Any]):
             ValueError: an invalid option (the message names it).
             TypeError: a keyword that is no reader option.
         """
-        cache = store_of(cache)
         opts = resolve_options("cache.dataset()", options, reader, epoch=False)[0]
         reader_ = SampleReader(cache.path, opts)
         reader_.bind(cache)

@@ -51,7 +51,6 @@ from ..options import (
     ReaderOptions,
     resolve_options,
 )
-from ..store import store_of
 from ..store.env import cache_identity
 from .dataset import EpochDataset
 from .distributed import (
@@ -662,7 +661,6 @@ def epochs_of(cache: SampleStore | Any, num_epochs: int, reader: ReaderOptions,
     gives them whole: `EpochcacheConfig.epoch_options`, `EpochcacheConfig.loader_options`)."""
     if not isinstance(num_epochs, int) or num_epochs < 0:
         raise ValueError(f"num_epochs: expected an int >= 0, got {num_epochs!r}")
-    cache = store_of(cache)
     place = detect_placement()
     groups = None
     if resume is not None:

@@ -31,6 +31,7 @@ import numpy as np
 
 from ..placement import Placement
 from ..store.plans import Releaser
+from ..store.plumbing import write_plan_part
 from .schedule import epoch_order
 
 if TYPE_CHECKING:
@@ -143,7 +144,7 @@ def write_release_part(cache: SampleStore, lease_id: str, part: int,
     if not lease_id or not any(len(one) for one in lanes):
         return None
     try:
-        cache.write_plan_part(lease_id, part, list(lanes))
+        write_plan_part(cache, lease_id, part, list(lanes))
     except OSError as exc:
         log.warning("%s: could not write the epoch's release plan (%s): its samples stay "
                     "protected until it ends", cache.path, exc)

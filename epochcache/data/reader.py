@@ -175,7 +175,7 @@ class SampleReader:
         out: list[Any] = []
         names: list[object] = []  # the source keys of ``out``, when a watchdog watches
         decoded = 0
-        env, db = self.cache.env, self.cache.dbs[DB_SAMPLES]
+        env, db = self.cache.env, self.cache.env.dbs[DB_SAMPLES]
         with self._watching(len(keys)) as act:
             with env.read() as txn:
                 get = txn.get
@@ -209,7 +209,7 @@ class SampleReader:
 
     def _handles(self) -> tuple[lmdb.Environment, Any]:
         cache = self.cache
-        self._env_db = (cache.env.lmdb_env, cache.dbs[DB_SAMPLES], PROCESS[0])
+        self._env_db = (cache.env.lmdb_env, cache.env.dbs[DB_SAMPLES], PROCESS[0])
         return self._env_db[0], self._env_db[1]
 
     def read(self, seq: int) -> Any:
@@ -247,7 +247,7 @@ class SampleReader:
     def key_of(self, lmdb_key: bytes) -> str:
         """The source key of the sample stored under ``lmdb_key`` (for stall reports)."""
         with self.cache.env.read() as txn:
-            record = txn.get(lmdb_key, db=self.cache.dbs[DB_SAMPLES])
+            record = txn.get(lmdb_key, db=self.cache.env.dbs[DB_SAMPLES])
             if record is None:
                 return f"(sample {int.from_bytes(lmdb_key, 'big')}: no longer cached)"
             return source_key(record)
@@ -317,7 +317,7 @@ class SampleReader:
         keys = seq_keys(seqs)
         if not keys:
             raise Mismatch
-        env, db = self.cache.env, self.cache.dbs[DB_SAMPLES]
+        env, db = self.cache.env, self.cache.env.dbs[DB_SAMPLES]
         with self._watching(len(keys)) as act:
             with env.read() as txn:
                 get = txn.get

@@ -45,6 +45,7 @@ import numpy as np
 
 from ..placement import Placement
 from ..store import Snapshot
+from ..store.plumbing import adopt_lease, lease_end, snapshot_seqs
 from ..store.records import DB_SAMPLES, seq_key
 from ..units import format_count
 from .states import NodeStates
@@ -61,14 +62,14 @@ def resumed_snapshot(cache: SampleStore, state: dict[str, Any], epoch: int, *,
     (logged unless ``quiet``) when the lease is gone. ``whole``: protect its whole range from
     now on (the rest is read by other lanes than its release plan's)."""
     lease_id = str(state["lease"])
-    lease = cache.adopt_lease(lease_id, whole=whole)
+    lease = adopt_lease(cache, lease_id, whole=whole)
     if lease is None:
         if not quiet:
             log.warning("epoch %d cannot continue where the checkpoint left it: its lease %s "
                         "is gone (%s); the epoch starts afresh on a new snapshot", epoch,
                         lease_id[:8], lease_gone_reason(cache, lease_id))
         return None
-    seqs = cache.snapshot_seqs(lease_id, lease.lo, lease.hi, lease.count)
+    seqs = snapshot_seqs(cache, lease_id, lease.lo, lease.hi, lease.count)
     return Snapshot(cache, np.array(seqs, dtype=np.uint64), lease_id, epoch)
 
 
@@ -92,7 +93,7 @@ def adopt_node(cache: SampleStore, groups: list[NodeStates], epoch: int,
                                         quiet=len(groups) > 1)
             if snapshot is not None:
                 return snapshot, group
-    ended = [group for group in groups if group.lease and cache.lease_end(group.lease)]
+    ended = [group for group in groups if group.lease and lease_end(cache, group.lease)]
     if len(groups) == 1 or ended:
         lease_id = (ended or groups)[0].lease
         log.warning("epoch %d cannot continue where the checkpoint left it: its lease %s is "
@@ -108,12 +109,12 @@ def adopt_node(cache: SampleStore, groups: list[NodeStates], epoch: int,
 def ended_lease(cache: SampleStore, groups: list[NodeStates]) -> str:
     """The lease of ``groups`` this cache recorded the end of ('' if none): that node's
     epoch is known here, though it cannot be continued."""
-    return next((g.lease for g in groups if g.lease and cache.lease_end(g.lease)), "")
+    return next((g.lease for g in groups if g.lease and lease_end(cache, g.lease)), "")
 
 
 def lease_gone_reason(cache: SampleStore, lease_id: str) -> str:
     """Why a resumed epoch's lease is gone, as the cache recorded it when it ended."""
-    return cache.lease_end(lease_id) or (
+    return lease_end(cache, lease_id) or (
         "no record of its end: the cache was replaced, copied or repaired since, or the lease "
         "ended long ago")
 
@@ -147,7 +148,7 @@ def present_after(cache: SampleStore, lane: np.ndarray,
     """The samples of ``lane`` after ``position`` that are still cached, and for each its
     position in the lane."""
     rest = np.asarray(lane[position:], dtype=np.uint64)
-    db = cache.dbs[DB_SAMPLES]
+    db = cache.env.dbs[DB_SAMPLES]
     with cache.env.read() as txn:
         get = txn.get
         present = np.fromiter((get(seq_key(int(seq)), None, db) is not None for seq in rest),

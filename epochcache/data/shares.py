@@ -39,6 +39,7 @@ from ..store.owners import begin_lease, end_lease, heartbeats
 from ..store.plans import remove_plan
 from ..store.reads import record_reads
 from ..store.records import DB_LEASES, DB_STATE
+from ..store.sample_store import take_snapshot
 
 if TYPE_CHECKING:
     from ..store.sample_store import SampleStore
@@ -60,12 +61,12 @@ class Share:
 
 
 def _load(txn: lmdb.Transaction, cache: SampleStore, name: str) -> dict[str, Any] | None:
-    raw = txn.get(name.encode(), db=cache.dbs[DB_STATE])
+    raw = txn.get(name.encode(), db=cache.env.dbs[DB_STATE])
     return None if raw is None else dict(json.loads(bytes(raw)))
 
 
 def _save(txn: lmdb.Transaction, cache: SampleStore, name: str, doc: dict[str, Any]) -> None:
-    txn.put(name.encode(), json.dumps(doc, separators=(",", ":")).encode(), db=cache.dbs[DB_STATE])
+    txn.put(name.encode(), json.dumps(doc, separators=(",", ":")).encode(), db=cache.env.dbs[DB_STATE])
 
 
 def _share_of(doc: dict[str, Any]) -> Share:
@@ -84,7 +85,7 @@ def _release_old(txn: lmdb.Transaction, cache: SampleStore, doc: dict[str, Any] 
     """
     if doc is None or not doc.get("lease") or not doc.get("release") or doc.get("released"):
         return
-    db = cache.dbs[DB_LEASES]
+    db = cache.env.dbs[DB_LEASES]
     raw = txn.get(doc["lease"].encode(), db=db)
     if raw is None:
         return
@@ -95,8 +96,8 @@ def _release_old(txn: lmdb.Transaction, cache: SampleStore, doc: dict[str, Any] 
         write_lease(txn, db, lease)
         return
     delete_lease(txn, db, doc["lease"])
-    note_end(txn, cache.dbs[DB_STATE], doc["lease"], reason)
-    record_reads(txn, cache.dbs, cache.path, doc["lease"])
+    note_end(txn, cache.env.dbs[DB_STATE], doc["lease"], reason)
+    record_reads(txn, cache.env.dbs, cache.path, doc["lease"])
     remove_plan(cache.path, doc["lease"])  # (a file, outside the transaction's undo)
 
 
@@ -144,13 +145,13 @@ def claim_share(cache: SampleStore, name: str, group: str, worker: int, *,
         doc = _load(txn, cache, name)
         if resumed is not None:
             marker = _resumed_key(name)
-            if txn.get(marker, db=cache.dbs[DB_STATE]) != resumed.token.encode():
+            if txn.get(marker, db=cache.env.dbs[DB_STATE]) != resumed.token.encode():
                 # The first reader of this resume: the iteration ``group`` reads it. Recorded
                 # apart from the document, which the next epoch replaces: the main process's
                 # copy of the stream still holds the state, and every later loader's workers
                 # receive it again (a copy pickled into them), so without this record each
                 # later pass would resume the old epoch once more.
-                txn.put(marker, resumed.token.encode(), db=cache.dbs[DB_STATE])
+                txn.put(marker, resumed.token.encode(), db=cache.env.dbs[DB_STATE])
                 _save(txn, cache, name, {**asdict(resumed), "group": group, "claimed": [worker],
                                          "done": 0, "release": True, "released": False})
                 return resumed
@@ -183,7 +184,7 @@ def claim_share(cache: SampleStore, name: str, group: str, worker: int, *,
         _release_old(txn, cache, doc, finished=True,
                      reason="released when its stream's workers took the next epoch")
         epoch = first_epoch if doc is None else max(first_epoch, int(doc["epoch"]) + 1)
-        seqs, lease_id = cache.take_snapshot(txn, f"{label} epoch {epoch}", limit,
+        seqs, lease_id = take_snapshot(cache, txn, f"{label} epoch {epoch}", limit,
                                              owner=home_owner, pid=home_pid,
                                              plan_parts=1 if progressive else 0)
         lo = int(seqs[0]) if len(seqs) else 0
@@ -238,8 +239,8 @@ def drop_shares(cache: SampleStore, name: str) -> None:
         _release_old(txn, cache, _load(txn, cache, name), finished=False,
                      reason="released when its stream was closed, before any state named "
                      "the lease")
-        txn.delete(name.encode(), db=cache.dbs[DB_STATE])
-        txn.delete(_resumed_key(name), db=cache.dbs[DB_STATE])
+        txn.delete(name.encode(), db=cache.env.dbs[DB_STATE])
+        txn.delete(_resumed_key(name), db=cache.env.dbs[DB_STATE])
 
     cache.env.write(run)
 

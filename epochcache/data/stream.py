@@ -33,9 +33,9 @@ import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 
 from ..options import EPOCH_NAMES, EpochOptions, ReaderOptions, resolve_options
-from ..store import store_of
 from ..store.env import cache_identity
 from ..store.plans import Releaser
+from ..store.plumbing import adopt_lease, snapshot_seqs
 from .dataset import snapshot_gone
 from .distributed import NodeSync, detect_placement, dist_initialized
 from .planner import Planner, rank_order, write_release_part
@@ -188,7 +188,6 @@ class CacheStream(IterableDataset[Any]):
         # Each default is the option's own (epochcache.options): the keywords become the values.
         given = {name: value for name, value in locals().items() if name in EPOCH_NAMES}
         opts, epoch, _ = resolve_options("cache.stream()", options, {**given, **reader})
-        cache = store_of(cache)
         self.reader = SampleReader(cache.path, opts)
         # Its DataLoader is the user's: a row for each worker it may have (see tallies()).
         self.reader.tallies = Tallies(_TALLY_WORKERS)
@@ -389,7 +388,7 @@ class CacheStream(IterableDataset[Any]):
 
     def _resumed_order(self, state: dict[str, Any]) -> np.ndarray:
         """The order of the epoch ``state`` was taken in, rebuilt from its snapshot."""
-        seqs = self.reader.cache.snapshot_seqs(state.get("lease"), int(state["lo"]),
+        seqs = snapshot_seqs(self.reader.cache, state.get("lease"), int(state["lo"]),
                                                int(state["hi"]), int(state["count"]))
         return rank_order(seqs, int(state["epoch"]), int(state["seed"]),
                            bool(state["shuffle"]), state["samples_per_epoch"],
@@ -429,7 +428,7 @@ class CacheStream(IterableDataset[Any]):
             state, self._resume = self._resume, None
             share = self._check_resumable(state)
             cache = self.reader.cache
-            if share.lease and cache.adopt_lease(share.lease, whole=True) is None:
+            if share.lease and adopt_lease(cache, share.lease, whole=True) is None:
                 log.warning("stream: epoch %d cannot continue where the state left it: its "
                             "lease %s is gone (%s); the next epoch starts instead",
                             share.epoch, share.lease[:8], lease_gone_reason(cache, share.lease))
@@ -510,7 +509,7 @@ class CacheStream(IterableDataset[Any]):
                 part = prepared.part
             else:
                 slot, slots, samples, part = 0, 1, -1, 0
-            seqs = cache.snapshot_seqs(share.lease, share.lo, share.hi, share.count)
+            seqs = snapshot_seqs(cache, share.lease, share.lo, share.hi, share.count)
             order = rank_order(seqs, share.epoch, self.seed, self.shuffle,
                                 self.samples_per_epoch, slot, slots, samples)
             lanes = [order[w::workers] for w in range(workers)]
@@ -542,7 +541,7 @@ class CacheStream(IterableDataset[Any]):
             self._next_epoch = max(self._next_epoch, share.epoch + 1)
             return None
         if share.lease:
-            cache.adopt_lease(share.lease, owner=self._home.owner, pid=self._home.pid, whole=True)
+            adopt_lease(cache, share.lease, owner=self._home.owner, pid=self._home.pid, whole=True)
         done = _Once(lambda complete: finish_share(cache, name, group, workers,
                                                    complete=complete))
         try:

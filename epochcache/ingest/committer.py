@@ -34,6 +34,7 @@ from ..errors import CacheFull, SampleRejected
 from ..limits import cut_key
 from ..store import SampleStore
 from ..store.origins import Origin
+from ..store.plumbing import effective_headroom
 from ..units import format_size
 
 log = logging.getLogger(__name__)
@@ -266,7 +267,7 @@ class Committer(threading.Thread):
     def _set_aside_too_large(self, records: list[tuple[str, bytes]]) -> list[tuple[str, bytes]]:
         """The records that can fit once leases move on; the others are deferred (see the
         module doc)."""
-        headroom = self.cache.effective_headroom
+        headroom = effective_headroom(self.cache)
         keep = []
         for key, record in records:
             if len(record) <= headroom:

@@ -57,6 +57,7 @@ from ..errors import (
     Throttled,
 )
 from ..store import SampleStore
+from ..store.plumbing import has_key_prefix
 from .accounting import RequestStats, source_label
 from .concurrency import AutoConcurrency, FixedConcurrency, Pace, SharedPaceState
 from .from_config import open_configured_source
@@ -250,7 +251,7 @@ class Feed:
         samples of a batch in one read transaction."""
         if self.source.unit == "sample":
             return cache.contains_many([self.cache_key(key) for key in keys])
-        return [cache.has_key_prefix(self.cache_key(key.rstrip("/") + "/")) for key in keys]
+        return [has_key_prefix(cache, self.cache_key(key.rstrip("/") + "/")) for key in keys]
 
     # -- choosing keys ----------------------------------------------------------------------
 

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from ..coverage.report import coverage
 from ..errors import ConfigError
 from ..store import SampleStore
+from ..store.plumbing import source_stats
 from .health import daemon_health, failing_sources, request_totals
 
 if TYPE_CHECKING:
@@ -257,7 +258,7 @@ def _request_metrics(cache: SampleStore) -> Iterator[Any]:
 def _source_metrics(cache: SampleStore) -> Iterator[Any]:
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-    stats = cache.source_stats()
+    stats = source_stats(cache)
     if not stats:
         return
     families: dict[str, Any] = {

@@ -488,7 +488,7 @@ class Sampler:
                 health.fetched_bytes += size
                 fetched += size
                 try:
-                    records.append((key, self.cache.encode(key, payload, adaptive=True)))
+                    records.append((key, self.cache.writer.encode(key, payload, adaptive=True)))
                 except SampleRejected as exc:
                     self.quarantine(key, str(exc))
                 except Exception as exc:  # noqa: BLE001 - one sample's bytes, never the process

@@ -40,6 +40,7 @@ from ..redact import redact_url
 from ..store import SampleStore
 from ..store.env import make_private_dir
 from ..store.owners import lock_held
+from ..store.plumbing import append_history, reclaim_leases, register_sources
 from ..units import format_count, format_size
 from .daemon_sources import DaemonSources
 from .health import ingest_rate
@@ -212,7 +213,7 @@ class Supervisor:
             keys = self.sources.list_all()
             names = [entry.name for entry in self.config.source_entries() if entry.name]
             if names:  # per-source counters, kept by the store from now on
-                self.cache.register_sources(names)
+                register_sources(self.cache, names)
             port = self.config.daemon.metrics_port
             if port is not None:
                 cache = self.cache
@@ -267,8 +268,8 @@ class Supervisor:
                     self._restart_samplers()
                 self._heartbeat(started)
                 if now - last_history >= HISTORY_S:
-                    self.cache.append_history()
-                    self.cache.reclaim_leases()
+                    append_history(self.cache)
+                    reclaim_leases(self.cache)
                     last_history = now
                 if now - last_log >= PROGRESS_LOG_S:
                     self._log_progress()
@@ -283,7 +284,7 @@ class Supervisor:
                 self.metrics.close()
             self._shutdown()
             self._heartbeat(started, stopped=True)
-            self.cache.append_history()
+            append_history(self.cache)
             counters = self.cache.counters()
             log.info("the daemon stopped%s; the cache holds %s samples (%s)",
                      f" on {self._stopped_by}" if self._stopped_by else "",

@@ -43,6 +43,7 @@ from ..paths import check_writable
 from ..placement import Placement
 from ..redact import redact_url
 from ..store import SampleStore
+from ..store.plumbing import append_history
 from .checkpoint import resume_checkpoint
 from .context import RunContext, TimedLoader
 from .devices import CPU, RunDevice
@@ -348,7 +349,7 @@ class Run:
         self.progress.last_epoch = row  # the training side's /metrics serve its gauges
         if not self.is_main:
             return record
-        cache.append_history(history_row(row))
+        append_history(cache, history_row(row))
         with open(self.run_dir / METRICS, "a") as f:
             f.write(json.dumps(row) + "\n")
         with self.stop.writing(f"the checkpoint of epoch {epoch}"):

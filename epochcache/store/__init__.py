@@ -13,20 +13,5 @@ from .sample_store import SampleStore
 from .snapshot import Snapshot
 from .writer import PutResult
 
-__all__ = ["PutResult", "SampleStore", "Snapshot", "store_of"]
+__all__ = ["PutResult", "SampleStore", "Snapshot"]
 
-
-def store_of(cache: object) -> SampleStore:
-    """The `SampleStore` of a cache: an [`epochcache.Cache`][epochcache.Cache] holds one (the public
-    surface stops at the Cache; the library's layers, tools and tests work on its store), and a
-    store is its own.
-
-    Raises:
-        TypeError: ``cache`` is neither.
-    """
-    if isinstance(cache, SampleStore):
-        return cache
-    store = getattr(cache, "_store", None)
-    if isinstance(store, SampleStore):
-        return store
-    raise TypeError(f"expected an epochcache.Cache, got {type(cache).__name__}")

@@ -222,7 +222,7 @@ def _copy_into(source: SampleStore, into: str) -> dict[str, Any]:
         def leave_behind(txn: Any) -> tuple[int, int]:
             leases = states = 0
             for db_name in (DB_LEASES, DB_STATE):
-                cursor = txn.cursor(db=copy.dbs[db_name])
+                cursor = txn.cursor(db=copy.env.dbs[db_name])
                 while cursor.first():
                     cursor.delete()
                     if db_name == DB_LEASES:

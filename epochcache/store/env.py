@@ -293,7 +293,7 @@ class Env:
         self._map_size = map_size
         self._pid = -1
         self._env: lmdb.Environment | None = None
-        self.dbs: dict[bytes, lmdb._Database] = {}
+        self._dbs: dict[bytes, lmdb._Database] = {}
         self._closed = False
         self._holding = False
         self._ensure_open()
@@ -313,7 +313,7 @@ class Env:
                 _envs[self.path] = entry
                 _refcounts[self.path] = 0
             _refcounts[self.path] += 1
-        env, self.dbs, self._pid = entry
+        env, self._dbs, self._pid = entry
         self._env = env
         if not self.readonly:
             if not self._holding:
@@ -376,6 +376,12 @@ class Env:
                 raise CacheUnusable(f"{self.path}: an LMDB environment but not an epochcache "
                                     f"cache ({exc}); point cache.dir elsewhere") from exc
         return env, dbs, pid
+
+    @property
+    def dbs(self) -> dict[bytes, lmdb._Database]:
+        """The sub-database handles of this process's environment (opened on first use)."""
+        self._ensure_open()
+        return self._dbs
 
     @property
     def lmdb_env(self) -> lmdb.Environment:

@@ -60,7 +60,7 @@ def repair_cache(cache: SampleStore, corrupt: list[int], unindexed: list[int],
 
 
 def _remove_corrupt(cache: SampleStore, seqs: list[int]) -> int:
-    dbs = cache.dbs
+    dbs = cache.env.dbs
     removed = 0
     for batch in _batches(seqs):
 
@@ -98,7 +98,7 @@ def _remove(txn: lmdb.Transaction, dbs: dict[bytes, lmdb._Database], counters: C
 
 
 def _fix_index(cache: SampleStore, seqs: list[int]) -> tuple[int, int]:
-    dbs = cache.dbs
+    dbs = cache.env.dbs
     fixed = duplicates = 0
     for batch in _batches(seqs):
 
@@ -136,7 +136,7 @@ def _fix_index(cache: SampleStore, seqs: list[int]) -> tuple[int, int]:
 
 def _remove_orphans(cache: SampleStore) -> int:
     """Delete key index entries that name no sample (or a sample of another key)."""
-    dbs = cache.dbs
+    dbs = cache.env.dbs
     orphans: list[bytes] = []
     after = b""
     while True:
@@ -173,7 +173,7 @@ def _remove_orphans(cache: SampleStore) -> int:
 
 def _rewrite_counters(cache: SampleStore) -> int:
     """Recount samples and bytes from the records; return how many counters changed."""
-    dbs = cache.dbs
+    dbs = cache.env.dbs
 
     def run(txn: lmdb.Transaction) -> int:
         counters = Counters.load(txn, dbs[DB_META])

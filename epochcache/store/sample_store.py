@@ -4,19 +4,21 @@ Writers (the sampler processes) call `SampleStore.put_many`; trainers take a
 `SampleStore.snapshot` per epoch, which protects that epoch's samples from eviction until
 it is released. The parts are objects of their own that the store holds: the LMDB environment
 (``env``), the limits (``capacity``), the write path (``writer``) and the side tables
-(``tables``); counters, leases, eviction and snapshots are modules of their own. The public
-[`epochcache.Cache`][epochcache.Cache] adds the torch-side ``dataset()`` and ``epochs()`` on top of this
-class, so that this layer never imports torch.
+(``tables``); counters, leases, eviction and snapshots are modules of their own. Its public
+methods are the storage half of the public [`epochcache.Cache`][epochcache.Cache], a subclass
+that adds what needs the layers above (``dataset()``, ``epochs()``, ``stats()``, ...), so that
+this layer never imports torch; what the layers call on a store besides is in `plumbing`.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import Any, TypeVar
 
 import lmdb
 import numpy as np
@@ -31,15 +33,13 @@ from .eviction import DEFAULT_POLICY, Eviction, policy_of
 from .leases import (
     DEFAULT_LEASE_TIMEOUT_S,
     Lease,
-    adopt,
     delete_lease,
-    end_reason,
     note_end,
     read_leases,
     write_lease,
 )
 from .origins import Origin
-from .owners import begin_lease, end_lease, heartbeats, sweep_dead_owners
+from .owners import begin_lease, end_lease, heartbeats
 from .reads import record_reads, remove_reads
 from .records import (
     DB_KEYS,
@@ -53,12 +53,13 @@ from .records import (
     seq_keys,
     unpack_u64,
 )
-from .snapshot import Snapshot, select_snapshot
-from .source_counters import SourceCounters, register_sources
+from .snapshot import Snapshot, heartbeat_leases, select_snapshot
 from .tables import SideTables
 from .writer import OnReject, PutResult, Writer
 
 log = logging.getLogger("epochcache.cache")  # one logger for everything a cache does
+
+_Store = TypeVar("_Store", bound="SampleStore")
 
 
 class SampleStore:
@@ -113,7 +114,7 @@ class SampleStore:
             raise ValueError(f"compression: expected 'zstd' or 'none', got {compression!r}")
         if eviction is not None:
             policy_of(eviction)  # an unknown name raises before anything is created
-        self.path = os.path.realpath(os.fspath(path))
+        self._path = os.path.realpath(os.fspath(path))
         # What a copy in another process opens with (see __getstate__); the limits live in
         # the cache itself, so a copy keeps the ones in force.
         self._settings: dict[str, Any] = {
@@ -144,8 +145,7 @@ class SampleStore:
             capacity_bytes, headroom_bytes = self._settle_limits(cap, headroom)
         self.env.set_map_limits(*map_limits(capacity_bytes, headroom_bytes))
         self.capacity = Capacity(self.env, capacity_bytes, headroom_bytes)
-        #: The cache's eviction policy, by name (stored in the cache: every writer evicts alike).
-        self.eviction = self._settle_eviction(eviction)
+        self._eviction = self._settle_eviction(eviction)
         self.writer = Writer(self.env, self.capacity, compress=self.compress, level=level,
                              lease_timeout_s=lease_timeout_s,
                              eviction=DEFAULT_POLICY if readonly else self.eviction)
@@ -192,7 +192,7 @@ class SampleStore:
             current = stored or DEFAULT_POLICY
             if wanted == current or sole:
                 self.env.write(lambda txn: txn.put(M_EVICTION, wanted.encode(),
-                                                     db=self.dbs[DB_META]))
+                                                     db=self.env.dbs[DB_META]))
                 if wanted != current:
                     remove_reads(self.path)
                     log.info("%s: eviction %s -> %s", self.path, current, wanted)
@@ -204,59 +204,44 @@ class SampleStore:
 
     def _stored_eviction(self) -> str | None:
         with self.env.read() as txn:
-            raw = txn.get(M_EVICTION, db=self.dbs[DB_META])
+            raw = txn.get(M_EVICTION, db=self.env.dbs[DB_META])
         return None if raw is None else bytes(raw).decode()
-
-    @property
-    def dbs(self) -> dict[bytes, lmdb._Database]:
-        """The sub-database handles of this process's environment."""
-        self.env.lmdb_env  # noqa: B018 - opens the environment if this handle has not yet
-        return self.env.dbs
 
     # -- limits -----------------------------------------------------------------------------
 
     @property
+    def path(self) -> str:
+        """The cache directory (resolved)."""
+        return self._path
+
+    @property
+    def eviction(self) -> str:
+        """The cache's eviction policy, by name (stored in the cache: every writer evicts
+        alike)."""
+        return self._eviction
+
+    @property
     def capacity_bytes(self) -> int:
+        """Stored bytes the cache keeps to (eviction makes room past it)."""
         return self.capacity.capacity_bytes
 
     @property
     def headroom_bytes(self) -> int:
+        """What writers may store beyond the capacity while leases pin the oldest samples."""
         return self.capacity.headroom_bytes
 
     @property
     def effective_capacity(self) -> int:
-        """Capacity in force: the configured one, unless this process or another live writer
-        runs lowered while the disk (or the LMDB map) is full; see `capacity_lowered`."""
+        """The capacity in force: lower than `capacity_bytes` while a full disk (or LMDB map)
+        holds this process or another live writer back (see `plumbing.capacity_lowered`)."""
         lowered = self.capacity.lowered()
         own = self.capacity.effective
         return own if lowered is None else min(own, int(lowered["limit"]))
 
-    def capacity_lowered(self) -> dict[str, Any] | None:
-        """The lowest capacity in force in a live process, when lower than the configured one:
-        ``limit``, ``capacity``, ``reason``, ``since``, ``pid``; None otherwise. A lowered
-        capacity is a runtime back-off that recovers by itself and is never stored
-        (`epochcache.store.lowered_capacity`)."""
-        return self.capacity.lowered()
-
-    @property
-    def effective_headroom(self) -> int:
-        """Headroom in force (scaled down with a lowered capacity). While epochs hold
-        snapshots of the newest capacity's worth of samples, a sample larger than this cannot
-        get in: the writer would wait for it forever."""
-        return self.capacity.headroom_for(self.capacity.effective)
-
-    def reset_effective_capacity(self) -> None:
-        """Forget a capacity lowered after a full disk (after space was freed)."""
-        self.capacity.reset()
-
     # -- writing ----------------------------------------------------------------------------
 
-    def encode(self, key: str, value: Value, *, adaptive: bool = False) -> bytes:
-        """Frame one sample as a record (samplers do it before they take the write lock, with
-        ``adaptive``: see `encode`)."""
-        return self.writer.encode(key, value, adaptive=adaptive)
-
     def put(self, key: str, value: Value, **kwargs: Any) -> PutResult:
+        """Store one sample (see `put_many`)."""
         return self.put_many([(key, value)], **kwargs)
 
     def put_many(
@@ -298,55 +283,58 @@ class SampleStore:
                                     stop=stop, on_reject=on_reject, origins=origins)
 
     def evict(self, limit_bytes: int | None = None) -> Eviction:
-        """Evict oldest unleased samples until at most ``limit_bytes`` (default capacity) remain."""
+        """Evict the oldest samples no lease protects until at most ``limit_bytes`` (default:
+        the capacity) remain."""
         return self.writer.evict(limit_bytes)
 
     # -- reading ----------------------------------------------------------------------------
 
     def __len__(self) -> int:
+        """The samples cached now."""
         return self.counters().samples
 
     def __contains__(self, key: object) -> bool:
+        """Whether ``key`` is cached."""
         if not isinstance(key, str):
             return False
         with self.env.read() as txn:
-            return txn.get(index_key(key.encode("utf-8")), db=self.dbs[DB_KEYS]) is not None
+            return txn.get(index_key(key.encode("utf-8")), db=self.env.dbs[DB_KEYS]) is not None
 
     def contains_many(self, keys: Sequence[str]) -> list[bool]:
-        """``key in cache`` for each key, in one read transaction (samplers check every batch
-        they pick)."""
-        db = self.dbs[DB_KEYS]
+        """``key in cache`` for each key, in one read transaction."""
+        db = self.env.dbs[DB_KEYS]
         with self.env.read() as txn:
             get = txn.get
             return [get(index_key(key.encode("utf-8")), db=db) is not None for key in keys]
 
-    def has_key_prefix(self, prefix: str) -> bool:
-        """Whether any cached source key starts with ``prefix`` (a tar shard's samples).
-
-        Keys indexed under a digest (longer than 511 bytes) are found for prefixes of up to
-        478 bytes; past that a shard may be fetched again, and its samples skipped as cached.
-        """
-        raw = prefix.encode("utf-8")
-        with self.env.read() as txn:
-            cursor = txn.cursor(db=self.dbs[DB_KEYS])
-            return bool(cursor.set_range(raw)) and bytes(cursor.key()).startswith(raw)
-
-    def get(self, seq: int) -> bytes | dict[str, bytes]:
-        """The raw value of sample ``seq`` (bytes, or a dict of fields for tar samples).
+    def get(self, key: str | int) -> bytes | dict[str, bytes]:
+        """The value of a sample (bytes, or a dict of fields), by its key, as ``key in cache``
+        takes it, or by its sequence number (an int: [`seq_of`][epochcache.Cache.seq_of],
+        a loader's ``seqs``).
 
         Raises:
-            KeyError: the sample is not in the cache (evicted, or never written).
+            KeyError: no such sample (never stored, or evicted).
+            TypeError: ``key`` is neither a key (str) nor a sequence number (int).
         """
-        return self.get_many([seq])[0]
+        if isinstance(key, str):
+            seq = self.seq_of(key)
+            if seq is None:
+                raise KeyError(f"{key!r}: not cached (never stored, or evicted)")
+            return self.get_many([seq])[0]
+        return self.get_many([_seq(key, "get")])[0]
 
     def get_many(self, seqs: Sequence[int] | np.ndarray) -> list[bytes | dict[str, bytes]]:
-        """Values of several samples, read in one transaction (the batched read path).
+        """Values of several samples by sequence number, read in one transaction (the batched
+        read path).
 
         Raises:
-            KeyError: a sample is not in the cache (evicted, or never written).
+            KeyError: one of them is not cached (evicted, or never written).
+            TypeError: one is not a sequence number (``cache.seq_of(key)`` gives a key's).
         """
+        if not isinstance(seqs, np.ndarray):
+            seqs = [_seq(seq, "get_many") for seq in seqs]
         keys = seq_keys(seqs)
-        values = self.env.read_many(self.dbs[DB_SAMPLES], keys, codec.decode_payload)
+        values = self.env.read_many(self.env.dbs[DB_SAMPLES], keys, codec.decode_payload)
         if None in values:
             missing = [int(s) for s, v in zip(seqs, values) if v is None]
             raise KeyError(
@@ -356,56 +344,47 @@ class SampleStore:
         return values  # type: ignore[return-value]
 
     def info(self, seq: int) -> codec.RecordInfo:
-        """Metadata of sample ``seq``: source key, sizes, codec, checksum, time added."""
+        """How sample ``seq`` is stored: its key, sizes, codec, checksum, time added."""
         with self.env.read() as txn:
-            record = txn.get(seq_key(int(seq)), db=self.dbs[DB_SAMPLES])
+            record = txn.get(seq_key(int(seq)), db=self.env.dbs[DB_SAMPLES])
             if record is None:
                 raise KeyError(f"sample {seq} is not in the cache at {self.path}")
             return codec.read_info(record)
 
     def seq_of(self, key: str) -> int | None:
-        """The sequence number under which source ``key`` is cached, or None."""
+        """The sequence number under which ``key`` is cached, or None."""
         with self.env.read() as txn:
-            raw = txn.get(index_key(key.encode("utf-8")), db=self.dbs[DB_KEYS])
+            raw = txn.get(index_key(key.encode("utf-8")), db=self.env.dbs[DB_KEYS])
             return None if raw is None else unpack_u64(raw)
 
     def counters(self) -> Counters:
+        """The cache's counters: samples and bytes stored, inserted, evicted, quarantined."""
         with self.env.read() as txn:
-            counters = Counters.load(txn, self.dbs[DB_META])
+            counters = Counters.load(txn, self.env.dbs[DB_META])
         counters.sources = None  # read lazily in its transaction: see source_stats()
         return counters
 
     # -- several sources --------------------------------------------------------------------
 
-    def register_sources(self, names: Iterable[str]) -> list[str]:
-        """Count samples per source from now on (keys ``<name>/...``; see
-        `epochcache.store.source_counters`); return the names that were new."""
-        return self.env.write(
-            lambda txn: register_sources(txn, self.dbs, self.dbs[DB_META], list(names)))
-
-    def source_stats(self) -> dict[str, dict[str, int]]:
-        """``{name: {samples, bytes, ingested, quarantined, ...}}`` of the registered sources
-        (empty for a cache fed by one ``source``)."""
-        with self.env.read() as txn:
-            sources = SourceCounters.load(txn, self.dbs[DB_META])
-            return {} if sources is None else sources.as_dict()
-
     # -- snapshots and leases ---------------------------------------------------------------
 
     def snapshot(self, epoch: int | None = None, label: str = "", *,
                  plan_parts: int = 0) -> Snapshot:
-        """Freeze the newest samples that fit the capacity, under a lease.
+        """Freeze the newest samples that fit the capacity under a lease, which protects
+        them from eviction until [`Snapshot.release`][epochcache.Snapshot.release] (a context
+        manager).
 
         The snapshot's samples stay readable, unchanged, until it is released, however much
-        is written meanwhile (invariant 1). With ``plan_parts``, its readers will release
-        what they have read before that, progressively, through a plan of that many parts
-        (`write_plan_part`; until every part is written the whole snapshot is protected).
+        is written meanwhile (invariant 1). With ``plan_parts`` (the loaders' own), its
+        readers will release what they have read before that, progressively, through a plan
+        of that many parts (`plumbing.write_plan_part`; until every part is written the whole
+        snapshot is protected).
         """
         name = label or (f"epoch {epoch}" if epoch is not None else "snapshot")
         limit = self.effective_capacity  # outside the write transaction: it may read the cache
         owner = begin_lease(self.path)  # locked by this process while it holds leases here
         def run(txn: lmdb.Transaction) -> tuple[np.ndarray, str]:
-            return self.take_snapshot(txn, name, limit, owner=owner, plan_parts=plan_parts)
+            return take_snapshot(self, txn, name, limit, owner=owner, plan_parts=plan_parts)
 
         try:
             seqs, lease_id = self.env.write(run)
@@ -415,71 +394,14 @@ class SampleStore:
         snap = Snapshot(self, seqs, lease_id, epoch)
         # Refreshed while the snapshot is open: where the owner lock cannot serve, the
         # heartbeat is what keeps the lease (see epochcache.store.owners).
-        heartbeats().add(self.path, lease_id, self.heartbeat_leases, self.lease_timeout_s / 4)
+        heartbeats().add(self.path, lease_id, functools.partial(heartbeat_leases, self),
+                         self.lease_timeout_s / 4)
         return snap
 
-    def take_snapshot(self, txn: lmdb.Transaction, label: str, limit: int, *,
-                      owner: str = "", pid: int | None = None,
-                      plan_parts: int = 0) -> tuple[np.ndarray, str]:
-        """In ``txn``: select the newest samples that fit ``limit`` bytes (the effective
-        capacity, read before the transaction) and write their lease, held by ``owner`` (this
-        process's owner lock, see `begin_lease`) or else by ``pid`` on this host
-        (default: this process); returns ``(seqs, lease_id)``. The caller owns the release.
-        With ``plan_parts``, the snapshot's samples are saved for its release plan."""
-        self.writer.reclaim(txn)
-        counters = Counters.load(txn, self.dbs[DB_META])
-        seqs = select_snapshot(txn, self.dbs[DB_SAMPLES], counters, limit)
-        lo = int(seqs[0]) if len(seqs) else counters.next_seq
-        hi = int(seqs[-1]) + 1 if len(seqs) else counters.next_seq
-        lease = Lease.new(lo, hi, len(seqs), label=label, owner=owner,
-                          timeout_s=self.lease_timeout_s if owner else 0.0, pid=pid,
-                          plan_parts=plan_parts if len(seqs) else 0)
-        if lease.plan_parts:
-            plans.write_seqs(self.path, lease.lease_id, seqs)  # before the lease names it
-        write_lease(txn, self.dbs[DB_LEASES], lease)
-        return seqs, lease.lease_id
-
-    def write_plan_part(self, lease_id: str, part: int, lanes: Sequence[np.ndarray]) -> None:
-        """Save part ``part`` of a lease's release plan: ``lanes[i]`` is the order in which
-        reader ``i`` of the part reads its samples (see `plans`). Each reader then
-        releases what it has read with a `Releaser`."""
-        plans.write_part(self.path, lease_id, part, lanes)
-
-    def leased_seqs(self, lo: int, hi: int, count: int) -> np.ndarray:
-        """The sequence numbers of a snapshot known by its lease's range and count.
-
-        A snapshot is every sample in ``[lo, hi)`` (the newest that fit, see
-        `select_snapshot`) and a lease without a plan keeps them there, so any process
-        can rebuild it from these three numbers: a range when it has no gaps, else the stored
-        keys in it. (A lease with a plan may have lost released samples: see
-        `plan_seqs`.)
-        """
-        if hi - lo == count:
-            return np.arange(lo, hi, dtype=np.uint64)
-        with self.env.read() as txn:
-            cursor = txn.cursor(db=self.dbs[DB_SAMPLES])
-            keys: list[bytes] = []
-            if cursor.set_range(seq_key(lo)):
-                for key in cursor.iternext(keys=True, values=False):
-                    if bytes(key) >= seq_key(hi):
-                        break
-                    keys.append(bytes(key))
-        return np.frombuffer(b"".join(keys), dtype=">u8").astype(np.uint64)
-
-    def plan_seqs(self, lease_id: str) -> np.ndarray | None:
-        """The samples of a snapshot whose lease has a release plan (read-only, mapped), or
-        None: the snapshot as taken, whatever was evicted from it since."""
-        return plans.read_seqs(self.path, lease_id)
-
-    def snapshot_seqs(self, lease_id: str | None, lo: int, hi: int, count: int) -> np.ndarray:
-        """The samples of a leased snapshot as taken: from its plan when it has one (see
-        `plan_seqs`), else from its range (`leased_seqs`)."""
-        seqs = self.plan_seqs(lease_id) if lease_id else None
-        return self.leased_seqs(lo, hi, count) if seqs is None else seqs
-
     def leases(self) -> list[Lease]:
+        """The leases held now: each snapshot's range, owner and heartbeat."""
         with self.env.read() as txn:
-            return read_leases(txn, self.dbs[DB_LEASES])
+            return read_leases(txn, self.env.dbs[DB_LEASES])
 
     def release_lease(self, lease_id: str, *, finished: bool = True,
                       reason: str = "") -> bool:
@@ -496,7 +418,7 @@ class SampleStore:
         pid = os.getpid()
 
         def run(txn: lmdb.Transaction) -> tuple[bool, bool]:
-            raw = txn.get(lease_id.encode(), db=self.dbs[DB_LEASES])
+            raw = txn.get(lease_id.encode(), db=self.env.dbs[DB_LEASES])
             if raw is None:
                 return False, False
             lease = Lease.from_bytes(raw)
@@ -505,11 +427,11 @@ class SampleStore:
                 # from the stop, whether or not this process lives on.
                 lease.owner, lease.pid, lease.start_ticks = "", 0, None
                 lease.heartbeat_ns = time.time_ns()
-                write_lease(txn, self.dbs[DB_LEASES], lease)
+                write_lease(txn, self.env.dbs[DB_LEASES], lease)
                 return True, False
-            delete_lease(txn, self.dbs[DB_LEASES], lease_id)
-            record_reads(txn, self.dbs, self.path, lease_id)  # before its plan goes
-            note_end(txn, self.dbs[DB_STATE], lease_id, reason or (
+            delete_lease(txn, self.env.dbs[DB_LEASES], lease_id)
+            record_reads(txn, self.env.dbs, self.path, lease_id)  # before its plan goes
+            note_end(txn, self.env.dbs[DB_STATE], lease_id, reason or (
                 f"released by its owner (pid {pid}) "
                 + ("at the end of its epoch" if finished else
                    "when it stopped, before any checkpoint named the lease")))
@@ -525,16 +447,11 @@ class SampleStore:
             end_lease(self.path)  # after the lease is gone: it is never judged by a lost lock
         return existed
 
-    def lease_end(self, lease_id: str) -> str | None:
-        """Why lease ``lease_id`` ended, and when, if it ended recently (None: unknown)."""
-        with self.env.read() as txn:
-            return end_reason(txn, self.dbs[DB_STATE], lease_id)
-
     def keep_for_resume(self, lease_id: str, grace_s: float) -> bool:
         """A checkpoint names this lease: if its owner dies, keep it ``grace_s`` seconds past
         its last heartbeat for a resumed run to adopt (0: reclaim it as soon as it is dead).
         Returns False if the lease is gone."""
-        db = self.dbs[DB_LEASES]
+        db = self.env.dbs[DB_LEASES]
 
         def run(txn: lmdb.Transaction) -> bool:
             raw = txn.get(lease_id.encode(), db=db)
@@ -548,88 +465,6 @@ class SampleStore:
 
         return self.env.write(run)
 
-    def adopt_lease(self, lease_id: str, *, owner: str | None = None, pid: int | None = None,
-                    whole: bool = False) -> Lease | None:
-        """Hold the lease of an interrupted epoch from now on (a resumed run): this process's
-        owner lock keeps it, and its heartbeat is refreshed while the returned lease is not
-        released (`release_lease`). None when it is gone (reclaimed: its owner died
-        longer than its grace ago, or no checkpoint named it).
-
-        Args:
-            lease_id: the lease.
-            owner, pid: hold it in the name of another process of this host instead (a
-                stream's workers adopt for their main process, whose owner lock is ``owner``);
-                this process then refreshes nothing.
-            whole: protect its whole range from now on, not only its unread samples (a resumed
-                epoch whose readers are not those its plan was written for).
-        """
-        mine = owner is None
-        if mine:
-            owner = begin_lease(self.path)
-        assert owner is not None
-        db = self.dbs[DB_LEASES]
-
-        def run(txn: lmdb.Transaction) -> Lease | None:
-            raw = txn.get(lease_id.encode(), db=db)
-            if raw is None:
-                return None
-            lease = adopt(Lease.from_bytes(raw), owner=owner, pid=pid)
-            if whole:
-                lease.plan_parts = 0
-            write_lease(txn, db, lease)
-            return lease
-
-        try:
-            lease = self.env.write(run)
-        except BaseException:
-            if mine:
-                end_lease(self.path)
-            raise
-        if mine:
-            if lease is None:
-                end_lease(self.path)
-                return None
-            heartbeats().add(self.path, lease_id, self.heartbeat_leases, self.lease_timeout_s / 4)
-        return lease
-
-    def heartbeat_lease(self, lease_id: str) -> None:
-        self.heartbeat_leases([lease_id])
-
-    def heartbeat_leases(self, lease_ids: list[str]) -> None:
-        """Refresh the heartbeat of these leases (one transaction); a lease that is no longer
-        there was reclaimed: logged, and left to its snapshot's readers to report."""
-        def run(txn: lmdb.Transaction) -> list[str]:
-            gone = []
-            now = time.time_ns()
-            for lease_id in lease_ids:
-                raw = txn.get(lease_id.encode(), db=self.dbs[DB_LEASES])
-                if raw is None:
-                    gone.append(lease_id)
-                    continue
-                lease = Lease.from_bytes(raw)
-                lease.heartbeat_ns = now
-                write_lease(txn, self.dbs[DB_LEASES], lease)
-            return gone
-
-        for lease_id in self.env.write(run):
-            if heartbeats().remove(self.path, lease_id):
-                end_lease(self.path)
-            log.error("%s: lease %s of this process was reclaimed by another process (it took "
-                      "the owner for dead); reads of its snapshot fail once its samples are "
-                      "evicted", self.path, lease_id[:8])
-
-    def reclaim_leases(self) -> list[Lease]:
-        """Delete leases whose owner died, then evict what they pinned beyond capacity; also
-        delete the owner files of dead processes that no lease names."""
-        dead = self.env.write(self.writer.reclaim)
-        if dead:
-            self.evict()
-        if not self.env.readonly:
-            leases = self.leases()
-            sweep_dead_owners(self.path, {lease.owner for lease in leases})
-            plans.sweep_plans(self.path, {lease.lease_id for lease in leases})
-        return dead
-
     # -- side tables and reporting ----------------------------------------------------------
 
     def quarantined(self, limit: int = 100) -> list[dict[str, Any]]:
@@ -640,26 +475,18 @@ class SampleStore:
         """Stats history rows (what ``status`` rates and ``plot`` are drawn from), oldest first."""
         return self.tables.history(limit)
 
-    def append_history(self, row: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        """Append a stats row (counters, effective capacity and ``row``) to the history."""
-        doc: dict[str, Any] = {"time": time.time(), **self.counters().as_dict(), **(row or {})}
-        doc["capacity"] = self.effective_capacity
-        # stored bytes may go past the capacity by the headroom while epochs hold snapshots:
-        # the plots draw the line they stay under
-        doc["headroom"] = self.capacity.headroom_for(doc["capacity"])
-        self.tables.append_history(doc)
-        return doc
-
     # -- lifecycle --------------------------------------------------------------------------
 
     def file_bytes(self) -> int:
+        """The size of the LMDB data file on disk."""
         return self.env.file_bytes()
 
     def close(self) -> None:
+        """Close the cache in this process (its snapshots' leases go with it)."""
         self.capacity.close()
         self.env.close()
 
-    def __enter__(self) -> SampleStore:
+    def __enter__(self: _Store) -> _Store:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -676,3 +503,37 @@ class SampleStore:
     def __setstate__(self, state: dict[str, Any]) -> None:
         settings = dict(state)
         self.__init__(settings.pop("path"), **settings)  # type: ignore[misc]
+
+
+
+def take_snapshot(store: SampleStore, txn: lmdb.Transaction, label: str, limit: int, *,
+                  owner: str = "", pid: int | None = None,
+                  plan_parts: int = 0) -> tuple[np.ndarray, str]:
+    """In ``txn``: select the newest samples that fit ``limit`` bytes (the effective
+    capacity, read before the transaction) and write their lease, held by ``owner`` (this
+    process's owner lock, see `begin_lease`) or else by ``pid`` on this host
+    (default: this process); returns ``(seqs, lease_id)``. The caller owns the release.
+    With ``plan_parts``, the snapshot's samples are saved for its release plan."""
+    store.writer.reclaim(txn)
+    counters = Counters.load(txn, store.env.dbs[DB_META])
+    seqs = select_snapshot(txn, store.env.dbs[DB_SAMPLES], counters, limit)
+    lo = int(seqs[0]) if len(seqs) else counters.next_seq
+    hi = int(seqs[-1]) + 1 if len(seqs) else counters.next_seq
+    lease = Lease.new(lo, hi, len(seqs), label=label, owner=owner,
+                      timeout_s=store.lease_timeout_s if owner else 0.0, pid=pid,
+                      plan_parts=plan_parts if len(seqs) else 0)
+    if lease.plan_parts:
+        plans.write_seqs(store.path, lease.lease_id, seqs)  # before the lease names it
+    write_lease(txn, store.env.dbs[DB_LEASES], lease)
+    return seqs, lease.lease_id
+
+
+def _seq(value: object, method: str) -> int:
+    """``value`` as a sequence number, or a TypeError saying what ``cache.<method>`` takes."""
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        return int(value)
+    wanted = "a key (str) or a sequence number (int)" if method == "get" else \
+        "a sequence number (int)"
+    raise TypeError(f"cache.{method}: expected {wanted}, got {type(value).__name__} {value!r}"
+                    + ("; cache.get takes a key too, and cache.seq_of(key) gives its sequence "
+                       "number" if isinstance(value, str) else ""))

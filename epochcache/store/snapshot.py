@@ -11,15 +11,21 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import weakref
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import lmdb
 import numpy as np
 
 from ..errors import SnapshotClosed
 from .counters import Counters
-from .records import seq_of
+from .leases import Lease, write_lease
+from .owners import end_lease, heartbeats
+from .records import DB_LEASES, seq_of
+
+if TYPE_CHECKING:
+    from .env import Env
 
 log = logging.getLogger(__name__)
 
@@ -59,10 +65,43 @@ class Leases(Protocol):
     """What a snapshot calls on its cache (a `SampleStore`, which makes snapshots: typed by
     the calls so that this module does not import the store's top)."""
 
-    def heartbeat_lease(self, lease_id: str) -> None: ...
+    @property
+    def path(self) -> str: ...
+
+    @property
+    def env(self) -> Env: ...
 
     def release_lease(self, lease_id: str, *, finished: bool = True,
                       reason: str = "") -> bool: ...
+
+
+def heartbeat_lease(cache: Leases, lease_id: str) -> None:
+    """Refresh one lease's heartbeat (see `heartbeat_leases`)."""
+    heartbeat_leases(cache, [lease_id])
+
+
+def heartbeat_leases(cache: Leases, lease_ids: list[str]) -> None:
+    """Refresh the heartbeat of these leases (one transaction); a lease that is no longer
+    there was reclaimed: logged, and left to its snapshot's readers to report."""
+    def run(txn: lmdb.Transaction) -> list[str]:
+        gone = []
+        now = time.time_ns()
+        for lease_id in lease_ids:
+            raw = txn.get(lease_id.encode(), db=cache.env.dbs[DB_LEASES])
+            if raw is None:
+                gone.append(lease_id)
+                continue
+            lease = Lease.from_bytes(raw)
+            lease.heartbeat_ns = now
+            write_lease(txn, cache.env.dbs[DB_LEASES], lease)
+        return gone
+
+    for lease_id in cache.env.write(run):
+        if heartbeats().remove(cache.path, lease_id):
+            end_lease(cache.path)
+        log.error("%s: lease %s of this process was reclaimed by another process (it took "
+                  "the owner for dead); reads of its snapshot fail once its samples are "
+                  "evicted", cache.path, lease_id[:8])
 
 
 class Snapshot:
@@ -107,7 +146,7 @@ class Snapshot:
         """Refresh the lease's heartbeat now (a thread of this process already does it while
         the snapshot is open; see `epochcache.store.owners`)."""
         self.check_open()
-        self.cache.heartbeat_lease(self.lease_id)
+        heartbeat_lease(self.cache, self.lease_id)
 
     def release(self, *, finished: bool = True) -> None:
         """Release the lease: its samples may be evicted from now on. Idempotent.

@@ -118,7 +118,7 @@ class _Scan:
         read = 0
         with self.cache.env.read() as txn:
             self.report.transactions += 1
-            dbs = self.cache.dbs
+            dbs = self.cache.env.dbs
             cursor = txn.cursor(db=dbs[DB_SAMPLES])
             if not cursor.set_range(seq_key(self.next_seq)):
                 return 0
@@ -177,7 +177,7 @@ def _key_of(record: bytes | memoryview) -> str:
 
 def _check_counters(cache: SampleStore, scan: _Scan, report: VerifyReport) -> None:
     """Compare the counters with the records, in one short read transaction (module doc)."""
-    dbs = cache.dbs
+    dbs = cache.env.dbs
     with cache.env.read() as txn:
         report.transactions += 1
         stored = Counters.load(txn, dbs[DB_META])

@@ -17,7 +17,6 @@ import lmdb
 
 from epochcache import Cache
 from epochcache.errors import CacheCorrupted
-from epochcache.store import store_of
 from epochcache.store.codec import check_record, decode_payload, pack_fields, read_info
 from epochcache.store.counters import Counters
 from epochcache.store.leases import read_leases
@@ -81,7 +80,7 @@ class CacheState:
 def scan(cache: Cache) -> CacheState:
     """Read every record in one read transaction and cross-check counters and the key index."""
     state = CacheState()
-    env = store_of(cache).env
+    env = cache.env
     with env.read() as txn:
         dbs = env.dbs  # taken after the read began: the handles of this process's env
         state.counters = Counters.load(txn, dbs[DB_META])

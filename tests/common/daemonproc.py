@@ -21,7 +21,6 @@ import yaml
 
 from epochcache import Cache
 from epochcache.errors import CacheError
-from epochcache.store import store_of
 
 REPO = Path(__file__).resolve().parents[2]
 T = TypeVar("T")
@@ -107,12 +106,12 @@ def cache_len(cache_dir: Path) -> int:
 
 
 def daemon_state(cache_dir: Path) -> dict[str, Any] | None:
-    return read_cache(cache_dir, lambda c: store_of(c).tables.get_state("daemon"))
+    return read_cache(cache_dir, lambda c: c.tables.get_state("daemon"))
 
 
 def sampler_states(cache_dir: Path) -> dict[str, dict[str, Any]]:
     """The samplers' own health documents (``sampler/<i>``)."""
-    return read_cache(cache_dir, lambda c: store_of(c).tables.states("sampler/")) or {}
+    return read_cache(cache_dir, lambda c: c.tables.states("sampler/")) or {}
 
 
 def all_samplers(cache_dir: Path, count: int, predicate: Callable[[dict[str, Any]], Any]) -> bool:
