@@ -67,7 +67,7 @@ def register_sources(store: SampleStore, names: Iterable[str]) -> list[str]:
     """Count samples per source from now on (keys ``<name>/...``; see
     `epochcache.store.source_counters`); return the names that were new."""
     return store.env.write(
-        lambda txn: _sources.register_sources(txn, store.env.dbs, store.env.dbs[DB_META], list(names)))
+        lambda txn: _sources.register_sources_in(txn, store.env.dbs, store.env.dbs[DB_META], list(names)))
 
 
 def source_stats(store: SampleStore) -> dict[str, dict[str, int]]:

@@ -1,8 +1,8 @@
 """Per-source counters of a cache fed by several sources (``sources:`` in the config).
 
 A cache fed by several sources keys each sample ``<name>/<key>``. The daemon registers the
-names (`register_sources`); from then on every transaction that inserts, evicts or
-quarantines a sample of a registered source also updates that source's counters, in ``meta``
+names (`register_sources_in`, in a write transaction); from then on every transaction that
+inserts, evicts or quarantines a sample of a registered source also updates that source's counters, in ``meta``
 next to the global ones, so they never drift from the records (like `counters`). A cache
 with no registered source (one ``source:``) pays one ``get`` per transaction and nothing else.
 
@@ -127,7 +127,7 @@ def count_prefix(txn: lmdb.Transaction, dbs: dict[bytes, lmdb._Database],
     return samples, nbytes
 
 
-def register_sources(txn: lmdb.Transaction, dbs: dict[bytes, lmdb._Database], meta: lmdb._Database,
+def register_sources_in(txn: lmdb.Transaction, dbs: dict[bytes, lmdb._Database], meta: lmdb._Database,
                      names: list[str]) -> list[str]:
     """Register ``names`` (keeping those registered before); return the new ones, whose
     counters start from what the cache holds under their prefix."""
