@@ -1,10 +1,11 @@
 """Per-source counters of a cache fed by several sources (``sources:`` in the config).
 
-A cache fed by several sources keys each sample ``<name>/<key>``. The daemon registers the
-names (`register_sources_in`, in a write transaction); from then on every transaction that
-inserts, evicts or quarantines a sample of a registered source also updates that source's counters, in ``meta``
-next to the global ones, so they never drift from the records (like `counters`). A cache
-with no registered source (one ``source:``) pays one ``get`` per transaction and nothing else.
+A cache fed by several sources keys each sample ``<name>/<key>``. The daemon registers the names
+(`register_sources_in`, in a write transaction); from then on every transaction that inserts,
+evicts or quarantines a sample of a registered source also updates that source's counters, in
+``meta`` next to the global ones, so they never drift from the records (like `counters`). A
+cache with no registered source (one ``source:``) pays one ``get`` per transaction and nothing
+else.
 
 Registering a name counts what the cache already holds under its prefix, so the counters are
 right even when samples were cached before the name was registered. Names are never
