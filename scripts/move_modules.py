@@ -10,6 +10,16 @@ bounded, so ``epochcache.store.ledgers`` stays) and file paths (``epochcache/sto
 ``store/ledger.py``) in Python, Markdown, YAML, TOML and the scripts. A ``from pkg import
 module`` whose names mix moved modules with other names is reported, not rewritten: split it.
 Run ``ruff check --fix`` afterwards for the import order.
+
+When ``new`` already exists the pair is a merge: ``old``'s imports (re-resolved from ``new``'s
+place) join ``new``'s, its body is appended to ``new``'s, imports of one from the other are
+dropped (the names are local now), ``old`` is removed, and every reference is rewritten as for a
+move. ``old``'s docstring is printed, for a person to fold into ``new``'s; an ``__all__`` or an
+aliased import of one from the other is reported.
+
+Re-running the same pairs after they were applied rewrites references only, which is how a
+branch's moves are applied again over files that another branch changed (a merge conflict in
+import lines: take the other side, re-run).
 """
 
 from __future__ import annotations
@@ -106,8 +116,87 @@ def _text_files() -> list[Path]:
     return found
 
 
+def _import_block_end(tree: ast.Module) -> int:
+    """The line after the module's leading docstring and imports (1-based, exclusive)."""
+    end = 0
+    for node in tree.body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            end = node.end_lineno or node.lineno
+        elif isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and end == 0:
+            end = node.end_lineno or node.lineno
+        else:
+            break
+    return end
+
+
+def _drop_self_imports(path: Path, module: str, others: set[str]) -> str:
+    """``path``'s text without imports from ``module`` itself or from ``others`` (merged in)."""
+    text = path.read_text()
+    tree = ast.parse(text, str(path))
+    package = _package_of(path, module)
+    lines = text.splitlines(keepends=True)
+    drop: set[int] = set()
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.ImportFrom) or node.level == 0:
+            continue
+        base = package.split(".")
+        base = base[: len(base) - (node.level - 1)]
+        target = ".".join(base + ([node.module] if node.module else []))
+        if target == module or target in others:
+            if any(alias.asname and alias.asname != alias.name for alias in node.names):
+                print(f"{path}:{node.lineno}: aliased import of a merged module: fix by hand")
+                continue
+            drop.update(range(node.lineno - 1, node.end_lineno or node.lineno))
+    return "".join(line for index, line in enumerate(lines) if index not in drop)
+
+
+def _merge(old: str, new: str) -> None:
+    """Fold module ``old`` into the existing module ``new`` (see the module docstring)."""
+    src, dst = _file_of(old), _file_of(new)
+    rewritten = _rewrite_relative(src, old, new, {old: new})
+    text = rewritten if rewritten is not None else src.read_text()
+    tree = ast.parse(text)
+    doc = ast.get_docstring(tree)
+    if any(isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "__all__" for t in node.targets)
+           for node in tree.body):
+        print(f"{src}: has __all__: merge it by hand")
+    lines = text.splitlines(keepends=True)
+    end = _import_block_end(tree)
+    head = [line for line in lines[:end] if line.strip() != "from __future__ import annotations"]
+    head_tree = ast.parse("".join(head))
+    imports = []
+    for node in head_tree.body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            imports.append("".join(head[node.lineno - 1 : node.end_lineno]))
+    body = "".join(lines[end:]).strip("\n")
+    target = dst.read_text()
+    target_tree = ast.parse(target)
+    target_lines = target.splitlines(keepends=True)
+    target_end = _import_block_end(target_tree)
+    merged = ("".join(target_lines[:target_end]) + "".join(imports)
+              + "".join(target_lines[target_end:]).rstrip("\n") + "\n\n\n" + body + "\n")
+    dst.write_text(merged)
+    subprocess.run(["git", "rm", "-q", "-f", str(src)], cwd=ROOT, check=True)
+    dst.write_text(_drop_self_imports(dst, new, {old}))
+    print(f"--- docstring of {old} (fold into {new}'s):\n{doc}\n---")
+
+
 def main(argv: list[str]) -> int:
     moves = dict(arg.split("=", 1) for arg in argv)
+    merges = {old: new for old, new in moves.items() if _file_of(new).exists()}
+    for old, new in merges.items():
+        if _file_of(old).exists():  # else merged already: re-running rewrites references only
+            _merge(old, new)
+        del moves[old]
+    _rewrite_everything(moves, merges)
+    for new in set(merges.values()):
+        path = _file_of(new)
+        path.write_text(_drop_self_imports(path, new, set()))
+    return 0
+
+
+def _rewrite_everything(moves: dict[str, str], merges: dict[str, str]) -> None:
+    """Move the files of ``moves``, then rewrite references to ``moves`` and ``merges``."""
     # Where each Python file was before the moves, so relative imports resolve from there.
     python = [p for p in _text_files() if p.suffix == ".py"
               and p.relative_to(ROOT).parts[0] in ("epochcache", "tests", "scripts")]
@@ -115,14 +204,17 @@ def main(argv: list[str]) -> int:
     sources = {old: _file_of(old) for old in moves}  # before any file moves
     for old, new in moves.items():
         src = sources[old]
+        if not src.exists():  # moved already: re-running rewrites references only
+            continue
         dst = ROOT.joinpath(*new.split(".")).with_suffix(".py")
         if src.name == "__init__.py":  # the package's own module; its other modules move alone
             dst = ROOT.joinpath(*new.split("."), "__init__.py")
         dst.parent.mkdir(parents=True, exist_ok=True)
         subprocess.run(["git", "mv", str(src), str(dst)], cwd=ROOT, check=True)
         old_of[dst] = old_of.pop(src)
+    moves = {**moves, **merges}
     for new_path, old_path in old_of.items():
-        if new_path.relative_to(ROOT).parts[0] != "epochcache":
+        if new_path.relative_to(ROOT).parts[0] != "epochcache" or not new_path.exists():
             continue
         text = _rewrite_relative(new_path, _module_of(old_path), _module_of(new_path), moves)
         if text is not None:
@@ -146,7 +238,6 @@ def main(argv: list[str]) -> int:
             new_text = pattern.sub(replacement, new_text)
         if new_text != text:
             path.write_text(new_text)
-    return 0
 
 
 if __name__ == "__main__":
