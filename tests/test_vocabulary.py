@@ -62,6 +62,10 @@ RETIRED: dict[str, str] = {
     "_holders": "_writers",
     "probe_workers": "check_workers",  # a probe raises a limit to test it
     "Store": "Env",  # store/env.py's; the store is the storage layer (torch's TCPStore aside)
+    # a stream's epoch handed to its workers: a ticket (a node's share is its part of a source)
+    "Share": "Ticket",
+    "claim_share": "claim_ticket",
+    "publish_share": "publish_ticket",
 }
 
 

@@ -18,7 +18,7 @@ do it here, once:
 
 What differs stays with each loader: ``epochs()`` agrees a batch count across ranks (and
 resumes by node, `resume`), a stream agrees a sample count and publishes the epoch to
-its DataLoader workers as a share (`epochcache.data.shares`).
+its DataLoader workers as a ticket (`epochcache.data.tickets`).
 """
 
 from __future__ import annotations

@@ -4,14 +4,14 @@ For training code that builds its own DataLoader (PyTorch Lightning, the Hugging
 accelerate, a plain loop): ``DataLoader(cache.stream(...), batch_size=..., num_workers=...)``.
 Each ``iter()`` is one epoch over a snapshot taken when it starts, so later epochs see what the
 cache gained; the snapshot is split disjointly across DDP ranks and DataLoader workers, and each
-sample of the share is yielded once, in an order fixed by ``(seed, epoch)``.
+sample of the ticket is yielded once, in an order fixed by ``(seed, epoch)``.
 
 Where the epoch is prepared (snapshot, shuffle, and under DDP the collectives):
 
 * in the main process, by [`CacheStream.set_epoch`][epochcache.data.stream.CacheStream.set_epoch] (the HF Trainer and accelerate call it
   before every epoch; so can a Lightning hook), or by ``iter()`` itself without workers. Workers
-  started afterwards receive the prepared share with the dataset (pickled or forked) and claim
-  it (see `epochcache.data.shares`);
+  started afterwards receive the prepared ticket with the dataset (pickled or forked) and claim
+  it (see `epochcache.data.tickets`);
 * otherwise inside the workers: the first worker of a loader iteration takes the next epoch's
   snapshot and the others adopt it, agreed through the cache. The main process of a DataLoader
   with workers never runs ``iter()`` on the dataset, so this is how a plain loop or Lightning
@@ -41,22 +41,22 @@ from .distributed import NodeSync, detect_placement, dist_initialized
 from .planner import Planner, rank_order, write_release_part
 from .reader import SampleReader
 from .resume import lease_gone_reason
-from .shares import (
-    Share,
-    claim_share,
-    drop_shares,
-    finish_share,
-    hold_owner,
-    last_epoch,
-    publish_share,
-    release_owner,
-    unwatch,
-)
 from .stall import arm_stack_dump
 from .states import STREAM_KIND as KIND
 from .states import STREAM_ORDER_KEYS as ORDER_KEYS
 from .states import merge, resume_split, worker_states
 from .tallies import Tallies
+from .tickets import (
+    Ticket,
+    claim_ticket,
+    drop_tickets,
+    finish_ticket,
+    hold_owner,
+    last_epoch,
+    publish_ticket,
+    release_owner,
+    unwatch,
+)
 
 if TYPE_CHECKING:
     from ..store import SampleStore, Snapshot
@@ -71,9 +71,9 @@ _TALLY_WORKERS = 64
 
 @dataclass(frozen=True)
 class _Prepared:
-    """An epoch the main process prepared: the share and this rank's part of it."""
+    """An epoch the main process prepared: the ticket and this rank's part of it."""
 
-    share: Share
+    ticket: Ticket
     slot: int  # this rank's slot among ``slots`` (the node's ranks, or 1 slot)
     slots: int
     samples: int  # this rank's sample count (the MIN over ranks under DDP)
@@ -97,7 +97,7 @@ class _Home:
     """The process that holds a stream's leases and runs its collectives: where it was made,
     or where a copy was unpickled outside a DataLoader worker (a spawned DDP rank, a deep
     copy), which becomes a stream of its own. It holds the stream's id (its document in the
-    cache, `epochcache.data.shares`, and its leases' labels: a new one per home, so copies in
+    cache, `epochcache.data.tickets`, and its leases' labels: a new one per home, so copies in
     several DDP ranks never share one), this process's owner lock (the leases its workers
     take name it), the prepared epoch's snapshot and order, the node's collectives, and the
     finalizer that drops the document, a worker-taken lease and the lock when the stream is
@@ -204,7 +204,7 @@ class CacheStream(IterableDataset[Any]):
         self.resume_grace_s = resume_grace_s
         self._resume: dict[str, Any] | None = None  # a loaded state, for the next iteration
         # Counts load_state_dict() calls: with the lease, it names one resume, alike in every
-        # worker that received the state (see claim_share).
+        # worker that received the state (see claim_ticket).
         self._loads = 0
         self._at: _Reading | None = None  # this reader's epoch, split and lane
         self._pos = 0  # samples of the lane yielded so far
@@ -242,7 +242,7 @@ class CacheStream(IterableDataset[Any]):
     @property
     def epoch(self) -> int | None:
         """The epoch last prepared in this process (None before the first)."""
-        return None if self._prepared is None else self._prepared.share.epoch
+        return None if self._prepared is None else self._prepared.ticket.epoch
 
     def set_epoch(self, epoch: int) -> None:
         """Make ``epoch`` the next one, and prepare it now: snapshot, order and, under DDP,
@@ -257,7 +257,7 @@ class CacheStream(IterableDataset[Any]):
             return
         self._adopt_home()
         prepared = self._prepared
-        if (prepared is not None and prepared.share.epoch == epoch
+        if (prepared is not None and prepared.ticket.epoch == epoch
                 and (not self._consumed or self._active)):
             return
         self._next_epoch, self._epoch_given = epoch, True
@@ -284,7 +284,7 @@ class CacheStream(IterableDataset[Any]):
             seqs, lease_id, snapshot = planner.snapshot(epoch,
                                                         f"stream {self.stream_id} epoch {epoch}")
             taken.append(snapshot)
-            unwatch(cache, lease_id)  # the share manages it; our owner lock keeps it
+            unwatch(cache, lease_id)  # the ticket manages it; our owner lock keeps it
             return seqs, lease_id
 
         if not distributed:
@@ -301,14 +301,14 @@ class CacheStream(IterableDataset[Any]):
                 samples = self._home.sync.agree_batches(samples)  # MIN over all ranks
             lo = int(seqs[0]) if len(seqs) else 0
             hi = int(seqs[-1]) + 1 if len(seqs) else 0
-            share = Share(epoch, lo, hi, len(seqs), lease_id or None, uuid.uuid4().hex)
-            publish_share(cache, self._doc_name(), share, release=not distributed)
+            ticket = Ticket(epoch, lo, hi, len(seqs), lease_id or None, uuid.uuid4().hex)
+            publish_ticket(cache, self._doc_name(), ticket, release=not distributed)
         except BaseException:
             self._release_snapshot()
             raise
         if len(seqs) == 0:
             log.warning("stream epoch %d: the cache at %s holds no samples", epoch, cache.path)
-        self._prepared = _Prepared(share, slot, slots, samples, distributed,
+        self._prepared = _Prepared(ticket, slot, slots, samples, distributed,
                                    place.local_rank if distributed else 0)
         self._home.order, self._consumed = order[:samples], False
         self._next_epoch, self._epoch_given = epoch + 1, False
@@ -394,7 +394,7 @@ class CacheStream(IterableDataset[Any]):
                            bool(state["shuffle"]), state["samples_per_epoch"],
                            int(state["slot"]), int(state["slots"]), int(state["samples"]))
 
-    def _check_resumable(self, state: dict[str, Any]) -> Share:
+    def _check_resumable(self, state: dict[str, Any]) -> Ticket:
         mine = {"seed": self.seed, "shuffle": self.shuffle,
                 "samples_per_epoch": self.samples_per_epoch}
         for key, value in mine.items():
@@ -404,13 +404,13 @@ class CacheStream(IterableDataset[Any]):
                     f"this stream has {key}={value!r}: its order cannot be continued")
         if detect_placement().distributed:
             _refuse_distributed(int(state["epoch"]))
-        return Share(int(state["epoch"]), int(state["lo"]), int(state["hi"]),
+        return Ticket(int(state["epoch"]), int(state["lo"]), int(state["hi"]),
                      int(state["count"]), state.get("lease") or None,
                      f"resumed:{state.get('lease') or ''}:{state['epoch']}:{self._loads}")
 
-    def _spec(self, share: Share, slot: int, slots: int, samples: int) -> dict[str, Any]:
-        return {"epoch": share.epoch, "lease": share.lease or "", "lo": share.lo,
-                "hi": share.hi, "count": share.count, "seed": self.seed,
+    def _spec(self, ticket: Ticket, slot: int, slots: int, samples: int) -> dict[str, Any]:
+        return {"epoch": ticket.epoch, "lease": ticket.lease or "", "lo": ticket.lo,
+                "hi": ticket.hi, "count": ticket.count, "seed": self.seed,
                 "shuffle": self.shuffle, "samples_per_epoch": self.samples_per_epoch,
                 "slot": slot, "slots": slots, "samples": samples}
 
@@ -426,23 +426,23 @@ class CacheStream(IterableDataset[Any]):
         self._adopt_home()
         if self._resume is not None:
             state, self._resume = self._resume, None
-            share = self._check_resumable(state)
+            ticket = self._check_resumable(state)
             cache = self.reader.cache
-            if share.lease and adopt_lease(cache, share.lease, whole=True) is None:
+            if ticket.lease and adopt_lease(cache, ticket.lease, whole=True) is None:
                 log.warning("stream: epoch %d cannot continue where the state left it: its "
                             "lease %s is gone (%s); the next epoch starts instead",
-                            share.epoch, share.lease[:8], lease_gone_reason(cache, share.lease))
+                            ticket.epoch, ticket.lease[:8], lease_gone_reason(cache, ticket.lease))
             else:
                 finished = False
                 try:
                     split, lane, start = resume_split(self._resumed_order(state), state, 1, 0)
                     self._at = _Reading({k: state[k] for k in ORDER_KEYS}, split, 0)
-                    yield from self._samples(lane[start:], False, share, None, base=start,
+                    yield from self._samples(lane[start:], False, ticket, None, base=start,
                                              resumed=True)
                     finished = True
                 finally:
-                    if share.lease:
-                        cache.release_lease(share.lease, finished=finished)
+                    if ticket.lease:
+                        cache.release_lease(ticket.lease, finished=finished)
                 return
         prepared = self._prepared
         if prepared is None or self._consumed or self._epoch_given:
@@ -454,15 +454,15 @@ class CacheStream(IterableDataset[Any]):
             prepared = self._prepare(epoch)
         self._consumed = True
         order = self._home.order if self._home.order is not None else np.empty(0, dtype=np.uint64)
-        releaser = (write_release_part(self.reader.cache, prepared.share.lease or "",
+        releaser = (write_release_part(self.reader.cache, prepared.ticket.lease or "",
                                        prepared.part, [order])
                     if self.progressive else None)
-        self._at = _Reading(self._spec(prepared.share, prepared.slot, prepared.slots,
+        self._at = _Reading(self._spec(prepared.ticket, prepared.slot, prepared.slots,
                                        prepared.samples), {"workers": 1}, 0)
         self._active += 1
         finished = False
         try:
-            yield from self._samples(order, prepared.distributed, prepared.share, releaser)
+            yield from self._samples(order, prepared.distributed, prepared.ticket, releaser)
             finished = True
         finally:
             self._active -= 1
@@ -488,61 +488,61 @@ class CacheStream(IterableDataset[Any]):
         distributed = (prepared.distributed if prepared is not None
                        else detect_placement().distributed)
         name = self._doc_name()
-        share = claim_share(cache, name, group, worker, progressive=self.progressive,
-                            prepared=prepared.share if prepared is not None else None,
+        ticket = claim_ticket(cache, name, group, worker, progressive=self.progressive,
+                            prepared=prepared.ticket if prepared is not None else None,
                             first_epoch=self._next_epoch, home_pid=self._home.pid,
                             home_owner=self._home.owner,
                             label=f"stream {self.stream_id}", take=not distributed,
                             workers=workers)
-        if share is None:
+        if ticket is None:
             raise RuntimeError(
                 "cache.stream(): under torch.distributed the ranks must agree on each epoch in "
                 "the main process: call dataset.set_epoch(epoch) on every rank before each "
                 "epoch's iteration (the HF Trainer and accelerate do; in Lightning call it in "
                 "train_dataloader() with reload_dataloaders_every_n_epochs=1), or use "
                 "num_workers=0")
-        done = _Once(lambda complete: finish_share(cache, name, group, workers,
+        done = _Once(lambda complete: finish_ticket(cache, name, group, workers,
                                                    complete=complete))
         try:
-            if prepared is not None and share.token == prepared.share.token:
+            if prepared is not None and ticket.token == prepared.ticket.token:
                 slot, slots, samples = prepared.slot, prepared.slots, prepared.samples
                 part = prepared.part
             else:
                 slot, slots, samples, part = 0, 1, -1, 0
-            seqs = snapshot_seqs(cache, share.lease, share.lo, share.hi, share.count)
-            order = rank_order(seqs, share.epoch, self.seed, self.shuffle,
+            seqs = snapshot_seqs(cache, ticket.lease, ticket.lo, ticket.hi, ticket.count)
+            order = rank_order(seqs, ticket.epoch, self.seed, self.shuffle,
                                 self.samples_per_epoch, slot, slots, samples)
             lanes = [order[w::workers] for w in range(workers)]
-            releaser = (write_release_part(cache, share.lease or "", part, lanes, worker)
+            releaser = (write_release_part(cache, ticket.lease or "", part, lanes, worker)
                         if self.progressive else None)
         except BaseException:
             done(False)
             raise
-        self._at = _Reading(self._spec(share, slot, slots, samples), {"workers": workers},
+        self._at = _Reading(self._spec(ticket, slot, slots, samples), {"workers": workers},
                             worker)
-        if share.restarted:
+        if ticket.restarted:
             log.info("stream epoch %d: a new loader iteration reads it from its start (the "
-                     "previous one stopped before its end)", share.epoch)
-        return _Reporting(self._samples(lanes[worker], distributed, share, releaser,
-                                        resumed=share.restarted), done)
+                     "previous one stopped before its end)", ticket.epoch)
+        return _Reporting(self._samples(lanes[worker], distributed, ticket, releaser,
+                                        resumed=ticket.restarted), done)
 
     def _resume_worker(self, state: dict[str, Any], worker: int, workers: int,
                        group: str) -> Iterator[Any] | None:
         """This worker's part of the rest of a resumed epoch (None if an earlier loader's
         workers resumed it). The lease is adopted in the main process's name (whole: the
         readers are not those its plan was written for) and released by the group's last
-        worker, as a share's."""
+        worker, as a ticket's."""
         cache = self.reader.cache
-        share = self._check_resumable(state)
+        ticket = self._check_resumable(state)
         name = self._doc_name()
-        if claim_share(cache, name, group, worker, prepared=None, first_epoch=share.epoch,
+        if claim_ticket(cache, name, group, worker, prepared=None, first_epoch=ticket.epoch,
                        home_pid=self._home.pid, home_owner=self._home.owner, label="", take=False,
-                       resumed=share) is None:
-            self._next_epoch = max(self._next_epoch, share.epoch + 1)
+                       resumed=ticket) is None:
+            self._next_epoch = max(self._next_epoch, ticket.epoch + 1)
             return None
-        if share.lease:
-            adopt_lease(cache, share.lease, owner=self._home.owner, pid=self._home.pid, whole=True)
-        done = _Once(lambda complete: finish_share(cache, name, group, workers,
+        if ticket.lease:
+            adopt_lease(cache, ticket.lease, owner=self._home.owner, pid=self._home.pid, whole=True)
+        done = _Once(lambda complete: finish_ticket(cache, name, group, workers,
                                                    complete=complete))
         try:
             split, lane, start = resume_split(self._resumed_order(state), state, workers,
@@ -551,10 +551,10 @@ class CacheStream(IterableDataset[Any]):
             done(False)
             raise
         self._at = _Reading({k: state[k] for k in ORDER_KEYS}, split, worker)
-        return _Reporting(self._samples(lane[start:], False, share, None, base=start,
+        return _Reporting(self._samples(lane[start:], False, ticket, None, base=start,
                                         resumed=True), done)
 
-    def _samples(self, order: np.ndarray, equal_counts: bool, share: Share,
+    def _samples(self, order: np.ndarray, equal_counts: bool, ticket: Ticket,
                  releaser: Releaser | None, *, base: int = 0,
                  resumed: bool = False) -> Iterator[Any]:
         """Read ``order`` in chunks, releasing each chunk once read (progressive release: its
@@ -567,7 +567,7 @@ class CacheStream(IterableDataset[Any]):
         resume are skipped and counted.
 
         Raises:
-            SnapshotClosed: a sample of the share is gone (its lease was released or
+            SnapshotClosed: a sample of the ticket is gone (its lease was released or
                 reclaimed under it); the message names the epoch.
         """
         reader = self.reader
@@ -593,11 +593,11 @@ class CacheStream(IterableDataset[Any]):
             if equal_counts and missing + evicted:
                 yield from self._refill(order, missing + evicted)
         except KeyError as exc:
-            raise snapshot_gone(reader, share.lease or "", share.epoch, exc) from exc
+            raise snapshot_gone(reader, ticket.lease or "", ticket.epoch, exc) from exc
         if evicted:
             log.warning("stream epoch %d: %d samples of the interrupted epoch were evicted "
-                        "before the %s and were skipped", share.epoch, evicted,
-                        "new iteration" if share.restarted else "resume")
+                        "before the %s and were skipped", ticket.epoch, evicted,
+                        "new iteration" if ticket.restarted else "resume")
 
     def _read_present(self, chunk: np.ndarray, kept: list[int]) -> tuple[list[Any], int]:
         """Read ``chunk``, skipping the samples no longer cached; also how many those were."""
@@ -658,7 +658,7 @@ class _Once:
 class _Reporting(Iterator[Any]):
     """A worker's samples that report their end once: exhausted (complete), or closed or
     collected before that (the worker shut down or exiting because its main process is
-    gone: not complete, see `finish_share`)."""
+    gone: not complete, see `finish_ticket`)."""
 
     def __init__(self, samples: Iterator[Any], done: _Once) -> None:
         self._samples, self._done = samples, done
@@ -687,7 +687,7 @@ def _drop_quietly(cache: SampleStore, name: str, home_pid: int) -> None:
     if os.getpid() != home_pid:
         return
     try:
-        drop_shares(cache, name)
+        drop_tickets(cache, name)
     except Exception:  # interpreter shutdown: a dead owner's lease is reclaimed anyway
         log.debug("could not drop stream document %s", name, exc_info=True)
     finally:

@@ -11,7 +11,7 @@ never written to. What the copy keeps and leaves behind:
   the coverage ledgers (``coverage/``);
 * left behind: the leases (a lease names a process of the source's machine: the copy's samples
   are all free for eviction), release plans, owner and lock files, and every state document
-  (the daemon's heartbeat, samplers' positions and health, streams' shares, jobs).
+  (the daemon's heartbeat, samplers' positions and health, streams' tickets, jobs).
 
 All or nothing: the copy is written into a temporary directory beside the destination
 (``.<name>.partial-copy-<id>``, on the same filesystem), made durable (fsync), and renamed into

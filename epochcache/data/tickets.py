@@ -1,4 +1,4 @@
-"""Epoch shares: one snapshot that several processes (a loader's workers) agree on.
+"""Epoch tickets: one snapshot that several processes (a loader's workers) agree on.
 
 A torch ``IterableDataset`` is iterated inside each DataLoader worker, and the workers of one
 ``iter(loader)`` must read one snapshot, split between them, however the cache grows while they
@@ -14,15 +14,15 @@ releases it. A document::
     {"epoch": 3, "lo": 100, "hi": 900, "count": 800, "lease": "ab12...", "token": "...",
      "group": "1234:0", "claimed": [0, 1], "done": 1, "release": true}
 
-``token`` names a share the main process prepared (``set_epoch``), ``group`` the loader
+``token`` names a ticket the main process prepared (``set_epoch``), ``group`` the loader
 iteration that claimed it (None until one does), ``claimed`` the workers of that iteration that
 did, ``release`` whether the workers release the lease (not under DDP: there the node's leader
 releases it once every rank is past the epoch).
 
 A group is the loader's base seed, which repeats when every loader gets a generator seeded
 alike (``generator=torch.Generator().manual_seed(0)``, a common habit): a worker whose group
-matches but who already claimed the share, or whose share was released, belongs to a new
-iteration, which is a new epoch. A share is never handed out again once its lease is released.
+matches but who already claimed the ticket, or whose ticket was released, belongs to a new
+iteration, which is a new epoch. A ticket is never handed out again once its lease is released.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class Share:
+class Ticket:
     """One epoch's snapshot as processes pass it around: its lease's range and count."""
 
     epoch: int
@@ -56,7 +56,7 @@ class Share:
     lease: str | None  # None on DDP ranks that are not their node's leader
     token: str = ""
     #: Read again from its start by a new loader iteration, after one that stopped before
-    #: its end (see `claim_share`): samples that one released may be gone.
+    #: its end (see `claim_ticket`): samples that one released may be gone.
     restarted: bool = False
 
 
@@ -69,14 +69,14 @@ def _save(txn: lmdb.Transaction, cache: SampleStore, name: str, doc: dict[str, A
     txn.put(name.encode(), json.dumps(doc, separators=(",", ":")).encode(), db=cache.env.dbs[DB_STATE])
 
 
-def _share_of(doc: dict[str, Any]) -> Share:
-    return Share(doc["epoch"], doc["lo"], doc["hi"], doc["count"], doc["lease"], doc["token"],
+def _ticket_of(doc: dict[str, Any]) -> Ticket:
+    return Ticket(doc["epoch"], doc["lo"], doc["hi"], doc["count"], doc["lease"], doc["token"],
                  bool(doc.get("restarted")))
 
 
 def _release_old(txn: lmdb.Transaction, cache: SampleStore, doc: dict[str, Any] | None, *,
                  finished: bool, reason: str) -> None:
-    """Release the lease of the share ``doc`` records, if its readers release it.
+    """Release the lease of the ticket ``doc`` records, if its readers release it.
 
     ``finished=False``: the epoch was abandoned before its end (the stream closed or
     collected, its main process exiting or killed): a lease a state named for a resume
@@ -101,13 +101,13 @@ def _release_old(txn: lmdb.Transaction, cache: SampleStore, doc: dict[str, Any] 
     remove_plan(cache.path, doc["lease"])  # (a file, outside the transaction's undo)
 
 
-def publish_share(cache: SampleStore, name: str, share: Share, release: bool) -> None:
-    """Record a share the main process prepared, for its workers to claim."""
-    doc = {**asdict(share), "group": None, "done": 0, "release": release, "released": False}
+def publish_ticket(cache: SampleStore, name: str, ticket: Ticket, release: bool) -> None:
+    """Record a ticket the main process prepared, for its workers to claim."""
+    doc = {**asdict(ticket), "group": None, "done": 0, "release": release, "released": False}
 
     def run(txn: lmdb.Transaction) -> None:
         old = _load(txn, cache, name)
-        if old is not None and old.get("lease") != share.lease:
+        if old is not None and old.get("lease") != ticket.lease:
             # a worker-taken lease of an earlier epoch: the stream went on to the next
             _release_old(txn, cache, old, finished=True,
                          reason="released when its stream prepared the next epoch")
@@ -116,32 +116,32 @@ def publish_share(cache: SampleStore, name: str, share: Share, release: bool) ->
     cache.env.write(run)
 
 
-def claim_share(cache: SampleStore, name: str, group: str, worker: int, *,
-                progressive: bool = True, prepared: Share | None, first_epoch: int,
+def claim_ticket(cache: SampleStore, name: str, group: str, worker: int, *,
+                progressive: bool = True, prepared: Ticket | None, first_epoch: int,
                 home_pid: int, home_owner: str, label: str, take: bool,
-                resumed: Share | None = None, workers: int = 1) -> Share | None:
-    """The share worker ``worker`` of the loader iteration ``group`` reads, agreed in one
+                resumed: Ticket | None = None, workers: int = 1) -> Ticket | None:
+    """The ticket worker ``worker`` of the loader iteration ``group`` reads, agreed in one
     write transaction.
 
-    In order: the share another worker of ``group`` already claimed (unless this worker did
-    too, or the share was released: then this is a new iteration); the ``prepared`` share,
+    In order: the ticket another worker of ``group`` already claimed (unless this worker did
+    too, or the ticket was released: then this is a new iteration); the ``prepared`` ticket,
     if no iteration claimed it yet; else, when ``take``, a new snapshot for the epoch after the
     last one recorded (or ``first_epoch``), leased in the name of ``home_pid`` and its owner
     lock ``home_owner`` (see `hold_owner`). Returns None
     when a new snapshot is needed but ``take`` is false (under DDP, where only the main
     process may agree on one). With ``resumed`` (the rest of an interrupted epoch, its lease
-    adopted), the iteration reads that share and its last worker releases its lease; None
+    adopted), the iteration reads that ticket and its last worker releases its lease; None
     then means an earlier iteration resumed it already.
 
-    Under DDP (``take`` false) a new iteration that finds the ``prepared`` share claimed by
+    Under DDP (``take`` false) a new iteration that finds the ``prepared`` ticket claimed by
     an iteration that did not read it to its end starts it over: a loader iterator created
     and dropped before the epoch (Lightning 2.6 calls ``iter()`` twice) must not use up the
-    epoch the ranks agreed on. The share is then ``restarted``.
+    epoch the ranks agreed on. The ticket is then ``restarted``.
     """
 
     limit = cache.effective_capacity  # read before the write transaction, as snapshot() does
 
-    def run(txn: lmdb.Transaction) -> Share | None:
+    def run(txn: lmdb.Transaction) -> Ticket | None:
         doc = _load(txn, cache, name)
         if resumed is not None:
             marker = _resumed_key(name)
@@ -166,19 +166,19 @@ def claim_share(cache: SampleStore, name: str, group: str, worker: int, *,
                 and worker not in doc.get("claimed", ())):
             doc["claimed"] = [*doc.get("claimed", ()), worker]
             _save(txn, cache, name, doc)
-            return _share_of(doc)
+            return _ticket_of(doc)
         if (prepared is not None and doc is not None and doc.get("group") is None
                 and doc.get("token") == prepared.token):
             doc["group"], doc["claimed"], doc["workers"] = group, [worker], workers
             _save(txn, cache, name, doc)
-            return _share_of(doc)
+            return _ticket_of(doc)
         if (not take and prepared is not None and doc is not None
                 and doc.get("token") == prepared.token and not doc.get("released")
                 and int(doc.get("complete", 0)) < int(doc.get("workers") or 1)):
             doc.update(group=group, claimed=[worker], done=0, complete=0, workers=workers,
                        restarted=True)
             _save(txn, cache, name, doc)
-            return _share_of(doc)
+            return _ticket_of(doc)
         if not take:
             return None
         _release_old(txn, cache, doc, finished=True,
@@ -189,15 +189,15 @@ def claim_share(cache: SampleStore, name: str, group: str, worker: int, *,
                                              plan_parts=1 if progressive else 0)
         lo = int(seqs[0]) if len(seqs) else 0
         hi = int(seqs[-1]) + 1 if len(seqs) else 0
-        share = Share(epoch, lo, hi, len(seqs), lease_id)
-        _save(txn, cache, name, {**asdict(share), "group": group, "claimed": [worker],
+        ticket = Ticket(epoch, lo, hi, len(seqs), lease_id)
+        _save(txn, cache, name, {**asdict(ticket), "group": group, "claimed": [worker],
                                  "done": 0, "release": True, "released": False})
-        return share
+        return ticket
 
     return cache.env.write(run)
 
 
-def finish_share(cache: SampleStore, name: str, group: str, workers: int, *,
+def finish_ticket(cache: SampleStore, name: str, group: str, workers: int, *,
                  complete: bool = True) -> None:
     """One worker of ``group`` is done: ``complete`` when it read its whole part, not when it
     stopped early (shut down, its main process gone). The last of ``workers`` releases the
@@ -231,7 +231,7 @@ def last_epoch(cache: SampleStore, name: str) -> int | None:
     return None if doc is None else int(doc["epoch"])
 
 
-def drop_shares(cache: SampleStore, name: str) -> None:
+def drop_tickets(cache: SampleStore, name: str) -> None:
     """Release a worker-taken lease still recorded under ``name`` (one a state named is left
     for its resume) and forget the document."""
 
@@ -262,7 +262,7 @@ def release_owner(cache: SampleStore) -> None:
 
 
 def unwatch(cache: SampleStore, lease_id: str) -> None:
-    """Stop heartbeating a snapshot whose lease a share now manages: its workers may release
+    """Stop heartbeating a snapshot whose lease a ticket now manages: its workers may release
     it, which the heartbeat would report as a reclaim. The stream's owner lock
     (`hold_owner`) keeps the lease alive instead, so the snapshot's count is returned."""
     if heartbeats().remove(cache.path, lease_id):
