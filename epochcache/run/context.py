@@ -11,9 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from ..config import EpochcacheConfig
-from .checkpoint import save_checkpoint
+from .checkpoint import MidEpoch, save_checkpoint
 from .devices import CPU, RunDevice
-from .midepoch import MidEpoch
 from .progress import TrainProgress, batch_len
 from .signals import StopSignals
 
@@ -56,7 +55,7 @@ class RunContext:
     def save_checkpoint(self, epoch: int, metrics: Mapping[str, Any],
                         resume: Mapping[str, Any] | None = None) -> Path:
         """Checkpoint after ``epoch`` (the last completed); ``resume``: where the epoch after
-        it stands, for a mid-epoch checkpoint (see `midepoch`)."""
+        it stands, for a mid-epoch checkpoint (see `MidEpoch`)."""
         payload: dict[str, Any] = {
             "epoch": epoch,
             "metrics": dict(metrics),

@@ -44,10 +44,9 @@ from ..placement import Placement
 from ..redact import redact_url
 from ..store import SampleStore
 from ..store.plumbing import append_history
-from .checkpoint import resume_checkpoint
+from .checkpoint import MidEpoch, checkpointed_coverage, loader_states, resume_checkpoint
 from .context import RunContext, TimedLoader
 from .devices import CPU, RunDevice
-from .midepoch import MidEpoch, checkpointed_coverage, loader_states
 from .progress import TrainProgress, Turnover, train_metrics
 from .signals import Interrupted, StopSignals, Terminated, quiet_worker, shelter_forkserver
 from .source_check import check_run_sources
