@@ -12,7 +12,7 @@ from typing import Any
 
 from ..config import EpochcacheConfig
 from .checkpoint import MidEpoch, save_checkpoint
-from .devices import CPU, RunDevice
+from .process_group import CPU, RunDevice
 from .progress import TrainProgress, batch_len
 from .signals import StopSignals
 

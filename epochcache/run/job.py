@@ -11,7 +11,7 @@ run directory; ``--resume`` continues at the next epoch (mid-epoch, from a check
 (`epochcache.run.signals`): the daemon stopped if the run started it, the last checkpoint kept,
 the epoch's lease left for the resume if a checkpoint named it, else released (what a stop
 keeps: docs/guide/resume.md, "Every stop is a resume point"). On a CUDA node each rank trains
-on its own GPU (``RunContext.device``; `epochcache.run.devices`).
+on its own GPU (``RunContext.device``; `epochcache.run.process_group`).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from ..store import SampleStore
 from ..store.plumbing import append_history
 from .checkpoint import MidEpoch, checkpointed_coverage, loader_states, resume_checkpoint
 from .context import RunContext, TimedLoader
-from .devices import CPU, RunDevice
+from .process_group import CPU, RunDevice
 from .progress import TrainProgress, Turnover, train_metrics
 from .signals import Interrupted, StopSignals, Terminated, quiet_worker, shelter_forkserver
 from .source_check import check_run_sources
@@ -483,8 +483,7 @@ def _run_job(run: Run, place: Placement) -> int:
             stop.check()
         run.train_fn  # noqa: B018 - import the trainer now: a missing function is a bad config
         stop.check()
-        from .devices import joins_job
-        from .process_group import barrier, init_run_distributed, select_device
+        from .process_group import barrier, init_run_distributed, joins_job, select_device
 
         run.device = select_device(place)  # torch: after the checks
         joined = joins_job(place, os.environ)
