@@ -1,8 +1,8 @@
 """``epochcache run``: YAML-configured training runs.
 
 The run itself (`job`: daemon, epochs, metrics, checkpoints, plots, the process group
-under torchrun), what a trainer gets (`context`), how a run stops on a signal
-(`signals`), its per-epoch figures and turnover (`progress`), its checkpoints and their agreement
+under torchrun), what a trainer gets and the turnover and metrics measured while it trains
+(`context`), how a run stops on a signal (`signals`), its checkpoints and their agreement
 across ranks (`checkpoint`), and the wait for ``train.min_samples`` (`fill_watch`).
 """
 

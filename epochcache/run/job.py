@@ -45,9 +45,8 @@ from ..redact import redact_url
 from ..store import SampleStore
 from ..store.plumbing import append_history
 from .checkpoint import MidEpoch, checkpointed_coverage, loader_states, resume_checkpoint
-from .context import RunContext, TimedLoader
+from .context import RunContext, TimedLoader, TrainProgress, Turnover, train_metrics
 from .process_group import CPU, RunDevice
-from .progress import TrainProgress, Turnover, train_metrics
 from .signals import Interrupted, StopSignals, Terminated, quiet_worker, shelter_forkserver
 from .source_check import check_run_sources
 
