@@ -38,7 +38,7 @@ def wait_for_samples(cache: SampleStore, min_samples: int, timeout_s: float | No
     Args:
         judge: called with the count at every poll: True ends the wait early (with fewer
             samples), an exception ends it with that error (``epochcache run`` passes
-            `epochcache.run.fill_watch.FillWatch`).
+            `epochcache.run.startup.FillWatch`).
 
     Raises:
         TimeoutError: not enough samples after ``timeout_s`` (the message says how many).

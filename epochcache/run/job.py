@@ -48,7 +48,7 @@ from .checkpoint import MidEpoch, checkpointed_coverage, loader_states, resume_c
 from .context import RunContext, TimedLoader, TrainProgress, Turnover, train_metrics
 from .process_group import CPU, RunDevice
 from .signals import Interrupted, StopSignals, Terminated, quiet_worker, shelter_forkserver
-from .source_check import check_run_sources
+from .startup import check_run_sources
 
 # RunContext and Terminated are re-exported: trainers' type hints (docs/howto/runs.md), callers' except.
 __all__ = ["Run", "RunContext", "Terminated",
@@ -254,7 +254,7 @@ class Run:
             # The wait ends with an error naming train.min_samples (or starts on a smaller,
             # wholly cached source) as soon as the number is known to be out of reach.
             from ..data.wait import wait_for_samples
-            from .fill_watch import FillWatch
+            from .startup import FillWatch
 
             watch = FillWatch(cache, loader_options.min_samples,
                               self.daemon_exit if self._daemon_thread is not None else None,
