@@ -62,6 +62,7 @@ RETIRED: dict[str, str] = {
     "_holders": "_writers",
     "probe_workers": "check_workers",  # a probe raises a limit to test it
     "Store": "Env",  # store/env.py's; the store is the storage layer (torch's TCPStore aside)
+    "Planner": "Preparer",  # an epoch is prepared; a plan is a release plan
 }
 
 

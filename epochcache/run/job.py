@@ -253,7 +253,7 @@ class Run:
         try:
             # The wait ends with an error naming train.min_samples (or starts on a smaller,
             # wholly cached source) as soon as the number is known to be out of reach.
-            from ..data.wait import wait_for_samples
+            from ..data.schedule import wait_for_samples
             from .startup import FillWatch
 
             watch = FillWatch(cache, loader_options.min_samples,
