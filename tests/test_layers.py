@@ -50,7 +50,7 @@ def test_the_package_keeps_its_import_contracts() -> None:
         ("store/snapshot.py", "from ..data import dataset", "store"),
         ("store/copy_cache.py", "from ..coverage import ledger", "store"),
         ("coverage/ledger.py", "from ..ingest import remote", "coverage"),
-        ("data/wait.py", "from ..ingest import remote", "data"),
+        ("data/schedule.py", "from ..ingest import remote", "data"),
         ("config/schema.py", "import fsspec", "base"),
     ],
 )

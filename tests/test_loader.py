@@ -276,7 +276,7 @@ def test_min_samples_beyond_capacity_fails_instead_of_waiting_forever(tmp_path: 
     """A cache that starts evicting before min_samples are cached can never reach them."""
     import threading
 
-    from epochcache.data.wait import wait_for_samples
+    from epochcache.data.schedule import wait_for_samples
 
     cache = Cache(tmp_path / "small", capacity="64KiB", headroom=0.0)
     stop = threading.Event()

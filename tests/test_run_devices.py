@@ -25,7 +25,7 @@ from test_run import demo_config, read_metrics
 
 from epochcache.errors import NodeLayoutError
 from epochcache.placement import Placement
-from epochcache.run.devices import CPU, RunDevice, choose_device, joins_job
+from epochcache.run.process_group import CPU, RunDevice, choose_device, joins_job
 
 # -- the decision ------------------------------------------------------------------------------
 

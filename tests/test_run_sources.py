@@ -23,7 +23,7 @@ from common.daemonproc import upload, wait_cached, wait_running, write_config
 from epochcache.config import load_config
 from epochcache.ingest.layouts import SourceSpec
 from epochcache.ingest.lineage import config_sources, source_name
-from epochcache.run.source_check import check_run_sources
+from epochcache.run.startup import check_run_sources
 
 pytestmark = pytest.mark.timeout(240)
 

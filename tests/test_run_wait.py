@@ -54,7 +54,7 @@ def test_a_source_smaller_than_min_samples_trains_on_what_there_is(tmp_path: Pat
 
 def test_a_loader_waiting_on_its_own_asks_whether_a_daemon_runs(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    from epochcache.data.wait import wait_for_samples
+    from epochcache.data.schedule import wait_for_samples
     from epochcache.store import SampleStore
 
     cache = SampleStore(str(tmp_path / "cache"), capacity=1 << 20)
@@ -90,21 +90,21 @@ def test_a_plain_script_waiting_with_no_daemon_is_told_so_within_seconds(tmp_pat
 
 def test_a_wait_without_progress_warns_again_at_an_interval_not_at_every_poll(
         tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
-    from epochcache.data import wait
+    from epochcache.data import schedule
     from epochcache.store import SampleStore
 
-    monkeypatch.setattr(wait, "NO_DAEMON_WARN_S", 0.1)
-    monkeypatch.setattr(wait, "WARN_EVERY_S", 0.3)
+    monkeypatch.setattr(schedule, "NO_DAEMON_WARN_S", 0.1)
+    monkeypatch.setattr(schedule, "WARN_EVERY_S", 0.3)
     # The wait's clock advances by its sleeps only: a loaded machine (a full run at -n 3 on two
     # cores) stretched the real one's polls and the count of warnings with them.
     clock = [0.0]
     fake_time = types.SimpleNamespace(monotonic=lambda: clock[0], time=time.time,
                                       sleep=lambda s: clock.__setitem__(0, clock[0] + s))
-    monkeypatch.setattr(wait, "time", fake_time)
+    monkeypatch.setattr(schedule, "time", fake_time)
     cache = SampleStore(str(tmp_path / "cache"), capacity=1 << 20)
     try:
         with caplog.at_level("WARNING", logger="epochcache"), pytest.raises(TimeoutError):
-            wait.wait_for_samples(cache, 10, timeout_s=1.0, poll_s=0.05)
+            schedule.wait_for_samples(cache, 10, timeout_s=1.0, poll_s=0.05)
     finally:
         cache.close()
     warned = [r for r in caplog.records if "no daemon is filling this cache" in r.getMessage()]

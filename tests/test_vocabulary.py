@@ -66,6 +66,7 @@ RETIRED: dict[str, str] = {
     "Share": "Ticket",
     "claim_share": "claim_ticket",
     "publish_share": "publish_ticket",
+    "Planner": "Preparer",  # an epoch is prepared; a plan is a release plan
 }
 
 

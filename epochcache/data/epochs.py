@@ -60,7 +60,6 @@ from .distributed import (
     dist_initialized,
 )
 from .epoch_loader import EpochLoader, check_workers, stop_workers
-from .planner import Planner
 from .reader import SampleReader
 from .resume import (
     COUNT,
@@ -76,16 +75,17 @@ from .resume import (
 from .ring import forget_exited
 from .schedule import (
     EpochSchedule,
+    Preparer,
     ScheduleIndices,
     SeqBatches,
     identity,
     in_process_batches,
     tallies_of,
+    wait_for_samples,
 )
 from .stall import WorkerCheck, arm_stack_dump, get_watchdog
 from .states import NodeStates, check_resume, order_identity
 from .tallies import Tallies
-from .wait import wait_for_samples
 from .workers import start_method, start_workers
 
 if TYPE_CHECKING:
@@ -200,7 +200,7 @@ class _Epochs:
         self.pinned = bool(self.loader_kwargs.get("pin_memory")) and torch.cuda.is_available()
         self.sync = (NodeSync(self.place, cache_identity(cache.path), cache.path)
                      if dist_initialized() and self.place.distributed else None)
-        self.planner = Planner(cache, place, self.sync, epoch)
+        self.planner = Preparer(cache, place, self.sync, epoch)
         # In process and without DDP collectives, the next epoch is scheduled in the training
         # thread when triggered (~0.3 ms, once per epoch): on a background thread the same work
         # cost the training thread ~5x that in GIL hand-offs.

@@ -1,30 +1,187 @@
-"""An epoch's schedule: what one epoch reads on one rank, in which order, in which batches.
+"""Preparing an epoch, for both loaders; ``epochs()``' schedule of it; the wait for
+``min_samples`` before the first.
 
-An `EpochSchedule` is one epoch on one rank: its dataset (holding the snapshot's lease
-on the node's leader), its seeded sample order and its batch count. (What a snapshot's readers
-have read, for eviction, is its *release plan*: `epochcache.store.plans`.) The DataLoader
-epochs() builds is driven by a `ScheduleIndices`, which yields batches of sequence
-numbers once the schedule exists, over a `SeqBatches` dataset that turns each such batch
-into a finished batch.
+**Preparing.** ``epochs()`` (`epochs`) and ``stream()`` (`stream`) prepare an epoch the same
+way, with a `Preparer`:
+
+1. **The snapshot is the node's.** The node's leader (local rank 0) takes it under a lease
+   whose release plan has one *part* per rank of the node (`Preparer.parts`; none with
+   ``release="epoch"``), and shares its sequence numbers with the node's other ranks
+   (`Preparer.share`: one collective under DDP).
+2. **The order is the seed's.** The epoch's order is a seeded permutation of the snapshot
+   (`epoch_order`): every rank and worker that computes it, or a resume that
+   computes it again, gets the same one. Each rank reads its disjoint slot of it
+   (`Preparer.rank_order`).
+3. **What a rank reads is its part of the release plan.** Its lanes (the rank's loop, or each
+   DataLoader worker of a stream) go into the part that rank owns
+   (`write_release_part`), so eviction may take each sample once every lane that reads
+   it is past it. A disk that cannot hold the plan leaves the snapshot protected whole.
+
+What differs stays with each loader: ``epochs()`` agrees a batch count across ranks (and
+resumes by node, `resume`), a stream agrees a sample count and publishes the epoch to
+its DataLoader workers as a ticket (`epochcache.data.tickets`).
+
+**The schedule.** An `EpochSchedule` is one epoch of ``epochs()`` on one rank: its dataset
+(holding the snapshot's lease on the node's leader), its order and its batch count. The
+DataLoader epochs() builds is driven by a `ScheduleIndices`, which yields batches of sequence
+numbers once the schedule exists, over a `SeqBatches` dataset that turns each such batch into a
+finished batch.
+
+**The wait** (`wait_for_samples`) shows a rich progress bar on a terminal, log lines elsewhere.
+A wait that makes no progress says so as a WARNING, which reaches stderr in a plain script
+with no logging configured (Python's last-resort handler): after `NO_DAEMON_WARN_S` without a
+new sample when no daemon fills the cache, after `STALLED_WARN_S` when one does, and again
+every `WARN_EVERY_S` while the count stays put (a wait of 400 s with no daemon printed nothing
+at all, issue 37).
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import logging
 import math
-from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from ..boot import heartbeat_alive
+from ..errors import MinSamplesUnreachable
+from ..placement import Placement
 from ..store.plans import Releaser
+from ..store.plumbing import write_plan_part
 from .collate import batch_buffers
 from .dataset import EpochDataset, snapshot_gone
 from .reader import SampleReader
 from .ring import hand_off
 from .tallies import Tallies
 from .workers import WarmUp
+
+if TYPE_CHECKING:
+    from ..options import EpochOptions
+    from ..store import SampleStore, Snapshot
+    from .distributed import NodeSync
+
+log = logging.getLogger(__name__)
+
+#: ``take()`` of `Preparer.share`: the snapshot's sequence numbers and lease id.
+Take = Callable[[], "tuple[np.ndarray, str]"]
+#: Seconds without a new sample, no daemon filling the cache, before the wait warns.
+NO_DAEMON_WARN_S = 5.0
+#: Seconds without a new sample before the wait warns while a daemon runs (it lists first).
+STALLED_WARN_S = 60.0
+#: Seconds between two warnings while the count stays put.
+WARN_EVERY_S = 60.0
+
+
+class Preparer:
+    """Prepares the epochs of one loader on one rank (see the module docstring).
+
+    Args:
+        cache: the cache the loader reads.
+        place: this rank's place in the job.
+        sync: the node's collectives under DDP (None: this rank plans alone).
+        options: the epoch order's and release's (seed, shuffle, samples_per_epoch, release).
+        split_ranks: each rank of the node reads its own slot of the order (False: every
+            rank reads all of it, for frameworks that split the data themselves).
+    """
+
+    def __init__(self, cache: SampleStore, place: Placement, sync: NodeSync | None,
+                 options: EpochOptions, *, split_ranks: bool = True) -> None:
+        self.cache, self.place, self.sync = cache, place, sync
+        self.seed, self.shuffle = options.seed, bool(options.shuffle)
+        self.samples_per_epoch, self.progressive = options.samples_per_epoch, options.progressive
+        self.split_ranks = split_ranks
+
+    @property
+    def distributed(self) -> bool:
+        return self.sync is not None
+
+    @property
+    def parts(self) -> int:
+        """The parts of an epoch's release plan: one per rank of the node (0: no plan)."""
+        if not self.progressive:
+            return 0
+        return self.place.local_world_size if self.distributed else 1
+
+    @property
+    def part(self) -> int:
+        """The part of the release plan this rank writes."""
+        return self.place.local_rank if self.distributed else 0
+
+    @property
+    def slot(self) -> tuple[int, int]:
+        """``(slot, slots)``: which slice of the node's order this rank reads."""
+        if self.split_ranks:
+            return self.place.local_rank, self.place.local_world_size
+        return 0, 1
+
+    def snapshot(self, epoch: int, label: str) -> tuple[np.ndarray, str, Snapshot]:
+        """Take the epoch's snapshot here (the node's leader): ``(seqs, lease_id, snapshot)``,
+        under a lease whose release plan has `parts` parts."""
+        snapshot = self.cache.snapshot(epoch=epoch, label=label, plan_parts=self.parts)
+        return snapshot.seqs, snapshot.lease_id, snapshot
+
+    def share(self, take: Take) -> tuple[np.ndarray, str]:
+        """The node's snapshot: ``take()`` on the leader, shared with the node's ranks (one
+        collective under DDP; every rank calls it together)."""
+        if self.sync is None:
+            return take()
+        return self.sync.share_seqs(take if self.place.local_rank == 0 else None)
+
+    def order(self, seqs: np.ndarray, epoch: int) -> np.ndarray:
+        """The node's order of the epoch: the seeded permutation of its snapshot (the same on
+        every process that computes it, a resume included)."""
+        return epoch_order(seqs, epoch, self.seed, self.shuffle, self.samples_per_epoch)
+
+    def split(self, order: np.ndarray) -> np.ndarray:
+        """This rank's disjoint slot of the node's order (a strided view, no copy)."""
+        slot, slots = self.slot
+        return order if slots <= 1 else order[slot::slots]
+
+    def rank_order(self, seqs: np.ndarray, epoch: int, samples: int = -1) -> np.ndarray:
+        """This rank's order of the epoch, cut to ``samples`` (all when negative)."""
+        return rank_order(seqs, epoch, self.seed, self.shuffle, self.samples_per_epoch,
+                          *self.slot, samples)
+
+    def release_part(self, lease_id: str, lanes: Sequence[np.ndarray],
+                     lane: int = 0) -> Releaser | None:
+        """Write this rank's part of the release plan (see `write_release_part`); None
+        without release plans."""
+        if not self.progressive:
+            return None
+        return write_release_part(self.cache, lease_id, self.part, lanes, lane)
+
+
+def rank_order(seqs: np.ndarray, epoch: int, seed: int, shuffle: bool,
+               samples_per_epoch: int | None, slot: int = 0, slots: int = 1,
+               samples: int = -1) -> np.ndarray:
+    """The epoch's seeded order over a snapshot, the ``slot`` of ``slots`` of it, cut to
+    ``samples`` (all when negative)."""
+    order = epoch_order(seqs, epoch, seed, shuffle, samples_per_epoch)
+    if slots > 1:
+        order = order[slot::slots]
+    return order if samples < 0 else order[:samples]
+
+
+def write_release_part(cache: SampleStore, lease_id: str, part: int,
+                       lanes: Sequence[np.ndarray], lane: int = 0) -> Releaser | None:
+    """Write ``part`` of a lease's release plan: the ``lanes`` its readers read, in order
+    (the first reader to get here writes it; the lanes are the same for all), and return the
+    releaser of ``lane``. None when there is nothing to plan, or when the disk cannot hold the
+    plan (full or read-only): the snapshot then stays protected whole until it ends."""
+    if not lease_id or not any(len(one) for one in lanes):
+        return None
+    try:
+        write_plan_part(cache, lease_id, part, list(lanes))
+    except OSError as exc:
+        log.warning("%s: could not write the epoch's release plan (%s): its samples stay "
+                    "protected until it ends", cache.path, exc)
+        return None
+    return Releaser(cache.path, lease_id, part, lane)
 
 
 def epoch_order(seqs: np.ndarray, epoch: int, seed: int = 0, shuffle: bool = True,
@@ -213,3 +370,90 @@ def in_process_batches(loader: DataLoader[Any], sampler: ScheduleIndices) -> Ite
     collate = loader.collate_fn
     for batch in sampler:
         yield collate(fetch(batch))
+
+
+def wait_for_samples(cache: SampleStore, min_samples: int, timeout_s: float | None = None,
+                     poll_s: float = 0.5, judge: Callable[[int], bool] | None = None) -> int:
+    """Block until ``cache`` holds ``min_samples`` samples; return how many it holds.
+
+    Args:
+        judge: called with the count at every poll: True ends the wait early (with fewer
+            samples), an exception ends it with that error (``epochcache run`` passes
+            `epochcache.run.startup.FillWatch`).
+
+    Raises:
+        TimeoutError: not enough samples after ``timeout_s`` (the message says how many).
+        MinSamplesUnreachable: the cache is at its capacity and evicting below min_samples.
+    """
+    count = cache.counters().samples
+    if count >= min_samples:
+        return count
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    # With a judge the caller watches the daemon itself (`epochcache run`, which may have just
+    # started it): asking whether it runs only puzzled a new user's first run.
+    log.info("%s: waiting until %d samples are cached (%d now)%s", cache.path, min_samples,
+             count, "" if judge is not None else "; is the daemon running?")
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    progress = Progress("waiting for samples", BarColumn(), MofNCompleteColumn(),
+                        TimeElapsedColumn(), transient=True, console=Console(stderr=True),
+                        disable=not sys.stderr.isatty())
+    last_log = since = time.monotonic()  # since: when the count last grew
+    warned: float | None = None
+    with progress:
+        task = progress.add_task("fill", total=min_samples, completed=count)
+        while count < min_samples:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"{cache.path}: only {count} of min_samples={min_samples} samples cached after "
+                    f"{timeout_s:g} s; start `epochcache daemon` or lower train.min_samples"
+                )
+            time.sleep(poll_s)
+            counters = cache.counters()
+            now = time.monotonic()
+            if counters.samples != count:
+                since, warned = now, None
+            count = counters.samples
+            if count < min_samples and counters.evicted > 0 and counters.bytes >= 0.9 * cache.effective_capacity:
+                # Eviction has started: the cache is as full as its capacity lets it get, and
+                # waiting longer would wait forever.
+                raise MinSamplesUnreachable(
+                    f"{cache.path}: min_samples={min_samples} cannot be reached: the cache holds "
+                    f"{count} samples at its capacity and has started evicting; lower "
+                    "train.min_samples or raise cache.capacity"
+                )
+            if count < min_samples and judge is not None and judge(count):
+                return count
+            if count < min_samples and judge is None and (
+                    warned is None or now - warned >= WARN_EVERY_S):
+                # A run (judge) watches its daemon and ends the wait itself.
+                if _warn_if_stuck(cache, count, min_samples, now - since):
+                    warned = now
+            progress.update(task, completed=min(count, min_samples))
+            if time.monotonic() - last_log > 10:
+                last_log = time.monotonic()
+                log.info("%s: %d/%d samples cached", cache.path, count, min_samples)
+    return count
+
+
+def _warn_if_stuck(cache: SampleStore, count: int, min_samples: int, quiet_s: float) -> bool:
+    """Warn that the wait makes no progress, with what to do; whether it warned."""
+    if quiet_s < NO_DAEMON_WARN_S:
+        return False
+    # The daemon's health document (epochcache.ingest.health, which data/ does not import).
+    daemon = cache.tables.get_state("daemon")
+    age_s = time.time() - float((daemon or {}).get("heartbeat", 0))
+    waiting = (f"{cache.path}: waiting for min_samples={min_samples} ({count} cached, none new "
+               f"for {quiet_s:.0f} s)")
+    if daemon is None or not heartbeat_alive(daemon, age_s):
+        log.warning("%s and no daemon is filling this cache: start one (`epochcache daemon "
+                    "CONFIG`, or `with epochcache.Daemon(config):` around the loop), fill it "
+                    "with cache.put_many(), or lower min_samples (wait_timeout_s= ends the wait "
+                    "with an error)", waiting)
+        return True
+    if quiet_s < STALLED_WARN_S:
+        return False
+    log.warning("%s although its daemon (pid %s) runs: `epochcache status %s` shows its "
+                "samplers' last errors", waiting, daemon.get("pid"), cache.path)
+    return True

@@ -38,9 +38,9 @@ from ..store.plans import Releaser
 from ..store.plumbing import adopt_lease, snapshot_seqs
 from .dataset import snapshot_gone
 from .distributed import NodeSync, detect_placement, dist_initialized
-from .planner import Planner, rank_order, write_release_part
 from .reader import SampleReader
 from .resume import lease_gone_reason
+from .schedule import Preparer, rank_order, write_release_part
 from .stall import arm_stack_dump
 from .states import STREAM_KIND as KIND
 from .states import STREAM_ORDER_KEYS as ORDER_KEYS
@@ -274,14 +274,14 @@ class CacheStream(IterableDataset[Any]):
         if distributed and self._home.sync is None:
             # collective: every rank prepares in step (and checks the node layout)
             self._home.sync = NodeSync(place, cache_identity(cache.path), cache.path)
-        planner = Planner(cache, place, self._home.sync, self.epoch_options,
+        preparer = Preparer(cache, place, self._home.sync, self.epoch_options,
                           split_ranks=self.split_ranks)
         taken: list[Snapshot] = []
 
         def take() -> tuple[np.ndarray, str]:
             # The release plan's lanes are written by whoever reads them (the loop or each
             # DataLoader worker: write_release_part).
-            seqs, lease_id, snapshot = planner.snapshot(epoch,
+            seqs, lease_id, snapshot = preparer.snapshot(epoch,
                                                         f"stream {self.stream_id} epoch {epoch}")
             taken.append(snapshot)
             unwatch(cache, lease_id)  # the ticket manages it; our owner lock keeps it
@@ -289,13 +289,13 @@ class CacheStream(IterableDataset[Any]):
 
         if not distributed:
             self._release_snapshot()  # no other rank can still be reading it
-        seqs, lease_id = planner.share(take)
+        seqs, lease_id = preparer.share(take)
         # Under DDP every rank is past the previous epoch once the snapshot was shared.
         self._release_snapshot()
         self._home.snapshot = taken[0] if taken else None
         try:
-            order = planner.rank_order(seqs, epoch)
-            slot, slots = planner.slot
+            order = preparer.rank_order(seqs, epoch)
+            slot, slots = preparer.slot
             samples = len(order)
             if self._home.sync is not None:
                 samples = self._home.sync.agree_batches(samples)  # MIN over all ranks

@@ -1,9 +1,10 @@
 """``epochcache run``: YAML-configured training runs.
 
-The run itself (`job`: daemon, epochs, metrics, checkpoints, plots, the process group
-under torchrun), what a trainer gets (`context`), how a run stops on a signal
-(`signals`), its per-epoch figures and turnover (`progress`), its checkpoints and their agreement
-across ranks (`checkpoint`), and the wait for ``train.min_samples`` (`fill_watch`).
+The run itself (`job`: daemon, epochs, metrics, checkpoints, plots), what a trainer gets and
+what the run measures while it trains (`context`), how a run stops on a signal (`signals`),
+its checkpoints and their agreement across ranks (`checkpoint`), the rank's device and the
+process group under torchrun (`process_group`), and what it checks before training: its
+sources, the wait for ``train.min_samples`` (`startup`).
 """
 
 from __future__ import annotations

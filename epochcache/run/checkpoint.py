@@ -1,15 +1,30 @@
-"""Checkpoints of ``epochcache run``: writing one, and agreeing on one across ranks at --resume.
+"""Checkpoints of ``epochcache run``: at epoch ends and mid-epoch, agreed across ranks.
 
-Only global rank 0 writes the run directory. With ``train.run_dir`` on a shared filesystem every
-rank reads the same file at ``--resume``; without one (each node on its own disk) a node's run
-directory may hold no checkpoint, or an older one, and ranks that computed their own start
-epoch waited for each other's epochs forever. So under torch.distributed rank 0 decides: every
+**Writing.** Only global rank 0 writes the run directory (`save_checkpoint`, atomically).
+Between two batches, every ``train.checkpoint_every_s`` seconds and when the run is asked to
+stop (SIGTERM from a scheduler, Ctrl-C), `MidEpoch` saves the model, the optimizer and each
+rank's [`EpochLoader.state_dict`][epochcache.data.epoch_loader.EpochLoader.state_dict] (the
+epoch's lease and the rank's position in its order). Then, and only then, the samples the
+checkpoint covers are released for eviction (``release_as_consumed`` is off): everything after
+the checkpoint is still cached when the job dies, and the epoch's lease outlives it for
+``cache.resume_grace_s``. Under torch.distributed the ranks agree at every batch boundary (one
+small all-reduce) whether a checkpoint is due or a rank is stopping, so all of them save at
+the same batch, and stop together.
+
+**Resuming.** With ``train.run_dir`` on a shared filesystem every rank reads the same file at
+``--resume``; without one (each node on its own disk) a node's run directory may hold no
+checkpoint, or an older one, and ranks that computed their own start epoch waited for each
+other's epochs forever. So under torch.distributed rank 0 decides (`resume_checkpoint`): every
 rank resumes from rank 0's checkpoint (or, when rank 0 has none, starts fresh). A rank whose
 own file is byte-identical (same SHA-256) reads it; the others receive the bytes from rank 0.
-Rank 0 logs which checkpoint each rank used. Loading is ``weights_only`` either way, onto the
-CPU: a checkpoint written on a GPU resumes on a CPU-only node (and on another GPU), and
-``load_state_dict`` copies the tensors to wherever the model and optimizer live. The agreement
-runs in the run's bookkeeping group (gloo, also under NCCL: these are CPU objects).
+Rank 0 logs which checkpoint each rank used. Loading is ``weights_only``, onto the CPU: a
+checkpoint written on a GPU resumes on a CPU-only node (and on another GPU), and
+``load_state_dict`` copies the tensors to wherever the model and optimizer live. Each rank gets
+every rank's loader state back (`loader_states`, ``epochs(resume=...)``): the same snapshot,
+the same order, from the next sample -- on another number of ranks or nodes too (the rest
+dealt anew).
+
+The collectives run in the run's bookkeeping group (gloo, also under NCCL: CPU objects).
 """
 
 from __future__ import annotations
@@ -17,15 +32,27 @@ from __future__ import annotations
 import hashlib
 import io
 import logging
+import signal
+import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..errors import CheckpointError
 from ..paths import atomic_write
 
+if TYPE_CHECKING:
+    from .signals import StopSignals
+
 log = logging.getLogger(__name__)
 
 CHECKPOINT = "checkpoint.pt"
+#: The checkpoint key of a mid-epoch checkpoint: ``{"epoch", "batches", "loaders": {rank:
+#: state}}``; ``epoch`` of the checkpoint stays the last epoch completed.
+RESUME_KEY = "resume"
+#: The key of a mid-epoch checkpoint's staged coverage: every rank's token
+#: (`epochcache.coverage.staged`), counted once the checkpoint is written, or at the resume.
+COVERAGE_KEY = "coverage"
 
 
 def save_checkpoint(run_dir: Path, payload: dict[str, Any]) -> Path:
@@ -146,3 +173,134 @@ def resume_checkpoint(run_dir: Path, node_rank: int = 0) -> dict[str, Any] | Non
     if data is None:  # neither read nor received: cannot happen, but never load nothing
         raise CheckpointError(f"--resume: rank {rank} got no copy of {chosen['path']}")
     return _load(data, f"rank 0's checkpoint {chosen['path']}")
+
+
+
+class Checkpoints(Protocol):
+    """What saves a checkpoint: the run's `RunContext` (typed here by what is called, so that
+    context, which holds a `MidEpoch`, and this module import each other in one direction)."""
+
+    def save_checkpoint(self, epoch: int, metrics: Mapping[str, Any],
+                        resume: Mapping[str, Any] | None = None) -> Path: ...
+
+
+class MidEpoch:
+    """Saves mid-epoch checkpoints of one epoch (see the module docstring).
+
+    Args:
+        context: the trainer's context (what it registered for checkpoints).
+        loader: the epoch's [`EpochLoader`][epochcache.data.epoch_loader.EpochLoader].
+        epoch: the epoch.
+        every_s: seconds between checkpoints.
+        grace_s: how long the epoch's lease outlives a dead run (``cache.resume_grace_s``).
+        stop: the run's stop request (a stop is checkpointed before the run stops).
+        rank: this process's global rank; ``is_main`` writes the file.
+    """
+
+    def __init__(self, context: Checkpoints, loader: Any, epoch: int, *, every_s: float,
+                 grace_s: float, stop: StopSignals, rank: int, is_main: bool) -> None:
+        self.context, self.loader, self.epoch = context, loader, epoch
+        self.every_s, self.grace_s, self.stop = every_s, grace_s, stop
+        self.rank, self.is_main = rank, is_main
+        self.last = time.monotonic()
+        self.saved_batches = 0
+        self._kept = False
+        #: Called with the batches a checkpoint is about to cover, before it is saved (the
+        #: run records what the epoch trained on: its manifest, its coverage staged; see
+        #: coverage/trained.py); returns the staged coverage's token, which the checkpoint names.
+        self.on_save: Callable[[int], str | None] | None = None
+        #: Called once the checkpoint is written, on every rank (the staged coverage counted).
+        self.on_saved: Callable[[], None] | None = None
+        loader.release_as_consumed = False  # released as checkpoints cover them
+
+    def at_boundary(self, batches: int) -> None:
+        """Between two batches, ``batches`` done: save if a checkpoint is due (or the run
+        stops); under DDP every rank decides the same, and a stop on one rank stops all."""
+        due = time.monotonic() - self.last >= self.every_s
+        stopping = self.stop.requested
+        from ..placement import dist_initialized
+
+        if dist_initialized():
+            due, stopping = _agree(due, stopping)
+            if stopping and not self.stop.requested:
+                self.stop.request(signal.SIGTERM)  # a peer was told to stop: stop together
+        if (due or stopping) and batches > self.saved_batches:
+            self.save(batches)
+
+    def save(self, batches: int) -> None:
+        # Written whole whatever signal follows: a stop's checkpoint is the resume's only
+        # exact point (the last periodic one is older).
+        with self.stop.writing(f"the checkpoint of epoch {self.epoch} after {batches} batches"):
+            self._save(batches)
+        log.debug("epoch %d: checkpoint after %d batches", self.epoch, batches)
+
+    def _save(self, batches: int) -> None:
+        token = self.on_save(batches) if self.on_save is not None else None
+        state = self.loader.state_dict()
+        everyone = _gather({str(self.rank): (state, token)})
+        if not self._kept:
+            self.loader.keep_for_resume(self.grace_s)  # the node's leader holds the lease
+            self._kept = True
+        if self.is_main:
+            self.context.save_checkpoint(self.epoch - 1, {}, resume={
+                "epoch": self.epoch, "batches": batches,
+                "loaders": {rank: pair[0] for rank, pair in everyone.items()},
+                COVERAGE_KEY: sorted(pair[1] for pair in everyone.values() if pair[1])})
+        from .process_group import barrier
+
+        barrier()  # the file is written before any rank lets the samples go
+        self.loader.release(batches)
+        if self.on_saved is not None:
+            self.on_saved()
+        self.saved_batches, self.last = batches, time.monotonic()
+
+
+def _agree(due: bool, stopping: bool) -> tuple[bool, bool]:
+    import torch
+    import torch.distributed as dist
+
+    from .process_group import bookkeeping_group
+
+    flags = torch.tensor([int(due), int(stopping)], dtype=torch.int32)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=bookkeeping_group())
+    return bool(flags[0]), bool(flags[1])
+
+
+def _gather(mine: dict[str, Any]) -> dict[str, Any]:
+    from ..placement import dist_initialized
+
+    if not dist_initialized():
+        return mine
+    import torch.distributed as dist
+
+    from .process_group import bookkeeping_group
+
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine, group=bookkeeping_group())
+    merged: dict[str, Any] = {}
+    for part in everyone:
+        merged.update(part)
+    return merged
+
+
+def checkpointed_coverage(checkpoint: dict[str, Any] | None) -> tuple[int, set[str]]:
+    """What a checkpoint covers of the coverage staged before it: every epoch before the
+    first one it resumes, and the staged updates its mid-epoch part names."""
+    if checkpoint is None:
+        return 0, set()
+    mid = checkpoint.get(RESUME_KEY) or {}
+    if mid.get("loaders"):
+        return int(mid["epoch"]), {str(token) for token in mid.get(COVERAGE_KEY) or ()}
+    return int(checkpoint["epoch"]) + 1, set()
+
+
+def loader_states(checkpoint: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Every rank's loader state in a mid-epoch checkpoint, by global rank (None: none). Every
+    rank resumes from all of them (``epochs(resume=...)``): on the layout that checkpointed,
+    each continues its own lane; on another number of ranks per node or of nodes, each node's
+    rest is dealt anew to its ranks and what stayed on nodes that did not come back is
+    counted (see `epochcache.data.resume`)."""
+    mid = (checkpoint or {}).get(RESUME_KEY)
+    if not mid or not mid.get("loaders"):
+        return None
+    return {str(rank): dict(state) for rank, state in mid["loaders"].items()}

@@ -11,7 +11,7 @@ run directory; ``--resume`` continues at the next epoch (mid-epoch, from a check
 (`epochcache.run.signals`): the daemon stopped if the run started it, the last checkpoint kept,
 the epoch's lease left for the resume if a checkpoint named it, else released (what a stop
 keeps: docs/guide/resume.md, "Every stop is a resume point"). On a CUDA node each rank trains
-on its own GPU (``RunContext.device``; `epochcache.run.devices`).
+on its own GPU (``RunContext.device``; `epochcache.run.process_group`).
 """
 
 from __future__ import annotations
@@ -44,13 +44,11 @@ from ..placement import Placement
 from ..redact import redact_url
 from ..store import SampleStore
 from ..store.plumbing import append_history
-from .checkpoint import resume_checkpoint
-from .context import RunContext, TimedLoader
-from .devices import CPU, RunDevice
-from .midepoch import MidEpoch, checkpointed_coverage, loader_states
-from .progress import TrainProgress, Turnover, train_metrics
+from .checkpoint import MidEpoch, checkpointed_coverage, loader_states, resume_checkpoint
+from .context import RunContext, TimedLoader, TrainProgress, Turnover, train_metrics
+from .process_group import CPU, RunDevice
 from .signals import Interrupted, StopSignals, Terminated, quiet_worker, shelter_forkserver
-from .source_check import check_run_sources
+from .startup import check_run_sources
 
 # RunContext and Terminated are re-exported: trainers' type hints (docs/howto/runs.md), callers' except.
 __all__ = ["Run", "RunContext", "Terminated",
@@ -255,8 +253,8 @@ class Run:
         try:
             # The wait ends with an error naming train.min_samples (or starts on a smaller,
             # wholly cached source) as soon as the number is known to be out of reach.
-            from ..data.wait import wait_for_samples
-            from .fill_watch import FillWatch
+            from ..data.schedule import wait_for_samples
+            from .startup import FillWatch
 
             watch = FillWatch(cache, loader_options.min_samples,
                               self.daemon_exit if self._daemon_thread is not None else None,
@@ -484,8 +482,7 @@ def _run_job(run: Run, place: Placement) -> int:
             stop.check()
         run.train_fn  # noqa: B018 - import the trainer now: a missing function is a bad config
         stop.check()
-        from .devices import joins_job
-        from .process_group import barrier, init_run_distributed, select_device
+        from .process_group import barrier, init_run_distributed, joins_job, select_device
 
         run.device = select_device(place)  # torch: after the checks
         joined = joins_job(place, os.environ)

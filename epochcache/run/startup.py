@@ -1,9 +1,27 @@
-"""Whether a run's wait for ``train.min_samples`` can still end, judged while it waits.
+"""What ``epochcache run`` checks before it trains: its own sources, and that the wait for
+``train.min_samples`` can end.
 
-``epochcache run`` waits until the cache holds ``train.min_samples`` samples. It used to wait
-forever when that could not happen. While it waits, `FillWatch` reads the daemon's state
-documents in the cache (the daemon's heartbeat, each sampler's health) and ends the wait as
-soon as the number is known to be out of reach:
+**A run trains on its own sources** (`check_run_sources`, before it starts or attaches a
+daemon). ``epochcache run`` attaches to the daemon filling ``cache.dir`` when there is one, and
+trains on whatever the cache holds: a run configured for dataset B trained on dataset A's
+samples when A's daemon filled the directory, or had filled it before. So before anything
+starts, the run compares its sources with the cache's (`epochcache.ingest.lineage`: what decides
+which objects are read, not credentials, names or weights):
+
+* a daemon filling the cache now must fill it from exactly the run's sources (the run would
+  not start its own: nothing else would ever be fetched);
+* every sample the cache holds must come from one of the run's sources (its origin names the
+  listing it was picked from). Samples with no recorded origin (put through the Python API,
+  or cached by a version before origins) cannot be judged, and are let through with a line
+  in the log.
+
+Otherwise the run refuses to start (a `ConfigError`: exit 2) naming both and saying how to
+proceed, unless ``train.allow_other_sources: true`` says that is what the user wants.
+
+**The wait for ``train.min_samples`` ends** (`FillWatch`, judged while it waits; the run used
+to wait forever when the number could not be reached). While the run waits, `FillWatch` reads
+the daemon's state documents in the cache (the daemon's heartbeat, each sampler's health) and
+ends the wait as soon as the number is known to be out of reach:
 
 * **the whole source is cached** and holds fewer samples (every sampler went a whole pass over
   its keys without anything new and without a failed fetch): training starts on what there is,
@@ -27,11 +45,55 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import MinSamplesUnreachable
+from ..config import EpochcacheConfig
+from ..errors import ConfigError, MinSamplesUnreachable
+from ..ingest.lineage import cached_sources, config_sources, daemon_sources, describe, is_among
 from ..ingest.supervisor import DaemonLock
 from ..store import SampleStore
 
 log = logging.getLogger(__name__)
+
+ALLOW = "train.allow_other_sources"
+
+
+def check_run_sources(config: EpochcacheConfig) -> None:
+    """Refuse a run whose sources differ from its cache's (see the module docstring).
+
+    Raises:
+        ConfigError: the daemon filling ``cache.dir`` has other sources, or the cache holds
+            samples of a source the run does not have; the message names both and what to do.
+    """
+    cache_dir = str(config.cache.dir)
+    allowed = config.train.allow_other_sources
+    ours = config_sources(config)
+    pid, theirs = daemon_sources(cache_dir) or (0, None)
+    if theirs is not None:
+        if {source.identity for source in theirs} != {source.identity for source in ours}:
+            problem = (f"cache.dir {cache_dir}: the daemon filling it (pid {pid}) fills it from "
+                       f"{describe(theirs)}, but this run's sources are {describe(ours)}")
+            if not allowed:
+                raise ConfigError(f"{problem}; give this run a cache.dir of its own, or stop "
+                                  f"that daemon, or set {ALLOW}: true to train on what it "
+                                  "fills")
+            log.warning("%s: training on what it fills (%s: true)", problem, ALLOW)
+    if not os.path.exists(os.path.join(cache_dir, "data.mdb")):
+        return  # a new cache: this run's daemon fills it
+    cached, unknown = cached_sources(cache_dir)
+    foreign = [found for found in cached if not is_among(found, config)]
+    if foreign:
+        held = ", ".join(f"{found.samples:,} samples of {found.source}" for found in foreign)
+        problem = (f"cache.dir {cache_dir} holds {held}, not among this run's sources "
+                   f"({describe(ours)})")
+        if not allowed:
+            raise ConfigError(f"{problem}; give this run a cache.dir of its own, or delete "
+                              f"{cache_dir} to fill it anew from this run's sources, or set "
+                              f"{ALLOW}: true to train on them too")
+        log.warning("%s: training on them too (%s: true)", problem, ALLOW)
+    if unknown:
+        log.info("cache.dir %s: %d cached samples have no recorded source (put through the "
+                 "Python API, or cached by an older version): not checked against this run's "
+                 "sources", cache_dir, unknown)
+
 
 FAILING_ENV = "EPOCHCACHE_MIN_SAMPLES_FAILING_S"
 DEFAULT_FAILING_S = 60.0
