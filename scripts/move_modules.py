@@ -70,12 +70,13 @@ def _relative(from_package: str, target: str) -> str:
 
 
 def _rewrite_relative(path: Path, old_module: str, new_module: str,
-                      moves: dict[str, str]) -> str | None:
-    """The new text of ``path`` (now at ``new_module``, once ``old_module``), or None."""
+                      moves: dict[str, str], new_path: Path | None = None) -> str | None:
+    """The new text of ``path`` (now at ``new_module``, in ``new_path`` if not ``path``, once
+    ``old_module``), or None."""
     text = path.read_text()
     tree = ast.parse(text, str(path))
     old_package = _package_of(path, old_module)
-    new_package = _package_of(path, new_module)
+    new_package = _package_of(new_path or path, new_module)
     lines = text.splitlines(keepends=True)
     edits: list[tuple[int, int, str]] = []
     for node in ast.walk(tree):
@@ -153,7 +154,7 @@ def _drop_self_imports(path: Path, module: str, others: set[str]) -> str:
 def _merge(old: str, new: str) -> None:
     """Fold module ``old`` into the existing module ``new`` (see the module docstring)."""
     src, dst = _file_of(old), _file_of(new)
-    rewritten = _rewrite_relative(src, old, new, {old: new})
+    rewritten = _rewrite_relative(src, old, new, {old: new}, dst)
     text = rewritten if rewritten is not None else src.read_text()
     tree = ast.parse(text)
     doc = ast.get_docstring(tree)
