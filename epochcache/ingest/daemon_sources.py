@@ -27,8 +27,8 @@ from typing import Any
 from ..config import EpochcacheConfig, SourceEntry
 from ..errors import SourceError, SourceUnavailable
 from ..redact import redact_url
-from .accounting import RequestStats, saved_requests, source_label
 from .from_config import open_configured_source
+from .health import RequestStats, saved_requests, source_label
 from .layouts import (
     Listing,
     PagedListing,
@@ -176,7 +176,7 @@ class DaemonSources:
 
     def requests(self) -> dict[str, dict[str, float]]:
         """The request counters of the daemon's listings, by source (``lists``; see
-        `accounting`), for its state document."""
+        `health`), for its state document."""
         saved = self.saved.get("requests")
         out = {str(k): v for k, v in saved.items()} if isinstance(saved, dict) else {}
         with self._lock:

@@ -58,9 +58,9 @@ from ..errors import (
 )
 from ..store import SampleStore
 from ..store.plumbing import has_key_prefix
-from .accounting import RequestStats, source_label
 from .concurrency import AutoConcurrency, FixedConcurrency, Pace, SharedPaceState
 from .from_config import open_configured_source
+from .health import RequestStats, source_label
 from .idle import IdleState
 from .inflight import SizeEstimate
 from .keyorder import KeyOrder, key_hashes

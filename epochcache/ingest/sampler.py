@@ -42,7 +42,6 @@ from ..errors import (
 from ..limits import cut_key, cut_text
 from ..redact import install_log_redaction
 from ..store import SampleStore
-from .accounting import saved_requests, source_label
 from .committer import Batch, Committer, state_name
 from .feed import (
     FETCH_DEPTH,
@@ -52,7 +51,7 @@ from .feed import (
     error_kind,
     next_feed,
 )
-from .health import FAILING_AFTER_S
+from .health import FAILING_AFTER_S, saved_requests, source_label
 from .heap import reuse_freed_buffers
 from .inflight import InFlight
 from .layouts import STREAMED, Piece, SampleRef
@@ -105,7 +104,7 @@ class SamplerHealth:
     error_kinds: dict[str, int] = field(default_factory=dict)  # failed fetches by error_kind()
     lease_wait_s: float = 0.0  # seconds its commits waited for leases to free space
     sources: dict[str, dict[str, Any]] = field(default_factory=dict)  # {name: {errors, down}}
-    # {source label: {gets, lists, bytes, throttled, ..., concurrency, pace}} (.accounting)
+    # {source label: {gets, lists, bytes, throttled, ..., concurrency, pace}} (.health)
     requests: dict[str, dict[str, float]] = field(default_factory=dict)
     # {source label: {since, error, stopped}}: sources none of whose reads succeeded since
     # `since` (wall time), or stopped by a refusal; status shows them failing after a minute
