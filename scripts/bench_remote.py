@@ -105,7 +105,7 @@ def client_fs(client: str, endpoint: str) -> Any:
         fs, _ = open_fs("s3://bench", {**OPTIONS, "endpoint_url": endpoint,
                                        "skip_instance_cache": True})
         return fs
-    from epochcache.ingest.clients import obstore_filesystem, resolve_client
+    from epochcache.ingest.s3 import obstore_filesystem, resolve_client
 
     settings = resolve_client("obstore", "s3://bench", {**OPTIONS, "endpoint_url": endpoint},
                               field="client")
