@@ -27,13 +27,13 @@ from typing import Any
 from ..config import EpochcacheConfig, SourceEntry
 from ..errors import SourceError, SourceUnavailable
 from ..redact import redact_url
-from .from_config import open_configured_source
 from .health import RequestStats, saved_requests, source_label
 from .layouts import (
     Listing,
     PagedListing,
     Source,
     listing_cached,
+    open_configured_source,
     read_listing,
     read_listing_header,
     source_fingerprint,

@@ -35,8 +35,7 @@ from ..store import SampleStore
 from ..store.listings import listings
 from ..store.origins import UNKNOWN, cached_listing_counts
 from ..store.owners import lock_held
-from .from_config import source_spec
-from .layouts import SourceSpec, source_fingerprint
+from .layouts import SourceSpec, source_fingerprint, source_spec
 
 #: The daemon's lock file in the cache directory (see `epochcache.ingest.supervisor`).
 DAEMON_LOCK_FILE = "daemon.lock"
