@@ -60,7 +60,7 @@ from ingest_remotes import (
     warm_memory,
 )
 
-from epochcache.ingest.heap import reuse_freed_buffers
+from epochcache.ingest.process import reuse_freed_buffers
 
 REPO = Path(__file__).resolve().parents[1]
 PROXY = REPO / "tests" / "common" / "remoteproxy.py"

@@ -52,10 +52,9 @@ from .feed import (
     next_feed,
 )
 from .health import FAILING_AFTER_S, saved_requests, source_label
-from .heap import reuse_freed_buffers
 from .layouts import STREAMED, Piece, SampleRef
-from .lifeline import Lifeline, kill_with_parent
 from .origin_tagger import OriginTagger
+from .process import Lifeline, kill_with_parent, reuse_freed_buffers
 from .requests import RequestBudget
 
 #: Libraries whose INFO lines (botocore's "Found credentials in ...") a sampler started
