@@ -60,11 +60,11 @@ from ..store import SampleStore
 from ..store.plumbing import has_key_prefix
 from .committer import SizeEstimate
 from .concurrency import AutoConcurrency, FixedConcurrency, Pace, SharedPaceState
+from .daemon_sources import ListingFollower, listing_mtime
 from .health import RequestStats, source_label
 from .idle import IdleState
 from .keyorder import KeyOrder, key_hashes
 from .layouts import KeyTable, Listing, SampleRef, listing_for_sampling, open_configured_source
-from .relist import ListingFollower, listing_mtime
 from .requests import RequestBudget, RequestGate
 
 log = logging.getLogger(__name__)
