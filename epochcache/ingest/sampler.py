@@ -53,7 +53,7 @@ from .feed import (
 )
 from .health import FAILING_AFTER_S, saved_requests, source_label
 from .layouts import STREAMED, Piece, SampleRef
-from .origin_tagger import OriginTagger
+from .lineage import OriginTagger
 from .process import Lifeline, kill_with_parent, reuse_freed_buffers
 from .requests import RequestBudget
 
