@@ -3,14 +3,14 @@
     with ec.Daemon("configs/s3.yaml"):          # or a dict in the YAML schema, or a Config
         for epoch, loader in cache.epochs(10): ...
 
-The daemon runs in a child process of its own (``python -m epochcache.ingest.daemon_main``),
-not in a thread of the caller, because that is what survives both places people call it from:
+The daemon runs in a child process of its own (`serve`), not in a thread of the caller,
+because that is what survives both places people call it from:
 
 * **a training script** need not guard its top level with ``if __name__ == "__main__"``:
   samplers are started with ``spawn`` (LMDB and fork do not mix), and ``spawn`` re-imports the
   main module of the process that starts them; from a thread of the script that would run the
   script again in every sampler. Here the samplers' parent is the daemon process, whose main
-  module is epochcache's. The supervision loop, the heartbeats and the metrics server do not
+  module is a one-line ``-c`` of epochcache's. The supervision loop, the heartbeats and the metrics server do not
   share the training loop's GIL either;
 * **a notebook**: the daemon outlives the cell that started it, a kernel interrupt (SIGINT)
   reaches neither it nor its samplers, and when the kernel dies or restarts the daemon sees
@@ -21,6 +21,16 @@ Errors at start are raised by [`Daemon.start`][epochcache.Daemon.start] as ``epo
 [`ConfigError`][epochcache.ConfigError], [`SourceUnavailable`][epochcache.SourceUnavailable] (the
 source and URL named), [`DaemonAlreadyRunning`][epochcache.DaemonAlreadyRunning] (the single-instance
 lock applies). Credentials go to the child through a pipe, never through a file or argv.
+
+The child reads its config from stdin (JSON, `EpochcacheConfig.to_transfer`), then runs
+`run_daemon` as ``epochcache daemon`` does. One JSON line on its stdout tells the parent how the
+start went::
+
+    {"event": "ready", "pid": 1234}                                     samplers are starting
+    {"event": "error", "type": "SourceUnavailable", "message": "..."}  nothing was started
+
+Its logs go to stderr as ``LEVEL logger: message`` lines (`LOG_FORMAT`), which the parent
+relays. It stops in order on SIGTERM/SIGINT, and when its parent process is gone.
 
 Importing this module imports nothing heavy; the config model is loaded by [`Daemon`][epochcache.Daemon].
 """
@@ -48,7 +58,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("epochcache.daemon")
 
-#: ``LEVEL logger: message`` lines of the child (see ``daemon_main.LOG_FORMAT``).
+#: The child's log lines, ``LEVEL logger: message``, as it writes them and the parent parses them.
+LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"
 LOG_LINE = re.compile(r"^(DEBUG|INFO|WARNING|ERROR|CRITICAL) ([\w.]+): (.*)$")
 #: How long [`Daemon.stop`][epochcache.Daemon.stop] waits by default: the samplers' own grace period, and a margin.
 STOP_TIMEOUT_S = 45.0
@@ -152,7 +163,10 @@ class Daemon:
         env = dict(os.environ)
         env["PYTHONUNBUFFERED"] = "1"
         popen = subprocess.Popen(
-            [sys.executable, "-m", "epochcache.ingest.daemon_main"],
+            # -c, not -m: `python -m epochcache.daemon` would run this module a second time
+            # (the package imports it first)
+            [sys.executable, "-c",
+             "from epochcache.daemon import serve; raise SystemExit(serve())"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
             # Its own process group: a Ctrl-C meant for the training loop (or a notebook's
             # interrupt) must not stop the daemon behind the training's back.
@@ -255,3 +269,43 @@ class Daemon:
         state = "alive" if self.alive else ("not started" if self._popen is None else
                                             f"exited {self._popen.returncode}")
         return f"Daemon({self.cache_dir!r}, pid={self.pid}, {state})"
+
+
+# -- the child process ---------------------------------------------------------------------
+
+
+def _say(event: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(event) + "\n")
+    sys.stdout.flush()
+
+
+def serve() -> int:
+    """The daemon process's entry point; returns the exit status (2: nothing was started)."""
+    parent_pid = os.getppid()
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, stream=sys.stderr)
+    for noisy in ("botocore", "aiobotocore", "s3fs", "fsspec", "urllib3", "asyncio"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    from .config import EpochcacheConfig
+    from .ingest.supervisor import run_daemon
+
+    started = False
+
+    def ready(_daemon: Any) -> None:
+        nonlocal started
+        started = True
+        _say({"event": "ready", "pid": os.getpid()})
+
+    try:
+        config = EpochcacheConfig.from_transfer(json.loads(sys.stdin.read()))
+        return run_daemon(config, parent_pid=parent_pid, ready=ready)
+    except errors.EpochcacheError as exc:
+        if started:
+            log.error("the daemon failed: %s", exc)
+            return 1
+        _say({"event": "error", "type": type(exc).__name__, "message": str(exc)})
+        return 2
+    except BaseException as exc:
+        if not started:
+            _say({"event": "error", "type": type(exc).__name__,
+                  "message": f"{type(exc).__name__}: {exc}"})
+        raise

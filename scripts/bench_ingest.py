@@ -65,7 +65,7 @@ from ingest_remotes import (
     warm_memory,
 )
 
-from epochcache.ingest.heap import reuse_freed_buffers
+from epochcache.ingest.process import reuse_freed_buffers
 from epochcache.ingest.sampler import BATCH_BYTES
 
 KiB, MiB = 1024, 1024 * 1024

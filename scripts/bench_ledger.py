@@ -78,7 +78,7 @@ def _tagger(root: Path, count: int, batch: int, repeat: int) -> dict[str, Any]:
     from types import SimpleNamespace
 
     from epochcache.ingest.layouts import KeyTable, SampleRef, SourceSpec
-    from epochcache.ingest.origin_tagger import OriginTagger
+    from epochcache.ingest.lineage import OriginTagger
 
     keys = [f"train/sample-{i:08d}.bin" for i in range(count)]
     table = KeyTable.from_refs([SampleRef(key) for key in keys])

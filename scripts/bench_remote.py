@@ -60,7 +60,7 @@ from ingest_remotes import (
     warm_memory,
 )
 
-from epochcache.ingest.heap import reuse_freed_buffers
+from epochcache.ingest.process import reuse_freed_buffers
 
 REPO = Path(__file__).resolve().parents[1]
 PROXY = REPO / "tests" / "common" / "remoteproxy.py"
@@ -105,7 +105,7 @@ def client_fs(client: str, endpoint: str) -> Any:
         fs, _ = open_fs("s3://bench", {**OPTIONS, "endpoint_url": endpoint,
                                        "skip_instance_cache": True})
         return fs
-    from epochcache.ingest.clients import obstore_filesystem, resolve_client
+    from epochcache.ingest.s3 import obstore_filesystem, resolve_client
 
     settings = resolve_client("obstore", "s3://bench", {**OPTIONS, "endpoint_url": endpoint},
                               field="client")

@@ -14,6 +14,7 @@ from epochcache import __getattr__ as _lazy_attributes
 from epochcache.augment import RandomResizedCrop
 from epochcache.cache import Cache
 from epochcache.config.schema import _Section
+from epochcache.daemon import serve
 from epochcache.data.dataset import EpochDataset
 from epochcache.data.stream import CacheStream
 from epochcache.examples import train_epoch, train_image_classifier
@@ -43,6 +44,7 @@ _Tail.readinto
 _Spans.seekable  # pyarrow asks the file object it reads a row group from
 LogRecord.msg  # redact.py: the redacting filter rewrites a record's message in place
 Table.caption  # status.py: rich prints it under the coverage table
+serve  # the daemon process's entry point: Daemon.start runs it as a `python -c` line
 
 # Pydantic reads a model's configuration from this class attribute.
 _Section.model_config

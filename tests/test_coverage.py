@@ -27,7 +27,7 @@ from common.procs import run_processes
 from epochcache import Cache
 from epochcache.coverage.ledger import Ledger, ledger_path, ledgers, remap
 from epochcache.ingest.layouts import KeyTable
-from epochcache.ingest.origin_tagger import index_map
+from epochcache.ingest.lineage import index_map
 from epochcache.store import SampleStore
 from epochcache.store.codec import read_info
 from epochcache.store.listings import register_listing

@@ -329,7 +329,7 @@ def test_a_throttled_object_is_asked_for_again_past_the_retry_attempts(http_serv
 
 def test_configured_source_wires_sampler_settings(tmp_path: Any) -> None:
     from epochcache.config import parse_config
-    from epochcache.ingest.from_config import open_configured_source
+    from epochcache.ingest.layouts import open_configured_source
 
     config = parse_config(
         {

@@ -218,7 +218,7 @@ def test_waiting_for_a_slow_batch_does_not_spin_on_a_later_one_that_is_done() ->
     from concurrent.futures import Future
     from types import SimpleNamespace
 
-    from epochcache.ingest.lifeline import Lifeline
+    from epochcache.ingest.process import Lifeline
     from epochcache.ingest.sampler import _Fetching
 
     feed = SimpleNamespace(name="")

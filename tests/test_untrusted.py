@@ -76,7 +76,7 @@ def test_loader_max_sample_bytes_bounds_ingest_too(tmp_path: Path) -> None:
 
     from epochcache.config import parse_config
     from epochcache.errors import ConfigError
-    from epochcache.ingest.from_config import max_sample_bytes, open_configured_source
+    from epochcache.ingest.layouts import max_sample_bytes, open_configured_source
 
     data: dict[str, Any] = {
         "source": {"url": f"file://{tmp_path}"},

@@ -58,14 +58,13 @@ from ..errors import (
 )
 from ..store import SampleStore
 from ..store.plumbing import has_key_prefix
-from .accounting import RequestStats, source_label
+from .committer import SizeEstimate
 from .concurrency import AutoConcurrency, FixedConcurrency, Pace, SharedPaceState
-from .from_config import open_configured_source
+from .daemon_sources import ListingFollower, listing_mtime
+from .health import RequestStats, source_label
 from .idle import IdleState
-from .inflight import SizeEstimate
 from .keyorder import KeyOrder, key_hashes
-from .layouts import KeyTable, Listing, SampleRef, listing_for_sampling
-from .relist import ListingFollower, listing_mtime
+from .layouts import KeyTable, Listing, SampleRef, listing_for_sampling, open_configured_source
 from .requests import RequestBudget, RequestGate
 
 log = logging.getLogger(__name__)

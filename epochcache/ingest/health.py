@@ -1,21 +1,42 @@
 """The documents a daemon and its samplers keep in the cache, and what their readers make of
 them: whether the daemon is alive, which sources are failing, what each source cost in
-requests (`status`, the daemon's ``/metrics``, a run's per-epoch log), how fast samples come in.
+requests and egress, how fast samples come in.
 
 Samplers write their health documents (``sampler/<i>``: fetched, errors, failing sources, the
-request counters of `accounting`) with their commits, and the daemon its own (``daemon``: its
-heartbeat, its samplers, its listings' requests) and the history rows the ingest rate is
-measured over; they are read here, one meaning each (`FAILING_AFTER_S` once).
+request counters) with their commits, about twice a second, and the daemon its own
+(``daemon``: its heartbeat, its samplers, its listings' requests) and the history rows the
+ingest rate is measured over; they are read here, one meaning each (`FAILING_AFTER_S` once).
+
+Every remote request of a source passes through its request gate (`requests`) or its
+listing (`paging`), which count it in a `RequestStats`, per source and per process:
+
+* ``gets``: object reads the remote received (throttled ones included: the remote answered
+  them; a tar shard read in several requests counts each; one that never left the process,
+  such as a refused connection, not at all);
+* ``heads``: object or bucket metadata requests (a brace pattern's first shard, the region of
+  a bucket read with obstore);
+* ``lists``: listing pages asked for (the daemon's listings and re-listings);
+* ``bytes``: bytes received in object bodies (egress, as the remote bills it);
+* ``throttled``: answers of 503 SlowDown or 429; ``timeouts``; ``errors``: other failures;
+* ``retries``: requests sent again for the same object (after throttling or a transient error);
+* ``concurrency``: requests the sampler allows in flight now (``auto`` moves it), and
+  ``pace``: requests per second it keeps to after throttling (0: not paced).
+
+The counters start from what the document held, so they go on across restarts. Summed
+(`request_totals`), they are what ``status`` (``requests``), the Prometheus metrics
+(``epochcache_remote_*``) and a run's per-epoch log show. A process killed with ``kill -9``
+loses the counts of its last half second.
 """
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from ..boot import heartbeat_alive
 from ..units import format_count, format_size
-from .accounting import COUNTERS, GAUGES
 
 if TYPE_CHECKING:
     from ..store.sample_store import SampleStore
@@ -23,6 +44,64 @@ if TYPE_CHECKING:
 #: A source none of whose reads succeeded for this long is *failing*: the samplers log it and
 #: write it to their health document, status and the metrics report it (one value for all).
 FAILING_AFTER_S = 60.0
+
+
+#: The counters (monotonic), in the order status shows them.
+COUNTERS = ("gets", "heads", "lists", "bytes", "throttled", "timeouts", "errors", "retries")
+#: The gauges (the value now; summed over processes).
+GAUGES = ("concurrency", "pace")
+
+
+class RequestStats:
+    """The request counters of one source in one process (thread-safe).
+
+    Args:
+        saved: counters saved by an earlier process (they go on from there).
+    """
+
+    def __init__(self, saved: Mapping[str, Any] | None = None) -> None:
+        self._lock = threading.Lock()
+        self.values: dict[str, float] = dict.fromkeys(COUNTERS + GAUGES, 0)
+        for name in COUNTERS:
+            try:
+                self.values[name] = int((saved or {}).get(name, 0))
+            except (TypeError, ValueError):
+                pass  # a document of another version: start from 0
+
+    def add(self, **counts: int) -> None:
+        """Add to counters, e.g. ``add(gets=1, bytes=65536)``."""
+        with self._lock:
+            for name, count in counts.items():
+                self.values[name] += count
+
+    def set(self, **gauges: float) -> None:
+        with self._lock:
+            self.values.update(gauges)
+
+    def __getitem__(self, name: str) -> float:
+        return self.values[name]
+
+    def as_dict(self) -> dict[str, float]:
+        with self._lock:
+            return dict(self.values)
+
+    def __repr__(self) -> str:
+        return f"RequestStats({self.as_dict()})"
+
+
+def source_label(name: str) -> str:
+    """The key a source's counters are kept under: its ``sources:`` name, or ``source`` for
+    the single ``source:`` section."""
+    return name or "source"
+
+
+def saved_requests(doc: Mapping[str, Any] | None, label: str) -> Mapping[str, Any] | None:
+    """A source's counters in a saved health or daemon document (None when absent)."""
+    requests = (doc or {}).get("requests")
+    if not isinstance(requests, Mapping):
+        return None
+    found = requests.get(label)
+    return found if isinstance(found, Mapping) else None
 
 
 def daemon_health(doc: dict[str, Any] | None, now: float | None = None) -> dict[str, Any] | None:

@@ -34,7 +34,7 @@ from fsspec.asyn import AsyncFileSystem, sync
 
 from ..errors import RemoteTimeout, SourceError, SourceUnavailable
 from ..redact import redact_options
-from .accounting import RequestStats
+from .health import RequestStats
 from .keytable import KeyTable, KeyTableBuilder
 from .listing import Listing, new_generation, read_listing, save_listing, source_fingerprint
 from .remote import call, retry, translate_errors

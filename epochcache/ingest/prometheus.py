@@ -219,7 +219,7 @@ def coverage_metrics(cache: SampleStore) -> Iterator[Any]:
 
 
 def _request_metrics(cache: SampleStore) -> Iterator[Any]:
-    """What each source cost in requests and egress (``ingest.accounting``)."""
+    """What each source cost in requests and egress (``ingest.health``)."""
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
     requests = CounterMetricFamily("epochcache_remote_requests", "Requests sent to the remote, "

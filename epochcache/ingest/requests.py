@@ -8,7 +8,7 @@ passes through it. It keeps three promises, one request at a time:
   (bytes, throttled, timed out) goes back to the control, which moves the limit;
 * requests wait for the control's pace (after throttling, `concurrency.Pace`) and for the
   daemon's shared budget (``sampler.max_requests_per_s``, `RequestBudget`) before they are sent;
-* every request that reached the remote is counted, by kind (`accounting`): a GET, a HEAD;
+* every request that reached the remote is counted, by kind (`health`): a GET, a HEAD;
   one that never left the process (a refused connection, a request its client would not
   build) is not, as the remote never saw it.
 
@@ -48,9 +48,9 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from .accounting import RequestStats
 from .clockfile import ClockFile
 from .concurrency import FixedConcurrency, Outcome
+from .health import RequestStats
 
 # ----------------------------------------------------------------------------------------- backoff
 

@@ -4,7 +4,7 @@ A sampler runs until its stop flag is set or its daemon disappears. Fetching and
 overlap: the next batches are fetched (their requests through each source's gate: how many in
 flight, the pace after throttling, the counters; see `feed`) while a committer thread
 (`committer`) writes the previous one, so the cache's write lock and fsync never leave the network idle; what it holds
-in flight is bounded in bytes (`inflight`). Its position in the key order is saved in the
+in flight is bounded in bytes (`committer.InFlight`). Its position in the key order is saved in the
 cache after each commit, so a restarted sampler goes on where it stopped instead of fetching the
 same first samples again. With several sources (``sources:``) it holds a `Feed`
 per source and takes batches from each in proportion to its weight; a source that is down
@@ -42,8 +42,7 @@ from ..errors import (
 from ..limits import cut_key, cut_text
 from ..redact import install_log_redaction
 from ..store import SampleStore
-from .accounting import saved_requests, source_label
-from .committer import Batch, Committer, state_name
+from .committer import Batch, Committer, InFlight, state_name
 from .feed import (
     FETCH_DEPTH,
     IDLE_WAIT_S,
@@ -52,12 +51,10 @@ from .feed import (
     error_kind,
     next_feed,
 )
-from .health import FAILING_AFTER_S
-from .heap import reuse_freed_buffers
-from .inflight import InFlight
+from .health import FAILING_AFTER_S, saved_requests, source_label
 from .layouts import STREAMED, Piece, SampleRef
-from .lifeline import Lifeline, kill_with_parent
-from .origin_tagger import OriginTagger
+from .lineage import OriginTagger
+from .process import Lifeline, kill_with_parent, reuse_freed_buffers
 from .requests import RequestBudget
 
 #: Libraries whose INFO lines (botocore's "Found credentials in ...") a sampler started
@@ -105,7 +102,7 @@ class SamplerHealth:
     error_kinds: dict[str, int] = field(default_factory=dict)  # failed fetches by error_kind()
     lease_wait_s: float = 0.0  # seconds its commits waited for leases to free space
     sources: dict[str, dict[str, Any]] = field(default_factory=dict)  # {name: {errors, down}}
-    # {source label: {gets, lists, bytes, throttled, ..., concurrency, pace}} (.accounting)
+    # {source label: {gets, lists, bytes, throttled, ..., concurrency, pace}} (.health)
     requests: dict[str, dict[str, float]] = field(default_factory=dict)
     # {source label: {since, error, stopped}}: sources none of whose reads succeeded since
     # `since` (wall time), or stopped by a refusal; status shows them failing after a minute

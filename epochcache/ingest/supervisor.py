@@ -44,8 +44,8 @@ from ..store.plumbing import append_history, reclaim_leases, register_sources
 from ..units import format_count, format_size
 from .daemon_sources import DaemonSources
 from .health import ingest_rate
-from .lifeline import Lifeline
 from .lineage import DAEMON_LOCK_FILE, daemon_doc, daemon_sources
+from .process import Lifeline
 from .prometheus import MetricsServer, daemon_metrics, require_prometheus
 from .sampler import StopFlag, log_levels, run_sampler, state_name
 

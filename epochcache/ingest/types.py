@@ -46,7 +46,7 @@ class SourceSpec:
     """Where a remote dataset lives and how to read it: what a `Source` is opened with.
 
     The run config's ``source`` section converts to this at the edge
-    (`epochcache.ingest.from_config.source_spec`); sources never see the config itself.
+    (`epochcache.ingest.layouts.source_spec`); sources never see the config itself.
 
     Attributes:
         url: the dataset root, any fsspec URL or local path.

@@ -124,7 +124,7 @@ def _local_sources(config: EpochcacheConfig) -> set[str]:
     """The labels of the sources read from this machine's filesystem (no GETs)."""
     from fsspec.utils import get_protocol
 
-    from ..ingest.accounting import source_label
+    from ..ingest.health import source_label
 
     return {source_label(entry.name) for entry in config.source_entries()
             if get_protocol(str(entry.config.url)) in ("file", "local")}

@@ -91,7 +91,7 @@ def test_an_s3fs_only_option_keeps_s3fs_or_fails_naming_it(s3: S3Env) -> None:
 
     options = {**s3.storage_options, "config_kwargs": {"proxies": {"https": "http://proxy:3128"}}}
     spec = SourceSpec(url=s3.url("p"), storage_options=options)
-    from epochcache.ingest.clients import resolve_client
+    from epochcache.ingest.s3 import resolve_client
 
     assert resolve_client("auto", spec.url, options, field="source.client") is None
     with pytest.raises(ConfigError, match=r"source\.client.*storage_options\.config_kwargs\."
@@ -104,7 +104,7 @@ def test_an_s3fs_only_option_keeps_s3fs_or_fails_naming_it(s3: S3Env) -> None:
 def test_obstore_asked_for_but_missing_is_a_config_error(monkeypatch: pytest.MonkeyPatch,
                                                          s3: S3Env) -> None:
     from epochcache.errors import ConfigError
-    from epochcache.ingest import clients
+    from epochcache.ingest import s3 as clients
 
     monkeypatch.setattr(clients, "obstore_installed", lambda: False)
     with pytest.raises(ConfigError, match=r"obstore is not installed: pip install"):

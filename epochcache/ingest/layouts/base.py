@@ -44,13 +44,6 @@ from ...errors import CorruptSample, PermanentRemoteError, SourceError, Throttle
 from ...redact import redact_url
 from ...units import format_size
 from ..bodies import BodyReader, Opener, open_body, read_span
-from ..clients import (
-    bucket_region,
-    obstore_filesystem,
-    obstore_refuses_key,
-    obstore_store,
-    resolve_client,
-)
 from ..concurrency import FixedConcurrency, Outcome
 from ..keytable import KeyTable
 from ..localfiles import LocalFiles
@@ -68,6 +61,13 @@ from ..remote import (
     translate_errors,
 )
 from ..requests import BandwidthLimiter, RequestGate, backoff_delays
+from ..s3 import (
+    bucket_region,
+    obstore_filesystem,
+    obstore_refuses_key,
+    obstore_store,
+    resolve_client,
+)
 from ..types import FetchResult, SampleRef, SourceSpec
 
 log = logging.getLogger(__name__)

@@ -39,12 +39,12 @@ import numpy as np
 from ...errors import CorruptSample, PermanentRemoteError, SourceError, SourceUnavailable
 from ...limits import cut_text
 from ..bodies import BodyReader, ObjectChanged
-from ..clients import obstore_refuses_key
 from ..concurrency import Outcome
 from ..keytable import KeyTable, KeyTableBuilder, head_width, key_heads
 from ..localfiles import OPEN_FLAGS
 from ..manifest import expand_braces
 from ..remote import call, outcome_of, reached_remote, retry, translate_error, translate_errors
+from ..s3 import obstore_refuses_key
 from ..types import STREAMED, FetchResult, OnPiece, Piece, SampleRef
 from .base import Source
 from .check import StreamDigest
