@@ -25,7 +25,7 @@ import logging
 import os
 import uuid
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -47,10 +47,11 @@ from .states import STREAM_ORDER_KEYS as ORDER_KEYS
 from .states import merge, resume_split, worker_states
 from .tallies import Tallies
 from .tickets import (
+    Reporting,
     Ticket,
+    WorkerEnd,
     claim_ticket,
     drop_tickets,
-    finish_ticket,
     hold_owner,
     last_epoch,
     publish_ticket,
@@ -501,8 +502,7 @@ class CacheStream(IterableDataset[Any]):
                 "epoch's iteration (the HF Trainer and accelerate do; in Lightning call it in "
                 "train_dataloader() with reload_dataloaders_every_n_epochs=1), or use "
                 "num_workers=0")
-        done = _Once(lambda complete: finish_ticket(cache, name, group, workers,
-                                                   complete=complete))
+        done = WorkerEnd(cache, name, group, workers)
         try:
             if prepared is not None and ticket.token == prepared.ticket.token:
                 slot, slots, samples = prepared.slot, prepared.slots, prepared.samples
@@ -523,7 +523,7 @@ class CacheStream(IterableDataset[Any]):
         if ticket.restarted:
             log.info("stream epoch %d: a new loader iteration reads it from its start (the "
                      "previous one stopped before its end)", ticket.epoch)
-        return _Reporting(self._samples(lanes[worker], distributed, ticket, releaser,
+        return Reporting(self._samples(lanes[worker], distributed, ticket, releaser,
                                         resumed=ticket.restarted), done)
 
     def _resume_worker(self, state: dict[str, Any], worker: int, workers: int,
@@ -542,8 +542,7 @@ class CacheStream(IterableDataset[Any]):
             return None
         if ticket.lease:
             adopt_lease(cache, ticket.lease, owner=self._home.owner, pid=self._home.pid, whole=True)
-        done = _Once(lambda complete: finish_ticket(cache, name, group, workers,
-                                                   complete=complete))
+        done = WorkerEnd(cache, name, group, workers)
         try:
             split, lane, start = resume_split(self._resumed_order(state), state, workers,
                                               worker)
@@ -551,7 +550,7 @@ class CacheStream(IterableDataset[Any]):
             done(False)
             raise
         self._at = _Reading({k: state[k] for k in ORDER_KEYS}, split, worker)
-        return _Reporting(self._samples(lane[start:], False, ticket, None, base=start,
+        return Reporting(self._samples(lane[start:], False, ticket, None, base=start,
                                         resumed=True), done)
 
     def _samples(self, order: np.ndarray, equal_counts: bool, ticket: Ticket,
@@ -641,46 +640,6 @@ class CacheStream(IterableDataset[Any]):
     def __repr__(self) -> str:
         return (f"CacheStream(cache={self.reader.path!r}, seed={self.seed}, "
                 f"epoch={self.epoch}, split_ranks={self.split_ranks})")
-
-
-class _Once:
-    """Calls ``fn(complete)`` the first time it is called, never again."""
-
-    def __init__(self, fn: Callable[[bool], None]) -> None:
-        self._fn: Callable[[bool], None] | None = fn
-
-    def __call__(self, complete: bool) -> None:
-        fn, self._fn = self._fn, None
-        if fn is not None:
-            fn(complete)
-
-
-class _Reporting(Iterator[Any]):
-    """A worker's samples that report their end once: exhausted (complete), or closed or
-    collected before that (the worker shut down or exiting because its main process is
-    gone: not complete, see `finish_ticket`)."""
-
-    def __init__(self, samples: Iterator[Any], done: _Once) -> None:
-        self._samples, self._done = samples, done
-
-    def __next__(self) -> Any:
-        try:
-            return next(self._samples)
-        except StopIteration:
-            self._done(True)
-            raise
-
-    def close(self) -> None:
-        close = getattr(self._samples, "close", None)
-        if close is not None:
-            close()
-        self._done(False)
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # a worker exiting at shutdown: the home process cleans up
-            log.debug("stream: could not report a worker's end", exc_info=True)
 
 
 def _drop_quietly(cache: SampleStore, name: str, home_pid: int) -> None:

@@ -9,7 +9,7 @@ process prepared, adopts the one another worker of its group took, or takes the 
 
 The lease is held in the name of the main process (the *home*), so it outlives workers that
 finish early and is reclaimed if the main process dies; the last worker of a group to finish
-releases it. A document::
+releases it (a worker's samples report its end once: `Reporting`). A document::
 
     {"epoch": 3, "lo": 100, "hi": 900, "count": 800, "lease": "ab12...", "token": "...",
      "group": "1234:0", "claimed": [0, 1], "done": 1, "release": true}
@@ -28,7 +28,9 @@ iteration, which is a new epoch. A ticket is never handed out again once its lea
 from __future__ import annotations
 
 import json
+import logging
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -43,6 +45,8 @@ from ..store.sample_store import take_snapshot
 
 if TYPE_CHECKING:
     from ..store.sample_store import SampleStore
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -222,6 +226,47 @@ def finish_ticket(cache: SampleStore, name: str, group: str, workers: int, *,
         _save(txn, cache, name, doc)
 
     cache.env.write(run)
+
+
+class WorkerEnd:
+    """A worker's end of its ticket, reported to `finish_ticket` the first time it is called,
+    never again (the samples ran out, or the worker stopped or failed before)."""
+
+    def __init__(self, cache: SampleStore, name: str, group: str, workers: int) -> None:
+        self._ticket: tuple[SampleStore, str, str, int] | None = (cache, name, group, workers)
+
+    def __call__(self, complete: bool) -> None:
+        ticket, self._ticket = self._ticket, None
+        if ticket is not None:
+            finish_ticket(*ticket, complete=complete)
+
+
+class Reporting(Iterator[Any]):
+    """A worker's samples that report their end once: exhausted (complete), or closed or
+    collected before that (the worker shut down or exiting because its main process is
+    gone: not complete, see `finish_ticket`)."""
+
+    def __init__(self, samples: Iterator[Any], done: WorkerEnd) -> None:
+        self._samples, self._done = samples, done
+
+    def __next__(self) -> Any:
+        try:
+            return next(self._samples)
+        except StopIteration:
+            self._done(True)
+            raise
+
+    def close(self) -> None:
+        close = getattr(self._samples, "close", None)
+        if close is not None:
+            close()
+        self._done(False)
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # a worker exiting at shutdown: the home process cleans up
+            log.debug("stream: could not report a worker's end", exc_info=True)
 
 
 def last_epoch(cache: SampleStore, name: str) -> int | None:
