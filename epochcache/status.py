@@ -1,18 +1,19 @@
 """What ``epochcache status`` shows: the cache's statistics as a JSON-able dict (``status
---json``, `Cache.stats`) and as a rich table, and the jobs (trainers) that read the cache.
+--json``, `Cache.stats`) and as a rich table, and the trainers that read the cache.
 
 It reads what each layer writes: the store's counters and leases, the health documents of the
 daemon and its samplers (`epochcache.ingest.health`), the coverage report, stall records, and
-the documents jobs keep of themselves (below).
+the documents trainers keep of themselves (below).
 
-**Jobs.** Several jobs may train from one node's cache and daemon at once (a sweep). Each keeps its own
-snapshots and leases: a lease with a release plan protects only what its job has not read yet
-(`epochcache.store.release`), so eviction waits for the slowest job only for the samples that job still
-has to read. ``status`` shows each job: a job is a trainer process, the owner of leases (by
-host and pid); ``epochcache run`` adds what it is (its run directory, rank and epoch) in a
-state document ``job/<host>:<pid>`` it refreshes at each epoch.
+**Trainers.** Several jobs may train from one node's cache and daemon at once (a sweep), each
+with a trainer process per rank. Each trainer keeps its own snapshots and leases: a lease with
+a release plan protects only what its trainer has not read yet (`epochcache.store.release`),
+so eviction waits for the slowest trainer only for the samples it still has to read.
+``status`` shows each trainer: the owner of leases (by host and pid); ``epochcache run`` adds
+what it is (its run directory, rank and epoch) in a state document ``job/<host>:<pid>`` it
+refreshes at each epoch.
 
-Per job: its pid and host, what it says of itself, its leases, the epochs they are of, the
+Per trainer: its pid and host, what it says of itself, its leases, the epochs they are of, the
 samples its snapshots hold and how many of them it has not read yet (``unread``: what it
 protects from eviction; a lease without a complete plan protects its whole snapshot).
 """
@@ -52,72 +53,74 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("epochcache.cache")
 
-JOB_PREFIX = "job/"
+#: A trainer's state document is ``job/<host>:<pid>``: the stored name keeps the older word, so
+#: that caches written before the rename and after it read alike.
+TRAINER_PREFIX = "job/"
 _EPOCH = re.compile(r"epoch (\d+)")
 
 
-def job_name(host: str, pid: int) -> str:
-    return f"{JOB_PREFIX}{host}:{pid}"
+def trainer_doc(host: str, pid: int) -> str:
+    return f"{TRAINER_PREFIX}{host}:{pid}"
 
 
-def note_job(cache: SampleStore, **fields: Any) -> None:
+def note_trainer(cache: SampleStore, **fields: Any) -> None:
     """Say what this process is, for ``status`` (``run_dir``, ``rank``, ``epoch``, ...); the
-    documents of jobs that died on this host are dropped on the way."""
+    documents of trainers that died on this host are dropped on the way."""
     host, pid = socket.gethostname(), os.getpid()
-    name = job_name(host, pid)
+    name = trainer_doc(host, pid)
     previous = cache.tables.get_state(name) or {}
     doc = {"started": previous.get("started", time.time()), **previous, **process_record(pid),
            **fields, "updated": time.time()}
     cache.tables.put_state(name, doc)
-    for other, seen in cache.tables.states(JOB_PREFIX).items():
+    for other, seen in cache.tables.states(TRAINER_PREFIX).items():
         if other != name and seen.get("host") == host and not recorded_alive(seen):
             cache.tables.delete_state(other)
 
 
-def forget_job(cache: SampleStore) -> None:
-    """This process no longer trains from the cache (best effort: a job's document is
+def forget_trainer(cache: SampleStore) -> None:
+    """This process no longer trains from the cache (best effort: a trainer's document is
     dropped anyway once its process is gone)."""
     try:
-        cache.tables.delete_state(job_name(socket.gethostname(), os.getpid()))
+        cache.tables.delete_state(trainer_doc(socket.gethostname(), os.getpid()))
     except (lmdb.Error, CacheError, OSError) as exc:
-        log.debug("%s: could not drop this job's state document: %s", cache.path, exc)
+        log.debug("%s: could not drop this trainer's state document: %s", cache.path, exc)
 
 
-def jobs(cache: SampleStore, leases: list[Lease] | None = None) -> list[dict[str, Any]]:
-    """Each job holding leases on the cache, or saying it trains from it (see the module
+def trainers(cache: SampleStore, leases: list[Lease] | None = None) -> list[dict[str, Any]]:
+    """Each trainer holding leases on the cache, or saying it trains from it (see the module
     docstring), oldest first."""
     now_ns = time.time_ns()
     leases = cache.leases() if leases is None else leases
-    docs = cache.tables.states(JOB_PREFIX)
+    docs = cache.tables.states(TRAINER_PREFIX)
     out: dict[tuple[str, int], dict[str, Any]] = {}
     for lease in leases:
         if not lease.is_alive(now_ns, cache.lease_timeout_s, cache.path):
             continue
-        job = out.setdefault((lease.host, lease.pid), {
+        trainer = out.setdefault((lease.host, lease.pid), {
             "pid": lease.pid, "host": lease.host, "leases": 0, "epochs": [], "samples": 0,
             "unread": 0, "since": lease.created_ns / 1e9})
-        job["leases"] += 1
+        trainer["leases"] += 1
         match = _EPOCH.search(lease.label)
         if match:
-            job["epochs"].append(int(match.group(1)))
-        job["samples"] += lease.count
-        job["unread"] += unread(cache.path, lease)
-        job["since"] = min(job["since"], lease.created_ns / 1e9)
+            trainer["epochs"].append(int(match.group(1)))
+        trainer["samples"] += lease.count
+        trainer["unread"] += unread(cache.path, lease)
+        trainer["since"] = min(trainer["since"], lease.created_ns / 1e9)
     for doc in docs.values():
         host, pid = str(doc.get("host")), int(doc.get("pid", -1))
         if host == socket.gethostname() and not recorded_alive(doc):
             continue
-        job = out.setdefault((host, pid), {"pid": pid, "host": host, "leases": 0, "epochs": [],
+        trainer = out.setdefault((host, pid), {"pid": pid, "host": host, "leases": 0, "epochs": [],
                                            "samples": 0, "unread": 0,
                                            "since": float(doc.get("started", time.time()))})
         for name in ("run_dir", "rank", "epoch", "label"):
             if name in doc:
-                job[name] = doc[name]
-    for job in out.values():
-        job["epochs"] = sorted(set(job["epochs"]))
-        job.setdefault("epoch", max(job["epochs"]) if job["epochs"] else None)
-        job["since"] = round(job["since"], 3)
-    return sorted(out.values(), key=lambda job: job["since"])
+                trainer[name] = doc[name]
+    for trainer in out.values():
+        trainer["epochs"] = sorted(set(trainer["epochs"]))
+        trainer.setdefault("epoch", max(trainer["epochs"]) if trainer["epochs"] else None)
+        trainer["since"] = round(trainer["since"], 3)
+    return sorted(out.values(), key=lambda trainer: trainer["since"])
 
 
 #: History rows ``status`` looks through for the epochs of a run (5 s apart: ~7 hours).
@@ -186,7 +189,8 @@ def _collect(cache: SampleStore) -> dict[str, Any]:
             }
             for lease in leases
         ],
-        "jobs": jobs(cache, leases),
+        # the trainers, under the older word: the key is kept for scripts that read `status --json`
+        "jobs": trainers(cache, leases),
         "ingest": ingest_rate(history),
         "daemon": daemon_health(cache.tables.get_state("daemon"), now),
         # sources none of whose reads succeeded for a minute, or stopped by a refusal
@@ -263,17 +267,17 @@ def render(stats: dict[str, Any]) -> RenderableType:
             leases.add_row(*(str(lease[c]) for c in ("id", "label", "pid", "host", "samples", "age_s", "alive")))
         parts.append(leases)
     if stats.get("jobs"):
-        table_jobs = Table(title="jobs (trainers reading this cache)", title_justify="left")
+        table_trainers = Table(title="jobs (trainers reading this cache)", title_justify="left")
         for column in ("pid", "host", "run", "rank", "epoch", "snapshot samples",
                        "unread (protected)"):
-            table_jobs.add_column(column)
-        for job in stats["jobs"]:
-            table_jobs.add_row(str(job["pid"]), str(job["host"]),
-                               str(job.get("run_dir") or job.get("label") or "-"),
-                               str(job.get("rank", "-")),
-                               "-" if job.get("epoch") is None else str(job["epoch"]),
-                               f"{job['samples']:,}", f"{job['unread']:,}")
-        parts.append(table_jobs)
+            table_trainers.add_column(column)
+        for trainer in stats["jobs"]:
+            table_trainers.add_row(str(trainer["pid"]), str(trainer["host"]),
+                                   str(trainer.get("run_dir") or trainer.get("label") or "-"),
+                                   str(trainer.get("rank", "-")),
+                                   "-" if trainer.get("epoch") is None else str(trainer["epoch"]),
+                                   f"{trainer['samples']:,}", f"{trainer['unread']:,}")
+        parts.append(table_trainers)
     if stats.get("turnover"):
         turnover = Table(title="turnover (epochs of epochcache run)", title_justify="left")
         columns = [f for f in HISTORY if f.label]  # the epoch record's fields status shows

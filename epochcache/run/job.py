@@ -289,9 +289,9 @@ class Run:
             close = getattr(epochs, "close", None)
             if close is not None:
                 close()  # releases the leases of the current and the prepared epoch
-            from ..status import forget_job
+            from ..status import forget_trainer
 
-            forget_job(cache)  # no longer a job of this cache (status)
+            forget_trainer(cache)  # no longer a trainer of this cache (status)
             cache.close()
         return 0
 
@@ -369,11 +369,11 @@ class Run:
                before=self.started_at)
 
     def _trained_record(self, cache: SampleStore, loader: Any, epoch: int) -> TrainedRecord:
-        """The epoch's manifest and coverage recorder; and this job noted for ``status``."""
-        from ..status import note_job
+        """The epoch's manifest and coverage recorder; and this trainer noted for ``status``."""
+        from ..status import note_trainer
 
         run_dir = self.run_dir.resolve()
-        note_job(cache, run_dir=str(run_dir), rank=self.rank, epoch=epoch)
+        note_trainer(cache, run_dir=str(run_dir), rank=self.rank, epoch=epoch)
         names = [entry.name for entry in self.config.source_entries() if entry.name]
         from ..coverage.staged import run_key
 
