@@ -51,8 +51,11 @@ from common.s3server import S3ServerProcess  # noqa: E402 - the moto server of t
 from epochcache.errors import CacheError  # noqa: E402
 from epochcache.status import collect_stats  # noqa: E402
 from epochcache.store import SampleStore  # noqa: E402
-from epochcache.store.codec import read_info  # noqa: E402
-from epochcache.store.records import DB_SAMPLES, seq_of  # noqa: E402
+from epochcache.store.records import (  # noqa: E402
+    DB_SAMPLES,
+    read_info,
+    seq_of,
+)
 
 BUCKET = "soak"
 SAMPLES = 1500

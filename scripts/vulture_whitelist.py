@@ -26,13 +26,12 @@ from epochcache.ingest.layouts.parquet import ParquetSource, _Spans
 from epochcache.ingest.layouts.shards import _Tail
 from epochcache.ingest.sampler import SamplerHealth
 from epochcache.ingest.types import SampleRef
-from epochcache.store.codec import RecordInfo
 from epochcache.store.eviction import OldestFirst
 from epochcache.store.least_recently_read import LeastRecentlyRead
 from epochcache.store.origins import Origin
 from epochcache.store.plans import Releaser
 from epochcache.store.plumbing import reset_effective_capacity
-from epochcache.store.records import RecordFlags
+from epochcache.store.records import RecordFlags, RecordInfo
 
 # Python calls these: a module's lazy attributes (PEP 562), an io.RawIOBase's methods
 # (io.BufferedReader and tarfile call readable/readinto), a logging record's message.

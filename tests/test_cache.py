@@ -26,9 +26,8 @@ from common.cachecheck import assert_consistent, content_for, digest
 
 import epochcache.store.tables as cache_module
 from epochcache import Cache, CacheError, CacheFull, SampleTooLarge
-from epochcache.store.codec import pack_fields
 from epochcache.store.plumbing import append_history
-from epochcache.store.records import HEADER, Codec, RecordFlags
+from epochcache.store.records import HEADER, Codec, RecordFlags, pack_fields
 
 MakeCache = Callable[..., Cache]
 

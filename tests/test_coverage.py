@@ -29,10 +29,9 @@ from epochcache.coverage.ledger import Ledger, ledger_path, ledgers, remap
 from epochcache.ingest.layouts import KeyTable
 from epochcache.ingest.lineage import index_map
 from epochcache.store import SampleStore
-from epochcache.store.codec import read_info
 from epochcache.store.listings import register_listing
 from epochcache.store.origins import Origin
-from epochcache.store.records import DB_ORIGINS, DB_SAMPLES
+from epochcache.store.records import DB_ORIGINS, DB_SAMPLES, read_info
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -30,8 +30,7 @@ from test_run_resume import TRAINER, _config, _dataset, _rows, _start, _wait_to_
 from epochcache import Cache
 from epochcache.coverage.ledger import Ledger, ledgers
 from epochcache.coverage.manifests import ManifestWriter, epoch_keys, manifest_path
-from epochcache.store.codec import read_info
-from epochcache.store.records import DB_SAMPLES
+from epochcache.store.records import DB_SAMPLES, read_info
 
 pytestmark = pytest.mark.timeout(300)
 

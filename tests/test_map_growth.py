@@ -27,7 +27,7 @@ import faulthandler, hashlib, sys, threading, time
 faulthandler.enable()
 from common.cachecheck import content_for
 from epochcache import Cache
-from epochcache.store.codec import decode_payload
+from epochcache.store.records import decode_payload
 from epochcache.store.records import seq_key
 
 path, n = sys.argv[1], int(sys.argv[2])

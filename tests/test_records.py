@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from epochcache.errors import CacheCorrupted
-from epochcache.store import codec
+from epochcache.store import records as codec
 from epochcache.store.records import HEADER
 
 

@@ -17,7 +17,7 @@ from common.writer import npy_bytes
 from torch.utils.data import DataLoader
 
 from epochcache import Cache
-from epochcache.store.codec import pack_fields
+from epochcache.store.records import pack_fields
 
 ARRAY = np.arange(12, dtype=np.float32).reshape(3, 4)
 GOOD, BROKEN, EPOCHS = 37, 3, 3

@@ -46,9 +46,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import zstandard
 
-from ..store.codec import record_source_key
 from ..store.origins import read_origins
-from ..store.records import DB_SAMPLES, seq_key
+from ..store.records import DB_SAMPLES, record_source_key, seq_key
 
 if TYPE_CHECKING:
     from ..store.sample_store import SampleStore

@@ -69,7 +69,7 @@ import numpy as np
 from ..errors import DecodeError, MissingImageLibrary, PickleNotAllowed
 from ..limits import AST_LOCK, DEFAULT_MAX_SAMPLE_BYTES, NPY_MAX_HEADER_BYTES, gunzip
 from ..options import IMAGE_FORMS, DecodeFn
-from ..store.codec import Value
+from ..store.records import Value
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from typing import Any
 from ..errors import DecodeError
 from ..limits import DEFAULT_MAX_SAMPLE_BYTES
 from ..options import DecodeFn
-from ..store.codec import Value
+from ..store.records import Value
 from .decode import decode_bytes, extensions, make_decoder
 
 KEY_FIELD = "__key__"

@@ -33,9 +33,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..store.codec import field_spans
-from ..store.codec import source_key as _source_key
-from ..store.records import HEADER, Codec, RecordFlags
+from ..store.records import HEADER, Codec, RecordFlags, field_spans
+from ..store.records import source_key as _source_key
 from .collate import alloc_batch, collate_samples
 from .decode import _INT_EXTS, extensions, parse_npy_header
 from .fields import KEY_FIELD, Selection, resolve

@@ -39,9 +39,16 @@ from torch.utils.data import get_worker_info
 from ..errors import DecodeError, MissingImageLibrary, PickleNotAllowed
 from ..options import ReaderOptions
 from ..store import SampleStore
-from ..store.codec import decode_payload, source_key
 from ..store.env import PROCESS, begin_read, end_read
-from ..store.records import DB_SAMPLES, HEADER, Codec, RecordFlags, seq_keys
+from ..store.records import (
+    DB_SAMPLES,
+    HEADER,
+    Codec,
+    RecordFlags,
+    decode_payload,
+    seq_keys,
+    source_key,
+)
 from ..store.records import seq_key as _pack_seq
 from .collate import SPLIT_BYTES, alloc_batch, collate_samples, copy_rows
 from .decode import decode_sample, make_decoder

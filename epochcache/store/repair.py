@@ -18,9 +18,8 @@ from collections.abc import Iterator, Sequence
 
 import lmdb
 
-from .codec import record_key
 from .counters import Counters
-from .records import DB_KEYS, DB_META, DB_SAMPLES, seq_key, seq_of, unpack_u64
+from .records import DB_KEYS, DB_META, DB_SAMPLES, record_key, seq_key, seq_of, unpack_u64
 from .sample_store import SampleStore
 
 log = logging.getLogger(__name__)

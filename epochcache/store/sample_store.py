@@ -24,9 +24,8 @@ import lmdb
 import numpy as np
 
 from ..units import format_size, parse_size
-from . import codec, plans
+from . import plans, records
 from .capacity import Capacity, resolve_limits, stored_limits
-from .codec import Value
 from .counters import Counters
 from .env import Env, map_bound
 from .eviction import DEFAULT_POLICY, Eviction, policy_of
@@ -48,6 +47,7 @@ from .records import (
     DB_SAMPLES,
     DB_STATE,
     M_EVICTION,
+    Value,
     index_key,
     seq_key,
     seq_keys,
@@ -334,7 +334,7 @@ class SampleStore:
         if not isinstance(seqs, np.ndarray):
             seqs = [_seq(seq, "get_many") for seq in seqs]
         keys = seq_keys(seqs)
-        values = self.env.read_many(self.env.dbs[DB_SAMPLES], keys, codec.decode_payload)
+        values = self.env.read_many(self.env.dbs[DB_SAMPLES], keys, records.decode_payload)
         if None in values:
             missing = [int(s) for s, v in zip(seqs, values) if v is None]
             raise KeyError(
@@ -343,13 +343,13 @@ class SampleStore:
             )
         return values  # type: ignore[return-value]
 
-    def info(self, seq: int) -> codec.RecordInfo:
+    def info(self, seq: int) -> records.RecordInfo:
         """How sample ``seq`` is stored: its key, sizes, codec, checksum, time added."""
         with self.env.read() as txn:
             record = txn.get(seq_key(int(seq)), db=self.env.dbs[DB_SAMPLES])
             if record is None:
                 raise KeyError(f"sample {seq} is not in the cache at {self.path}")
-            return codec.read_info(record)
+            return records.read_info(record)
 
     def seq_of(self, key: str) -> int | None:
         """The sequence number under which ``key`` is cached, or None."""

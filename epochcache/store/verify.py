@@ -34,9 +34,18 @@ import numpy as np
 
 from ..errors import CacheCorrupted
 from ..limits import cut_key, cut_text
-from .codec import check_record, record_key, source_key
 from .counters import Counters
-from .records import DB_KEYS, DB_META, DB_SAMPLES, seq_key, seq_of, unpack_u64
+from .records import (
+    DB_KEYS,
+    DB_META,
+    DB_SAMPLES,
+    check_record,
+    record_key,
+    seq_key,
+    seq_of,
+    source_key,
+    unpack_u64,
+)
 from .repair import repair_cache
 from .sample_store import SampleStore
 

@@ -21,15 +21,24 @@ import lmdb
 
 from ..errors import CacheError, CacheFull, SampleRejected, SampleTooLarge
 from ..units import format_size
-from . import codec
+from . import records
 from .capacity import Capacity
-from .codec import Value
 from .counters import Counters
 from .env import Env
 from .eviction import DEFAULT_POLICY, Eviction, Reads, policy_of
 from .leases import Lease, read_leases, reclaim_dead
 from .origins import Origin, write_row
-from .records import DB_KEYS, DB_LEASES, DB_META, DB_SAMPLES, DB_STATE, index_key, pack_u64, seq_key
+from .records import (
+    DB_KEYS,
+    DB_LEASES,
+    DB_META,
+    DB_SAMPLES,
+    DB_STATE,
+    Value,
+    index_key,
+    pack_u64,
+    seq_key,
+)
 from .release import Protection
 
 log = logging.getLogger("epochcache.cache")  # one logger for everything a cache does
@@ -117,7 +126,7 @@ class Writer:
         self._full_logged = 0.0
         #: Seconds put_many has waited for leases to free space (back-pressure), in total.
         self.lease_wait_s = 0.0
-        self._trial = codec.CompressionTrial()
+        self._trial = records.CompressionTrial()
         #: What the live leases protect, as this process evicts (plan leases tracked here).
         self.protection = Protection(env.path)
         # One thread at a time through the protection's bookkeeping (see _write).
@@ -134,7 +143,7 @@ class Writer:
         compressed lately (`CompressionTrial`); then a record's size depends on what
         was framed before, so it is off for everything else (a record is a function of its
         sample)."""
-        return codec.encode_record(key, value, level=self.level, compress=self.compress,
+        return records.encode_record(key, value, level=self.level, compress=self.compress,
                                    trial=self._trial if adaptive else None)
 
     def put_many(
@@ -327,7 +336,7 @@ class Writer:
             for seq, (key, _) in zip(result.seqs, fresh):
                 txn.put(key, seq_key(seq), db=dbs[DB_KEYS])
             get = (origin_of or {}).get
-            write_row(txn, dbs, first, [codec.record_source_key(r) for _, r in fresh],
+            write_row(txn, dbs, first, [records.record_source_key(r) for _, r in fresh],
                       [get(k) for k, _ in fresh])
         if counters.sources is not None:
             for key, record in fresh:

@@ -17,7 +17,6 @@ import lmdb
 
 from epochcache import Cache
 from epochcache.errors import CacheCorrupted
-from epochcache.store.codec import check_record, decode_payload, pack_fields, read_info
 from epochcache.store.counters import Counters
 from epochcache.store.leases import read_leases
 from epochcache.store.records import (
@@ -25,7 +24,11 @@ from epochcache.store.records import (
     DB_LEASES,
     DB_META,
     DB_SAMPLES,
+    check_record,
+    decode_payload,
     index_key,
+    pack_fields,
+    read_info,
     seq_of,
     unpack_u64,
 )
