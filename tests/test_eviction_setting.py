@@ -27,7 +27,6 @@ from common.procs import spawn_script
 
 from epochcache import Cache
 from epochcache.registry import EVICTION, register_policy
-from epochcache.store.counters import Counters
 from epochcache.store.eviction import (
     Eviction,
     EvictionPolicy,
@@ -41,6 +40,7 @@ from epochcache.store.plumbing import reclaim_leases
 from epochcache.store.reads import ReadLog, load_reads, reads_path
 from epochcache.store.records import DB_KEYS, DB_SAMPLES, seq_of
 from epochcache.store.release import Protection
+from epochcache.store.tables import Counters
 from epochcache.store.verify import verify_cache
 
 SIZE = 1000

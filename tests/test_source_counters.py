@@ -17,7 +17,7 @@ from epochcache import Cache
 from epochcache.errors import CacheFull
 from epochcache.store.plumbing import register_sources, source_stats
 from epochcache.store.records import DB_META
-from epochcache.store.source_counters import registered_names
+from epochcache.store.tables import registered_names
 
 
 def actual(cache: Cache, names: list[str]) -> dict[str, dict[str, int]]:

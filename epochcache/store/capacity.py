@@ -17,11 +17,11 @@ import lmdb
 
 from ..errors import CacheUnusable
 from ..units import headroom_bytes, parse_headroom
-from .counters import Counters
 from .datafile import no_cache_here
 from .env import Env
 from .lowered_capacity import LoweredCapacity, published
 from .records import C_FORMAT, DB_META, FORMAT_VERSION, pack_u64, unpack_u64
+from .tables import Counters
 
 _M_CAPACITY = b"capacity"
 _M_HEADROOM = b"headroom"

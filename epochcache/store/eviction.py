@@ -38,12 +38,12 @@ from typing import ClassVar
 import lmdb
 
 from ..registry import EVICTION
-from .counters import Counters
 from .leases import Lease
 from .origins import prune, prune_bound
 from .reads import ReadLog, load_reads, read_generation
 from .records import DB_KEYS, DB_META, DB_SAMPLES, record_key, seq_key, seq_of
 from .release import Protection
+from .tables import Counters
 
 #: The policy of a cache that was never told one (`epochcache.registry` names the others).
 DEFAULT_POLICY = "oldest"

@@ -33,12 +33,12 @@ from collections.abc import Iterator, Sequence
 import lmdb
 import numpy as np
 
-from .counters import Counters
 from .eviction import Eviction, EvictionPolicy, Reads, prune_origins, take
 from .leases import Lease
 from .reads import ReadLog
 from .records import DB_KEYS, DB_SAMPLES, seq_key, seq_of
 from .release import Protection
+from .tables import Counters
 
 _CHUNK = 4096
 _END = 1 << 64

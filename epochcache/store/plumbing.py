@@ -18,12 +18,11 @@ import lmdb
 import numpy as np
 
 from . import plans
-from . import source_counters as _sources
 from .leases import Lease, adopt, end_reason, write_lease
 from .owners import begin_lease, end_lease, heartbeats, sweep_dead_owners
 from .records import DB_KEYS, DB_LEASES, DB_META, DB_SAMPLES, DB_STATE, seq_key
 from .snapshot import heartbeat_leases
-from .source_counters import SourceCounters
+from .tables import SourceCounters, register_sources_in
 
 if TYPE_CHECKING:
     from .sample_store import SampleStore
@@ -65,9 +64,9 @@ def reset_effective_capacity(store: SampleStore) -> None:
 
 def register_sources(store: SampleStore, names: Iterable[str]) -> list[str]:
     """Count samples per source from now on (keys ``<name>/...``; see
-    `epochcache.store.source_counters`); return the names that were new."""
+    `epochcache.store.tables`); return the names that were new."""
     return store.env.write(
-        lambda txn: _sources.register_sources_in(txn, store.env.dbs, store.env.dbs[DB_META], list(names)))
+        lambda txn: register_sources_in(txn, store.env.dbs, store.env.dbs[DB_META], list(names)))
 
 
 def source_stats(store: SampleStore) -> dict[str, dict[str, int]]:

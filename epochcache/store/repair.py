@@ -18,9 +18,9 @@ from collections.abc import Iterator, Sequence
 
 import lmdb
 
-from .counters import Counters
 from .records import DB_KEYS, DB_META, DB_SAMPLES, record_key, seq_key, seq_of, unpack_u64
 from .sample_store import SampleStore
+from .tables import Counters
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,6 @@ import numpy as np
 from ..units import format_size, parse_size
 from . import plans, records
 from .capacity import Capacity, resolve_limits, stored_limits
-from .counters import Counters
 from .env import Env, map_bound
 from .eviction import DEFAULT_POLICY, Eviction, policy_of
 from .leases import (
@@ -54,7 +53,7 @@ from .records import (
     unpack_u64,
 )
 from .snapshot import Snapshot, heartbeat_leases, select_snapshot
-from .tables import SideTables
+from .tables import Counters, SideTables
 from .writer import OnReject, PutResult, Writer
 
 log = logging.getLogger("epochcache.cache")  # one logger for everything a cache does

@@ -19,10 +19,10 @@ import lmdb
 import numpy as np
 
 from ..errors import SnapshotClosed
-from .counters import Counters
 from .leases import Lease, write_lease
 from .owners import end_lease, heartbeats
 from .records import DB_LEASES, seq_of
+from .tables import Counters
 
 if TYPE_CHECKING:
     from .env import Env

@@ -1,6 +1,16 @@
-"""Side tables of a cache: quarantine rows, daemon/sampler state documents, stats history.
+"""What a cache keeps beside its samples: counters, per-source counters and side tables.
 
-These are small JSON rows next to the samples: the quarantine keeps the newest rejected remote
+**Counters** live in ``meta`` and change in the same transaction as the records they count,
+so they never drift: ``verify`` recomputes them from the records and any difference is a bug,
+not a crash artefact. A cache fed by several sources (``sources:``) keys each sample
+``<name>/<key>``; the daemon registers the names (`register_sources_in`), and from then on
+every transaction that inserts, evicts or quarantines a sample of a registered source also
+updates that **source's counters**, next to the global ones. A cache with one ``source:`` pays
+one ``get`` a transaction and nothing else. Registering a name counts what the cache already
+holds under its prefix; names are never unregistered (a dropped source is counted until its
+samples age out).
+
+The **side tables** are small JSON rows: the quarantine keeps the newest rejected remote
 objects (the counter counts all of them), ``state`` holds one document per name (the daemon's
 heartbeat, each sampler's position and health), and ``history`` the bounded time series that
 ``status`` rates and ``plot`` are drawn from.
@@ -18,19 +28,28 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import lmdb
 
 from ..limits import KEY_SHOWN_CHARS, cut_key, cut_text, key_digest
-from .counters import Counters
 from .env import Env
 from .records import (
+    C_BYTES,
+    C_EVICTED,
+    C_EVICTED_BYTES,
+    C_INSERTED,
+    C_NEXT_SEQ,
     C_QUARANTINE_BYTES,
     C_QUARANTINE_DROPPED,
+    C_QUARANTINED,
+    C_SAMPLES,
     DB_HISTORY,
+    DB_KEYS,
     DB_META,
     DB_QUARANTINE,
+    DB_SAMPLES,
     DB_STATE,
     HISTORY_MAX_ROWS,
     QUARANTINE_MAX_BYTES,
@@ -190,3 +209,171 @@ def _append_bounded(txn: lmdb.Transaction, db: lmdb._Database, value: bytes,
         for _ in range(excess):
             if not cursor.delete():
                 break
+
+
+#: Field name -> key in ``meta``.
+_KEYS = {
+    "samples": C_SAMPLES,
+    "bytes": C_BYTES,
+    "next_seq": C_NEXT_SEQ,
+    "evicted": C_EVICTED,
+    "evicted_bytes": C_EVICTED_BYTES,
+    "inserted": C_INSERTED,
+    "quarantined": C_QUARANTINED,
+}
+
+
+@dataclass
+class Counters:
+    """A transaction's working copy of the counters; `save` writes all of them back."""
+
+    samples: int = 0
+    bytes: int = 0
+    next_seq: int = 0
+    evicted: int = 0
+    evicted_bytes: int = 0
+    inserted: int = 0
+    quarantined: int = 0
+    #: The per-source counters (None: no source registered), saved with these.
+    sources: SourceCounters | None = field(default=None, repr=False, compare=False)
+
+    @classmethod
+    def load(cls, txn: lmdb.Transaction, db: lmdb._Database) -> Counters:
+        counters = cls()
+        for name, key in _KEYS.items():
+            setattr(counters, name, unpack_u64(txn.get(key, db=db)))
+        counters.sources = SourceCounters.load(txn, db)
+        return counters
+
+    def save(self, txn: lmdb.Transaction, db: lmdb._Database) -> None:
+        for name, key in _KEYS.items():
+            txn.put(key, pack_u64(getattr(self, name)), db=db)
+        if self.sources is not None:
+            self.sources.save(txn)
+
+    def as_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name in _KEYS}
+
+
+#: ``meta`` key of the registered names (a JSON list).
+C_SOURCES = b"sources"
+#: Per-source counters; ``inserted`` is what ``status`` calls ``ingested``.
+FIELDS = ("samples", "bytes", "inserted", "inserted_bytes", "evicted", "evicted_bytes",
+          "quarantined")
+
+
+def _key(name: str, field: str) -> bytes:
+    return b"source/" + name.encode() + b"/" + field.encode()
+
+
+def registered_names(txn: lmdb.Transaction, meta: lmdb._Database) -> list[str]:
+    """The source names registered in this cache (empty for a single-source cache)."""
+    raw = txn.get(C_SOURCES, db=meta)
+    return [] if raw is None else list(json.loads(bytes(raw)))
+
+
+class SourceCounters:
+    """A transaction's working copy of the per-source counters (only those it touches).
+
+    Args:
+        txn: the transaction the counters are read in (and saved in, for a write).
+        meta: the ``meta`` sub-database.
+        names: the registered names.
+    """
+
+    def __init__(self, txn: lmdb.Transaction, meta: lmdb._Database, names: list[str]) -> None:
+        self._txn, self._meta = txn, meta
+        self._names = {name.encode(): name for name in names}
+        self._values: dict[str, dict[str, int]] = {}
+        self._dirty: set[str] = set()
+
+    @classmethod
+    def load(cls, txn: lmdb.Transaction, meta: lmdb._Database) -> SourceCounters | None:
+        """The counters of ``txn``, or None when no source is registered."""
+        names = registered_names(txn, meta)
+        return cls(txn, meta, names) if names else None
+
+    @property
+    def names(self) -> list[str]:
+        return sorted(self._names.values())
+
+    def source_of(self, index_key: bytes) -> str | None:
+        """The registered source a cache key (as indexed) belongs to, or None."""
+        slash = index_key.find(b"/")
+        return self._names.get(index_key[:slash]) if slash > 0 else None
+
+    def get(self, name: str) -> dict[str, int]:
+        values = self._values.get(name)
+        if values is None:
+            values = {f: unpack_u64(self._txn.get(_key(name, f), db=self._meta)) for f in FIELDS}
+            self._values[name] = values
+        return values
+
+    def _bump(self, index_key: bytes, changes: dict[str, int]) -> None:
+        name = self.source_of(index_key)
+        if name is None:
+            return
+        values = self.get(name)
+        for counter, delta in changes.items():
+            values[counter] += delta
+        self._dirty.add(name)
+
+    def inserted(self, index_key: bytes, nbytes: int) -> None:
+        self._bump(index_key, {"samples": 1, "bytes": nbytes, "inserted": 1,
+                               "inserted_bytes": nbytes})
+
+    def evicted(self, index_key: bytes, nbytes: int) -> None:
+        self._bump(index_key, {"samples": -1, "bytes": -nbytes, "evicted": 1,
+                               "evicted_bytes": nbytes})
+
+    def quarantined(self, key: str) -> None:
+        self._bump(key.encode("utf-8"), {"quarantined": 1})
+
+    def save(self, txn: lmdb.Transaction) -> None:
+        """Write the counters this transaction changed (in ``txn``, the one they were read in)."""
+        for name in self._dirty:
+            for counter, value in self._values[name].items():
+                txn.put(_key(name, counter), pack_u64(value), db=self._meta)
+        self._dirty.clear()
+
+    def as_dict(self) -> dict[str, dict[str, int]]:
+        """``{name: {samples, bytes, ingested, quarantined, ...}}`` for ``status``."""
+        out = {}
+        for name in self.names:
+            values = dict(self.get(name))
+            values["ingested"] = values["inserted"]
+            out[name] = values
+        return out
+
+
+def count_prefix(txn: lmdb.Transaction, dbs: dict[bytes, lmdb._Database],
+                 name: str) -> tuple[int, int]:
+    """``(samples, bytes)`` the cache holds under ``<name>/``, from the records themselves."""
+    prefix = name.encode() + b"/"
+    samples = nbytes = 0
+    cursor = txn.cursor(db=dbs[DB_KEYS])
+    if cursor.set_range(prefix):
+        for key, seq in cursor:
+            if not bytes(key).startswith(prefix):
+                break
+            record = txn.get(bytes(seq), db=dbs[DB_SAMPLES])
+            if record is not None:
+                samples += 1
+                nbytes += len(record)
+    return samples, nbytes
+
+
+def register_sources_in(txn: lmdb.Transaction, dbs: dict[bytes, lmdb._Database], meta: lmdb._Database,
+                     names: list[str]) -> list[str]:
+    """Register ``names`` (keeping those registered before); return the new ones, whose
+    counters start from what the cache holds under their prefix."""
+    known = registered_names(txn, meta)
+    new = [name for name in names if name not in known]
+    for name in new:
+        samples, nbytes = count_prefix(txn, dbs, name)
+        start = {"samples": samples, "bytes": nbytes, "inserted": samples, "inserted_bytes": nbytes}
+        for counter in FIELDS:
+            txn.put(_key(name, counter), pack_u64(start.get(counter, 0)), db=meta)
+    if new:
+        txn.put(C_SOURCES, json.dumps(sorted(known + new)).encode(), db=meta)
+    return new

@@ -34,7 +34,6 @@ import numpy as np
 
 from ..errors import CacheCorrupted
 from ..limits import cut_key, cut_text
-from .counters import Counters
 from .records import (
     DB_KEYS,
     DB_META,
@@ -48,6 +47,7 @@ from .records import (
 )
 from .repair import repair_cache
 from .sample_store import SampleStore
+from .tables import Counters
 
 log = logging.getLogger(__name__)
 

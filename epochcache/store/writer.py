@@ -23,7 +23,6 @@ from ..errors import CacheError, CacheFull, SampleRejected, SampleTooLarge
 from ..units import format_size
 from . import records
 from .capacity import Capacity
-from .counters import Counters
 from .env import Env
 from .eviction import DEFAULT_POLICY, Eviction, Reads, policy_of
 from .leases import Lease, read_leases, reclaim_dead
@@ -40,6 +39,7 @@ from .records import (
     seq_key,
 )
 from .release import Protection
+from .tables import Counters
 
 log = logging.getLogger("epochcache.cache")  # one logger for everything a cache does
 

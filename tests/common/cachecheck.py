@@ -17,7 +17,6 @@ import lmdb
 
 from epochcache import Cache
 from epochcache.errors import CacheCorrupted
-from epochcache.store.counters import Counters
 from epochcache.store.leases import read_leases
 from epochcache.store.records import (
     DB_KEYS,
@@ -32,6 +31,7 @@ from epochcache.store.records import (
     seq_of,
     unpack_u64,
 )
+from epochcache.store.tables import Counters
 
 
 def content_for(key: str, size: int | None = None, *, compressible: bool | None = None) -> bytes:
@@ -170,7 +170,7 @@ def full_check(path: str) -> CacheState:
 def recount(txn: lmdb.Transaction, dbs: dict[bytes, lmdb._Database],
             names: list[str]) -> dict[str, dict[str, Any]]:
     """``{name: {samples, bytes}}`` recomputed from the records: the oracle the per-source
-    counters (`epochcache.store.source_counters`) are checked against."""
+    counters (`epochcache.store.tables`) are checked against."""
     out: dict[str, dict[str, Any]] = {name: {"samples": 0, "bytes": 0} for name in names}
     for _seq, record in txn.cursor(db=dbs[DB_SAMPLES]):
         key = read_info(record).key
