@@ -103,8 +103,7 @@ def _tagger(root: Path, count: int, batch: int, repeat: int) -> dict[str, Any]:
 
 def _epoch_end(root: Path, samples: int, batch: int) -> dict[str, Any]:
     from epochcache.coverage.manifests import ManifestWriter, manifest_path
-    from epochcache.store.listings import register_listing
-    from epochcache.store.origins import read_origins
+    from epochcache.store.origins import read_origins, register_listing
 
     cache = Cache(root / "epoch", capacity=64 * samples * 4, sync=False, compression="none")
     lid = register_listing(cache.env, {

@@ -29,8 +29,7 @@ from epochcache.coverage.ledger import Ledger, ledger_path, ledgers, remap
 from epochcache.ingest.layouts import KeyTable
 from epochcache.ingest.lineage import index_map
 from epochcache.store import SampleStore
-from epochcache.store.listings import register_listing
-from epochcache.store.origins import Origin
+from epochcache.store.origins import Origin, register_listing
 from epochcache.store.records import DB_ORIGINS, DB_SAMPLES, read_info
 
 pytestmark = pytest.mark.timeout(180)
@@ -98,7 +97,7 @@ def _status(cache_dir: Path) -> str:
 
 
 def _fingerprint(cache: Cache) -> str:
-    from epochcache.store.listings import listings
+    from epochcache.store.origins import listings
 
     (info,) = listings(cache.env).values()
     return str(info["fingerprint"])

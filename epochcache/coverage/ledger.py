@@ -48,8 +48,8 @@ import numpy as np
 
 from ..paths import atomic_write
 from ..store.datafile import coverage_dir, ledger_lock
-from ..store.listings import listings as registered_listings
 from ..store.origins import UNKNOWN, _Row, read_origins, unique
+from ..store.origins import listings as registered_listings
 from ..store.plumbing import source_stats
 from ..store.records import DB_ORIGINS, seq_key
 
@@ -414,7 +414,7 @@ def remap(cache: SampleStore, old: dict[str, Any], new: dict[str, Any], old_lid:
     the new one, re-index the ledger (if it is on the old generation) and the origin rows of
     the old generation, by ``mapping`` (old index -> new index, -1 for keys the new listing
     lacks); return the new listing's id."""
-    from ..store.listings import register_listing
+    from ..store.origins import register_listing
 
     fp = str(new["fingerprint"])
     path = ledger_path(cache.path, fp)

@@ -15,14 +15,14 @@ read, and nothing else.
   changes which samples it has).
 
 An identity travels as a short hash (`identity_key`) with the URL for messages: in the
-listing registry (each listing a sampler registers, `epochcache.store.listings`), and in
+listing registry (each listing a sampler registers, `epochcache.store.origins`), and in
 the daemon's lock file while it runs (`daemon_doc`, read back by `daemon_sources`).
 `cached_sources` says which sources the cached samples came from (their origins).
 
 The origins: a sampler knows where every sample it fetched comes from, the listing its feed
 samples and the index of the ref it picked there (for a ``tar`` sample, the shard's index, and
 the sample's ordinal among the samples the shard yielded). `OriginTagger` registers each
-listing with the cache (`epochcache.store.listings`, under its identity), hands the committer
+listing with the cache (`epochcache.store.origins`, under its identity), hands the committer
 an `Origin` per sample, and when a feed takes in a new generation of its listing maps the
 coverage ledger and the old generation's origin rows onto it by key (`index_map`,
 `epochcache.coverage.ledger.remap`). Cost per batch: a dict of the batch's samples; per
@@ -48,8 +48,7 @@ from ..config import EpochcacheConfig
 from ..coverage.ledger import remap
 from ..redact import redact_url
 from ..store import SampleStore
-from ..store.listings import listings, register_listing
-from ..store.origins import UNKNOWN, Origin, cached_listing_counts
+from ..store.origins import UNKNOWN, Origin, cached_listing_counts, listings, register_listing
 from ..store.owners import lock_held
 from .layouts import KeyTable, Piece, SampleRef, SourceSpec, source_fingerprint, source_spec
 
