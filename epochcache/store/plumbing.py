@@ -46,7 +46,7 @@ def capacity_lowered(store: SampleStore) -> dict[str, Any] | None:
     """The lowest capacity in force in a live process, when lower than the configured one:
     ``limit``, ``capacity``, ``reason``, ``since``, ``pid``; None otherwise. A lowered
     capacity is a runtime back-off that recovers by itself and is never stored
-    (`epochcache.store.lowered_capacity`)."""
+    (`epochcache.store.capacity`)."""
     return store.capacity.lowered()
 
 

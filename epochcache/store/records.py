@@ -66,7 +66,7 @@ C_INSERTED = b"inserted"
 C_QUARANTINED = b"quarantined"
 C_FORMAT = b"format_version"
 #: A lowered capacity stored by earlier versions; now a runtime back-off, so this key is ignored
-#: and deleted when a cache is opened for writing (`epochcache.store.lowered_capacity`).
+#: and deleted when a cache is opened for writing (`epochcache.store.capacity`).
 C_EFFECTIVE_CAPACITY = b"effective_capacity"
 #: The cache's eviction policy, by its registered name (`epochcache.registry`); missing: the
 #: default (`epochcache.store.eviction.DEFAULT_POLICY`).

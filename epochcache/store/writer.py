@@ -4,7 +4,7 @@
 headroom, evicting the oldest unleased samples first; when leases pin the rest it waits
 (back-pressure) instead of failing or overfilling. A full disk or LMDB map is met by evicting in
 a transaction of its own and then lowering the effective capacity for a while (a back-off that
-recovers by itself, see `epochcache.store.lowered_capacity`), never by corrupting the cache. A disk
+recovers by itself, see `epochcache.store.capacity`), never by corrupting the cache. A disk
 that fails a write with EIO stops the writer ([`CacheIOError`][epochcache.CacheIOError]).
 """
 
