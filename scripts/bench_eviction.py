@@ -28,7 +28,7 @@ from epochcache.store.plumbing import write_plan_part
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from epochcache import Cache
-from epochcache.store.plans import Releaser
+from epochcache.store.reads import Releaser
 from epochcache.store.records import DB_SAMPLES
 
 POLICIES = ("oldest", "least-recently-read")

@@ -147,7 +147,7 @@ def commit_latency(root: Path, n: int) -> dict[str, float]:
             snap = cache.snapshot(plan_parts=1)
             order = np.random.default_rng(0).permutation(snap.seqs)
             write_plan_part(cache, snap.lease_id, 0, [order])
-            from epochcache.store.plans import Releaser
+            from epochcache.store.reads import Releaser
 
             Releaser(cache.path, snap.lease_id, 0, 0).release(n // 2)
         times, first = [], 0.0
@@ -184,7 +184,7 @@ def snapshot_time(root: Path, n: int) -> dict[str, float]:
     snap = cache.snapshot(plan_parts=1)
     half = snap.seqs[::2]
     write_plan_part(cache, snap.lease_id, 0, [np.concatenate([half, snap.seqs[1::2]])])
-    from epochcache.store.plans import Releaser
+    from epochcache.store.reads import Releaser
 
     Releaser(cache.path, snap.lease_id, 0, 0).release(len(half))
     cache.evict(cache.counters().bytes // 2)

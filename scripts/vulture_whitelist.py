@@ -29,8 +29,8 @@ from epochcache.ingest.types import SampleRef
 from epochcache.store.eviction import OldestFirst
 from epochcache.store.least_recently_read import LeastRecentlyRead
 from epochcache.store.origins import Origin
-from epochcache.store.plans import Releaser
 from epochcache.store.plumbing import reset_effective_capacity
+from epochcache.store.reads import Releaser
 from epochcache.store.records import RecordFlags, RecordInfo
 
 # Python calls these: a module's lazy attributes (PEP 562), an io.RawIOBase's methods

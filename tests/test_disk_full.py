@@ -31,8 +31,8 @@ from common.cachecheck import assert_consistent, content_for, digest, full_check
 from common.tmpfs import mounted_tmpfs
 
 from epochcache import Cache, CacheError, CacheFull, CacheIOError
-from epochcache.store.plans import Releaser
 from epochcache.store.plumbing import reset_effective_capacity, write_plan_part
+from epochcache.store.reads import Releaser
 from epochcache.store.records import DB_SAMPLES, seq_key
 
 SAMPLE = 4000  # incompressible: one LMDB overflow page each

@@ -47,8 +47,8 @@ from test_eviction_setting import NewestFirst
 
 from epochcache import Cache, CacheFull, Snapshot
 from epochcache.registry import EVICTION, policy_names, register_policy
-from epochcache.store.plans import Releaser
 from epochcache.store.plumbing import write_plan_part
+from epochcache.store.reads import Releaser
 
 KEYS = [f"k{i:02d}" for i in range(40)]  # a small pool, so keys repeat (dedupe)
 
@@ -309,7 +309,7 @@ class EvictionMachine(RuleBasedStateMachine):
         cache = self.cache
         (lease,) = [lease for lease in cache.leases() if lease.lease_id == lease_id]
         lease.plan_parts = 1
-        from epochcache.store import plans
+        from epochcache.store import reads as plans
 
         plans.write_seqs(cache.path, lease_id, np.array(sorted(set(sum(lanes, []))),
                                                         dtype=np.uint64))

@@ -21,8 +21,8 @@ from common.procs import spawn_script
 from common.writer import npy_bytes, sample_array
 
 from epochcache import Cache, CacheFull
-from epochcache.store.plans import Releaser
 from epochcache.store.plumbing import write_plan_part
+from epochcache.store.reads import Releaser
 
 
 def _put(cache: Cache, start: int, count: int) -> None:

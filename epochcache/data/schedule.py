@@ -51,8 +51,8 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from ..boot import heartbeat_alive
 from ..errors import MinSamplesUnreachable
 from ..placement import Placement
-from ..store.plans import Releaser
 from ..store.plumbing import write_plan_part
+from ..store.reads import Releaser
 from .collate import batch_buffers
 from .dataset import EpochDataset, snapshot_gone
 from .reader import SampleReader

@@ -34,8 +34,8 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from ..options import EPOCH_NAMES, EpochOptions, ReaderOptions, resolve_options
 from ..store.env import cache_identity
-from ..store.plans import Releaser
 from ..store.plumbing import adopt_lease, snapshot_seqs
+from ..store.reads import Releaser
 from .dataset import snapshot_gone
 from .distributed import NodeSync, detect_placement, dist_initialized
 from .reader import SampleReader

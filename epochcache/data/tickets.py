@@ -38,8 +38,7 @@ import lmdb
 
 from ..store.leases import Lease, delete_lease, note_end, write_lease
 from ..store.owners import begin_lease, end_lease, heartbeats
-from ..store.plans import remove_plan
-from ..store.reads import record_reads
+from ..store.reads import record_reads, remove_plan
 from ..store.records import DB_LEASES, DB_STATE
 from ..store.sample_store import take_snapshot
 

@@ -27,8 +27,7 @@ import lmdb
 
 from ..boot import pid_alive, process_start_ticks
 from .owners import owner_alive, remove_owner
-from .plans import Part, part_path, remove_plan
-from .reads import record_reads
+from .reads import Part, part_path, record_reads, remove_plan
 
 log = logging.getLogger("epochcache.cache")  # one logger for everything a cache does
 
@@ -53,7 +52,7 @@ class Lease:
     label: str = ""
     owner: str = ""  # its owner's lock (owners/<owner>.lock); "" from older versions
     timeout_s: float = 0.0  # the owner's heartbeat timeout; 0: the judge's own
-    #: Parts of its release plan (see `epochcache.store.plans`); 0: no plan, the whole
+    #: Parts of its release plan (see `epochcache.store.reads`); 0: no plan, the whole
     #: range is protected until the lease ends.
     plan_parts: int = 0
     #: Set when a checkpoint names this lease (a run that can resume mid-epoch): after its

@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any
 import lmdb
 import numpy as np
 
-from . import plans
 from .leases import Lease, adopt, end_reason, write_lease
 from .owners import begin_lease, end_lease, heartbeats, sweep_dead_owners
+from .reads import read_seqs, sweep_plans, write_part
 from .records import DB_KEYS, DB_LEASES, DB_META, DB_SAMPLES, DB_STATE, seq_key
 from .snapshot import heartbeat_leases
 from .tables import SourceCounters, register_sources_in
@@ -79,9 +79,9 @@ def source_stats(store: SampleStore) -> dict[str, dict[str, int]]:
 
 def write_plan_part(store: SampleStore, lease_id: str, part: int, lanes: Sequence[np.ndarray]) -> None:
     """Save part ``part`` of a lease's release plan: ``lanes[i]`` is the order in which
-    reader ``i`` of the part reads its samples (see `plans`). Each reader then
+    reader ``i`` of the part reads its samples (see `reads`). Each reader then
     releases what it has read with a `Releaser`."""
-    plans.write_part(store.path, lease_id, part, lanes)
+    write_part(store.path, lease_id, part, lanes)
 
 
 def leased_seqs(store: SampleStore, lo: int, hi: int, count: int) -> np.ndarray:
@@ -109,7 +109,7 @@ def leased_seqs(store: SampleStore, lo: int, hi: int, count: int) -> np.ndarray:
 def plan_seqs(store: SampleStore, lease_id: str) -> np.ndarray | None:
     """The samples of a snapshot whose lease has a release plan (read-only, mapped), or
     None: the snapshot as taken, whatever was evicted from it since."""
-    return plans.read_seqs(store.path, lease_id)
+    return read_seqs(store.path, lease_id)
 
 
 def snapshot_seqs(store: SampleStore, lease_id: str | None, lo: int, hi: int, count: int) -> np.ndarray:
@@ -179,7 +179,7 @@ def reclaim_leases(store: SampleStore) -> list[Lease]:
     if not store.env.readonly:
         leases = store.leases()
         sweep_dead_owners(store.path, {lease.owner for lease in leases})
-        plans.sweep_plans(store.path, {lease.lease_id for lease in leases})
+        sweep_plans(store.path, {lease.lease_id for lease in leases})
     return dead
 
 

@@ -1,7 +1,7 @@
 """What the live leases protect, as one evicting process sees it: ranges and released samples.
 
 A lease without a plan (``cache.dataset()``, or one whose plan is not complete yet) protects
-its whole range ``[lo, hi)``. A lease with a plan (`epochcache.store.plans`) protects only
+its whole range ``[lo, hi)``. A lease with a plan (`epochcache.store.reads`) protects only
 the samples its readers have not read yet: a sample is *released* once every occurrence of it
 in the plan's lanes lies behind its lane's position. Eviction takes, oldest first, what nothing
 protects, up to the end of the newest snapshot: samples newer than every snapshot have not
@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from .leases import Lease
-from .plans import Part, part_path, read_seqs
+from .reads import Part, part_path, read_seqs
 
 log = logging.getLogger("epochcache.cache")
 

@@ -24,7 +24,7 @@ import lmdb
 import numpy as np
 
 from ..units import format_size, parse_size
-from . import plans, records
+from . import records
 from .capacity import Capacity, resolve_limits, stored_limits
 from .env import Env, map_bound
 from .eviction import DEFAULT_POLICY, Eviction, policy_of
@@ -38,7 +38,7 @@ from .leases import (
 )
 from .origins import Origin
 from .owners import begin_lease, end_lease, heartbeats
-from .reads import record_reads, remove_reads
+from .reads import record_reads, remove_plan, remove_reads, write_seqs
 from .records import (
     DB_KEYS,
     DB_LEASES,
@@ -438,7 +438,7 @@ class SampleStore:
 
         existed, deleted = self.env.write(run)
         if deleted:
-            plans.remove_plan(self.path, lease_id)  # a lease left for a resume keeps its plan
+            remove_plan(self.path, lease_id)  # a lease left for a resume keeps its plan
         elif existed:
             log.info("%s: lease %s left for a resume (cache.resume_grace_s)", self.path,
                      lease_id[:8])
@@ -522,7 +522,7 @@ def take_snapshot(store: SampleStore, txn: lmdb.Transaction, label: str, limit: 
                       timeout_s=store.lease_timeout_s if owner else 0.0, pid=pid,
                       plan_parts=plan_parts if len(seqs) else 0)
     if lease.plan_parts:
-        plans.write_seqs(store.path, lease.lease_id, seqs)  # before the lease names it
+        write_seqs(store.path, lease.lease_id, seqs)  # before the lease names it
     write_lease(txn, store.env.dbs[DB_LEASES], lease)
     return seqs, lease.lease_id
 
