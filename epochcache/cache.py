@@ -75,8 +75,8 @@ class Cache(SampleStore):
     def coverage(self) -> dict[str, Any]:
         """How much of each source training has seen: per source the samples listed, those
         trained at least once, a histogram of epochs per sample, the growth rate and the time
-        to see every sample once (see `epochcache.coverage.report`)."""
-        from .coverage.report import coverage
+        to see every sample once (see `epochcache.coverage`)."""
+        from .coverage import coverage
 
         return coverage(self)
 

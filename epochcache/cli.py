@@ -358,7 +358,7 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     if not available():
         print(f"epochcache plot: needs matplotlib ({INSTALL_HINT})", file=sys.stderr)
         return 2
-    from .coverage.report import history as coverage_history
+    from .coverage import history as coverage_history
 
     _existing_cache(args.cache_dir)
     check_writable(args.output, "the plot (-o)", directory=False)

@@ -161,7 +161,7 @@ def _common_time_axis(axes: Sequence[Axes]) -> None:
 def plot_cache(history: Sequence[dict[str, Any]], out: str | os.PathLike[str], title: str = "",
                coverage: Sequence[dict[str, Any]] = ()) -> None:
     """Cache fill against capacity, and ingest/eviction rates, over time; with ``coverage``
-    (`epochcache.coverage.report.history`) the coverage curve beside them."""
+    (`epochcache.coverage.history`) the coverage curve beside them."""
     plt = _pyplot()
     if coverage:
         fig, (ax_fill, ax_rate, ax_cov) = plt.subplots(1, 3, figsize=(16, 4),

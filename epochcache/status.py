@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import lmdb
 
 from .boot import process_record, recorded_alive
-from .coverage.report import coverage
+from .coverage import coverage
 from .epoch_record import HISTORY, epoch_history, is_epoch_row, status_cell
 from .errors import CacheError
 from .ingest.health import (

@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from epochcache.coverage.report import BUCKETS
+from epochcache.coverage import BUCKETS
 from epochcache.plot import run_figure
 
 MIB = 1024 * 1024

@@ -24,10 +24,9 @@ import numpy as np
 
 from ..errors import CacheError
 from ..store import SampleStore
-from . import staged
+from . import bucketed, coverage, staged
 from .ledger import record_trained
 from .manifests import ManifestWriter
-from .report import bucketed, coverage
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from ..coverage.report import coverage
+from ..coverage import coverage
 from ..errors import ConfigError
 from ..store import SampleStore
 from ..store.plumbing import source_stats

@@ -388,7 +388,7 @@ class Run:
         if not available():  # matplotlib is an extra
             log.info("matplotlib is not installed: no plot (%s)", INSTALL_HINT)
             return None
-        from ..coverage.report import history as coverage_history
+        from ..coverage import history as coverage_history
 
         cache = SampleStore(self.config.cache.dir, readonly=True)
         try:
