@@ -207,7 +207,7 @@ class MidEpoch:
         self._kept = False
         #: Called with the batches a checkpoint is about to cover, before it is saved (the
         #: run records what the epoch trained on: its manifest, its coverage staged; see
-        #: coverage/trained.py); returns the staged coverage's token, which the checkpoint names.
+        #: coverage/manifests.py); returns the staged coverage's token, which the checkpoint names.
         self.on_save: Callable[[int], str | None] | None = None
         #: Called once the checkpoint is written, on every rank (the staged coverage counted).
         self.on_saved: Callable[[], None] | None = None

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from ..config import EpochcacheConfig
-from ..coverage.trained import TrainedRecord, coverage_row
+from ..coverage.manifests import TrainedRecord, coverage_row
 from ..epoch_record import history_row, log_line
 from ..errors import ConfigError, DaemonAlreadyRunning
 from ..ingest.health import describe_requests, request_delta, request_totals
