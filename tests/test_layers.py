@@ -66,15 +66,15 @@ def test_a_violation_breaks_its_contract(tmp_path: Path, module: str, violation:
 
 def test_a_cycle_breaks_the_acyclic_contract_even_when_only_types_close_it(
         tmp_path: Path) -> None:
-    # verify imports repair; repair importing verify back, only for a type, is a cycle.
+    # verify imports records; records importing verify back, only for a type, is a cycle.
     root = _copy_package(tmp_path)
-    path = root / "epochcache" / "store" / "repair.py"
+    path = root / "epochcache" / "store" / "records.py"
     path.write_text(path.read_text() + "\nimport typing  # deliberate cycle\n\n"
                     "if typing.TYPE_CHECKING:\n    from .verify import VerifyReport\n")
     result = _lint(root, "acyclic")
     assert result.returncode != 0, "a cycle through a TYPE_CHECKING import went unnoticed"
     assert "No cycles are allowed in epochcache.store" in result.stdout, result.stdout
-    assert ".repair -> .verify" in result.stdout or ".verify -> .repair" in result.stdout, \
+    assert ".records -> .verify" in result.stdout or ".verify -> .records" in result.stdout, \
         result.stdout
 
 
