@@ -282,7 +282,7 @@ def read_listing(
 def _read_columns(handle: Any, header: dict[str, Any]) -> Listing:
     """The columns after the header, decompressed one at a time; the arrays are views of the
     decompressed bytes, and nothing of 8 bytes a key is made on the way (a sampler's heap
-    keeps its peak: see ``ingest.heap``)."""
+    keeps its peak: see `process`)."""
     dctx = zstandard.ZstdDecompressor()
     count = int(header["count"])
     columns: dict[str, np.ndarray | bytes] = {}

@@ -12,7 +12,7 @@ rests while the others go on (see `feed`). Per-sample faults never stop it: corr
 cannot hold are quarantined, failed fetches counted and logged with their key and retried on a
 later pass. A fault that is not per-sample (the committer dies) ends the process with exit
 status 1 within seconds, so that the daemon restarts it; the death of the daemon ends it at
-once (`lifeline`).
+once (`process.Lifeline`).
 
 This module must not import torch: sampler processes stay small.
 """

@@ -11,7 +11,7 @@ sampler (sent to the whole process group or control group: Slurm, systemd, ``tim
 the daemon the same way: a sampler stopped by a signal is not a crash to restart.
 
 The lock is taken before the cache is opened with the config's capacity, so a refused daemon
-changes nothing. Samplers die with the daemon (see `lifeline`). The signal handler only
+changes nothing. Samplers die with the daemon (see `process`). The signal handler only
 sets a flag and writes to a pipe (`StopRequest`): the supervision loop waits on that pipe,
 never on a lock a handler could need.
 """
