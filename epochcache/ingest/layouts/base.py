@@ -415,7 +415,7 @@ class Source(abc.ABC):
     def _outside_root(self, real: str) -> bool:
         return real != self._local_root and not real.startswith(self._root_prefix)
 
-    def too_large(self, key: str, size: int, url: str, how: str = "is") -> CorruptSample:
+    def too_large(self, key: str, size: int, url: str, how: str) -> CorruptSample:
         """The refusal of a sample larger than ``max_sample_bytes``."""
         return CorruptSample(
             f"{key}: refused: {how} {format_size(size)}, larger than the "
