@@ -76,8 +76,9 @@ SHARD_SAMPLES_GUESS = 1.0
 #: A feed whose batches fail as a whole rests this long at first, doubling up to the maximum.
 DOWN_FIRST_S, DOWN_MAX_S = 1.0, 60.0
 #: Batches of a feed fetched at once: at least FETCH_DEPTH (while one drains its slowest
-#: requests, the next keeps the link busy), more while the requests allowed in flight need
-#: them, at most MAX_BATCHES (with sampler.max_bytes_in_flight bounding their bytes).
+#: requests, the next keeps the link busy; one at a time left the link idle at every batch
+#: boundary: 0.6x a bare fetch, 0.9x+ with two), more while the requests allowed in flight
+#: need them, at most MAX_BATCHES (with sampler.max_bytes_in_flight bounding their bytes).
 FETCH_DEPTH, MAX_BATCHES = 2, 32
 #: Tar shards per batch (a shard is large; the concurrency comes from more batches).
 SHARDS_PER_BATCH = 4

@@ -185,10 +185,6 @@ class Sampler:
                                       # batch past capacity + headroom was cut with a warning
                                       # telling the user to "write smaller batches"
                                       config.cache.capacity_bytes // 4))
-        # At least FETCH_DEPTH batches of a source are fetched at once, sharing its requests
-        # in flight: while one drains its slowest requests, the next keeps the link busy (one
-        # batch at a time left the link idle at every batch boundary: 0.6x a bare fetch, 0.9x+
-        # with two); more while the concurrency needs them (.feed.MAX_BATCHES).
         per_s = config.sampler.max_requests_per_s
         self.request_budget = RequestBudget.in_cache(config.cache.dir, per_s) if per_s else None
         entries = [e for e in config.source_entries() if sources is None or e.name in sources]
