@@ -374,8 +374,6 @@ class Sampler:
         feed.fetch_started.remove(fetching.started)
         results = fetching.future.result()
         keys = [feed.cache_key(ref.key) for ref in fetching.refs]
-        self.quarantined.update(
-            feed.cache_key(ref.key) for ref, payload in results if isinstance(payload, CorruptSample))
         # refused as a whole: the source stops (feed.batch_done), its keys are not quarantined
         refused = any(isinstance(p, SourceRefused) for _, p in results) and all(
             isinstance(p, BaseException) for _, p in results)
@@ -419,8 +417,6 @@ class Sampler:
         shard of the batch, picked from the listing of ``generation``). It saves no
         position: the batch the shard belongs to does, after it."""
         results = piece.results
-        self.quarantined.update(
-            feed.cache_key(ref.key) for ref, payload in results if isinstance(payload, CorruptSample))
         with self._encode_lock:
             records, _fetched = self._encode_results(feed, results)
             self._piece_records[feed] = self._piece_records.get(feed, 0) + len(records)
