@@ -151,7 +151,7 @@ class Feed:
     """
 
     def __init__(self, entry: SourceEntry, config: EpochcacheConfig, index: int, position: Any,
-                 batch_bytes: int, cache: SampleStore | None = None,
+                 batch_bytes: int, cache: SampleStore,
                  budget: RequestBudget | None = None,
                  saved_requests: Mapping[str, Any] | None = None) -> None:
         self.name, self.prefix, self.weight = entry.name, entry.key_prefix, entry.weight
@@ -198,12 +198,8 @@ class Feed:
         # last read succeeded), and the last error meanwhile: see health.FAILING_AFTER_S.
         self.failing_since: float | None = None
         self.last_error = ""
-        store = cache
-
         def removed() -> int:
-            if store is None:
-                return 0
-            counters = store.counters()
+            counters = cache.counters()
             return counters.inserted - counters.samples
 
         self.idle = IdleState(removed)
@@ -414,8 +410,8 @@ class Feed:
 
     # -- resting ----------------------------------------------------------------------------
 
-    def rest(self, seconds: float, now: float | None = None) -> None:
-        self.idle.until = (time.monotonic() if now is None else now) + seconds
+    def rest(self, seconds: float) -> None:
+        self.idle.until = time.monotonic() + seconds
 
     def batch_done(self, results: Sequence[tuple[SampleRef, Any]], brought: int) -> None:
         """Judge a fetched batch: one that failed as a whole (nothing fetched, nothing
@@ -470,15 +466,15 @@ class Feed:
 
     # -- growing listings -------------------------------------------------------------------
 
-    def follow_listing(self) -> bool:
+    def follow_listing(self) -> None:
         """Take the keys of a listing the daemon saved since (a re-list, or a listing under
-        way) into the key order; True when anything changed."""
+        way) into the key order."""
         listing = self.follower.poll() if self.follower is not None else None
         if listing is None or (listing.generation == self.generation
                                and listing.blocks == self.blocks
                                and listing.complete == self.complete
                                and listing.gone == self.gone):
-            return False  # nothing new (saved again as it was)
+            return  # nothing new (saved again as it was)
         weighted = self._config.sampler.strategy == "weighted"
         if (listing.generation != self.generation or weighted
                 or listing.blocks[: len(self.blocks)] != self.blocks):
@@ -499,7 +495,6 @@ class Feed:
         if self.complete and not self._follow_always:
             self.follower = None  # the listing is done: nothing more to follow
         self.wake()
-        return True
 
     def add_blocks(self, listing: Listing) -> None:
         for b in range(len(self.blocks), len(listing.blocks)):
