@@ -62,8 +62,6 @@ from .requests import RequestBudget
 _QUIET_LIBRARIES = dict.fromkeys(("botocore", "aiobotocore", "s3fs", "fsspec", "urllib3",
                                   "asyncio"), logging.WARNING)
 
-__all__ = ["Sampler", "SamplerHealth", "StopFlag", "run_sampler", "state_name"]
-
 log = logging.getLogger(__name__)
 
 #: Aim for commits of about this many bytes: 64 samples of 1 MiB would hold the pipeline for a

@@ -42,12 +42,13 @@ from ..store.env import make_private_dir
 from ..store.owners import lock_held
 from ..store.plumbing import append_history, reclaim_leases, register_sources
 from ..units import format_count, format_size
+from .committer import state_name
 from .daemon_sources import DaemonSources
 from .health import ingest_rate
 from .lineage import DAEMON_LOCK_FILE, daemon_doc, daemon_sources
 from .process import Lifeline
 from .prometheus import MetricsServer, daemon_metrics, require_prometheus
-from .sampler import StopFlag, log_levels, run_sampler, state_name
+from .sampler import StopFlag, log_levels, run_sampler
 
 log = logging.getLogger(__name__)
 

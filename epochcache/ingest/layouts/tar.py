@@ -48,17 +48,7 @@ from ..s3 import obstore_refuses_key
 from ..types import STREAMED, FetchResult, OnPiece, Piece, SampleRef
 from .base import Source
 from .check import StreamDigest
-from .shards import (
-    MAX_FIELD_BYTES,
-    ReadFailed,
-    iter_shard,
-    iter_shard_ends,
-    open_tail,
-    sample_bytes,
-    split_member,
-)
-
-__all__ = ["MAX_FIELD_BYTES", "Piece", "TarSource", "iter_shard", "split_member"]
+from .shards import ReadFailed, iter_shard_ends, open_tail, sample_bytes
 
 log = logging.getLogger(__name__)
 
