@@ -52,7 +52,6 @@ from .sampler import StopFlag, log_levels, run_sampler
 
 log = logging.getLogger(__name__)
 
-LOCK_FILE = DAEMON_LOCK_FILE
 HEARTBEAT_S = 1.0
 HISTORY_S = 5.0
 PROGRESS_LOG_S = 30.0
@@ -66,9 +65,9 @@ class DaemonLock:
     file says who holds it and the sources it fills from (`lineage.daemon_doc`): a run reads
     them before it attaches."""
 
-    def __init__(self, cache_dir: str, doc: dict[str, Any] | None = None) -> None:
-        self.path = os.path.join(cache_dir, LOCK_FILE)
-        self._doc = doc or {"pid": os.getpid()}
+    def __init__(self, cache_dir: str, doc: dict[str, Any]) -> None:
+        self.path = os.path.join(cache_dir, DAEMON_LOCK_FILE)
+        self._doc = doc
         self._fd: int | None = None
 
     def acquire(self) -> None:
@@ -92,7 +91,7 @@ class DaemonLock:
 
     @staticmethod
     def is_held(cache_dir: str) -> bool:
-        return lock_held(os.path.join(cache_dir, LOCK_FILE)) is True
+        return lock_held(os.path.join(cache_dir, DAEMON_LOCK_FILE)) is True
 
     def release(self) -> None:
         if self._fd is not None:
