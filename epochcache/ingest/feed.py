@@ -168,9 +168,6 @@ class Feed:
                                             self.source.unit, config.sampler.concurrency,
                                             batch_bytes)
         self.sizes = SizeEstimate(self.table.known_sizes(), batch_bytes)
-        # Requests in flight: sampler.concurrency per source and sampler process, shared by
-        # the batches being fetched; `auto` finds the number (.concurrency).
-        # After throttling, the source's pace is one for all the daemon's samplers (concurrency.Pace).
         wanted = config.sampler.concurrency
         pacer = Pace(SharedPaceState.in_cache(cache_dir, source_label(self.name)))
         control = (FixedConcurrency(wanted, pacer=pacer) if isinstance(wanted, int)
