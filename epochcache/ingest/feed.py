@@ -173,7 +173,6 @@ class Feed:
         control = (FixedConcurrency(wanted, pacer=pacer) if isinstance(wanted, int)
                    else AutoConcurrency(cap=self._byte_cap(), pacer=pacer))
         self.source.gate = RequestGate(control, RequestStats(saved_requests), budget)
-        self.source.throttled_for_s = entry.config.timeout_s * 4
         self.deadline_s = entry.config.timeout_s * 4
         # Refs taken from the key order but not fetched yet (a batch is cut to batch_bytes),
         # with their listing indices, and the position before they were taken (saved until
