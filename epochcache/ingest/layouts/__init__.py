@@ -61,7 +61,6 @@ __all__ = [
     "TarSource",
     "layout_of",
     "layouts",
-    "list_keys_cached",
     "listing_cached",
     "listing_for_sampling",
     "listing_path",
@@ -117,20 +116,11 @@ def open_source(
     return kind(spec, concurrency=concurrency, checks=checks, bandwidth_limit=bandwidth_limit)
 
 
-def list_keys_cached(
-    source: Source, cache_dir: str | os.PathLike[str], *, max_age_s: float | None = None
-) -> list[SampleRef]:
-    """``source.list_keys()``, reusing the listing saved in ``cache_dir`` when it is still valid."""
-    return listing_cached(source, cache_dir, max_age_s=max_age_s).refs
-
-
-def listing_cached(
-    source: Source, cache_dir: str | os.PathLike[str], *, max_age_s: float | None = None
-) -> Listing:
+def listing_cached(source: Source, cache_dir: str | os.PathLike[str]) -> Listing:
     """The complete `Listing` saved in ``cache_dir`` when it is still valid, else a new
     one, saved. A listing that was saved unfinished is gone on with from where it stopped."""
     fingerprint = source_fingerprint(source.spec)
-    listing = read_listing(cache_dir, fingerprint, max_age_s=max_age_s)
+    listing = read_listing(cache_dir, fingerprint)
     if listing is not None and listing.complete:
         log.info("%s: reusing the saved listing of %d refs", source.url, len(listing))
         return listing
