@@ -28,7 +28,7 @@ from typing import cast
 
 from ...config import EpochcacheConfig, SourceConfig
 from ...registry import LAYOUTS, layout
-from ..keytable import KeyTable, KeyTableBuilder
+from ..keytable import KeyTable
 from ..listing import (
     Listing,
     listing_path,
@@ -39,26 +39,18 @@ from ..listing import (
     source_fingerprint,
 )
 from ..paging import PagedListing
-from ..types import CHECKS, STREAMED, FetchResult, Payload, Piece, SampleRef, SourceSpec
+from ..types import STREAMED, Piece, SampleRef, SourceSpec
 from .base import Source
-from .files import FilesSource
-from .tar import TarSource
 
 __all__ = [
-    "CHECKS",
-    "FetchResult",
-    "FilesSource",
     "KeyTable",
-    "KeyTableBuilder",
     "Listing",
     "PagedListing",
-    "Payload",
     "Piece",
     "STREAMED",
     "SampleRef",
     "Source",
     "SourceSpec",
-    "TarSource",
     "layout_of",
     "layouts",
     "listing_cached",
