@@ -46,7 +46,6 @@ log = logging.getLogger("epochcache")
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
 
-
 def _version() -> str:
     from . import __version__
 
@@ -287,22 +286,6 @@ def _cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_run(subparsers: Any) -> None:
-    parser: argparse.ArgumentParser = subparsers.add_parser("run", help="a YAML-configured training run")
-    parser.add_argument("config", help="YAML config (see configs/demo.yaml)")
-    parser.add_argument("--resume", action="store_true", help="continue from the run's last checkpoint")
-    parser.add_argument("--epochs", type=int, default=None, help="override train.epochs")
-    parser.set_defaults(func=_cmd_run)
-
-
-def _add_config(subparsers: Any) -> None:
-    parser: argparse.ArgumentParser = subparsers.add_parser(
-        "config", help="print the resolved config, secrets redacted"
-    )
-    parser.add_argument("config", help="YAML config to print, resolved, with secrets masked")
-    parser.set_defaults(func=_cmd_config)
-
-
 def _storage_option(text: str) -> tuple[list[str], Any]:
     """``KEY=VALUE`` of ``--storage-option``: the key's path and the value read as YAML."""
     import yaml
@@ -353,17 +336,15 @@ def _cmd_demo_data(args: argparse.Namespace) -> int:
 
 def _cmd_plot(args: argparse.Namespace) -> int:
     from .plot import INSTALL_HINT, available, plot_cache
-    from .store import SampleStore
 
     if not available():
         print(f"epochcache plot: needs matplotlib ({INSTALL_HINT})", file=sys.stderr)
         return 2
     from .coverage import history as coverage_history
 
-    _existing_cache(args.cache_dir)
-    check_writable(args.output, "the plot (-o)", directory=False)
-    cache = SampleStore(args.cache_dir, readonly=True)
+    cache = _open_cache_readonly(args.cache_dir)
     try:
+        check_writable(args.output, "the plot (-o)", directory=False)
         history = cache.history()
     finally:
         cache.close()
@@ -373,44 +354,6 @@ def _cmd_plot(args: argparse.Namespace) -> int:
                    coverage=coverage_history(cache.path))
     print(f"wrote {args.output} ({len(history)} stats rows)")
     return 0
-
-
-def _add_plot(subparsers: Any) -> None:
-    parser: argparse.ArgumentParser = subparsers.add_parser(
-        "plot", help="plot cache fill, ingest rate and evictions over time"
-    )
-    parser.add_argument("cache_dir", help="the cache directory (cache.dir of a config)")
-    parser.add_argument("-o", "--output", default="fill.png", help="PNG file to write")
-    parser.set_defaults(func=_cmd_plot)
-
-
-def _add_demo_data(subparsers: Any) -> None:
-    parser: argparse.ArgumentParser = subparsers.add_parser(
-        "demo-data", help="write a small synthetic dataset to any fsspec URL"
-    )
-    parser.add_argument("url", help="destination, e.g. file:///tmp/demo or s3://bucket/demo")
-    parser.add_argument(
-        "--samples", type=int, default=1000, help="number of samples (default 1000)"
-    )
-    parser.add_argument("--layout", choices=["files", "tar", "both"], default="both")
-    parser.add_argument(
-        "--sample-bytes", type=int, default=None, help="approximate bytes per sample"
-    )
-    parser.add_argument("--samples-per-shard", type=int, default=100)
-    parser.add_argument("--kind", choices=["npy", "jpg"], default="npy",
-                        help="npy arrays (default) or jpg images of shapes")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--endpoint-url", default=None, metavar="URL",
-        help="an S3-compatible store's endpoint (MinIO, Ceph, R2, ...): the storage option "
-             "endpoint_url; credentials come from the environment, ~/.aws or an instance role")
-    parser.add_argument(
-        "--storage-option", action="append", default=[], type=_storage_option,
-        metavar="KEY=VALUE", dest="storage_options",
-        help="a storage option for the URL's filesystem, as source.storage_options takes it "
-             "(repeatable; VALUE is read as YAML: anon=true; a dotted KEY nests: "
-             "client_kwargs.region_name=eu-west-1); never put a secret on a command line")
-    parser.set_defaults(func=_cmd_demo_data)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -469,10 +412,45 @@ def build_parser() -> argparse.ArgumentParser:
                           help="output format (auto: by --output's extension, else txt)")
     manifest.set_defaults(func=_cmd_manifest)
 
-    _add_demo_data(sub)
-    _add_run(sub)
-    _add_config(sub)
-    _add_plot(sub)
+    demo_data = sub.add_parser("demo-data",
+                               help="write a small synthetic dataset to any fsspec URL")
+    demo_data.add_argument("url", help="destination, e.g. file:///tmp/demo or s3://bucket/demo")
+    demo_data.add_argument("--samples", type=int, default=1000,
+                           help="number of samples (default 1000)")
+    demo_data.add_argument("--layout", choices=["files", "tar", "both"], default="both")
+    demo_data.add_argument("--sample-bytes", type=int, default=None,
+                           help="approximate bytes per sample")
+    demo_data.add_argument("--samples-per-shard", type=int, default=100)
+    demo_data.add_argument("--kind", choices=["npy", "jpg"], default="npy",
+                           help="npy arrays (default) or jpg images of shapes")
+    demo_data.add_argument("--seed", type=int, default=0)
+    demo_data.add_argument(
+        "--endpoint-url", default=None, metavar="URL",
+        help="an S3-compatible store's endpoint (MinIO, Ceph, R2, ...): the storage option "
+             "endpoint_url; credentials come from the environment, ~/.aws or an instance role")
+    demo_data.add_argument(
+        "--storage-option", action="append", default=[], type=_storage_option,
+        metavar="KEY=VALUE", dest="storage_options",
+        help="a storage option for the URL's filesystem, as source.storage_options takes it "
+             "(repeatable; VALUE is read as YAML: anon=true; a dotted KEY nests: "
+             "client_kwargs.region_name=eu-west-1); never put a secret on a command line")
+    demo_data.set_defaults(func=_cmd_demo_data)
+
+    run = sub.add_parser("run", help="a YAML-configured training run")
+    run.add_argument("config", help="YAML config (see configs/demo.yaml)")
+    run.add_argument("--resume", action="store_true", help="continue from the run's last checkpoint")
+    run.add_argument("--epochs", type=int, default=None, help="override train.epochs")
+    run.set_defaults(func=_cmd_run)
+
+    config = sub.add_parser("config", help="print the resolved config, secrets redacted")
+    config.add_argument("config", help="YAML config to print, resolved, with secrets masked")
+    config.set_defaults(func=_cmd_config)
+
+    plot = sub.add_parser("plot", help="plot cache fill, ingest rate and evictions over time")
+    plot.add_argument("cache_dir", help="the cache directory (cache.dir of a config)")
+    plot.add_argument("-o", "--output", default="fill.png", help="PNG file to write")
+    plot.set_defaults(func=_cmd_plot)
+
     for command in sub.choices.values():  # `epochcache status DIR -v` works too
         _add_verbosity(command, argparse.SUPPRESS)
     return parser
@@ -515,12 +493,9 @@ def main(argv: Sequence[str] | None = None) -> int:
               " ".join(sys.argv[1:] if argv is None else argv))
     try:
         return int(args.func(args))
-    except USAGE_ERRORS as exc:
-        print(f"epochcache {args.command}: {scrub_urls(str(exc))}", file=sys.stderr)
-        return EXIT_USAGE
     except EpochcacheError as exc:
         print(f"epochcache {args.command}: {scrub_urls(str(exc))}", file=sys.stderr)
-        return EXIT_FAILURE
+        return EXIT_USAGE if isinstance(exc, USAGE_ERRORS) else EXIT_FAILURE
     except KeyboardInterrupt as exc:  # 143 for a run's SIGTERM that came during its clean-up
         return int(getattr(exc, "exit_status", 130))
 

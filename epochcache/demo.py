@@ -4,25 +4,23 @@ Samples are float32 "images" of ``num_classes`` classes; class ``c`` has its own
 pattern plus unit Gaussian noise, so a tiny model learns to tell them apart. Sample ``i`` has class
 ``i % num_classes``. Layouts:
 
-* ``files``: ``sample-000000.npy`` (the image; its class is ``index % num_classes``, also the
-  ``label`` column of the manifests), plus ``manifest.jsonl`` and ``manifest.csv`` listing
-  ``key,size,checksum,label``. Use ``pattern: "*.npy"`` so the manifests are not listed as samples.
+* ``files``: ``sample-000000.npy`` (its class is also the ``label`` column of the manifests),
+  plus ``manifest.jsonl`` and ``manifest.csv`` listing ``key,size,checksum,label``. Use
+  ``pattern: "*.npy"`` so the manifests are not listed as samples.
 * ``tar``: WebDataset shards ``shard-000000.tar`` holding ``000000.npy`` + ``000000.cls`` (the class as
   ASCII digits) per sample, plus manifests whose rows are shards (``key,size,checksum``).
 
-With ``kind="jpg"`` the samples are instead 64x64 JPEG images of ten procedurally drawn
-shapes (see `make_images`): ``sample-000000.jpg`` (files) or ``000000.jpg`` +
-``000000.cls`` (tar); this is what ``configs/demo.yaml`` trains a CNN on.
-
-Checksums are SHA-256, bare lowercase hex (64 digits; the manifest reader infers the algorithm).
-With ``layout="both"`` the two layouts go to ``<url>/files/`` and ``<url>/tar/``.
-
-The JPEG images (`make_images`): class ``c`` of ten is a shape (circle, square, triangle,
+With ``kind="jpg"`` the samples are instead 64x64 JPEG images (`make_images`):
+``sample-000000.jpg`` (files) or ``000000.jpg`` + ``000000.cls`` (tar); this is what
+``configs/demo.yaml`` trains a CNN on. Class ``c`` of ten is a shape (circle, square, triangle,
 diamond, cross, ring, star, hexagon, ellipse, crescent) drawn at a random position, size and
 rotation on a noisy gradient background, in a colour around a hue of the class's own that
 overlaps its neighbours' hues: the colour is a hint, the shape decides. A small CNN needs
-several epochs and never gets every augmented crop right. Sample ``i`` has class ``i % 10``;
-the images are deterministic in the seed.
+several epochs and never gets every augmented crop right.
+
+Checksums are SHA-256, bare lowercase hex (64 digits; the manifest reader infers the algorithm).
+With ``layout="both"`` the two layouts go to ``<url>/files/`` and ``<url>/tar/``. The data is
+deterministic in the seed.
 """
 
 from __future__ import annotations

@@ -59,14 +59,12 @@ _GZIP = 16 + zlib.MAX_WBITS  # zlib's gzip framing: header, CRC32 and length tra
 _STEP = 8 * 1024 * 1024
 
 
-def gunzip(data: bytes | bytearray | memoryview, max_bytes: int,
-           what: str = "loader.max_sample_bytes") -> bytes:
+def gunzip(data: bytes | bytearray | memoryview, max_bytes: int) -> bytes:
     """Decompress gzip ``data`` (one or more members) in a stream, to at most ``max_bytes``.
 
     Args:
         data: the compressed bytes.
-        max_bytes: the largest output accepted.
-        what: the setting that holds ``max_bytes``, named in the error.
+        max_bytes: the largest output accepted (``loader.max_sample_bytes``, named in the error).
 
     Raises:
         ValueError: the output would be larger than ``max_bytes`` (a decompression bomb, or a
@@ -88,8 +86,9 @@ def gunzip(data: bytes | bytearray | memoryview, max_bytes: int,
             size += len(chunk)
             if size > max_bytes:
                 raise ValueError(
-                    f"gzip data expands past {format_size(max_bytes)} ({what}); refused as a "
-                    f"decompression bomb (raise {what} if such samples are real)"
+                    f"gzip data expands past {format_size(max_bytes)} (loader.max_sample_bytes); "
+                    "refused as a decompression bomb (raise loader.max_sample_bytes if such "
+                    "samples are real)"
                 )
             pending = stream.unconsumed_tail
             if not chunk and not pending and not stream.eof:
@@ -145,11 +144,11 @@ def key_digest(key: str) -> str:
     return f"sha256:{digest[:16]}"
 
 
-def cut_key(key: str, limit: int = KEY_SHOWN_CHARS) -> str:
-    """``key`` as it is shown and kept beside the samples: whole up to ``limit`` characters,
+def cut_key(key: str) -> str:
+    """``key`` as it is shown and kept beside the samples: whole up to `KEY_SHOWN_CHARS`,
     else its first 160 and last 40 characters with its length and `key_digest` between
     them (the tail keeps the extension), so that two long keys stay told apart."""
-    if len(key) <= limit:
+    if len(key) <= KEY_SHOWN_CHARS:
         return key
     return f"{key[:160]}...[{len(key):,} characters, {key_digest(key)}]...{key[-40:]}"
 

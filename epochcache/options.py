@@ -47,7 +47,6 @@ RELEASE = ("progressive", "epoch")
 RESERVED = ("dataset", "sampler", "batch_sampler", "shuffle", "generator")
 
 
-
 @dataclasses.dataclass(frozen=True)
 class ReaderOptions:
     """How samples are read, decoded and watched (see the module docstring).

@@ -163,10 +163,9 @@ def redact_url(url: str) -> str:
     if "://" not in url:
         return url
     redacted = _USERINFO.sub(lambda m: f"{m.group(1)}{REDACTED}@", url, count=1)
-    if "?" in redacted or ";" in redacted:
-        head, sep, tail = redacted.partition("?")
-        if sep:
-            redacted = head + _PARAM.sub(_mask_param, "?" + tail)[0:]
+    head, sep, tail = redacted.partition("?")
+    if sep:
+        redacted = head + _PARAM.sub(_mask_param, "?" + tail)
     return redacted
 
 
@@ -253,9 +252,8 @@ class RedactingFilter(logging.Filter):
         return True
 
 
-def install_log_redaction(logger: logging.Logger | None = None,
-                          secrets: set[str] | None = None) -> None:
-    """Add a `RedactingFilter` to every handler of ``logger`` (default: the root)."""
-    for handler in (logger or logging.getLogger()).handlers:
+def install_log_redaction(secrets: set[str] | None = None) -> None:
+    """Add a `RedactingFilter` to every handler of the root logger."""
+    for handler in logging.getLogger().handlers:
         if not any(isinstance(f, RedactingFilter) for f in handler.filters):
             handler.addFilter(RedactingFilter(secrets))

@@ -22,8 +22,10 @@ from epochcache.ingest.bodies import BodyReader
 from epochcache.ingest.committer import Committer
 from epochcache.ingest.concurrency import AutoConcurrency
 from epochcache.ingest.layouts.base import Source
+from epochcache.ingest.layouts.files import FilesSource
 from epochcache.ingest.layouts.parquet import ParquetSource, _Spans
 from epochcache.ingest.layouts.shards import _Tail
+from epochcache.ingest.layouts.tar import TarSource
 from epochcache.ingest.sampler import SamplerHealth
 from epochcache.ingest.types import SampleRef
 from epochcache.store.eviction import OldestFirst
@@ -50,6 +52,8 @@ _Section.model_config
 
 # Layouts and eviction policies are named by a "module:Class" string in epochcache/registry.py,
 # imported when used.
+FilesSource
+TarSource
 ParquetSource
 OldestFirst
 LeastRecentlyRead

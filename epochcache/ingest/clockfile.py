@@ -40,15 +40,13 @@ class ClockFile:
     Args:
         path: the file (created if missing).
         initial: the cells of a new file, or of one stamped by another clock.
-        stamp: the clock the cells are read from (tests stand in for another boot with it).
     """
 
-    def __init__(self, path: str | os.PathLike[str], initial: Sequence[float],
-                 stamp: bytes | None = None) -> None:
+    def __init__(self, path: str | os.PathLike[str], initial: Sequence[float]) -> None:
         self.path = os.fspath(path)
         self._initial = [float(value) for value in initial]
         self._cells = struct.Struct(f"<{len(self._initial)}d")
-        self._stamp = _STAMP.pack(MAGIC, clock_id() if stamp is None else stamp)
+        self._stamp = _STAMP.pack(MAGIC, clock_id())
         size = _STAMP.size + self._cells.size
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:

@@ -183,9 +183,8 @@ class FixedConcurrency:
         """Requests per second getting through (the first pace): the window's most."""
         return self.slots / max(self._rtt, MIN_ROUND_S)
 
-    def throttled_within(self, seconds: float, now: float | None = None) -> bool:
-        """Whether a request was throttled (or timed out) in the last ``seconds``."""
-        now = self._clock() if now is None else now
+    def throttled_within(self, seconds: float, now: float) -> bool:
+        """Whether a request was throttled (or timed out) in the ``seconds`` before ``now``."""
         return now - self.throttled_at < seconds
 
 

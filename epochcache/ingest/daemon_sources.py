@@ -79,16 +79,12 @@ class DaemonSources:
 
     Args:
         config: the validated config.
-        retry_s: seconds between attempts on an unreachable optional source.
-        saved: the daemon's last state document: its listings' request counters go on.
     """
 
-    def __init__(self, config: EpochcacheConfig, retry_s: float = RETRY_S,
-                 saved: dict[str, Any] | None = None) -> None:
+    def __init__(self, config: EpochcacheConfig) -> None:
         self.config = config
-        self.saved = saved or {}
+        self.saved: dict[str, Any] = {}  # the last daemon's state document (`requests`)
         self.cache_dir = str(config.cache.dir)
-        self.retry_s = retry_s
         self.listed: list[_Listed] = []
         self.missing: list[SourceEntry] = []
         self._lock = threading.Lock()
@@ -119,7 +115,7 @@ class DaemonSources:
                         f"optional: true on it to start without it)", url=entry.config.url,
                     ) from exc
                 log.warning("%s is unreachable (%s); starting without it, trying it again "
-                            "every %.0fs", _label(entry), exc, self.retry_s)
+                            "every %.0fs", _label(entry), exc, RETRY_S)
                 self.missing.append(entry)
         if not self.listed:
             raise SourceUnavailable("sources: none of the sources can be reached (see above)")
@@ -168,8 +164,8 @@ class DaemonSources:
             except SourceError as exc:
                 log.warning("%s: %s; the samplers go on with the %d keys listed, the listing "
                             "goes on from there in %.0fs", _label(item.entry), exc,
-                            len(paged.builder), self.retry_s)
-                self._stop.wait(self.retry_s)
+                            len(paged.builder), RETRY_S)
+                self._stop.wait(RETRY_S)
         if listing is None or not listing.complete:
             return  # stopped: the listing so far is saved, the next start goes on with it
         item.paged, item.keys, item.listed_at = None, len(listing), listing.created
@@ -233,7 +229,7 @@ class DaemonSources:
             self._relisters.append(relister)
 
     def _retry(self) -> None:
-        while self.missing and not self._stop.wait(self.retry_s):
+        while self.missing and not self._stop.wait(RETRY_S):
             for entry in list(self.missing):
                 try:
                     item = self._list(entry)

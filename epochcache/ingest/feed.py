@@ -76,8 +76,9 @@ SHARD_SAMPLES_GUESS = 1.0
 #: A feed whose batches fail as a whole rests this long at first, doubling up to the maximum.
 DOWN_FIRST_S, DOWN_MAX_S = 1.0, 60.0
 #: Batches of a feed fetched at once: at least FETCH_DEPTH (while one drains its slowest
-#: requests, the next keeps the link busy), more while the requests allowed in flight need
-#: them, at most MAX_BATCHES (with sampler.max_bytes_in_flight bounding their bytes).
+#: requests, the next keeps the link busy; one at a time left the link idle at every batch
+#: boundary: 0.6x a bare fetch, 0.9x+ with two), more while the requests allowed in flight
+#: need them, at most MAX_BATCHES (with sampler.max_bytes_in_flight bounding their bytes).
 FETCH_DEPTH, MAX_BATCHES = 2, 32
 #: Tar shards per batch (a shard is large; the concurrency comes from more batches).
 SHARDS_PER_BATCH = 4
@@ -150,7 +151,7 @@ class Feed:
     """
 
     def __init__(self, entry: SourceEntry, config: EpochcacheConfig, index: int, position: Any,
-                 batch_bytes: int, cache: SampleStore | None = None,
+                 batch_bytes: int, cache: SampleStore,
                  budget: RequestBudget | None = None,
                  saved_requests: Mapping[str, Any] | None = None) -> None:
         self.name, self.prefix, self.weight = entry.name, entry.key_prefix, entry.weight
@@ -167,15 +168,11 @@ class Feed:
                                             self.source.unit, config.sampler.concurrency,
                                             batch_bytes)
         self.sizes = SizeEstimate(self.table.known_sizes(), batch_bytes)
-        # Requests in flight: sampler.concurrency per source and sampler process, shared by
-        # the batches being fetched; `auto` finds the number (.concurrency).
-        # After throttling, the source's pace is one for all the daemon's samplers (concurrency.Pace).
         wanted = config.sampler.concurrency
         pacer = Pace(SharedPaceState.in_cache(cache_dir, source_label(self.name)))
         control = (FixedConcurrency(wanted, pacer=pacer) if isinstance(wanted, int)
                    else AutoConcurrency(cap=self._byte_cap(), pacer=pacer))
         self.source.gate = RequestGate(control, RequestStats(saved_requests), budget)
-        self.source.throttled_for_s = entry.config.timeout_s * 4
         self.deadline_s = entry.config.timeout_s * 4
         # Refs taken from the key order but not fetched yet (a batch is cut to batch_bytes),
         # with their listing indices, and the position before they were taken (saved until
@@ -197,12 +194,8 @@ class Feed:
         # last read succeeded), and the last error meanwhile: see health.FAILING_AFTER_S.
         self.failing_since: float | None = None
         self.last_error = ""
-        store = cache
-
         def removed() -> int:
-            if store is None:
-                return 0
-            counters = store.counters()
+            counters = cache.counters()
             return counters.inserted - counters.samples
 
         self.idle = IdleState(removed)
@@ -413,8 +406,8 @@ class Feed:
 
     # -- resting ----------------------------------------------------------------------------
 
-    def rest(self, seconds: float, now: float | None = None) -> None:
-        self.idle.until = (time.monotonic() if now is None else now) + seconds
+    def rest(self, seconds: float) -> None:
+        self.idle.until = time.monotonic() + seconds
 
     def batch_done(self, results: Sequence[tuple[SampleRef, Any]], brought: int) -> None:
         """Judge a fetched batch: one that failed as a whole (nothing fetched, nothing
@@ -469,15 +462,15 @@ class Feed:
 
     # -- growing listings -------------------------------------------------------------------
 
-    def follow_listing(self) -> bool:
+    def follow_listing(self) -> None:
         """Take the keys of a listing the daemon saved since (a re-list, or a listing under
-        way) into the key order; True when anything changed."""
+        way) into the key order."""
         listing = self.follower.poll() if self.follower is not None else None
         if listing is None or (listing.generation == self.generation
                                and listing.blocks == self.blocks
                                and listing.complete == self.complete
                                and listing.gone == self.gone):
-            return False  # nothing new (saved again as it was)
+            return  # nothing new (saved again as it was)
         weighted = self._config.sampler.strategy == "weighted"
         if (listing.generation != self.generation or weighted
                 or listing.blocks[: len(self.blocks)] != self.blocks):
@@ -498,7 +491,6 @@ class Feed:
         if self.complete and not self._follow_always:
             self.follower = None  # the listing is done: nothing more to follow
         self.wake()
-        return True
 
     def add_blocks(self, listing: Listing) -> None:
         for b in range(len(self.blocks), len(listing.blocks)):

@@ -250,21 +250,16 @@ def _read_header(handle: Any, fingerprint: str) -> dict[str, Any]:
     return header
 
 
-def read_listing(
-    cache_dir: str | os.PathLike[str], fingerprint: str, *, max_age_s: float | None = None
-) -> Listing | None:
-    """The saved `Listing`, or None when there is none usable (missing, stale, damaged)."""
+def read_listing(cache_dir: str | os.PathLike[str], fingerprint: str) -> Listing | None:
+    """The saved `Listing`, or None when there is none usable (missing, of another version or
+    source, damaged)."""
     path = listing_path(cache_dir, fingerprint)
     try:
         with open(path, "rb") as handle:
             header = _read_header(handle, fingerprint)
-            if max_age_s is not None and header.get("complete", True) and (
-                    time.time() - float(header.get("created", 0)) > max_age_s):
-                log.info("%s: listing older than %.0fs; re-listing", path, max_age_s)
-                return None
             listing = _read_columns(handle, header)
     except FileNotFoundError:
-        return _read_v1(cache_dir, fingerprint, max_age_s)
+        return _read_v1(cache_dir, fingerprint)
     except LookupError:
         log.info("%s: listing from another version or source; re-listing", path)
         return None
@@ -282,7 +277,7 @@ def read_listing(
 def _read_columns(handle: Any, header: dict[str, Any]) -> Listing:
     """The columns after the header, decompressed one at a time; the arrays are views of the
     decompressed bytes, and nothing of 8 bytes a key is made on the way (a sampler's heap
-    keeps its peak: see ``ingest.heap``)."""
+    keeps its peak: see `process`)."""
     dctx = zstandard.ZstdDecompressor()
     count = int(header["count"])
     columns: dict[str, np.ndarray | bytes] = {}
@@ -324,8 +319,7 @@ def _read_columns(handle: Any, header: dict[str, Any]) -> Listing:
                    header.get("resume"))
 
 
-def _read_v1(cache_dir: str | os.PathLike[str], fingerprint: str,
-             max_age_s: float | None) -> Listing | None:
+def _read_v1(cache_dir: str | os.PathLike[str], fingerprint: str) -> Listing | None:
     """A listing saved by epochcache before version 2 (gzip'd JSON lines)."""
     path = _v1_path(cache_dir, fingerprint)
     builder = KeyTableBuilder()
@@ -334,9 +328,6 @@ def _read_v1(cache_dir: str | os.PathLike[str], fingerprint: str,
             header: dict[str, Any] = json.loads(handle.readline())
             if header.get("version") != 1 or header.get("fingerprint") != fingerprint:
                 log.info("%s: listing from another version or source; re-listing", path)
-                return None
-            if max_age_s is not None and time.time() - float(header.get("created", 0)) > max_age_s:
-                log.info("%s: listing older than %.0fs; re-listing", path, max_age_s)
                 return None
             for line in handle:
                 if line.strip():

@@ -90,12 +90,10 @@ class MetricsServer:
         self._thread.join(5)
 
 
-def _counter(name: str, doc: str, value: float, labels: dict[str, str] | None = None) -> Any:
+def _counter(name: str, doc: str, value: float) -> Any:
     from prometheus_client.core import CounterMetricFamily
 
-    family = CounterMetricFamily(name, doc, labels=list(labels or {}))
-    family.add_metric(list((labels or {}).values()), value)
-    return family
+    return CounterMetricFamily(name, doc, value=value)
 
 
 def _gauge(name: str, doc: str, value: float) -> Any:

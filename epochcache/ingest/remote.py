@@ -337,7 +337,6 @@ def retry(
     deadline_s: float | None = None,
     base_s: float = 0.2,
     max_s: float = 10.0,
-    retry_on: tuple[type[BaseException], ...] = TRANSIENT_ERRORS,
     sleep: Callable[[float], None] = time.sleep,
     rng: random.Random | None = None,
 ) -> T:
@@ -354,7 +353,6 @@ def retry(
             raised when the next sleep would cross it.
         base_s: first backoff cap; it doubles per attempt up to ``max_s``.
         max_s: largest backoff.
-        retry_on: the (translated) error classes worth retrying.
         sleep: injected for tests.
         rng: injected for tests.
 
@@ -371,7 +369,7 @@ def retry(
         try:
             with translate_errors(url):
                 return fn()
-        except retry_on as exc:
+        except TRANSIENT_ERRORS as exc:
             delay = next(delays, None)
             remaining = None if deadline_s is None else deadline_s - (time.monotonic() - start)
             if delay is None or (remaining is not None and remaining <= delay):

@@ -58,11 +58,11 @@ from .health import RequestStats
 THROTTLE_BASE_S, THROTTLE_MAX_S = 0.1, 5.0
 
 
-def throttle_delay(attempt: int, rng: random.Random | None = None) -> float:
+def throttle_delay(attempt: int) -> float:
     """Seconds to wait before asking again after the ``attempt``-th throttled answer (0-based):
     an exponential backoff with jitter over its upper half (never an immediate retry)."""
     cap = min(THROTTLE_MAX_S, THROTTLE_BASE_S * 2.0**attempt)
-    return cap * (0.5 + 0.5 * (rng or random).random())
+    return cap * (0.5 + 0.5 * random.random())
 
 
 def backoff_delays(

@@ -12,7 +12,7 @@ rests while the others go on (see `feed`). Per-sample faults never stop it: corr
 cannot hold are quarantined, failed fetches counted and logged with their key and retried on a
 later pass. A fault that is not per-sample (the committer dies) ends the process with exit
 status 1 within seconds, so that the daemon restarts it; the death of the daemon ends it at
-once (`lifeline`).
+once (`process.Lifeline`).
 
 This module must not import torch: sampler processes stay small.
 """
@@ -61,8 +61,6 @@ from .requests import RequestBudget
 #: without its daemon's levels leaves out.
 _QUIET_LIBRARIES = dict.fromkeys(("botocore", "aiobotocore", "s3fs", "fsspec", "urllib3",
                                   "asyncio"), logging.WARNING)
-
-__all__ = ["Sampler", "SamplerHealth", "StopFlag", "run_sampler", "state_name"]
 
 log = logging.getLogger(__name__)
 
@@ -185,10 +183,6 @@ class Sampler:
                                       # batch past capacity + headroom was cut with a warning
                                       # telling the user to "write smaller batches"
                                       config.cache.capacity_bytes // 4))
-        # At least FETCH_DEPTH batches of a source are fetched at once, sharing its requests
-        # in flight: while one drains its slowest requests, the next keeps the link busy (one
-        # batch at a time left the link idle at every batch boundary: 0.6x a bare fetch, 0.9x+
-        # with two); more while the concurrency needs them (.feed.MAX_BATCHES).
         per_s = config.sampler.max_requests_per_s
         self.request_budget = RequestBudget.in_cache(config.cache.dir, per_s) if per_s else None
         entries = [e for e in config.source_entries() if sources is None or e.name in sources]
@@ -378,8 +372,6 @@ class Sampler:
         feed.fetch_started.remove(fetching.started)
         results = fetching.future.result()
         keys = [feed.cache_key(ref.key) for ref in fetching.refs]
-        self.quarantined.update(
-            feed.cache_key(ref.key) for ref, payload in results if isinstance(payload, CorruptSample))
         # refused as a whole: the source stops (feed.batch_done), its keys are not quarantined
         refused = any(isinstance(p, SourceRefused) for _, p in results) and all(
             isinstance(p, BaseException) for _, p in results)
@@ -423,8 +415,6 @@ class Sampler:
         shard of the batch, picked from the listing of ``generation``). It saves no
         position: the batch the shard belongs to does, after it."""
         results = piece.results
-        self.quarantined.update(
-            feed.cache_key(ref.key) for ref, payload in results if isinstance(payload, CorruptSample))
         with self._encode_lock:
             records, _fetched = self._encode_results(feed, results)
             self._piece_records[feed] = self._piece_records.get(feed, 0) + len(records)

@@ -11,7 +11,7 @@ sampler (sent to the whole process group or control group: Slurm, systemd, ``tim
 the daemon the same way: a sampler stopped by a signal is not a crash to restart.
 
 The lock is taken before the cache is opened with the config's capacity, so a refused daemon
-changes nothing. Samplers die with the daemon (see `lifeline`). The signal handler only
+changes nothing. Samplers die with the daemon (see `process`). The signal handler only
 sets a flag and writes to a pipe (`StopRequest`): the supervision loop waits on that pipe,
 never on a lock a handler could need.
 """
@@ -42,16 +42,16 @@ from ..store.env import make_private_dir
 from ..store.owners import lock_held
 from ..store.plumbing import append_history, reclaim_leases, register_sources
 from ..units import format_count, format_size
+from .committer import state_name
 from .daemon_sources import DaemonSources
 from .health import ingest_rate
 from .lineage import DAEMON_LOCK_FILE, daemon_doc, daemon_sources
 from .process import Lifeline
 from .prometheus import MetricsServer, daemon_metrics, require_prometheus
-from .sampler import StopFlag, log_levels, run_sampler, state_name
+from .sampler import StopFlag, log_levels, run_sampler
 
 log = logging.getLogger(__name__)
 
-LOCK_FILE = DAEMON_LOCK_FILE
 HEARTBEAT_S = 1.0
 HISTORY_S = 5.0
 PROGRESS_LOG_S = 30.0
@@ -65,9 +65,9 @@ class DaemonLock:
     file says who holds it and the sources it fills from (`lineage.daemon_doc`): a run reads
     them before it attaches."""
 
-    def __init__(self, cache_dir: str, doc: dict[str, Any] | None = None) -> None:
-        self.path = os.path.join(cache_dir, LOCK_FILE)
-        self._doc = doc or {"pid": os.getpid()}
+    def __init__(self, cache_dir: str, doc: dict[str, Any]) -> None:
+        self.path = os.path.join(cache_dir, DAEMON_LOCK_FILE)
+        self._doc = doc
         self._fd: int | None = None
 
     def acquire(self) -> None:
@@ -91,7 +91,7 @@ class DaemonLock:
 
     @staticmethod
     def is_held(cache_dir: str) -> bool:
-        return lock_held(os.path.join(cache_dir, LOCK_FILE)) is True
+        return lock_held(os.path.join(cache_dir, DAEMON_LOCK_FILE)) is True
 
     def release(self) -> None:
         if self._fd is not None:

@@ -67,7 +67,7 @@ class SourceSpec:
         manifest_max_bytes: the most memory the keys of a manifest may take.
         manifest_max_lines: the most lines read from a manifest.
         client: who reads an ``s3://`` source's objects: ``auto``, ``s3fs`` or ``obstore``
-            (`clients`).
+            (`s3`).
         max_range_bytes: the largest range `Source.read_range` reads at once (a sampler's
             ``sampler.max_bytes_in_flight``): a layout's piece larger than that is refused.
     """

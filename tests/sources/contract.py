@@ -23,7 +23,7 @@ from epochcache.errors import CorruptSample, PermanentRemoteError, SourceError, 
 from epochcache.ingest.layouts import (
     SampleRef,
     SourceSpec,
-    list_keys_cached,
+    listing_cached,
     open_source,
     source_fingerprint,
 )
@@ -237,7 +237,7 @@ class SourceContract:
     ) -> None:
         write_demo_data(backend.url("d"), 5, "files", backend.storage_options)
         source = open_source(backend.source("d", pattern="*.npy"))
-        first = list_keys_cached(source, tmp_path)
+        first = listing_cached(source, tmp_path).refs
         saved = list((tmp_path / "listings").iterdir())
         assert [p.name for p in saved] == [f"{source_fingerprint(source.spec)}.keys"]
         secret_free = saved[0].read_bytes()
@@ -249,7 +249,7 @@ class SourceContract:
 
         for listing in ("list_keys", "list_table", "pager"):
             monkeypatch.setattr(source, listing, fail)
-        assert list_keys_cached(source, tmp_path) == first
+        assert listing_cached(source, tmp_path).refs == first
 
     # -- untrusted input is bounded (issue 10, item 7) ---------------------------------------
 

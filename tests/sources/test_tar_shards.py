@@ -6,7 +6,7 @@ import io
 import tarfile
 
 from epochcache.errors import CorruptSample
-from epochcache.ingest.layouts.tar import iter_shard
+from epochcache.ingest.layouts.shards import iter_shard_ends
 
 
 def _shard(samples: int) -> bytes:
@@ -24,14 +24,16 @@ def test_a_shard_cut_inside_its_last_sample_keeps_the_samples_before_it() -> Non
     data = _shard(3)
     with tarfile.open(fileobj=io.BytesIO(data)) as archive:
         last = archive.getmembers()[-2]  # 000002.npy
-    results = list(iter_shard("s.tar", data[: last.offset_data + 1000], check_formats=False))
+    results = [(ref, payload) for ref, payload, _end in
+               iter_shard_ends("s.tar", data[: last.offset_data + 1000], check_formats=False)]
     assert [ref.key for ref, _ in results] == ["s.tar/000000", "s.tar/000001", "s.tar/000002"]
     assert results[1][1] == {"npy": bytes([1]) * 5000, "cls": b"1"}
     assert isinstance(results[2][1], CorruptSample) and "truncated" in str(results[2][1])
 
 
 def test_a_whole_shard_yields_every_sample_with_its_members() -> None:
-    results = list(iter_shard("s.tar", _shard(3), check_formats=False))
+    results = [(ref, payload) for ref, payload, _end in
+               iter_shard_ends("s.tar", _shard(3), check_formats=False)]
     assert all(isinstance(payload, dict) for _, payload in results)
     assert results[2][0].members == ("000002.npy", "000002.cls")
     assert results[2][0].shard == "s.tar"

@@ -28,7 +28,7 @@ from typing import cast
 
 from ...config import EpochcacheConfig, SourceConfig
 from ...registry import LAYOUTS, layout
-from ..keytable import KeyTable, KeyTableBuilder
+from ..keytable import KeyTable
 from ..listing import (
     Listing,
     listing_path,
@@ -39,29 +39,20 @@ from ..listing import (
     source_fingerprint,
 )
 from ..paging import PagedListing
-from ..types import CHECKS, STREAMED, FetchResult, Payload, Piece, SampleRef, SourceSpec
+from ..types import STREAMED, Piece, SampleRef, SourceSpec
 from .base import Source
-from .files import FilesSource
-from .tar import TarSource
 
 __all__ = [
-    "CHECKS",
-    "FetchResult",
-    "FilesSource",
     "KeyTable",
-    "KeyTableBuilder",
     "Listing",
     "PagedListing",
-    "Payload",
     "Piece",
     "STREAMED",
     "SampleRef",
     "Source",
     "SourceSpec",
-    "TarSource",
     "layout_of",
     "layouts",
-    "list_keys_cached",
     "listing_cached",
     "listing_for_sampling",
     "listing_path",
@@ -117,20 +108,11 @@ def open_source(
     return kind(spec, concurrency=concurrency, checks=checks, bandwidth_limit=bandwidth_limit)
 
 
-def list_keys_cached(
-    source: Source, cache_dir: str | os.PathLike[str], *, max_age_s: float | None = None
-) -> list[SampleRef]:
-    """``source.list_keys()``, reusing the listing saved in ``cache_dir`` when it is still valid."""
-    return listing_cached(source, cache_dir, max_age_s=max_age_s).refs
-
-
-def listing_cached(
-    source: Source, cache_dir: str | os.PathLike[str], *, max_age_s: float | None = None
-) -> Listing:
+def listing_cached(source: Source, cache_dir: str | os.PathLike[str]) -> Listing:
     """The complete `Listing` saved in ``cache_dir`` when it is still valid, else a new
     one, saved. A listing that was saved unfinished is gone on with from where it stopped."""
     fingerprint = source_fingerprint(source.spec)
-    listing = read_listing(cache_dir, fingerprint, max_age_s=max_age_s)
+    listing = read_listing(cache_dir, fingerprint)
     if listing is not None and listing.complete:
         log.info("%s: reusing the saved listing of %d refs", source.url, len(listing))
         return listing

@@ -161,7 +161,7 @@ class Source(abc.ABC):
         return self._fetch_fs
 
     def obstore_store(self, bucket: str) -> Any:
-        """obstore's store of ``bucket`` for streamed bodies (`clients.obstore_store`), made
+        """obstore's store of ``bucket`` for streamed bodies (`s3.obstore_store`), made
         once; the source must read with obstore."""
         self.fetch_fs  # noqa: B018 - the settings in the bucket's region
         assert self._obstore is not None
@@ -283,7 +283,7 @@ class Source(abc.ABC):
     def body_opener(self, ref: SampleRef) -> Opener | None:
         """How ``ref``'s remote body is opened from a byte (`bodies.open_body`), or None for a
         synchronous filesystem. A key obstore cannot name is read with s3fs (``client: auto``;
-        obstore would read another key: `clients.obstore_refuses_key`)."""
+        obstore would read another key: `s3.obstore_refuses_key`)."""
         path = self.object_path(ref.key)
         if self._obstore is None or obstore_refuses_key(path):
             return open_body(self.fs if self._obstore is not None else self.fetch_fs, path)
@@ -415,7 +415,7 @@ class Source(abc.ABC):
     def _outside_root(self, real: str) -> bool:
         return real != self._local_root and not real.startswith(self._root_prefix)
 
-    def too_large(self, key: str, size: int, url: str, how: str = "is") -> CorruptSample:
+    def too_large(self, key: str, size: int, url: str, how: str) -> CorruptSample:
         """The refusal of a sample larger than ``max_sample_bytes``."""
         return CorruptSample(
             f"{key}: refused: {how} {format_size(size)}, larger than the "

@@ -191,12 +191,15 @@ def _members(archive: tarfile.TarFile) -> Iterator[tuple[tarfile.TarInfo, str, s
             yield member, split[0], split[1]
 
 
-def iter_shard(
+def iter_shard_ends(
     shard_key: str, data: bytes | Readable, *, check_formats: bool = True, url: str = "",
     max_bytes: int = DEFAULT_MAX_SAMPLE_BYTES, tail: _Tail | None = None,
-) -> Iterator[tuple[SampleRef, Payload | CorruptSample]]:
-    """Yield ``(ref, fields or CorruptSample)`` for every sample of a tar shard, reading it as a
-    stream (``data``: its bytes, or a file object read in order, never sought).
+) -> Iterator[tuple[SampleRef, Payload | CorruptSample, int | None]]:
+    """Yield ``(ref, fields or CorruptSample, end)`` for every sample of a tar shard, reading it
+    as a stream (``data``: its bytes, or a file object read in order, never sought). ``end`` is
+    where the rest of the shard starts after the sample: the offset in the stream of the next
+    sample's first header (a read resumed there goes on with the next sample), or None for the
+    last sample and for damage.
 
     A member larger than ``max_bytes`` is not read: its sample becomes a CorruptSample.
 
@@ -206,18 +209,6 @@ def iter_shard(
     Raises:
         ReadFailed: the stream failed (not the shard): fetch it again.
     """
-    for ref, payload, _end in iter_shard_ends(shard_key, data, check_formats=check_formats,
-                                              url=url, max_bytes=max_bytes, tail=tail):
-        yield ref, payload
-
-
-def iter_shard_ends(
-    shard_key: str, data: bytes | Readable, *, check_formats: bool = True, url: str = "",
-    max_bytes: int = DEFAULT_MAX_SAMPLE_BYTES, tail: _Tail | None = None,
-) -> Iterator[tuple[SampleRef, Payload | CorruptSample, int | None]]:
-    """`iter_shard`, each sample with where the rest of the shard starts after it: the
-    offset in the stream of the next sample's first header (a read resumed there goes on
-    with the next sample), or None for the last sample and for damage."""
     if tail is None:
         tail = open_tail(io.BytesIO(data) if isinstance(data, (bytes, bytearray)) else data)
     try:
@@ -277,7 +268,7 @@ def iter_shard_ends(
 
 
 def open_tail(raw: Readable, on_bytes: Callable[[bytes], None] | None = None) -> _Tail:
-    """``raw`` wrapped for `iter_shard` (see `_Tail`)."""
+    """``raw`` wrapped for `iter_shard_ends` (see `_Tail`)."""
     return _Tail(raw, on_bytes)
 
 

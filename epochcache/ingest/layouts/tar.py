@@ -4,7 +4,7 @@ Shards are listed (or brace-expanded) but not opened at listing time; fetching a
 the shard as a stream, member by member (`shards`: grouping, damage, bounds), and yields
 every sample in it. A shard is never held whole: with ``on_piece`` (the sampler's), its samples
 are handed over a piece of ``piece_bytes`` at a time as they are read, so what a shard of any
-size costs is a piece, one member and the read-ahead of its stream (`READ_BYTES`), and
+size costs is a piece, one member and the read-ahead of its stream (`bodies.READ_AHEAD_BYTES`), and
 ``sampler.max_bytes_in_flight`` bounds the pieces waiting for the cache. A shard whose manifest
 names a checksum is the exception: it cannot be trusted before its last byte is read, so its
 samples are held (as much as the shard, and reserved so) until the checksum matches; the
@@ -48,17 +48,7 @@ from ..s3 import obstore_refuses_key
 from ..types import STREAMED, FetchResult, OnPiece, Piece, SampleRef
 from .base import Source
 from .check import StreamDigest
-from .shards import (
-    MAX_FIELD_BYTES,
-    ReadFailed,
-    iter_shard,
-    iter_shard_ends,
-    open_tail,
-    sample_bytes,
-    split_member,
-)
-
-__all__ = ["MAX_FIELD_BYTES", "Piece", "TarSource", "iter_shard", "split_member"]
+from .shards import ReadFailed, iter_shard_ends, open_tail, sample_bytes
 
 log = logging.getLogger(__name__)
 
