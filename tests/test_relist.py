@@ -115,9 +115,10 @@ def test_a_relist_takes_memory_in_proportion_to_the_keys_not_to_the_longest(
 
     done = run_measured(f"""
         import numpy as np
+        from epochcache.ingest.keytable import KeyTableBuilder
         from epochcache.ingest.layouts import (
-            FilesSource, KeyTableBuilder, Listing, SourceSpec, read_listing, relist,
-            save_listing, source_fingerprint)
+            Listing, SourceSpec, read_listing, relist, save_listing, source_fingerprint)
+        from epochcache.ingest.layouts.files import FilesSource
 
         def table(indices, long_key=False):
             builder = KeyTableBuilder()
