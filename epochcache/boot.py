@@ -84,10 +84,22 @@ def process_stat(pid: int) -> tuple[str, int | None] | None:
     return fields[0].decode("ascii", errors="replace"), ticks
 
 
+_own_start: tuple[int, int] | None = None  # (pid, start ticks) of this process, once read
+
+
 def process_start_ticks(pid: int) -> int | None:
     """The start time of ``pid`` in clock ticks since boot (Linux), or None if unknown."""
+    global _own_start
+    # This process's own is read once: every snapshot's lease records it, and reading /proc
+    # was a third of a snapshot's time (a forked child has another pid, so reads its own).
+    own = _own_start
+    if own is not None and own[0] == pid == os.getpid():
+        return own[1]
     stat = process_stat(pid)
-    return None if stat is None else stat[1]
+    ticks = None if stat is None else stat[1]
+    if ticks is not None and pid == os.getpid():
+        _own_start = (pid, ticks)
+    return ticks
 
 
 def pid_alive(pid: int, start_ticks: int | None = None, boot: object = None) -> bool:

@@ -78,3 +78,35 @@ def test_without_a_checkpoint_a_dead_owners_lease_goes_at_once(tmp_path: Path) -
     lease_id = _killed_owner(tmp_path, cache, grace=0.0)
     assert [dead.lease_id for dead in reclaim_leases(cache)] == [lease_id]
     cache.close()
+
+
+def test_why_each_lease_ended_is_kept_whichever_process_ended_it(tmp_path: Path) -> None:
+    # note_end appends to the document it wrote last without parsing it again (issue 35):
+    # an end noted by another process in between must be kept, and only the last 64.
+    import subprocess
+    import sys
+
+    from epochcache.store.plumbing import lease_end
+
+    path = tmp_path / "c"
+    other = ("import sys\nfrom epochcache import Cache\n"
+             "with Cache(sys.argv[1], sync=False) as cache:\n"
+             "    snap = cache.snapshot(label='other')\n    snap.release()\n"
+             "    print(snap.lease_id)\n")
+    with Cache(path, "1MiB", sync=False) as cache:
+        cache.put("k", b"x")
+        ours = []
+        for _ in range(3):
+            snap = cache.snapshot()
+            snap.release()
+            ours.append(snap.lease_id)
+        theirs = subprocess.run([sys.executable, "-c", other, str(path)], check=True,
+                                capture_output=True, text=True, timeout=60).stdout.strip()
+        for _ in range(61):
+            snap = cache.snapshot()
+            snap.release()
+            ours.append(snap.lease_id)
+        assert lease_end(cache, ours[0]) is None  # the 65th end pushed the first one out
+        assert all("at the end of its epoch" in (lease_end(cache, lease) or "")
+                   for lease in ours[1:])
+        assert "released by its owner" in (lease_end(cache, theirs) or "")

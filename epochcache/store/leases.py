@@ -21,7 +21,7 @@ import os
 import socket
 import time
 import uuid
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 
 import lmdb
 
@@ -84,7 +84,9 @@ class Lease:
         )
 
     def to_bytes(self) -> bytes:
-        return json.dumps(asdict(self), separators=(",", ":")).encode()
+        # vars, not asdict: the fields are plain values, and asdict's deep copy was most of
+        # the time of a snapshot's lease write.
+        return json.dumps(vars(self), separators=(",", ":")).encode()
 
     @classmethod
     def from_bytes(cls, raw: bytes | memoryview) -> Lease:
@@ -132,14 +134,28 @@ ENDS_DOC = b"lease-ends"
 _ENDS_KEPT = 64
 
 
+#: The ends document this process wrote last, and its entries as encoded in it.
+_last_ends: tuple[bytes, list[bytes]] = (b"", [])
+
+
 def note_end(txn: lmdb.Transaction, state_db: lmdb._Database, lease_id: str,
              reason: str) -> None:
     """Record in ``txn`` why lease ``lease_id`` ended (the last 64 ends are kept)."""
+    global _last_ends
     raw = txn.get(ENDS_DOC, db=state_db)
-    ends = [] if raw is None else list(json.loads(bytes(raw)))
-    ends.append([lease_id, time.time(), reason])
-    txn.put(ENDS_DOC, json.dumps(ends[-_ENDS_KEPT:], separators=(",", ":")).encode(),
-            db=state_db)
+    doc = b"" if raw is None else bytes(raw)
+    written, entries = _last_ends
+    if doc != written:
+        # Parsed only when the document is not the one this process wrote last (another
+        # process's end, or an aborted transaction): decoding and encoding all 64 ends was
+        # a third of an epoch's release. The encoding is the same either way.
+        entries = [json.dumps(end, separators=(",", ":")).encode()
+                   for end in (json.loads(doc) if doc else [])]
+    entries = [*entries[1 - _ENDS_KEPT :],
+               json.dumps([lease_id, time.time(), reason], separators=(",", ":")).encode()]
+    doc = b"[" + b",".join(entries) + b"]"
+    txn.put(ENDS_DOC, doc, db=state_db)
+    _last_ends = (doc, entries)
 
 
 def end_reason(txn: lmdb.Transaction, state_db: lmdb._Database, lease_id: str) -> str | None:
