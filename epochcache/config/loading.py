@@ -14,9 +14,8 @@ from pydantic import BaseModel, ValidationError
 
 from ..errors import ConfigError
 from ..redact import REDACTED, scrub, scrub_urls
-from .environment import interpolate
+from .environment import found_secrets, get_path, interpolate
 from .schema import EpochcacheConfig
-from .secrets import found_secrets, get_path
 
 
 def parse_config(
