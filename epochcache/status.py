@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING, Any
 
 import lmdb
 
-from .boot import process_record, recorded_alive
 from .coverage import coverage
 from .epoch_record import HISTORY, epoch_history, is_epoch_row, status_cell
 from .errors import CacheError
@@ -40,7 +39,7 @@ from .ingest.health import (
     ingest_rate,
     request_totals,
 )
-from .paths import read_stalls
+from .paths import process_record, read_stalls, recorded_alive
 from .redact import redact_tree
 from .store.leases import Lease, unread
 from .store.plumbing import capacity_lowered, source_stats

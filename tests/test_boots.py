@@ -23,10 +23,9 @@ import pytest
 from common.daemonproc import cache_len, upload, wait_for, write_config
 
 from epochcache import Cache
-from epochcache.boot import process_start_ticks
 from epochcache.ingest.concurrency import Pace, SharedPaceState
 from epochcache.ingest.requests import BUDGET_FILE, RequestBudget
-from epochcache.paths import STALLS_DIR, read_stalls
+from epochcache.paths import STALLS_DIR, process_start_ticks, read_stalls
 from epochcache.status import collect_stats
 
 if TYPE_CHECKING:
@@ -100,7 +99,7 @@ def test_state_files_keep_instants_of_this_boot_and_drop_those_of_another(
 
 
 def _clock_hex() -> str:
-    from epochcache.boot import clock_id
+    from epochcache.paths import clock_id
 
     return clock_id().hex()
 

@@ -25,7 +25,7 @@ from common.cachecheck import assert_consistent, content_for, full_check
 from common.procs import Proc, spawn_script
 
 from epochcache import Cache, CacheError, CacheFull
-from epochcache.boot import process_stat
+from epochcache.paths import process_stat
 from epochcache.store.env import Env
 from epochcache.store.plumbing import reclaim_leases
 

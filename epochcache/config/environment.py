@@ -1,5 +1,10 @@
-"""What a config reads from the environment: ``${VAR}`` and ``${VAR:-default}`` in its strings,
-and the samplers' node (`resolve_node`) when the config does not say."""
+"""What a config reads from the environment, and the secrets it masks.
+
+``${VAR}`` and ``${VAR:-default}`` in its strings are interpolated (`interpolate`), and the
+samplers' node is read (`resolve_node`) when the config does not say. The secrets a config
+carries, found in the resolved config (`found_secrets`) or named by the interpolation, are
+what `EpochcacheConfig.set_secrets` hides in its ``repr()``, ``redacted()`` and error messages
+(`epochcache.redact` does the masking)."""
 
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ from typing import Any
 
 from ..errors import ConfigError, NodeLayoutError
 from ..placement import env_int, read_node
+from ..redact import secret_values, strings_in, url_secrets
 
 _VAR = re.compile(r"\$\$\{|\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 _SECRET_VAR = re.compile(r"KEY|SECRET|TOKEN|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
@@ -102,3 +108,39 @@ def resolve_node(
             "check sampler.node_rank, sampler.num_nodes or GROUP_RANK/GROUP_WORLD_SIZE"
         )
     return rank, count
+
+
+def set_path(data: Any, parts: list[str], value: Any) -> None:
+    for part in parts[:-1]:
+        if isinstance(data, dict) and part in data:
+            data = data[part]
+        elif isinstance(data, list) and part.isdigit() and int(part) < len(data):
+            data = data[int(part)]
+        else:
+            return
+    last = parts[-1]
+    if isinstance(data, dict) and last in data:
+        data[last] = value
+    elif isinstance(data, list) and last.isdigit() and int(last) < len(data):
+        data[int(last)] = value
+
+
+def found_secrets(data: Any) -> set[str]:
+    """Secrets a resolved config carries in plain sight: credential-like storage options and
+    the credentials inside every URL-like string."""
+    found = secret_values(get_path(data, ("source", "storage_options")))
+    entries = get_path(data, ("sources",))
+    for entry in entries if isinstance(entries, list) else []:
+        options = get_path(entry, ("storage_options",))
+        found |= secret_values(options if isinstance(options, Mapping) else None)
+    for text in strings_in(data):
+        found.update(url_secrets(text))
+    return found
+
+
+def get_path(data: Any, parts: tuple[str, ...]) -> Any:
+    for part in parts:
+        if not isinstance(data, Mapping):
+            return None
+        data = data.get(part)
+    return data

@@ -34,8 +34,7 @@ from ..options import EpochOptions, LoaderOptions, ReaderOptions
 from ..redact import REDACTED, is_secret_key, redact_options, redact_tree
 from ..registry import LAYOUTS, check_policy, missing_requirement
 from ..units import headroom_bytes, parse_duration, parse_headroom, parse_size
-from .environment import pyarrow_available, resolve_node
-from .secrets import found_secrets, set_path
+from .environment import found_secrets, pyarrow_available, resolve_node, set_path
 
 log = logging.getLogger("epochcache.config")
 

@@ -48,8 +48,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from ..boot import heartbeat_alive
 from ..errors import MinSamplesUnreachable
+from ..paths import heartbeat_alive
 from ..placement import Placement
 from ..store.plumbing import write_plan_part
 from ..store.reads import Releaser

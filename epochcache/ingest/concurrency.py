@@ -76,7 +76,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Protocol
 
-from .clockfile import ClockFile
+from ..paths import ClockFile
 
 #: The most requests in flight per source and sampler process (``sampler.concurrency``'s range).
 MAX_CONCURRENCY = 1024

@@ -35,7 +35,7 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from ..boot import heartbeat_alive
+from ..paths import heartbeat_alive
 from ..units import format_count, format_size
 
 if TYPE_CHECKING:

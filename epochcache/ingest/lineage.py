@@ -43,9 +43,9 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from ..boot import boot_id
 from ..config import EpochcacheConfig
 from ..coverage.ledger import remap
+from ..paths import boot_id
 from ..redact import redact_url
 from ..store import SampleStore
 from ..store.origins import UNKNOWN, Origin, cached_listing_counts, listings, register_listing

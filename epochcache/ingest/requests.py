@@ -48,7 +48,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from .clockfile import ClockFile
+from ..paths import ClockFile
 from .concurrency import FixedConcurrency, Outcome
 from .health import RequestStats
 

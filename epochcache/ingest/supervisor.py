@@ -32,10 +32,9 @@ from dataclasses import dataclass, field
 from multiprocessing import resource_tracker
 from typing import Any
 
-from ..boot import process_record
 from ..config import EpochcacheConfig
 from ..errors import DaemonAlreadyRunning
-from ..paths import first_missing
+from ..paths import first_missing, process_record
 from ..redact import redact_url
 from ..store import SampleStore
 from ..store.env import make_private_dir

@@ -41,8 +41,8 @@ from typing import Any
 
 import lmdb
 
-from ..boot import process_record, recorded_alive
 from ..errors import CacheError, CacheUnusable
+from ..paths import process_record, recorded_alive
 from ..units import format_size, headroom_bytes, parse_headroom
 from .datafile import no_cache_here
 from .env import Env

@@ -31,9 +31,8 @@ from typing import Any, TypeVar
 
 import lmdb
 
-from ..boot import boot_id
 from ..errors import CacheError, CacheIOError, CacheUnusable, NodeLayoutError
-from ..paths import require_writable_dir, writing
+from ..paths import boot_id, require_writable_dir, writing
 from ..placement import read_placement
 from . import remap_lock
 from .datafile import check_data_file

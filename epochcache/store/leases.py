@@ -25,7 +25,7 @@ from dataclasses import dataclass, fields
 
 import lmdb
 
-from ..boot import pid_alive, process_start_ticks
+from ..paths import pid_alive, process_start_ticks
 from .owners import owner_alive, remove_owner
 from .reads import Part, part_path, record_reads, remove_plan
 
