@@ -104,10 +104,10 @@ def _raise_with_planner_waiting(rank: int, port: int, path: str, out: str) -> No
             for i, _batch in enumerate(loader):
                 if rank == 1:
                     # Rank 1 waits in a collective (gradient accumulation: one sync per epoch,
-                    # at its end) that rank 0 never reaches; its own planner never starts.
+                    # at its end) that rank 0 never reaches; its own preparer never starts.
                     dist.all_reduce(torch.ones(1))
                 elif i == n - 2:
-                    # Rank 0 is near its epoch's end: its planner waits for rank 1's.
+                    # Rank 0 is near its epoch's end: its preparer waits for rank 1's.
                     time.sleep(1.0)
                     raise RuntimeError("rank 0 fails before its gradient sync")
     except BaseException as exc:

@@ -67,6 +67,7 @@ RETIRED: dict[str, str] = {
     "claim_share": "claim_ticket",
     "publish_share": "publish_ticket",
     "Planner": "Preparer",  # an epoch is prepared; a plan is a release plan
+    "planner": "preparer",
     # one process reading the cache: a trainer ("job" is the launcher's job, all its ranks)
     "jobs": "trainers",
     "note_job": "note_trainer",

@@ -200,7 +200,7 @@ class _Epochs:
         self.pinned = bool(self.loader_kwargs.get("pin_memory")) and torch.cuda.is_available()
         self.sync = (NodeSync(self.place, cache_identity(cache.path), cache.path)
                      if dist_initialized() and self.place.distributed else None)
-        self.planner = Preparer(cache, place, self.sync, epoch)
+        self.preparer = Preparer(cache, place, self.sync, epoch)
         # In process and without DDP collectives, the next epoch is scheduled in the training
         # thread when triggered (~0.3 ms, once per epoch): on a background thread the same work
         # cost the training thread ~5x that in GIL hand-offs.
@@ -255,7 +255,7 @@ class _Epochs:
             raise _Cancelled
         started = time.monotonic()
         epoch, snapshot = pending.epoch, None
-        planner = self.planner
+        preparer = self.preparer
         groups, self.resume = self.resume, None
         if groups is not None and groups[0].epoch != epoch:
             groups = None
@@ -267,21 +267,21 @@ class _Epochs:
                 snapshot, group = adopt_node(self.cache, groups, epoch, self.place)
                 if snapshot is not None:
                     return snapshot.seqs, snapshot.lease_id
-            seqs, lease_id, snapshot = planner.snapshot(epoch, f"epochs() epoch {epoch}")
+            seqs, lease_id, snapshot = preparer.snapshot(epoch, f"epochs() epoch {epoch}")
             return seqs, lease_id
 
         if self.sync is not None and not self.sync.rendezvous(epoch, self.abort.is_set):
             raise _Cancelled
-        seqs, lease_id = planner.share(take)
+        seqs, lease_id = preparer.share(take)
         if groups is not None:  # (non-leaders learn here which node's states the leader found)
             group = next((g for g in groups if g.lease and g.lease == lease_id), None)
         dataset = EpochDataset(self.reader, seqs, epoch, snapshot, lease_id)
         dataset.finished = False  # until the loop has read the epoch to its end
         try:
-            order = planner.order(seqs, epoch)
+            order = preparer.order(seqs, epoch)
             resumed = (resume_rank(self.cache, order, group, self.place)
                        if group is not None else None)
-            order = planner.split(order) if resumed is None else resumed.rest
+            order = preparer.split(order) if resumed is None else resumed.rest
             # Every rank's count, whether it continues the epoch, the node it found: the
             # batch count is agreed from them (one collective per epoch, resumed or not).
             found = (group.lease if group is not None
@@ -300,13 +300,13 @@ class _Epochs:
             if resumed is None:
                 lane = order[:taken]  # what this rank reads: a resume's lane
                 # the loop releases its lane batch by batch
-                releaser = planner.release_part(lease_id, [lane])
+                releaser = preparer.release_part(lease_id, [lane])
             else:
                 lane = resumed.lane.lane
                 # The rest dealt anew is read by other lanes than the release plan's: the
                 # lease was adopted whole, and protects it all until the epoch ends.
                 releaser = (None if resumed.lane.resumed is not None
-                            else planner.release_part(lease_id, [lane]))
+                            else preparer.release_part(lease_id, [lane]))
         except BaseException:
             dataset.close()
             raise
