@@ -184,7 +184,7 @@ def _terminate(_signum: int, _frame: Any) -> None:
 
 
 def _cmd_manifest(args: argparse.Namespace) -> int:
-    from .coverage.manifests import epoch_keys, epoch_records, manifests
+    from .coverage.manifests import epoch_keys, epoch_spans, manifests
 
     if not os.path.isdir(args.run_dir):
         raise UsageError(f"{args.run_dir}: no such directory; give the train.run_dir of a run")
@@ -203,7 +203,7 @@ def _cmd_manifest(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             return EXIT_FAILURE
         for epoch, ranks in sorted(found.items()):
-            kept = epoch_records(args.run_dir, epoch)
+            kept = epoch_spans(args.run_dir, epoch)
             counts = [sum(len(r.keys) for r in kept[rank]) for rank in ranks]
             print(f"epoch {epoch}: {sum(counts):,} samples, ranks "
                   f"{', '.join(f'{rank} ({count:,})' for rank, count in zip(ranks, counts))}")

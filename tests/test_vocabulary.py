@@ -68,6 +68,11 @@ RETIRED: dict[str, str] = {
     "publish_share": "publish_ticket",
     "Planner": "Preparer",  # an epoch is prepared; a plan is a release plan
     "planner": "preparer",
+    # a manifest's run of keys is a span (a record is a sample as stored in LMDB)
+    "Record": "Span",
+    "TrainedRecord": "TrainedSpans",
+    "epoch_records": "epoch_spans",
+    "read_records": "read_spans",
     # one process reading the cache: a trainer ("job" is the launcher's job, all its ranks)
     "jobs": "trainers",
     "note_job": "note_trainer",

@@ -6,23 +6,23 @@ needs only the cache and, per part of an epoch, its sequence numbers). The keys 
 cache's origin rows (`origins`), which outlive the samples' eviction as long as the
 epoch's lease lives, so a manifest names every sample even under progressive release.
 
-**Records.** A file is a sequence of records, each the keys of a run of batches:
+**Spans.** A file is a sequence of spans, each the keys of a run of batches:
 ``b"ECMF"``, ``u32`` header length, a JSON header (epoch, rank, the snapshot's lease, the lane
-positions ``from`` and ``to`` the record covers, the key count), ``u32`` payload length, and the
-keys NUL-separated (keys hold no NUL), zstd-compressed: a few bytes a sample. Records are
-appended and synced, a torn record at the end (a crash while writing) is cut off before the
+positions ``from`` and ``to`` the span covers, the key count), ``u32`` payload length, and the
+keys NUL-separated (keys hold no NUL), zstd-compressed: a few bytes a sample. Spans are
+appended and synced, a torn span at the end (a crash while writing) is cut off before the
 next append, and readers ignore one.
 
-**Interrupted epochs.** ``run`` appends a record when a checkpoint covers part of an epoch
-(``train.checkpoint_every_s``) and when the epoch ends, so the records name what the model
-kept. Each record names its *lane* (the rank's place in the node, and the split of an earlier
+**Interrupted epochs.** ``run`` appends a span when a checkpoint covers part of an epoch
+(``train.checkpoint_every_s``) and when the epoch ends, so the spans name what the model
+kept. Each span names its *lane* (the rank's place in the node, and the split of an earlier
 resume it was dealt from, see `epochcache.data.resume`), and positions count along it. A
-resumed epoch appends records from the checkpoint's position on; a record that a later one on
+resumed epoch appends spans from the checkpoint's position on; a span that a later one on
 its lane starts at or before (the job died after writing it, before its checkpoint) was
-trained again and is dropped when reading, and so are the records of an attempt that could
+trained again and is dropped when reading, and so are the spans of an attempt that could
 not be continued (another lease: the epoch started afresh). A resume on another number of
-ranks deals the rest anew onto new lanes, whose records carry the split: its positions say
-how far each earlier lane was kept, so records of the earlier lanes past them are dropped
+ranks deals the rest anew onto new lanes, whose spans carry the split: its positions say
+how far each earlier lane was kept, so spans of the earlier lanes past them are dropped
 (whichever rank's file holds them) and those before them stay. So
 [`epoch_keys`][epochcache.coverage.manifests.epoch_keys] gives each sample trained once, in
 order, however often and on whatever shapes the epoch was stopped and resumed.
@@ -31,12 +31,12 @@ Keys are cache keys: ``<name>/<key>`` for an entry of ``sources:``; for a ``tar`
 ``<shard>/<sample>``. Fed back as ``source.manifest`` (per source: [`epoch_keys`][epochcache.coverage.manifests.epoch_keys] with
 ``source=``), they fetch exactly those samples again (see docs/howto/runs.md).
 
-**What a run records** (`TrainedRecord`): the samples of an epoch, in two places once the
+**What a run records** (`TrainedSpans`): the samples of an epoch, in two places once the
 model has kept them: the epoch's manifest (the keys, in order) and the cache's coverage ledger
 (`epochcache.coverage.ledger`: one more epoch for each sample). It does so when a mid-epoch
 checkpoint covers part of the epoch (``train.checkpoint_every_s``) and when the epoch ends,
 each time for the batches since the last time: before the checkpoint is written, the
-manifest's record is appended and the coverage *staged*; once it is written, the staged
+manifest's span is appended and the coverage *staged*; once it is written, the staged
 coverage is counted (`epochcache.coverage.staged`). So an epoch stopped and resumed from its
 checkpoint records each of its samples once, whenever the job was killed (while it wrote the
 checkpoint too), and an epoch a job dies in without a checkpoint records nothing (it is
@@ -73,7 +73,7 @@ if TYPE_CHECKING:
 MANIFESTS_DIR = "manifests"
 _MAGIC = b"ECMF"
 _U32 = struct.Struct("<I")
-#: A record's header is small JSON; anything larger is damage.
+#: A span's header is small JSON; anything larger is damage.
 _MAX_HEADER = 1 << 20
 #: zstd level of the keys: a million numbered keys compress to 3.7 bytes each in 0.06 s at
 #: level 1 (level 6: 3.9 bytes, 0.5 s; level 9: 3.5 bytes, 1.1 s).
@@ -101,8 +101,8 @@ def keys_of(cache: SampleStore, seqs: np.ndarray) -> list[bytes | None]:
 
 
 @dataclass
-class Record:
-    """One record of a manifest file: its header and its keys."""
+class Span:
+    """One span of a manifest file: its header and its keys."""
 
     header: dict[str, Any]
     keys: list[str]
@@ -118,10 +118,10 @@ class ManifestWriter:
         rank: the global rank.
         lease: the epoch's lease (names the snapshot: a resumed epoch continues on it).
         position: where along the rank's lane the epoch starts (a resumed epoch's position).
-        sources: the names of the ``sources:`` entries (kept in each record for readers).
+        sources: the names of the ``sources:`` entries (kept in each span for readers).
         lane: the lane the positions count along: ``local_rank``, ``local_world_size`` and
             ``split`` (the ``"resumed"`` split of the loader's state, None for the epoch's own
-            lanes); None for a writer that knows none (its records supersede by file).
+            lanes); None for a writer that knows none (its spans supersede by file).
     """
 
     def __init__(self, cache: SampleStore, run_dir: str | os.PathLike[str], *, epoch: int,
@@ -168,8 +168,8 @@ class ManifestWriter:
         return unknown
 
 
-def _records(data: bytes) -> Iterator[tuple[int, dict[str, Any], bytes]]:
-    """``(end offset, header, compressed keys)`` of each whole record of ``data``."""
+def _spans(data: bytes) -> Iterator[tuple[int, dict[str, Any], bytes]]:
+    """``(end offset, header, compressed keys)`` of each whole span of ``data``."""
     at = 0
     while at + 8 <= len(data) and data[at: at + 4] == _MAGIC:
         size = _U32.unpack_from(data, at + 4)[0]
@@ -188,28 +188,28 @@ def _records(data: bytes) -> Iterator[tuple[int, dict[str, Any], bytes]]:
 
 
 def cut_torn_tail(path: Path) -> None:
-    """Cut a record the last writer did not finish (it died writing) off the file's end."""
+    """Cut a span the last writer did not finish (it died writing) off the file's end."""
     try:
         data = path.read_bytes()
     except FileNotFoundError:
         return
     end = 0
-    for end, _header, _payload in _records(data):  # noqa: B007 - the last record's end
+    for end, _header, _payload in _spans(data):  # noqa: B007 - the last span's end
         pass
     if end != len(data):
         with open(path, "r+b") as f:
             f.truncate(end)
 
 
-def read_records(path: str | os.PathLike[str]) -> list[Record]:
-    """Every whole record of a manifest file, in the order written."""
+def read_spans(path: str | os.PathLike[str]) -> list[Span]:
+    """Every whole span of a manifest file, in the order written."""
     data = Path(path).read_bytes()
     out = []
     dctx = zstandard.ZstdDecompressor()
-    for _end, header, payload in _records(data):
+    for _end, header, payload in _spans(data):
         raw = dctx.decompress(payload, max_output_size=max(1, 64 * len(payload) + (1 << 20)))
         text = raw.decode("utf-8", "surrogateescape")
-        out.append(Record(header, text.split("\0") if text else []))
+        out.append(Span(header, text.split("\0") if text else []))
     return out
 
 
@@ -218,7 +218,7 @@ def _fingerprint(split: Any) -> str:
 
 
 def _lane_key(header: dict[str, Any], rank: int) -> tuple[Any, ...]:
-    """The lane a record's positions count along (a record without one: its file's)."""
+    """The lane a span's positions count along (a span without one: its file's)."""
     lane = header.get("lane")
     if not isinstance(lane, dict):
         return (header.get("lease"), None, rank, None)
@@ -226,40 +226,40 @@ def _lane_key(header: dict[str, Any], rank: int) -> tuple[Any, ...]:
             int(lane["local_world_size"]))
 
 
-def _limits(records: Sequence[tuple[int, Record]]) -> dict[tuple[Any, ...], int]:
+def _limits(spans: Sequence[tuple[int, Span]]) -> dict[tuple[Any, ...], int]:
     """How far each earlier lane was kept, as the splits of later resumes record it: a split
     (``"resumed"``) holds the layout it was dealt from, with each lane's position, and the
     split that layout was itself dealt from."""
     limits: dict[tuple[Any, ...], int] = {}
-    for _rank, record in records:  # oldest first: a later split's word is the last
-        lane = record.header.get("lane")
+    for _rank, span in spans:  # oldest first: a later split's word is the last
+        lane = span.header.get("lane")
         split = lane.get("split") if isinstance(lane, dict) else None
         while isinstance(split, dict):
             parent = split.get("resumed")
             size = int(split["local_world_size"])
             for r, position in enumerate(split["positions"]):
-                key = (record.header.get("lease"), _fingerprint(parent), r, size)
+                key = (span.header.get("lease"), _fingerprint(parent), r, size)
                 limits[key] = int(position)
             split = parent
     return limits
 
 
-def epoch_records_of(files: dict[int, list[Record]]) -> dict[int, list[Record]]:
-    """Of one epoch's records by rank (each file's in the order written), those whose samples
-    the model kept, by rank, a record cut where a later resume says its lane was kept up to
+def epoch_spans_of(files: dict[int, list[Span]]) -> dict[int, list[Span]]:
+    """Of one epoch's spans by rank (each file's in the order written), those whose samples
+    the model kept, by rank, a span cut where a later resume says its lane was kept up to
     (see the module docstring)."""
     alive: dict[int, list[bool]] = {}
     ordered: list[tuple[float, int, int]] = []
-    for rank, records in files.items():
-        flags = alive[rank] = [True] * len(records)
-        for i, record in enumerate(records):
-            lease = record.header.get("lease")
+    for rank, spans in files.items():
+        flags = alive[rank] = [True] * len(spans)
+        for i, span in enumerate(spans):
+            lease = span.header.get("lease")
             for j in range(i):  # another lease in this file: the epoch started afresh
-                if records[j].header.get("lease") != lease:
+                if spans[j].header.get("lease") != lease:
                     flags[j] = False
-            ordered.append((float(record.header.get("time") or 0.0), rank, i))
+            ordered.append((float(span.header.get("time") or 0.0), rank, i))
     ordered.sort()
-    # A record drops the earlier records of its lane that start at or after it (trained again).
+    # A span drops the earlier spans of its lane that start at or after it (trained again).
     by_lane: dict[tuple[Any, ...], list[tuple[int, int]]] = {}
     for _time, rank, i in ordered:
         header = files[rank][i].header
@@ -269,37 +269,37 @@ def epoch_records_of(files: dict[int, list[Record]]) -> dict[int, list[Record]]:
             if int(files[r][j].header["from"]) >= start:
                 alive[r][j] = False
         kept[:] = [(r, j) for r, j in kept if alive[r][j]] + [(rank, i)]
-    # Lanes of one split with another number of ranks than its latest records: an attempt
+    # Lanes of one split with another number of ranks than its latest spans: an attempt
     # that no checkpoint continued (none but a later split's limit keeps them).
     latest: dict[tuple[Any, ...], Any] = {}
     for _time, rank, i in ordered:
         key = _lane_key(files[rank][i].header, rank)
         latest[key[:2]] = key[3]
     limits = _limits([(rank, files[rank][i]) for _time, rank, i in ordered])
-    out: dict[int, list[Record]] = {}
-    for rank, records in files.items():
+    out: dict[int, list[Span]] = {}
+    for rank, spans in files.items():
         out[rank] = []
-        for i, record in enumerate(records):
-            key = _lane_key(record.header, rank)
+        for i, span in enumerate(spans):
+            key = _lane_key(span.header, rank)
             limit = limits.get(key)
             if not alive[rank][i] or (limit is None and latest[key[:2]] != key[3]):
                 continue
-            start, end = int(record.header["from"]), int(record.header["to"])
+            start, end = int(span.header["from"]), int(span.header["to"])
             if limit is not None and end > limit:
                 if start >= limit:
                     continue
-                # Records end at checkpoints, and so do limits: a record across one is not
+                # Spans end at checkpoints, and so do limits: a span across one is not
                 # written; cut by keys (a skipped sample would shift it) rather than lose it.
-                record = Record(record.header, record.keys[: limit - start])
-            out[rank].append(record)
+                span = Span(span.header, span.keys[: limit - start])
+            out[rank].append(span)
     return out
 
 
-def epoch_records(run_dir: str | os.PathLike[str], epoch: int) -> dict[int, list[Record]]:
-    """Every rank's records of ``epoch`` in ``run_dir`` whose samples the model kept (see
+def epoch_spans(run_dir: str | os.PathLike[str], epoch: int) -> dict[int, list[Span]]:
+    """Every rank's spans of ``epoch`` in ``run_dir`` whose samples the model kept (see
     the module docstring), by rank."""
     ranks = manifests(run_dir).get(epoch, [])
-    return epoch_records_of({rank: read_records(manifest_path(run_dir, epoch, rank))
+    return epoch_spans_of({rank: read_spans(manifest_path(run_dir, epoch, rank))
                              for rank in ranks})
 
 
@@ -335,11 +335,11 @@ def epoch_keys(run_dir: str | os.PathLike[str], epoch: int, rank: int | None = N
         which = f"epoch {epoch}" + ("" if rank is None else f", rank {rank}")
         raise FileNotFoundError(f"{run_dir}: no manifest of {which} (train.manifests writes "
                                 f"them; `epochcache manifest {run_dir}` lists those there)")
-    kept = epoch_records(run_dir, epoch)
+    kept = epoch_spans(run_dir, epoch)
     keys: list[str] = []
     for r in ranks:
-        for record in kept[r]:
-            keys.extend(record.keys)
+        for span in kept[r]:
+            keys.extend(span.keys)
     if source is not None:
         prefix = source + "/"
         keys = [key[len(prefix):] for key in keys if key.startswith(prefix)]
@@ -349,7 +349,7 @@ def epoch_keys(run_dir: str | os.PathLike[str], epoch: int, rank: int | None = N
 log = logging.getLogger(__name__)
 
 
-class TrainedRecord:
+class TrainedSpans:
     """Records the batches one epoch's loop has trained on, on this rank.
 
     Args:
@@ -444,12 +444,12 @@ def _lane(state: dict[str, Any]) -> dict[str, Any] | None:
             "split": state.get("resumed")}
 
 
-def coverage_row(cache: SampleStore, record: TrainedRecord) -> dict[str, Any]:
+def coverage_row(cache: SampleStore, spans: TrainedSpans) -> dict[str, Any]:
     """The epoch's line of ``metrics.jsonl`` on coverage: this rank's samples recorded
     (``trained``, ``new``: never trained before) and the cache's coverage after it, summed over
     sources (``covered`` of ``samples``, the epochs-per-sample ``histogram``, ``eta_s``). What
     is staged for the epoch's checkpoint counts as counted (it is, once that is written)."""
-    pending = record.preview()
+    pending = spans.preview()
     report = coverage(cache)
     by_ledger = {row.get("fingerprint"): row for row in report["sources"]}
     for fingerprint, summary in pending["summaries"].items():
@@ -467,7 +467,7 @@ def coverage_row(cache: SampleStore, record: TrainedRecord) -> dict[str, Any]:
         for label, count in row["histogram"].items():
             histogram[label] = histogram.get(label, 0) + count
     etas = [row["eta_s"] for row in sources]
-    return {"trained": record.trained + pending["trained"], "new": record.new + pending["new"],
+    return {"trained": spans.trained + pending["trained"], "new": spans.new + pending["new"],
             "covered": covered,
             "samples": samples, "fraction": round(covered / samples, 6) if samples else 0.0,
             # this node's part of the sources, which eta_s is the time to see

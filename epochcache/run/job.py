@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from ..config import EpochcacheConfig
-from ..coverage.manifests import TrainedRecord, coverage_row
+from ..coverage.manifests import TrainedSpans, coverage_row
 from ..epoch_record import history_row, log_line
 from ..errors import ConfigError, DaemonAlreadyRunning
 from ..ingest.health import describe_requests, request_delta, request_totals
@@ -281,9 +281,9 @@ class Run:
         try:
             for epoch, loader in epochs:
                 self.stop.check()  # a stop requested at the epoch boundary: no new epoch
-                record = self._run_epoch(cache, context, epoch, loader)
+                spans = self._run_epoch(cache, context, epoch, loader)
                 barrier()  # rank 0's checkpoint of the epoch is written before any rank...
-                record.commit()  # ... counts what it covers (coverage/staged.py)
+                spans.commit()  # ... counts what it covers (coverage/staged.py)
                 self.stop.check()  # before the next epoch is waited for
         finally:
             close = getattr(epochs, "close", None)
@@ -296,7 +296,7 @@ class Run:
         return 0
 
     def _run_epoch(self, cache: SampleStore, context: RunContext, epoch: int,
-                   loader: Any) -> TrainedRecord:
+                   loader: Any) -> TrainedSpans:
         before = cache.counters()
         requests_before = request_totals(cache)
         mark = self.turnover.mark(cache)
@@ -305,16 +305,16 @@ class Run:
         midepoch = None if every is None else MidEpoch(
             context, loader, epoch, every_s=every, grace_s=self.config.cache.resume_grace_s,
             stop=self.stop, rank=self.rank, is_main=self.is_main)
-        record = self._trained_record(cache, loader, epoch)
+        spans = self._trained_spans(cache, loader, epoch)
         if midepoch is not None:
-            midepoch.on_save, midepoch.on_saved = record.stage, record.commit
+            midepoch.on_save, midepoch.on_saved = spans.stage, spans.commit
         timed = TimedLoader(loader, self.progress, self.stop, midepoch)
         started = time.perf_counter()
         from .process_group import mean_across_ranks
 
         result = mean_across_ranks(dict(self.train_fn(context, epoch, timed) or {}))
         elapsed = time.perf_counter() - started
-        record.stage(timed.batches)  # the epoch is done: what its checkpoint will cover
+        spans.stage(timed.batches)  # the epoch is done: what its checkpoint will cover
         after = cache.counters()
         dataset = getattr(loader, "dataset", None)
         turnover = self.turnover.measure(cache, mark, getattr(dataset, "seqs", np.empty(0)))
@@ -330,7 +330,7 @@ class Run:
             "cache_bytes": after.bytes,
             "evicted": after.evicted - before.evicted,
             **turnover,
-            "coverage": coverage_row(cache, record),
+            "coverage": coverage_row(cache, spans),
             # what the epoch cost the remote, per source (the samplers' counters: see
             # docs/howto/monitoring.md), and in all
             "requests": (requests := request_delta(requests_before, request_totals(cache))),
@@ -346,7 +346,7 @@ class Run:
         self.metrics.append(row)
         self.progress.last_epoch = row  # the training side's /metrics serve its gauges
         if not self.is_main:
-            return record
+            return spans
         append_history(cache, history_row(row))
         with open(self.run_dir / METRICS, "a") as f:
             f.write(json.dumps(row) + "\n")
@@ -357,7 +357,7 @@ class Run:
         for name, values in sorted(requests.items()):
             log.info("epoch %d: %s %s: %s", epoch, "local" if name in local else "remote", name,
                      describe_requests(values, local=name in local, epoch=True))
-        return record
+        return spans
 
     def _settle_coverage(self, cache: SampleStore, checkpoint: dict[str, Any] | None) -> None:
         """Count the coverage an earlier attempt of this run staged and its checkpoint covers
@@ -368,7 +368,7 @@ class Run:
         settle(cache, run_key(self.run_dir), lambda epoch, token: epoch < first or token in named,
                before=self.started_at)
 
-    def _trained_record(self, cache: SampleStore, loader: Any, epoch: int) -> TrainedRecord:
+    def _trained_spans(self, cache: SampleStore, loader: Any, epoch: int) -> TrainedSpans:
         """The epoch's manifest and coverage recorder; and this trainer noted for ``status``."""
         from ..status import note_trainer
 
@@ -377,7 +377,7 @@ class Run:
         names = [entry.name for entry in self.config.source_entries() if entry.name]
         from ..coverage.staged import run_key
 
-        return TrainedRecord(cache, loader, epoch, batch_size=self.config.loader.batch_size,
+        return TrainedSpans(cache, loader, epoch, batch_size=self.config.loader.batch_size,
                              run_dir=run_dir if self.config.train.manifests else None,
                              rank=self.rank, job=f"{run_dir} rank {self.rank}", sources=names,
                              run=run_key(run_dir))

@@ -21,7 +21,7 @@ from collections import Counter
 
 from common.resume_cell import EPOCHS, SAMPLES, WRITER_BASE, Cell, Checkpoint, flat
 from epochcache import Cache
-from epochcache.coverage.manifests import MANIFESTS_DIR, epoch_records
+from epochcache.coverage.manifests import MANIFESTS_DIR, epoch_spans
 
 
 def kept(cell: Cell, rank: int, epoch: int, saved: Checkpoint) -> list[int]:
@@ -59,7 +59,7 @@ def check_accounting(cell: Cell, saved: Checkpoint) -> None:
     ranks = max(cell.way.ranks, cell.way.ranks_of("resume"))
     epochs: Counter[int] = Counter()
     for epoch in range(EPOCHS):
-        records = epoch_records(cell.run_dir, epoch)
+        records = epoch_spans(cell.run_dir, epoch)
         trained: set[int] = set()
         for rank in range(ranks):
             want = kept(cell, rank, epoch, saved)
