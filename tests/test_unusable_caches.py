@@ -188,3 +188,35 @@ def test_cache_in_python_names_the_file_and_what_to_do(tmp_path: Path) -> None:
         Cache(not_lmdb(tmp_path / "zip"), capacity="1MiB")
     # an empty folder is where a new cache goes
     Cache(empty_folder(tmp_path / "new"), capacity="1MiB").close()
+
+
+def test_a_cache_growing_while_it_is_checked_is_not_cut_short(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch
+                                                              ) -> None:
+    """A writer commits while another process opens the cache (a DataLoader worker of a stream
+    while the daemon ingests): the file's size and its meta pages are read at two moments, and
+    a commit between them must not make a live cache look cut short. The file's size was read
+    first, so a commit in between named pages past it: `CacheUnusable` in the worker (seen in
+    tests/test_stream.py's writer test under load). Here the commit lands exactly there."""
+    import epochcache.store.datafile as datafile
+
+    path = tmp_path / "cache"
+    writer = Cache(path, capacity="256MiB", sync=False)
+    writer.put_many([(f"s/{i}.bin", os.urandom(4096)) for i in range(8)])
+    real_fstat = os.fstat
+    grown: list[int] = []
+
+    def fstat_then_a_commit(fd: int) -> os.stat_result:
+        result = real_fstat(fd)
+        if not grown and os.readlink(f"/proc/self/fd/{fd}").endswith("data.mdb"):
+            grown.append(0)  # once (the commit below may look at the file too)
+            # 4 MiB of incompressible samples: new pages past the size just read
+            writer.put_many([(f"big/{i}.bin", os.urandom(1 << 20)) for i in range(4)])
+            grown[0] = real_fstat(fd).st_size - result.st_size
+        return result
+
+    monkeypatch.setattr(datafile.os, "fstat", fstat_then_a_commit)
+    datafile.check_data_file(str(path), create=False)  # raised "cut short" when it read the size first
+    assert grown and grown[0] > 0, "the commit did not grow the file: the test proves nothing"
+    monkeypatch.undo()
+    writer.close()

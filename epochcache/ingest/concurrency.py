@@ -57,7 +57,7 @@ by AIMD on the rate:
 * a pace that held nothing back for `PACE_FORGET_S` is dropped: demand stayed below it.
 
 The samplers of a daemon share one pace per source (`SharedPaceState`, a small file in
-the cache directory, `clockfile`: under ``flock``, which the kernel releases when the process
+the cache directory, a `epochcache.paths.ClockFile`: under ``flock``, which the kernel releases when the process
 holding it dies, and stamped with the clock its instants belong to, so the file of another
 boot or host is started afresh): the remote's rate is shared by all of them, so a sampler that
 has nothing to fetch leaves the whole rate to the others at once, and none is starved by

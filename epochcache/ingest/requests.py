@@ -26,7 +26,7 @@ IO loop, where all the source's requests of a process run; the synchronous side
 **The budget** (`RequestBudget`, ``sampler.max_requests_per_s``): a request budget shared by all
 the samplers of a daemon. It is a token bucket in its GCRA form (one "theoretical arrival
 time"), kept in a small file in the cache directory that every sampler process maps
-(`clockfile`: under ``flock``, stamped with the clock its instant belongs to, so the file of
+(a `epochcache.paths.ClockFile`: under ``flock``, stamped with the clock its instant belongs to, so the file of
 another boot or host is started afresh): a request reserves the next free instant and waits
 until it comes, so the samplers together send at most the budget per second on average, with
 bursts of `BURST_S` seconds' worth after a quiet spell. A reservation costs a few

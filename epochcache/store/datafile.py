@@ -72,9 +72,15 @@ def check_data_file(path: str, *, create: bool) -> None:
                             "and its permissions (a cache is private to the user who made it)"
                             ) from exc
     try:
-        size = os.fstat(fd).st_size
+        # The meta pages before the size: a writer commits its pages before the meta page that
+        # names them, so a size read after the meta covers it. Read the other way round, a
+        # commit in between named pages past the size read: a live cache looked cut short
+        # (a stream's DataLoader worker opening it while the daemon ingests).
         first = os.pread(fd, _META_BYTES, 0)
         meta0 = _meta(first)
+        psize_read = meta0[2] if meta0 is not None else 0
+        second = os.pread(fd, _META_BYTES, psize_read) if 512 <= psize_read <= 65536 else b""
+        size = os.fstat(fd).st_size
         if size == 0 or meta0 is None:
             raise CacheUnusable(
                 f"{data}: " + ("empty" if size == 0 else f"only {size} bytes")
@@ -91,7 +97,7 @@ def check_data_file(path: str, *, create: bool) -> None:
                 f"{data}: written by an LMDB of another data format ({version}, this one reads "
                 f"{LMDB_DATA_VERSION}); open it with the epochcache that made it, or delete "
                 f"{path} and let a daemon fill it anew")
-        metas = [meta0, _meta(os.pread(fd, _META_BYTES, psize))]
+        metas = [meta0, _meta(second)]
         valid = [m for m in metas if m is not None and m[0] == LMDB_MAGIC]
         newest = max(valid, key=lambda m: m[4])  # LMDB opens the meta of the newer transaction
         need = max(2, newest[3] + 1) * psize  # both meta pages, and every page in use

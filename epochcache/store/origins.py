@@ -63,7 +63,7 @@ class Origin(NamedTuple):
     """Where one sample came from (a tuple: samplers make one per sample).
 
     Attributes:
-        lid: the listing's id in this cache (`listings`); `UNKNOWN` for none.
+        lid: the listing's id in this cache (the listings registry); `UNKNOWN` for none.
         ref_index: the index of its listed ref (an object, or a tar shard) in that listing.
         member: a tar sample's ordinal among the samples of its shard (0 otherwise).
         members: how many samples its shard held when fetched (0: not a tar sample).
