@@ -69,6 +69,13 @@ def _relative(from_package: str, target: str) -> str:
     return "." * (len(here) - common + 1) + ".".join(there[common:])
 
 
+def _import_target(package: str, node: ast.ImportFrom) -> str:
+    """The dotted module a relative ``from ... import`` in ``package`` names."""
+    base = package.split(".")
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
 def _rewrite_relative(path: Path, old_module: str, new_module: str,
                       moves: dict[str, str], new_path: Path | None = None) -> str | None:
     """The new text of ``path`` (now at ``new_module``, in ``new_path`` if not ``path``, once
@@ -82,9 +89,7 @@ def _rewrite_relative(path: Path, old_module: str, new_module: str,
     for node in ast.walk(tree):
         if not isinstance(node, ast.ImportFrom) or node.level == 0:
             continue
-        base = old_package.split(".")
-        base = base[: len(base) - (node.level - 1)]
-        target = ".".join(base + ([node.module] if node.module else []))
+        target = _import_target(old_package, node)
         names_moved = [alias.name for alias in node.names if f"{target}.{alias.name}" in moves]
         if names_moved:
             print(f"{path}:{node.lineno}: split by hand: imports moved module(s) {names_moved}")
@@ -140,9 +145,10 @@ def _drop_self_imports(path: Path, module: str, others: set[str]) -> str:
     for node in ast.walk(tree):
         if not isinstance(node, ast.ImportFrom) or node.level == 0:
             continue
-        base = package.split(".")
-        base = base[: len(base) - (node.level - 1)]
-        target = ".".join(base + ([node.module] if node.module else []))
+        target = _import_target(package, node)
+        if target == module and any(_file_of(f"{target}.{alias.name}").exists()
+                                    for alias in node.names):
+            continue  # a package importing its own submodules (``from . import x``)
         if target == module or target in others:
             if any(alias.asname and alias.asname != alias.name for alias in node.names):
                 print(f"{path}:{node.lineno}: aliased import of a merged module: fix by hand")
@@ -174,6 +180,8 @@ def _merge(old: str, new: str) -> None:
     target_tree = ast.parse(target)
     target_lines = target.splitlines(keepends=True)
     target_end = _import_block_end(target_tree)
+    if "from __future__ import annotations" in text and "from __future__" not in target:
+        imports.insert(0, "from __future__ import annotations\n\n")  # a docstring-only target
     merged = ("".join(target_lines[:target_end]) + "".join(imports)
               + "".join(target_lines[target_end:]).rstrip("\n") + "\n\n\n" + body + "\n")
     dst.write_text(merged)
