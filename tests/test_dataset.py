@@ -54,10 +54,14 @@ def test_batch_buffers_are_not_reused_while_held(cache: Cache) -> None:
     with cache.dataset() as ds:
         first = ds.get_batch(range(0, 4))
         view = ds.get_batch(range(4, 8))[1]
+        array = ds.get_batch(range(12, 16)).numpy()  # the tensor dropped, its array kept
         third = ds.get_batch(range(8, 12))
+        fourth = ds.get_batch(range(16, 20))
         assert [_index_of(r.numpy()) for r in first] == [0, 1, 2, 3]
         assert _index_of(view.numpy()) == 5
+        assert [_index_of(r) for r in array] == [12, 13, 14, 15]
         assert [_index_of(r.numpy()) for r in third] == [8, 9, 10, 11]
+        assert [_index_of(r.numpy()) for r in fourth] == [16, 17, 18, 19]
 
 
 def test_pickles_small_without_handles(cache: Cache) -> None:

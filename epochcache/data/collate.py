@@ -43,9 +43,30 @@ from . import ring
 #: multi-MiB tensor per batch comes from mmap and page-faults on every write (measured: 3x the
 #: cost of the copy itself at 64 KiB x 64 samples).
 _POOL_SIZE = 4
-_pool: list[torch.Tensor] = []
-_pool_lock = threading.Lock()
 _storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+class _Buffer:
+    """A batch buffer of the pool: the tensor, its bytes as one writable memoryview, and its
+    storage. Made once per buffer, not per batch: with the caches cold from copying the last
+    batch, the views and storage object cost 10-20 us a batch (scripts/bench_loader.py, 64 KiB)."""
+
+    __slots__ = ("key", "tensor", "rows", "storage")
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        self.key = (shape, dtype)
+        self.tensor = torch.empty(shape, dtype=dtype)
+        self.rows = self.tensor.numpy().data.cast("B")
+        self.storage = self.tensor.untyped_storage()
+
+    def refs(self) -> tuple[int, int]:
+        if _storage_use_count is None:
+            return 1 << 30, 1 << 30
+        return sys.getrefcount(self.tensor), int(_storage_use_count(self.storage._cdata))
+
+
+_pool: list[_Buffer] = []
+_pool_lock = threading.Lock()
 
 
 def _after_fork_in_child() -> None:
@@ -60,37 +81,26 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def _refs(tensor: torch.Tensor) -> tuple[int, int]:
-    if _storage_use_count is None:
-        return 1 << 30, 1 << 30
-    return sys.getrefcount(tensor), int(_storage_use_count(tensor.untyped_storage()._cdata))
+# Measured, not hard-coded: how many references the interpreter reports for a buffer's tensor
+# and storage that only the pool holds differs between Python and torch versions.
+_UNREFERENCED = _Buffer((1,), torch.float32).refs()
 
 
-def _baseline() -> tuple[int, int]:
-    # Measured, not hard-coded: how many references the interpreter reports for a tensor only
-    # the pool holds differs between Python versions. Same call shape as in _from_pool.
-    for tensor in [torch.empty(1)]:
-        return _refs(tensor)
-    raise AssertionError("unreachable")
-
-
-_UNREFERENCED = _baseline()
-
-
-def _from_pool(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def _from_pool(shape: tuple[int, ...], dtype: torch.dtype) -> _Buffer:
+    key = (shape, dtype)
     with _pool_lock:
-        for tensor in _pool:
-            if tensor.dtype != dtype or tuple(tensor.shape) != shape:
+        for buffer in _pool:
+            if buffer.key != key:
                 continue
             # Reuse only a tensor nothing else refers to: no Python name, view or numpy array.
-            refs, storage_refs = _refs(tensor)
+            refs, storage_refs = buffer.refs()
             if refs <= _UNREFERENCED[0] and storage_refs <= _UNREFERENCED[1]:
-                return tensor
-        tensor = torch.empty(shape, dtype=dtype)
+                return buffer
+        buffer = _Buffer(shape, dtype)
         if len(_pool) >= _POOL_SIZE:
             _pool.pop(0)
-        _pool.append(tensor)
-        return tensor
+        _pool.append(buffer)
+        return buffer
 
 
 _torch_dtypes: dict[Any, torch.dtype] = {}
@@ -103,6 +113,17 @@ def _torch_dtype(dtype: np.dtype[Any] | torch.dtype) -> torch.dtype:
     if found is None:
         found = _torch_dtypes[dtype] = torch.from_numpy(np.empty(0, dtype=dtype)).dtype
     return found
+
+
+def alloc_rows(shape: tuple[int, ...], dtype: np.dtype[Any] | torch.dtype,
+               ) -> tuple[torch.Tensor, memoryview]:
+    """`alloc_batch`, with the batch's bytes as one writable memoryview (the raw read path
+    copies samples into it)."""
+    if get_worker_info() is None and not _scope[1]:
+        buffer = _from_pool(tuple(shape), _torch_dtype(dtype))
+        return buffer.tensor, buffer.rows
+    batch = alloc_batch(shape, dtype)
+    return batch, batch.numpy().data.cast("B")
 
 
 class batch_buffers:
@@ -150,7 +171,7 @@ def alloc_batch(shape: tuple[int, ...], dtype: np.dtype[Any] | torch.dtype) -> t
             # batch to the GPU with non_blocking=True and drop it before the copy is done;
             # torch reuses a block only once the copies recorded on it have finished.
             return torch.empty(shape, dtype=tdtype, pin_memory=True)
-        return _from_pool(tuple(shape), tdtype)
+        return _from_pool(tuple(shape), tdtype).tensor
     if handed_off:
         tensor = ring.take_slot(tuple(shape), tdtype)
         if tensor is not None:

@@ -50,7 +50,7 @@ from ..store.records import (
     source_key,
 )
 from ..store.records import seq_key as _pack_seq
-from .collate import SPLIT_BYTES, alloc_batch, collate_samples, copy_rows
+from .collate import SPLIT_BYTES, alloc_rows, collate_samples, copy_rows
 from .decode import decode_sample, make_decoder
 from .fields import FieldSelector, parse_fields
 from .raw import FieldsBatch, FieldsTemplate, Mismatch, NpyTemplate, fields_of
@@ -390,8 +390,7 @@ class SampleReader:
                     template = self._template_of(first)
                     if template is None:
                         raise _Fallback
-                batch = alloc_batch((len(keys), *template.shape), template.dtype)
-                out = batch.numpy().data.cast("B")
+                batch, out = alloc_rows((len(keys), *template.shape), template.dtype)
                 size, hi, nbytes = template.size, template.hi, template.nbytes
                 check, expect = template.check, template.expect
                 if act is not None:

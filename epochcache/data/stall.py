@@ -85,7 +85,8 @@ class Activity:
     __slots__ = ("label", "started", "key", "resolve", "reported", "action", "check",
                  "on_raise", "error", "thread", "cache_path", "raised_at", "lock", "done")
 
-    def __init__(self, label: str, action: str = "warn") -> None:
+    def __init__(self, label: str, action: str = "warn",
+                 lock: threading.Lock | None = None) -> None:
         self.label = label
         self.started = time.monotonic()
         self.key: object = None
@@ -101,8 +102,9 @@ class Activity:
         self.cache_path: str | None = None
         self.raised_at = 0.0
         # Deciding the error and leaving the block exclude each other: an error decided is
-        # always raised by the block, never later in code after it (see Watchdog.watch).
-        self.lock = threading.Lock()
+        # always raised by the block, never later in code after it (see Watchdog.watch). A
+        # watchdog's activities share its lock: one allocated per batch showed in profiles.
+        self.lock = lock or threading.Lock()
         self.done = False
 
     def describe_key(self) -> str:
@@ -212,6 +214,7 @@ class Watchdog:
         self.stall_s = float(stall_s)
         self.stall_file = stall_file
         self._active: dict[int, Activity] = {}
+        self._lock = threading.Lock()
         self._pid = os.getpid()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="epochcache-stall", daemon=True)
@@ -223,7 +226,7 @@ class Watchdog:
 
         With ``action="raise"`` a stall makes the block fail with [`StallError`][epochcache.StallError].
         """
-        return _Watch(self, Activity(label, action))
+        return _Watch(self, Activity(label, action, self._lock))
 
     def stop(self) -> None:
         self._stop.set()
@@ -370,6 +373,9 @@ def _forget_stall(activity: Activity) -> None:
 
 
 _lock = threading.Lock()
+#: This process's pid, kept current across forks: os.getpid() is a system call, and the read
+#: path asks for its watchdog once a batch.
+_pid = os.getpid()
 _watchdogs: dict[tuple[int, float, str | None], Watchdog] = {}
 _armed: dict[int, Any] = {}  # pid -> the file the stack dump goes to (kept open)
 
@@ -403,8 +409,9 @@ def arm_stack_dump(stall_file: str | None = None) -> None:
 def _after_fork_in_child() -> None:
     # A fork from a background thread may catch another thread holding the lock; the child
     # would then block on it forever. (The stack-dump handler is inherited, and stays armed.)
-    global _lock
+    global _lock, _pid
     _lock = threading.Lock()
+    _pid = os.getpid()
     _watchdogs.clear()
     parent = next(iter(_armed.values()), None)
     _armed.clear()
@@ -424,7 +431,7 @@ def get_watchdog(stall_s: float | None, stall_file: str | None = None) -> Watchd
     """
     if stall_s is None:
         return None
-    key = (os.getpid(), float(stall_s), stall_file)
+    key = (_pid, float(stall_s), stall_file)
     dog = _watchdogs.get(key)
     if dog is None:
         with _lock:
@@ -442,7 +449,7 @@ def watching(stall_s: float | None, label: str, stall_file: str | None = None,
     dog = get_watchdog(stall_s, stall_file)
     if dog is None:
         return _UNWATCHED
-    if action == "raise" and os.getpid() not in _armed:
+    if action == "raise" and _pid not in _armed:
         arm_stack_dump(stall_file)
     watch = dog.watch(label, action)
     watch.activity.cache_path = cache_path
