@@ -17,6 +17,7 @@ import signal
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -187,10 +188,11 @@ def test_reads_of_a_reclaimed_snapshot_raise_snapshot_closed_naming_the_lease(
     cache.close()
 
 
-@pytest.mark.parametrize("workers", [0, 1])
-def test_an_epoch_whose_lease_was_reclaimed_raises_snapshot_closed(tmp_path: Path,
-                                                                   workers: int) -> None:
-    """The same through epochs(), in process and in a DataLoader worker."""
+@pytest.mark.parametrize(("workers", "collate_fn"), [(0, list), (0, None), (1, list)])
+def test_an_epoch_whose_lease_was_reclaimed_raises_snapshot_closed(
+        tmp_path: Path, workers: int, collate_fn: Any) -> None:
+    """The same through epochs(), in process (batches the user collates, and the reader's own)
+    and in a DataLoader worker."""
     path = str(tmp_path / "cache")
     cache = Cache(path, 40_000, sync=False)
     _fill(cache, "old", 18)
@@ -200,7 +202,7 @@ def test_an_epoch_whose_lease_was_reclaimed_raises_snapshot_closed(tmp_path: Pat
 
     with pytest.raises(SnapshotClosed, match="epoch 0 lost its lease") as info:
         for _epoch, loader in cache.epochs(1, batch_size=1, num_workers=workers,
-                                           collate_fn=list, stall_s=None):
+                                           collate_fn=collate_fn, stall_s=None):
             lease_id = loader.dataset.lease_id
             for i, _batch in enumerate(loader):
                 if i == 0:

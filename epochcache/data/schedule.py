@@ -366,8 +366,19 @@ def in_process_batches(loader: DataLoader[Any], sampler: ScheduleIndices) -> Ite
     Same fetch and collate as ``_SingleProcessDataLoaderIter``; callers use the DataLoader's
     own iterator when it pins memory.
     """
-    fetch: Callable[[SeqBatch], Any] = loader.dataset.__getitem__
-    collate = loader.collate_fn
+    batches, collate = loader.dataset, loader.collate_fn
+    if isinstance(batches, SeqBatches) and batches.collated and not batches.pinned:
+        # Straight from the reader: in this process a batch needs no buffer scope nor hand-off
+        # (those are for workers and pinned memory), and its collate is the identity.
+        read = batches.reader.read_batch
+        for batch in sampler:
+            try:
+                out = read(batch.seqs)
+            except KeyError as exc:
+                raise snapshot_gone(batches.reader, batch.lease_id, batch.epoch, exc) from exc
+            yield out
+        return
+    fetch: Callable[[SeqBatch], Any] = batches.__getitem__
     for batch in sampler:
         yield collate(fetch(batch))
 
