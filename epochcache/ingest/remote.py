@@ -422,12 +422,7 @@ def fetch_many(
 
 def _unsatisfiable(value: BaseException) -> bool:
     """A ranged read from byte 0 answered 416: the object is empty (no range of it exists)."""
-    error: BaseException | None = value
-    while error is not None:
-        if _http_status(error) == 416:
-            return True
-        error = error.__cause__
-    return False
+    return any(_http_status(error) == 416 for error in _causes(value))
 
 
 def _range(end: int | None) -> dict[str, int]:
