@@ -283,10 +283,12 @@ def serve() -> int:
     """The daemon process's entry point; returns the exit status (2: nothing was started)."""
     parent_pid = os.getppid()
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, stream=sys.stderr)
-    for noisy in ("botocore", "aiobotocore", "s3fs", "fsspec", "urllib3", "asyncio"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
     from .config import EpochcacheConfig
+    from .ingest.sampler import QUIET_LIBRARIES
     from .ingest.supervisor import run_daemon
+
+    for noisy, level in QUIET_LIBRARIES.items():
+        logging.getLogger(noisy).setLevel(level)
 
     started = False
 

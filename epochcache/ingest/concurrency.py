@@ -16,9 +16,7 @@ away, and no fixed number fits both, nor a bucket that throttles. ``sampler.conc
   bytes in flight);
 * **decrease**: a throttled answer (503 SlowDown, 429) or a timeout lowers it at once (at most
   once per round trip): a probe goes back to the limit that was fine; a timeout multiplies the
-  limit by `DECREASE`; a throttled answer *paces* the source's requests (`Pace`, below:
-  AIMD on the rate, shared by the daemon's samplers: a remote that throttles at 100 requests/s
-  with 20 ms of latency needs two requests in flight, a window too coarse to settle on). A
+  limit by `DECREASE`; a throttled answer *paces* the source's requests (`Pace`, below). A
   limit that was throttled is remembered as a ceiling that later probes approach by halving
   the distance. So a throttled sampler settles just below the remote's rate instead of sawing
   between it and a fraction of it;

@@ -254,8 +254,6 @@ class DaemonSources:
             thread.join(STOP_JOIN_S)
 
 
-
-
 class Relister(threading.Thread):
     """Lists ``source`` again every ``ttl_s`` seconds, counted from when it was last listed.
 

@@ -92,15 +92,10 @@ THROTTLED_RECENTLY_S = 5.0
 
 def error_kind(error: BaseException) -> str:
     """The ``kind`` label of a failed fetch (status and the remote-errors metric)."""
-    if isinstance(error, RemoteTimeout):
-        return "timeout"
-    if isinstance(error, Throttled):
-        return "throttled"
-    if isinstance(error, SourceUnavailable):
-        return "unavailable"
-    if isinstance(error, PermanentRemoteError):
-        return "permanent"
-    return "other"
+    return next((kind for kind, cls in (("timeout", RemoteTimeout), ("throttled", Throttled),
+                                        ("unavailable", SourceUnavailable),
+                                        ("permanent", PermanentRemoteError))
+                 if isinstance(error, cls)), "other")
 
 
 def _samples_per_batch(configured: int, table: KeyTable, unit: str, concurrency: int | str,
@@ -194,6 +189,7 @@ class Feed:
         # last read succeeded), and the last error meanwhile: see health.FAILING_AFTER_S.
         self.failing_since: float | None = None
         self.last_error = ""
+
         def removed() -> int:
             counters = cache.counters()
             return counters.inserted - counters.samples
@@ -352,14 +348,6 @@ class Feed:
         return self.idle.mode != "scan"
 
     @property
-    def rest_until(self) -> float:
-        return self.idle.until
-
-    @property
-    def in_fetch(self) -> int:
-        return len(self.fetch_started)
-
-    @property
     def gate(self) -> RequestGate:
         return self.source.gate
 
@@ -373,7 +361,7 @@ class Feed:
     @property
     def busy(self) -> bool:
         """As many batches in fetch as it may have."""
-        return self.in_fetch >= self.max_in_fetch
+        return len(self.fetch_started) >= self.max_in_fetch
 
     def _byte_cap(self) -> int:
         """The most requests in flight whose bytes fit ``sampler.max_bytes_in_flight``."""

@@ -322,23 +322,19 @@ def _read_columns(handle: Any, header: dict[str, Any]) -> Listing:
 def _read_v1(cache_dir: str | os.PathLike[str], fingerprint: str) -> Listing | None:
     """A listing saved by epochcache before version 2 (gzip'd JSON lines)."""
     path = _v1_path(cache_dir, fingerprint)
-    builder = KeyTableBuilder()
     try:
         with gzip.open(path, "rb") as handle:
             header: dict[str, Any] = json.loads(handle.readline())
             if header.get("version") != 1 or header.get("fingerprint") != fingerprint:
                 log.info("%s: listing from another version or source; re-listing", path)
                 return None
-            for line in handle:
-                if line.strip():
-                    ref = SampleRef.from_row(json.loads(line))
-                    builder.add(ref.key, ref.size, ref.weight, ref.checksum)
+            table = KeyTable.from_refs(SampleRef.from_row(json.loads(line))
+                                       for line in handle if line.strip())
     except FileNotFoundError:
         return None
     except (OSError, EOFError, ValueError, TypeError) as exc:
         log.warning("%s: unreadable listing (%s); re-listing", path, exc)
         return None
-    table = builder.build()
     if len(table) != header.get("count"):
         log.warning("%s: listing holds %d of %s refs; re-listing", path, len(table),
                     header.get("count"))

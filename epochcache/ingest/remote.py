@@ -422,12 +422,7 @@ def fetch_many(
 
 def _unsatisfiable(value: BaseException) -> bool:
     """A ranged read from byte 0 answered 416: the object is empty (no range of it exists)."""
-    error: BaseException | None = value
-    while error is not None:
-        if _http_status(error) == 416:
-            return True
-        error = error.__cause__
-    return False
+    return any(_http_status(error) == 416 for error in _causes(value))
 
 
 def _range(end: int | None) -> dict[str, int]:
@@ -458,14 +453,19 @@ class _Fetch:
             return translate_error(value, self.url_of(path))
         return bytes(value)
 
-    def _again(self, result: bytes | SourceError, first: float, attempt: int) -> float | None:
-        """The backoff before asking again for a throttled object; None: do not."""
+    def _answered(self, leave: Callable[..., None], started: float, path: str, end: int | None,
+                  value: Any, first: float, attempt: int
+                  ) -> tuple[bytes | SourceError, float | None]:
+        """One request's result, counted at the gate (``leave``), and the backoff before
+        asking again for a throttled object (None: do not)."""
+        result = self._result(path, end, value)
+        outcome, nbytes = ((Outcome.OK, len(result)) if isinstance(result, bytes)
+                           else (outcome_of(result), 0))
+        leave(started, outcome, nbytes, sent=reached_remote(value), retry=attempt > 0)
         if not isinstance(result, Throttled) or not self.throttled_for_s:
-            return None
+            return result, None
         delay = throttle_delay(attempt)
-        if time.monotonic() + delay - first > self.throttled_for_s:
-            return None
-        return delay
+        return result, None if time.monotonic() + delay - first > self.throttled_for_s else delay
 
     def run_async(self, paths: Sequence[str], ends: Sequence[int | None]
                   ) -> list[bytes | SourceError]:
@@ -481,11 +481,8 @@ class _Fetch:
                                                         timeout_s)
                 except Exception as exc:  # noqa: BLE001 - returned per object
                     value = exc
-                result = self._result(path, end, value)
-                gate.leave(started, Outcome.OK if isinstance(result, bytes)
-                           else outcome_of(result), len(result) if isinstance(result, bytes)
-                           else 0, sent=reached_remote(value), retry=attempt > 0)
-                delay = self._again(result, first, attempt)
+                result, delay = self._answered(gate.leave, started, path, end, value, first,
+                                               attempt)
                 if delay is None:
                     return result
                 attempt += 1
@@ -517,11 +514,8 @@ class _Fetch:
                     value: Any = fs.cat_file(path, **_range(end))
                 except Exception as exc:  # noqa: BLE001 - returned per object
                     value = exc
-                result = self._result(path, end, value)
-                gate.leave_sync(started, Outcome.OK if isinstance(result, bytes)
-                                else outcome_of(result), len(result) if isinstance(result, bytes)
-                                else 0, sent=reached_remote(value), retry=attempt > 0)
-                delay = self._again(result, first, attempt)
+                result, delay = self._answered(gate.leave_sync, started, path, end, value,
+                                               first, attempt)
                 if delay is None:
                     return result
                 attempt += 1

@@ -59,7 +59,7 @@ from .requests import RequestBudget
 
 #: Libraries whose INFO lines (botocore's "Found credentials in ...") a sampler started
 #: without its daemon's levels leaves out.
-_QUIET_LIBRARIES = dict.fromkeys(("botocore", "aiobotocore", "s3fs", "fsspec", "urllib3",
+QUIET_LIBRARIES = dict.fromkeys(("botocore", "aiobotocore", "s3fs", "fsspec", "urllib3",
                                   "asyncio"), logging.WARNING)
 
 log = logging.getLogger(__name__)
@@ -278,7 +278,7 @@ class Sampler:
                     if self.fetching:
                         self._hand_over()
                     else:
-                        wake = min(f.rest_until for f in self.feeds)
+                        wake = min(f.idle.until for f in self.feeds)
                         self.stop.wait(min(IDLE_WAIT_S, max(0.01, wake - now)))
                     continue
                 feed = due
@@ -434,7 +434,7 @@ class Sampler:
         sampler is idle, ``complete`` (all cached or quarantined) or ``failing`` (fetches
         failed meanwhile). Runs waiting for train.min_samples read it from the health."""
         now = time.monotonic()
-        if all(feed.exhausted or feed.resting or feed.rest_until > now for feed in self.feeds):
+        if all(feed.exhausted or feed.resting or feed.idle.until > now for feed in self.feeds):
             failed = self.health.errors > self._errors_before
             self.health.idle = "failing" if failed else "complete"
             self._errors_before = self.health.errors
@@ -558,20 +558,21 @@ class Sampler:
         """
         self.pool.shutdown(wait=True, cancel_futures=True)
         self.committer.finish()
+        self._save_health()
+        self.cache.close()
+
+    def _save_health(self) -> None:
         self.publish_requests()
         self.health.heartbeat = time.time()
         self.cache.tables.put_state(state_name(self.index), asdict(self.health))
-        self.cache.close()
 
     def abort(self, error: BaseException) -> None:
         """After a fatal error: record it in the health document, best effort, and return
         without waiting for fetches or the committer (the process exits next)."""
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.health.last_error = f"sampler exited: {type(error).__name__}: {error}"[:300]
-        self.publish_requests()
-        self.health.heartbeat = time.time()
         try:
-            self.cache.tables.put_state(state_name(self.index), asdict(self.health))
+            self._save_health()
         except Exception as exc:  # noqa: BLE001 - the cache may be what failed
             log.warning("sampler %d: could not save its health: %s", self.index, exc)
 
@@ -624,7 +625,7 @@ def run_sampler(config_data: dict[str, Any], index: int, stop: Any,
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
     reuse_freed_buffers()
     config = EpochcacheConfig.from_transfer(config_data)
-    levels = {"": logging.INFO, **_QUIET_LIBRARIES} if levels is None else levels
+    levels = {"": logging.INFO, **QUIET_LIBRARIES} if levels is None else levels
     logging.basicConfig(level=levels.get("", logging.INFO),
                         format=f"%(asctime)s sampler {index}: %(message)s")
     for name, level in levels.items():

@@ -18,6 +18,7 @@ never on a lock a handler could need.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import logging
@@ -118,10 +119,8 @@ class StopRequest:
     def set(self) -> None:
         self._flag = True
         if self._write >= 0:
-            try:
+            with contextlib.suppress(OSError):  # the pipe is full: a wake-up is pending anyway
                 os.write(self._write, b"x")
-            except OSError:
-                pass  # the pipe is full: a wake-up is pending anyway
 
     def is_set(self) -> bool:
         return self._flag
@@ -132,11 +131,9 @@ class StopRequest:
             if self._read < 0:
                 raise ValueError("StopRequest is closed")
             select.select([self._read], [], [], timeout)
-            try:
+            with contextlib.suppress(BlockingIOError):  # drained
                 while os.read(self._read, 512):
                     pass
-            except BlockingIOError:
-                pass  # drained
         return self._flag
 
     def close(self) -> None:

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from typing import cast
 
 from ...config import EpochcacheConfig, SourceConfig
-from ...registry import LAYOUTS, layout
+from ...registry import layout
 from ..keytable import KeyTable
 from ..listing import (
     Listing,
@@ -52,7 +52,6 @@ __all__ = [
     "Source",
     "SourceSpec",
     "layout_of",
-    "layouts",
     "listing_cached",
     "listing_for_sampling",
     "listing_path",
@@ -79,11 +78,6 @@ def layout_of(name: str) -> type[Source]:
     """
     module, _, attribute = layout(name).target.partition(":")
     return cast("type[Source]", getattr(importlib.import_module(module), attribute))
-
-
-def layouts() -> list[str]:
-    """The layout names."""
-    return sorted(LAYOUTS)
 
 
 def open_source(

@@ -29,14 +29,14 @@ A source is someone else's bucket, so what it lists is not trusted (`Source.refu
 
 from __future__ import annotations
 
-import abc
 import errno
 import logging
 import os
 import posixpath
 import time
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Literal
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Literal, TypeVar
 
 import fsspec
 
@@ -72,7 +72,9 @@ from ..types import FetchResult, SampleRef, SourceSpec
 
 log = logging.getLogger(__name__)
 
-class Source(abc.ABC):
+T = TypeVar("T")
+
+class Source:
     """A remote dataset reachable through fsspec.
 
     Args:
@@ -172,7 +174,6 @@ class Source(abc.ABC):
 
     # -- listing ---------------------------------------------------------------------------------
 
-    @abc.abstractmethod
     def list_table(self) -> KeyTable:
         """Enumerate the refs to sample from, sorted by key, from the manifest or a listing
         (page by page, see `paging`), as a compact `KeyTable`.
@@ -181,6 +182,7 @@ class Source(abc.ABC):
             SourceUnavailable: the endpoint, bucket or prefix is unreachable or nothing matches;
                 raised within a few seconds, the message names the URL and the pattern.
         """
+        return self._read_manifest() if self.spec.manifest is not None else list_all(self)
 
     def list_keys(self) -> list[SampleRef]:
         """`list_table` as a list of refs (small sources and tests)."""
@@ -204,9 +206,31 @@ class Source(abc.ABC):
         ``on_piece`` and ``piece_bytes`` are for layouts that stream a ref's samples (``tar``);
         whole objects ignore them."""
         resolved: dict[str, str] = {}  # per call: most keys of a batch share a directory
+        return self._unless_refused(refs, resolved, lambda todo: self._fetch_objects(
+            todo, resolved))
+
+    def _unless_refused(self, refs: Sequence[SampleRef], resolved: dict[str, str],
+                        fetch: Callable[[list[SampleRef]], list[list[FetchResult]]]
+                        ) -> list[list[FetchResult]]:
+        """``fetch`` of the refs `refusal` lets through, each refused one as its refusal, in
+        the order of ``refs``."""
         refused = {i: error for i, ref in enumerate(refs)
                    if (error := self.refusal(ref, resolved))}
-        todo = [ref for i, ref in enumerate(refs) if i not in refused]
+        done = iter(fetch([ref for i, ref in enumerate(refs) if i not in refused]))
+        return [[(ref, refused[i])] if i in refused else next(done) for i, ref in enumerate(refs)]
+
+    def _each(self, refs: Sequence[SampleRef], one: Callable[[SampleRef], list[FetchResult]],
+              name: str) -> list[list[FetchResult]]:
+        """``one(ref)`` of each ref, up to `concurrency` at once (threads named ``name``)."""
+        if len(refs) < 2:
+            return [one(ref) for ref in refs]
+        with ThreadPoolExecutor(max_workers=min(len(refs), self.concurrency),
+                                thread_name_prefix=name) as pool:
+            return list(pool.map(one, refs))
+
+    def _fetch_objects(self, todo: list[SampleRef], resolved: dict[str, str]
+                       ) -> list[list[FetchResult]]:
+        """Whole objects, read and unpacked (`fetch_grouped` of the refs not refused)."""
         paths = [self.object_path(ref.key) for ref in todo]
         urls = [self.object_url(ref.key) for ref in todo]
         # files: one byte more than accepted when the size is not listed (see the module doc)
@@ -220,11 +244,8 @@ class Source(abc.ABC):
         else:
             fetched = self._fetch_remote(paths, urls, limits)
         self._throttle(sum(len(value) for value in fetched if isinstance(value, bytes)))
-        done: Iterator[list[FetchResult]] = iter([
-            [(ref, value)] if isinstance(value, SourceError) else self._unpack(ref, url, value)
-            for ref, url, value in zip(todo, urls, fetched)
-        ])
-        return [[(ref, refused[i])] if i in refused else next(done) for i, ref in enumerate(refs)]
+        return [[(ref, value)] if isinstance(value, SourceError) else self._unpack(ref, url, value)
+                for ref, url, value in zip(todo, urls, fetched)]
 
     def _fetch_remote(self, paths: list[str], urls: list[str], limits: list[int | None]
                       ) -> list[bytes | SourceError]:
@@ -253,11 +274,14 @@ class Source(abc.ABC):
                          next(iter(unnamed.values())))
             results.update(zip(unnamed, fetch(self.fs, list(unnamed))))
         else:
-            for i, why in unnamed.items():
-                results[i] = PermanentRemoteError(
-                    f"{urls[i]}: obstore cannot name this key ({why}); it is not read "
-                    "(source.client: auto or s3fs reads it)", urls[i])
+            results.update((i, self._unnamed(urls[i], why)) for i, why in unnamed.items())
         return [results[i] for i in range(len(paths))]
+
+    @staticmethod
+    def _unnamed(url: str, why: str) -> PermanentRemoteError:
+        """The refusal of a key obstore cannot name, under ``client: obstore``."""
+        return PermanentRemoteError(f"{url}: obstore cannot name this key ({why}); it is not "
+                                    "read (source.client: auto or s3fs reads it)", url)
 
     def _read_local(self, refs: Sequence[SampleRef], paths: list[str],
                     limits: list[int | None], urls: list[str]) -> list[bytes | SourceError]:
@@ -305,17 +329,25 @@ class Source(abc.ABC):
                 return os.stat(path).st_size
 
         def head() -> int:
-            started = self.gate.enter_sync()
-            try:
-                info = call(self.fs, "info", path, timeout_s=self.spec.timeout_s)
-            except BaseException as exc:
-                self.gate.leave_sync(started, outcome_of(translate_error(exc, url)),
-                                     kind="heads", sent=reached_remote(exc))
-                raise
-            self.gate.leave_sync(started, Outcome.OK, kind="heads")
+            info = self._request(lambda: call(self.fs, "info", path,
+                                              timeout_s=self.spec.timeout_s), url, "heads")
             return int(info["size"])
 
         return retry(head, url=url, attempts=self.spec.retries)
+
+    def _request(self, fn: Callable[[], T], url: str, kind: str = "gets") -> T:
+        """``fn()`` as one request through the gate (its slot, pace and budget), counted
+        under ``kind`` with the bytes it returned when it reached the remote."""
+        started = self.gate.enter_sync()
+        try:
+            value = fn()
+        except BaseException as exc:
+            self.gate.leave_sync(started, outcome_of(translate_error(exc, url)), kind=kind,
+                                 sent=reached_remote(exc))
+            raise
+        self.gate.leave_sync(started, Outcome.OK, len(value) if isinstance(value, bytes) else 0,
+                             kind=kind)
+        return value
 
     def read_range(self, ref: SampleRef, start: int, end: int) -> bytes | bytearray:
         """Bytes ``start`` to ``end`` (exclusive) of ``ref``'s object, fewer when it ends
@@ -359,14 +391,8 @@ class Source(abc.ABC):
                            end: int) -> bytes | bytearray:
         """One try of `read_range` on a remote (or a synchronous filesystem's) object."""
         if opener is None:  # memory:// and the like: one call, as a request
-            started = self.gate.enter_sync()
-            try:
-                data = bytes(self.fs.cat_file(path, start=start, end=end))
-            except BaseException as exc:
-                self.gate.leave_sync(started, outcome_of(translate_error(exc, url)))
-                raise
-            self.gate.leave_sync(started, Outcome.OK, len(data))
-            return data
+            return self._request(lambda: bytes(self.fs.cat_file(path, start=start, end=end)),
+                                 url)
         return read_span(BodyReader(opener, self.gate, self.fetch_fs.loop, url=url,
                                     timeout_s=self.spec.timeout_s, offset=start, end=end,
                                     throttled_for_s=self.throttled_for_s))
@@ -524,11 +550,6 @@ class Source(abc.ABC):
     def object_path(self, key: str) -> str:
         """The filesystem path of a key."""
         return self.root.rstrip("/") + "/" + key if self.root else key
-
-    def _list_files(self) -> KeyTable:
-        """List objects under the root whose relative path matches the pattern, page by page;
-        fail fast if none."""
-        return list_all(self)
 
     def _read_manifest(self) -> KeyTable:
         manifest = self.spec.manifest

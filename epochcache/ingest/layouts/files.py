@@ -6,7 +6,6 @@ import logging
 
 from ...errors import CorruptSample
 from ...limits import cut_text
-from ..keytable import KeyTable
 from ..types import FetchResult, SampleRef
 from .base import Source
 from .check import check_object
@@ -22,11 +21,6 @@ class FilesSource(Source):
     """
 
     unit = "sample"
-
-    def list_table(self) -> KeyTable:
-        if self.spec.manifest is not None:
-            return self._read_manifest()
-        return self._list_files()
 
     def _unpack(self, ref: SampleRef, url: str, data: bytes) -> list[FetchResult]:
         if len(data) > self.max_sample_bytes:  # not listed, or larger than listed

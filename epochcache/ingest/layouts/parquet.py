@@ -27,13 +27,11 @@ import io
 import json
 import logging
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ...errors import CorruptSample, SourceError
 from ...limits import cut_text
 from ...units import format_size
-from ..keytable import KeyTable
 from ..types import STREAMED, FetchResult, OnPiece, Piece, SampleRef
 from .base import Source
 
@@ -147,11 +145,6 @@ class ParquetSource(Source):
         #: rows handed), by key
         self._resumes: dict[str, tuple[int, int, int]] = {}
 
-    def list_table(self) -> KeyTable:
-        if self.spec.manifest is not None:
-            return self._read_manifest()
-        return self._list_files()
-
     def held_bytes(self, ref: SampleRef, size: int, piece_bytes: int) -> int:
         """Nothing up front: each piece takes its bytes when it is handed over (as tar's)."""
         return 0
@@ -161,14 +154,8 @@ class ParquetSource(Source):
         """Every row of each file in ``refs``, one list per file, the files read at once (up
         to ``concurrency``). With ``on_piece``, a file's rows go to it a piece of at most
         ``piece_bytes`` at a time, and stand in the list as ``STREAMED``."""
-        def one(ref: SampleRef) -> list[FetchResult]:
-            return self._read_file(ref, on_piece, piece_bytes)
-
-        if len(refs) > 1:
-            with ThreadPoolExecutor(max_workers=min(len(refs), self.concurrency),
-                                    thread_name_prefix="epochcache-parquet") as pool:
-                return list(pool.map(one, refs))
-        return [one(ref) for ref in refs]
+        return self._each(refs, lambda ref: self._read_file(ref, on_piece, piece_bytes),
+                          "epochcache-parquet")
 
     def _read_file(self, ref: SampleRef, on_piece: OnPiece | None,
                    piece_bytes: int) -> list[FetchResult]:

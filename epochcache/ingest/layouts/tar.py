@@ -30,7 +30,6 @@ import errno
 import logging
 import os
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
@@ -159,12 +158,9 @@ class TarSource(Source):
             self._filter = SampleFilter(table)
             if not self._filter.filters:
                 return table
-            builder = KeyTableBuilder()
-            for shard in self._filter.shards:
-                builder.add(shard)
-            return builder.build()
+            return KeyTable.from_refs(map(SampleRef, self._filter.shards))
         if cfg.shards is None:
-            return self._list_files()
+            return super().list_table()
         keys = sorted(set(expand_braces(cfg.shards)))
         first = self.object_path(keys[0])
         try:
@@ -181,10 +177,7 @@ class TarSource(Source):
                 "source.url, source.shards and the endpoint",
                 self.url,
             ) from exc
-        builder = KeyTableBuilder()
-        for key in keys:
-            builder.add(key)
-        return builder.build()
+        return KeyTable.from_refs(map(SampleRef, keys))
 
     def _probe(self, path: str) -> Any:
         """The metadata of one shard (a HEAD), counted when a remote received it."""
@@ -213,20 +206,9 @@ class TarSource(Source):
         ``piece_bytes`` at a time as they are read, and stand in the list as ``STREAMED``
         (see the module docstring)."""
         resolved: dict[str, str] = {}  # see Source.refusal
-        refused = {i: error for i, ref in enumerate(refs)
-                   if (error := self.refusal(ref, resolved))}
-        todo = [ref for i, ref in enumerate(refs) if i not in refused]
-
-        def one(ref: SampleRef) -> list[FetchResult]:
-            return self._stream_shard(ref, resolved, on_piece, piece_bytes)
-
-        if len(todo) > 1:
-            with ThreadPoolExecutor(max_workers=min(len(todo), self.concurrency),
-                                    thread_name_prefix="epochcache-shard") as pool:
-                groups = iter(list(pool.map(one, todo)))
-        else:
-            groups = iter([one(ref) for ref in todo])
-        return [[(ref, refused[i])] if i in refused else next(groups) for i, ref in enumerate(refs)]
+        return self._unless_refused(refs, resolved, lambda todo: self._each(
+            todo, lambda ref: self._stream_shard(ref, resolved, on_piece, piece_bytes),
+            "epochcache-shard"))
 
     def held_bytes(self, ref: SampleRef, size: int, piece_bytes: int) -> int:
         """Nothing up front: each piece takes its bytes when it is handed over (a reservation
@@ -278,12 +260,7 @@ class TarSource(Source):
         if self._obstore is None or self.spec.client == "auto":
             return None
         why = obstore_refuses_key(self.object_path(ref.key))
-        if not why:
-            return None
-        url = self.object_url(ref.key)
-        return PermanentRemoteError(
-            f"{url}: obstore cannot name this key ({why}); it is not read "
-            "(source.client: auto or s3fs reads it)", url)
+        return self._unnamed(self.object_url(ref.key), why) if why else None
 
     def _read_shard(self, ref: SampleRef, resolved: dict[str, str], on_piece: OnPiece | None,
                     piece_bytes: int, received: list[int],
