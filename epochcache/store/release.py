@@ -278,6 +278,14 @@ class Protection:
                 return planned.lease
         return None
 
+    def blocker(self, seq: int | None) -> Lease | None:
+        """For the writers' message: the lease that keeps ``seq`` (the first sample eviction
+        found protected), else the newest lease."""
+        lease = None if seq is None else self.protector(seq)
+        if lease is not None:
+            return lease
+        return max(self.leases, key=lambda lease: lease.hi, default=None)
+
     def protects(self, seqs: np.ndarray) -> np.ndarray:
         """Which of ``seqs`` (any order) may not be evicted now: those a lease without a plan
         holds in its range, those a plan lease has not released, and those at or past the
