@@ -363,8 +363,6 @@ class SampleStore:
         counters.sources = None  # read lazily in its transaction: see source_stats()
         return counters
 
-    # -- several sources --------------------------------------------------------------------
-
     # -- snapshots and leases ---------------------------------------------------------------
 
     def snapshot(self, epoch: int | None = None, label: str = "", *,

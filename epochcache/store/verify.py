@@ -265,8 +265,6 @@ def verify_cache(path: str, *, repair: bool = False,
         cache.close()
 
 
-log = logging.getLogger(__name__)
-
 #: Entries changed or read per write/read transaction of a repair step.
 BATCH = 1024
 
