@@ -294,10 +294,7 @@ class SampleStore:
 
     def __contains__(self, key: object) -> bool:
         """Whether ``key`` is cached."""
-        if not isinstance(key, str):
-            return False
-        with self.env.read() as txn:
-            return txn.get(index_key(key.encode("utf-8")), db=self.env.dbs[DB_KEYS]) is not None
+        return isinstance(key, str) and self.seq_of(key) is not None
 
     def contains_many(self, keys: Sequence[str]) -> list[bool]:
         """``key in cache`` for each key, in one read transaction."""
