@@ -39,7 +39,7 @@ import lmdb
 
 from ..registry import EVICTION
 from .leases import Lease
-from .origins import prune, prune_bound
+from .origins import prune
 from .reads import ReadLog, load_reads, read_generation
 from .records import DB_KEYS, DB_META, DB_SAMPLES, record_key, seq_key, seq_of
 from .release import Protection
@@ -191,7 +191,7 @@ def prune_origins(txn: lmdb.Transaction, dbs: dict[bytes, lmdb._Database],
     """After a pass that took samples: delete the origin rows no sample and no lease's range
     reaches back to any more (a lease's samples released and evicted mid-epoch keep theirs,
     for the epoch's manifest)."""
-    prune(txn, dbs, prune_bound(txn, dbs, [lease.lo for lease in leases]))
+    prune(txn, dbs, [lease.lo for lease in leases])
 
 
 def take(txn: lmdb.Transaction, cursor: lmdb.Cursor, keys_db: lmdb._Database,
