@@ -31,7 +31,6 @@ from epochcache.ingest.types import SampleRef
 from epochcache.store.eviction import OldestFirst
 from epochcache.store.least_recently_read import LeastRecentlyRead
 from epochcache.store.origins import Origin
-from epochcache.store.plumbing import reset_effective_capacity
 from epochcache.store.reads import Releaser
 from epochcache.store.records import RecordFlags, RecordInfo
 
@@ -70,7 +69,6 @@ EpochDataset.get_batch  # a map-style dataset's batched read: tests/test_decode.
 CacheStream.set_epoch  # torch's DistributedSampler protocol, called by training loops
 Source.list_keys  # the layout contract's convenience: tests/sources/contract.py
 SampleRef.to_row  # the pair of SampleRef.from_row (a saved listing's row)
-reset_effective_capacity  # tests/test_disk_full.py: a full disk cleared
 
 # Fields of documents and records: written whole (the sampler's health document, which
 # `epochcache status --json` shows), read by position or by users through `Cache.info()`.

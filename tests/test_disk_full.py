@@ -5,7 +5,7 @@ Two real ways to run out of space: a small LMDB map (``max_map_size``, so ``MapF
 small tmpfs (real ``ENOSPC`` from the kernel; needs root to mount, skipped otherwise).
 
 Internals: a release plan (``plumbing.write_plan_part``), the raw records (``cache.env``) and
-``plumbing.reset_effective_capacity`` stand in for a loader and a cleared disk.
+``cache.capacity.reset()`` stand in for a loader and a cleared disk.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from common.cachecheck import assert_consistent, content_for, digest, full_check
 from common.tmpfs import mounted_tmpfs
 
 from epochcache import Cache, CacheError, CacheFull, CacheIOError
-from epochcache.store.plumbing import reset_effective_capacity, write_plan_part
+from epochcache.store.plumbing import write_plan_part
 from epochcache.store.reads import Releaser
 from epochcache.store.records import DB_SAMPLES, seq_key
 
@@ -356,7 +356,7 @@ def test_enospc_never_corrupts_and_writes_resume_when_space_returns(tmpfs: Path)
         assert cache.effective_capacity < 3 * 1024**2
         # Space comes back: forget any lowered capacity and writes go on, with eviction.
         ballast.unlink()
-        reset_effective_capacity(cache)
+        cache.capacity.reset()
         for b in range(50, 150):
             cache.put_many(_batch(f"b{b}"), wait=False)
         state = assert_consistent(cache)

@@ -89,7 +89,7 @@ from epochcache.store import remap_lock
 
 
 def _report(path):
-    lock = remap_lock.lock()
+    lock = remap_lock.LOCK
     left = len(lock._active)
     # A map resize waits until no other thread has a transaction open.
     done = threading.Event()
@@ -101,7 +101,7 @@ def _report(path):
 
 def train_epoch(run, epoch, loader):
     atexit.register(_report, run.options["report"])
-    lock = remap_lock.lock()
+    lock = remap_lock.LOCK
     enter = lock.enter
     armed = []
 

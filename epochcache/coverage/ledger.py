@@ -189,31 +189,26 @@ class Ledger:
     def remap(self, mapping: np.ndarray, info: dict[str, Any]) -> None:
         """Re-index by ``mapping`` (old index -> new index, -1: not in the new listing) and
         take the new listing's ``info``."""
-        listed = int(info.get("listed") or 0)
-        valid = mapping >= 0
+        length = max(int(info.get("listed") or 0), int(mapping.max(initial=-1)) + 1)
+
+        def moved(old: np.ndarray, fill: int) -> np.ndarray:
+            new = np.full(length, fill, dtype=old.dtype)
+            keep = np.flatnonzero(mapping[: len(old)] >= 0)
+            new[mapping[keep]] = old[keep]
+            return new
+
         if self.tar:
-            n = min(len(mapping), len(self.base))
-            base = np.full(max(listed, int(mapping.max(initial=-1)) + 1), -1, dtype=np.int64)
-            size = np.zeros(len(base), dtype=np.uint32)
-            keep = np.flatnonzero(valid[:n])
-            base[mapping[keep]], size[mapping[keep]] = self.base[keep], self.size[keep]
-            self.base, self.size = base, size
+            self.base, self.size = moved(self.base, -1), moved(self.size, 0)
         else:
-            n = min(len(mapping), len(self.counts))
-            counts = np.zeros(max(listed, int(mapping.max(initial=-1)) + 1), dtype=np.uint8)
-            keep = np.flatnonzero(valid[:n])
-            counts[mapping[keep]] = self.counts[keep]
-            self.counts = counts
+            self.counts = moved(self.counts, 0)
         self.take_info(info)
 
     def take_info(self, info: dict[str, Any]) -> None:
         for name in ("source", "generation", "url", "listed", "gone", "node_rank", "num_nodes"):
             if name in info:
                 self.header[name] = info[name]
-        if not self.tar:
-            self._grow(int(self.header.get("listed") or 0))
-        else:
-            self._grow_shards(int(self.header.get("listed") or 0))
+        grow = self._grow_shards if self.tar else self._grow
+        grow(int(self.header.get("listed") or 0))
 
     def restart(self, info: dict[str, Any]) -> None:
         """Start afresh on another listing; the old totals are kept in ``previous``."""
@@ -489,6 +484,3 @@ def ledgers(cache_path: str, header_only: bool = True) -> list[Ledger]:
                 out.append(ledger)
     return out
 
-
-__all__ = ["Ledger", "applied", "coverage_dir", "ledger_lock", "ledger_path", "ledgers",
-           "note_applied", "read_unattributed", "record_trained", "remap"]

@@ -61,7 +61,6 @@ import numpy as np
 import zstandard
 
 from ..errors import CacheError
-from ..store import SampleStore
 from ..store.origins import read_origins
 from ..store.records import DB_SAMPLES, record_source_key, seq_key
 from . import bucketed, coverage, staged

@@ -37,7 +37,8 @@ import numpy as np
 
 from ..errors import CacheError
 from ..paths import atomic_write
-from .ledger import coverage_dir, record_trained
+from ..store.datafile import coverage_dir
+from .ledger import record_trained
 
 if TYPE_CHECKING:
     from ..store.sample_store import SampleStore
@@ -143,5 +144,3 @@ def settle(cache: SampleStore, run: str, covered: Callable[[int, str], bool],
                  "never covered dropped (trained again)", committed, dropped)
     return committed, dropped
 
-
-__all__ = ["commit", "run_key", "settle", "stage"]

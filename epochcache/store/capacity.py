@@ -3,7 +3,7 @@
 Capacity and headroom are stored in the cache's ``meta`` table, so every process that opens
 the cache (samplers, trainers, ``status``) works to the same limits. The limit in force, the
 *effective capacity*, is the configured capacity unless the disk cannot hold it: then it is
-lowered (`LoweredCapacity`) for the process that found out, recovers by itself and is never
+lowered (`Capacity.lower`) for the process that found out, recovers by itself and is never
 stored as a limit. Headroom shrinks in proportion with it.
 
 * **at open** the capacity is fitted to the room on the disk (free space plus the data file);
@@ -124,81 +124,6 @@ def resolve_limits(
     return cap, head, (stored_cap, stored_head) != (cap, head)
 
 
-class Capacity:
-    """The limits of one open cache.
-
-    Args:
-        env: the cache's LMDB environment.
-        capacity_bytes: stored bytes to keep.
-        headroom_bytes: extra bytes writers may use while leases pin the oldest samples.
-    """
-
-    def __init__(self, env: Env, capacity_bytes: int, headroom_bytes: int) -> None:
-        self.env = env
-        self.capacity_bytes = capacity_bytes
-        self.headroom_bytes = headroom_bytes
-        self.backoff = LoweredCapacity(env, capacity_bytes, headroom_bytes)
-
-    def save(self, txn: lmdb.Transaction) -> None:
-        """Store the format version, capacity and headroom (refusing another format)."""
-        meta = self.env.dbs[DB_META]
-        check_stored_format(self.env.path, txn.get(C_FORMAT, db=meta))
-        txn.put(C_FORMAT, pack_u64(FORMAT_VERSION), db=meta)
-        txn.put(_M_CAPACITY, pack_u64(self.capacity_bytes), db=meta)
-        txn.put(_M_HEADROOM, pack_u64(self.headroom_bytes), db=meta)
-
-    def fit_to_disk(self) -> None:
-        """At open: lower the limit in force when the disk cannot hold capacity + headroom
-        (and drop back-off state that earlier processes or versions left in the cache)."""
-        self.backoff.fit_to_disk()
-
-    @property
-    def effective(self) -> int:
-        """Capacity in force in this process: the configured one, lowered while the disk (or
-        the LMDB map) is full."""
-        return self.backoff.limit
-
-    def lowered(self) -> dict[str, Any] | None:
-        """The lowest limit in force in any live process (this one included), with its reason,
-        as published for ``status``; None when no process runs lowered."""
-        own = self.backoff.document()
-        docs = [doc for doc in published(self.env) if own is None or doc["name"] != own["name"]]
-        docs = sorted(docs + ([own] if own is not None else []), key=lambda d: int(d["limit"]))
-        if not docs or int(docs[0]["limit"]) >= self.capacity_bytes:
-            return None
-        return docs[0]
-
-    def headroom_for(self, limit: int) -> int:
-        """Headroom scaled down with the capacity when the disk forced a lower one."""
-        if limit >= self.capacity_bytes or self.capacity_bytes == 0:
-            return self.headroom_bytes
-        return int(self.headroom_bytes * limit / self.capacity_bytes)
-
-    def lower(self, exc: Exception, incoming: int) -> None:
-        """A write failed on a full disk or map, with nothing left to evict: lower the limit
-        in force below what is stored (a back-off that `probe` lifts)."""
-        with self.env.read() as txn:
-            stored = Counters.load(txn, self.env.dbs[DB_META]).bytes
-        self.backoff.lower(exc, stored, incoming)
-
-    def probe(self) -> None:
-        """Called before each write: raise a lowered limit when the disk has room again."""
-        if self.backoff.state is not None:
-            self.backoff.probe()
-
-    def settle(self) -> None:
-        """Called after each successful write: publish a lowered limit not published yet."""
-        self.backoff.settle()
-
-    def reset(self) -> None:
-        """Forget a capacity lowered after a full disk (after space was freed)."""
-        self.backoff.reset()
-
-    def close(self) -> None:
-        """Withdraw this process's published lowered limit, if any."""
-        self.backoff.close()
-
-
 log = logging.getLogger("epochcache.cache")  # one logger for everything a cache does
 
 PROBE_ENV = "EPOCHCACHE_CAPACITY_PROBE_S"
@@ -251,23 +176,25 @@ class LoweredLimit:
     raised: bool = False
 
 
-class LoweredCapacity:
-    """The lowered limit of this process, if any (see the module docstring).
+class Capacity:
+    """The limits of one open cache: the configured ones, stored, and the one in force in this
+    process, lowered while the disk (or the LMDB map) is full (see the module docstring).
 
     Args:
         env: the cache's LMDB environment.
-        capacity_bytes: the configured capacity.
-        headroom_bytes: the configured headroom.
+        capacity_bytes: stored bytes to keep.
+        headroom_bytes: extra bytes writers may use while leases pin the oldest samples.
     """
 
     def __init__(self, env: Env, capacity_bytes: int, headroom_bytes: int) -> None:
         self.env = env
         self.capacity_bytes = capacity_bytes
         self.headroom_bytes = headroom_bytes
+        #: The lowered limit of this process, if any.
         self.state: LoweredLimit | None = None
         self._published = False
         self._publish_pending = False
-        # One document per LoweredCapacity: a process may hold a cache open twice (`epochcache run`
+        # One document per Capacity: a process may hold a cache open twice (`epochcache run`
         # runs the daemon next to the trainer), and only the publishing process withdraws it
         # (a forked DataLoader worker inherits this object).
         self._pid = os.getpid()
@@ -275,17 +202,42 @@ class LoweredCapacity:
         #: (monotonic time, probe interval) of the last full recovery
         self._recovered: tuple[float, float] | None = None
 
+    def save(self, txn: lmdb.Transaction) -> None:
+        """Store the format version, capacity and headroom (refusing another format)."""
+        meta = self.env.dbs[DB_META]
+        check_stored_format(self.env.path, txn.get(C_FORMAT, db=meta))
+        txn.put(C_FORMAT, pack_u64(FORMAT_VERSION), db=meta)
+        txn.put(_M_CAPACITY, pack_u64(self.capacity_bytes), db=meta)
+        txn.put(_M_HEADROOM, pack_u64(self.headroom_bytes), db=meta)
+
     @property
-    def limit(self) -> int:
-        """The capacity in force in this process."""
+    def effective(self) -> int:
+        """Capacity in force in this process: the configured one, lowered while the disk (or
+        the LMDB map) is full."""
         state = self.state
         return self.capacity_bytes if state is None else min(self.capacity_bytes, state.limit)
+
+    def lowered(self) -> dict[str, Any] | None:
+        """The lowest limit in force in any live process (this one included), with its reason,
+        as published for ``status``; None when no process runs lowered."""
+        own = self.document()
+        docs = [doc for doc in published(self.env) if own is None or doc["name"] != own["name"]]
+        docs = sorted(docs + ([own] if own is not None else []), key=lambda d: int(d["limit"]))
+        if not docs or int(docs[0]["limit"]) >= self.capacity_bytes:
+            return None
+        return docs[0]
+
+    def headroom_for(self, limit: int) -> int:
+        """Headroom scaled down with the capacity when the disk forced a lower one."""
+        if limit >= self.capacity_bytes or self.capacity_bytes == 0:
+            return self.headroom_bytes
+        return int(self.headroom_bytes * limit / self.capacity_bytes)
 
     # -- the three ways a limit changes -----------------------------------------------------
 
     def fit_to_disk(self) -> None:
-        """At open: drop what earlier processes left, then lower the limit when the disk
-        cannot hold capacity + headroom."""
+        """At open: drop the back-off state that earlier processes or versions left in the
+        cache, then lower the limit in force when the disk cannot hold capacity + headroom."""
         _clean_stale(self.env)
         room = disk_room(self.env)
         fit = self._fit(room)
@@ -300,12 +252,15 @@ class LoweredCapacity:
             self._set(LoweredLimit(fit, reason, "disk", time.time(), room, probe_interval_s(),
                               time.monotonic() + probe_interval_s()))
 
-    def lower(self, exc: Exception, stored: int, incoming: int) -> None:
-        """A write failed on a full disk or map with nothing left to evict: go below ``stored``."""
+    def lower(self, exc: Exception, incoming: int) -> None:
+        """A write failed on a full disk or map, with nothing left to evict: lower the limit
+        in force below what is stored (a back-off that `probe` lifts)."""
+        with self.env.read() as txn:
+            stored = Counters.load(txn, self.env.dbs[DB_META]).bytes
         cause = "map" if isinstance(exc, lmdb.MapFullError) else "disk"
         reason = ("LMDB map full" if cause == "map"
                   else "disk full") + f" ({type(exc).__name__}: {exc})"
-        new_limit = max(0, min(self.limit, stored) - max(incoming, stored // 10))
+        new_limit = max(0, min(self.effective, stored) - max(incoming, stored // 10))
         now = time.monotonic()
         previous = self.state
         interval = probe_interval_s()
@@ -446,10 +401,7 @@ class LoweredCapacity:
 
 def published(env: Env) -> list[dict[str, Any]]:
     """The lowered limits published by live processes, lowest first."""
-    found = []
-    for doc in _documents(env):
-        if recorded_alive(doc):
-            found.append(doc)
+    found = [doc for doc in _documents(env) if recorded_alive(doc)]
     return sorted(found, key=lambda d: int(d.get("limit", 0)))
 
 
@@ -475,8 +427,7 @@ def _clean_stale(env: Env) -> None:
     """Delete the documents of dead processes and a limit stored by an older version."""
     with env.read() as txn:
         legacy = txn.get(C_EFFECTIVE_CAPACITY, db=env.dbs[DB_META]) is not None
-    stale = [doc for doc in _documents(env)
-             if not recorded_alive(doc)]
+    stale = [doc for doc in _documents(env) if not recorded_alive(doc)]
     if not (legacy or stale):
         return  # the common case: no write transaction at open
 

@@ -129,15 +129,12 @@ def _fsync_tree(root: str) -> None:
     after a power loss the destination holds the whole copy or nothing)."""
     for directory, _dirs, files in os.walk(root):
         for name in files:
-            fd = os.open(os.path.join(directory, name), os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(directory)
+            _fsync(os.path.join(directory, name))
+        _fsync(directory)
 
 
-def _fsync_dir(path: str) -> None:
+def _fsync(path: str) -> None:
+    """Make a file or a directory (its entries) durable."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         os.fsync(fd)
@@ -188,7 +185,7 @@ def copy_cache(source: SampleStore, dst: str | os.PathLike[str]) -> dict[str, An
             report = _copy_into(source, partial)
             _fsync_tree(partial)
             os.rename(partial, dst)  # all at once; over an empty directory too
-            _fsync_dir(os.path.dirname(dst))
+            _fsync(os.path.dirname(dst))
         except BaseException as exc:
             shutil.rmtree(partial, ignore_errors=True)
             if isinstance(exc, (OSError, lmdb.Error)):
@@ -219,17 +216,13 @@ def _copy_into(source: SampleStore, into: str) -> dict[str, Any]:
                               os.path.join(into, COVERAGE_DIR), skip=(LOCK_FILE,))
     copy = SampleStore(into)
     try:
-        def leave_behind(txn: Any) -> tuple[int, int]:
-            leases = states = 0
+        def leave_behind(txn: Any) -> list[int]:
+            """Empty the leases and state tables; how many entries each held."""
+            left = []
             for db_name in (DB_LEASES, DB_STATE):
-                cursor = txn.cursor(db=copy.env.dbs[db_name])
-                while cursor.first():
-                    cursor.delete()
-                    if db_name == DB_LEASES:
-                        leases += 1
-                    else:
-                        states += 1
-            return leases, states
+                left.append(int(txn.stat(copy.env.dbs[db_name])["entries"]))
+                txn.drop(copy.env.dbs[db_name], delete=False)
+            return left
 
         leases, states = copy.env.write(leave_behind)
         counters = copy.counters()

@@ -39,7 +39,7 @@ import lmdb
 
 from ..registry import EVICTION
 from .leases import Lease
-from .origins import prune, prune_bound
+from .origins import prune
 from .reads import ReadLog, load_reads, read_generation
 from .records import DB_KEYS, DB_META, DB_SAMPLES, record_key, seq_key, seq_of
 from .release import Protection
@@ -139,20 +139,17 @@ def evict_oldest(
     counters: Counters,
     limit_bytes: int,
     leases: Sequence[Lease],
-    protection: Protection | None = None,
+    protection: Protection,
 ) -> Eviction:
     """Evict oldest unprotected samples until ``counters.bytes <= limit_bytes``, or until
     everything left is protected (then ``blocked_by`` names a lease in the way).
 
     ``counters`` is updated in place; the caller saves it in the same transaction.
-    ``protection`` is the calling process's tracker of plan leases; without one every lease
-    protects its whole range.
+    ``protection`` is the calling process's tracker of plan leases.
     """
     result = Eviction()
     if counters.bytes <= limit_bytes:
         return result
-    if protection is None:
-        protection = Protection("")
     protection.sync(leases)
     keys_db = dbs[DB_KEYS]
     walk = _Gaps(txn.cursor(db=dbs[DB_SAMPLES]), protection.gaps())
@@ -167,7 +164,9 @@ def evict_oldest(
         gap_seq = walk.head()
         next_released = int(released[taken]) if taken < len(released) else None
         if gap_seq is None and next_released is None:
-            result.blocked_by = _blocker(samples, protection)
+            # The lease that keeps the oldest sample, for the writers' message.
+            result.blocked_by = (protection.blocker(seq_of(bytes(samples.key())))
+                                 if samples.first() else None)
             break
         if gap_seq is not None and (next_released is None or gap_seq < next_released):
             cursor = walk.cursor
@@ -192,7 +191,7 @@ def prune_origins(txn: lmdb.Transaction, dbs: dict[bytes, lmdb._Database],
     """After a pass that took samples: delete the origin rows no sample and no lease's range
     reaches back to any more (a lease's samples released and evicted mid-epoch keep theirs,
     for the epoch's manifest)."""
-    prune(txn, dbs, prune_bound(txn, dbs, [lease.lo for lease in leases]))
+    prune(txn, dbs, [lease.lo for lease in leases])
 
 
 def take(txn: lmdb.Transaction, cursor: lmdb.Cursor, keys_db: lmdb._Database,
@@ -251,13 +250,3 @@ class _Gaps:
                 self._seq = self._gaps[self._gap][0]
         return None
 
-
-def _blocker(cursor: lmdb.Cursor, protection: Protection) -> Lease | None:
-    """The lease that keeps the oldest sample, for the writers' message."""
-    if not cursor.first():
-        return None
-    seq = seq_of(bytes(cursor.key()))
-    protector = protection.protector(seq)
-    if protector is not None:
-        return protector
-    return max(protection.leases, key=lambda lease: lease.hi, default=None)

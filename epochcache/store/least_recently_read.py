@@ -127,7 +127,7 @@ class LeastRecentlyRead(EvictionPolicy):
             if counters.bytes <= limit_bytes:
                 break
         else:
-            result.blocked_by = _blocker(protection, blocker)
+            result.blocked_by = protection.blocker(blocker)
         if result.count:
             prune_origins(txn, dbs, leases)
         return result
@@ -178,10 +178,3 @@ class LeastRecentlyRead(EvictionPolicy):
             lo, size = found[-1] + 1, min(2 * size, _CHUNK)
             yield seqs, None
 
-
-def _blocker(protection: Protection, seq: int | None) -> Lease | None:
-    """The lease that keeps the first protected candidate, for the writers' message."""
-    lease = None if seq is None else protection.protector(seq)
-    if lease is not None:
-        return lease
-    return max(protection.leases, key=lambda lease: lease.hi, default=None)

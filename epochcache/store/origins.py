@@ -249,12 +249,15 @@ def unique(values: np.ndarray) -> np.ndarray:
     return ordered[keep]
 
 
-def prune(txn: lmdb.Transaction, dbs: dict[bytes, lmdb._Database], bound: int) -> int:
-    """Delete the rows whose samples all lie below ``bound`` (the oldest sample still cached
-    and the lowest sequence number a live lease holds, whichever is lower); return how many."""
+def prune(txn: lmdb.Transaction, dbs: dict[bytes, lmdb._Database],
+          lease_los: Sequence[int]) -> int:
+    """Delete the rows whose samples all lie below the oldest sample still cached and the
+    lowest sequence number a live lease holds (``lease_los``); return how many."""
     db = dbs.get(DB_ORIGINS)
     if db is None:
         return 0
+    samples = txn.cursor(db=dbs[DB_SAMPLES])
+    bound = min([seq_of(bytes(samples.key())) if samples.first() else 2**63, *lease_los])
     cursor = txn.cursor(db=db)
     deleted = 0
     while cursor.first():
@@ -265,14 +268,6 @@ def prune(txn: lmdb.Transaction, dbs: dict[bytes, lmdb._Database], bound: int) -
         cursor.delete()
         deleted += 1
     return deleted
-
-
-def prune_bound(txn: lmdb.Transaction, dbs: dict[bytes, lmdb._Database],
-                lease_los: Sequence[int]) -> int:
-    """What `prune` may delete below: the oldest cached sample, or a lease's start."""
-    cursor = txn.cursor(db=dbs[DB_SAMPLES])
-    oldest = seq_of(bytes(cursor.key())) if cursor.first() else 2**63
-    return min([oldest, *lease_los])
 
 
 def cached_listing_counts(env: Env) -> dict[int, int]:

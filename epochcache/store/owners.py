@@ -31,6 +31,7 @@ owner's promise is what every judge uses.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import fcntl
 import json
 import logging
@@ -65,10 +66,8 @@ def _after_fork_in_child() -> None:
     # descriptor keeps the parent's lock, and the child's own leases get an owner of their own.
     for _owner, fd, _count in _owners.values():
         if fd >= 0:
-            try:
+            with contextlib.suppress(OSError):
                 os.close(fd)
-            except OSError:
-                pass
     _owners.clear()
     _lock = threading.Lock()
     _heartbeats.clear()
@@ -81,10 +80,7 @@ def _remove_own_files() -> None:
     # cannot tell and keeps the lease for its heartbeat timeout (seen after Ctrl-C of a run).
     for path, (owner, fd, count) in list(_owners.items()):
         if fd >= 0 and count <= 0:
-            try:
-                os.unlink(_owner_path(path, owner))
-            except OSError:
-                pass
+            remove_owner(path, owner)
 
 
 def _create(cache_path: str) -> tuple[str, int]:
@@ -102,10 +98,8 @@ def _create(cache_path: str) -> tuple[str, int]:
     except OSError as exc:
         if fd >= 0:
             os.close(fd)
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(tmp)
-            except OSError:
-                pass
         if cache_path not in _warned:
             _warned.add(cache_path)
             log.warning("%s: cannot hold an owner lock in %s (%s); the leases of this process "
@@ -139,10 +133,7 @@ def end_lease(cache_path: str) -> None:
         del _owners[cache_path]
     owner, fd, _count = entry
     if fd >= 0:
-        try:
-            os.unlink(_owner_path(cache_path, owner))  # before the lock goes: never seen dead
-        except OSError:
-            pass
+        remove_owner(cache_path, owner)  # before the lock goes: never seen dead
         os.close(fd)
 
 
@@ -171,11 +162,10 @@ def owner_alive(cache_path: str, owner: str) -> bool | None:
 
 
 def remove_owner(cache_path: str, owner: str) -> None:
-    """Delete a dead owner's file (after its leases were reclaimed)."""
-    try:
+    """Delete an owner's file: a dead one's after its leases were reclaimed, or this
+    process's own as it lets go of its lock."""
+    with contextlib.suppress(OSError):
         os.unlink(_owner_path(cache_path, owner))
-    except OSError:
-        pass
 
 
 def sweep_dead_owners(cache_path: str, in_use: Iterable[str]) -> list[str]:
@@ -189,11 +179,9 @@ def sweep_dead_owners(cache_path: str, in_use: Iterable[str]) -> list[str]:
     for name in names:
         full = os.path.join(directory, name)
         if name.startswith(".") and name.endswith(".tmp"):
-            try:
+            with contextlib.suppress(OSError):
                 if now - os.stat(full).st_mtime > _STALE_TMP_S:
                     os.unlink(full)
-            except OSError:
-                pass
             continue
         owner = name[: -len(_SUFFIX)] if name.endswith(_SUFFIX) else ""
         if owner and owner not in keep and owner_alive(cache_path, owner) is False:

@@ -57,11 +57,6 @@ def effective_headroom(store: SampleStore) -> int:
     return store.capacity.headroom_for(store.capacity.effective)
 
 
-def reset_effective_capacity(store: SampleStore) -> None:
-    """Forget a capacity lowered after a full disk (after space was freed)."""
-    store.capacity.reset()
-
-
 def register_sources(store: SampleStore, names: Iterable[str]) -> list[str]:
     """Count samples per source from now on (keys ``<name>/...``; see
     `epochcache.store.tables`); return the names that were new."""

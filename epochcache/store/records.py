@@ -359,7 +359,7 @@ class RecordInfo:
 
 def record_key(record: bytes | memoryview) -> bytes:
     """The key index entry of a record's source key (see `index_key`)."""
-    return index_key(bytes(record[_HEADER_SIZE : _HEADER_SIZE + (record[24] | record[25] << 8)]))
+    return index_key(record_source_key(record))
 
 
 def record_source_key(record: bytes | memoryview) -> bytes:
@@ -369,8 +369,7 @@ def record_source_key(record: bytes | memoryview) -> bytes:
 
 def source_key(record: bytes | memoryview) -> str:
     """The source key stored in a record (``s/000123.npy``): for messages and reports."""
-    return str(record[_HEADER_SIZE : _HEADER_SIZE + (record[24] | record[25] << 8)], "utf-8",
-               "replace")
+    return str(record_source_key(record), "utf-8", "replace")
 
 
 def read_info(record: bytes | memoryview) -> RecordInfo:

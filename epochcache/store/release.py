@@ -195,24 +195,16 @@ class Protection:
         any_ended = bool(self._live - live)
         self._live = live
         # A lease that lost its plan (adopted whole by a resumed run) is protected whole again.
-        planned_live = {lease.lease_id for lease in leases if lease.plan_parts}
-        ended = [lease_id for lease_id in self._planned if lease_id not in planned_live]
-        for lease_id in ended:
-            del self._planned[lease_id]
-        self._failed &= planned_live
-        if any_ended or ended:
+        if self.preload(leases) or any_ended:
             # Candidates set aside because another lease (of either kind) protected them may
-            # be free now.
+            # be free now (a plan loaded just now has set none aside).
             for planned in self._planned.values():
                 planned.refree()
-        for lease in leases:
-            if lease.plan_parts and lease.lease_id not in self._planned:
-                self._load(lease)
         self._whole = [lease for lease in leases if lease.lease_id not in self._planned]
         for planned in self._planned.values():
             planned.advance()
 
-    def preload(self, leases: Sequence[Lease]) -> None:
+    def preload(self, leases: Sequence[Lease]) -> bool:
         """Load the plans of new leases now, outside any transaction: a plan of a million
         samples takes a fraction of a second to index, which the write lock should not wait
         for (`sync`, inside the writer's transaction, then finds them loaded).
@@ -220,14 +212,18 @@ class Protection:
         The plans of leases that ended are dropped here too, with their mappings and file
         descriptors: `sync` only runs when this process evicts, and a writer that never
         needs to (a sampler below capacity) kept every epoch's plan, about 25 MiB and two
-        descriptors on deleted files per million-sample epoch, for as long as it lived."""
+        descriptors on deleted files per million-sample epoch, for as long as it lived.
+
+        Returns whether it dropped a plan."""
         planned_live = {lease.lease_id for lease in leases if lease.plan_parts}
-        for lease_id in [lease_id for lease_id in self._planned if lease_id not in planned_live]:
+        ended = [lease_id for lease_id in self._planned if lease_id not in planned_live]
+        for lease_id in ended:
             del self._planned[lease_id]
         self._failed &= planned_live
         for lease in leases:
             if lease.plan_parts and lease.lease_id not in self._planned:
                 self._load(lease)
+        return bool(ended)
 
     def _load(self, lease: Lease) -> None:
         if lease.lease_id in self._failed:
@@ -277,6 +273,14 @@ class Protection:
             if planned.lease.lo <= seq < planned.lease.hi and planned.unread(one)[0]:
                 return planned.lease
         return None
+
+    def blocker(self, seq: int | None) -> Lease | None:
+        """For the writers' message: the lease that keeps ``seq`` (the first sample eviction
+        found protected), else the newest lease."""
+        lease = None if seq is None else self.protector(seq)
+        if lease is not None:
+            return lease
+        return max(self.leases, key=lambda lease: lease.hi, default=None)
 
     def protects(self, seqs: np.ndarray) -> np.ndarray:
         """Which of ``seqs`` (any order) may not be evicted now: those a lease without a plan

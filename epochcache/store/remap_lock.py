@@ -82,10 +82,5 @@ def _after_fork_in_child() -> None:
     LOCK = RemapLock()
 
 
-def lock() -> RemapLock:
-    """This process's remap lock (a new one in a forked child)."""
-    return LOCK
-
-
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -62,37 +62,18 @@ _Store = TypeVar("_Store", bound="SampleStore")
 
 
 class SampleStore:
-    """A local sample cache bounded by ``capacity`` bytes, evicting oldest samples first.
+    """A local sample cache bounded by ``capacity`` bytes, evicting oldest samples first: the
+    storage half of [`epochcache.Cache`][epochcache.Cache], whose docstring gives the
+    arguments and what they raise.
 
     Opening is cheap and safe in any process. A forked child (a DataLoader worker) opens an
     LMDB environment of its own on first use (see `epochcache.store.env`), so a store
     opened in the parent can be read in workers; pickled, it travels as its path and reopens on the other side.
-
-    Args:
-        path: the cache directory (created private to the user).
-        capacity: stored bytes to keep, e.g. ``"200GiB"`` or ``10**9``. Required when creating
-            a cache; when opening an existing one, None keeps its stored capacity. A different
-            capacity (or headroom) replaces the stored one only when no other process has the
-            cache open for writing, and the log says ``old -> new``; otherwise the stored
-            limits are kept, with a warning, so that every process works to the same ones.
-        headroom: extra bytes writers may use while leases pin the oldest samples: a fraction
-            of capacity (default 0.1) or a size. At capacity + headroom writers wait.
-        compression: ``"zstd"`` or ``"none"``; incompressible samples are stored raw anyway.
-        level: the zstd level.
-        sync: fsync each commit (survives power loss as well as process crashes).
-        readonly: open for reading only (status, verify).
-        max_map_size: cap on the LMDB map (defaults to a bound derived from capacity).
-        lease_timeout_s: a lease owner whose lock cannot be tested is presumed dead
-            after this long without a heartbeat; this process's open snapshots refresh theirs
-            every quarter of it (see `epochcache.store.owners`).
-        eviction: the eviction policy, by its registered name (`epochcache.registry`). None
-            keeps the stored one (a new cache: ``"oldest"``); a different one replaces it only
-            when no other process has the cache open for writing, as capacity does.
-
-    Raises:
-        CacheError: the directory holds no cache and no capacity was given, or it cannot be
-            opened.
-        ValueError: ``eviction`` (or the stored policy) names no registered policy.
+    A changed capacity, headroom or eviction policy is logged (``old -> new``), or kept with a
+    warning while other processes have the cache open for writing; a stored policy that is
+    not registered raises ValueError as an unknown ``eviction`` does. This process's open
+    snapshots refresh their leases' heartbeat every quarter of ``lease_timeout_s`` (see
+    `epochcache.store.owners`).
     """
 
     def __init__(
@@ -294,10 +275,7 @@ class SampleStore:
 
     def __contains__(self, key: object) -> bool:
         """Whether ``key`` is cached."""
-        if not isinstance(key, str):
-            return False
-        with self.env.read() as txn:
-            return txn.get(index_key(key.encode("utf-8")), db=self.env.dbs[DB_KEYS]) is not None
+        return isinstance(key, str) and self.seq_of(key) is not None
 
     def contains_many(self, keys: Sequence[str]) -> list[bool]:
         """``key in cache`` for each key, in one read transaction."""
@@ -362,8 +340,6 @@ class SampleStore:
             counters = Counters.load(txn, self.env.dbs[DB_META])
         counters.sources = None  # read lazily in its transaction: see source_stats()
         return counters
-
-    # -- several sources --------------------------------------------------------------------
 
     # -- snapshots and leases ---------------------------------------------------------------
 

@@ -338,12 +338,8 @@ class SourceCounters:
 
     def as_dict(self) -> dict[str, dict[str, int]]:
         """``{name: {samples, bytes, ingested, quarantined, ...}}`` for ``status``."""
-        out = {}
-        for name in self.names:
-            values = dict(self.get(name))
-            values["ingested"] = values["inserted"]
-            out[name] = values
-        return out
+        return {name: {**self.get(name), "ingested": self.get(name)["inserted"]}
+                for name in self.names}
 
 
 def count_prefix(txn: lmdb.Transaction, dbs: dict[bytes, lmdb._Database],

@@ -32,9 +32,10 @@ whole key index (which could fill the LMDB map):
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -265,15 +266,8 @@ def verify_cache(path: str, *, repair: bool = False,
         cache.close()
 
 
-log = logging.getLogger(__name__)
-
 #: Entries changed or read per write/read transaction of a repair step.
 BATCH = 1024
-
-
-def _batches(items: Sequence[int]) -> Iterator[Sequence[int]]:
-    for start in range(0, len(items), BATCH):
-        yield items[start : start + BATCH]
 
 
 def repair_cache(cache: SampleStore, corrupt: list[int], unindexed: list[int],
@@ -286,47 +280,58 @@ def repair_cache(cache: SampleStore, corrupt: list[int], unindexed: list[int],
         unindexed: sequence numbers of samples whose key index entry is missing or wrong.
         orphans: whether the index may hold entries of no sample.
     """
+    removed = _per_sample(cache, corrupt, _remove_corrupt)
+    index = _per_sample(cache, unindexed, _fix_entry)
     done = {
-        "corrupt_removed": _remove_corrupt(cache, corrupt),
-        "index_entries_fixed": 0,
-        "duplicates_removed": 0,
+        "corrupt_removed": removed["removed"],
+        "index_entries_fixed": index["fixed"],
+        "duplicates_removed": index["duplicate"],
         "index_orphans_removed": 0,
         "counters_rewritten": 0,
     }
-    fixed, duplicates = _fix_index(cache, unindexed)
-    done["index_entries_fixed"], done["duplicates_removed"] = fixed, duplicates
-    if orphans or fixed or duplicates:
+    if orphans or index["fixed"] or index["duplicate"]:
         done["index_orphans_removed"] = _remove_orphans(cache)
     done["counters_rewritten"] = _rewrite_counters(cache)
     return done
 
 
-def _remove_corrupt(cache: SampleStore, seqs: list[int]) -> int:
+#: ``repair(txn, dbs, counters, seq)``: one sample's repair step; what it did, or None.
+_Repair = Callable[[lmdb.Transaction, dict[bytes, lmdb._Database], Counters, int], str | None]
+
+
+def _per_sample(cache: SampleStore, seqs: list[int], repair: _Repair) -> collections.Counter[str]:
+    """Run ``repair`` on each of ``seqs``, `BATCH` samples per write transaction (the counters
+    loaded and saved around each); count what it did, by what it returned."""
     dbs = cache.env.dbs
-    removed = 0
-    for batch in _batches(seqs):
+    done: collections.Counter[str] = collections.Counter()
+    for start in range(0, len(seqs), BATCH):
 
-        def run(txn: lmdb.Transaction, batch: Sequence[int] = batch) -> int:
+        def run(txn: lmdb.Transaction, batch: Sequence[int] = seqs[start : start + BATCH],
+                ) -> collections.Counter[str]:
             counters = Counters.load(txn, dbs[DB_META])
-            count = 0
-            for seq in batch:
-                record = txn.get(seq_key(seq), db=dbs[DB_SAMPLES])
-                if record is None:
-                    continue  # evicted meanwhile
-                try:
-                    key = record_key(record)
-                    indexed = txn.get(key, db=dbs[DB_KEYS])
-                    if indexed is not None and unpack_u64(indexed) == seq:
-                        txn.delete(key, db=dbs[DB_KEYS])
-                except (IndexError, ValueError, lmdb.BadValsizeError):
-                    pass  # the header is damaged too: its entry, if any, is an orphan (step 3)
-                _remove(txn, dbs, counters, seq, len(record))
-                count += 1
+            did = collections.Counter(what for seq in batch
+                                      if (what := repair(txn, dbs, counters, seq)) is not None)
             counters.save(txn, dbs[DB_META])
-            return count
+            return did
 
-        removed += cache.env.write(run)
-    return removed
+        done += cache.env.write(run)
+    return done
+
+
+def _remove_corrupt(txn: lmdb.Transaction, dbs: dict[bytes, lmdb._Database],
+                    counters: Counters, seq: int) -> str | None:
+    record = txn.get(seq_key(seq), db=dbs[DB_SAMPLES])
+    if record is None:
+        return None  # evicted meanwhile
+    try:
+        key = record_key(record)
+        indexed = txn.get(key, db=dbs[DB_KEYS])
+        if indexed is not None and unpack_u64(indexed) == seq:
+            txn.delete(key, db=dbs[DB_KEYS])
+    except (IndexError, ValueError, lmdb.BadValsizeError):
+        pass  # the header is damaged too: its entry, if any, is an orphan (step 3)
+    _remove(txn, dbs, counters, seq, len(record))
+    return "removed"
 
 
 def _remove(txn: lmdb.Transaction, dbs: dict[bytes, lmdb._Database], counters: Counters,
@@ -339,41 +344,26 @@ def _remove(txn: lmdb.Transaction, dbs: dict[bytes, lmdb._Database], counters: C
     counters.evicted_bytes += size
 
 
-def _fix_index(cache: SampleStore, seqs: list[int]) -> tuple[int, int]:
-    dbs = cache.env.dbs
-    fixed = duplicates = 0
-    for batch in _batches(seqs):
-
-        def run(txn: lmdb.Transaction, batch: Sequence[int] = batch) -> tuple[int, int]:
-            counters = Counters.load(txn, dbs[DB_META])
-            fixed = duplicates = 0
-            for seq in batch:
-                record = txn.get(seq_key(seq), db=dbs[DB_SAMPLES])
-                if record is None:
-                    continue
-                key = record_key(record)
-                indexed = txn.get(key, db=dbs[DB_KEYS])
-                other = None if indexed is None else unpack_u64(indexed)
-                if other == seq:
-                    continue
-                named = None if other is None else txn.get(seq_key(other), db=dbs[DB_SAMPLES])
-                if named is not None and record_key(named) == key and other is not None:
-                    # Two samples of one key: keep the newer, which the index must name.
-                    older, newer = sorted((seq, other))
-                    gone = len(record) if older == seq else len(named)
-                    _remove(txn, dbs, counters, older, gone)
-                    txn.put(key, seq_key(newer), db=dbs[DB_KEYS])
-                    duplicates += 1
-                    continue
-                txn.put(key, seq_key(seq), db=dbs[DB_KEYS])
-                fixed += 1
-            counters.save(txn, dbs[DB_META])
-            return fixed, duplicates
-
-        more_fixed, more_duplicates = cache.env.write(run)
-        fixed += more_fixed
-        duplicates += more_duplicates
-    return fixed, duplicates
+def _fix_entry(txn: lmdb.Transaction, dbs: dict[bytes, lmdb._Database], counters: Counters,
+               seq: int) -> str | None:
+    record = txn.get(seq_key(seq), db=dbs[DB_SAMPLES])
+    if record is None:
+        return None
+    key = record_key(record)
+    indexed = txn.get(key, db=dbs[DB_KEYS])
+    other = None if indexed is None else unpack_u64(indexed)
+    if other == seq:
+        return None
+    named = None if other is None else txn.get(seq_key(other), db=dbs[DB_SAMPLES])
+    if named is not None and record_key(named) == key and other is not None:
+        # Two samples of one key: keep the newer, which the index must name.
+        older, newer = sorted((seq, other))
+        gone = len(record) if older == seq else len(named)
+        _remove(txn, dbs, counters, older, gone)
+        txn.put(key, seq_key(newer), db=dbs[DB_KEYS])
+        return "duplicate"
+    txn.put(key, seq_key(seq), db=dbs[DB_KEYS])
+    return "fixed"
 
 
 def _remove_orphans(cache: SampleStore) -> int:

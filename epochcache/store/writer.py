@@ -10,11 +10,13 @@ that fails a write with EIO stops the writer ([`CacheIOError`][epochcache.CacheI
 
 from __future__ import annotations
 
+import bisect
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import TypeVar
 
 import lmdb
@@ -324,7 +326,8 @@ class Writer:
             room = limit + self.capacity.headroom_for(limit) - counters.bytes
             if incoming > room:
                 blocker = evicted.blocked_by or Lease.new(0, 0, 0, label=_NO_ROOM)
-                fits = _prefix_within(fresh, room)
+                # how many of the first records fit in ``room`` bytes
+                fits = bisect.bisect_right(list(accumulate(len(r) for _, r in fresh)), room)
                 fresh, rest = fresh[:fits], fresh[fits:]
                 incoming = sum(len(r) for _, r in fresh)
         first = counters.next_seq
@@ -354,19 +357,20 @@ class Writer:
                    incoming: int) -> Eviction:
         """Evict to make room for ``incoming`` bytes; past the headroom, reclaim dead leases
         first. ``counters`` is updated in place."""
-        dbs = self.env.dbs
         target = max(0, limit - incoming)
-        evicted = self.policy.evict(txn, dbs, counters, target,
-                                    read_leases(txn, dbs[DB_LEASES]), self.protection,
-                                    self.reads)
+        evicted = self._policy_pass(txn, counters, target)
         over_headroom = counters.bytes + incoming > limit + self.capacity.headroom_for(limit)
         if over_headroom and self.reclaim(txn):
-            more = self.policy.evict(txn, dbs, counters, target,
-                                     read_leases(txn, dbs[DB_LEASES]), self.protection,
-                                     self.reads)
+            more = self._policy_pass(txn, counters, target)
             evicted = Eviction(evicted.count + more.count, evicted.bytes + more.bytes,
                                more.blocked_by)
         return evicted
+
+    def _policy_pass(self, txn: lmdb.Transaction, counters: Counters, limit: int) -> Eviction:
+        """One pass of the cache's policy down to ``limit``, under the leases of ``txn``."""
+        leases = read_leases(txn, self.env.dbs[DB_LEASES])
+        return self.policy.evict(txn, self.env.dbs, counters, limit, leases, self.protection,
+                                 self.reads)
 
     def reclaim(self, txn: lmdb.Transaction) -> list[Lease]:
         """Delete (and log) the leases of dead owners, in ``txn``."""
@@ -402,20 +406,9 @@ class Writer:
 
         def run(txn: lmdb.Transaction) -> Eviction:
             counters = Counters.load(txn, dbs[DB_META])
-            result = self.policy.evict(txn, dbs, counters, limit,
-                                       read_leases(txn, dbs[DB_LEASES]), self.protection,
-                                     self.reads)
+            result = self._policy_pass(txn, counters, limit)
             counters.save(txn, dbs[DB_META])
             return result
 
         return self._write(run)
 
-
-def _prefix_within(records: list[tuple[bytes, bytes]], room: int) -> int:
-    """How many of the first ``records`` fit in ``room`` bytes."""
-    used = 0
-    for count, (_, record) in enumerate(records):
-        used += len(record)
-        if used > room:
-            return count
-    return len(records)
