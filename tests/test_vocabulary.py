@@ -47,7 +47,7 @@ SAME_THING: dict[str, set[str]] = {
 RETIRED: dict[str, str] = {
     "MapGate": "RemapLock",
     "CompressGate": "CompressionTrial",
-    "BackOff": "LoweredCapacity",
+    "BackOff": "Capacity",
     "ByteBudget": "InFlight",
     "ScheduleSampler": "ScheduleIndices",
     # a tar shard's samples handed over together: a piece ("part" is a release plan's)
