@@ -9,7 +9,7 @@ its value in the row (``epochcache/run/job.py``). Adding a figure is a `Field` a
 that measures it: in the run's loop (``run/job.py``), or, for a figure marked ``tally=True``,
 where the reader does the work (``data/reader.py``: ``self.tallies.add(name, count)``), in the
 training process or a DataLoader worker alike; the run adds an epoch's tallies to its row
-(`epochcache.data.tallies`). A row written before a figure existed shows "-" for it.
+(`epochcache.data.workers`). A row written before a figure existed shows "-" for it.
 
 A base module: the store layer (``status``) and the run layer both read it; it imports no
 layer and no torch.
@@ -39,7 +39,7 @@ class Field:
         show: its words in the run's log line, from the row (None: not in the line).
         label: its column in ``status``.
         tally: counted by the reader, in whichever process reads (DataLoader workers
-            included), and added to the epoch's row by the run (`epochcache.data.tallies`).
+            included), and added to the epoch's row by the run (`epochcache.data.workers`).
     """
 
     name: str

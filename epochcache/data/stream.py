@@ -45,7 +45,6 @@ from .stall import arm_stack_dump
 from .states import STREAM_KIND as KIND
 from .states import STREAM_ORDER_KEYS as ORDER_KEYS
 from .states import merge, resume_split, worker_states
-from .tallies import Tallies
 from .tickets import (
     Reporting,
     Ticket,
@@ -58,6 +57,7 @@ from .tickets import (
     release_owner,
     unwatch,
 )
+from .workers import Tallies
 
 if TYPE_CHECKING:
     from ..store import SampleStore, Snapshot
