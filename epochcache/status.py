@@ -92,12 +92,15 @@ def trainers(cache: SampleStore, leases: list[Lease] | None = None) -> list[dict
     leases = cache.leases() if leases is None else leases
     docs = cache.tables.states(TRAINER_PREFIX)
     out: dict[tuple[str, int], dict[str, Any]] = {}
+
+    def entry(host: str, pid: int, since: float) -> dict[str, Any]:
+        return out.setdefault((host, pid), {"pid": pid, "host": host, "leases": 0, "epochs": [],
+                                            "samples": 0, "unread": 0, "since": since})
+
     for lease in leases:
         if not lease.is_alive(now_ns, cache.lease_timeout_s, cache.path):
             continue
-        trainer = out.setdefault((lease.host, lease.pid), {
-            "pid": lease.pid, "host": lease.host, "leases": 0, "epochs": [], "samples": 0,
-            "unread": 0, "since": lease.created_ns / 1e9})
+        trainer = entry(lease.host, lease.pid, lease.created_ns / 1e9)
         trainer["leases"] += 1
         match = _EPOCH.search(lease.label)
         if match:
@@ -109,9 +112,7 @@ def trainers(cache: SampleStore, leases: list[Lease] | None = None) -> list[dict
         host, pid = str(doc.get("host")), int(doc.get("pid", -1))
         if host == socket.gethostname() and not recorded_alive(doc):
             continue
-        trainer = out.setdefault((host, pid), {"pid": pid, "host": host, "leases": 0, "epochs": [],
-                                           "samples": 0, "unread": 0,
-                                           "since": float(doc.get("started", time.time()))})
+        trainer = entry(host, pid, float(doc.get("started", time.time())))
         for name in ("run_dir", "rank", "epoch", "label"):
             if name in doc:
                 trainer[name] = doc[name]
@@ -136,24 +137,14 @@ def recent_epochs(cache: SampleStore, count: int = 5) -> list[dict[str, Any]]:
 def collect_stats(cache: SampleStore) -> dict[str, Any]:
     """Everything ``status`` shows, with URL credentials masked (state documents written by
     older versions may hold them)."""
-    return redact_tree(_collect(cache))  # type: ignore[no-any-return]
-
-
-def stats_with_coverage(cache: SampleStore) -> dict[str, Any]:
-    """`collect_stats` and the coverage report: what ``epochcache status`` and `Cache.stats`
-    show (the store's statistics do not reach up to what training saw)."""
-    return {**collect_stats(cache), "coverage": coverage(cache)}
-
-
-def _collect(cache: SampleStore) -> dict[str, Any]:
     counters = cache.counters()
     now = time.time()
     leases = cache.leases()
-    history = cache.history(limit=200)
     lowered = capacity_lowered(cache)
     capacity = cache.capacity.effective if lowered is None else min(
         cache.capacity.effective, int(lowered["limit"]))
-    return {
+    daemon = daemon_health(cache.tables.get_state("daemon"), now)
+    return redact_tree({  # type: ignore[no-any-return]
         "path": cache.path,
         "samples": counters.samples,
         "bytes": counters.bytes,
@@ -190,17 +181,23 @@ def _collect(cache: SampleStore) -> dict[str, Any]:
         ],
         # the trainers, under the older word: the key is kept for scripts that read `status --json`
         "jobs": trainers(cache, leases),
-        "ingest": ingest_rate(history),
-        "daemon": daemon_health(cache.tables.get_state("daemon"), now),
+        "ingest": ingest_rate(cache.history(limit=200)),
+        "daemon": daemon,
         # sources none of whose reads succeeded for a minute, or stopped by a refusal
-        "failing": failing_sources(daemon_health(cache.tables.get_state("daemon"), now), now),
+        "failing": failing_sources(daemon, now),
         "requests": request_totals(cache),
         "recent_quarantine": cache.quarantined(limit=5),
         "turnover": recent_epochs(cache),
         # trainers whose batch stalled, while they run (see epochcache.data.stall)
         "stalls": [{**doc, "for_s": round(now - float(doc.get("since", now)), 1)}
                    for doc in read_stalls(cache.path)],
-    }
+    })
+
+
+def stats_with_coverage(cache: SampleStore) -> dict[str, Any]:
+    """`collect_stats` and the coverage report: what ``epochcache status`` and `Cache.stats`
+    show (the store's statistics do not reach up to what training saw)."""
+    return {**collect_stats(cache), "coverage": coverage(cache)}
 
 
 def render(stats: dict[str, Any]) -> RenderableType:
@@ -260,10 +257,11 @@ def render(stats: dict[str, Any]) -> RenderableType:
     parts: list[RenderableType] = [table]
     if stats["lease_details"]:
         leases = Table(title="leases", title_justify="left")
-        for column in ("id", "label", "pid", "host", "samples", "age_s", "alive"):
+        lease_columns = ("id", "label", "pid", "host", "samples", "age_s", "alive")
+        for column in lease_columns:
             leases.add_column(column)
         for lease in stats["lease_details"]:
-            leases.add_row(*(str(lease[c]) for c in ("id", "label", "pid", "host", "samples", "age_s", "alive")))
+            leases.add_row(*(str(lease[c]) for c in lease_columns))
         parts.append(leases)
     if stats.get("jobs"):
         table_trainers = Table(title="jobs (trainers reading this cache)", title_justify="left")
