@@ -331,9 +331,7 @@ def _path(cache_path: str, pid: int) -> str:
 
 def record_stall(cache_path: str, doc: dict[str, Any]) -> None:
     """Record this process's stall (``doc``); raises OSError when it cannot."""
-    path = _path(cache_path, os.getpid())
-    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-    with atomic_write(path) as f:
+    with atomic_write(_path(cache_path, os.getpid())) as f:  # makes stalls/ private
         f.write(json.dumps({**doc, **process_record()}).encode())
 
 

@@ -725,6 +725,3 @@ class EpochcacheConfig(_Section):
 
     def __repr_args__(self) -> Iterator[tuple[str | None, Any]]:
         yield from self.redacted().items()
-
-
-Config = EpochcacheConfig
