@@ -428,10 +428,7 @@ class CacheStream(IterableDataset[Any]):
             else:
                 finished = False
                 try:
-                    split, lane, start = resume_split(self._resumed_order(state), state, 1, 0)
-                    self._at = _Reading({k: state[k] for k in ORDER_KEYS}, split, 0)
-                    yield from self._samples(lane[start:], False, ticket, None, base=start,
-                                             resumed=True)
+                    yield from self._resumed_lane(state, ticket, 1, 0)
                     finished = True
                 finally:
                     if ticket.lease:
@@ -536,14 +533,19 @@ class CacheStream(IterableDataset[Any]):
             adopt_lease(cache, ticket.lease, owner=self._home.owner, pid=self._home.pid, whole=True)
         done = WorkerEnd(cache, name, group, workers)
         try:
-            split, lane, start = resume_split(self._resumed_order(state), state, workers,
-                                              worker)
+            samples = self._resumed_lane(state, ticket, workers, worker)
         except BaseException:
             done(False)
             raise
+        return Reporting(samples, done)
+
+    def _resumed_lane(self, state: dict[str, Any], ticket: Ticket, workers: int,
+                      worker: int) -> Iterator[Any]:
+        """What reader ``worker`` of ``workers`` reads of the resumed epoch of ``state``: the
+        rest of its lane (`resume_split`), samples evicted since skipped."""
+        split, lane, start = resume_split(self._resumed_order(state), state, workers, worker)
         self._at = _Reading({k: state[k] for k in ORDER_KEYS}, split, worker)
-        return Reporting(self._samples(lane[start:], False, ticket, None, base=start,
-                                        resumed=True), done)
+        return self._samples(lane[start:], False, ticket, None, base=start, resumed=True)
 
     def _samples(self, order: np.ndarray, equal_counts: bool, ticket: Ticket,
                  releaser: Releaser | None, *, base: int = 0,
