@@ -243,9 +243,7 @@ def first_missing(path: str | os.PathLike[str]) -> str | None:
 def _file_in_the_way(path: str) -> str | None:
     """``path`` or the parent of it that exists and is not a directory, if one is."""
     existing = _existing_ancestor(path)
-    if existing is not None and not os.path.isdir(existing):
-        return existing
-    return None
+    return existing if existing is not None and not os.path.isdir(existing) else None
 
 
 def not_writable(path: str | os.PathLike[str], what: str, exc: OSError) -> PathNotWritable:

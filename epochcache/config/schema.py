@@ -214,9 +214,7 @@ class SourceConfig(_Section):
     @property
     def effective_pattern(self) -> str:
         """The glob used for listing when no manifest or shard pattern is given."""
-        if self.pattern is not None:
-            return self.pattern
-        return LAYOUTS[self.layout].pattern
+        return self.pattern if self.pattern is not None else LAYOUTS[self.layout].pattern
 
     @model_validator(mode="after")
     def _check_combination(self) -> SourceConfig:

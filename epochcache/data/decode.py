@@ -28,8 +28,6 @@ key and the codec; a pickle sample without the opt-in raises
 [`PickleNotAllowed`][epochcache.PickleNotAllowed] whatever the error policy, because skipping would
 silently drop every sample of such a dataset.
 
-Image decoding: ``.jpg/.jpeg/.png/.webp/.bmp/.tif/.tiff`` to numpy, torch or PIL.
-
 JPEG goes through simplejpeg (libjpeg-turbo straight into a numpy array): on the project's
 2-core machines it decoded 128-256 px JPEGs 1.9-2.4x faster than Pillow (5.1k-6.1k images/s
 against 2.2k-3.1k, pixel-identical; see ``docs/benchmarks.md``). Everything else, and JPEGs

@@ -176,9 +176,7 @@ def take_slot(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None
 def hand_off(batch: Any) -> Any:
     """``batch`` as a DataLoader worker returns it: its tensors over ring slots (alone, or in a
     tuple or dict) wrapped to travel as the slot's name; anything else as it is."""
-    if _ring is None:
-        return batch
-    return _wrap(_ring, batch, {})
+    return batch if _ring is None else _wrap(_ring, batch, {})
 
 
 def _wrap(ring: _Ring, value: Any, seen: dict[int, Any]) -> Any:
