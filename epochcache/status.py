@@ -25,6 +25,7 @@ import os
 import re
 import socket
 import time
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import lmdb
@@ -47,6 +48,7 @@ from .units import format_size
 
 if TYPE_CHECKING:
     from rich.console import RenderableType
+    from rich.table import Table
 
     from .store.sample_store import SampleStore
 
@@ -256,59 +258,52 @@ def render(stats: dict[str, Any]) -> RenderableType:
             + (" (ending with StallError)" if stall.get("action") == "raise" else "")))
     parts: list[RenderableType] = [table]
     if stats["lease_details"]:
-        leases = Table(title="leases", title_justify="left")
-        lease_columns = ("id", "label", "pid", "host", "samples", "age_s", "alive")
-        for column in lease_columns:
-            leases.add_column(column)
-        for lease in stats["lease_details"]:
-            leases.add_row(*(str(lease[c]) for c in lease_columns))
-        parts.append(leases)
+        columns = ("id", "label", "pid", "host", "samples", "age_s", "alive")
+        parts.append(_table("leases", columns, ([str(lease[c]) for c in columns]
+                                                for lease in stats["lease_details"])))
     if stats.get("jobs"):
-        table_trainers = Table(title="jobs (trainers reading this cache)", title_justify="left")
-        for column in ("pid", "host", "run", "rank", "epoch", "snapshot samples",
-                       "unread (protected)"):
-            table_trainers.add_column(column)
-        for trainer in stats["jobs"]:
-            table_trainers.add_row(str(trainer["pid"]), str(trainer["host"]),
-                                   str(trainer.get("run_dir") or trainer.get("label") or "-"),
-                                   str(trainer.get("rank", "-")),
-                                   "-" if trainer.get("epoch") is None else str(trainer["epoch"]),
-                                   f"{trainer['samples']:,}", f"{trainer['unread']:,}")
-        parts.append(table_trainers)
+        parts.append(_table(
+            "jobs (trainers reading this cache)",
+            ("pid", "host", "run", "rank", "epoch", "snapshot samples", "unread (protected)"),
+            ([str(trainer["pid"]), str(trainer["host"]),
+              str(trainer.get("run_dir") or trainer.get("label") or "-"),
+              str(trainer.get("rank", "-")),
+              "-" if trainer.get("epoch") is None else str(trainer["epoch"]),
+              f"{trainer['samples']:,}", f"{trainer['unread']:,}"] for trainer in stats["jobs"])))
     if stats.get("turnover"):
-        turnover = Table(title="turnover (epochs of epochcache run)", title_justify="left")
-        columns = [f for f in HISTORY if f.label]  # the epoch record's fields status shows
-        for f in columns:
-            turnover.add_column(f.label)
-        for row in stats["turnover"]:
-            turnover.add_row(*(status_cell(f, row) for f in columns))
-        parts.append(turnover)
+        figures = [f for f in HISTORY if f.label]  # the epoch record's fields status shows
+        parts.append(_table("turnover (epochs of epochcache run)", [f.label for f in figures],
+                            ([status_cell(f, row) for f in figures] for row in stats["turnover"])))
     coverage_table = _coverage_table(stats.get("coverage") or {})
     if coverage_table is not None:
         parts.append(coverage_table)
     if stats["recent_quarantine"]:
-        quarantine = Table(title="recent quarantine", title_justify="left")
-        quarantine.add_column("key")
-        quarantine.add_column("reason")
-        for row in stats["recent_quarantine"]:
-            quarantine.add_row(escape(str(row.get("key"))), escape(str(row.get("reason"))))
-        parts.append(quarantine)
+        parts.append(_table("recent quarantine", ("key", "reason"),
+                            ([escape(str(row.get("key"))), escape(str(row.get("reason")))]
+                             for row in stats["recent_quarantine"])))
     return Group(*parts)
 
 
-def _coverage_table(coverage: dict[str, Any]) -> RenderableType | None:
-    """What training has seen of each source (``cache.coverage()``), or None before any."""
+def _table(title: str, columns: Iterable[str], rows: Iterable[list[str]]) -> Table:
+    """A titled table of ``rows`` under ``columns``."""
     from rich.table import Table
 
+    table = Table(title=title, title_justify="left")
+    for column in columns:
+        table.add_column(column)
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
+def _coverage_table(coverage: dict[str, Any]) -> Table | None:
+    """What training has seen of each source (``cache.coverage()``), or None before any."""
     from .units import format_duration
 
     sources = coverage.get("sources") or []
     if not sources:
         return None
-    table = Table(title="coverage (distinct samples trained on, of those listed)",
-                  title_justify="left")
-    for column in ("source", "covered", "epochs per sample", "growth", "all seen in"):
-        table.add_column(column)
+    cells = []
     for row in sources:
         approx = "~" if row["estimated"] else ""
         covered = f"{row['covered']:,} / {approx}{row['samples']:,} ({row['fraction']:.1%})"
@@ -318,8 +313,10 @@ def _coverage_table(coverage: dict[str, Any]) -> RenderableType | None:
         shown = ", ".join(f"{label}: {count:,}" for label, count in histogram.items()
                           if count or label == "0")
         growth = f"{3600 * row['coverage_per_s']:,.0f}/h"
-        table.add_row(row["source"] or str(row["url"]), covered, shown, growth,
-                      format_duration(row["eta_s"]))
+        cells.append([row["source"] or str(row["url"]), covered, shown, growth,
+                      format_duration(row["eta_s"])])
+    table = _table("coverage (distinct samples trained on, of those listed)",
+                   ("source", "covered", "epochs per sample", "growth", "all seen in"), cells)
     if coverage.get("unattributed"):
         table.caption = (f"{coverage['unattributed']:,} trained samples had no recorded origin "
                          "(cached by an older version, or put through the Python API)")
