@@ -50,6 +50,7 @@ process alone (`Tallies.local`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -153,11 +154,8 @@ def start_workers(loader: Any, warm_up: WarmUp,
         return  # started before
     warm_up.active = True
     try:
-        if enter is None:
+        with enter() if enter is not None else contextlib.nullcontext():
             iter(loader)
-        else:
-            with enter():
-                iter(loader)
     finally:
         warm_up.active = False
 
