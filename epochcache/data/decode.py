@@ -282,14 +282,11 @@ def decode_sample(fn: DecodeFn, key: str, value: Value | memoryview) -> Any:
         return fn(key, value)
     except PickleNotAllowed as exc:
         raise PickleNotAllowed(f"sample {key!r}: {exc}; {_OPT_IN}", key=key) from exc
-    except MissingImageLibrary as exc:
+    except DecodeError as exc:  # a MissingImageLibrary stays one (no policy skips it)
         if exc.key:
             raise
-        raise MissingImageLibrary(f"sample {key!r}: {exc}", key=key) from exc
-    except DecodeError as exc:
-        if exc.key:
-            raise
-        raise DecodeError(f"sample {key!r}: {exc}", key=key) from exc
+        cls = MissingImageLibrary if isinstance(exc, MissingImageLibrary) else DecodeError
+        raise cls(f"sample {key!r}: {exc}", key=key) from exc
     except (ValueError, TypeError, EOFError, OSError, zlib.error, pickle.UnpicklingError,
             UnicodeDecodeError, RuntimeError, KeyError, IndexError) as exc:
         codec = "+".join(reversed(extensions(key, False))) or "custom"
