@@ -72,10 +72,7 @@ class RandomResizedCrop:
         self.mean, self.std = mean, std
 
     def __call__(self, image: Any) -> torch.Tensor:
-        if isinstance(image, np.ndarray):
-            height, width = image.shape[:2]
-        else:
-            height, width = image.shape[-2:]
+        height, width = image.shape[:2] if isinstance(image, np.ndarray) else image.shape[-2:]
         top, left, h, w = crop_box(height, width, self.scale, self.ratio)
         if isinstance(image, np.ndarray):
             crop = image[top : top + h, left : left + w]

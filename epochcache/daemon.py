@@ -160,14 +160,13 @@ class Daemon:
         """
         if self._popen is not None:
             raise RuntimeError(f"{self!r} was already started; stop() it, or make a new Daemon")
-        env = dict(os.environ)
-        env["PYTHONUNBUFFERED"] = "1"
         popen = subprocess.Popen(
             # -c, not -m: `python -m epochcache.daemon` would run this module a second time
             # (the package imports it first)
             [sys.executable, "-c",
              "from epochcache.daemon import serve; raise SystemExit(serve())"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
             # Its own process group: a Ctrl-C meant for the training loop (or a notebook's
             # interrupt) must not stop the daemon behind the training's back.
             start_new_session=True,

@@ -210,10 +210,6 @@ NUM_CLASSES = 10
 Mask = Callable[[np.ndarray, np.ndarray, Any], np.ndarray]
 
 
-def _polar(u: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    return np.hypot(u, v), np.arctan2(v, u)
-
-
 def _regular(sides: int, size: float) -> Mask:
     def mask(u: np.ndarray, v: np.ndarray, r: np.ndarray) -> np.ndarray:
         # Inside a regular polygon: the projection on every edge normal is below the apothem.
@@ -224,8 +220,7 @@ def _regular(sides: int, size: float) -> Mask:
 
 
 def _star(u: np.ndarray, v: np.ndarray, r: np.ndarray) -> np.ndarray:
-    d, theta = _polar(u, v)
-    return d < r * (0.6 + 0.4 * np.cos(5 * theta))  # type: ignore[no-any-return]
+    return np.hypot(u, v) < r * (0.6 + 0.4 * np.cos(5 * np.arctan2(v, u)))  # type: ignore[no-any-return]
 
 
 def _cross(u: np.ndarray, v: np.ndarray, r: np.ndarray) -> np.ndarray:

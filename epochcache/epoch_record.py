@@ -9,7 +9,7 @@ its value in the row (``epochcache/run/job.py``). Adding a figure is a `Field` a
 that measures it: in the run's loop (``run/job.py``), or, for a figure marked ``tally=True``,
 where the reader does the work (``data/reader.py``: ``self.tallies.add(name, count)``), in the
 training process or a DataLoader worker alike; the run adds an epoch's tallies to its row
-(`epochcache.data.tallies`). A row written before a figure existed shows "-" for it.
+(`epochcache.data.workers`). A row written before a figure existed shows "-" for it.
 
 A base module: the store layer (``status``) and the run layer both read it; it imports no
 layer and no torch.
@@ -36,10 +36,11 @@ class Field:
         gauge: the Prometheus gauge that serves the last finished epoch's value (None: none).
         history: the cache's history keeps it, and ``status`` shows it (its turnover table,
             under ``label``).
-        show: its words in the run's log line, from the row (None: not in the line).
+        show: its words in the run's log line, from the row (None: not in the line; the
+            coverage's close the line, `coverage_words`).
         label: its column in ``status``.
         tally: counted by the reader, in whichever process reads (DataLoader workers
-            included), and added to the epoch's row by the run (`epochcache.data.tallies`).
+            included), and added to the epoch's row by the run (`epochcache.data.workers`).
     """
 
     name: str
@@ -133,8 +134,7 @@ FIELDS: tuple[Field, ...] = (
           gauge="epochcache_train_epoch_writer_wait_ratio", history=True,
           label="writers waited",
           show=lambda row: f"writers waited {_percent(row['writer_wait_fraction'])}"),
-    Field("coverage", "how much of each source training has seen (see cache.coverage())",
-          show=lambda row: coverage_words(row.get("coverage"))),
+    Field("coverage", "how much of each source training has seen (see cache.coverage())"),
     Field("requests", "what the epoch cost each source: GETs, LISTs, bytes, throttled, ..."),
     Field("remote_requests", "requests the epoch sent the remote (GETs and LISTs)"),
     Field("remote_bytes", "bytes the epoch received from the remote (egress)"),
@@ -149,17 +149,12 @@ FIELDS: tuple[Field, ...] = (
     Field("time", "when the epoch ended (Unix time)", history=True),
 )
 
-_BY_NAME = {field.name: field for field in FIELDS}
 #: The fields the cache's history keeps (``status``'s turnover table).
 HISTORY: tuple[Field, ...] = tuple(field for field in FIELDS if field.history)
 #: The fields served as Prometheus gauges.
 GAUGES: tuple[Field, ...] = tuple(field for field in FIELDS if field.gauge)
 #: The names of the fields the reader counts (the columns of a `Tallies` block).
 TALLIES: tuple[str, ...] = tuple(field.name for field in FIELDS if field.tally)
-
-
-def field(name: str) -> Field:
-    return _BY_NAME[name]
 
 
 def history_row(row: Row) -> dict[str, Any]:
@@ -176,8 +171,8 @@ def is_epoch_row(row: Row) -> bool:
 
 def log_line(row: Row) -> str:
     """The run's log line for an epoch: ``epoch N: loss ..., ...; coverage ...``."""
-    words = [f.show(row) for f in FIELDS if f.show is not None and f.name != "coverage"]
-    return f"epoch {row['epoch']}: " + ", ".join(words) + "; " + field("coverage").show(row)  # type: ignore[misc]
+    words = [f.show(row) for f in FIELDS if f.show is not None]
+    return f"epoch {row['epoch']}: " + ", ".join(words) + "; " + coverage_words(row.get("coverage"))
 
 
 def epoch_history(row: Row) -> dict[str, Any]:

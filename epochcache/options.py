@@ -39,10 +39,6 @@ DEFAULT_STALL_S = 300.0
 #: ``stream()``): the one place this default is written.
 RESUME_GRACE_S = 1800.0
 
-ON_ERROR = ("raise", "skip")
-STALL_ACTIONS = ("raise", "warn")
-IMAGE_FORMS = ("numpy", "torch", "pil")
-RELEASE = ("progressive", "epoch")
 #: DataLoader arguments epochs() sets itself (the sampler is its own; shuffling is per epoch).
 RESERVED = ("dataset", "sampler", "batch_sampler", "shuffle", "generator")
 
@@ -87,12 +83,12 @@ class ReaderOptions:
     stall_file: str | None = None
 
     def __post_init__(self) -> None:
-        if self.on_error not in ON_ERROR:
+        if self.on_error not in ("raise", "skip"):
             raise ValueError(f"on_error: expected 'raise' or 'skip', got {self.on_error!r}")
-        if self.stall_action not in STALL_ACTIONS:
+        if self.stall_action not in ("raise", "warn"):
             raise ValueError(f"stall_action: expected 'raise' or 'warn', got "
                              f"{self.stall_action!r}")
-        if self.image not in IMAGE_FORMS:
+        if self.image not in ("numpy", "torch", "pil"):
             raise ValueError(f"image: expected 'numpy', 'torch' or 'pil', got {self.image!r}")
         if self.transform is not None and not callable(self.transform):
             raise TypeError(f"transform: expected a callable, got {self.transform!r}")
@@ -135,7 +131,7 @@ class EpochOptions:
                                                    or self.samples_per_epoch < 1):
             raise ValueError(f"samples_per_epoch: expected None or an int >= 1, "
                              f"got {self.samples_per_epoch!r}")
-        if self.release not in RELEASE:
+        if self.release not in ("progressive", "epoch"):
             raise ValueError(f"release: expected 'progressive' or 'epoch', got {self.release!r}")
 
     @property

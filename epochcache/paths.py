@@ -243,9 +243,7 @@ def first_missing(path: str | os.PathLike[str]) -> str | None:
 def _file_in_the_way(path: str) -> str | None:
     """``path`` or the parent of it that exists and is not a directory, if one is."""
     existing = _existing_ancestor(path)
-    if existing is not None and not os.path.isdir(existing):
-        return existing
-    return None
+    return existing if existing is not None and not os.path.isdir(existing) else None
 
 
 def not_writable(path: str | os.PathLike[str], what: str, exc: OSError) -> PathNotWritable:
@@ -331,9 +329,7 @@ def _path(cache_path: str, pid: int) -> str:
 
 def record_stall(cache_path: str, doc: dict[str, Any]) -> None:
     """Record this process's stall (``doc``); raises OSError when it cannot."""
-    path = _path(cache_path, os.getpid())
-    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-    with atomic_write(path) as f:
+    with atomic_write(_path(cache_path, os.getpid())) as f:  # makes stalls/ private
         f.write(json.dumps({**doc, **process_record()}).encode())
 
 

@@ -42,6 +42,12 @@ def _pyplot() -> Any:
 
     return plt
 
+
+def _say(ax: Axes, text: str) -> None:
+    """``text`` in the middle of an empty panel."""
+    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes)
+
+
 _GIB = 1024**3
 
 
@@ -85,8 +91,7 @@ def _fill_axes(
 ) -> None:
     if not history:
         for ax in (ax_fill, ax_rate):
-            ax.text(0.5, 0.5, "no stats history yet (the daemon appends it)", ha="center",
-                    va="center", transform=ax.transAxes)
+            _say(ax, "no stats history yet (the daemon appends it)")
         return
     t0 = history[0]["time"]
     unit_s, unit = _time_unit(history)
@@ -122,8 +127,7 @@ def _fill_axes(
         ax.legend(loc="best", fontsize=8)
     ax_rate.set_xlim(ax_fill.get_xlim())  # one time axis for both panels
     if not rate_times:
-        ax_rate.text(0.5, 0.5, "one stats row: no rate yet", ha="center", va="center",
-                     transform=ax_rate.transAxes)
+        _say(ax_rate, "one stats row: no rate yet")
 
 
 def _coverage_axes(ax: Axes, coverage: Sequence[dict[str, Any]],
@@ -133,8 +137,7 @@ def _coverage_axes(ax: Axes, coverage: Sequence[dict[str, Any]],
     ax.set_title("coverage: samples trained on at least once")
     ax.set_ylabel("% of the listed samples")
     if not coverage:
-        ax.text(0.5, 0.5, "no epoch recorded yet", ha="center", va="center",
-                transform=ax.transAxes)
+        _say(ax, "no epoch recorded yet")
         return
     t0 = history[0]["time"] if history else coverage[0]["time"]
     span_rows = list(history) or [{"time": row["time"]} for row in coverage]
@@ -225,8 +228,7 @@ def run_figure(metrics: Sequence[dict[str, Any]], history: Sequence[dict[str, An
     for axis in (axes[0][0], axes[0][1]):
         axis.set_xticks(epochs)
     if not metrics:
-        axes[0][0].text(0.5, 0.5, "no finished epoch", ha="center", va="center",
-                        transform=axes[0][0].transAxes)
+        _say(axes[0][0], "no finished epoch")
     ends = [(int(row["epoch"]), float(row["time"])) for row in metrics if "time" in row]
     if ends:
         # What the cache did after the last epoch (the run releasing its lease, the daemon
@@ -252,8 +254,7 @@ def run_figure(metrics: Sequence[dict[str, Any]], history: Sequence[dict[str, An
             ax.bar(labels, [histogram[label] for label in labels])
             ax.tick_params(axis="x", labelsize=8, labelrotation=45 if len(labels) > 6 else 0)
         else:
-            ax.text(0.5, 0.5, "no histogram yet", ha="center", va="center",
-                    transform=ax.transAxes)
+            _say(ax, "no histogram yet")
     if title:
         fig.suptitle(title)
     return fig

@@ -56,13 +56,8 @@ def redact_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
     ``config_kwargs``) and lists are redacted recursively, and credentials inside their strings
     (a URL's userinfo, a connection string's ``AccountKey=``) are masked by `scrub_urls`.
     """
-    result: dict[str, Any] = {}
-    for name, value in (options or {}).items():
-        if is_secret_key(str(name)) and _holds_value(value):
-            result[name] = REDACTED
-        else:
-            result[name] = _redact_value(value)
-    return result
+    return {name: REDACTED if is_secret_key(str(name)) and _holds_value(value)
+            else _redact_value(value) for name, value in (options or {}).items()}
 
 
 def _holds_value(value: Any) -> bool:

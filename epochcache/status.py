@@ -25,6 +25,7 @@ import os
 import re
 import socket
 import time
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import lmdb
@@ -47,6 +48,7 @@ from .units import format_size
 
 if TYPE_CHECKING:
     from rich.console import RenderableType
+    from rich.table import Table
 
     from .store.sample_store import SampleStore
 
@@ -92,12 +94,15 @@ def trainers(cache: SampleStore, leases: list[Lease] | None = None) -> list[dict
     leases = cache.leases() if leases is None else leases
     docs = cache.tables.states(TRAINER_PREFIX)
     out: dict[tuple[str, int], dict[str, Any]] = {}
+
+    def entry(host: str, pid: int, since: float) -> dict[str, Any]:
+        return out.setdefault((host, pid), {"pid": pid, "host": host, "leases": 0, "epochs": [],
+                                            "samples": 0, "unread": 0, "since": since})
+
     for lease in leases:
         if not lease.is_alive(now_ns, cache.lease_timeout_s, cache.path):
             continue
-        trainer = out.setdefault((lease.host, lease.pid), {
-            "pid": lease.pid, "host": lease.host, "leases": 0, "epochs": [], "samples": 0,
-            "unread": 0, "since": lease.created_ns / 1e9})
+        trainer = entry(lease.host, lease.pid, lease.created_ns / 1e9)
         trainer["leases"] += 1
         match = _EPOCH.search(lease.label)
         if match:
@@ -109,9 +114,7 @@ def trainers(cache: SampleStore, leases: list[Lease] | None = None) -> list[dict
         host, pid = str(doc.get("host")), int(doc.get("pid", -1))
         if host == socket.gethostname() and not recorded_alive(doc):
             continue
-        trainer = out.setdefault((host, pid), {"pid": pid, "host": host, "leases": 0, "epochs": [],
-                                           "samples": 0, "unread": 0,
-                                           "since": float(doc.get("started", time.time()))})
+        trainer = entry(host, pid, float(doc.get("started", time.time())))
         for name in ("run_dir", "rank", "epoch", "label"):
             if name in doc:
                 trainer[name] = doc[name]
@@ -136,24 +139,14 @@ def recent_epochs(cache: SampleStore, count: int = 5) -> list[dict[str, Any]]:
 def collect_stats(cache: SampleStore) -> dict[str, Any]:
     """Everything ``status`` shows, with URL credentials masked (state documents written by
     older versions may hold them)."""
-    return redact_tree(_collect(cache))  # type: ignore[no-any-return]
-
-
-def stats_with_coverage(cache: SampleStore) -> dict[str, Any]:
-    """`collect_stats` and the coverage report: what ``epochcache status`` and `Cache.stats`
-    show (the store's statistics do not reach up to what training saw)."""
-    return {**collect_stats(cache), "coverage": coverage(cache)}
-
-
-def _collect(cache: SampleStore) -> dict[str, Any]:
     counters = cache.counters()
     now = time.time()
     leases = cache.leases()
-    history = cache.history(limit=200)
     lowered = capacity_lowered(cache)
     capacity = cache.capacity.effective if lowered is None else min(
         cache.capacity.effective, int(lowered["limit"]))
-    return {
+    daemon = daemon_health(cache.tables.get_state("daemon"), now)
+    return redact_tree({  # type: ignore[no-any-return]
         "path": cache.path,
         "samples": counters.samples,
         "bytes": counters.bytes,
@@ -190,17 +183,23 @@ def _collect(cache: SampleStore) -> dict[str, Any]:
         ],
         # the trainers, under the older word: the key is kept for scripts that read `status --json`
         "jobs": trainers(cache, leases),
-        "ingest": ingest_rate(history),
-        "daemon": daemon_health(cache.tables.get_state("daemon"), now),
+        "ingest": ingest_rate(cache.history(limit=200)),
+        "daemon": daemon,
         # sources none of whose reads succeeded for a minute, or stopped by a refusal
-        "failing": failing_sources(daemon_health(cache.tables.get_state("daemon"), now), now),
+        "failing": failing_sources(daemon, now),
         "requests": request_totals(cache),
         "recent_quarantine": cache.quarantined(limit=5),
         "turnover": recent_epochs(cache),
         # trainers whose batch stalled, while they run (see epochcache.data.stall)
         "stalls": [{**doc, "for_s": round(now - float(doc.get("since", now)), 1)}
                    for doc in read_stalls(cache.path)],
-    }
+    })
+
+
+def stats_with_coverage(cache: SampleStore) -> dict[str, Any]:
+    """`collect_stats` and the coverage report: what ``epochcache status`` and `Cache.stats`
+    show (the store's statistics do not reach up to what training saw)."""
+    return {**collect_stats(cache), "coverage": coverage(cache)}
 
 
 def render(stats: dict[str, Any]) -> RenderableType:
@@ -259,58 +258,52 @@ def render(stats: dict[str, Any]) -> RenderableType:
             + (" (ending with StallError)" if stall.get("action") == "raise" else "")))
     parts: list[RenderableType] = [table]
     if stats["lease_details"]:
-        leases = Table(title="leases", title_justify="left")
-        for column in ("id", "label", "pid", "host", "samples", "age_s", "alive"):
-            leases.add_column(column)
-        for lease in stats["lease_details"]:
-            leases.add_row(*(str(lease[c]) for c in ("id", "label", "pid", "host", "samples", "age_s", "alive")))
-        parts.append(leases)
+        columns = ("id", "label", "pid", "host", "samples", "age_s", "alive")
+        parts.append(_table("leases", columns, ([str(lease[c]) for c in columns]
+                                                for lease in stats["lease_details"])))
     if stats.get("jobs"):
-        table_trainers = Table(title="jobs (trainers reading this cache)", title_justify="left")
-        for column in ("pid", "host", "run", "rank", "epoch", "snapshot samples",
-                       "unread (protected)"):
-            table_trainers.add_column(column)
-        for trainer in stats["jobs"]:
-            table_trainers.add_row(str(trainer["pid"]), str(trainer["host"]),
-                                   str(trainer.get("run_dir") or trainer.get("label") or "-"),
-                                   str(trainer.get("rank", "-")),
-                                   "-" if trainer.get("epoch") is None else str(trainer["epoch"]),
-                                   f"{trainer['samples']:,}", f"{trainer['unread']:,}")
-        parts.append(table_trainers)
+        parts.append(_table(
+            "jobs (trainers reading this cache)",
+            ("pid", "host", "run", "rank", "epoch", "snapshot samples", "unread (protected)"),
+            ([str(trainer["pid"]), str(trainer["host"]),
+              str(trainer.get("run_dir") or trainer.get("label") or "-"),
+              str(trainer.get("rank", "-")),
+              "-" if trainer.get("epoch") is None else str(trainer["epoch"]),
+              f"{trainer['samples']:,}", f"{trainer['unread']:,}"] for trainer in stats["jobs"])))
     if stats.get("turnover"):
-        turnover = Table(title="turnover (epochs of epochcache run)", title_justify="left")
-        columns = [f for f in HISTORY if f.label]  # the epoch record's fields status shows
-        for f in columns:
-            turnover.add_column(f.label)
-        for row in stats["turnover"]:
-            turnover.add_row(*(status_cell(f, row) for f in columns))
-        parts.append(turnover)
+        figures = [f for f in HISTORY if f.label]  # the epoch record's fields status shows
+        parts.append(_table("turnover (epochs of epochcache run)", [f.label for f in figures],
+                            ([status_cell(f, row) for f in figures] for row in stats["turnover"])))
     coverage_table = _coverage_table(stats.get("coverage") or {})
     if coverage_table is not None:
         parts.append(coverage_table)
     if stats["recent_quarantine"]:
-        quarantine = Table(title="recent quarantine", title_justify="left")
-        quarantine.add_column("key")
-        quarantine.add_column("reason")
-        for row in stats["recent_quarantine"]:
-            quarantine.add_row(escape(str(row.get("key"))), escape(str(row.get("reason"))))
-        parts.append(quarantine)
+        parts.append(_table("recent quarantine", ("key", "reason"),
+                            ([escape(str(row.get("key"))), escape(str(row.get("reason")))]
+                             for row in stats["recent_quarantine"])))
     return Group(*parts)
 
 
-def _coverage_table(coverage: dict[str, Any]) -> RenderableType | None:
-    """What training has seen of each source (``cache.coverage()``), or None before any."""
+def _table(title: str, columns: Iterable[str], rows: Iterable[list[str]]) -> Table:
+    """A titled table of ``rows`` under ``columns``."""
     from rich.table import Table
 
+    table = Table(title=title, title_justify="left")
+    for column in columns:
+        table.add_column(column)
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
+def _coverage_table(coverage: dict[str, Any]) -> Table | None:
+    """What training has seen of each source (``cache.coverage()``), or None before any."""
     from .units import format_duration
 
     sources = coverage.get("sources") or []
     if not sources:
         return None
-    table = Table(title="coverage (distinct samples trained on, of those listed)",
-                  title_justify="left")
-    for column in ("source", "covered", "epochs per sample", "growth", "all seen in"):
-        table.add_column(column)
+    cells = []
     for row in sources:
         approx = "~" if row["estimated"] else ""
         covered = f"{row['covered']:,} / {approx}{row['samples']:,} ({row['fraction']:.1%})"
@@ -320,8 +313,10 @@ def _coverage_table(coverage: dict[str, Any]) -> RenderableType | None:
         shown = ", ".join(f"{label}: {count:,}" for label, count in histogram.items()
                           if count or label == "0")
         growth = f"{3600 * row['coverage_per_s']:,.0f}/h"
-        table.add_row(row["source"] or str(row["url"]), covered, shown, growth,
-                      format_duration(row["eta_s"]))
+        cells.append([row["source"] or str(row["url"]), covered, shown, growth,
+                      format_duration(row["eta_s"])])
+    table = _table("coverage (distinct samples trained on, of those listed)",
+                   ("source", "covered", "epochs per sample", "growth", "all seen in"), cells)
     if coverage.get("unattributed"):
         table.caption = (f"{coverage['unattributed']:,} trained samples had no recorded origin "
                          "(cached by an older version, or put through the Python API)")

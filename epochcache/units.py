@@ -119,10 +119,8 @@ def format_duration(seconds: float | None) -> str:
     if seconds is None:
         return "unknown"
     seconds = max(0.0, float(seconds))
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= size:
-            major = int(seconds // size)
-            rest = seconds - major * size
-            sub = {"d": ("h", 3600), "h": ("m", 60), "m": ("s", 1)}[unit]
-            return f"{major}{unit} {int(rest // sub[1])}{sub[0]}"
+    units = (("d", 86400), ("h", 3600), ("m", 60), ("s", 1))
+    for (unit, size), (sub, sub_size) in zip(units, units[1:]):
+        if seconds >= size:  # the unit and the next one down
+            return f"{int(seconds // size)}{unit} {int(seconds % size // sub_size)}{sub}"
     return f"{seconds:.0f}s"

@@ -43,15 +43,12 @@ from pydantic import BaseModel, ValidationError
 
 from ..errors import ConfigError
 from ..redact import REDACTED, scrub, scrub_urls
-from .environment import found_secrets, get_path, interpolate, resolve_node
+from .environment import found_secrets, get_path, interpolate
 from .schema import (
     CacheConfig,
-    Config,
-    DaemonConfig,
     EpochcacheConfig,
     LoaderConfig,
     NamedSourceConfig,
-    SamplerConfig,
     SourceConfig,
     SourceEntry,
     TrainConfig,
@@ -59,18 +56,14 @@ from .schema import (
 
 __all__ = [
     "CacheConfig",
-    "Config",
-    "DaemonConfig",
     "EpochcacheConfig",
     "LoaderConfig",
     "NamedSourceConfig",
-    "SamplerConfig",
     "SourceConfig",
     "SourceEntry",
     "TrainConfig",
     "load_config",
     "parse_config",
-    "resolve_node",
 ]
 
 
@@ -97,9 +90,7 @@ def parse_config(
     except ValidationError as exc:
         hidden = set(secret_paths) | {"source.storage_options"}
         hidden |= {f"sources.{i}.storage_options" for i in range(len(entries))}
-        raise ConfigError(
-            describe_errors(exc, origin, hidden, secrets, EpochcacheConfig)
-        ) from None
+        raise ConfigError(describe_errors(exc, origin, hidden, secrets)) from None
     config.set_secrets(secret_paths, secrets, origin)
     return config
 
@@ -157,13 +148,8 @@ def _show(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def describe_errors(
-    exc: ValidationError,
-    origin: str,
-    hidden_paths: set[str],
-    secrets: set[str],
-    model: type[BaseModel],
-) -> str:
+def describe_errors(exc: ValidationError, origin: str, hidden_paths: set[str],
+                    secrets: set[str]) -> str:
     """One paragraph: every error as ``path: problem, got value (allowed)``; secrets masked."""
     problems: list[str] = []
     for error in exc.errors(include_url=False):
@@ -177,7 +163,7 @@ def describe_errors(
         hidden = any(path == p or path.startswith(p + ".") for p in hidden_paths)
         shown = REDACTED if hidden else _show(error.get("input"))
         if kind == "extra_forbidden":
-            allowed = _allowed_keys(model, loc)
+            allowed = _allowed_keys(EpochcacheConfig, loc)
             hint = f" (allowed: {', '.join(allowed)})" if allowed else ""
             problems.append(f"{path}: unknown key{hint}")
         elif kind == "missing":

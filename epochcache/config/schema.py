@@ -214,9 +214,7 @@ class SourceConfig(_Section):
     @property
     def effective_pattern(self) -> str:
         """The glob used for listing when no manifest or shard pattern is given."""
-        if self.pattern is not None:
-            return self.pattern
-        return LAYOUTS[self.layout].pattern
+        return self.pattern if self.pattern is not None else LAYOUTS[self.layout].pattern
 
     @model_validator(mode="after")
     def _check_combination(self) -> SourceConfig:
@@ -234,16 +232,11 @@ class SourceConfig(_Section):
                 )
         return self
 
-    def redacted_options(self) -> dict[str, Any]:
-        """``storage_options`` with credentials masked."""
-        options = redact_options(self.storage_options)
-        return redact_tree(options, self._secret_values)  # type: ignore[no-any-return]
-
     def __repr_args__(self) -> Iterator[tuple[str | None, Any]]:
         # pydantic's __repr__, __str__ and __rich_repr__ all go through here.
         for name, value in super().__repr_args__():
-            if name == "storage_options":
-                value = self.redacted_options()
+            if name == "storage_options":  # credentials masked by name, then by value
+                value = redact_options(self.storage_options)
             yield name, redact_tree(value, self._secret_values)
 
 
@@ -725,6 +718,3 @@ class EpochcacheConfig(_Section):
 
     def __repr_args__(self) -> Iterator[tuple[str | None, Any]]:
         yield from self.redacted().items()
-
-
-Config = EpochcacheConfig

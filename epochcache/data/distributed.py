@@ -42,7 +42,6 @@ log = logging.getLogger(__name__)
 _LEASE_ID_BYTES = 32  # a lease id is 32 hex digits
 
 
-
 class NodeSync:
     """Collectives for epochs() under torch.distributed; every rank must create it together.
 

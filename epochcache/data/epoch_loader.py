@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 
 from .schedule import EpochSchedule
 from .stall import WorkerCheck, process_state, with_time_limit
-from .tallies import Tallies
+from .workers import Tallies
 
 
 class EpochLoader:

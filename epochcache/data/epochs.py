@@ -85,8 +85,7 @@ from .schedule import (
 )
 from .stall import WorkerCheck, arm_stack_dump, get_watchdog
 from .states import NodeStates, check_resume, order_identity
-from .tallies import Tallies
-from .workers import start_method, start_workers
+from .workers import Tallies, start_method, start_workers
 
 if TYPE_CHECKING:
     from ..store import SampleStore
@@ -234,7 +233,7 @@ class _Epochs:
             # iteration (see _start_workers) and the epoch is a second iteration, which only
             # resets them. Without persistent_workers the loader is shut down after its epoch.
             kwargs["persistent_workers"] = True
-        # Each loader's reads count into a block of its own (see epochcache.data.tallies).
+        # Each loader's reads count into a block of its own (see epochcache.data.workers).
         # In process nothing else adds to it: a private table (sharing one cost ~0.5 ms an epoch).
         reader = self.reader.counting(Tallies(self.num_workers, shared=self.num_workers > 0))
         collate_fn = self.loader_options.collate_fn

@@ -61,15 +61,12 @@ def blob_fields(key: str) -> list[str]:
 
 
 def _find(names: Sequence[str], alternatives: tuple[str, ...]) -> str | None:
-    for name in alternatives:
-        if name in names:
-            return name
-    lowered = {name.lower(): name for name in names}
-    for name in alternatives:
-        found = lowered.get(name.lower())
-        if found is not None:
-            return found
-    return None
+    """The first alternative ``names`` holds, else the first it holds ignoring case."""
+    exact = next((name for name in alternatives if name in names), None)
+    if exact is not None:
+        return exact
+    lowered = {name.lower(): name for name in names}  # (only when no name matches exactly)
+    return next((lowered[n.lower()] for n in alternatives if n.lower() in lowered), None)
 
 
 def resolve(names: Sequence[str], selection: Selection, key: str) -> list[str]:

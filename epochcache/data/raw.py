@@ -108,7 +108,6 @@ fields_of = _FIELDS.unpack_from
 
 
 _H = HEADER.size
-_HEAD = "<xBH20xH"  # codec, flags, key length: the header fields a template pins
 ARRAY, INT, JSON, KEY, OTHER = range(5)
 #: Label digits kept per record (int64 holds 18 decimal digits safely).
 LABEL_WIDTH = 18
@@ -160,7 +159,7 @@ class FieldsTemplate:
     """
 
     def __init__(self, record: memoryview, selection: Selection | None) -> None:
-        codec, flags, key_len = struct.unpack_from(_HEAD, record)
+        codec, flags, key_len = fields_of(record)
         if codec != Codec.RAW or not flags & RecordFlags.FIELDS:
             raise Mismatch
         base = _H + key_len
@@ -241,7 +240,7 @@ class FieldsTemplate:
                 runs.append([lo, hi])
         items = sorted([(lo, hi, True) for lo, hi in runs]
                        + [(at, at + 8, False) for at in varying])
-        fmt, cursor, fixed = [_HEAD], _H, [0, 1, 2]
+        fmt, cursor, fixed = [_FIELDS.format], _H, [0, 1, 2]
         lengths: list[int] = []
         for lo, hi, is_pinned in items:
             fmt.append(f"{lo - cursor}x" if lo > cursor else "")

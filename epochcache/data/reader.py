@@ -19,7 +19,7 @@ batch to batch, which the trainer maps once (`epochcache.data.ring`).
 
 What the reader counts for a run's epoch (the figures marked ``tally=True`` in
 `epochcache.epoch_record`) it adds to ``self.tallies``, a block the training loop reads
-whichever process the reader runs in (`epochcache.data.tallies`).
+whichever process the reader runs in (`epochcache.data.workers`).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ from .decode import decode_sample, make_decoder
 from .fields import FieldSelector, parse_fields
 from .raw import FieldsBatch, FieldsTemplate, Mismatch, NpyTemplate, fields_of
 from .stall import Activity, watching
-from .tallies import Tallies
+from .workers import Tallies
 
 log = logging.getLogger(__name__)
 

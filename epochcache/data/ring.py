@@ -34,6 +34,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..paths import pid_alive
+
 #: A slot's data starts here (cache-line aligned); its byte 0 is its state.
 _DATA = 64
 _FREE, _USED = 0, 1
@@ -174,9 +176,7 @@ def take_slot(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None
 def hand_off(batch: Any) -> Any:
     """``batch`` as a DataLoader worker returns it: its tensors over ring slots (alone, or in a
     tuple or dict) wrapped to travel as the slot's name; anything else as it is."""
-    if _ring is None:
-        return batch
-    return _wrap(_ring, batch, {})
+    return batch if _ring is None else _wrap(_ring, batch, {})
 
 
 def _wrap(ring: _Ring, value: Any, seen: dict[int, Any]) -> Any:
@@ -235,19 +235,9 @@ def _unring(token: bytes, pid: int, index: int, storage: torch.UntypedStorage | 
     return torch.frombuffer(buffer, dtype=dtype).view(shape)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _forget_exited() -> None:
     for token, ring in list(_received.items()):
-        if not _alive(ring.pid):
+        if not pid_alive(ring.pid):
             del _received[token]  # batches still held keep their own segment mapped
 
 
@@ -262,7 +252,6 @@ def _after_fork_in_child() -> None:
     # inherited and drops never frees a slot: the batch is still its parent's.
     global _ring, _lock
     _ring, _lock = None, threading.Lock()
-    _received.clear()
     _received.clear()
 
 

@@ -57,8 +57,7 @@ from .collate import batch_buffers
 from .dataset import EpochDataset, snapshot_gone
 from .reader import SampleReader
 from .ring import hand_off
-from .tallies import Tallies
-from .workers import WarmUp
+from .workers import Tallies, WarmUp
 
 if TYPE_CHECKING:
     from ..options import EpochOptions

@@ -45,7 +45,6 @@ from .stall import arm_stack_dump
 from .states import STREAM_KIND as KIND
 from .states import STREAM_ORDER_KEYS as ORDER_KEYS
 from .states import merge, resume_split, worker_states
-from .tallies import Tallies
 from .tickets import (
     Reporting,
     Ticket,
@@ -58,6 +57,7 @@ from .tickets import (
     release_owner,
     unwatch,
 )
+from .workers import Tallies
 
 if TYPE_CHECKING:
     from ..store import SampleStore, Snapshot
@@ -109,15 +109,14 @@ class _Home:
     """
 
     def __init__(self, stream: CacheStream) -> None:
-        cache = stream.reader.cache
         self.stream_id = uuid.uuid4().hex[:12]
         self.pid = os.getpid()
         self.snapshot: Snapshot | None = None
         self.order: np.ndarray | None = None  # the prepared epoch's order on this rank
         self.sync: NodeSync | None = None
-        self.owner = hold_owner(cache)
-        self.finalizer: weakref.finalize[Any, Any] | None = weakref.finalize(
-            stream, _drop_quietly, cache, self.doc_name, self.pid)
+        self.owner = ""
+        self.finalizer: weakref.finalize[Any, Any] | None = None
+        self.new_finalizer(stream)
 
     @property
     def doc_name(self) -> str:
@@ -128,7 +127,7 @@ class _Home:
         return self.finalizer is not None and self.pid == os.getpid()
 
     def new_finalizer(self, stream: CacheStream) -> None:
-        """Hold the owner lock and the finalizer again (after a close)."""
+        """Hold the owner lock and the finalizer (again, after a close)."""
         cache = stream.reader.cache
         self.owner = hold_owner(cache)
         self.finalizer = weakref.finalize(stream, _drop_quietly, cache, self.doc_name, self.pid)
@@ -210,27 +209,20 @@ class CacheStream(IterableDataset[Any]):
         self._at: _Reading | None = None  # this reader's epoch, split and lane
         self._pos = 0  # samples of the lane yielded so far
         self._kept = ""  # the lease last kept for a resume
-        self._init_home()
+        self._home = _Home(self)  # this process is the stream's home
 
     # -- the main process ("home") ----------------------------------------------------------
-
-    def _init_home(self) -> None:
-        """Make this process the stream's home (see `_Home`)."""
-        self._home = _Home(self)
 
     @property
     def stream_id(self) -> str:
         """Names the stream's document in the cache and its leases (a new one per home)."""
         return self._home.stream_id
 
-    def _doc_name(self) -> str:
-        return self._home.doc_name
-
     def _adopt_home(self) -> None:
         # A copy unpickled outside a worker (a spawned DDP rank, a deep copy) becomes a stream
         # of its own: its own id, document and leases.
         if not self._home.here():
-            self._init_home()
+            self._home = _Home(self)
             self._prepared, self._consumed = None, False
 
     def tallies(self) -> dict[str, int]:
@@ -303,7 +295,7 @@ class CacheStream(IterableDataset[Any]):
             lo = int(seqs[0]) if len(seqs) else 0
             hi = int(seqs[-1]) + 1 if len(seqs) else 0
             ticket = Ticket(epoch, lo, hi, len(seqs), lease_id or None, uuid.uuid4().hex)
-            publish_ticket(cache, self._doc_name(), ticket, release=not distributed)
+            publish_ticket(cache, self._home.doc_name, ticket, release=not distributed)
         except BaseException:
             self._release_snapshot()
             raise
@@ -436,10 +428,7 @@ class CacheStream(IterableDataset[Any]):
             else:
                 finished = False
                 try:
-                    split, lane, start = resume_split(self._resumed_order(state), state, 1, 0)
-                    self._at = _Reading({k: state[k] for k in ORDER_KEYS}, split, 0)
-                    yield from self._samples(lane[start:], False, ticket, None, base=start,
-                                             resumed=True)
+                    yield from self._resumed_lane(state, ticket, 1, 0)
                     finished = True
                 finally:
                     if ticket.lease:
@@ -449,7 +438,7 @@ class CacheStream(IterableDataset[Any]):
         if prepared is None or self._consumed or self._epoch_given:
             epoch = self._next_epoch
             if not self._epoch_given:  # workers may have advanced past our count
-                recorded = last_epoch(self.reader.cache, self._doc_name())
+                recorded = last_epoch(self.reader.cache, self._home.doc_name)
                 if recorded is not None and recorded >= epoch:
                     epoch = recorded + 1
             prepared = self._prepare(epoch)
@@ -488,7 +477,7 @@ class CacheStream(IterableDataset[Any]):
         prepared = self._prepared if not self._consumed else None
         distributed = (prepared.distributed if prepared is not None
                        else detect_placement().distributed)
-        name = self._doc_name()
+        name = self._home.doc_name
         ticket = claim_ticket(cache, name, group, worker, progressive=self.progressive,
                             prepared=prepared.ticket if prepared is not None else None,
                             first_epoch=self._next_epoch, home_pid=self._home.pid,
@@ -534,7 +523,7 @@ class CacheStream(IterableDataset[Any]):
         worker, as a ticket's."""
         cache = self.reader.cache
         ticket = self._check_resumable(state)
-        name = self._doc_name()
+        name = self._home.doc_name
         if claim_ticket(cache, name, group, worker, prepared=None, first_epoch=ticket.epoch,
                        home_pid=self._home.pid, home_owner=self._home.owner, label="", take=False,
                        resumed=ticket) is None:
@@ -544,14 +533,19 @@ class CacheStream(IterableDataset[Any]):
             adopt_lease(cache, ticket.lease, owner=self._home.owner, pid=self._home.pid, whole=True)
         done = WorkerEnd(cache, name, group, workers)
         try:
-            split, lane, start = resume_split(self._resumed_order(state), state, workers,
-                                              worker)
+            samples = self._resumed_lane(state, ticket, workers, worker)
         except BaseException:
             done(False)
             raise
+        return Reporting(samples, done)
+
+    def _resumed_lane(self, state: dict[str, Any], ticket: Ticket, workers: int,
+                      worker: int) -> Iterator[Any]:
+        """What reader ``worker`` of ``workers`` reads of the resumed epoch of ``state``: the
+        rest of its lane (`resume_split`), samples evicted since skipped."""
+        split, lane, start = resume_split(self._resumed_order(state), state, workers, worker)
         self._at = _Reading({k: state[k] for k in ORDER_KEYS}, split, worker)
-        return Reporting(self._samples(lane[start:], False, ticket, None, base=start,
-                                        resumed=True), done)
+        return self._samples(lane[start:], False, ticket, None, base=start, resumed=True)
 
     def _samples(self, order: np.ndarray, equal_counts: bool, ticket: Ticket,
                  releaser: Releaser | None, *, base: int = 0,
@@ -632,8 +626,6 @@ class CacheStream(IterableDataset[Any]):
         if missing:
             log.warning("stream: %d samples of this rank's share could not be decoded and none "
                         "could replace them: this rank yields fewer samples", missing)
-
-    # -- pickling into workers and other processes ------------------------------------------
 
     # (Pickled, a stream keeps all but what only its home holds: see _Home.__getstate__.)
 

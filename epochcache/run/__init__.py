@@ -10,14 +10,8 @@ sources, the wait for ``train.min_samples`` (`startup`).
 from __future__ import annotations
 
 from .context import RunContext
-from .job import (
-    Run,
-    check_entrypoint,
-    ensure_demo_data,
-    resolve_entrypoint,
-    run_training,
-)
+from .job import Run, ensure_demo_data, run_training
 from .signals import Terminated
 
-__all__ = ["Run", "RunContext", "Terminated",
-           "check_entrypoint", "ensure_demo_data", "resolve_entrypoint", "run_training"]
+# RunContext and Terminated: trainers' type hints (docs/howto/runs.md), callers' except.
+__all__ = ["Run", "RunContext", "Terminated", "ensure_demo_data", "run_training"]

@@ -175,7 +175,6 @@ def resume_checkpoint(run_dir: Path, node_rank: int = 0) -> dict[str, Any] | Non
     return _load(data, f"rank 0's checkpoint {chosen['path']}")
 
 
-
 class Checkpoints(Protocol):
     """What saves a checkpoint: the run's `RunContext` (typed here by what is called, so that
     context, which holds a `MidEpoch`, and this module import each other in one direction)."""
@@ -277,10 +276,7 @@ def _gather(mine: dict[str, Any]) -> dict[str, Any]:
 
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine, group=bookkeeping_group())
-    merged: dict[str, Any] = {}
-    for part in everyone:
-        merged.update(part)
-    return merged
+    return {rank: state for part in everyone for rank, state in part.items()}
 
 
 def checkpointed_coverage(checkpoint: dict[str, Any] | None) -> tuple[int, set[str]]:

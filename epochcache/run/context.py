@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator, Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -109,10 +110,8 @@ class TimedLoader:
         return len(self.loader)
 
     def __iter__(self) -> Iterator[Any]:
-        if self.midepoch is None:
-            yield from self._batches()
-            return
-        with self.stop.deferring():  # a stop owes its checkpoint: a second Ctrl-C waits for it
+        # With mid-epoch checkpoints a stop owes one: a second Ctrl-C waits for it.
+        with self.stop.deferring() if self.midepoch is not None else nullcontext():
             yield from self._batches()
 
     def _batches(self) -> Iterator[Any]:

@@ -50,10 +50,6 @@ from .process_group import CPU, RunDevice
 from .signals import Interrupted, StopSignals, Terminated, quiet_worker, shelter_forkserver
 from .startup import check_run_sources
 
-# RunContext and Terminated are re-exported: trainers' type hints (docs/howto/runs.md), callers' except.
-__all__ = ["Run", "RunContext", "Terminated",
-           "check_entrypoint", "ensure_demo_data", "resolve_entrypoint", "run_training"]
-
 log = logging.getLogger(__name__)
 
 METRICS = "metrics.jsonl"
