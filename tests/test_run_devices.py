@@ -137,13 +137,13 @@ def _join_cuda_only(rank: int, port: int) -> None:
 def _bookkeeping(rank: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
-    from epochcache.data import distributed
+    from epochcache.placement import detect_placement
     from epochcache.run import process_group
     from epochcache.run.checkpoint import resume_checkpoint
 
     _join_cuda_only(rank, port)
     try:
-        process_group.init_run_distributed(distributed.detect_placement())
+        process_group.init_run_distributed(detect_placement())
         mean = process_group.mean_across_ranks({"loss": float(rank), "samples": 10 * rank,
                                                 "name": "mlp"})
         process_group.barrier()

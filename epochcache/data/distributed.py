@@ -33,9 +33,7 @@ import numpy as np
 import torch
 
 from ..errors import NodeLayoutError
-from ..placement import Placement, detect_placement, dist_initialized
-
-__all__ = ["NodeSync", "Placement", "detect_placement", "dist_initialized"]
+from ..placement import Placement
 
 log = logging.getLogger(__name__)
 

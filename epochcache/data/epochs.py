@@ -51,14 +51,10 @@ from ..options import (
     ReaderOptions,
     resolve_options,
 )
+from ..placement import Placement, detect_placement, dist_initialized
 from ..store.env import cache_identity
 from .dataset import EpochDataset
-from .distributed import (
-    NodeSync,
-    Placement,
-    detect_placement,
-    dist_initialized,
-)
+from .distributed import NodeSync
 from .epoch_loader import EpochLoader, check_workers, stop_workers
 from .reader import SampleReader
 from .resume import (

@@ -33,11 +33,12 @@ import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 
 from ..options import EPOCH_NAMES, EpochOptions, ReaderOptions, resolve_options
+from ..placement import detect_placement, dist_initialized
 from ..store.env import cache_identity
 from ..store.plumbing import adopt_lease, snapshot_seqs
 from ..store.reads import Releaser
 from .dataset import snapshot_gone
-from .distributed import NodeSync, detect_placement, dist_initialized
+from .distributed import NodeSync
 from .reader import SampleReader
 from .resume import lease_gone_reason
 from .schedule import Preparer, rank_order, write_release_part
