@@ -29,7 +29,7 @@ def test_every_config_loads(path: Path, monkeypatch: pytest.MonkeyPatch) -> None
     for name, value in ENV.items():
         monkeypatch.setenv(name, value)
     config = epochcache.load_config(str(path))  # the public API, reading the process environment
-    assert config.cache.capacity_bytes > 0
+    assert config.cache.capacity > 0
     assert config.train.entrypoint
     shown = config.redacted_yaml()
     assert ENV["AWS_SECRET_ACCESS_KEY"] not in shown and ENV["AWS_ACCESS_KEY_ID"] not in shown

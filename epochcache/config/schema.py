@@ -317,11 +317,6 @@ class CacheConfig(_Section):
     )
 
     @property
-    def capacity_bytes(self) -> int:
-        """Capacity in bytes."""
-        return self.capacity
-
-    @property
     def headroom_bytes(self) -> int:
         """Headroom in bytes: a fraction of capacity, or the size given."""
         return headroom_bytes(self.headroom, self.capacity)

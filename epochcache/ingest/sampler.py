@@ -182,7 +182,7 @@ class Sampler:
                                       # a commit fits a small cache beside what it holds: a
                                       # batch past capacity + headroom was cut with a warning
                                       # telling the user to "write smaller batches"
-                                      config.cache.capacity_bytes // 4))
+                                      config.cache.capacity // 4))
         per_s = config.sampler.max_requests_per_s
         self.request_budget = RequestBudget.in_cache(config.cache.dir, per_s) if per_s else None
         entries = [e for e in config.source_entries() if sources is None or e.name in sources]

@@ -200,7 +200,7 @@ class Supervisor:
         self._lock.acquire()
         try:
             self.cache = SampleStore(
-                cfg.dir, capacity=cfg.capacity_bytes, headroom=cfg.headroom_bytes,
+                cfg.dir, capacity=cfg.capacity, headroom=cfg.headroom_bytes,
                 compression=cfg.compression, level=cfg.level, sync=cfg.sync,
                 eviction=cfg.eviction,
             )

@@ -237,7 +237,7 @@ class Run:
             if checkpoint is None and self.is_main:
                 log.warning("--resume: no checkpoint in %s; starting at epoch 0", self.run_dir)
         cfg = self.config.cache
-        cache = SampleStore(cfg.dir, capacity=cfg.capacity_bytes, headroom=cfg.headroom_bytes,
+        cache = SampleStore(cfg.dir, capacity=cfg.capacity, headroom=cfg.headroom_bytes,
                             eviction=cfg.eviction)
         self._settle_coverage(cache, checkpoint)
         if start >= total:

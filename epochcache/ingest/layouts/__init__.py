@@ -178,7 +178,7 @@ def source_spec(config: SourceConfig) -> SourceSpec:
 def max_sample_bytes(config: EpochcacheConfig) -> int:
     """The largest sample samplers accept: ``loader.max_sample_bytes``, or the cache capacity
     when smaller (a larger sample could never be cached)."""
-    return min(config.loader.max_sample_bytes, config.cache.capacity_bytes)
+    return min(config.loader.max_sample_bytes, config.cache.capacity)
 
 
 #: Requests in flight of a source opened with ``concurrency: auto`` until a sampler's feed puts
