@@ -111,9 +111,14 @@ class Cache(SampleStore):
         manager); see [`EpochDataset`][epochcache.data.dataset.EpochDataset].
 
         Args:
-            epoch: the epoch the snapshot is taken for.
+            epoch: the epoch the snapshot is taken for (its lease's label).
             options: how samples are read ([`ReaderOptions`][epochcache.ReaderOptions]);
-                ``**reader`` (its attribute names) overrides it.
+                ``**reader`` (its attribute names: ``fields=("jpg;png", "cls")``,
+                ``image="torch"``, ``transform=...``) overrides it.
+
+        Raises:
+            ValueError: an invalid option (the message names it).
+            TypeError: a keyword that is no reader option.
         """
         from .data.dataset import EpochDataset
 

@@ -77,20 +77,9 @@ class EpochDataset(Dataset[Any]):
         options: ReaderOptions | None = None,
         **reader: Any,
     ) -> EpochDataset:
-        """Take a snapshot of ``cache`` under a lease (or adopt ``snapshot``) and wrap it.
-
-        Args:
-            cache: an [`epochcache.Cache`][epochcache.Cache] (or its store).
-            epoch: the epoch the snapshot is taken for (its lease's label).
-            snapshot: a snapshot taken already, to wrap instead of taking one.
-            options: how samples are read ([`ReaderOptions`][epochcache.ReaderOptions]);
-                ``**reader`` (its attribute names: ``fields=("jpg;png", "cls")``,
-                ``image="torch"``, ``transform=...``) overrides it.
-
-        Raises:
-            ValueError: an invalid option (the message names it).
-            TypeError: a keyword that is no reader option.
-        """
+        """Take a snapshot of ``cache`` (an [`epochcache.Cache`][epochcache.Cache] or its store)
+        under a lease, or adopt ``snapshot``, one taken already, and wrap it: the other
+        arguments and errors are [`Cache.dataset`][epochcache.Cache.dataset]'s."""
         opts = resolve_options("cache.dataset()", options, reader, epoch=False)[0]
         reader_ = SampleReader(cache.path, opts)
         reader_.bind(cache)
