@@ -35,6 +35,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from ..options import EPOCH_NAMES, EpochOptions, ReaderOptions, resolve_options
 from ..placement import detect_placement, dist_initialized
 from ..store.env import cache_identity
+from ..store.owners import begin_lease, end_lease
 from ..store.plumbing import adopt_lease, snapshot_seqs
 from ..store.reads import Releaser
 from .dataset import snapshot_gone
@@ -52,10 +53,8 @@ from .tickets import (
     WorkerEnd,
     claim_ticket,
     drop_tickets,
-    hold_owner,
     last_epoch,
     publish_ticket,
-    release_owner,
     unwatch,
 )
 from .workers import Tallies
@@ -130,7 +129,10 @@ class _Home:
     def new_finalizer(self, stream: CacheStream) -> None:
         """Hold the owner lock and the finalizer (again, after a close)."""
         cache = stream.reader.cache
-        self.owner = hold_owner(cache)
+        # This process's owner lock, for the stream's lifetime: the leases its workers take
+        # name it, so they live while this process does and are reclaimed when it dies
+        # (workers have owner locks of their own). The finalizer ends it.
+        self.owner = begin_lease(cache.path)
         self.finalizer = weakref.finalize(stream, _drop_quietly, cache, self.doc_name, self.pid)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -643,7 +645,7 @@ def _drop_quietly(cache: SampleStore, name: str, home_pid: int) -> None:
     except Exception:  # interpreter shutdown: a dead owner's lease is reclaimed anyway
         log.debug("could not drop stream document %s", name, exc_info=True)
     finally:
-        release_owner(cache)
+        end_lease(cache.path)
 
 
 def _refuse_distributed(epoch: int) -> None:

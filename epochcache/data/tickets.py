@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import lmdb
 
 from ..store.leases import Lease, delete_lease, note_end, write_lease
-from ..store.owners import begin_lease, end_lease, heartbeats
+from ..store.owners import end_lease, heartbeats
 from ..store.reads import record_reads, remove_plan
 from ..store.records import DB_LEASES, DB_STATE
 from ..store.sample_store import take_snapshot
@@ -130,7 +130,7 @@ def claim_ticket(cache: SampleStore, name: str, group: str, worker: int, *,
     too, or the ticket was released: then this is a new iteration); the ``prepared`` ticket,
     if no iteration claimed it yet; else, when ``take``, a new snapshot for the epoch after the
     last one recorded (or ``first_epoch``), leased in the name of ``home_pid`` and its owner
-    lock ``home_owner`` (see `hold_owner`). Returns None
+    lock ``home_owner`` (the stream's, `begin_lease`). Returns None
     when a new snapshot is needed but ``take`` is false (under DDP, where only the main
     process may agree on one). With ``resumed`` (the rest of an interrupted epoch, its lease
     adopted), the iteration reads that ticket and its last worker releases its lease; None
@@ -294,20 +294,9 @@ def _resumed_key(name: str) -> bytes:
     return f"{name}/resumed".encode()
 
 
-def hold_owner(cache: SampleStore) -> str:
-    """Take this process's owner lock on ``cache`` for a stream's lifetime (pair with
-    `release_owner`): the leases its workers take name it, so they live while this
-    process does and are reclaimed when it dies (workers have owner locks of their own)."""
-    return begin_lease(cache.path)
-
-
-def release_owner(cache: SampleStore) -> None:
-    end_lease(cache.path)
-
-
 def unwatch(cache: SampleStore, lease_id: str) -> None:
     """Stop heartbeating a snapshot whose lease a ticket now manages: its workers may release
     it, which the heartbeat would report as a reclaim. The stream's owner lock
-    (`hold_owner`) keeps the lease alive instead, so the snapshot's count is returned."""
+    (`CacheStream`'s) keeps the lease alive instead, so the snapshot's count is returned."""
     if heartbeats().remove(cache.path, lease_id):
         end_lease(cache.path)
