@@ -79,12 +79,13 @@ class Source:
 
     Args:
         spec: where the dataset is and how to read it.
-        concurrency: requests in flight at most (its `gate` may be replaced by one with an
-            ``auto`` concurrency, a request budget and shared counters: the sampler's feed
-            does).
+        concurrency: requests in flight at most (``sampler.concurrency``; its `gate` may be
+            replaced by one with an ``auto`` concurrency, a request budget and shared
+            counters: the sampler's feed does).
         checks: content checks to run (``size``, ``checksum``, ``format``); defaults to
             ``spec.checks``; ``()`` turns them off.
-        bandwidth_limit: bytes per second this source may read on average (this process only).
+        bandwidth_limit: bytes per second this source may read on average (this process
+            only; None: unlimited).
     """
 
     #: what one listed ref stands for: a single sample or a shard of samples
