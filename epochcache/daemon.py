@@ -17,10 +17,8 @@ because that is what survives both places people call it from:
   its parent gone within a second and stops in order (samplers commit what they fetched).
   Its log lines are relayed into this process's ``logging`` (logger ``epochcache.daemon``).
 
-Errors at start are raised by [`Daemon.start`][epochcache.Daemon.start] as ``epochcache daemon`` exits 2 on them:
-[`ConfigError`][epochcache.ConfigError], [`SourceUnavailable`][epochcache.SourceUnavailable] (the
-source and URL named), [`DaemonAlreadyRunning`][epochcache.DaemonAlreadyRunning] (the single-instance
-lock applies). Credentials go to the child through a pipe, never through a file or argv.
+[`Daemon.start`][epochcache.Daemon.start] raises the errors ``epochcache daemon`` exits 2 on.
+Credentials go to the child through a pipe, never through a file or argv.
 
 The child reads its config from stdin (JSON, `EpochcacheConfig.to_transfer`), then runs
 `run_daemon` as ``epochcache daemon`` does. One JSON line on its stdout tells the parent how the
@@ -153,8 +151,9 @@ class Daemon:
                 the daemon lives.
 
         Raises:
-            ConfigError, SourceUnavailable: as ``epochcache daemon`` exits 2 on them.
-            DaemonAlreadyRunning: another daemon fills this cache.
+            ConfigError, SourceUnavailable: as ``epochcache daemon`` exits 2 on them (the
+                field, or the source and its URL, named).
+            DaemonAlreadyRunning: another daemon fills this cache (the single-instance lock).
             EpochcacheError: the daemon process failed to start.
             RuntimeError: this daemon was already started.
         """

@@ -18,13 +18,12 @@ from epochcache.daemon import serve
 from epochcache.data.dataset import EpochDataset
 from epochcache.data.stream import CacheStream
 from epochcache.examples import train_epoch, train_image_classifier
-from epochcache.ingest.bodies import BodyReader
+from epochcache.ingest.bodies import RawReader
 from epochcache.ingest.committer import Committer
 from epochcache.ingest.concurrency import AutoConcurrency
 from epochcache.ingest.layouts.base import Source
 from epochcache.ingest.layouts.files import FilesSource
 from epochcache.ingest.layouts.parquet import ParquetSource, _Spans
-from epochcache.ingest.layouts.shards import _Tail
 from epochcache.ingest.layouts.tar import TarSource
 from epochcache.ingest.sampler import SamplerHealth
 from epochcache.ingest.types import SampleRef
@@ -37,10 +36,8 @@ from epochcache.store.records import RecordFlags, RecordInfo
 # Python calls these: a module's lazy attributes (PEP 562), an io.RawIOBase's methods
 # (io.BufferedReader and tarfile call readable/readinto), a logging record's message.
 _lazy_attributes
-BodyReader.readable
-BodyReader.readinto
-_Tail.readable
-_Tail.readinto
+RawReader.readable
+RawReader.readinto
 _Spans.seekable  # pyarrow asks the file object it reads a row group from
 LogRecord.msg  # redact.py: the redacting filter rewrites a record's message in place
 Table.caption  # status.py: rich prints it under the coverage table

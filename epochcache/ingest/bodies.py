@@ -234,7 +234,21 @@ def _status_416(exc: BaseException) -> bool:
     return False
 
 
-class BodyReader(io.RawIOBase):
+class RawReader(io.RawIOBase):
+    """A readable raw stream whose subclass gives `read`: `readinto` (what
+    ``io.BufferedReader`` and tarfile call) copies that read into the caller's buffer."""
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        data = self.read(len(view))
+        view[: len(data)] = data
+        return len(data)
+
+
+class BodyReader(RawReader):
     """An object's *body* (its bytes as the remote sends them) from ``offset``, read in a
     thread (tarfile's) while its requests run on fsspec's IO loop (see the module docstring).
 
@@ -273,9 +287,6 @@ class BodyReader(io.RawIOBase):
         self._buffer = b""
         self._at = 0
 
-    def readable(self) -> bool:
-        return True
-
     def read(self, size: int | None = -1) -> bytes:
         if self._at >= len(self._buffer):
             if self._ended:
@@ -288,12 +299,6 @@ class BodyReader(io.RawIOBase):
         data = self._buffer[self._at : end]
         self._at += len(data)
         return data
-
-    def readinto(self, buffer: Any) -> int:
-        view = memoryview(buffer).cast("B")
-        data = self.read(len(view))
-        view[: len(data)] = data
-        return len(data)
 
     def close(self) -> None:
         """Close the request still open (its body not read to the end: the archive ended

@@ -361,8 +361,7 @@ def retry(
     """
     if attempts < 1:
         raise ValueError(f"retry attempts: must be at least 1, got {attempts}")
-    start = time.monotonic()
-    delays = backoff_delays(attempts, base_s=base_s, max_s=max_s, rng=rng)
+    delays = backoff_delays(attempts, base_s=base_s, max_s=max_s, deadline_s=deadline_s, rng=rng)
     attempt = 0
     while True:
         attempt += 1
@@ -371,8 +370,7 @@ def retry(
                 return fn()
         except TRANSIENT_ERRORS as exc:
             delay = next(delays, None)
-            remaining = None if deadline_s is None else deadline_s - (time.monotonic() - start)
-            if delay is None or (remaining is not None and remaining <= delay):
+            if delay is None:
                 log.debug("%s: giving up after %d attempt(s): %s", url, attempt, exc)
                 raise
             log.info("%s: attempt %d failed (%s); retrying in %.2fs", url, attempt, exc, delay)

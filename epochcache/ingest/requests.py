@@ -41,6 +41,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
+import math
 import os
 import random
 import threading
@@ -66,12 +68,16 @@ def throttle_delay(attempt: int) -> float:
 
 
 def backoff_delays(
-    attempts: int, *, base_s: float = 0.2, max_s: float = 10.0, rng: random.Random | None = None
+    attempts: int, *, base_s: float = 0.2, max_s: float = 10.0,
+    deadline_s: float | None = None, rng: random.Random | None = None,
 ) -> Iterator[float]:
-    """Yield ``attempts - 1`` full-jitter delays: uniform(0, min(max_s, base_s * 2**i))."""
+    """The waits between ``attempts`` tries: ``attempts - 1`` full-jitter delays,
+    uniform(0, min(max_s, base_s * 2**i)), ending early at the first wait that would end
+    ``deadline_s`` seconds or more after this call (the tries give up then)."""
     rng = rng or random.Random()
-    for i in range(max(0, attempts - 1)):
-        yield rng.uniform(0.0, min(max_s, base_s * (2**i)))
+    end = math.inf if deadline_s is None else time.monotonic() + deadline_s
+    delays = (rng.uniform(0.0, min(max_s, base_s * (2**i))) for i in range(max(0, attempts - 1)))
+    return itertools.takewhile(lambda delay: time.monotonic() + delay < end, delays)
 
 
 # -------------------------------------------------------------------------------------------- gate

@@ -158,7 +158,8 @@ class Sampler:
     Args:
         config: the validated config.
         index: this sampler's index among ``sampler.processes``.
-        stop: the daemon's `StopFlag` (anything with ``is_set``/``wait``/``set``).
+        stop: the daemon's `StopFlag` (anything with ``is_set``/``wait``/``set``); set, the
+            sampler stops after committing what it has fetched.
         parent_pid: the daemon; if it disappears, the sampler stops too (no orphans).
         sources: names of the ``sources:`` entries to sample (default all; the daemon leaves
             out optional ones it could not reach).
@@ -606,11 +607,7 @@ def run_sampler(config_data: dict[str, Any], index: int, stop: Any,
 
     Args:
         config_data: the validated config, as ``EpochcacheConfig.to_transfer()``.
-        index: this sampler's index among ``sampler.processes``.
-        stop: the daemon's `StopFlag`; set, the sampler stops after committing what it
-            has fetched.
-        parent_pid: the daemon; if it disappears, the sampler stops too (no orphans).
-        sources: the ``sources:`` entries to sample (default all).
+        index, stop, parent_pid, sources: as `Sampler`'s.
         levels: the daemon's `log_levels` (default INFO, libraries' chatter at WARNING).
     """
     if parent_pid is not None:

@@ -141,6 +141,8 @@ FetchResult = tuple[SampleRef, Payload | SourceError | Streamed]
 #: Called with each piece of a shard, in the fetching thread: ``on_piece(piece)``, a
 #: `Piece`. It may block (the sampler waits there for room in its in-flight budget).
 OnPiece = Callable[["Piece"], None]
+#: What a streaming layout's fetch hands over at a time, when the caller does not say.
+PIECE_BYTES = 32 * 1024 * 1024
 
 
 @dataclass(frozen=True)

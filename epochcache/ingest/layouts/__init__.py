@@ -87,13 +87,8 @@ def open_source(
     checks: Sequence[str] | None = None,
     bandwidth_limit: float | None = None,
 ) -> Source:
-    """The `Source` for ``spec.layout`` (nothing is listed or fetched yet).
-
-    Args:
-        spec: where the dataset is and how to read it.
-        concurrency: requests in flight per ``fetch_many`` call (``sampler.concurrency``).
-        checks: content checks; defaults to ``spec.checks``, ``()`` disables them.
-        bandwidth_limit: average bytes/s for this process's reads (None: unlimited).
+    """The `Source` for ``spec.layout``, made with these arguments (see `Source`); nothing
+    is listed or fetched yet.
 
     Raises:
         SourceUnavailable: the URL's protocol cannot be opened.

@@ -79,12 +79,13 @@ class Source:
 
     Args:
         spec: where the dataset is and how to read it.
-        concurrency: requests in flight at most (its `gate` may be replaced by one with an
-            ``auto`` concurrency, a request budget and shared counters: the sampler's feed
-            does).
+        concurrency: requests in flight at most (``sampler.concurrency``; its `gate` may be
+            replaced by one with an ``auto`` concurrency, a request budget and shared
+            counters: the sampler's feed does).
         checks: content checks to run (``size``, ``checksum``, ``format``); defaults to
             ``spec.checks``; ``()`` turns them off.
-        bandwidth_limit: bytes per second this source may read on average (this process only).
+        bandwidth_limit: bytes per second this source may read on average (this process
+            only; None: unlimited).
     """
 
     #: what one listed ref stands for: a single sample or a shard of samples
@@ -493,7 +494,6 @@ class Source:
         deadline_s: float | None = None,
         base_s: float = 0.2,
         max_s: float = 10.0,
-        sleep: Callable[[float], None] = time.sleep,
         on_piece: Any = None,
         piece_bytes: int = 0,
     ) -> list[FetchResult]:
@@ -507,10 +507,9 @@ class Source:
         skips what it has).
         """
         attempts = self.spec.retries if attempts is None else attempts
-        start = time.monotonic()
         groups: list[list[FetchResult]] = [[] for _ in refs]
         pending = list(range(len(refs)))
-        delays = backoff_delays(attempts, base_s=base_s, max_s=max_s)
+        delays = backoff_delays(attempts, base_s=base_s, max_s=max_s, deadline_s=deadline_s)
         while pending:
             fetched = self.fetch_grouped([refs[i] for i in pending], on_piece, piece_bytes)
             retry_next: list[int] = []
@@ -527,14 +526,13 @@ class Source:
             if not pending:
                 break
             delay = next(delays, None)
-            elapsed = time.monotonic() - start
-            if delay is None or (deadline_s is not None and elapsed + delay >= deadline_s):
+            if delay is None:
                 break
             log.info(
                 "%s: %d transient failures; retrying in %.2fs", self.url, len(pending), delay
             )
             self.gate.stats.add(retries=len(pending))
-            sleep(delay)
+            time.sleep(delay)
         return [result for group in groups for result in group]
 
     def _throttle(self, num_bytes: int) -> None:

@@ -32,7 +32,8 @@ from typing import Any
 from ...errors import CorruptSample, SourceError
 from ...limits import cut_text
 from ...units import format_size
-from ..types import STREAMED, FetchResult, OnPiece, Piece, SampleRef
+from ..bodies import RawReader
+from ..types import PIECE_BYTES, STREAMED, FetchResult, OnPiece, Piece, SampleRef
 from .base import Source
 
 log = logging.getLogger(__name__)
@@ -44,11 +45,9 @@ MAGIC = b"PAR1"
 #: chunks (kilobytes to a few MiB for wide tables of many row groups); a larger length is a
 #: damaged or hostile file, not read.
 MAX_FOOTER_BYTES = 64 * 1024 * 1024
-#: What a fetch hands over at a time, when the caller does not say.
-PIECE_BYTES = 32 * 1024 * 1024
 
 
-class _Spans(io.RawIOBase):
+class _Spans(RawReader):
     """A read-only file of ``size`` bytes that holds only the byte spans fetched: what pyarrow
     decodes a row group from (a read outside them is an error: nothing else is fetched)."""
 
@@ -63,9 +62,6 @@ class _Spans(io.RawIOBase):
 
     def drop(self, start: int) -> None:
         self._spans.pop(start, None)
-
-    def readable(self) -> bool:
-        return True
 
     def seekable(self) -> bool:
         return True
@@ -93,11 +89,6 @@ class _Spans(io.RawIOBase):
                 return view
         raise OSError(f"bytes {self._at:,}-{self._at + want:,} were not fetched (the footer "
                       "names pages outside its row group's column chunks)")
-
-    def readinto(self, buffer: Any) -> int:
-        data = self.read(len(memoryview(buffer)))
-        memoryview(buffer).cast("B")[: len(data)] = data
-        return len(data)
 
 
 def _text(value: Any) -> bytes:

@@ -28,6 +28,7 @@ from typing import Any, Protocol
 from ...errors import CorruptSample
 from ...limits import DEFAULT_MAX_SAMPLE_BYTES
 from ...units import format_size
+from ..bodies import RawReader
 from ..types import Payload, SampleRef
 from .check import check_format
 
@@ -67,12 +68,12 @@ class ReadFailed(Exception):
 
 
 class Readable(Protocol):
-    """What a shard is read from: a file object of the remote, or a `_Tail` around one."""
+    """What a shard is read from: a file object of the remote, or a `Tail` around one."""
 
     def read(self, size: int = -1, /) -> bytes: ...
 
 
-class _Tail(io.RawIOBase):
+class Tail(RawReader):
     """The shard's stream as tarfile reads it: counts the bytes, feeds ``on_bytes`` (a
     digest, a bandwidth limit), remembers what tarfile may have read past a header (its last
     reads, `_READ_BYTES` and two blocks), and turns a failed read into
@@ -84,9 +85,6 @@ class _Tail(io.RawIOBase):
         self.count = 0
         self._recent: collections.deque[tuple[int, bytes]] = collections.deque()  # (at, bytes)
         self._recent_bytes = 0
-
-    def readable(self) -> bool:
-        return True
 
     def read(self, size: int = -1) -> bytes:
         try:
@@ -102,11 +100,6 @@ class _Tail(io.RawIOBase):
                 self._recent_bytes -= len(self._recent.popleft()[1])
             self.count += len(data)
         return data
-
-    def readinto(self, buffer: Any) -> int:
-        data = self.read(len(memoryview(buffer)))
-        memoryview(buffer).cast("B")[: len(data)] = data
-        return len(data)
 
     def zeros_at(self, offset: int, size: int) -> bool:
         """Whether the ``size`` bytes at ``offset`` were read and are all zero (tarfile takes a
@@ -193,24 +186,22 @@ def _members(archive: tarfile.TarFile) -> Iterator[tuple[tarfile.TarInfo, str, s
 
 def iter_shard_ends(
     shard_key: str, data: bytes | Readable, *, check_formats: bool = True, url: str = "",
-    max_bytes: int = DEFAULT_MAX_SAMPLE_BYTES, tail: _Tail | None = None,
+    max_bytes: int = DEFAULT_MAX_SAMPLE_BYTES,
 ) -> Iterator[tuple[SampleRef, Payload | CorruptSample, int | None]]:
     """Yield ``(ref, fields or CorruptSample, end)`` for every sample of a tar shard, reading it
-    as a stream (``data``: its bytes, or a file object read in order, never sought). ``end`` is
+    as a stream (``data``: its bytes, or a file object read in order, never sought, or a `Tail`
+    around one, to read its count afterwards). ``end`` is
     where the rest of the shard starts after the sample: the offset in the stream of the next
     sample's first header (a read resumed there goes on with the next sample), or None for the
     last sample and for damage.
 
     A member larger than ``max_bytes`` is not read: its sample becomes a CorruptSample.
 
-    Args:
-        tail: ``data`` already wrapped (by `open_tail`), to read its count afterwards.
-
     Raises:
         ReadFailed: the stream failed (not the shard): fetch it again.
     """
-    if tail is None:
-        tail = open_tail(io.BytesIO(data) if isinstance(data, (bytes, bytearray)) else data)
+    tail = data if isinstance(data, Tail) else Tail(
+        io.BytesIO(data) if isinstance(data, (bytes, bytearray)) else data)
     try:
         # Not a `with`: the generator yields between open and close; `finally` below closes it.
         archive = tarfile.open(fileobj=tail, mode="r|", bufsize=_READ_BYTES,  # noqa: SIM115
@@ -265,11 +256,6 @@ def iter_shard_ends(
         sample.fail(reason)
     if sample is not None:
         yield (*sample.result(check_formats, url, max_bytes), None)
-
-
-def open_tail(raw: Readable, on_bytes: Callable[[bytes], None] | None = None) -> _Tail:
-    """``raw`` wrapped for `iter_shard_ends` (see `_Tail`)."""
-    return _Tail(raw, on_bytes)
 
 
 def sample_bytes(ref: SampleRef, payload: Any) -> int:

@@ -44,15 +44,13 @@ from ..localfiles import OPEN_FLAGS
 from ..manifest import expand_braces
 from ..remote import call, outcome_of, reached_remote, retry, translate_error, translate_errors
 from ..s3 import obstore_refuses_key
-from ..types import STREAMED, FetchResult, OnPiece, Piece, SampleRef
+from ..types import PIECE_BYTES, STREAMED, FetchResult, OnPiece, Piece, SampleRef
 from .base import Source
 from .check import StreamDigest
-from .shards import ReadFailed, iter_shard_ends, open_tail, sample_bytes
+from .shards import ReadFailed, Tail, iter_shard_ends, sample_bytes
 
 log = logging.getLogger(__name__)
 
-#: What a fetch hands over at a time, when the caller does not say.
-PIECE_BYTES = 32 * 1024 * 1024
 #: Shards whose read failed after handing pieces over, kept to resume them (the oldest go first).
 MAX_RESUMES = 1024
 
@@ -295,7 +293,7 @@ class TarSource(Source):
                 digest.update(data)
             self._throttle(len(data))
 
-        tail = open_tail(raw, on_bytes)
+        tail = Tail(raw, on_bytes)
         stand_in = SampleRef(ref.key, shard=ref.key)  # one for all: no key or names kept
         # stand-ins of the samples on_piece has (those of an earlier read first)
         handed: list[FetchResult] = [(stand_in, STREAMED)] * (resume.handed if resume else 0)
@@ -308,7 +306,7 @@ class TarSource(Source):
             with raw:
                 for sample_ref, payload, end in iter_shard_ends(
                         ref.key, tail, check_formats="format" in self.checks, url=url,
-                        max_bytes=self.max_sample_bytes, tail=tail):
+                        max_bytes=self.max_sample_bytes):
                     if isinstance(payload, CorruptSample):
                         log.warning("%s: corrupt sample: %s", url, cut_text(str(payload)))
                     elif not wants(sample_ref.key):
