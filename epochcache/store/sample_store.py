@@ -213,7 +213,7 @@ class SampleStore:
     @property
     def effective_capacity(self) -> int:
         """The capacity in force: lower than `capacity_bytes` while a full disk (or LMDB map)
-        holds this process or another live writer back (see `plumbing.capacity_lowered`)."""
+        holds this process or another live writer back (see `Capacity.lowered`)."""
         lowered = self.capacity.lowered()
         own = self.capacity.effective
         return own if lowered is None else min(own, int(lowered["limit"]))
@@ -352,7 +352,7 @@ class SampleStore:
         The snapshot's samples stay readable, unchanged, until it is released, however much
         is written meanwhile (invariant 1). With ``plan_parts`` (the loaders' own), its
         readers will release what they have read before that, progressively, through a plan
-        of that many parts (`plumbing.write_plan_part`; until every part is written the whole
+        of that many parts (`reads.write_part`; until every part is written the whole
         snapshot is protected).
         """
         name = label or (f"epoch {epoch}" if epoch is not None else "snapshot")

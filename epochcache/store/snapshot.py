@@ -75,11 +75,6 @@ class Leases(Protocol):
                       reason: str = "") -> bool: ...
 
 
-def heartbeat_lease(cache: Leases, lease_id: str) -> None:
-    """Refresh one lease's heartbeat (see `heartbeat_leases`)."""
-    heartbeat_leases(cache, [lease_id])
-
-
 def heartbeat_leases(cache: Leases, lease_ids: list[str]) -> None:
     """Refresh the heartbeat of these leases (one transaction); a lease that is no longer
     there was reclaimed: logged, and left to its snapshot's readers to report."""
@@ -146,7 +141,7 @@ class Snapshot:
         """Refresh the lease's heartbeat now (a thread of this process already does it while
         the snapshot is open; see `epochcache.store.owners`)."""
         self.check_open()
-        heartbeat_lease(self.cache, self.lease_id)
+        heartbeat_leases(self.cache, [self.lease_id])
 
     def release(self, *, finished: bool = True) -> None:
         """Release the lease: its samples may be evicted from now on. Idempotent.
