@@ -19,10 +19,10 @@ import lmdb
 import numpy as np
 
 from .leases import Lease, adopt, end_reason, write_lease
-from .owners import begin_lease, end_lease, heartbeats, sweep_dead_owners
+from .owners import sweep_dead_owners
 from .reads import read_seqs, sweep_plans
 from .records import DB_KEYS, DB_LEASES, DB_META, DB_SAMPLES, DB_STATE, seq_key
-from .snapshot import heartbeat_leases
+from .snapshot import hold_lease
 from .tables import SourceCounters, register_sources_in
 
 if TYPE_CHECKING:
@@ -116,13 +116,9 @@ def adopt_lease(store: SampleStore, lease_id: str, *, owner: str | None = None, 
         whole: protect its whole range from now on, not only its unread samples (a resumed
             epoch whose readers are not those its plan was written for).
     """
-    mine = owner is None
-    if mine:
-        owner = begin_lease(store.path)
-    assert owner is not None
     db = store.env.dbs[DB_LEASES]
 
-    def run(txn: lmdb.Transaction) -> Lease | None:
+    def run(txn: lmdb.Transaction, owner: str) -> Lease | None:
         raw = txn.get(lease_id.encode(), db=db)
         if raw is None:
             return None
@@ -132,18 +128,9 @@ def adopt_lease(store: SampleStore, lease_id: str, *, owner: str | None = None, 
         write_lease(txn, db, lease)
         return lease
 
-    try:
-        lease = store.env.write(run)
-    except BaseException:
-        if mine:
-            end_lease(store.path)
-        raise
-    if mine:
-        if lease is None:
-            end_lease(store.path)
-            return None
-        heartbeats().add(store.path, lease_id, functools.partial(heartbeat_leases, store), store.lease_timeout_s / 4)
-    return lease
+    if owner is not None:
+        return store.env.write(functools.partial(run, owner=owner))
+    return hold_lease(store, run, lambda lease: None if lease is None else lease.lease_id)
 
 
 def reclaim_leases(store: SampleStore) -> list[Lease]:

@@ -12,7 +12,6 @@ this layer never imports torch; what the layers call on a store besides is in `p
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import threading
@@ -37,7 +36,7 @@ from .leases import (
     write_lease,
 )
 from .origins import Origin
-from .owners import begin_lease, end_lease, heartbeats
+from .owners import end_lease, heartbeats
 from .reads import record_reads, remove_plan, remove_reads, write_seqs
 from .records import (
     DB_KEYS,
@@ -52,7 +51,7 @@ from .records import (
     seq_keys,
     unpack_u64,
 )
-from .snapshot import Snapshot, heartbeat_leases, select_snapshot
+from .snapshot import Snapshot, hold_lease, select_snapshot
 from .tables import Counters, SideTables
 from .writer import OnReject, PutResult, Writer
 
@@ -357,21 +356,12 @@ class SampleStore:
         """
         name = label or (f"epoch {epoch}" if epoch is not None else "snapshot")
         limit = self.effective_capacity  # outside the write transaction: it may read the cache
-        owner = begin_lease(self.path)  # locked by this process while it holds leases here
-        def run(txn: lmdb.Transaction) -> tuple[np.ndarray, str]:
+
+        def run(txn: lmdb.Transaction, owner: str) -> tuple[np.ndarray, str]:
             return take_snapshot(self, txn, name, limit, owner=owner, plan_parts=plan_parts)
 
-        try:
-            seqs, lease_id = self.env.write(run)
-        except BaseException:
-            end_lease(self.path)
-            raise
-        snap = Snapshot(self, seqs, lease_id, epoch)
-        # Refreshed while the snapshot is open: where the owner lock cannot serve, the
-        # heartbeat is what keeps the lease (see epochcache.store.owners).
-        heartbeats().add(self.path, lease_id, functools.partial(heartbeat_leases, self),
-                         self.lease_timeout_s / 4)
-        return snap
+        seqs, lease_id = hold_lease(self, run, lambda taken: taken[1])
+        return Snapshot(self, seqs, lease_id, epoch)
 
     def leases(self) -> list[Lease]:
         """The leases held now: each snapshot's range, owner and heartbeat."""
