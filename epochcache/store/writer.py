@@ -26,9 +26,10 @@ from ..units import format_size
 from . import records
 from .capacity import Capacity
 from .env import Env
-from .eviction import DEFAULT_POLICY, Eviction, Reads, policy_of
+from .eviction import DEFAULT_POLICY, Eviction, policy_of
 from .leases import Lease, read_leases, reclaim_dead
 from .origins import Origin, write_row
+from .reads import Reads
 from .records import (
     DB_KEYS,
     DB_LEASES,
