@@ -262,8 +262,8 @@ class SampleStore:
                                     stop=stop, on_reject=on_reject, origins=origins)
 
     def evict(self, limit_bytes: int | None = None) -> Eviction:
-        """Evict the oldest samples no lease protects until at most ``limit_bytes`` (default:
-        the capacity) remain."""
+        """Evict the samples no lease protects that the cache's policy takes first (the oldest,
+        by default) until at most ``limit_bytes`` (default: the capacity) remain."""
         return self.writer.evict(limit_bytes)
 
     # -- reading ----------------------------------------------------------------------------
@@ -468,7 +468,6 @@ class SampleStore:
     def __setstate__(self, state: dict[str, Any]) -> None:
         settings = dict(state)
         self.__init__(settings.pop("path"), **settings)  # type: ignore[misc]
-
 
 
 def take_snapshot(store: SampleStore, txn: lmdb.Transaction, label: str, limit: int, *,

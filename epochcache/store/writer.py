@@ -401,7 +401,7 @@ class Writer:
             log.info("%s", self._full_message(blocker))
 
     def evict(self, limit_bytes: int | None = None) -> Eviction:
-        """Evict oldest unleased samples until at most ``limit_bytes`` (default capacity) remain."""
+        """See `SampleStore.evict`; the default limit is this process's `Capacity.effective`."""
         limit = self.capacity.effective if limit_bytes is None else limit_bytes
         dbs = self.env.dbs
 
