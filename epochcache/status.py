@@ -43,7 +43,7 @@ from .ingest.health import (
 from .paths import process_record, read_stalls, recorded_alive
 from .redact import redact_tree
 from .store.leases import Lease, unread
-from .store.plumbing import capacity_lowered, source_stats
+from .store.plumbing import source_stats
 from .units import format_size
 
 if TYPE_CHECKING:
@@ -142,7 +142,7 @@ def collect_stats(cache: SampleStore) -> dict[str, Any]:
     counters = cache.counters()
     now = time.time()
     leases = cache.leases()
-    lowered = capacity_lowered(cache)
+    lowered = cache.capacity.lowered()
     capacity = cache.capacity.effective if lowered is None else min(
         cache.capacity.effective, int(lowered["limit"]))
     daemon = daemon_health(cache.tables.get_state("daemon"), now)

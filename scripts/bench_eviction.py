@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from epochcache.store.plumbing import write_plan_part
+from epochcache.store.reads import write_part
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -47,7 +47,7 @@ def run(policy: str, samples: int, commits: int) -> dict[str, float]:
     snap = store.snapshot(plan_parts=1)
     seqs = np.asarray(snap.seqs)
     lanes = [seqs[i::4] for i in range(4)]
-    write_plan_part(store, snap.lease_id, 0, lanes)
+    write_part(store.path, snap.lease_id, 0, lanes)
     read = np.unique(np.concatenate([lane[: len(lane) // 2] for lane in lanes]))
     for i, lane in enumerate(lanes):
         Releaser(cache.path, snap.lease_id, 0, i).release(len(lane) // 2)

@@ -42,7 +42,7 @@ import numpy as np
 import epochcache as ec
 from epochcache.demo import write_demo_data
 from epochcache.store.env import map_bound
-from epochcache.store.plumbing import write_plan_part
+from epochcache.store.reads import write_part
 
 SAMPLE_BYTES = 16 * 1024
 
@@ -146,7 +146,7 @@ def commit_latency(root: Path, n: int) -> dict[str, float]:
         if case != "no lease":
             snap = cache.snapshot(plan_parts=1)
             order = np.random.default_rng(0).permutation(snap.seqs)
-            write_plan_part(cache, snap.lease_id, 0, [order])
+            write_part(cache.path, snap.lease_id, 0, [order])
             from epochcache.store.reads import Releaser
 
             Releaser(cache.path, snap.lease_id, 0, 0).release(n // 2)
@@ -183,7 +183,7 @@ def snapshot_time(root: Path, n: int) -> dict[str, float]:
     # Progressive release leaves gaps: release every other sample of a plan lease and evict.
     snap = cache.snapshot(plan_parts=1)
     half = snap.seqs[::2]
-    write_plan_part(cache, snap.lease_id, 0, [np.concatenate([half, snap.seqs[1::2]])])
+    write_part(cache.path, snap.lease_id, 0, [np.concatenate([half, snap.seqs[1::2]])])
     from epochcache.store.reads import Releaser
 
     Releaser(cache.path, snap.lease_id, 0, 0).release(len(half))

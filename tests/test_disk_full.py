@@ -4,7 +4,7 @@ and invariant 2 when the disk is smaller than the capacity).
 Two real ways to run out of space: a small LMDB map (``max_map_size``, so ``MapFullError``) and a
 small tmpfs (real ``ENOSPC`` from the kernel; needs root to mount, skipped otherwise).
 
-Internals: a release plan (``plumbing.write_plan_part``), the raw records (``cache.env``) and
+Internals: a release plan (``reads.write_part``), the raw records (``cache.env``) and
 ``cache.capacity.reset()`` stand in for a loader and a cleared disk.
 """
 
@@ -31,8 +31,7 @@ from common.cachecheck import assert_consistent, content_for, digest, full_check
 from common.tmpfs import mounted_tmpfs
 
 from epochcache import Cache, CacheError, CacheFull, CacheIOError
-from epochcache.store.plumbing import write_plan_part
-from epochcache.store.reads import Releaser
+from epochcache.store.reads import Releaser, write_part
 from epochcache.store.records import DB_SAMPLES, seq_key
 
 SAMPLE = 4000  # incompressible: one LMDB overflow page each
@@ -161,7 +160,7 @@ def test_a_full_map_that_undoes_an_eviction_leaves_the_released_samples_evictabl
             cache.put_many(_batch(f"a{b}"), wait=False)
             b += 1
         snap = cache.snapshot(plan_parts=1)
-        write_plan_part(cache, snap.lease_id, 0, [np.asarray(snap.seqs, dtype=np.uint64)])
+        write_part(cache.path, snap.lease_id, 0, [np.asarray(snap.seqs, dtype=np.uint64)])
         Releaser(cache.path, snap.lease_id, 0, 0).release(len(snap.seqs))  # all read
         written = 0
         with pytest.raises(CacheFull):  # once nothing released is left (newer samples stay)

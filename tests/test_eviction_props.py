@@ -19,7 +19,7 @@ order in `ORDERS` is checked on invariants 1-3 alone. Policies other than the de
 fewer examples by default; ``-m slow`` runs them all as long.
 
 Internals: the model checks record sizes (``cache.writer.encode``), plans
-(``plumbing.write_plan_part``) and the lease table (``cache.env``) against the store.
+(``reads.write_part``) and the lease table (``cache.env``) against the store.
 """
 
 from __future__ import annotations
@@ -47,8 +47,7 @@ from test_eviction_setting import NewestFirst
 
 from epochcache import Cache, CacheFull, Snapshot
 from epochcache.registry import EVICTION, policy_names, register_policy
-from epochcache.store.plumbing import write_plan_part
-from epochcache.store.reads import Releaser
+from epochcache.store.reads import Releaser, write_part
 
 KEYS = [f"k{i:02d}" for i in range(40)]  # a small pool, so keys repeat (dedupe)
 
@@ -313,7 +312,7 @@ class EvictionMachine(RuleBasedStateMachine):
 
         plans.write_seqs(cache.path, lease_id, np.array(sorted(set(sum(lanes, []))),
                                                         dtype=np.uint64))
-        write_plan_part(cache, lease_id, 0, [np.array(lane, dtype=np.uint64) for lane in lanes])
+        write_part(cache.path, lease_id, 0, [np.array(lane, dtype=np.uint64) for lane in lanes])
         cache.env.write(lambda txn: write_lease(txn, cache.env.dbs[b"leases"], lease))
         self.model.plans[lease_id] = (lanes, [0] * len(lanes))
         self.held[lease_id].releasers = [Releaser(cache.path, lease_id, 0, i)

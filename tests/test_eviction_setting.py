@@ -30,14 +30,13 @@ from epochcache.registry import EVICTION, register_policy
 from epochcache.store.eviction import (
     Eviction,
     EvictionPolicy,
-    Reads,
     evict_oldest,
     prune_origins,
     take,
 )
 from epochcache.store.leases import Lease
 from epochcache.store.plumbing import reclaim_leases
-from epochcache.store.reads import ReadLog, load_reads, reads_path
+from epochcache.store.reads import ReadLog, Reads, load_reads, reads_path
 from epochcache.store.records import DB_KEYS, DB_SAMPLES, seq_of
 from epochcache.store.release import Protection
 from epochcache.store.tables import Counters

@@ -6,7 +6,7 @@ eviction found inside a plain snapshot's range was set aside until "a lease ends
 the end of another *plan* lease brought it back, so after the plain snapshot ended it stayed
 protected for as long as its own plan lease lived and writers waited at a full cache.
 
-Internals: release plans (``plumbing.write_plan_part``) are what loaders write, here written by
+Internals: release plans (``reads.write_part``) are what loaders write, here written by
 hand.
 """
 
@@ -21,8 +21,7 @@ from common.procs import spawn_script
 from common.writer import npy_bytes, sample_array
 
 from epochcache import Cache, CacheFull
-from epochcache.store.plumbing import write_plan_part
-from epochcache.store.reads import Releaser
+from epochcache.store.reads import Releaser, write_part
 
 
 def _put(cache: Cache, start: int, count: int) -> None:
@@ -34,7 +33,7 @@ def _put(cache: Cache, start: int, count: int) -> None:
 def _planned(cache: Cache) -> tuple[object, Releaser]:
     snap = cache.snapshot(plan_parts=1)
     lane = np.asarray(snap.seqs, dtype=np.uint64)
-    write_plan_part(cache, snap.lease_id, 0, [lane])
+    write_part(cache.path, snap.lease_id, 0, [lane])
     return snap, Releaser(cache.path, snap.lease_id, 0, 0)
 
 

@@ -3,7 +3,7 @@
 Real DataLoader workers (fork, forkserver, spawn) and a real writer subprocess; each epoch is
 checked against the lease the stream held while it ran (the snapshot's range and count).
 
-Internals: a lease's plan (``plumbing.plan_seqs``), its reclaim (``plumbing.reclaim_leases``)
+Internals: a lease's plan (``reads.read_seqs``), its reclaim (``plumbing.reclaim_leases``)
 and the state documents (``cache.tables``) are what the daemon and loaders leave.
 """
 
@@ -22,7 +22,8 @@ from common.writer import Writer, fill
 from torch.utils.data import DataLoader
 
 from epochcache import Cache, CacheStream
-from epochcache.store.plumbing import plan_seqs, reclaim_leases
+from epochcache.store.plumbing import reclaim_leases
+from epochcache.store.reads import read_seqs
 
 
 def _ids(batch: Any) -> list[int]:
@@ -40,7 +41,7 @@ def _snapshot_ids(cache: Cache, stream: CacheStream) -> tuple[int, set[int]]:
     be evicted (progressive release). Samples are written with id == sequence number here
     (checked on those still present)."""
     (lease,) = _stream_leases(cache, stream)
-    seqs = plan_seqs(cache, lease.lease_id)
+    seqs = read_seqs(cache.path, lease.lease_id)
     assert seqs is not None and len(seqs) == lease.count
     for seq in seqs[:: max(1, len(seqs) // 20)]:
         try:

@@ -8,7 +8,7 @@
 * A Lightning fit killed mid-epoch and resumed from its last checkpoint trains on each sample of
   that epoch once (the steps before the checkpoint, then the resumed ones).
 
-Internals: a lease's plan (``plumbing.plan_seqs``) shows what the resumed epoch kept.
+Internals: a lease's plan (``reads.read_seqs``) shows what the resumed epoch kept.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from common.writer import Writer, fill
 from torch.utils.data import DataLoader
 
 from epochcache import Cache
-from epochcache.store.plumbing import plan_seqs
+from epochcache.store.reads import read_seqs
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning"),  # torchdata
@@ -134,7 +134,7 @@ def test_sigkill_then_resume_from_the_saved_state(tmp_path: Path, release: str) 
     seen = checkpoint["seen"]
     (state,) = [w["dataset_state"] for w in
                 checkpoint["state"]["_snapshot"]["_worker_snapshots"].values()][:1]
-    snapshot = plan_seqs(cache, state["lease"])  # kept while the lease lives: None after
+    snapshot = read_seqs(cache.path, state["lease"])  # kept while the lease lives: None after
     assert len(seen) == 70 and len(set(seen + rest)) == len(seen + rest)  # none twice
     if release == "epoch":
         assert len(seen + rest) == state["count"]  # none skipped

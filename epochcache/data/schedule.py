@@ -51,8 +51,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from ..errors import MinSamplesUnreachable
 from ..paths import heartbeat_alive
 from ..placement import Placement
-from ..store.plumbing import write_plan_part
-from ..store.reads import Releaser
+from ..store.reads import Releaser, write_part
 from .collate import batch_buffers
 from .dataset import EpochDataset, snapshot_gone
 from .reader import SampleReader
@@ -175,7 +174,7 @@ def write_release_part(cache: SampleStore, lease_id: str, part: int,
     if not lease_id or not any(len(one) for one in lanes):
         return None
     try:
-        write_plan_part(cache, lease_id, part, list(lanes))
+        write_part(cache.path, lease_id, part, list(lanes))
     except OSError as exc:
         log.warning("%s: could not write the epoch's release plan (%s): its samples stay "
                     "protected until it ends", cache.path, exc)

@@ -40,8 +40,8 @@ import lmdb
 from ..registry import EVICTION
 from .leases import Lease
 from .origins import prune
-from .reads import ReadLog, load_reads, read_generation
-from .records import DB_KEYS, DB_META, DB_SAMPLES, record_key, seq_key, seq_of
+from .reads import Reads
+from .records import DB_KEYS, DB_SAMPLES, record_key, seq_key, seq_of
 from .release import Protection
 from .tables import Counters
 
@@ -94,26 +94,6 @@ class OldestFirst(EvictionPolicy):
         return evict_oldest(txn, dbs, counters, limit_bytes, leases, protection)
 
 
-class Reads:
-    """The read log as one writer process sees it: loaded again only when a lease end
-    recorded reads since (``meta`` counts them), so a pass costs one ``get``.
-
-    Args:
-        cache_path: the cache directory.
-    """
-
-    def __init__(self, cache_path: str) -> None:
-        self.cache_path = cache_path
-        self._log = ReadLog.empty()
-
-    def current(self, txn: lmdb.Transaction, dbs: dict[bytes, lmdb._Database]) -> ReadLog:
-        """The read log as of ``txn`` (the same object until a new generation is recorded)."""
-        generation = read_generation(txn, dbs[DB_META])
-        if generation != self._log.generation:
-            self._log = load_reads(self.cache_path, generation)
-        return self._log
-
-
 def policy_of(name: str) -> EvictionPolicy:
     """A new instance of the policy registered as ``name`` (`epochcache.registry`).
 
@@ -141,12 +121,9 @@ def evict_oldest(
     leases: Sequence[Lease],
     protection: Protection,
 ) -> Eviction:
-    """Evict oldest unprotected samples until ``counters.bytes <= limit_bytes``, or until
-    everything left is protected (then ``blocked_by`` names a lease in the way).
-
-    ``counters`` is updated in place; the caller saves it in the same transaction.
-    ``protection`` is the calling process's tracker of plan leases.
-    """
+    """`OldestFirst`'s pass (what `EvictionPolicy.evict` does, oldest first), for a policy
+    of its own to fall back on; ``protection`` is the calling process's tracker of plan
+    leases."""
     result = Eviction()
     if counters.bytes <= limit_bytes:
         return result

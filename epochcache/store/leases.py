@@ -217,7 +217,6 @@ def adopt(lease: Lease, *, owner: str, pid: int | None = None) -> Lease:
     return fresh
 
 
-
 def unread(cache_path: str, lease: Lease) -> int:
     """Samples of a lease's snapshot its readers have not read yet (what it protects)."""
     if not lease.plan_parts:

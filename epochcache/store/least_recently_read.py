@@ -33,9 +33,9 @@ from collections.abc import Iterator, Sequence
 import lmdb
 import numpy as np
 
-from .eviction import Eviction, EvictionPolicy, Reads, prune_origins, take
+from .eviction import Eviction, EvictionPolicy, prune_origins, take
 from .leases import Lease
-from .reads import ReadLog
+from .reads import ReadLog, Reads
 from .records import DB_KEYS, DB_SAMPLES, seq_key, seq_of
 from .release import Protection
 from .tables import Counters

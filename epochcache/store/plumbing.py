@@ -1,9 +1,10 @@
 """What the library's own layers call on a store, beside its public storage methods.
 
 The public class ([`epochcache.Cache`][epochcache.Cache] is a `SampleStore`) carries what
-users call; taking a snapshot inside a transaction, release plans, adopting and refreshing
-leases, per-source counters and the stats history are the layers' (daemon, samplers, loaders,
-status), written here as functions over a store. They may change between releases.
+users call; adopting and reclaiming leases, a leased snapshot's samples, per-source counters
+and the stats history are the layers' (daemon, samplers, loaders, status), written here as
+functions over a store (release plans are `reads`' functions over its path). They may change
+between releases.
 """
 
 from __future__ import annotations
@@ -11,17 +12,17 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import lmdb
 import numpy as np
 
 from .leases import Lease, adopt, end_reason, write_lease
-from .owners import begin_lease, end_lease, heartbeats, sweep_dead_owners
-from .reads import read_seqs, sweep_plans, write_part
+from .owners import sweep_dead_owners
+from .reads import read_seqs, sweep_plans
 from .records import DB_KEYS, DB_LEASES, DB_META, DB_SAMPLES, DB_STATE, seq_key
-from .snapshot import heartbeat_leases
+from .snapshot import hold_lease
 from .tables import SourceCounters, register_sources_in
 
 if TYPE_CHECKING:
@@ -40,14 +41,6 @@ def has_key_prefix(store: SampleStore, prefix: str) -> bool:
     with store.env.read() as txn:
         cursor = txn.cursor(db=store.env.dbs[DB_KEYS])
         return bool(cursor.set_range(raw)) and bytes(cursor.key()).startswith(raw)
-
-
-def capacity_lowered(store: SampleStore) -> dict[str, Any] | None:
-    """The lowest capacity in force in a live process, when lower than the configured one:
-    ``limit``, ``capacity``, ``reason``, ``since``, ``pid``; None otherwise. A lowered
-    capacity is a runtime back-off that recovers by itself and is never stored
-    (`epochcache.store.capacity`)."""
-    return store.capacity.lowered()
 
 
 def effective_headroom(store: SampleStore) -> int:
@@ -72,21 +65,14 @@ def source_stats(store: SampleStore) -> dict[str, dict[str, int]]:
         return {} if sources is None else sources.as_dict()
 
 
-def write_plan_part(store: SampleStore, lease_id: str, part: int, lanes: Sequence[np.ndarray]) -> None:
-    """Save part ``part`` of a lease's release plan: ``lanes[i]`` is the order in which
-    reader ``i`` of the part reads its samples (see `reads`). Each reader then
-    releases what it has read with a `Releaser`."""
-    write_part(store.path, lease_id, part, lanes)
-
-
 def leased_seqs(store: SampleStore, lo: int, hi: int, count: int) -> np.ndarray:
     """The sequence numbers of a snapshot known by its lease's range and count.
 
     A snapshot is every sample in ``[lo, hi)`` (the newest that fit, see
     `select_snapshot`) and a lease without a plan keeps them there, so any process
     can rebuild it from these three numbers: a range when it has no gaps, else the stored
-    keys in it. (A lease with a plan may have lost released samples: see
-    `plan_seqs`.)
+    keys in it. (A lease with a plan may have lost released samples: its samples as taken
+    are in the plan, `reads.read_seqs`.)
     """
     if hi - lo == count:
         return np.arange(lo, hi, dtype=np.uint64)
@@ -101,16 +87,11 @@ def leased_seqs(store: SampleStore, lo: int, hi: int, count: int) -> np.ndarray:
     return np.frombuffer(b"".join(keys), dtype=">u8").astype(np.uint64)
 
 
-def plan_seqs(store: SampleStore, lease_id: str) -> np.ndarray | None:
-    """The samples of a snapshot whose lease has a release plan (read-only, mapped), or
-    None: the snapshot as taken, whatever was evicted from it since."""
-    return read_seqs(store.path, lease_id)
-
-
 def snapshot_seqs(store: SampleStore, lease_id: str | None, lo: int, hi: int, count: int) -> np.ndarray:
-    """The samples of a leased snapshot as taken: from its plan when it has one (see
-    `plan_seqs`), else from its range (`leased_seqs`)."""
-    seqs = plan_seqs(store, lease_id) if lease_id else None
+    """The samples of a leased snapshot as taken, whatever was evicted from it since: from
+    its plan when it has one (`reads.read_seqs`: read-only, mapped), else from its range
+    (`leased_seqs`)."""
+    seqs = read_seqs(store.path, lease_id) if lease_id else None
     return leased_seqs(store, lo, hi, count) if seqs is None else seqs
 
 
@@ -135,13 +116,9 @@ def adopt_lease(store: SampleStore, lease_id: str, *, owner: str | None = None, 
         whole: protect its whole range from now on, not only its unread samples (a resumed
             epoch whose readers are not those its plan was written for).
     """
-    mine = owner is None
-    if mine:
-        owner = begin_lease(store.path)
-    assert owner is not None
     db = store.env.dbs[DB_LEASES]
 
-    def run(txn: lmdb.Transaction) -> Lease | None:
+    def run(txn: lmdb.Transaction, owner: str) -> Lease | None:
         raw = txn.get(lease_id.encode(), db=db)
         if raw is None:
             return None
@@ -151,18 +128,9 @@ def adopt_lease(store: SampleStore, lease_id: str, *, owner: str | None = None, 
         write_lease(txn, db, lease)
         return lease
 
-    try:
-        lease = store.env.write(run)
-    except BaseException:
-        if mine:
-            end_lease(store.path)
-        raise
-    if mine:
-        if lease is None:
-            end_lease(store.path)
-            return None
-        heartbeats().add(store.path, lease_id, functools.partial(heartbeat_leases, store), store.lease_timeout_s / 4)
-    return lease
+    if owner is not None:
+        return store.env.write(functools.partial(run, owner=owner))
+    return hold_lease(store, run, lambda lease: None if lease is None else lease.lease_id)
 
 
 def reclaim_leases(store: SampleStore) -> list[Lease]:

@@ -131,6 +131,26 @@ def load_reads(cache_path: str, generation: int = 0) -> ReadLog:
     return found
 
 
+class Reads:
+    """The read log as one writer process sees it: loaded again only when a lease end
+    recorded reads since (``meta`` counts them), so a pass costs one ``get``.
+
+    Args:
+        cache_path: the cache directory.
+    """
+
+    def __init__(self, cache_path: str) -> None:
+        self.cache_path = cache_path
+        self._log = ReadLog.empty()
+
+    def current(self, txn: lmdb.Transaction, dbs: dict[bytes, lmdb._Database]) -> ReadLog:
+        """The read log as of ``txn`` (the same object until a new generation is recorded)."""
+        generation = read_generation(txn, dbs[DB_META])
+        if generation != self._log.generation:
+            self._log = load_reads(self.cache_path, generation)
+        return self._log
+
+
 def remove_reads(cache_path: str) -> None:
     """Forget what was read (the cache's policy changed)."""
     with contextlib.suppress(FileNotFoundError):
@@ -219,8 +239,6 @@ def _cached_only(txn: lmdb.Transaction, samples: lmdb._Database, seqs: np.ndarra
     keep = np.isin(seqs, present, assume_unique=True)
     return seqs[keep], stamps[keep]
 
-
-log = logging.getLogger("epochcache.cache")
 
 PLANS_DIR = "plans"
 _MAGIC = int.from_bytes(b"ECPLAN01", "little")

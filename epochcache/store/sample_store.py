@@ -12,7 +12,6 @@ this layer never imports torch; what the layers call on a store besides is in `p
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import threading
@@ -37,7 +36,7 @@ from .leases import (
     write_lease,
 )
 from .origins import Origin
-from .owners import begin_lease, end_lease, heartbeats
+from .owners import end_lease, heartbeats
 from .reads import record_reads, remove_plan, remove_reads, write_seqs
 from .records import (
     DB_KEYS,
@@ -52,7 +51,7 @@ from .records import (
     seq_keys,
     unpack_u64,
 )
-from .snapshot import Snapshot, heartbeat_leases, select_snapshot
+from .snapshot import Snapshot, hold_lease, select_snapshot
 from .tables import Counters, SideTables
 from .writer import OnReject, PutResult, Writer
 
@@ -213,7 +212,7 @@ class SampleStore:
     @property
     def effective_capacity(self) -> int:
         """The capacity in force: lower than `capacity_bytes` while a full disk (or LMDB map)
-        holds this process or another live writer back (see `plumbing.capacity_lowered`)."""
+        holds this process or another live writer back (see `Capacity.lowered`)."""
         lowered = self.capacity.lowered()
         own = self.capacity.effective
         return own if lowered is None else min(own, int(lowered["limit"]))
@@ -263,8 +262,8 @@ class SampleStore:
                                     stop=stop, on_reject=on_reject, origins=origins)
 
     def evict(self, limit_bytes: int | None = None) -> Eviction:
-        """Evict the oldest samples no lease protects until at most ``limit_bytes`` (default:
-        the capacity) remain."""
+        """Evict the samples no lease protects that the cache's policy takes first (the oldest,
+        by default) until at most ``limit_bytes`` (default: the capacity) remain."""
         return self.writer.evict(limit_bytes)
 
     # -- reading ----------------------------------------------------------------------------
@@ -352,26 +351,17 @@ class SampleStore:
         The snapshot's samples stay readable, unchanged, until it is released, however much
         is written meanwhile (invariant 1). With ``plan_parts`` (the loaders' own), its
         readers will release what they have read before that, progressively, through a plan
-        of that many parts (`plumbing.write_plan_part`; until every part is written the whole
+        of that many parts (`reads.write_part`; until every part is written the whole
         snapshot is protected).
         """
         name = label or (f"epoch {epoch}" if epoch is not None else "snapshot")
         limit = self.effective_capacity  # outside the write transaction: it may read the cache
-        owner = begin_lease(self.path)  # locked by this process while it holds leases here
-        def run(txn: lmdb.Transaction) -> tuple[np.ndarray, str]:
+
+        def run(txn: lmdb.Transaction, owner: str) -> tuple[np.ndarray, str]:
             return take_snapshot(self, txn, name, limit, owner=owner, plan_parts=plan_parts)
 
-        try:
-            seqs, lease_id = self.env.write(run)
-        except BaseException:
-            end_lease(self.path)
-            raise
-        snap = Snapshot(self, seqs, lease_id, epoch)
-        # Refreshed while the snapshot is open: where the owner lock cannot serve, the
-        # heartbeat is what keeps the lease (see epochcache.store.owners).
-        heartbeats().add(self.path, lease_id, functools.partial(heartbeat_leases, self),
-                         self.lease_timeout_s / 4)
-        return snap
+        seqs, lease_id = hold_lease(self, run, lambda taken: taken[1])
+        return Snapshot(self, seqs, lease_id, epoch)
 
     def leases(self) -> list[Lease]:
         """The leases held now: each snapshot's range, owner and heartbeat."""
@@ -478,7 +468,6 @@ class SampleStore:
     def __setstate__(self, state: dict[str, Any]) -> None:
         settings = dict(state)
         self.__init__(settings.pop("path"), **settings)  # type: ignore[misc]
-
 
 
 def take_snapshot(store: SampleStore, txn: lmdb.Transaction, label: str, limit: int, *,

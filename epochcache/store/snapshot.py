@@ -9,18 +9,20 @@ they can be evicted, and the cache turns over even though some epoch always hold
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
 import weakref
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import lmdb
 import numpy as np
 
 from ..errors import SnapshotClosed
 from .leases import Lease, write_lease
-from .owners import end_lease, heartbeats
+from .owners import begin_lease, end_lease, heartbeats
 from .records import DB_LEASES, seq_of
 from .tables import Counters
 
@@ -28,6 +30,8 @@ if TYPE_CHECKING:
     from .env import Env
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 def select_snapshot(
@@ -71,13 +75,30 @@ class Leases(Protocol):
     @property
     def env(self) -> Env: ...
 
+    lease_timeout_s: float
+
     def release_lease(self, lease_id: str, *, finished: bool = True,
                       reason: str = "") -> bool: ...
 
 
-def heartbeat_lease(cache: Leases, lease_id: str) -> None:
-    """Refresh one lease's heartbeat (see `heartbeat_leases`)."""
-    heartbeat_leases(cache, [lease_id])
+def hold_lease(cache: Leases, write: Callable[[lmdb.Transaction, str], T],
+               lease_of: Callable[[T], str | None]) -> T:
+    """``write(txn, owner)`` in a write transaction, for a lease this process holds under its
+    owner lock (`begin_lease`): the lease it wrote (``lease_of`` its result; None: none, and
+    the lock is given back, as on an error) is refreshed from now on until it is released."""
+    owner = begin_lease(cache.path)
+    try:
+        result = cache.env.write(lambda txn: write(txn, owner))
+    except BaseException:
+        end_lease(cache.path)
+        raise
+    lease_id = lease_of(result)
+    if lease_id is None:
+        end_lease(cache.path)
+    else:
+        heartbeats().add(cache.path, lease_id, functools.partial(heartbeat_leases, cache),
+                         cache.lease_timeout_s / 4)
+    return result
 
 
 def heartbeat_leases(cache: Leases, lease_ids: list[str]) -> None:
@@ -146,7 +167,7 @@ class Snapshot:
         """Refresh the lease's heartbeat now (a thread of this process already does it while
         the snapshot is open; see `epochcache.store.owners`)."""
         self.check_open()
-        heartbeat_lease(self.cache, self.lease_id)
+        heartbeat_leases(self.cache, [self.lease_id])
 
     def release(self, *, finished: bool = True) -> None:
         """Release the lease: its samples may be evicted from now on. Idempotent.

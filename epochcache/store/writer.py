@@ -26,9 +26,10 @@ from ..units import format_size
 from . import records
 from .capacity import Capacity
 from .env import Env
-from .eviction import DEFAULT_POLICY, Eviction, Reads, policy_of
+from .eviction import DEFAULT_POLICY, Eviction, policy_of
 from .leases import Lease, read_leases, reclaim_dead
 from .origins import Origin, write_row
+from .reads import Reads
 from .records import (
     DB_KEYS,
     DB_LEASES,
@@ -400,7 +401,7 @@ class Writer:
             log.info("%s", self._full_message(blocker))
 
     def evict(self, limit_bytes: int | None = None) -> Eviction:
-        """Evict oldest unleased samples until at most ``limit_bytes`` (default capacity) remain."""
+        """See `SampleStore.evict`; the default limit is this process's `Capacity.effective`."""
         limit = self.capacity.effective if limit_bytes is None else limit_bytes
         dbs = self.env.dbs
 
