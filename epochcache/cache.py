@@ -7,9 +7,9 @@ cache, and the training side, ``dataset()``, ``epochs()`` and ``stream()``, whic
 data layer (and torch) only when called, so ``import epochcache`` and sampler processes stay
 free of torch.
 
-What the library's own layers call on a store (taking a snapshot inside a transaction,
-release plans, heartbeats, per-source counters) are functions of `epochcache.store.plumbing`
-over a store, and its parts (``env``, ``tables``, ``capacity``, ``writer``) are attributes:
+What the library's own layers call on a store (adopting a lease, a snapshot's sequence
+numbers, per-source counters, the run history) are functions of `epochcache.store.plumbing`
+over a store (release plans are `epochcache.store.reads` functions over its path), and its parts (``env``, ``tables``, ``capacity``, ``writer``) are attributes:
 no part of the public surface, they may change between releases.
 """
 
