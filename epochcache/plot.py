@@ -251,7 +251,10 @@ def run_figure(metrics: Sequence[dict[str, Any]], history: Sequence[dict[str, An
             labels = list(histogram)
             last = max((i for i, label in enumerate(labels) if histogram[label]), default=0)
             labels = labels[: max(last + 1, 2)]
-            ax.bar(labels, [histogram[label] for label in labels])
+            # At positions, named by ticks: labels that all read as numbers ("0", "1")
+            # made matplotlib log an INFO line per plot about categorical units.
+            ax.bar(range(len(labels)), [histogram[label] for label in labels])
+            ax.set_xticks(range(len(labels)), labels)
             ax.tick_params(axis="x", labelsize=8, labelrotation=45 if len(labels) > 6 else 0)
         else:
             _say(ax, "no histogram yet")

@@ -69,3 +69,31 @@ def test_the_fill_panel_draws_the_limit_and_the_histogram_labels_do_not_run_toge
         assert min(gaps) >= 4, gaps
     finally:
         plt.close(fig)
+
+
+def test_a_histogram_of_numeric_bucket_names_draws_without_a_log_line(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # Early in a run only the buckets "0" and "1" hold samples: bar() given those names as
+    # categories logged an INFO line about categorical units per figure, twice in
+    # `scripts/demo`'s output.
+    import logging
+
+    import matplotlib.pyplot as plt
+
+    metrics = _metrics()
+    histogram = {label: 0 for label, _lo, _hi in BUCKETS}
+    histogram.update({"0": 9000, "1": 1000})
+    for row in metrics:
+        row["coverage"] = {"histogram": histogram}
+    coverage = [{"time": 1010.0 + 10 * i, "source": "", "covered": 500 * i, "samples": 10000}
+                for i in range(6)]
+    with caplog.at_level(logging.INFO):
+        fig = run_figure(metrics, _history(), coverage=coverage)
+    try:
+        assert not [r for r in caplog.records if r.name.startswith("matplotlib")], \
+            [r.getMessage() for r in caplog.records]
+        ax = next(ax for ax in fig.axes if ax.get_title() == "epochs each sample was trained in")
+        assert [t.get_text() for t in ax.get_xticklabels()] == ["0", "1"]
+        assert [round(p.get_height()) for p in ax.patches] == [9000, 1000]
+    finally:
+        plt.close(fig)
